@@ -1,0 +1,416 @@
+"""Strict recipe configuration: pydantic models, YAML loading and `key.sub=value` overrides.
+
+Every problem in a recipe is collected and reported at once (dotted path, bad value, fix); unknown
+keys and duplicate YAML keys are errors. Nothing here touches the disk except reading the recipe
+and checking that input files exist.
+"""
+
+from __future__ import annotations
+
+import glob
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from gsm_train.assets import EMBEDDED_PREFIX, embedded_asset_path
+
+HUB_PREFIX = "hf://"
+
+
+class StrictModel(BaseModel):
+    """Base for every config block: unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+def _problem(message: str, fix: str) -> ValueError:
+    """A validation error whose text carries its fix, split again by `format_problems`."""
+    return ValueError(f"{message}; fix: {fix}")
+
+
+class ModelConfig(StrictModel):
+    """The base model: a local folder, a hub id, or a built-in name (see `gsm_train.model_loading`)."""
+
+    name_or_path: str = "smollm2-135m"
+    gguf_file: str | None = None
+    revision: str | None = None
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+
+
+class SparseAttentionConfig(StrictModel):
+    """Sparse Gate Head and how main attention uses it."""
+
+    enabled: bool = True
+    mode: Literal["dense", "sparse", "oracle"] = "dense"
+    top_k_schedule: Literal["constant", "exp_decay", "linear_decay"] = "constant"
+    top_k: int = Field(64, ge=1, le=65536)
+    k_min: int = Field(32, ge=1, le=65536)
+    decay_rate: float = Field(0.0, ge=0.0)
+    gate_head_dim: int = Field(64, ge=2, le=1024)
+    heads: Literal["layer", "kv"] = "layer"
+    dense_layers: list[int] = Field(default_factory=list)
+    sink_tokens: int = Field(0, ge=0)
+    recent_tokens: int = Field(0, ge=0)
+    gate_init: Literal["qk_svd", "random"] = "qk_svd"
+    query_chunk: int = Field(256, ge=1, le=65536)
+
+    @field_validator("gate_head_dim")
+    @classmethod
+    def _even_dim(cls, value: int) -> int:
+        if value % 2:
+            raise _problem(f"gate_head_dim must be even (RoPE rotates pairs), got {value}", f"use {value + 1}")
+        return value
+
+    @model_validator(mode="after")
+    def _k_min_below_top_k(self) -> SparseAttentionConfig:
+        if self.k_min > self.top_k:
+            raise _problem(f"k_min ({self.k_min}) is larger than top_k ({self.top_k})", "set k_min <= top_k")
+        return self
+
+
+class KVCompressionConfig(StrictModel):
+    """ASQ clustering compressor on the K/V path."""
+
+    enabled: bool = False
+    cluster_num: int = Field(32, ge=2, le=256)
+    hidden_dim: int = Field(64, ge=1, le=65536)
+    quant_bits: Literal[2, 4, 8] = 4
+    block_size: int = Field(128, ge=1, le=65536)
+    tau: float = Field(1.0, gt=0.0)
+
+
+class CrossLayerSharingConfig(StrictModel):
+    """Cache bridge from a lower layer's K/V into the upper layers."""
+
+    enabled: bool = False
+    bridge_from: int = Field(8, ge=0)
+    bridge_to_start: int = Field(24, ge=1)
+    mode: Literal["mix", "share"] = "mix"
+    alpha_init: float = Field(0.3, ge=0.0, le=1.0)
+    shared_kv_heads: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _order(self) -> CrossLayerSharingConfig:
+        if self.bridge_from >= self.bridge_to_start:
+            raise _problem(
+                f"bridge_from ({self.bridge_from}) must be below bridge_to_start ({self.bridge_to_start})",
+                "pick a source layer lower than the first target layer",
+            )
+        return self
+
+
+class GSMConfig(StrictModel):
+    """The seed's `gsm_config.json` schema, extended with what rebuilding the modules needs."""
+
+    gsm_enabled: bool = True
+    sparse_attention: SparseAttentionConfig = Field(default_factory=SparseAttentionConfig)
+    kv_compression: KVCompressionConfig = Field(default_factory=KVCompressionConfig)
+    cross_layer_sharing: CrossLayerSharingConfig = Field(default_factory=CrossLayerSharingConfig)
+
+
+def _check_data_path(path: str) -> str:
+    """Accept hub names and embedded assets; local paths and globs must exist now."""
+    if path.startswith(HUB_PREFIX):
+        return path
+    if path.startswith(EMBEDDED_PREFIX):
+        try:
+            embedded_asset_path(path)
+        except FileNotFoundError as err:
+            raise _problem(str(err), "use embedded:sample_prose") from None
+        return path
+    expanded = str(Path(path).expanduser())
+    if any(ch in expanded for ch in "*?["):
+        if not glob.glob(expanded):
+            raise _problem(f"no file matches the glob {path!r}", "check the pattern, or give a file or folder")
+        return path
+    if not Path(expanded).exists():
+        raise _problem(
+            f"file not found: {path!r} (relative paths start at {Path.cwd()})",
+            "give an existing file, folder or glob, embedded:sample_prose, or hf://DATASET",
+        )
+    return path
+
+
+class DataSourceConfig(StrictModel):
+    """One text source: a file, folder, glob, `embedded:NAME` or `hf://NAME[:CONFIG][@SPLIT]`."""
+
+    path: str
+    format: Literal["auto", "text", "jsonl", "json", "parquet"] = "auto"
+    fields: list[str] | None = None
+
+    @field_validator("path")
+    @classmethod
+    def _path_exists(cls, value: str) -> str:
+        return _check_data_path(value)
+
+
+class DataConfig(StrictModel):
+    """Training text, its held-out evaluation split and sequence packing."""
+
+    train: DataSourceConfig = Field(default_factory=lambda: DataSourceConfig(path="embedded:sample_prose"))
+    eval: DataSourceConfig | None = None
+    eval_rows: int | float = Field(0.05, gt=0)
+    seq_len: int = Field(2048, ge=8, le=1 << 20)
+    seed: int = 0
+
+
+class OptimConfig(StrictModel):
+    """AdamW with linear warm-up and cosine decay; clipping over the trainable parameters."""
+
+    lr: float = Field(1e-3, gt=0.0, le=1.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_steps: int = Field(20, ge=0)
+    schedule: Literal["cosine", "constant"] = "cosine"
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
+    max_grad_norm: float = Field(1.0, gt=0.0)
+
+
+class TrainConfig(StrictModel):
+    """Steps, batch and which parameters train."""
+
+    steps: int = Field(200, ge=1)
+    batch_size: int = Field(1, ge=1)
+    grad_accum: int = Field(1, ge=1)
+    base: Literal["frozen", "full", "lora"] = "frozen"
+    seed: int = 0
+
+
+class DistributedConfig(StrictModel):
+    """Sharding and precision; FSDP2 runs whenever the world size is above 1."""
+
+    fsdp: Literal["auto", "off"] = "auto"
+    mixed_precision: Literal["auto", "bf16", "no"] = "auto"
+
+
+class LoggingConfig(StrictModel):
+    """Where metrics go and how often the evaluation runs."""
+
+    log_every: int = Field(1, ge=1)
+    eval_every: int = Field(50, ge=1)
+    eval_batches: int = Field(4, ge=1)
+    recall_k: int = Field(64, ge=1)
+    recall_min_keys: int = Field(512, ge=1)
+    progress_bar: bool = True
+    tensorboard: bool = False
+    wandb: bool = False
+    wandb_project: str = "gsm-train"
+
+
+class OutputConfig(StrictModel):
+    """Run folder, checkpoints and resume."""
+
+    dir: str = "runs/gate_only"
+    checkpoint_every: int = Field(50, ge=1)
+    keep_checkpoints: int = Field(2, ge=1)
+    resume_from: str | None = None
+
+
+class RecipeConfig(StrictModel):
+    """A whole recipe: which stage, on which model and data, with which GSM modules."""
+
+    stage: Literal["gate_warmup", "joint", "math_gate"]
+    init_from: str | None = None
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    gsm: GSMConfig = Field(default_factory=GSMConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    output: OutputConfig = Field(default_factory=OutputConfig)
+
+    @model_validator(mode="after")
+    def _stage_needs(self) -> RecipeConfig:
+        if self.stage == "math_gate" and not self.init_from:
+            raise _problem("stage math_gate starts from an exported adapter but init_from is empty",
+                           "set init_from: path/to/export")
+        if self.logging.recall_min_keys > self.data.seq_len:
+            raise _problem(f"logging.recall_min_keys ({self.logging.recall_min_keys}) exceeds data.seq_len "
+                           f"({self.data.seq_len}), so no query would be measured",
+                           f"set logging.recall_min_keys to at most {self.data.seq_len // 2}")
+        return self
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a recipe."""
+
+    path: str
+    value: Any
+    message: str
+    fix: str
+
+    def __str__(self) -> str:
+        shown = "" if self.value is _MISSING else f" = {self.value!r}"
+        return f"  - {self.path}{shown}: {self.message}\n      fix: {self.fix}"
+
+
+_MISSING = object()
+
+
+class ConfigError(Exception):
+    """All problems of one recipe, reported together."""
+
+    def __init__(self, source: str, problems: list[Problem]):
+        self.source = source
+        self.problems = problems
+        count = len(problems)
+        lines = [f"{source}: {count} problem{'s' if count != 1 else ''}:"] + [str(p) for p in problems]
+        super().__init__("\n".join(lines))
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that records duplicate mapping keys instead of silently keeping the last."""
+
+    def __init__(self, stream: Any):
+        super().__init__(stream)
+        self.duplicates: list[tuple[str, int]] = []
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                self.duplicates.append((str(key), key_node.start_mark.line + 1))
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _parse_yaml(text: str, source: str) -> tuple[dict, list[Problem]]:
+    loader = _UniqueKeyLoader(text)
+    try:
+        data = loader.get_single_data()
+    except yaml.YAMLError as err:
+        raise ConfigError(source, [Problem("<file>", _MISSING, f"not valid YAML: {err}", "fix the YAML syntax")])
+    finally:
+        loader.dispose()
+    problems = [
+        Problem(key, _MISSING, f"duplicate key (again on line {line})", "keep one of the two entries")
+        for key, line in loader.duplicates
+    ]
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(source, [Problem("<file>", data, "a recipe must be a YAML mapping", "write key: value pairs")])
+    return data, problems
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> list[Problem]:
+    """Apply `a.b.c=value` overrides in place (values parsed as YAML); return malformed ones."""
+    problems = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            problems.append(Problem("<override>", item, "an override must look like key.sub=value",
+                                    "write e.g. train.steps=50"))
+            continue
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = {}
+                node[part] = child
+            node = child
+        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+    return problems
+
+
+def _allowed_keys(loc: tuple) -> list[str]:
+    """The keys a config block at `loc` accepts, to suggest in 'unknown key' errors."""
+    model: Any = RecipeConfig
+    for part in loc[:-1]:
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        annotation = field.annotation
+        candidates = [annotation, *getattr(annotation, "__args__", ())]
+        model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if model is None:
+            return []
+    return sorted(getattr(model, "model_fields", {}))
+
+
+def _fix_for(error: dict) -> tuple[str, str]:
+    """Message and fix for one pydantic error."""
+    kind, ctx, msg = error["type"], error.get("ctx") or {}, error["msg"]
+    if kind == "extra_forbidden":
+        allowed = _allowed_keys(tuple(error["loc"]))
+        return "unknown key", f"remove it or rename it; allowed keys here: {', '.join(allowed)}"
+    if kind == "missing":
+        return "required key is missing", "add it"
+    if kind == "value_error" and "; fix: " in msg:
+        message, fix = msg.removeprefix("Value error, ").split("; fix: ", 1)
+        return message, fix
+    if kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
+        return msg, f"use a value that is {msg.removeprefix('Input should be ')}"
+    if kind == "literal_error":
+        return msg, f"use one of {ctx.get('expected', '')}"
+    if kind.endswith("_type") or kind.endswith("_parsing"):
+        return msg, "give a value of that type"
+    return msg, "see the recipe reference in README.md"
+
+
+def format_problems(err: ValidationError) -> list[Problem]:
+    """Turn a pydantic ValidationError into our dotted-path problems."""
+    problems = []
+    for error in err.errors():
+        loc = tuple(part for part in error["loc"] if not str(part).startswith("function-"))
+        message, fix = _fix_for(error)
+        value = error.get("input", _MISSING) if error["type"] != "missing" else _MISSING
+        if isinstance(value, dict):
+            value = _MISSING
+        problems.append(Problem(".".join(str(p) for p in loc) or "<recipe>", value, message, fix))
+    return problems
+
+
+def validate_recipe_dict(data: dict, source: str = "<recipe>", problems: list[Problem] | None = None) -> RecipeConfig:
+    """Validate a recipe mapping; raise ConfigError with every problem (including `problems` given)."""
+    problems = list(problems or [])
+    try:
+        config = RecipeConfig.model_validate(data)
+    except ValidationError as err:
+        problems.extend(format_problems(err))
+        config = None
+    if problems or config is None:
+        raise ConfigError(source, problems)
+    return config
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> RecipeConfig:
+    """Read a recipe YAML, apply overrides, validate everything; raise ConfigError listing all problems."""
+    source = str(path)
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise ConfigError(source, [Problem("<file>", source, f"cannot read the recipe: {err.strerror}",
+                                           "give the path of a recipe YAML, e.g. recipes/gate_only.yaml")])
+    data, problems = _parse_yaml(text, source)
+    problems += apply_overrides(data, overrides or [])
+    return validate_recipe_dict(data, source, problems)
+
+
+def check_against_model(config: RecipeConfig, num_layers: int) -> None:
+    """Checks that need the model: layer indices inside the model. Raise ConfigError if any fail."""
+    problems = []
+    sharing = config.gsm.cross_layer_sharing
+    if config.gsm.gsm_enabled and sharing.enabled and sharing.bridge_to_start >= num_layers:
+        problems.append(Problem("gsm.cross_layer_sharing.bridge_to_start", sharing.bridge_to_start,
+                                f"the model has only {num_layers} layers",
+                                f"use a value below {num_layers}"))
+    for index, layer in enumerate(config.gsm.sparse_attention.dense_layers):
+        if not 0 <= layer < num_layers:
+            problems.append(Problem(f"gsm.sparse_attention.dense_layers.{index}", layer,
+                                    f"layer index outside the model's 0..{num_layers - 1}",
+                                    "remove it or use an index inside the model"))
+    if problems:
+        raise ConfigError("recipe vs model", problems)
+
+
+def resolved_yaml(config: RecipeConfig) -> str:
+    """The fully resolved recipe as YAML (what `gsm-train validate` prints and runs save)."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
