@@ -1,0 +1,26 @@
+"""Shared test fixtures."""
+
+from __future__ import annotations
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Dorothy lived in the midst of the great Kansas prairies.",
+    "Natalia sold clips to 48 of her friends in April. #### 72",
+]
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer (any text encodes, no network) with eos `<|endoftext|>`."""
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    backend.train_from_iterator(_CORPUS, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>")
