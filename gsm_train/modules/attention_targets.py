@@ -1,0 +1,108 @@
+"""What stage 1 learns from and how gates are measured, computed per layer in query chunks.
+
+The target `p[t, :]` is the main attention's probabilities averaged over the heads that share one
+selection (all heads of the layer, or one KV group), in fp32, without gradient. Only a
+`[B, n, chunk, S]` slice exists at any time, so memory grows with the chunk, not with T x S.
+The gate's KL gradient is formed in the same pass (softmax(gate) - target), so nothing is recomputed.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+
+def head_averaged_probs(query: Tensor, key: Tensor, allowed: Tensor, scaling: float, num_selectors: int) -> Tensor:
+    """Attention probabilities [B, n, c, S] averaged within each selector's heads (fp32).
+
+    query: [B, Hq, c, D] (a chunk of queries), key: [B, Hkv, S, D], allowed: [B|1, 1, c, S].
+    """
+    batch, num_heads, length, _ = query.shape
+    num_kv = key.shape[1]
+    q = query.float().view(batch, num_kv, num_heads // num_kv, length, -1)
+    logits = torch.matmul(q, key.float()[:, :, None].transpose(-1, -2)) * scaling  # [B, Hkv, g, c, S]
+    logits = logits.view(batch, num_heads, length, -1).masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return probs.view(batch, num_selectors, num_heads // num_selectors, length, -1).mean(dim=2)
+
+
+class _GateKL(torch.autograd.Function):
+    """Sum of KL(target || softmax(gate logits)) over counted rows, with its gradient computed chunk by chunk
+    in the forward pass: d KL / d logits = softmax(logits) - target, so the backward needs neither the
+    target nor the logits again, and memory stays O(chunk x S)."""
+
+    @staticmethod
+    def forward(ctx, gate_q: Tensor, gate_k: Tensor, query: Tensor, key: Tensor, allowed: Tensor,
+                counted_rows: Tensor, scaling: float, chunk: int) -> Tensor:
+        want_grad = any(ctx.needs_input_grad[:2])
+        scale = gate_q.shape[-1] ** -0.5
+        gq, gk = gate_q.float(), gate_k.float()
+        grad_q, grad_k = torch.zeros_like(gq), torch.zeros_like(gk)
+        total = torch.zeros((), dtype=torch.float32, device=gq.device)
+        for start in range(0, query.shape[2], chunk):
+            stop = min(start + chunk, query.shape[2])
+            rows = counted_rows[..., start:stop].float()  # [B|1, 1, c]
+            if not bool(rows.any()):
+                continue
+            mask = allowed[..., start:stop, :]
+            target = head_averaged_probs(query[:, :, start:stop], key, mask, scaling, gq.shape[1])
+            logits = torch.matmul(gq[:, :, start:stop], gk.transpose(-1, -2)) * scale
+            log_gate = torch.log_softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
+            log_target = torch.log(target.clamp_min(1e-30))
+            kl = torch.where(target > 0, target * (log_target - log_gate), torch.zeros_like(target)).sum(-1)
+            total += (kl * rows).sum()
+            if want_grad:
+                grad_logits = (log_gate.exp() - target) * (rows[..., None] * scale)
+                grad_q[:, :, start:stop] = torch.matmul(grad_logits, gk)
+                grad_k += torch.matmul(grad_logits.transpose(-1, -2), gq[:, :, start:stop])
+        ctx.save_for_backward(grad_q, grad_k)
+        ctx.dtypes = (gate_q.dtype, gate_k.dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total: Tensor):
+        grad_q, grad_k = ctx.saved_tensors
+        dtype_q, dtype_k = ctx.dtypes
+        return (grad_q * grad_total).to(dtype_q), (grad_k * grad_total).to(dtype_k), None, None, None, None, None, None
+
+
+def gate_distill_loss(query: Tensor, key: Tensor, gate_q: Tensor, gate_k: Tensor, allowed: Tensor,
+                      counted_rows: Tensor, scaling: float, chunk: int) -> tuple[Tensor, Tensor]:
+    """Sum of KL(target || gate) over counted query rows, and the number of rows counted.
+
+    `counted_rows` [B|1, 1, T] marks the queries that have at least k keys. The target and the
+    gradient are computed per query chunk in one pass (see `_GateKL`).
+    """
+    with torch.no_grad():
+        query, key = query.detach(), key.detach()
+    total = _GateKL.apply(gate_q, gate_k, query, key, allowed, counted_rows, scaling, chunk)
+    count = counted_rows.expand(query.shape[0], gate_q.shape[1], -1).sum()
+    return total, count
+
+
+@torch.no_grad()
+def captured_mass(query: Tensor, key: Tensor, allowed: Tensor, scaling: float, k: int, min_keys: int, chunk: int,
+                  num_selectors: int, gate_selection: Callable[[int, int], Tensor] | None) -> dict[str, Tensor]:
+    """Target mass captured by the gate's selection and by the true top-k, over queries with >= min_keys keys.
+
+    `gate_selection(start, stop)` returns the gate's boolean selection [B, n, c, S] for a chunk.
+    Returns fp64 sums `gate`, `oracle` and `queries` (rows counted, times batch and selectors).
+    """
+    length = query.shape[2]
+    key_count = allowed.sum(-1)  # [B|1, 1, T]
+    sums = {name: torch.zeros((), dtype=torch.float64, device=query.device) for name in ("gate", "oracle", "queries")}
+    for start in range(0, length, chunk):
+        stop = min(start + chunk, length)
+        rows = key_count[..., start:stop] >= min_keys  # [B|1, 1, c]
+        if not bool(rows.any()):
+            continue
+        target = head_averaged_probs(query[:, :, start:stop], key, allowed[..., start:stop, :], scaling, num_selectors)
+        rows = rows.expand(target.shape[0], target.shape[1], -1)
+        sums["oracle"] += target.topk(min(k, target.shape[-1]), dim=-1).values.sum(-1)[rows].double().sum()
+        if gate_selection is not None:
+            picked = gate_selection(start, stop)
+            sums["gate"] += (target * picked).sum(-1)[rows].double().sum()
+        sums["queries"] += rows.sum()
+    return sums

@@ -1,0 +1,195 @@
+"""One attention function, registered with transformers, that runs every GSM layer.
+
+Per layer it applies the K/V path (ASQ, then the cache bridge), runs main attention `dense`
+(exactly the base SDPA path), `sparse` (the gate's top-k keys) or `oracle` (the true top-k of the
+head-averaged attention), and, when asked, records what stage 1 needs (gate KL) and the
+captured-mass metrics. Per-forward state lives in a `GSMRuntime` shared by the model's layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+from gsm_train.config import GSMConfig
+from gsm_train.modules.attention_targets import captured_mass, gate_distill_loss, head_averaged_probs
+from gsm_train.modules.cache_bridge import CacheBridge
+from gsm_train.modules.kv_compressor import ASQCompressor
+from gsm_train.modules.sparse_gate import SparseGateHead, k_per_query, select_top_k
+
+ATTN_IMPLEMENTATION = "gsm"
+MODES = ("dense", "sparse", "oracle")
+
+
+class GSMError(RuntimeError):
+    """A GSM model was used in a way the modules cannot serve."""
+
+
+@dataclass
+class GSMRuntime:
+    """Switches and per-forward records shared by all GSM layers of one model."""
+
+    config: GSMConfig
+    mode: str = "dense"
+    enabled: bool = True
+    distill: bool = False
+    detach_gate_input: bool = False
+    recall: tuple[int, int] | None = None
+    layers_with_gate: list[int] = field(default_factory=list)
+    distill_losses: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
+    recall_sums: dict[int, dict[str, Tensor]] = field(default_factory=dict)
+    asq_losses: dict[int, Tensor] = field(default_factory=dict)
+    bridge_source: tuple[Tensor, Tensor] | None = None
+
+    def clear(self) -> None:
+        """Drop everything recorded by the last forward."""
+        self.distill_losses.clear()
+        self.recall_sums.clear()
+        self.asq_losses.clear()
+        self.bridge_source = None
+
+
+class GSMAttentionAdapter(nn.Module):
+    """The GSM modules of one attention layer (attached as `self_attn.gsm`, so FSDP wraps them with it)."""
+
+    def __init__(self, layer_idx: int, runtime: GSMRuntime, gate: SparseGateHead | None,
+                 asq_k: ASQCompressor | None, asq_v: ASQCompressor | None, bridge: CacheBridge | None,
+                 is_bridge_source: bool, dense_layer: bool):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.gate = gate
+        self.asq_k = asq_k
+        self.asq_v = asq_v
+        self.bridge = bridge
+        self.is_bridge_source = is_bridge_source
+        self.dense_layer = dense_layer
+        object.__setattr__(self, "runtime", runtime)  # shared, not a submodule
+        object.__setattr__(self, "_inputs", None)
+
+    def capture_inputs(self, hidden: Tensor, cos: Tensor, sin: Tensor) -> None:
+        """Keep the attention module's input for the gate (called by a forward pre-hook)."""
+        object.__setattr__(self, "_inputs", (hidden, cos, sin))
+
+    def pop_inputs(self) -> tuple[Tensor, Tensor, Tensor]:
+        inputs = self._inputs
+        object.__setattr__(self, "_inputs", None)
+        if inputs is None:
+            raise GSMError(f"layer {self.layer_idx}: the gate's input was not captured; was the model injected?")
+        return inputs
+
+    def transform_kv(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        """ASQ on this layer's own K/V, then the bridge from the source layer's (compressed) K/V."""
+        runtime = self.runtime
+        if self.asq_k is not None:
+            key_in, value_in = key, value
+            key, value = self.asq_k(key), self.asq_v(value)
+            if self.training:
+                runtime.asq_losses[self.layer_idx] = (
+                    self.asq_k.reconstruction_loss(key_in) + self.asq_v.reconstruction_loss(value_in)) / 2
+        if self.is_bridge_source:
+            runtime.bridge_source = (key, value)
+        if self.bridge is not None:
+            if runtime.bridge_source is None:
+                raise GSMError(f"layer {self.layer_idx} is a bridge target but the source layer did not run first")
+            src_k, src_v = runtime.bridge_source
+            key, value = self.bridge(key, value, src_k, src_v, runtime.config.cross_layer_sharing.mode)
+        return key, value
+
+
+def allowed_keys(attention_mask: Tensor | None, q_len: int, kv_len: int, device: torch.device) -> Tensor:
+    """Boolean [B|1, 1, T, S]: which keys each query may see (causal, padding from the model's mask)."""
+    if attention_mask is None:
+        q_pos = torch.arange(kv_len - q_len, kv_len, device=device)
+        return (torch.arange(kv_len, device=device)[None, :] <= q_pos[:, None])[None, None]
+    if attention_mask.dtype == torch.bool:
+        return attention_mask[..., -kv_len:]
+    return attention_mask[..., -kv_len:] > torch.finfo(attention_mask.dtype).min / 2
+
+
+def _masked_sdpa(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, selection: Tensor,
+                 scaling: float | None) -> Tensor:
+    """Attention restricted to the selected keys; selection [B, n, T, S] is shared by n head groups."""
+    groups = module.num_key_value_groups
+    heads = query.shape[1]
+    mask = selection.repeat_interleave(heads // selection.shape[1], dim=1)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, repeat_kv(key, groups), repeat_kv(value, groups), attn_mask=mask, scale=scaling)
+    return out.transpose(1, 2).contiguous()
+
+
+def _chunks(length: int, chunk: int) -> list[tuple[int, int]]:
+    return [(start, min(start + chunk, length)) for start in range(0, length, chunk)]
+
+
+def gsm_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                          attention_mask: Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                          **kwargs: Any) -> tuple[Tensor, None]:
+    """The registered attention function (signature of transformers' attention interface)."""
+    adapter: GSMAttentionAdapter | None = getattr(module, "gsm", None)
+    if adapter is None or not adapter.runtime.enabled:
+        if adapter is not None:
+            adapter.pop_inputs()
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    runtime = adapter.runtime
+    sparse_cfg = runtime.config.sparse_attention
+    hidden, cos, sin = adapter.pop_inputs()
+    key, value = adapter.transform_kv(key, value)
+    mode = "dense" if adapter.dense_layer or not sparse_cfg.enabled else runtime.mode
+    gate = adapter.gate
+    needs_gate = gate is not None and (mode == "sparse" or runtime.distill or runtime.recall is not None)
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if mode == "dense" and not needs_gate:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    if q_len != kv_len:
+        raise GSMError(f"layer {adapter.layer_idx}: {mode} attention, distillation and recall need the whole "
+                       f"sequence (got {q_len} queries over {kv_len} cached keys); call the model with "
+                       "use_cache=False for teacher-forced passes")
+    scaling = module.scaling if scaling is None else scaling
+    allowed = allowed_keys(attention_mask, q_len, kv_len, query.device)
+    positions = torch.arange(kv_len, device=query.device)
+    k_t = k_per_query(positions, sparse_cfg.top_k_schedule, sparse_cfg.top_k, sparse_cfg.k_min,
+                      sparse_cfg.decay_rate)
+    chunk = sparse_cfg.query_chunk
+    num_selectors = gate.num_selectors if gate is not None else 1
+    gate_q = gate_k = None
+    if needs_gate:
+        gate_input = hidden.detach() if runtime.detach_gate_input else hidden
+        gate_q, gate_k = gate(gate_input, cos, sin)
+
+    def gate_selection(start: int, stop: int, k: Tensor = k_t) -> Tensor:
+        with torch.no_grad():
+            scores = gate.scores(gate_q[:, :, start:stop], gate_k)
+        return select_top_k(scores, allowed[..., start:stop, :], k[start:stop], positions[start:stop], positions,
+                             sparse_cfg.sink_tokens, sparse_cfg.recent_tokens)
+
+    def oracle_selection(start: int, stop: int) -> Tensor:
+        probs = head_averaged_probs(query[:, :, start:stop].detach(), key.detach(), allowed[..., start:stop, :],
+                                    scaling, num_selectors)
+        return select_top_k(probs, allowed[..., start:stop, :], k_t[start:stop], positions[start:stop], positions,
+                            sparse_cfg.sink_tokens, sparse_cfg.recent_tokens)
+
+    if mode == "dense":
+        out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                     **kwargs)[0]
+    else:
+        pick = gate_selection if mode == "sparse" else oracle_selection
+        with torch.no_grad():
+            selection = torch.cat([pick(a, b) for a, b in _chunks(q_len, chunk)], dim=2)
+        out = _masked_sdpa(module, query, key, value, selection, scaling)
+    if runtime.distill and gate is not None:
+        counted = allowed.sum(-1) >= k_t  # queries with at least k keys  [B|1, 1, T]
+        runtime.distill_losses[adapter.layer_idx] = gate_distill_loss(
+            query.detach(), key.detach(), gate_q, gate_k, allowed, counted, scaling, chunk)
+    if runtime.recall is not None:
+        k, min_keys = runtime.recall
+        constant_k = torch.full_like(k_t, k)
+        runtime.recall_sums[adapter.layer_idx] = captured_mass(
+            query.detach(), key.detach(), allowed, scaling, k, min_keys, chunk, num_selectors,
+            (lambda a, b: gate_selection(a, b, constant_k)) if gate is not None else None)
+    return out, None

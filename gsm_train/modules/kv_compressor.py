@@ -1,0 +1,411 @@
+"""ASQ KV compressor: adaptive-cluster prototypes plus low-bit per-token residuals.
+
+Tokens are compressed causally in blocks of ``block_size`` along the sequence axis.
+For each full block and KV head a small MLP softly assigns every token to one of
+``cluster_num`` clusters; the prototypes are the assignment-weighted means of the
+block's own tokens. Each token stores its cluster id (uint8), its residual
+``x - prototype[id]`` quantized symmetrically to 2/4/8 bits, and a per-token fp16
+scale. The newest, incomplete block is kept uncompressed.
+
+Prototypes and scales are stored in float16 and the fake-quant path rounds them
+the same way, so eval ``forward(x)`` equals ``decompress(compress(x))``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+_VALID_BITS = (2, 4, 8)
+_STORE_DTYPE = torch.float16
+_FP16_MAX = torch.finfo(torch.float16).max
+_EPS = 1e-6
+
+__all__ = [
+    "ASQCompressor",
+    "PackedKV",
+    "asq_bytes",
+    "fake_quant_kivi",
+    "fake_quant_per_token",
+]
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _check(ok: bool, name: str, msg: str) -> None:
+    """Raise ``ValueError`` naming the offending argument when ``ok`` is false."""
+    if not ok:
+        raise ValueError(f"{name} {msg}")
+
+
+def _check_bits(bits: int, name: str = "quant_bits") -> None:
+    _check(bits in _VALID_BITS, name, f"must be one of {_VALID_BITS}, got {bits!r}")
+
+
+def _qmax(bits: int) -> int:
+    return 2 ** (bits - 1) - 1
+
+
+def _round_ste(x: Tensor) -> Tensor:
+    """Round to nearest with a straight-through (identity) gradient."""
+    return x + (torch.round(x) - x).detach()
+
+
+def _to_store(x: Tensor) -> Tensor:
+    """Round fp32 values to the float16 storage grid (stays fp32, differentiable)."""
+    return x.clamp(-_FP16_MAX, _FP16_MAX).to(_STORE_DTYPE).to(torch.float32)
+
+
+def _quantize(x: Tensor, bits: int, dim: int) -> tuple[Tensor, Tensor]:
+    """Symmetric absmax quantization over ``dim``.
+
+    Returns ``(q, scale)``: integer-valued fp32 codes in ``[-qmax, qmax]`` (straight-
+    through rounding) and the fp16-rounded scale ``absmax / qmax`` (keepdim).
+    """
+    qmax = _qmax(bits)
+    scale = _to_store(x.abs().amax(dim=dim, keepdim=True) / qmax)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = _round_ste(x / safe).clamp(-qmax, qmax)
+    return q, scale
+
+
+def _fake_quant(x: Tensor, bits: int, dim: int) -> Tensor:
+    q, scale = _quantize(x, bits, dim)
+    return q * scale
+
+
+def _split_blocks(x: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
+    """Split [B, H, S, D] into full blocks [B, H, n, block_size, D] and the tail [B, H, S % bs, D]."""
+    b, h, s, d = x.shape
+    s_full = (s // block_size) * block_size
+    full = x[:, :, :s_full].reshape(b, h, s // block_size, block_size, d)
+    return full, x[:, :, s_full:]
+
+
+def _join_blocks(full: Tensor, tail: Tensor) -> Tensor:
+    b, h, n, bs, d = full.shape
+    return torch.cat([full.reshape(b, h, n * bs, d).to(tail.dtype), tail], dim=2)
+
+
+def _pack(q: Tensor, bits: int) -> Tensor:
+    """Pack signed integer codes [..., D] into uint8 [..., ceil(D * bits / 8)] (offset binary)."""
+    per = 8 // bits
+    u = q.to(torch.int32) + 2 ** (bits - 1)
+    pad = (-u.shape[-1]) % per
+    if pad:
+        u = torch.cat([u, u.new_zeros(*u.shape[:-1], pad)], dim=-1)
+    u = u.reshape(*u.shape[:-1], u.shape[-1] // per, per)
+    shifts = torch.arange(per, device=u.device, dtype=torch.int32) * bits
+    return torch.bitwise_left_shift(u, shifts).sum(dim=-1).to(torch.uint8)
+
+
+def _unpack(packed: Tensor, bits: int, dim: int) -> Tensor:
+    """Inverse of :func:`_pack`: uint8 [..., nbytes] -> fp32 integer codes [..., dim]."""
+    per = 8 // bits
+    shifts = torch.arange(per, device=packed.device, dtype=torch.int32) * bits
+    u = torch.bitwise_right_shift(packed.to(torch.int32).unsqueeze(-1), shifts) & (2**bits - 1)
+    u = u.reshape(*packed.shape[:-1], packed.shape[-1] * per)[..., :dim]
+    return (u - 2 ** (bits - 1)).to(torch.float32)
+
+
+# --------------------------------------------------------------------------- baselines
+
+
+def fake_quant_per_token(x: Tensor, bits: int) -> Tensor:
+    """Baseline: symmetric per-token absmax fake quantization of every token of [..., D]."""
+    _check_bits(bits, "bits")
+    return _fake_quant(x.float(), bits, dim=-1).to(x.dtype)
+
+
+def fake_quant_kivi(x: Tensor, bits: int, block_size: int, per_channel: bool) -> Tensor:
+    """KIVI-like baseline on [B, H, S, D].
+
+    ``per_channel=True`` (keys): one scale per channel over each block of ``block_size``
+    tokens; ``per_channel=False`` (values): one scale per token. As in KIVI (and ASQ),
+    the newest incomplete block is kept in full precision.
+    """
+    _check_bits(bits, "bits")
+    _check(block_size >= 1, "block_size", f"must be >= 1, got {block_size!r}")
+    full, tail = _split_blocks(x, block_size)
+    deq = _fake_quant(full.float(), bits, dim=-2 if per_channel else -1)
+    return _join_blocks(deq, tail)
+
+
+# --------------------------------------------------------------------------- byte account
+
+
+def asq_bytes(
+    seq_len: int,
+    num_kv_heads: int,
+    head_dim: int,
+    cluster_num: int = 32,
+    quant_bits: int = 4,
+    block_size: int = 128,
+    batch_size: int = 1,
+    tail_bytes: int = 2,
+) -> dict[str, float]:
+    """Exact storage of :meth:`ASQCompressor.compress` output, in bytes.
+
+    With ``n = batch_size * num_kv_heads``, ``F = (seq_len // block_size) * block_size``
+    compressed tokens in ``F / block_size`` blocks and ``T = seq_len - F`` tail tokens:
+    ids ``n*F``, residual ``n*F*ceil(head_dim*quant_bits/8)``, scales ``2*n*F``,
+    prototypes ``2*n*(F/block_size)*cluster_num*head_dim``, tail ``tail_bytes*n*T*head_dim``.
+    Also returns ``total``, the bf16 reference ``2*n*seq_len*head_dim``, ``bytes_per_token``
+    (total per token per KV head), ``bf16_bytes_per_token`` (``2*head_dim``) and
+    ``compression_ratio`` (bf16 / total).
+    """
+    n = batch_size * num_kv_heads
+    n_blocks = seq_len // block_size
+    s_full = n_blocks * block_size
+    out: dict[str, float] = {
+        "ids": n * s_full,
+        "residual": n * s_full * math.ceil(head_dim * quant_bits / 8),
+        "scales": 2 * n * s_full,
+        "prototypes": 2 * n * n_blocks * cluster_num * head_dim,
+        "tail": tail_bytes * n * (seq_len - s_full) * head_dim,
+    }
+    out["total"] = sum(out.values())
+    out["bf16"] = 2 * n * seq_len * head_dim
+    out["bytes_per_token"] = out["total"] / max(n * seq_len, 1)
+    out["bf16_bytes_per_token"] = 2 * head_dim
+    out["compression_ratio"] = out["bf16"] / max(out["total"], 1)
+    return out
+
+
+# --------------------------------------------------------------------------- compressor
+
+
+@dataclass
+class PackedKV:
+    """Packed ASQ storage of a [B, H, S, D] tensor.
+
+    ``ids`` uint8 [B, H, F]; ``residual`` uint8 [B, H, F, ceil(D*bits/8)] (offset-binary
+    codes, ``8 // bits`` per byte); ``scales`` float16 [B, H, F]; ``prototypes`` float16
+    [B, H, F // block_size, C, D]; ``tail`` the uncompressed last ``S - F`` tokens in the
+    input dtype. ``F`` is the number of tokens in full blocks.
+    """
+
+    ids: Tensor
+    residual: Tensor
+    scales: Tensor
+    prototypes: Tensor
+    tail: Tensor
+    bits: int
+    block_size: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.tail.shape[-1]
+
+    @property
+    def seq_len(self) -> int:
+        return self.ids.shape[-1] + self.tail.shape[-2]
+
+    def nbytes(self) -> int:
+        """Bytes held by the stored tensors."""
+        tensors = (self.ids, self.residual, self.scales, self.prototypes, self.tail)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass
+class _Encoded:
+    """Intermediate results of encoding the full blocks (all fp32, [B, H, n, bs, ...])."""
+
+    probs: Tensor  # [B, H, n, bs, C]
+    prototypes: Tensor  # [B, H, n, C, D], fp16-rounded
+    ids: Tensor  # [B, H, n, bs] int64
+    q: Tensor  # [B, H, n, bs, D] integer-valued codes
+    scale: Tensor  # [B, H, n, bs, 1] fp16-rounded
+
+    def reconstruct(self) -> Tensor:
+        return _gather_prototypes(self.prototypes, self.ids) + self.q * self.scale
+
+
+def _gather_prototypes(prototypes: Tensor, ids: Tensor) -> Tensor:
+    """prototypes [B, H, n, C, D], ids [B, H, n, bs] -> [B, H, n, bs, D]."""
+    index = ids.unsqueeze(-1).expand(*ids.shape, prototypes.shape[-1])
+    return torch.gather(prototypes, 3, index)
+
+
+class ASQCompressor(nn.Module):
+    """Causal block-wise ASQ compressor for one layer's K or V ([B, H, S, D]).
+
+    ``forward`` returns the fake-quantized reconstruction (straight-through rounding);
+    ``compress`` / ``decompress`` give the real packed storage. Detached logging stats
+    of the last forward are kept in ``last_stats``.
+    """
+
+    def __init__(
+        self,
+        num_kv_heads: int,
+        head_dim: int,
+        cluster_num: int = 32,
+        hidden_dim: int = 64,
+        quant_bits: int = 4,
+        block_size: int = 128,
+        tau: float = 1.0,
+    ) -> None:
+        super().__init__()
+        _check(num_kv_heads >= 1, "num_kv_heads", f"must be >= 1, got {num_kv_heads!r}")
+        _check(head_dim >= 1, "head_dim", f"must be >= 1, got {head_dim!r}")
+        _check(2 <= cluster_num <= 256, "cluster_num", f"must be in [2, 256], got {cluster_num!r}")
+        _check(hidden_dim >= 1, "hidden_dim", f"must be >= 1, got {hidden_dim!r}")
+        _check_bits(quant_bits)
+        _check(block_size >= 1, "block_size", f"must be >= 1, got {block_size!r}")
+        _check(tau > 0, "tau", f"must be > 0, got {tau!r}")
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.cluster_num = cluster_num
+        self.hidden_dim = hidden_dim
+        self.quant_bits = quant_bits
+        self.block_size = block_size
+        self.tau = tau
+        self.w1 = nn.Parameter(torch.randn(num_kv_heads, head_dim, hidden_dim) / math.sqrt(head_dim))
+        self.b1 = nn.Parameter(torch.zeros(num_kv_heads, hidden_dim))
+        self.w2 = nn.Parameter(torch.randn(num_kv_heads, hidden_dim, cluster_num) / math.sqrt(hidden_dim))
+        self.b2 = nn.Parameter(torch.zeros(num_kv_heads, cluster_num))
+        self.last_stats: dict[str, Tensor] = {}
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"cluster_num={self.cluster_num}, hidden_dim={self.hidden_dim}, "
+            f"quant_bits={self.quant_bits}, block_size={self.block_size}, tau={self.tau}"
+        )
+
+    # ---------------------------------------------------------------- internals
+
+    def _check_input(self, x: Tensor) -> None:
+        _check(x.dim() == 4, "x", f"must be [B, H, S, D], got shape {tuple(x.shape)}")
+        _check(
+            x.shape[1] == self.num_kv_heads and x.shape[3] == self.head_dim,
+            "x",
+            f"must have H={self.num_kv_heads}, D={self.head_dim}, got shape {tuple(x.shape)}",
+        )
+
+    def _assign(self, blocks: Tensor) -> Tensor:
+        """Soft assignment [B, H, n, bs, C] from per-block standardized inputs."""
+        centered = blocks - blocks.mean(dim=3, keepdim=True)
+        rms = centered.pow(2).mean(dim=(3, 4), keepdim=True).add(_EPS).sqrt()
+        hidden = torch.einsum("bhnsd,hdk->bhnsk", centered / rms, self.w1.float())
+        hidden = F.gelu(hidden + self.b1.float()[:, None, None, :])
+        logits = torch.einsum("bhnsk,hkc->bhnsc", hidden, self.w2.float())
+        logits = logits + self.b2.float()[:, None, None, :]
+        return torch.softmax(logits / self.tau, dim=-1)
+
+    def _encode(self, blocks: Tensor) -> _Encoded:
+        """Cluster, build prototypes and quantize residuals of fp32 blocks [B, H, n, bs, D]."""
+        probs = self._assign(blocks)
+        weighted = torch.einsum("bhnsc,bhnsd->bhncd", probs, blocks)
+        prototypes = _to_store(weighted / (probs.sum(dim=3).unsqueeze(-1) + _EPS))
+        ids = probs.argmax(dim=-1)
+        residual = blocks - _gather_prototypes(prototypes, ids)
+        q, scale = _quantize(residual, self.quant_bits, dim=-1)
+        return _Encoded(probs, prototypes, ids, q, scale)
+
+    def _encode_input(self, x: Tensor) -> tuple[_Encoded | None, Tensor, Tensor]:
+        """Validate and split ``x``; returns (encoding or None if no full block, fp32 blocks, tail)."""
+        self._check_input(x)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            full, tail = _split_blocks(x, self.block_size)
+            blocks = full.float()
+            enc = self._encode(blocks) if blocks.shape[2] > 0 else None
+        return enc, blocks, tail
+
+    @torch.no_grad()
+    def _record_stats(self, enc: _Encoded | None, blocks: Tensor, x_hat: Tensor) -> None:
+        if enc is None:
+            nan = torch.tensor(float("nan"), device=blocks.device)
+            self.last_stats = {"recon_rel_error": nan, "cluster_usage": nan, "dead_clusters": nan}
+            return
+        err = (x_hat - blocks).norm() / blocks.norm().clamp_min(_EPS)
+        used = torch.zeros(*enc.ids.shape[:3], self.cluster_num, dtype=torch.bool, device=blocks.device)
+        used.scatter_(-1, enc.ids, True)
+        self.last_stats = {
+            "recon_rel_error": err.detach(),
+            "cluster_usage": used.float().mean(),
+            "dead_clusters": (~used).sum(dim=-1).float().mean(),
+        }
+
+    # ---------------------------------------------------------------- public API
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Fake-quantized reconstruction of ``x`` [B, H, S, D]; the trailing partial block is returned as is."""
+        enc, blocks, tail = self._encode_input(x)
+        x_hat = enc.reconstruct() if enc is not None else blocks
+        self._record_stats(enc, blocks, x_hat)
+        return _join_blocks(x_hat, tail) if enc is not None else x
+
+    def reconstruction_loss(self, x: Tensor) -> Tensor:
+        """Clustering loss for the assignment MLP (differentiable, fp32 scalar).
+
+        Soft k-means distortion ``sum_t sum_c p_tc ||x_t - prototype_c||^2`` over full blocks,
+        divided by the within-block variance ``sum_t ||x_t - mean_block||^2``. It lies in
+        [0, 1] (1 = no better than one prototype per block); it is the residual energy the
+        quantizer must encode. Zero when ``x`` has no full block.
+        """
+        enc, blocks, _ = self._encode_input(x)
+        if enc is None:
+            return blocks.new_zeros(())
+        p, protos = enc.probs, enc.prototypes
+        mixed = torch.einsum("bhnsc,bhncd->bhnsd", p, protos)
+        proto_energy = torch.einsum("bhnsc,bhnc->bhns", p, protos.pow(2).sum(-1))
+        distortion = blocks.pow(2).sum(-1) - 2 * (blocks * mixed).sum(-1) + proto_energy
+        variance = (blocks - blocks.mean(dim=3, keepdim=True)).pow(2).sum()
+        return distortion.sum().clamp_min(0) / variance.clamp_min(_EPS)
+
+    @torch.no_grad()
+    def compress(self, x: Tensor) -> PackedKV:
+        """Pack ``x`` [B, H, S, D] into real low-bit storage (see :class:`PackedKV`)."""
+        enc, blocks, tail = self._encode_input(x)
+        b, h, n, bs, d = blocks.shape
+        if enc is None:
+            ids = torch.zeros(b, h, 0, dtype=torch.long, device=x.device)
+            q = blocks.new_zeros(b, h, 0, d)
+            scale = blocks.new_zeros(b, h, 0)
+            prototypes = blocks.new_zeros(b, h, 0, self.cluster_num, d)
+        else:
+            ids, q = enc.ids.reshape(b, h, n * bs), enc.q.reshape(b, h, n * bs, d)
+            scale, prototypes = enc.scale.reshape(b, h, n * bs), enc.prototypes
+        return PackedKV(
+            ids=ids.to(torch.uint8),
+            residual=_pack(q, self.quant_bits),
+            scales=scale.to(_STORE_DTYPE),
+            prototypes=prototypes.to(_STORE_DTYPE),
+            tail=tail.clone(),
+            bits=self.quant_bits,
+            block_size=self.block_size,
+        )
+
+    @staticmethod
+    def decompress(packed: PackedKV) -> Tensor:
+        """Rebuild [B, H, S, D] (in the tail's dtype) from :class:`PackedKV`."""
+        b, h, s_full = packed.ids.shape
+        n, d = packed.prototypes.shape[2], packed.head_dim
+        ids = packed.ids.long().reshape(b, h, n, packed.block_size)
+        q = _unpack(packed.residual, packed.bits, d).reshape(b, h, n, packed.block_size, d)
+        scale = packed.scales.float().reshape(b, h, n, packed.block_size, 1)
+        x_hat = _gather_prototypes(packed.prototypes.float(), ids) + q * scale
+        return _join_blocks(x_hat, packed.tail)
+
+    def byte_account(self, seq_len: int, batch_size: int = 1, tail_bytes: int = 2) -> dict[str, float]:
+        """:func:`asq_bytes` for this compressor's configuration."""
+        return asq_bytes(
+            seq_len,
+            self.num_kv_heads,
+            self.head_dim,
+            self.cluster_num,
+            self.quant_bits,
+            self.block_size,
+            batch_size,
+            tail_bytes,
+        )
+
+    def bytes_per_token(self, seq_len: int, tail_bytes: int = 2) -> float:
+        """Amortized stored bytes per token per KV head at ``seq_len`` (bf16 is ``2 * head_dim``)."""
+        return self.byte_account(seq_len, tail_bytes=tail_bytes)["bytes_per_token"]

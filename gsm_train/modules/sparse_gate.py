@@ -1,0 +1,135 @@
+"""Sparse Gate Head: a cheap low-dimensional scorer that picks the top-k keys each query needs.
+
+The gate projects the layer's normed hidden states to a gate query and key of `gate_head_dim`
+dimensions, rotates them with a subset of the base model's RoPE frequencies (one frequency per
+rotated pair, stored in `rope_freq_index`), and scores `q_t . k_j / sqrt(gate_head_dim)`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+
+class SparseGateHead(nn.Module):
+    """Gate query/key projections with RoPE; `num_selectors` independent selections per layer."""
+
+    def __init__(self, hidden_size: int, gate_head_dim: int, base_head_dim: int, num_selectors: int = 1):
+        super().__init__()
+        if gate_head_dim % 2:
+            raise ValueError(f"gate_head_dim must be even, got {gate_head_dim}")
+        self.gate_head_dim = gate_head_dim
+        self.num_selectors = num_selectors
+        self.q_proj = nn.Linear(hidden_size, num_selectors * gate_head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, num_selectors * gate_head_dim, bias=False)
+        pairs = gate_head_dim // 2
+        base_pairs = base_head_dim // 2
+        default_index = torch.arange(pairs) % base_pairs
+        self.register_buffer("rope_freq_index", default_index.repeat(num_selectors, 1), persistent=True)
+
+    def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Apply RoPE (rotate-half layout) with each selector's chosen base frequencies."""
+        half = cos.shape[-1] // 2
+        index = self.rope_freq_index  # [n, pairs]
+        cos_sel = cos[..., :half][:, None, :, :].expand(-1, self.num_selectors, -1, -1)
+        sin_sel = sin[..., :half][:, None, :, :].expand(-1, self.num_selectors, -1, -1)
+        gather = index[None, :, None, :].expand(cos.shape[0], -1, cos.shape[1], -1)
+        c = torch.gather(cos_sel, -1, gather).to(x.dtype)
+        s = torch.gather(sin_sel, -1, gather).to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+    def forward(self, hidden: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """Gate queries and keys [B, n, T, gate_head_dim] from hidden [B, T, d] and the model's cos/sin."""
+        batch, length, _ = hidden.shape
+        shape = (batch, length, self.num_selectors, self.gate_head_dim)
+        q = self.q_proj(hidden).view(shape).transpose(1, 2)
+        k = self.k_proj(hidden).view(shape).transpose(1, 2)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def scores(self, gate_q: Tensor, gate_k: Tensor) -> Tensor:
+        """Unmasked gate logits [B, n, T, S] in fp32."""
+        return torch.matmul(gate_q.float(), gate_k.float().transpose(-1, -2)) / math.sqrt(self.gate_head_dim)
+
+    @torch.no_grad()
+    def init_from_attention(self, q_weight: Tensor, k_weight: Tensor, num_heads: int, num_kv_heads: int,
+                            head_dim: int) -> None:
+        """Initialise from the layer's q/k projections so that step 0 already selects well.
+
+        RoPE rotates each pair (i, i + head_dim/2) of a head as one complex number by angle
+        theta_i * position. For frequency i the head-averaged logit is x^T M_i y with the complex
+        matrix M_i = sum_h a_{h,i} b_{g(h),i}^H (a, b: complex rows of q/k). Its best rank-1
+        approximation sigma u v^H gives a gate pair that commutes with RoPE exactly. Each selector
+        keeps the `gate_head_dim/2` frequencies with the largest sigma (the selector of KV group g
+        averages only that group's heads).
+        """
+        hidden = q_weight.shape[1]
+        q = q_weight.double().view(num_heads, head_dim, hidden)
+        k = k_weight.double().view(num_kv_heads, head_dim, hidden)
+        half = head_dim // 2
+        q_c = torch.complex(q[:, :half], q[:, half:])  # [Hq, half, d]
+        k_c = torch.complex(k[:, :half], k[:, half:])  # [Hkv, half, d]
+        k_per_head = k_c.repeat_interleave(num_heads // num_kv_heads, dim=0)
+        heads_per_selector = num_heads // self.num_selectors
+        pairs = self.gate_head_dim // 2
+        scale = math.sqrt(self.gate_head_dim) / (heads_per_selector * math.sqrt(head_dim))
+        q_rows, k_rows, indices = [], [], []
+        for sel in range(self.num_selectors):
+            heads = slice(sel * heads_per_selector, (sel + 1) * heads_per_selector)
+            # M_i = A_i B_i^H with A_i, B_i [d, heads] (one column per head): rank <= heads, so its SVD
+            # comes from QR factors and a heads x heads SVD instead of a d x d one.
+            a = q_c[heads].permute(1, 2, 0) * scale  # [half, d, heads]
+            b = k_per_head[heads].permute(1, 2, 0)
+            qa, ra = torch.linalg.qr(a)
+            qb, rb = torch.linalg.qr(b)
+            u_small, s, vh_small = torch.linalg.svd(ra @ rb.conj().transpose(-1, -2))
+            u = qa @ u_small
+            v = qb @ vh_small.conj().transpose(-1, -2)
+            top = torch.argsort(s[:, 0], descending=True)[:pairs]
+            top = top if len(top) == pairs else torch.arange(pairs) % half
+            root = s[top, 0].sqrt()[:, None]
+            gate_q = u[top, :, 0] * root  # zq = u^T x
+            gate_k = v[top, :, 0] * root  # zk = v^T y, so zq * conj(zk) = x^T u v^H y
+            q_rows.append(torch.cat((gate_q.real, gate_q.imag)))
+            k_rows.append(torch.cat((gate_k.real, gate_k.imag)))
+            indices.append(top)
+        self.q_proj.weight.copy_(torch.cat(q_rows).to(self.q_proj.weight.dtype))
+        self.k_proj.weight.copy_(torch.cat(k_rows).to(self.k_proj.weight.dtype))
+        self.rope_freq_index.copy_(torch.stack(indices))
+
+
+def k_per_query(query_positions: Tensor, schedule: str, top_k: int, k_min: int, decay_rate: float) -> Tensor:
+    """Keys to keep per query: `constant`, `exp_decay` (k*exp(-rate*t)) or `linear_decay` (k - rate*t), floored at k_min."""
+    t = query_positions.double()
+    if schedule == "constant":
+        k = torch.full_like(t, float(top_k))
+    elif schedule == "exp_decay":
+        k = torch.floor(top_k * torch.exp(-decay_rate * t))
+    elif schedule == "linear_decay":
+        k = torch.floor(top_k - decay_rate * t)
+    else:
+        raise ValueError(f"unknown top_k_schedule {schedule!r}; use constant, exp_decay or linear_decay")
+    return k.clamp(min=min(k_min, top_k), max=top_k).long()
+
+
+def select_top_k(scores: Tensor, allowed: Tensor, k: Tensor, query_positions: Tensor, key_positions: Tensor,
+                 sink_tokens: int = 0, recent_tokens: int = 0) -> Tensor:
+    """Boolean selection [B, n, T, S]: the k[t] best allowed keys per query, own position always kept.
+
+    Queries with at most k allowed keys keep all of them (dense). Sink tokens (the first
+    `sink_tokens` positions) and the `recent_tokens` latest keys are always kept too.
+    """
+    forced = key_positions[None, :] == query_positions[:, None]
+    if sink_tokens:
+        forced = forced | (key_positions[None, :] < sink_tokens)
+    if recent_tokens:
+        distance = query_positions[:, None] - key_positions[None, :]
+        forced = forced | ((distance >= 0) & (distance < recent_tokens))
+    ranked = scores.masked_fill(forced, float("inf")).masked_fill(~allowed, float("-inf"))
+    k_top = int(min(int(k.max()), scores.shape[-1]))
+    index = ranked.topk(k_top, dim=-1).indices
+    keep_rank = (torch.arange(k_top, device=k.device)[None, :] < k[:, None]).expand(index.shape)
+    selected = torch.zeros_like(allowed.expand(scores.shape)).scatter(-1, index, keep_rank)
+    return (selected | (forced & allowed)) & allowed

@@ -1,0 +1,176 @@
+"""Tests for the ASQ KV compressor and its quantization baselines."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gsm_train.modules.kv_compressor import (
+    ASQCompressor,
+    asq_bytes,
+    fake_quant_kivi,
+    fake_quant_per_token,
+)
+
+H, D = 2, 64
+
+
+def _rel_err(x_hat: torch.Tensor, x: torch.Tensor) -> float:
+    return ((x_hat.float() - x.float()).norm() / x.float().norm()).item()
+
+
+def _random(s: int = 256, seed: int = 0, b: int = 2) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, H, s, D, generator=g)
+
+
+def _offset_data(s: int = 256, seed: int = 0, strength: float = 8.0) -> torch.Tensor:
+    """K-like data: strong fixed per-channel offsets plus per-token noise."""
+    g = torch.Generator().manual_seed(seed)
+    offsets = strength * torch.randn(1, H, 1, D, generator=g)
+    return offsets + torch.randn(2, H, s, D, generator=g)
+
+
+def _asq(bits: int = 4, block_size: int = 64, cluster_num: int = 16, **kw) -> ASQCompressor:
+    torch.manual_seed(0)
+    return ASQCompressor(H, D, cluster_num=cluster_num, quant_bits=bits, block_size=block_size, **kw).eval()
+
+
+@pytest.mark.parametrize("make", [_random, _offset_data])
+def test_error_falls_as_bits_rise(make) -> None:
+    x = make()
+    asq = [_rel_err(_asq(bits)(x), x) for bits in (2, 4, 8)]
+    per_token = [_rel_err(fake_quant_per_token(x, bits), x) for bits in (2, 4, 8)]
+    kivi = [_rel_err(fake_quant_kivi(x, bits, 64, per_channel=True), x) for bits in (2, 4, 8)]
+    for errs in (asq, per_token, kivi):
+        assert errs[0] > errs[1] > errs[2] > 0
+
+
+@pytest.mark.parametrize("make", [_random, _offset_data])
+def test_8bit_round_trip_below_one_percent(make) -> None:
+    x = make()
+    comp = _asq(8)
+    assert _rel_err(comp.decompress(comp.compress(x)), x) < 0.01
+
+
+@pytest.mark.parametrize(
+    ("s", "block_size", "bits", "cluster_num", "d"),
+    [
+        (256, 128, 4, 32, 64),
+        (300, 128, 2, 16, 64),
+        (50, 128, 8, 8, 64),
+        (37, 8, 4, 3, 5),
+        (41, 4, 2, 256, 7),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nbytes_matches_byte_account(s, block_size, bits, cluster_num, d, dtype) -> None:
+    comp = ASQCompressor(3, d, cluster_num=cluster_num, quant_bits=bits, block_size=block_size)
+    x = torch.randn(2, 3, s, d).to(dtype)
+    packed = comp.compress(x)
+    tail_bytes = x.element_size()
+    account = asq_bytes(s, 3, d, cluster_num, bits, block_size, batch_size=2, tail_bytes=tail_bytes)
+    assert packed.nbytes() == account["total"]
+    assert comp.byte_account(s, batch_size=2, tail_bytes=tail_bytes) == account
+    assert account["bf16"] == 2 * 2 * 3 * s * d
+    assert comp.bytes_per_token(s, tail_bytes) == pytest.approx(account["total"] / (2 * 3 * s))
+    assert packed.ids.dtype == packed.residual.dtype == torch.uint8
+    assert packed.scales.dtype == packed.prototypes.dtype == torch.float16
+    assert comp.decompress(packed).shape == x.shape
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_eval_forward_equals_decompress_compress(bits, dtype) -> None:
+    comp = _asq(bits)
+    x = _offset_data(s=200).to(dtype)
+    with torch.no_grad():
+        out = comp(x)
+    rebuilt = comp.decompress(comp.compress(x))
+    assert out.dtype == rebuilt.dtype == dtype
+    # Same fp32 ops on the same fp16-rounded prototypes/scales: equal up to fp rounding.
+    torch.testing.assert_close(rebuilt, out, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_causality_and_uncompressed_tail(train) -> None:
+    comp = _asq(4, block_size=64).train(train)
+    x = _random(s=300)
+    y = x.clone()
+    y[:, :, 200:] = torch.randn_like(y[:, :, 200:]) * 5
+    out_x, out_y = comp(x), comp(y)
+    # Blocks [0, 192) end before position 200 and must not change at all.
+    assert torch.equal(out_x[:, :, :192], out_y[:, :, :192])
+    assert not torch.equal(out_x[:, :, 192:256], out_y[:, :, 192:256])
+    # Trailing partial block [256, 300) is returned exactly; full blocks are compressed.
+    assert torch.equal(out_x[:, :, 256:], x[:, :, 256:])
+    assert not torch.equal(out_x[:, :, :256], x[:, :, :256])
+    short = _random(s=40)
+    assert torch.equal(comp(short), short)
+
+
+def test_gradients_reach_mlp_and_input() -> None:
+    comp = _asq(4).train()
+    x = _offset_data(s=128).requires_grad_(True)
+    (comp(x).pow(2).mean() + comp.reconstruction_loss(x)).backward()
+    for grad in (comp.w1.grad, comp.w2.grad, comp.b2.grad, x.grad):
+        assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0
+
+
+def test_forward_alone_gives_mlp_gradient() -> None:
+    comp = _asq(4).train()
+    comp(_offset_data(s=128)).pow(2).mean().backward()
+    assert comp.w1.grad is not None and comp.w1.grad.abs().sum() > 0
+
+
+def test_reconstruction_loss_and_stats() -> None:
+    comp = _asq(4)
+    x = _offset_data()
+    loss = comp.reconstruction_loss(x)
+    assert loss.ndim == 0 and 0.0 < loss.item() <= 1.0 + 1e-5
+    assert comp.reconstruction_loss(_random(s=10)).item() == 0.0
+    out = comp(x)
+    stats = comp.last_stats
+    assert stats["recon_rel_error"].item() == pytest.approx(_rel_err(out, x), rel=1e-4)
+    assert 0.0 < stats["cluster_usage"].item() <= 1.0
+    assert stats["dead_clusters"].item() == pytest.approx((1 - stats["cluster_usage"].item()) * 16, abs=1e-4)
+    assert not any(v.requires_grad for v in stats.values())
+
+
+def test_asq_beats_per_token_on_channel_offsets() -> None:
+    x = _offset_data(strength=8.0)
+    asq_err = _rel_err(_asq(4)(x), x)
+    per_token_err = _rel_err(fake_quant_per_token(x, 4), x)
+    assert asq_err < 0.5 * per_token_err
+
+
+def test_kivi_keeps_tail_and_per_channel_helps_offsets() -> None:
+    x = _offset_data(s=150)
+    k = fake_quant_kivi(x, 4, 64, per_channel=True)
+    v = fake_quant_kivi(x, 4, 64, per_channel=False)
+    assert torch.equal(k[:, :, 128:], x[:, :, 128:]) and torch.equal(v[:, :, 128:], x[:, :, 128:])
+    torch.testing.assert_close(v[:, :, :128], fake_quant_per_token(x[:, :, :128], 4))
+    assert _rel_err(k[:, :, :128], x[:, :, :128]) < _rel_err(v[:, :, :128], x[:, :, :128])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"quant_bits": 3}, "quant_bits"),
+        ({"cluster_num": 1}, "cluster_num"),
+        ({"cluster_num": 257}, "cluster_num"),
+        ({"block_size": 0}, "block_size"),
+        ({"tau": 0.0}, "tau"),
+        ({"hidden_dim": 0}, "hidden_dim"),
+    ],
+)
+def test_bad_arguments_raise(kwargs, name) -> None:
+    with pytest.raises(ValueError, match=name):
+        ASQCompressor(H, D, **kwargs)
+
+
+def test_bad_inputs_raise() -> None:
+    with pytest.raises(ValueError, match="bits"):
+        fake_quant_per_token(_random(), 5)
+    with pytest.raises(ValueError, match="x"):
+        _asq()(torch.randn(2, H + 1, 8, D))
