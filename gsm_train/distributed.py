@@ -1,0 +1,82 @@
+"""Process group, device and FSDP2 sharding (owned here so that CPU/gloo tests run the GPU code path)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from gsm_train.modules.injection import decoder_layers
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process runs."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def init_distributed(force_cpu: bool = False) -> DistInfo:
+    """Join the process group that `accelerate launch`/`torchrun` set up (gloo on CPU, NCCL on GPU)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = torch.cuda.is_available() and not force_cpu and os.environ.get("ACCELERATE_USE_CPU", "").lower() \
+        not in ("1", "true", "yes")
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
+    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def shard_model(model: nn.Module, compute_dtype: torch.dtype | None) -> nn.Module:
+    """FSDP2: each GSM module, then each decoder layer, then the root; all gradients reduced in fp32.
+
+    The GSM modules (gate, ASQ, bridge) are their own units because they keep fp32 parameters next
+    to a base that may be bf16 (an FSDP unit holds one dtype), and so that their gradients are
+    reduced even when the frozen decoder layer around them has no gradient to propagate.
+    """
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    for layer in decoder_layers(model):
+        adapter = getattr(layer.self_attn, "gsm", None)
+        for module in adapter.children() if adapter is not None else ():
+            fully_shard(module, mp_policy=policy, reshard_after_forward=False)
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks (a no-op in one process)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor)
+    return tensor
+
+
+def barrier() -> None:
+    """Wait for all ranks (a no-op in one process)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def teardown() -> None:
+    """Leave the process group."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,203 @@
+"""The shared training loop: data, FSDP2, AdamW with warm-up + cosine, clipping, checkpoints, logging.
+
+A stage (see `gsm_train/stages/`) says which parameters train, what the loss is, how to evaluate
+and what to report; this loop does everything else, the same way for every stage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from gsm_train.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from gsm_train.config import RecipeConfig, check_against_model, resolved_yaml
+from gsm_train.data import PackedBatches, load_text_dataset, pack_tokens, split_eval
+from gsm_train.distributed import DistInfo, all_reduce_sum, init_distributed, shard_model, teardown
+from gsm_train.model_zoo import load_model_and_tokenizer
+from gsm_train.run_log import RunLogger
+
+
+class Stage(Protocol):
+    """What a training stage supplies to the loop."""
+
+    name: str
+
+    def prepare(self, model: nn.Module, config: RecipeConfig) -> None:
+        """Attach/load modules and set `requires_grad` on exactly the parameters that train."""
+
+    def loss(self, model: nn.Module, batch: Tensor) -> tuple[Tensor, dict[str, float]]:
+        """Loss of one micro-batch (mean over its tokens/positions) and scalars to log."""
+
+    def evaluate(self, model: nn.Module, batches: list[Tensor]) -> dict[str, Any]:
+        """Metrics on held-out batches, identical on every rank (reduce across ranks inside)."""
+
+    def report(self, run_dir: Path, metrics: dict[str, Any], history: list[dict[str, Any]]) -> dict[str, Any]:
+        """Write the final report files (rank 0) and return a summary."""
+
+
+@dataclass
+class TrainResult:
+    """What a finished run leaves behind."""
+
+    run_dir: Path
+    model: nn.Module | None = None
+    losses: list[float] = field(default_factory=list)
+    final_metrics: dict[str, Any] = field(default_factory=dict)
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+def lr_lambda(config: RecipeConfig):
+    """Linear warm-up, then cosine decay to `min_lr_ratio` (or constant)."""
+    optim, steps = config.optim, config.train.steps
+
+    def factor(step: int) -> float:
+        if step < optim.warmup_steps:
+            return (step + 1) / (optim.warmup_steps + 1)
+        if optim.schedule == "constant":
+            return 1.0
+        progress = (step - optim.warmup_steps) / max(1, steps - optim.warmup_steps)
+        return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+    return factor
+
+
+def _dtypes(config: RecipeConfig, info: DistInfo) -> tuple[torch.dtype, torch.dtype | None]:
+    """(dtype the base is loaded in, autocast dtype or None)."""
+    on_gpu = info.device.type == "cuda"
+    precision = config.distributed.mixed_precision
+    compute = torch.bfloat16 if precision == "bf16" or (precision == "auto" and on_gpu) else None
+    load = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(config.model.dtype)
+    if load is None:  # auto: a frozen base can live in the compute dtype; a training base keeps fp32 masters
+        load = compute if (compute is not None and config.train.base == "frozen") else torch.float32
+    return load, compute
+
+
+def _load_rows(config: RecipeConfig, tokenizer: Any) -> tuple[Tensor, Tensor]:
+    data = config.data
+    train_src = data.train
+    rows = pack_tokens(load_text_dataset(train_src.path, format=train_src.format, fields=train_src.fields),
+                       tokenizer, data.seq_len)
+    if data.eval is None:
+        return split_eval(rows, data.eval_rows, data.seed)
+    eval_src = data.eval
+    eval_rows = pack_tokens(load_text_dataset(eval_src.path, format=eval_src.format, fields=eval_src.fields),
+                            tokenizer, data.seq_len)
+    return rows, eval_rows
+
+
+def _eval_batches(rows: Tensor, config: RecipeConfig, info: DistInfo) -> list[Tensor]:
+    """This rank's share of the first `eval_batches` global batches of held-out rows."""
+    per_rank = config.train.batch_size
+    wanted = min(len(rows), config.logging.eval_batches * per_rank * info.world_size)
+    usable = rows[: wanted - wanted % info.world_size][info.rank:: info.world_size]
+    return [usable[i: i + per_rank].to(info.device) for i in range(0, len(usable), per_rank)]
+
+
+def _clip(params: list[nn.Parameter], max_norm: float) -> float:
+    """Global gradient norm over the trainable parameters (DTensor-aware), clipped to max_norm."""
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    full = getattr(norm, "full_tensor", None)
+    return float(full() if full else norm)
+
+
+def run_training(config: RecipeConfig, stage: Stage, run_name: str | None = None) -> TrainResult:
+    """Run `stage` as the recipe says, resuming if asked; return losses, final metrics and summary."""
+    info = init_distributed()
+    try:
+        return _run(config, stage, info, run_name or config.stage)
+    finally:
+        teardown()
+
+
+def _run(config: RecipeConfig, stage: Stage, info: DistInfo, run_name: str) -> TrainResult:
+    torch.manual_seed(config.train.seed)
+    run_dir = Path(config.output.dir)
+    load_dtype, compute_dtype = _dtypes(config, info)
+    model, tokenizer = load_model_and_tokenizer(config.model.name_or_path, config.model.gguf_file,
+                                                config.model.revision, load_dtype)
+    check_against_model(config, model.config.num_hidden_layers)
+    stage.prepare(model, config)
+    model.to(info.device)
+    train_rows, eval_rows = _load_rows(config, tokenizer)
+    if info.distributed and config.distributed.fsdp == "auto":
+        shard_model(model, compute_dtype)
+    params = [p for p in model.parameters() if p.requires_grad]
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    optim = config.optim
+    optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
+    loader = PackedBatches(train_rows, config.train.batch_size, seed=config.data.seed, rank=info.rank,
+                           world_size=info.world_size)
+    start = 0
+    resume = resolve_resume(config.output.resume_from, run_dir)
+    if resume is not None:
+        meta = load_checkpoint(resume, model, optimizer, scheduler, info)
+        loader.load_state_dict(meta["data"])
+        start = meta["step"]
+    if info.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "recipe.resolved.yaml").write_text(resolved_yaml(config))
+    logger = RunLogger(run_dir, config.logging, config.train.steps, start, info.is_main, run_name,
+                       config.model_dump(mode="json"))
+    logger.log("setup", start, {
+        "world_size": info.world_size, "device": str(info.device),
+        "fsdp_sharded_params": sum(isinstance(p, DTensor) for p in model.parameters()),
+        "trainable_params": sum(p.numel() for p in params),
+        "frozen_params": sum(p.numel() for p in model.parameters() if not p.requires_grad),
+        "train_rows": len(train_rows), "eval_rows": len(eval_rows),
+        "resumed_from": str(resume) if resume is not None else None})
+    eval_batches = _eval_batches(eval_rows, config, info)
+    autocast = (torch.autocast(info.device.type, dtype=compute_dtype) if compute_dtype is not None
+                else contextlib.nullcontext())
+    result = TrainResult(run_dir=run_dir, model=model)
+    history: list[dict[str, Any]] = []
+    tokens_per_step = config.train.batch_size * config.train.grad_accum * config.data.seq_len * info.world_size
+    for step in range(start, config.train.steps):
+        tic = time.perf_counter()
+        model.train()
+        optimizer.zero_grad(set_to_none=True)
+        step_loss = torch.zeros((), device=info.device)
+        scalars: dict[str, float] = {}
+        for _ in range(config.train.grad_accum):
+            batch = loader.next_batch().to(info.device)
+            with autocast:
+                loss, scalars = stage.loss(model, batch)
+            (loss / config.train.grad_accum).backward()
+            step_loss += loss.detach().float() / config.train.grad_accum
+        grad_norm = _clip(params, optim.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        mean_loss = float(all_reduce_sum(step_loss) / info.world_size)
+        result.losses.append(mean_loss)
+        elapsed = time.perf_counter() - tic
+        record = {"loss": mean_loss, "grad_norm": grad_norm, "lr": scheduler.get_last_lr()[0],
+                  "tokens_per_s": tokens_per_step / elapsed, **scalars}
+        done = step + 1
+        if done % config.logging.log_every == 0:
+            logger.log("train", done, record)
+        logger.progress(done, {"loss": mean_loss, "tok/s": record["tokens_per_s"]})
+        if done % config.logging.eval_every == 0 or done == config.train.steps:
+            with autocast:
+                metrics = stage.evaluate(model, eval_batches)
+            history.append({"step": done, **metrics})
+            logger.log("eval", done, metrics)
+            result.final_metrics = metrics
+        if done % config.output.checkpoint_every == 0 or done == config.train.steps:
+            save_checkpoint(run_dir, done, model, optimizer, scheduler, loader.state_dict(), trainable, info,
+                            config.output.keep_checkpoints)
+    if not result.final_metrics:
+        with autocast:
+            result.final_metrics = stage.evaluate(model, eval_batches)
+    if info.is_main:
+        result.summary = stage.report(run_dir, result.final_metrics, history)
+        logger.log("report", config.train.steps, {"summary": result.summary})
+    logger.close()
+    return result

@@ -1,0 +1,96 @@
+"""Stage 1 end to end on a tiny Llama: learning, frozen base, exact resume, FSDP2 on 2 processes, data errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gsm_train.data import DataError
+from gsm_train.model_zoo import tiny_model
+from gsm_train.modules import gsm_parameters
+from gsm_train.train import main as train_main
+from gsm_train.train import train_recipe
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = str(REPO / "recipes" / "gate_only.yaml")
+TINY = ["model.name_or_path=tiny-llama", "data.seq_len=64", "logging.recall_min_keys=16", "logging.recall_k=8",
+        "gsm.sparse_attention.top_k=8", "gsm.sparse_attention.k_min=8", "logging.progress_bar=false",
+        "optim.warmup_steps=1", "gsm.sparse_attention.gate_init=random", "optim.lr=0.01"]
+
+
+def _losses(run_dir: Path) -> list[float]:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in lines if r["kind"] == "train"]
+
+
+def test_loss_falls_and_base_stays_bit_identical(tmp_path: Path) -> None:
+    result = train_recipe(RECIPE, [*TINY, "train.steps=30", "logging.eval_every=30", f"output.dir={tmp_path}"])
+    losses = result.losses
+    assert len(losses) == 30
+    assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5
+    reference = tiny_model("llama").state_dict()
+    trained = result.model.state_dict()
+    base_names = [n for n in trained if ".gsm." not in n]
+    assert base_names and all(torch.equal(trained[n], reference[n]) for n in base_names)
+    gate_names = {n for n, _ in gsm_parameters(result.model)}
+    assert gate_names and all(".gate." in n for n in gate_names)
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert 0 < report["final"]["gate_mass_k8"] <= report["final"]["oracle_mass_k8"] <= 1
+    assert (tmp_path / "recall_per_layer.png").stat().st_size > 1000
+
+
+def test_resume_reproduces_an_uninterrupted_run(tmp_path: Path) -> None:
+    steps = ["train.steps=6", "output.checkpoint_every=3", "logging.eval_every=100"]
+    straight = tmp_path / "straight"
+    train_recipe(RECIPE, [*TINY, *steps, f"output.dir={straight}"])
+    crashed = tmp_path / "crashed"
+    (crashed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(straight / "checkpoints" / "step_00000003", crashed / "checkpoints" / "step_00000003")
+    resumed = train_recipe(RECIPE, [*TINY, *steps, f"output.dir={crashed}"], resume="auto")
+    assert resumed.losses == pytest.approx(_losses(straight)[3:], abs=1e-6)
+    kept = sorted(p.name for p in (straight / "checkpoints").iterdir())
+    assert kept == ["latest", "step_00000003", "step_00000006"]
+    assert not list(tmp_path.rglob("*.tmp")), "no half-written checkpoint is left behind"
+
+
+def test_two_process_fsdp2_matches_one_process(tmp_path: Path) -> None:
+    common = [*TINY, "train.steps=4", "logging.eval_every=2"]
+    single = train_recipe(RECIPE, [*common, "train.batch_size=4", f"output.dir={tmp_path / 'one'}"])
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", "29531", "-m", "gsm_train.train", "--recipe", RECIPE, *common,
+                           "train.batch_size=2", f"output.dir={tmp_path / 'two'}"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    setup = next(r for r in records if r["kind"] == "setup")
+    assert setup["world_size"] == 2 and setup["fsdp_sharded_params"] > 0
+    assert _losses(tmp_path / "two") == pytest.approx(single.losses, abs=1e-4)
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert evals[-1]["gate_mass_k8"] == pytest.approx(single.final_metrics["gate_mass_k8"], abs=1e-4)
+
+
+def test_empty_dataset_is_one_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    empty = tmp_path / "empty.txt"
+    empty.write_text("   \n\n")
+    status = train_main(["--recipe", RECIPE, *TINY, f"data.train.path={empty}", f"output.dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert status == 2 and "empty.txt" in err and "Fix:" in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(DataError):
+        train_recipe(RECIPE, [*TINY, f"data.train.path={empty}", f"output.dir={tmp_path / 'run'}"])
+
+
+def test_missing_data_file_is_one_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    status = train_main(["--recipe", RECIPE, *TINY, f"data.train.path={tmp_path / 'nope.txt'}",
+                         f"output.dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert status == 2 and "data.train.path" in err and "nope.txt" in err and "fix:" in err
+    assert not (tmp_path / "run").exists()
