@@ -28,6 +28,13 @@ def head_averaged_probs(query: Tensor, key: Tensor, allowed: Tensor, scaling: fl
     return probs.view(batch, num_selectors, num_heads // num_selectors, length, -1).mean(dim=2)
 
 
+def _visible_keys(allowed: Tensor, start: int, stop: int) -> int:
+    """How many leading keys any query of the chunk may see (causal: up to the chunk's last query),
+    so that the chunk's work covers S_visible instead of all S keys."""
+    visible = allowed[..., start:stop, :].any(dim=-2).flatten(0, -2).any(dim=0)
+    return int(visible.nonzero().max()) + 1 if bool(visible.any()) else 1
+
+
 class _GateKL(torch.autograd.Function):
     """Sum of KL(target || softmax(gate logits)) over counted rows, with its gradient computed chunk by chunk
     in the forward pass: d KL / d logits = softmax(logits) - target, so the backward needs neither the
@@ -46,17 +53,18 @@ class _GateKL(torch.autograd.Function):
             rows = counted_rows[..., start:stop].float()  # [B|1, 1, c]
             if not bool(rows.any()):
                 continue
-            mask = allowed[..., start:stop, :]
-            target = head_averaged_probs(query[:, :, start:stop], key, mask, scaling, gq.shape[1])
-            logits = torch.matmul(gq[:, :, start:stop], gk.transpose(-1, -2)) * scale
+            keys = _visible_keys(allowed, start, stop)
+            mask = allowed[..., start:stop, :keys]
+            target = head_averaged_probs(query[:, :, start:stop], key[:, :, :keys], mask, scaling, gq.shape[1])
+            logits = torch.matmul(gq[:, :, start:stop], gk[:, :, :keys].transpose(-1, -2)) * scale
             log_gate = torch.log_softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
             log_target = torch.log(target.clamp_min(1e-30))
             kl = torch.where(target > 0, target * (log_target - log_gate), torch.zeros_like(target)).sum(-1)
             total += (kl * rows).sum()
             if want_grad:
-                grad_logits = (log_gate.exp() - target) * (rows[..., None] * scale)
-                grad_q[:, :, start:stop] = torch.matmul(grad_logits, gk)
-                grad_k += torch.matmul(grad_logits.transpose(-1, -2), gq[:, :, start:stop])
+                grad_logits = (log_gate.exp() - target).masked_fill(~mask, 0.0) * (rows[..., None] * scale)
+                grad_q[:, :, start:stop] = torch.matmul(grad_logits, gk[:, :, :keys])
+                grad_k[:, :, :keys] += torch.matmul(grad_logits.transpose(-1, -2), gq[:, :, start:stop])
         ctx.save_for_backward(grad_q, grad_k)
         ctx.dtypes = (gate_q.dtype, gate_k.dtype)
         return total
@@ -98,11 +106,13 @@ def captured_mass(query: Tensor, key: Tensor, allowed: Tensor, scaling: float, k
         rows = key_count[..., start:stop] >= min_keys  # [B|1, 1, c]
         if not bool(rows.any()):
             continue
-        target = head_averaged_probs(query[:, :, start:stop], key, allowed[..., start:stop, :], scaling, num_selectors)
+        keys = _visible_keys(allowed, start, stop)
+        target = head_averaged_probs(query[:, :, start:stop], key[:, :, :keys], allowed[..., start:stop, :keys],
+                                     scaling, num_selectors)
         rows = rows.expand(target.shape[0], target.shape[1], -1)
         sums["oracle"] += target.topk(min(k, target.shape[-1]), dim=-1).values.sum(-1)[rows].double().sum()
         if gate_selection is not None:
-            picked = gate_selection(start, stop)
+            picked = gate_selection(start, stop)[..., :keys]
             sums["gate"] += (target * picked).sum(-1)[rows].double().sum()
         sums["queries"] += rows.sum()
     return sums

@@ -45,6 +45,8 @@ class SparseGateHead(nn.Module):
         """Gate queries and keys [B, n, T, gate_head_dim] from hidden [B, T, d] and the model's cos/sin."""
         batch, length, _ = hidden.shape
         shape = (batch, length, self.num_selectors, self.gate_head_dim)
+        if not torch.is_autocast_enabled(hidden.device.type):
+            hidden = hidden.to(self.q_proj.weight.dtype)
         q = self.q_proj(hidden).view(shape).transpose(1, 2)
         k = self.k_proj(hidden).view(shape).transpose(1, 2)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
@@ -89,7 +91,8 @@ class SparseGateHead(nn.Module):
             v = qb @ vh_small.conj().transpose(-1, -2)
             top = torch.argsort(s[:, 0], descending=True)[:pairs]
             top = top if len(top) == pairs else torch.arange(pairs) % half
-            root = s[top, 0].sqrt()[:, None]
+            repeats = torch.bincount(top, minlength=half)[top]  # a frequency used twice shares its weight
+            root = (s[top, 0] / repeats).sqrt()[:, None]
             gate_q = u[top, :, 0] * root  # zq = u^T x
             gate_k = v[top, :, 0] * root  # zk = v^T y, so zq * conj(zk) = x^T u v^H y
             q_rows.append(torch.cat((gate_q.real, gate_q.imag)))

@@ -1,0 +1,49 @@
+"""Shared helpers for the benchmark scripts: CUDA-event timing, result files, device description."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+
+def device_name() -> str:
+    """The GPU (or CPU) this ran on, with torch's version."""
+    if torch.cuda.is_available():
+        return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}, torch {torch.__version__}"
+    return f"CPU {platform.processor() or platform.machine()}, torch {torch.__version__}"
+
+
+def median_ms(fn: Callable[[], object], warmup: int = 3, repeat: int = 15) -> float:
+    """Median wall time of fn in milliseconds (CUDA events on GPU, after warm-up)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        if torch.cuda.is_available():
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            stop.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(stop))
+        else:
+            import time
+
+            tic = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - tic) * 1000)
+    return statistics.median(times)
+
+
+def write_result(path: Path, result: dict) -> None:
+    """Write the JSON result with the command line that produced it."""
+    result = {"command": "python " + " ".join(sys.argv), "device": device_name(), **result}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+    print(f"wrote {path}")

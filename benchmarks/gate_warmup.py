@@ -1,0 +1,110 @@
+"""Stage 1 (recipes/gate_only.yaml) on SmolLM2-135M: gate/oracle captured mass at k=64 per layer,
+one training step against one plain forward of the base, and 1 vs 2 GPU loss curves.
+
+python benchmarks/gate_warmup.py --train-data PATH/prose --eval-data PATH/wikitext-2/valid.txt --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import median_ms, write_result  # noqa: E402
+
+from gsm_train.modules import gsm_disabled  # noqa: E402
+from gsm_train.stages import GateWarmupStage  # noqa: E402
+from gsm_train.train import train_recipe  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _losses(run_dir: Path) -> list[float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if r["kind"] == "train"]
+
+
+def _time_step_vs_forward(model: torch.nn.Module, batch: torch.Tensor) -> dict[str, float]:
+    stage = GateWarmupStage()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-5)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss, _ = stage.loss(model, batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+
+    @torch.no_grad()
+    def forward() -> None:
+        with gsm_disabled(model), torch.autocast("cuda", dtype=torch.bfloat16):
+            model(input_ids=batch, use_cache=False)
+
+    model.train()
+    step_ms, forward_ms = median_ms(step), median_ms(forward)
+    return {"step_ms": step_ms, "forward_ms": forward_ms, "step_over_forward": step_ms / forward_ms}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--recipe", default=str(REPO / "recipes" / "gate_only.yaml"))
+    parser.add_argument("--train-data", required=True)
+    parser.add_argument("--eval-data", required=True)
+    parser.add_argument("--out", required=True, help="folder for the runs and the result JSON")
+    parser.add_argument("--result", default=None, help="result JSON path (default OUT/gate_warmup.json)")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    out = Path(args.out)
+    data = [f"data.train.path={args.train_data}", f"data.eval.path={args.eval_data}", "logging.progress_bar=false"]
+    one = train_recipe(args.recipe, [*data, *args.overrides, f"output.dir={out / 'one_gpu'}"])
+    metrics = one.final_metrics
+    stage_batch = torch.randint(0, 1000, (4, 2048), device="cuda")
+    timing = _time_step_vs_forward(one.model, stage_batch)
+    result = {
+        "recall_ratio_k64": metrics["recall_ratio_k64"],
+        "recall_ratio_k64_per_layer": metrics["recall_ratio_k64_per_layer"],
+        "oracle_mass_k64": metrics["oracle_mass_k64"],
+        "gate_mass_k64": metrics["gate_mass_k64"],
+        "gate_mass_k64_per_layer": metrics["gate_mass_k64_per_layer"],
+        "oracle_mass_k64_per_layer": metrics["oracle_mass_k64_per_layer"],
+        "kl_final": metrics["kl"],
+        "losses_one_gpu": one.losses,
+        **timing,
+    }
+    del one
+    torch.cuda.empty_cache()
+    if torch.cuda.device_count() >= 2:
+        env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+        two_dir = out / "two_gpu"
+        cmd = ["accelerate", "launch", "--config_file", str(REPO / "launch" / "multi_gpu.yaml"), "--num_processes",
+               "2", "-m", "gsm_train.train", "--recipe", args.recipe, *data, *args.overrides,
+               "train.batch_size=2", f"output.dir={two_dir}"]
+        subprocess.run(cmd, check=True, env=env)
+        two = _losses(two_dir)
+        result["losses_two_gpu"] = two
+        result["two_gpu_command"] = " ".join(cmd)
+        result["two_gpu_max_loss_diff"] = max(abs(a - b) for a, b in zip(result["losses_one_gpu"], two))
+    else:
+        result["two_gpu_max_loss_diff"] = None
+    write_result(Path(args.result) if args.result else out / "gate_warmup.json", result)
+    per_layer = result["recall_ratio_k64_per_layer"]
+    print(f"{'layer':>5} {'gate':>7} {'oracle':>7} {'ratio':>6}")
+    for layer, (g, o, r) in enumerate(zip(result["gate_mass_k64_per_layer"], result["oracle_mass_k64_per_layer"],
+                                          per_layer)):
+        print(f"{layer:>5} {g:7.3f} {o:7.3f} {r:6.3f}")
+    print(f"mean ratio {result['recall_ratio_k64']:.3f}  gate {result['gate_mass_k64']:.3f}  "
+          f"oracle {result['oracle_mass_k64']:.3f}  step/forward {result['step_over_forward']:.2f} "
+          f"({result['step_ms']:.1f} / {result['forward_ms']:.1f} ms)  2-GPU max loss diff "
+          f"{result['two_gpu_max_loss_diff']}")
+
+
+if __name__ == "__main__":
+    main()

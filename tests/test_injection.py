@@ -1,0 +1,216 @@
+"""Injection of the GSM modules into the tiny models of every supported family (CPU, fp32)."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedModel
+
+from gsm_train.config import GSMConfig
+from gsm_train.model_zoo import TINY_FAMILIES, tiny_model
+from gsm_train.modules import (
+    ASQCompressor, CacheBridge, GSMError, SparseGateHead, gsm_disabled, gsm_parameters, gsm_runtime,
+    inject_cache_bridge, inject_gsm, inject_kv_compressor, inject_sparse_gate,
+)
+
+LENGTH = 32
+BLOCK = 8
+SPARSE = {"top_k": 4, "k_min": 2, "gate_head_dim": 16}
+ASQ = {"enabled": True, "block_size": BLOCK, "cluster_num": 4, "hidden_dim": 8}
+BRIDGE = {"enabled": True, "bridge_from": 1, "bridge_to_start": 2}
+NO_SPARSE = {"enabled": False}
+EVERYTHING = {"sparse_attention": SPARSE, "kv_compression": ASQ, "cross_layer_sharing": BRIDGE}
+
+families = pytest.mark.parametrize("family", TINY_FAMILIES)
+
+
+def _injected(family: str, sections: dict[str, Any], mode: str = "dense") -> PreTrainedModel:
+    model = tiny_model(family)
+    inject_gsm(model, GSMConfig.model_validate(sections), mode=mode)
+    return model
+
+
+def _ids(seed: int = 0) -> Tensor:
+    return torch.randint(0, 256, (2, LENGTH), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def _logits(model: PreTrainedModel, ids: Tensor | None = None) -> Tensor:
+    return model(_ids() if ids is None else ids, use_cache=False).logits
+
+
+@pytest.fixture(scope="module")
+def base_logits() -> dict[str, Tensor]:
+    """Logits of the unmodified tiny model of each family."""
+    return {family: _logits(tiny_model(family)) for family in TINY_FAMILIES}
+
+
+# --------------------------------------------------------------------------- exactness
+
+
+@families
+@pytest.mark.parametrize(("sections", "mode", "disabled"), [
+    ({"gsm_enabled": False, **EVERYTHING}, "sparse", False),
+    (EVERYTHING, "sparse", True),
+    ({"sparse_attention": SPARSE}, "dense", False),
+], ids=["gsm_enabled_false", "gsm_disabled_context", "gate_dense_mode"])
+def test_gsm_off_equals_base_exactly(family: str, sections: dict, mode: str, disabled: bool,
+                                     base_logits: dict[str, Tensor]) -> None:
+    model = _injected(family, sections, mode)
+    with gsm_disabled(model) if disabled else nullcontext():
+        assert torch.equal(_logits(model), base_logits[family])
+    assert gsm_runtime(model).enabled == (sections.get("gsm_enabled", True))
+
+
+@families
+@pytest.mark.parametrize("mode", ["sparse", "oracle"])
+def test_top_k_covering_the_sequence_equals_dense(family: str, mode: str, base_logits: dict[str, Tensor]) -> None:
+    model = _injected(family, {"sparse_attention": {**SPARSE, "top_k": LENGTH, "k_min": LENGTH}}, mode)
+    assert torch.allclose(_logits(model), base_logits[family], atol=1e-5, rtol=0)
+
+
+@families
+@pytest.mark.parametrize("heads", ["layer", "kv"])
+@pytest.mark.parametrize("gate_init", ["random", "qk_svd"])
+def test_oracle_captures_at_least_the_gate_mass(family: str, heads: str, gate_init: str) -> None:
+    model = _injected(family, {"sparse_attention": {**SPARSE, "heads": heads, "gate_init": gate_init}})
+    runtime = gsm_runtime(model)
+    runtime.recall = (4, 8)
+    _logits(model)
+    assert sorted(runtime.recall_sums) == list(range(4))
+    selectors = 1 if heads == "layer" else 2
+    for sums in runtime.recall_sums.values():
+        assert int(sums["queries"]) == 2 * selectors * (LENGTH - 7)
+        assert 0 < float(sums["gate"]) <= float(sums["oracle"]) + 1e-9
+        assert float(sums["oracle"]) <= float(sums["queries"]) + 1e-9
+
+
+# --------------------------------------------------------------------------- cache bridge
+
+
+@families
+def test_bridge_mix_with_alpha_zero_is_exact(family: str, base_logits: dict[str, Tensor]) -> None:
+    model = _injected(family, {"sparse_attention": NO_SPARSE,
+                               "cross_layer_sharing": {**BRIDGE, "mode": "mix", "alpha_init": 0.0}})
+    assert torch.equal(_logits(model), base_logits[family])
+
+
+@families
+def test_bridge_share_changes_target_layers_only(family: str) -> None:
+    base, model = tiny_model(family), _injected(family, {"sparse_attention": NO_SPARSE,
+                                                         "cross_layer_sharing": {**BRIDGE, "mode": "share"}})
+    with torch.no_grad():
+        expected = base(_ids(), output_hidden_states=True).hidden_states
+        got = model(_ids(), output_hidden_states=True).hidden_states
+    start = BRIDGE["bridge_to_start"]  # hidden_states[i] is the input of layer i
+    for index, (a, b) in enumerate(zip(got, expected, strict=True)):
+        assert torch.equal(a, b) == (index <= start), f"hidden state {index}"
+
+
+# --------------------------------------------------------------------------- causality
+
+
+CAUSAL_CASES = {
+    "dense": ({"sparse_attention": SPARSE}, "dense"),
+    "sparse": ({"sparse_attention": SPARSE}, "sparse"),
+    "oracle": ({"sparse_attention": SPARSE}, "oracle"),
+    "asq": ({"sparse_attention": NO_SPARSE, "kv_compression": ASQ}, "dense"),
+    "bridge_mix": ({"sparse_attention": NO_SPARSE, "cross_layer_sharing": {**BRIDGE, "mode": "mix"}}, "dense"),
+    "bridge_share": ({"sparse_attention": NO_SPARSE, "cross_layer_sharing": {**BRIDGE, "mode": "share"}}, "dense"),
+    "everything_sparse": (EVERYTHING, "sparse"),
+    "everything_oracle": (EVERYTHING, "oracle"),
+}
+
+
+@families
+@pytest.mark.parametrize("case", CAUSAL_CASES)
+def test_future_tokens_do_not_change_past_logits(family: str, case: str) -> None:
+    """ASQ is block-causal, so the cut sits at a block boundary: positions <= t see whole blocks only."""
+    sections, mode = CAUSAL_CASES[case]
+    model = _injected(family, sections, mode)
+    t = 2 * BLOCK - 1
+    ids = _ids()
+    changed = ids.clone()
+    changed[:, t + 1:] = _ids(seed=1)[:, t + 1:]
+    before, after = _logits(model, ids), _logits(model, changed)
+    torch.testing.assert_close(after[:, :t + 1], before[:, :t + 1], atol=1e-6, rtol=0)
+    assert not torch.allclose(after[:, t + 1:], before[:, t + 1:])
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def test_refuses_unsupported_family() -> None:
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=64))
+    with pytest.raises(GSMError, match="gpt2") as err:
+        inject_gsm(gpt2, GSMConfig())
+    assert all(family in str(err.value) for family in TINY_FAMILIES)
+
+
+def test_refuses_second_injection() -> None:
+    model = _injected("llama", {})
+    with pytest.raises(GSMError, match="fresh base model"):
+        inject_gsm(model, GSMConfig())
+
+
+def test_refuses_bridge_beyond_the_model() -> None:
+    config = GSMConfig.model_validate({"cross_layer_sharing": {**BRIDGE, "bridge_to_start": 4}})
+    with pytest.raises(GSMError, match="use a value below 4"):
+        inject_gsm(tiny_model("llama"), config)
+
+
+# --------------------------------------------------------------------------- seed API and dtypes
+
+
+def _expect_gate(model: PreTrainedModel, layer: int, attn: nn.Module) -> None:
+    assert isinstance(attn.gsm.gate, SparseGateHead) and attn.gsm.asq_k is None and attn.gsm.bridge is None
+    sparse = gsm_runtime(model).config.sparse_attention
+    assert (sparse.top_k_schedule, sparse.top_k) == ("exp_decay", 128)
+
+
+def _expect_asq(model: PreTrainedModel, layer: int, attn: nn.Module) -> None:
+    assert attn.gsm.gate is None and attn.gsm.bridge is None
+    for asq in (attn.gsm.asq_k, attn.gsm.asq_v):
+        assert isinstance(asq, ASQCompressor) and (asq.cluster_num, asq.quant_bits) == (32, 8)
+
+
+def _expect_bridge(model: PreTrainedModel, layer: int, attn: nn.Module) -> None:
+    assert attn.gsm.gate is None and attn.gsm.asq_k is None
+    assert attn.gsm.is_bridge_source == (layer == 1)
+    assert isinstance(attn.gsm.bridge, CacheBridge) == (layer >= 2)
+    if layer >= 2:
+        assert attn.gsm.bridge.alpha.item() == pytest.approx(0.3)
+
+
+@pytest.mark.parametrize(("inject", "check"), [
+    (lambda m: inject_sparse_gate(m, top_k_schedule="exp_decay", k_max=128), _expect_gate),
+    (lambda m: inject_kv_compressor(m, cluster_num=32, quant_bits=8), _expect_asq),
+    (lambda m: inject_cache_bridge(m, bridge_layers=(1, 2), alpha_init=0.3), _expect_bridge),
+], ids=["sparse_gate", "kv_compressor", "cache_bridge"])
+def test_seed_api_attaches_modules(inject, check) -> None:
+    model = tiny_model("llama")
+    inject(model)
+    for layer, decoder in enumerate(model.model.layers):
+        check(model, layer, decoder.self_attn)
+    assert _logits(model).isfinite().all()
+
+
+def test_gsm_parameters_are_fp32_on_a_bf16_base() -> None:
+    model = tiny_model("llama").to(torch.bfloat16)
+    inject_gsm(model, GSMConfig.model_validate(EVERYTHING))
+    names = {name for name, _ in gsm_parameters(model)}
+    assert all(any(part in name for name in names) for part in (".gate.", ".asq_k.", ".asq_v.", ".bridge."))
+    assert all(param.dtype == torch.float32 for _, param in gsm_parameters(model))
+    assert all(param.dtype == torch.bfloat16 for name, param in model.named_parameters() if name not in names)
+
+
+@pytest.mark.parametrize("mode", ["dense", "sparse", "oracle"])
+def test_bf16_base_runs_without_autocast(mode: str) -> None:
+    model = tiny_model("llama").to(torch.bfloat16)
+    inject_gsm(model, GSMConfig.model_validate(EVERYTHING), mode=mode)
+    logits = _logits(model)
+    assert logits.dtype == torch.bfloat16 and logits.isfinite().all()

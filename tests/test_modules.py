@@ -1,0 +1,339 @@
+"""Unit tests of the Sparse Gate Head, the stage-1 attention targets and the cache bridge (CPU)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from gsm_train.modules import CacheBridge, SparseGateHead
+from gsm_train.modules.attention_targets import captured_mass, gate_distill_loss, head_averaged_probs
+from gsm_train.modules.sparse_gate import k_per_query, select_top_k
+
+T = 24
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _causal(length: int = T) -> Tensor:
+    """[1, 1, T, T] causal visibility."""
+    return torch.ones(length, length, dtype=torch.bool).tril()[None, None]
+
+
+def _rope(length: int, head_dim: int, base: float = 10000.0) -> tuple[Tensor, Tensor]:
+    """cos/sin [1, T, head_dim] in the rotate-half layout of Llama-style models."""
+    inv_freq = base ** (-torch.arange(0, head_dim, 2).double() / head_dim)
+    angles = torch.arange(length).double()[:, None] * inv_freq[None, :]
+    emb = torch.cat((angles, angles), dim=-1)[None]
+    return emb.cos().float(), emb.sin().float()
+
+
+def _reference_target(query: Tensor, key: Tensor, allowed: Tensor, scaling: float, num_selectors: int) -> Tensor:
+    """Head-averaged attention probabilities [B, n, T, S], written densely by hand."""
+    groups = query.shape[1] // key.shape[1]
+    logits = query @ key.repeat_interleave(groups, dim=1).transpose(-1, -2) * scaling
+    probs = logits.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return probs.unflatten(1, (num_selectors, -1)).mean(2)
+
+
+# --------------------------------------------------------------------------- k_per_query
+
+
+@pytest.mark.parametrize(("schedule", "rate", "expected"), [
+    ("constant", 0.5, lambda t: torch.full_like(t, 16.0)),
+    ("exp_decay", 0.05, lambda t: torch.floor(16 * torch.exp(-0.05 * t))),
+    ("linear_decay", 0.5, lambda t: torch.floor(16 - 0.5 * t)),
+])
+def test_k_per_query_schedules(schedule: str, rate: float, expected) -> None:
+    t = torch.arange(200)
+    k = k_per_query(t, schedule, top_k=16, k_min=4, decay_rate=rate)
+    assert k.dtype == torch.long
+    assert torch.equal(k, expected(t.double()).clamp(4, 16).long())
+    assert bool((k[1:] <= k[:-1]).all())
+    assert int(k[0]) == 16
+    if schedule != "constant":
+        assert int(k[-1]) == 4  # floored at k_min
+
+
+def test_k_per_query_never_above_top_k() -> None:
+    k = k_per_query(torch.arange(50), "exp_decay", top_k=8, k_min=32, decay_rate=0.1)
+    assert torch.equal(k, torch.full((50,), 8))
+
+
+def test_k_per_query_rejects_unknown_schedule() -> None:
+    with pytest.raises(ValueError, match="exp_decay"):
+        k_per_query(torch.arange(4), "cosine", 8, 4, 0.1)
+
+
+# --------------------------------------------------------------------------- select_top_k
+
+
+def _select(k: int | Tensor, allowed: Tensor | None = None, sinks: int = 0, recent: int = 0,
+            seed: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """(selection, allowed, scores) for random scores over T queries and T keys, 2 batch rows, 2 selectors."""
+    allowed = _causal() if allowed is None else allowed
+    scores = torch.randn(2, 2, T, T, generator=_gen(seed))
+    positions = torch.arange(T)
+    k = torch.full((T,), k) if isinstance(k, int) else k
+    return select_top_k(scores, allowed, k, positions, positions, sinks, recent), allowed.expand_as(scores), scores
+
+
+def test_select_top_k_counts_and_own_position() -> None:
+    k = 5
+    selection, allowed, _ = _select(k)
+    own = torch.eye(T, dtype=torch.bool).expand_as(selection)
+    assert bool(selection[own].all())
+    assert not bool((selection & ~allowed).any())
+    assert torch.equal(selection[..., :k, :], allowed[..., :k, :])  # <= k keys: dense
+    assert bool((selection[..., k:, :].sum(-1) == k).all())
+
+
+def test_select_top_k_keeps_best_scores() -> None:
+    """Besides the own position, the k - 1 best-scored earlier keys are kept."""
+    k = 4
+    selection, _, scores = _select(k)
+    for t in range(k, T):
+        earlier = scores[..., t, :t]
+        best = earlier.topk(k - 1, dim=-1).indices
+        expected = torch.zeros_like(earlier, dtype=torch.bool).scatter(-1, best, True)
+        assert torch.equal(selection[..., t, :t], expected)
+
+
+def test_select_top_k_per_query_k() -> None:
+    k = torch.tensor([3, 6] * (T // 2))
+    selection, _, _ = _select(k)
+    assert torch.equal(selection.sum(-1), torch.minimum(k, torch.arange(T) + 1).expand(2, 2, T))
+
+
+def test_select_top_k_forces_sinks_and_recent() -> None:
+    sinks, recent = 2, 3
+    selection, allowed, _ = _select(k=6, sinks=sinks, recent=recent)
+    t = torch.arange(T)
+    distance = t[:, None] - t[None, :]
+    forced = ((t[None, :] < sinks) | ((distance >= 0) & (distance < recent))) & allowed
+    assert bool(selection[forced].all())
+    assert not bool((selection & ~allowed).any())
+    assert bool((selection[..., 6:, :].sum(-1) == 6).all())  # forced keys fit inside k here
+
+
+def test_select_top_k_never_selects_disallowed_keys() -> None:
+    padding = torch.rand(2, 1, 1, T, generator=_gen(1)) > 0.3
+    allowed = _causal() & padding
+    for k in (1, 4, T):
+        selection, full_allowed, _ = _select(k, allowed=allowed, sinks=2, recent=2)
+        assert not bool((selection & ~full_allowed).any())
+
+
+# --------------------------------------------------------------------------- SparseGateHead
+
+
+def _head_averaged_logits(hidden: Tensor, q_weight: Tensor, k_weight: Tensor, heads: int, kv_heads: int,
+                          head_dim: int, num_selectors: int, cos: Tensor, sin: Tensor) -> Tensor:
+    """`(1/H_sel) sum_h q_h . k_g(h) / sqrt(head_dim)` after RoPE, per selector: [1, n, T, T]."""
+    q = (hidden @ q_weight.T).view(1, -1, heads, head_dim).transpose(1, 2)
+    k = (hidden @ k_weight.T).view(1, -1, kv_heads, head_dim).transpose(1, 2)
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    logits = q @ k.repeat_interleave(heads // kv_heads, dim=1).transpose(-1, -2) / math.sqrt(head_dim)
+    return logits.unflatten(1, (num_selectors, -1)).mean(2)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "num_selectors", "gate_dim"), [
+    (1, 1, 1, 16), (4, 2, 2, 16), (4, 2, 1, 16),
+    (1, 1, 1, 32),
+])
+def test_gate_init_reproduces_rank_one_attention(heads: int, kv_heads: int, num_selectors: int,
+                                                 gate_dim: int) -> None:
+    """Each frequency's matrix is rank 1 (query heads of a selector are scaled copies, one KV head per
+    selector), so the SVD init reproduces the head-averaged attention logits exactly."""
+    hidden_size, head_dim, length = 32, 16, 20
+    g = _gen(2)
+    k_weight = torch.randn(kv_heads, head_dim, hidden_size, generator=g) / math.sqrt(hidden_size)
+    if num_selectors < kv_heads:  # one selector over several KV heads is rank 1 only if they are equal
+        k_weight = k_weight[:1].expand(kv_heads, -1, -1)
+    per_selector = torch.randn(num_selectors, 1, head_dim, hidden_size, generator=g) / math.sqrt(hidden_size)
+    scales = torch.rand(num_selectors, heads // num_selectors, 1, 1, generator=g) + 0.5
+    q_weight = (per_selector * scales).reshape(heads * head_dim, hidden_size)
+    k_weight = k_weight.reshape(kv_heads * head_dim, hidden_size)
+    gate = SparseGateHead(hidden_size, gate_dim, head_dim, num_selectors)
+    gate.init_from_attention(q_weight, k_weight, heads, kv_heads, head_dim)
+    hidden = torch.randn(1, length, hidden_size, generator=g)
+    cos, sin = _rope(length, head_dim)
+    expected = _head_averaged_logits(hidden, q_weight, k_weight, heads, kv_heads, head_dim, num_selectors, cos, sin)
+    assert torch.allclose(gate.scores(*gate(hidden, cos, sin)), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_gate_init_keeps_strongest_frequencies() -> None:
+    """With fewer gate pairs than base frequencies, the gate keeps the frequencies of largest sigma."""
+    hidden_size, head_dim = 32, 16
+    q_weight = torch.randn(head_dim, hidden_size, generator=_gen(3))
+    k_weight = torch.randn(head_dim, hidden_size, generator=_gen(4))
+    strength = (2.0 ** torch.arange(head_dim // 2)).repeat(2)[:, None]
+    gate = SparseGateHead(hidden_size, 4, head_dim)
+    gate.init_from_attention(q_weight * strength, k_weight, 1, 1, head_dim)
+    assert set(gate.rope_freq_index[0].tolist()) == {7, 6}
+
+
+def test_gate_rejects_odd_dim() -> None:
+    with pytest.raises(ValueError, match="even"):
+        SparseGateHead(16, 7, 16)
+
+
+# --------------------------------------------------------------------------- gate_distill_loss
+
+
+def _attention_inputs(heads: int = 4, kv_heads: int = 2, head_dim: int = 8, batch: int = 2,
+                      seed: int = 5) -> tuple[Tensor, Tensor]:
+    g = _gen(seed)
+    return (torch.randn(batch, heads, T, head_dim, generator=g), torch.randn(batch, kv_heads, T, head_dim, generator=g))
+
+
+def _distill(chunk: int, num_selectors: int = 2) -> tuple[Tensor, Tensor, SparseGateHead]:
+    """Gate KL through a real SparseGateHead, so gradients reach its projections."""
+    query, key = _attention_inputs()
+    torch.manual_seed(0)
+    gate = SparseGateHead(16, 6, 8, num_selectors)
+    gate_q, gate_k = gate(torch.randn(2, T, 16, generator=_gen(6)), *_rope(T, 8))
+    allowed = _causal()
+    counted = allowed.sum(-1) >= 3
+    total, count = gate_distill_loss(query, key, gate_q, gate_k, allowed, counted, 8 ** -0.5, chunk)
+    total.backward()
+    return total, count, gate
+
+
+def test_distill_loss_positive_with_gradients() -> None:
+    total, count, gate = _distill(chunk=5)
+    assert torch.isfinite(total) and total.item() > 0
+    assert int(count) == 2 * 2 * (T - 2)  # batch x selectors x rows with >= 3 keys
+    for weight in (gate.q_proj.weight, gate.k_proj.weight):
+        assert weight.grad is not None and torch.isfinite(weight.grad).all() and weight.grad.abs().sum() > 0
+
+
+def test_distill_loss_independent_of_chunk() -> None:
+    small, _, gate_small = _distill(chunk=3)
+    large, _, gate_large = _distill(chunk=1000)
+    assert torch.allclose(small, large, rtol=1e-5, atol=1e-5)
+    for a, b in ((gate_small.q_proj, gate_large.q_proj), (gate_small.k_proj, gate_large.k_proj)):
+        assert torch.allclose(a.weight.grad, b.weight.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_distill_loss_and_gradients_match_dense_kl() -> None:
+    """The chunked loss and its gradients equal a dense KL differentiated by autograd."""
+    query, key = _attention_inputs()
+    gate_q, gate_k = (torch.randn(2, 2, T, 6, generator=_gen(seed)).requires_grad_() for seed in (7, 8))
+    allowed = _causal()
+    counted = allowed.sum(-1) >= 4
+    total, _ = gate_distill_loss(query, key, gate_q, gate_k, allowed, counted, 0.3, chunk=7)
+    target = _reference_target(query, key, allowed, 0.3, 2)
+    log_gate = (gate_q @ gate_k.transpose(-1, -2) / math.sqrt(6)).masked_fill(~allowed, float("-inf")).log_softmax(-1)
+    kl = torch.where(allowed, target * (target.log() - log_gate), torch.zeros(())).sum(-1)
+    expected = kl[counted.expand_as(kl)].sum()
+    assert torch.allclose(total, expected, rtol=1e-5)
+    got_grads = torch.autograd.grad(total, (gate_q, gate_k))
+    for got, want in zip(got_grads, torch.autograd.grad(expected, (gate_q, gate_k)), strict=True):
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_distill_gradients_finite_with_left_padding() -> None:
+    query, key = _attention_inputs()
+    gate_q, gate_k = (torch.randn(2, 2, T, 6, generator=_gen(seed)).requires_grad_() for seed in (10, 11))
+    allowed = _causal() & (torch.arange(T) >= torch.tensor([[3], [0]]))[:, None, None, :]  # row 0: 3 pads
+    counted = allowed.sum(-1) >= 2
+    total, _ = gate_distill_loss(query, key, gate_q, gate_k, allowed, counted, 0.3, chunk=5)
+    total.backward()
+    assert torch.isfinite(total)
+    assert torch.isfinite(gate_q.grad).all() and torch.isfinite(gate_k.grad).all()
+
+
+def test_distill_loss_zero_when_gate_is_the_attention() -> None:
+    """One head and a gate equal to its q/k at the same temperature: KL(target || gate) = 0."""
+    query, key = _attention_inputs(heads=1, kv_heads=1)
+    allowed = _causal()
+    total, _ = gate_distill_loss(query, key, query, key, allowed, allowed.sum(-1) >= 1, 8 ** -0.5, chunk=5)
+    assert abs(float(total)) < 1e-6
+
+
+# --------------------------------------------------------------------------- captured_mass
+
+
+def _mass(k: int, min_keys: int, chunk: int, pick_oracle: bool) -> tuple[dict[str, Tensor], Tensor]:
+    query, key = _attention_inputs()
+    allowed = _causal()
+    target = _reference_target(query, key, allowed, 0.4, 2)
+    top = target.topk(k, dim=-1).indices
+    oracle_pick = torch.zeros_like(target, dtype=torch.bool).scatter(-1, top, True)
+
+    def gate_selection(start: int, stop: int) -> Tensor:
+        return oracle_pick[:, :, start:stop]
+
+    sums = captured_mass(query, key, allowed, 0.4, k, min_keys, chunk, 2, gate_selection if pick_oracle else None)
+    return sums, target
+
+
+def test_captured_mass_oracle_is_dense_top_k() -> None:
+    k, min_keys = 4, 6
+    sums, target = _mass(k, min_keys, chunk=5, pick_oracle=False)
+    rows = torch.arange(T) + 1 >= min_keys
+    expected = target.topk(k, dim=-1).values.sum(-1)[..., rows]
+    assert torch.allclose(sums["oracle"], expected.double().sum(), rtol=1e-6)
+    assert int(sums["queries"]) == expected.numel()
+    assert float(sums["gate"]) == 0.0
+    assert 0 < float(sums["oracle"]) <= float(sums["queries"])
+
+
+def test_captured_mass_gate_equal_to_oracle_selection() -> None:
+    sums, _ = _mass(k=4, min_keys=4, chunk=7, pick_oracle=True)
+    assert torch.allclose(sums["gate"], sums["oracle"], rtol=1e-6)
+
+
+def test_captured_mass_independent_of_chunk() -> None:
+    small, _ = _mass(k=4, min_keys=4, chunk=3, pick_oracle=True)
+    large, _ = _mass(k=4, min_keys=4, chunk=1000, pick_oracle=True)
+    for name in small:
+        assert torch.allclose(small[name], large[name], rtol=1e-6)
+
+
+def test_head_averaged_probs_matches_reference() -> None:
+    query, key = _attention_inputs()
+    for selectors in (1, 2, 4):
+        got = head_averaged_probs(query, key, _causal(), 0.5, selectors)
+        assert torch.allclose(got, _reference_target(query, key, _causal(), 0.5, selectors), atol=1e-6)
+
+
+# --------------------------------------------------------------------------- CacheBridge
+
+
+def _bridge_inputs() -> tuple[Tensor, ...]:
+    g = _gen(9)
+    return tuple(torch.randn(2, 3, T, 8, generator=g) for _ in range(4))
+
+
+def test_bridge_alpha_zero_mix_is_identity() -> None:
+    key, value, src_k, src_v = _bridge_inputs()
+    out_k, out_v = CacheBridge(3, 8, 3, alpha_init=0.0)(key, value, src_k, src_v, "mix")
+    assert torch.equal(out_k, key) and torch.equal(out_v, value)
+
+
+@pytest.mark.parametrize(("mode", "out_heads"), [("mix", 3), ("share", 1), ("share", 2)])
+def test_bridge_initial_mapping(mode: str, out_heads: int) -> None:
+    """Identity-initialised maps: the bridge adds (mix) or substitutes (share, last heads) alpha * LN(source)."""
+    key, value, src_k, src_v = _bridge_inputs()
+    bridge = CacheBridge(3, 8, out_heads, alpha_init=0.3)
+    for out, own, src in zip(bridge(key, value, src_k, src_v, mode), (key, value), (src_k, src_v), strict=True):
+        bridged = 0.3 * F.layer_norm(src[:, :out_heads], (8,))
+        if mode == "mix":
+            assert torch.allclose(out, own + bridged, atol=1e-6)
+        else:
+            keep = 3 - out_heads
+            assert torch.equal(out[:, :keep], own[:, :keep])
+            assert torch.allclose(out[:, keep:], bridged, atol=1e-6)
+
+
+def test_bridge_rejects_unknown_mode() -> None:
+    with pytest.raises(ValueError, match="mix or share"):
+        CacheBridge(3, 8, 3, 0.3)(*_bridge_inputs(), "swap")
