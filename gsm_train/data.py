@@ -27,11 +27,11 @@ import datasets
 import torch
 
 from gsm_train.assets import EMBEDDED_PREFIX, embedded_asset_path
+from gsm_train.config import HUB_PREFIX
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-HUB_PREFIX = "hf://"
 _FORMATS = {"text": "text", "txt": "text", "json": "json", "jsonl": "json", "parquet": "parquet"}
 _EXTENSIONS = {".txt": "text", ".json": "json", ".jsonl": "json", ".ndjson": "json", ".parquet": "parquet"}
 _COMPRESSIONS = (".gz", ".xz", ".bz2", ".zst")

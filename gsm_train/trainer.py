@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from gsm_train.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
-from gsm_train.config import RecipeConfig, check_against_model, resolved_yaml
+from gsm_train.config import DataSourceConfig, RecipeConfig, check_against_model, resolved_yaml
 from gsm_train.data import PackedBatches, load_text_dataset, pack_tokens, split_eval
 from gsm_train.distributed import DistInfo, all_reduce_sum, init_distributed, shard_model, teardown
 from gsm_train.model_zoo import load_model_and_tokenizer
@@ -80,17 +80,17 @@ def _dtypes(config: RecipeConfig, info: DistInfo) -> tuple[torch.dtype, torch.dt
     return load, compute
 
 
+def _packed_rows(source: DataSourceConfig, tokenizer: Any, seq_len: int) -> Tensor:
+    return pack_tokens(load_text_dataset(source.path, format=source.format, fields=source.fields), tokenizer, seq_len)
+
+
 def _load_rows(config: RecipeConfig, tokenizer: Any) -> tuple[Tensor, Tensor]:
+    """(train rows, eval rows): eval from `data.eval`, else held out of the training rows."""
     data = config.data
-    train_src = data.train
-    rows = pack_tokens(load_text_dataset(train_src.path, format=train_src.format, fields=train_src.fields),
-                       tokenizer, data.seq_len)
+    rows = _packed_rows(data.train, tokenizer, data.seq_len)
     if data.eval is None:
         return split_eval(rows, data.eval_rows, data.seed)
-    eval_src = data.eval
-    eval_rows = pack_tokens(load_text_dataset(eval_src.path, format=eval_src.format, fields=eval_src.fields),
-                            tokenizer, data.seq_len)
-    return rows, eval_rows
+    return rows, _packed_rows(data.eval, tokenizer, data.seq_len)
 
 
 def _eval_batches(rows: Tensor, config: RecipeConfig, info: DistInfo) -> list[Tensor]:

@@ -83,8 +83,6 @@ def gate_distill_loss(query: Tensor, key: Tensor, gate_q: Tensor, gate_k: Tensor
     `counted_rows` [B|1, 1, T] marks the queries that have at least k keys. The target and the
     gradient are computed per query chunk in one pass (see `_GateKL`).
     """
-    with torch.no_grad():
-        query, key = query.detach(), key.detach()
     total = _GateKL.apply(gate_q, gate_k, query, key, allowed, counted_rows, scaling, chunk)
     count = counted_rows.expand(query.shape[0], gate_q.shape[1], -1).sum()
     return total, count

@@ -154,31 +154,28 @@ def gsm_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
     return ((n, p) for n, p in model.named_parameters() if GSM_PARAM_MARKER in f".{n}")
 
 
-def _with_section(model: PreTrainedModel, section: str, values: dict[str, Any]) -> GSMRuntime:
-    config = GSMConfig.model_validate({section: {"enabled": True, **values}})
-    return inject_gsm(model, config)
+def _inject_only(model: PreTrainedModel, section: str, values: dict[str, Any]) -> GSMRuntime:
+    """Inject with one GSM section enabled (with `values`) and the others off."""
+    blocks: dict[str, dict[str, Any]] = {"sparse_attention": {"enabled": False}}
+    blocks[section] = {"enabled": True, **values}
+    return inject_gsm(model, GSMConfig.model_validate(blocks))
 
 
 def inject_sparse_gate(model: PreTrainedModel, top_k_schedule: str = "constant", k_max: int = 64,
                        **options: Any) -> GSMRuntime:
     """Attach only Sparse Gate Heads (seed API); `options` are `sparse_attention` fields."""
-    return _with_section(model, "sparse_attention", {"top_k_schedule": top_k_schedule, "top_k": k_max, **options})
+    return _inject_only(model, "sparse_attention", {"top_k_schedule": top_k_schedule, "top_k": k_max, **options})
 
 
 def inject_kv_compressor(model: PreTrainedModel, cluster_num: int = 32, quant_bits: int = 8,
                          **options: Any) -> GSMRuntime:
     """Attach only ASQ compressors (seed API); `options` are `kv_compression` fields."""
-    config = GSMConfig.model_validate({"sparse_attention": {"enabled": False},
-                                       "kv_compression": {"enabled": True, "cluster_num": cluster_num,
-                                                          "quant_bits": quant_bits, **options}})
-    return inject_gsm(model, config)
+    return _inject_only(model, "kv_compression", {"cluster_num": cluster_num, "quant_bits": quant_bits, **options})
 
 
 def inject_cache_bridge(model: PreTrainedModel, bridge_layers: tuple[int, int] = (8, 24), alpha_init: float = 0.3,
                         **options: Any) -> GSMRuntime:
     """Attach only the cache bridge from `bridge_layers[0]` to layers `bridge_layers[1]`.. (seed API)."""
-    config = GSMConfig.model_validate({"sparse_attention": {"enabled": False},
-                                       "cross_layer_sharing": {"enabled": True, "bridge_from": bridge_layers[0],
-                                                               "bridge_to_start": bridge_layers[1],
-                                                               "alpha_init": alpha_init, **options}})
-    return inject_gsm(model, config)
+    return _inject_only(model, "cross_layer_sharing", {"bridge_from": bridge_layers[0],
+                                                       "bridge_to_start": bridge_layers[1],
+                                                       "alpha_init": alpha_init, **options})
