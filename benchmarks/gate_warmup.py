@@ -18,6 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import median_ms, write_result  # noqa: E402
 
+from gsm_train.config import load_recipe  # noqa: E402
 from gsm_train.modules import gsm_disabled  # noqa: E402
 from gsm_train.stages import GateWarmupStage  # noqa: E402
 from gsm_train.train import train_recipe  # noqa: E402
@@ -30,8 +31,9 @@ def _losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in records if r["kind"] == "train"]
 
 
-def _time_step_vs_forward(model: torch.nn.Module, batch: torch.Tensor) -> dict[str, float]:
+def _time_step_vs_forward(model: torch.nn.Module, batch: torch.Tensor, distill_queries: int) -> dict[str, float]:
     stage = GateWarmupStage()
+    stage.distill_queries = distill_queries
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5)
 
@@ -67,7 +69,11 @@ def main() -> None:
     one = train_recipe(args.recipe, [*data, *args.overrides, f"output.dir={out / 'one_gpu'}"])
     metrics = one.final_metrics
     stage_batch = torch.randint(0, 1000, (4, 2048), device="cuda")
-    timing = _time_step_vs_forward(one.model, stage_batch)
+    distill_queries = load_recipe(args.recipe, args.overrides).train.distill_queries
+    timing = _time_step_vs_forward(one.model, stage_batch, distill_queries)
+    every_query = _time_step_vs_forward(one.model, stage_batch, 0)
+    timing |= {"distill_queries": distill_queries, "step_ms_all_queries": every_query["step_ms"],
+               "step_over_forward_all_queries": every_query["step_over_forward"]}
     result = {
         "recall_ratio_k64": metrics["recall_ratio_k64"],
         "recall_ratio_k64_per_layer": metrics["recall_ratio_k64_per_layer"],

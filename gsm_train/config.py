@@ -170,12 +170,17 @@ class OptimConfig(StrictModel):
 
 
 class TrainConfig(StrictModel):
-    """Steps, batch and which parameters train."""
+    """Steps, batch and which parameters train.
+
+    `distill_queries`: how many query positions per step the gate KL uses (drawn uniformly, once per
+    forward and shared by all layers, among the queries with at least k keys); 0 uses all of them.
+    Evaluation always uses every query."""
 
     steps: int = Field(200, ge=1)
     batch_size: int = Field(1, ge=1)
     grad_accum: int = Field(1, ge=1)
     base: Literal["frozen", "full", "lora"] = "frozen"
+    distill_queries: int = Field(0, ge=0)
     seed: int = 0
 
 

@@ -37,6 +37,8 @@ class GSMRuntime:
     mode: str = "dense"
     enabled: bool = True
     distill: bool = False
+    distill_queries: int = 0
+    distill_rows: Tensor | None = None
     detach_gate_input: bool = False
     recall: tuple[int, int] | None = None
     layers_with_gate: list[int] = field(default_factory=list)
@@ -51,6 +53,20 @@ class GSMRuntime:
         self.recall_sums.clear()
         self.asq_losses.clear()
         self.bridge_source = None
+        self.distill_rows = None
+
+    def sampled_rows(self, counted: Tensor) -> Tensor | None:
+        """Query positions the gate KL uses in this forward: all (None), or `distill_queries` drawn once
+        per forward (shared by all layers) from the positions every sequence counts, sorted."""
+        if self.distill_queries <= 0:
+            return None
+        if self.distill_rows is None:
+            candidates = counted.all(dim=0).flatten().nonzero().flatten()
+            if len(candidates) > self.distill_queries:
+                pick = torch.randperm(len(candidates))[: self.distill_queries].to(candidates.device)
+                candidates = candidates[pick.sort().values]
+            self.distill_rows = candidates
+        return self.distill_rows
 
 
 class GSMAttentionAdapter(nn.Module):
@@ -184,8 +200,14 @@ def gsm_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
         out = _masked_sdpa(module, query, key, value, selection, scaling)
     if runtime.distill and gate is not None:
         counted = allowed.sum(-1) >= k_t  # queries with at least k keys  [B|1, 1, T]
+        rows = runtime.sampled_rows(counted)
+        if rows is None:
+            distill_q, distill_gq, distill_allowed, distill_counted = query, gate_q, allowed, counted
+        else:
+            distill_q, distill_gq = query[:, :, rows], gate_q[:, :, rows]
+            distill_allowed, distill_counted = allowed[..., rows, :], counted[..., rows]
         runtime.distill_losses[adapter.layer_idx] = gate_distill_loss(
-            query.detach(), key.detach(), gate_q, gate_k, allowed, counted, scaling, chunk)
+            distill_q.detach(), key.detach(), distill_gq, gate_k, distill_allowed, distill_counted, scaling, chunk)
     if runtime.recall is not None:
         k, min_keys = runtime.recall
         constant_k = torch.full_like(k_t, k)
