@@ -1,11 +1,16 @@
-"""`gsm-train`: validate recipes, train, and inspect what GSM attaches to a model."""
+"""`gsm-train`: validate recipes, train, inspect what GSM attaches, export checkpoints and publish exports."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from gsm_train.checkpoint_export import export_checkpoint
 from gsm_train.config import ConfigError, load_recipe, resolved_yaml
+from gsm_train.export import ExportError
+from gsm_train.hub import PublishError, publish_export
+from gsm_train.inspect_model import inspect_model
+from gsm_train.train import main as train_main
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -15,16 +20,24 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from gsm_train.train import main as train_main
-
     argv = ["--recipe", args.recipe, *args.overrides] + (["--resume", args.resume] if args.resume else [])
     return train_main(argv)
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from gsm_train.inspect_model import inspect_model
-
     print(inspect_model(args.model, args.recipe, args.seq_len, args.overrides))
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    print(f"export written to {export_checkpoint(args.checkpoint, args.out)}")
+    return 0
+
+
+def _publish(args: argparse.Namespace) -> int:
+    where = publish_export(args.export, args.repo_id, private=args.private, revision=args.revision,
+                           endpoint=args.endpoint)
+    print(f"published {args.export} to {args.repo_id}: {where}")
     return 0
 
 
@@ -46,6 +59,17 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--seq-len", type=int, default=2048, help="context for the KV byte account")
     inspect.add_argument("overrides", nargs="*", help="key.sub=value applied to the recipe")
     inspect.set_defaults(run=_inspect)
+    export = commands.add_parser("export", help="write the adapter export of a checkpoint")
+    export.add_argument("checkpoint", help="RUN/checkpoints/step_N")
+    export.add_argument("out", help="folder to write (replaced atomically)")
+    export.set_defaults(run=_export)
+    publish = commands.add_parser("publish", help="upload an export to the Hugging Face Hub (one commit)")
+    publish.add_argument("export", help="an export folder")
+    publish.add_argument("--repo-id", required=True, help="ORG/NAME")
+    publish.add_argument("--private", action="store_true")
+    publish.add_argument("--revision", default=None, help="branch to commit to (created if missing)")
+    publish.add_argument("--endpoint", default=None, help="Hub URL (default: huggingface.co or HF_ENDPOINT)")
+    publish.set_defaults(run=_publish)
     return parser
 
 
@@ -56,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except ConfigError as err:
         print(err, file=sys.stderr)
+        return 2
+    except (ExportError, PublishError) as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
 
 

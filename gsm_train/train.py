@@ -7,6 +7,7 @@ import sys
 
 from gsm_train.config import ConfigError, Problem, load_recipe
 from gsm_train.data import DataError
+from gsm_train.export import ExportError
 from gsm_train.modules import GSMError
 from gsm_train.stages import STAGES
 from gsm_train.trainer import TrainResult, run_training
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         result = train_recipe(args.recipe, args.overrides, args.resume)
-    except (ConfigError, DataError, GSMError) as err:
+    except (ConfigError, DataError, GSMError, ExportError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if result.summary:

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from gsm_train.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from gsm_train.config import DataSourceConfig, RecipeConfig, check_against_model, resolved_yaml
 from gsm_train.data import PackedBatches, load_text_dataset, pack_tokens, split_eval
+from gsm_train.export import export_adapter
 from gsm_train.distributed import DistInfo, all_reduce_sum, init_distributed, shard_model, teardown
 from gsm_train.model_zoo import load_model_and_tokenizer
 from gsm_train.run_log import RunLogger
@@ -117,16 +118,36 @@ def run_training(config: RecipeConfig, stage: Stage, run_name: str | None = None
         teardown()
 
 
-def _run(config: RecipeConfig, stage: Stage, info: DistInfo, run_name: str) -> TrainResult:
-    torch.manual_seed(config.train.seed)
-    run_dir = Path(config.output.dir)
-    load_dtype, compute_dtype = _dtypes(config, info)
+def _autocast(info: DistInfo, compute_dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    if compute_dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(info.device.type, dtype=compute_dtype)
+
+
+def _prepared_model(config: RecipeConfig, stage: Stage, info: DistInfo) -> tuple[nn.Module, Tensor, Tensor]:
+    """The base model with the stage's modules attached, on the device, and the (train, eval) rows."""
+    load_dtype, _ = _dtypes(config, info)
     model, tokenizer = load_model_and_tokenizer(config.model.name_or_path, config.model.gguf_file,
                                                 config.model.revision, load_dtype)
     check_against_model(config, model.config.num_hidden_layers)
     stage.prepare(model, config)
     model.to(info.device)
-    train_rows, eval_rows = _load_rows(config, tokenizer)
+    return model, *_load_rows(config, tokenizer)
+
+
+def evaluate_recipe(config: RecipeConfig, stage: Stage) -> dict[str, Any]:
+    """The stage's evaluation of the model the recipe prepares (no training step), in this process."""
+    info = init_distributed()
+    model, _, eval_rows = _prepared_model(config, stage, info)
+    with _autocast(info, _dtypes(config, info)[1]):
+        return stage.evaluate(model, _eval_batches(eval_rows, config, info))
+
+
+def _run(config: RecipeConfig, stage: Stage, info: DistInfo, run_name: str) -> TrainResult:
+    torch.manual_seed(config.train.seed)
+    run_dir = Path(config.output.dir)
+    _, compute_dtype = _dtypes(config, info)
+    model, train_rows, eval_rows = _prepared_model(config, stage, info)
     if info.distributed and config.distributed.fsdp == "auto":
         shard_model(model, compute_dtype)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -155,8 +176,7 @@ def _run(config: RecipeConfig, stage: Stage, info: DistInfo, run_name: str) -> T
         "train_rows": len(train_rows), "eval_rows": len(eval_rows),
         "resumed_from": str(resume) if resume is not None else None})
     eval_batches = _eval_batches(eval_rows, config, info)
-    autocast = (torch.autocast(info.device.type, dtype=compute_dtype) if compute_dtype is not None
-                else contextlib.nullcontext())
+    autocast = _autocast(info, compute_dtype)
     result = TrainResult(run_dir=run_dir, model=model)
     history: list[dict[str, Any]] = []
     tokens_per_step = config.train.batch_size * config.train.grad_accum * config.data.seq_len * info.world_size
@@ -196,8 +216,12 @@ def _run(config: RecipeConfig, stage: Stage, info: DistInfo, run_name: str) -> T
     if not result.final_metrics:
         with autocast:
             result.final_metrics = stage.evaluate(model, eval_batches)
+    scalars = {k: v for k, v in result.final_metrics.items() if isinstance(v, (int, float))}
+    export_dir = export_adapter(model, run_dir / "export", base_name=config.model.name_or_path,
+                                base_revision=config.model.revision, recipe=config.model_dump(mode="json"),
+                                metrics=scalars, is_main=info.is_main)
     if info.is_main:
-        result.summary = stage.report(run_dir, result.final_metrics, history)
+        result.summary = stage.report(run_dir, result.final_metrics, history) | {"export": str(export_dir)}
         logger.log("report", config.train.steps, {"summary": result.summary})
     logger.close()
     return result

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from gsm_train.data import DataError
 from gsm_train.model_zoo import tiny_model
@@ -46,8 +47,10 @@ def test_loss_falls_and_base_stays_bit_identical(tmp_path: Path) -> None:
     assert (tmp_path / "recall_per_layer.png").stat().st_size > 1000
 
 
-def test_resume_reproduces_an_uninterrupted_run(tmp_path: Path) -> None:
-    steps = ["train.steps=6", "output.checkpoint_every=3", "logging.eval_every=100"]
+@pytest.mark.parametrize("distill_queries", [0, 20])
+def test_resume_reproduces_an_uninterrupted_run(tmp_path: Path, distill_queries: int) -> None:
+    steps = ["train.steps=6", "output.checkpoint_every=3", "logging.eval_every=100",
+             f"train.distill_queries={distill_queries}"]
     straight = tmp_path / "straight"
     train_recipe(RECIPE, [*TINY, *steps, f"output.dir={straight}"])
     crashed = tmp_path / "crashed"
@@ -75,6 +78,10 @@ def test_two_process_fsdp2_matches_one_process(tmp_path: Path) -> None:
     assert _losses(tmp_path / "two") == pytest.approx(single.losses, abs=1e-4)
     evals = [r for r in records if r["kind"] == "eval"]
     assert evals[-1]["gate_mass_k8"] == pytest.approx(single.final_metrics["gate_mass_k8"], abs=1e-4)
+    one_export = load_file(str(tmp_path / "one" / "export" / "adapter_model.safetensors"))
+    two_export = load_file(str(tmp_path / "two" / "export" / "adapter_model.safetensors"))
+    assert one_export.keys() == two_export.keys()
+    assert all(torch.allclose(one_export[n], two_export[n], atol=1e-6) for n in one_export)
 
 
 def test_empty_dataset_is_one_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -94,3 +101,14 @@ def test_missing_data_file_is_one_clear_error(tmp_path: Path, capsys: pytest.Cap
     err = capsys.readouterr().err
     assert status == 2 and "data.train.path" in err and "nope.txt" in err and "fix:" in err
     assert not (tmp_path / "run").exists()
+
+
+def test_query_sampling_estimates_the_full_loss(tmp_path: Path) -> None:
+    full = train_recipe(RECIPE, [*TINY, "train.steps=2", f"output.dir={tmp_path / 'full'}"])
+    everything = train_recipe(RECIPE, [*TINY, "train.steps=2", "train.distill_queries=64",
+                                       f"output.dir={tmp_path / 'all'}"])
+    sampled = train_recipe(RECIPE, [*TINY, "train.steps=2", "train.distill_queries=16",
+                                    f"output.dir={tmp_path / 'sampled'}"])
+    assert everything.losses == pytest.approx(full.losses, abs=1e-7), "sampling >= all counted queries is exact"
+    assert sampled.losses != pytest.approx(full.losses, abs=1e-7)
+    assert sampled.losses[0] == pytest.approx(full.losses[0], rel=0.5)

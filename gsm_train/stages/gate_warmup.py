@@ -28,16 +28,22 @@ class GateWarmupStage:
     """Train only the gate heads: loss = mean over sparse layers of KL(target || gate) per counted query."""
 
     name = "gate_warmup"
+    distill_queries = 0
 
     def prepare(self, model: nn.Module, config: RecipeConfig) -> None:
         if not (config.gsm.gsm_enabled and config.gsm.sparse_attention.enabled):
             raise GSMError("stage gate_warmup trains the Sparse Gate Heads, but gsm.gsm_enabled or "
                            "gsm.sparse_attention.enabled is false; set both to true")
         self.recall = (config.logging.recall_k, config.logging.recall_min_keys)
-        inject_gsm(model, config.gsm, mode="dense")
+        self.distill_queries = config.train.distill_queries
+        self.attach(model, config)
         model.requires_grad_(False)
         for name, param in gsm_parameters(model):
             param.requires_grad_(".gate." in f".{name}")
+
+    def attach(self, model: nn.Module, config: RecipeConfig) -> None:
+        """Fresh gate heads as the recipe's gsm block says."""
+        inject_gsm(model, config.gsm, mode="dense")
 
     def _forward(self, model: nn.Module, batch: Tensor) -> None:
         model(input_ids=batch, use_cache=False, logits_to_keep=1)
@@ -45,7 +51,7 @@ class GateWarmupStage:
     def loss(self, model: nn.Module, batch: Tensor) -> tuple[Tensor, dict[str, float]]:
         runtime = gsm_runtime(model)
         runtime.clear()
-        runtime.distill, runtime.recall = True, None
+        runtime.distill, runtime.recall, runtime.distill_queries = True, None, self.distill_queries
         self._forward(model, batch)
         runtime.distill = False
         per_layer = [total / count.clamp_min(1) for total, count in runtime.distill_losses.values()]
@@ -62,7 +68,7 @@ class GateWarmupStage:
         layers = _gate_layers(model)
         sums = torch.zeros(len(layers), len(_RECALL_KEYS) + 2, dtype=torch.float64,
                            device=next(model.parameters()).device)
-        runtime.distill, runtime.recall = True, self.recall
+        runtime.distill, runtime.recall, runtime.distill_queries = True, self.recall, 0
         for batch in batches:
             runtime.clear()
             self._forward(model, batch)

@@ -1,0 +1,31 @@
+"""`gsm-train export CHECKPOINT OUT`: rebuild a run's model from its resolved recipe, load a
+checkpoint's trainable tensors and write the adapter export."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+from gsm_train.config import load_recipe
+from gsm_train.export import ExportError, export_adapter
+from gsm_train.model_zoo import load_model_and_tokenizer
+from gsm_train.stages import STAGES
+
+
+def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path) -> Path:
+    """Export the GSM tensors of `RUN/checkpoints/step_N` (the run's recipe.resolved.yaml says how to rebuild)."""
+    checkpoint = Path(checkpoint_dir)
+    recipe = checkpoint.parents[1] / "recipe.resolved.yaml"
+    weights_file = checkpoint / "trainable.safetensors"
+    if not weights_file.is_file() or not recipe.is_file():
+        raise ExportError(f"{checkpoint}: not a checkpoint of a gsm-train run (need {weights_file.name} here and "
+                          f"{recipe.name} two folders up); give RUN/checkpoints/step_N")
+    config = load_recipe(recipe)
+    model, _ = load_model_and_tokenizer(config.model.name_or_path, config.model.gguf_file, config.model.revision)
+    STAGES[config.stage]().attach(model, config)
+    result = model.load_state_dict(load_file(str(weights_file)), strict=False)
+    if result.unexpected_keys:
+        raise ExportError(f"{checkpoint}: tensors {result.unexpected_keys[:3]} do not fit the recipe's model")
+    return export_adapter(model, out_dir, base_name=config.model.name_or_path, base_revision=config.model.revision,
+                          recipe=config.model_dump(mode="json"))

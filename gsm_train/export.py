@@ -1,0 +1,181 @@
+"""Adapter export and loading: what users take away from a run (see docs/adapter-format.md).
+
+An export folder holds `adapter_model.safetensors` (GSM tensors only, full tensors gathered from
+FSDP shards), `gsm_config.json` (the seed's schema plus the base model's identity and every tensor's
+shape), a `README.md` model card and `training_args.json`. It is written to a temporary folder and
+renamed into place, by rank 0 only. Loading refuses a base model that does not match.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import ValidationError
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from gsm_train.config import GSMConfig
+from gsm_train.modules import GSMRuntime, gsm_runtime, inject_gsm
+from gsm_train.modules.injection import GSM_PARAM_MARKER
+
+FORMAT = "gsm-train-adapter"
+FORMAT_VERSION = 1
+ADAPTER_FILE = "adapter_model.safetensors"
+CONFIG_FILE = "gsm_config.json"
+CARD_FILE = "README.md"
+ARGS_FILE = "training_args.json"
+_GSM_SECTIONS = ("gsm_enabled", "sparse_attention", "kv_compression", "cross_layer_sharing")
+_FINGERPRINT_TENSORS = ("model.embed_tokens.weight", "model.norm.weight", "model.layers.0.self_attn.q_proj.weight")
+
+
+class ExportError(ValueError):
+    """An export that cannot be written, read or applied; the message names the problem and the fix."""
+
+
+def _is_gsm(name: str) -> bool:
+    return GSM_PARAM_MARKER in f".{name}"
+
+
+def base_fingerprint(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over the base tensors' names and shapes and the bf16-rounded values of a few of them
+    (so the same weights loaded in fp32 or bf16 give the same fingerprint)."""
+    digest = hashlib.sha256()
+    base = sorted(name for name in state if not _is_gsm(name))
+    for name in base:
+        digest.update(f"{name}:{tuple(state[name].shape)};".encode())
+    for name in _FINGERPRINT_TENSORS:
+        if name in state:
+            rows = state[name].detach()[:16].to(torch.bfloat16).to(torch.float32).cpu().contiguous()
+            digest.update(rows.numpy().tobytes())
+    return digest.hexdigest()
+
+
+def base_description(model: nn.Module, state: dict[str, torch.Tensor], name: str, revision: str | None) -> dict:
+    """What a loader checks the base model against."""
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    return {
+        "name_or_path": name, "revision": revision, "model_type": cfg.model_type,
+        "architectures": list(getattr(cfg, "architectures", None) or [type(model).__name__]),
+        "num_hidden_layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size,
+        "num_attention_heads": heads, "num_key_value_heads": getattr(cfg, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+        "vocab_size": cfg.vocab_size, "fingerprint": base_fingerprint(state),
+    }
+
+
+def _model_card(config: dict, recipe: dict | None, metrics: dict | None) -> str:
+    base = config["base_model"]
+    lines = [
+        "---", "library_name: gsm-train", f"base_model: {base['name_or_path']}", "tags: [gsm, sparse-attention]",
+        "---", "", f"# GSM adapter for {base['name_or_path']}", "",
+        "Trained with gsm-train. Modules: "
+        + ", ".join(s for s in ("sparse_attention", "kv_compression", "cross_layer_sharing")
+                    if config[s].get("enabled")) + ".", "",
+        f"- base: `{base['name_or_path']}` ({base['model_type']}, {base['num_hidden_layers']} layers), "
+        f"fingerprint `{base['fingerprint'][:16]}`",
+        f"- tensors: {len(config['tensors'])}",
+    ]
+    if recipe:
+        lines += [f"- stage: `{recipe.get('stage')}`, steps: {recipe.get('train', {}).get('steps')}",
+                  f"- data: `{recipe.get('data', {}).get('train', {}).get('path')}`"]
+    if metrics:
+        scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+        lines += ["", "## Metrics", "", "| metric | value |", "|---|---|"]
+        lines += [f"| {k} | {v:.4g} |" for k, v in sorted(scalars.items())]
+    lines += ["", "## Load", "", "```python", "from gsm_train.export import load_gsm",
+              "from gsm_train.model_zoo import load_model_and_tokenizer",
+              f"model, tokenizer = load_model_and_tokenizer({base['name_or_path']!r})",
+              "load_gsm(model, 'PATH/TO/THIS/FOLDER')", "```", ""]
+    return "\n".join(lines)
+
+
+def export_adapter(model: nn.Module, out_dir: str | Path, *, base_name: str, base_revision: str | None = None,
+                   recipe: dict | None = None, metrics: dict | None = None, is_main: bool = True) -> Path:
+    """Write the export (collective under FSDP: every rank calls it; rank 0 writes). Returns the folder."""
+    out_dir = Path(out_dir)
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not is_main:
+        return out_dir
+    tensors = {name: t.detach().contiguous() for name, t in state.items() if _is_gsm(name)}
+    if not tensors:
+        raise ExportError("the model has no GSM tensors to export; inject GSM modules first")
+    gsm = gsm_runtime(model).config.model_dump(mode="json")
+    config = {"format": FORMAT, "format_version": FORMAT_VERSION, **gsm,
+              "base_model": base_description(model, state, base_name, base_revision),
+              "tensors": {name: list(t.shape) for name, t in sorted(tensors.items())}}
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(tensors, str(tmp / ADAPTER_FILE), metadata={"format": FORMAT, "format_version": str(FORMAT_VERSION)})
+    (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True))
+    (tmp / ARGS_FILE).write_text(json.dumps({"recipe": recipe, "metrics": metrics}, indent=2, sort_keys=True,
+                                            default=float))
+    (tmp / CARD_FILE).write_text(_model_card(config, recipe, metrics))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)
+    return out_dir
+
+
+def validate_export(export_dir: str | Path) -> dict:
+    """Check an export folder; return its parsed gsm_config.json or raise ExportError."""
+    folder = Path(export_dir)
+    missing = [f for f in (ADAPTER_FILE, CONFIG_FILE) if not (folder / f).is_file()]
+    if missing:
+        raise ExportError(f"{folder}: not a GSM export, missing {', '.join(missing)}; "
+                          "give the folder written at the end of a stage (OUTPUT_DIR/export) or by gsm-train export")
+    try:
+        config = json.loads((folder / CONFIG_FILE).read_text())
+    except json.JSONDecodeError as err:
+        raise ExportError(f"{folder / CONFIG_FILE}: not valid JSON ({err}); re-export the adapter") from None
+    if config.get("format") != FORMAT or config.get("format_version") != FORMAT_VERSION:
+        raise ExportError(f"{folder / CONFIG_FILE}: format {config.get('format')!r} version "
+                          f"{config.get('format_version')!r}, expected {FORMAT!r} version {FORMAT_VERSION}")
+    try:
+        GSMConfig.model_validate({k: config[k] for k in _GSM_SECTIONS if k in config})
+    except ValidationError as err:
+        raise ExportError(f"{folder / CONFIG_FILE}: invalid GSM settings: {err}") from None
+    with safe_open(str(folder / ADAPTER_FILE), framework="pt") as handle:
+        shapes = {name: list(handle.get_slice(name).get_shape()) for name in handle.keys()}
+    if shapes != config.get("tensors"):
+        raise ExportError(f"{folder}: the tensors in {ADAPTER_FILE} do not match the list in {CONFIG_FILE}; "
+                          "the export is damaged, re-export it")
+    return config
+
+
+def _base_mismatches(expected: dict, actual: dict) -> list[str]:
+    keys = ("model_type", "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "vocab_size", "fingerprint")
+    return [f"{k}: adapter {expected.get(k)!r}, model {actual.get(k)!r}" for k in keys if expected.get(k) != actual.get(k)]
+
+
+def load_gsm(model: nn.Module, adapter_dir: str | Path, mode: str = "sparse") -> GSMRuntime:
+    """Attach the exported GSM modules to `model` (a fresh base) and load their tensors exactly.
+
+    Refuses a base that differs from the one the adapter was trained on (architecture, dims,
+    weights fingerprint). `mode` sets how main attention runs (dense / sparse / oracle).
+    """
+    config = validate_export(adapter_dir)
+    actual = base_description(model, model.state_dict(), "", None)
+    mismatches = _base_mismatches(config["base_model"], actual)
+    if mismatches:
+        raise ExportError(f"{adapter_dir} was trained on {config['base_model']['name_or_path']!r}, which differs "
+                          f"from this model: {'; '.join(mismatches)}. Load the adapter onto that base model")
+    gsm = GSMConfig.model_validate({k: config[k] for k in _GSM_SECTIONS})
+    build = gsm.model_copy(update={"sparse_attention": gsm.sparse_attention.model_copy(update={"gate_init": "random"})})
+    runtime = inject_gsm(model, build, mode=mode)
+    runtime.config = gsm
+    result = model.load_state_dict(load_file(str(Path(adapter_dir) / ADAPTER_FILE)), strict=False)
+    missing = [name for name in result.missing_keys if _is_gsm(name)]
+    if missing or result.unexpected_keys:
+        raise ExportError(f"{adapter_dir}: tensors do not fit the modules built from its gsm_config.json "
+                          f"(missing {missing[:3]}, unexpected {result.unexpected_keys[:3]}); re-export the adapter")
+    return runtime

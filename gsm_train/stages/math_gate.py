@@ -1,0 +1,22 @@
+"""Domain gate fine-tune: start from an exported adapter (`init_from`) and adapt only its gate heads
+to domain text (e.g. GSM8K); the base, ASQ and bridge stay exactly as loaded. Same loss, metrics
+and report as the gate warm-up."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from gsm_train.config import RecipeConfig
+from gsm_train.export import load_gsm
+from gsm_train.modules import set_gsm_mode
+from gsm_train.stages.gate_warmup import GateWarmupStage
+
+
+class MathGateStage(GateWarmupStage):
+    """Gate-only fine-tune of an exported adapter; the modules come from the export, not the recipe."""
+
+    name = "math_gate"
+
+    def attach(self, model: nn.Module, config: RecipeConfig) -> None:
+        load_gsm(model, config.init_from)
+        set_gsm_mode(model, "dense")

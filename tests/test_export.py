@@ -1,0 +1,103 @@
+"""Adapter export and loading: exact round trip, base checks, damaged exports, checkpoint export, math_gate."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from gsm_train.cli import main as cli_main
+from gsm_train.config import GSMConfig
+from gsm_train.export import ADAPTER_FILE, CONFIG_FILE, ExportError, export_adapter, load_gsm, validate_export
+from gsm_train.model_zoo import tiny_model
+from gsm_train.modules import gsm_state_dict, inject_gsm
+from gsm_train.train import main as train_main
+from gsm_train.train import train_recipe
+
+REPO = Path(__file__).resolve().parents[1]
+ALL_ON = {"sparse_attention": {"top_k": 4, "k_min": 4, "gate_init": "random"},
+          "kv_compression": {"enabled": True, "block_size": 8, "cluster_num": 4},
+          "cross_layer_sharing": {"enabled": True, "bridge_from": 1, "bridge_to_start": 2, "mode": "share"}}
+TINY = ["model.name_or_path=tiny-llama", "data.seq_len=64", "logging.recall_min_keys=16", "logging.recall_k=8",
+        "gsm.sparse_attention.top_k=8", "gsm.sparse_attention.k_min=8", "logging.progress_bar=false",
+        "train.steps=2", "logging.eval_every=2"]
+
+
+@pytest.fixture
+def exported(tmp_path: Path) -> tuple[torch.nn.Module, Path]:
+    model = tiny_model("llama")
+    inject_gsm(model, GSMConfig.model_validate(ALL_ON), mode="sparse")
+    with torch.no_grad():  # make every GSM tensor differ from a fresh injection
+        for name, tensor in gsm_state_dict(model).items():
+            if tensor.is_floating_point():
+                tensor.add_(0.01 * torch.randn_like(tensor))
+    return model, export_adapter(model, tmp_path / "export", base_name="tiny-llama", metrics={"kl": 0.5})
+
+
+def test_export_then_load_is_exact(exported: tuple[torch.nn.Module, Path]) -> None:
+    model, folder = exported
+    assert sorted(p.name for p in folder.iterdir()) == ["README.md", ADAPTER_FILE, CONFIG_FILE, "training_args.json"]
+    loaded = tiny_model("llama")
+    load_gsm(loaded, folder, mode="sparse")
+    original, restored = gsm_state_dict(model), gsm_state_dict(loaded)
+    assert original.keys() == restored.keys()
+    assert all(torch.equal(original[n], restored[n]) for n in original)
+    ids = torch.randint(0, 256, (2, 40))
+    model.eval(), loaded.eval()
+    assert torch.equal(model(ids).logits, loaded(ids).logits)
+    config = json.loads((folder / CONFIG_FILE).read_text())
+    assert {"gsm_enabled", "sparse_attention", "kv_compression", "cross_layer_sharing", "base_model"} <= set(config)
+    assert config["sparse_attention"]["gate_init"] == "random", "the config is exported as trained"
+    assert "kl" in (folder / "README.md").read_text()
+
+
+@pytest.mark.parametrize("other", [lambda: tiny_model("llama", seed=1), lambda: tiny_model("qwen2"),
+                                   lambda: tiny_model("llama", num_layers=3)])
+def test_a_different_base_is_refused(exported: tuple[torch.nn.Module, Path], other) -> None:
+    with pytest.raises(ExportError, match="differs from this model"):
+        load_gsm(other(), exported[1])
+
+
+def test_same_weights_in_bf16_are_accepted(exported: tuple[torch.nn.Module, Path]) -> None:
+    load_gsm(tiny_model("llama").to(torch.bfloat16), exported[1])
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda f: (f / CONFIG_FILE).unlink(), "missing gsm_config.json"),
+    (lambda f: (f / CONFIG_FILE).write_text("{"), "not valid JSON"),
+    (lambda f: (f / CONFIG_FILE).write_text(json.dumps({**json.loads((f / CONFIG_FILE).read_text()),
+                                                        "tensors": {}})), "do not match"),
+])
+def test_damaged_exports_are_refused(exported: tuple[torch.nn.Module, Path], damage, message: str) -> None:
+    damage(exported[1])
+    with pytest.raises(ExportError, match=message):
+        validate_export(exported[1])
+
+
+def test_stage_exports_and_cli_export_of_a_checkpoint_agree(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    train_recipe(str(REPO / "recipes" / "gate_only.yaml"), [*TINY, f"output.dir={run}"])
+    validate_export(run / "export")
+    assert cli_main(["export", str(run / "checkpoints" / "step_00000002"), str(tmp_path / "again")]) == 0
+    first, second = load_file(str(run / "export" / ADAPTER_FILE)), load_file(str(tmp_path / "again" / ADAPTER_FILE))
+    assert first.keys() == second.keys() and all(torch.equal(first[n], second[n]) for n in first)
+    assert cli_main(["export", str(tmp_path), str(tmp_path / "bad")]) == 2
+
+
+def test_math_gate_trains_only_the_gates_of_an_export(exported: tuple[torch.nn.Module, Path], tmp_path: Path) -> None:
+    _, folder = exported
+    result = train_recipe(str(REPO / "recipes" / "math_gate.yaml"),
+                          [*TINY, f"init_from={folder}", f"output.dir={tmp_path / 'math'}", "optim.lr=0.05"])
+    before, after = load_file(str(folder / ADAPTER_FILE)), gsm_state_dict(result.model)
+    changed = {n for n in before if not torch.equal(before[n], after[n].cpu())}
+    assert changed and all(".gate." in n for n in changed)
+    assert all(n in changed for n in before if ".gate." in n and n.endswith("weight"))
+
+
+def test_math_gate_without_an_export_is_one_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    status = train_main(["--recipe", str(REPO / "recipes" / "math_gate.yaml"), *TINY,
+                         f"init_from={tmp_path / 'none'}", f"output.dir={tmp_path / 'run'}"])
+    assert status == 2 and "not a GSM export" in capsys.readouterr().err
