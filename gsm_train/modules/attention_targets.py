@@ -28,13 +28,6 @@ def head_averaged_probs(query: Tensor, key: Tensor, allowed: Tensor, scaling: fl
     return probs.view(batch, num_selectors, num_heads // num_selectors, length, -1).mean(dim=2)
 
 
-def _visible_keys(allowed: Tensor, start: int, stop: int) -> int:
-    """How many leading keys any query of the chunk may see (causal: up to the chunk's last query),
-    so that the chunk's work covers S_visible instead of all S keys."""
-    visible = allowed[..., start:stop, :].any(dim=-2).flatten(0, -2).any(dim=0)
-    return int(visible.nonzero().max()) + 1 if bool(visible.any()) else 1
-
-
 class _GateKL(torch.autograd.Function):
     """Sum of KL(target || softmax(gate logits)) over counted rows, with its gradient computed chunk by chunk
     in the forward pass: d KL / d logits = softmax(logits) - target, so the backward needs neither the
@@ -42,7 +35,7 @@ class _GateKL(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gate_q: Tensor, gate_k: Tensor, query: Tensor, key: Tensor, allowed: Tensor,
-                counted_rows: Tensor, scaling: float, chunk: int) -> Tensor:
+                counted_rows: Tensor, visible: Tensor, scaling: float, chunk: int) -> Tensor:
         want_grad = any(ctx.needs_input_grad[:2])
         scale = gate_q.shape[-1] ** -0.5
         gq, gk = gate_q.float(), gate_k.float()
@@ -51,9 +44,7 @@ class _GateKL(torch.autograd.Function):
         for start in range(0, query.shape[2], chunk):
             stop = min(start + chunk, query.shape[2])
             rows = counted_rows[..., start:stop].float()  # [B|1, 1, c]
-            if not bool(rows.any()):
-                continue
-            keys = _visible_keys(allowed, start, stop)
+            keys = int(visible[stop - 1])
             mask = allowed[..., start:stop, :keys]
             target = head_averaged_probs(query[:, :, start:stop], key[:, :, :keys], mask, scaling, gq.shape[1])
             logits = torch.matmul(gq[:, :, start:stop], gk[:, :, :keys].transpose(-1, -2)) * scale
@@ -73,44 +64,57 @@ class _GateKL(torch.autograd.Function):
     def backward(ctx, grad_total: Tensor):
         grad_q, grad_k = ctx.saved_tensors
         dtype_q, dtype_k = ctx.dtypes
-        return (grad_q * grad_total).to(dtype_q), (grad_k * grad_total).to(dtype_k), None, None, None, None, None, None
+        return (grad_q * grad_total).to(dtype_q), (grad_k * grad_total).to(dtype_k), *([None] * 7)
+
+
+def causal_visible(q_len: int, kv_len: int) -> Tensor:
+    """Host tensor: the most keys each of the last `q_len` queries can see under the causal mask."""
+    return torch.arange(kv_len - q_len + 1, kv_len + 1)
 
 
 def gate_distill_loss(query: Tensor, key: Tensor, gate_q: Tensor, gate_k: Tensor, allowed: Tensor,
-                      counted_rows: Tensor, scaling: float, chunk: int) -> tuple[Tensor, Tensor]:
+                      counted_rows: Tensor, scaling: float, chunk: int,
+                      visible: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Sum of KL(target || gate) over counted query rows, and the number of rows counted.
 
-    `counted_rows` [B|1, 1, T] marks the queries that have at least k keys. The target and the
+    `counted_rows` [B|1, 1, T] marks the queries that have at least k keys; `visible` (on the host,
+    non-decreasing, one per query row; default: the causal bound) says how many leading keys a row
+    may see at most, so that a chunk only touches the keys its queries can see without asking the device. The target and the
     gradient are computed per query chunk in one pass (see `_GateKL`).
     """
-    total = _GateKL.apply(gate_q, gate_k, query, key, allowed, counted_rows, scaling, chunk)
+    if visible is None:
+        visible = causal_visible(query.shape[2], key.shape[2])
+    total = _GateKL.apply(gate_q, gate_k, query, key, allowed, counted_rows, visible, scaling, chunk)
     count = counted_rows.expand(query.shape[0], gate_q.shape[1], -1).sum()
     return total, count
 
 
 @torch.no_grad()
 def captured_mass(query: Tensor, key: Tensor, allowed: Tensor, scaling: float, k: int, min_keys: int, chunk: int,
-                  num_selectors: int, gate_selection: Callable[[int, int], Tensor] | None) -> dict[str, Tensor]:
+                  num_selectors: int, gate_selection: Callable[[int, int], Tensor] | None,
+                  visible: Tensor | None = None) -> dict[str, Tensor]:
     """Target mass captured by the gate's selection and by the true top-k, over queries with >= min_keys keys.
 
-    `gate_selection(start, stop)` returns the gate's boolean selection [B, n, c, S] for a chunk.
+    `visible` as for `gate_distill_loss`; `gate_selection(start, stop)` returns the gate's boolean
+    selection [B, n, c, S] for a chunk.
     Returns fp64 sums `gate`, `oracle` and `queries` (rows counted, times batch and selectors).
     """
     length = query.shape[2]
+    visible = causal_visible(length, key.shape[2]) if visible is None else visible
     key_count = allowed.sum(-1)  # [B|1, 1, T]
     sums = {name: torch.zeros((), dtype=torch.float64, device=query.device) for name in ("gate", "oracle", "queries")}
     for start in range(0, length, chunk):
         stop = min(start + chunk, length)
-        rows = key_count[..., start:stop] >= min_keys  # [B|1, 1, c]
-        if not bool(rows.any()):
+        keys = int(visible[stop - 1])
+        if keys < min_keys:
             continue
-        keys = _visible_keys(allowed, start, stop)
+        rows = (key_count[..., start:stop] >= min_keys).double()  # [B|1, 1, c]
         target = head_averaged_probs(query[:, :, start:stop], key[:, :, :keys], allowed[..., start:stop, :keys],
                                      scaling, num_selectors)
         rows = rows.expand(target.shape[0], target.shape[1], -1)
-        sums["oracle"] += target.topk(min(k, target.shape[-1]), dim=-1).values.sum(-1)[rows].double().sum()
+        sums["oracle"] += (target.topk(min(k, target.shape[-1]), dim=-1).values.sum(-1).double() * rows).sum()
         if gate_selection is not None:
             picked = gate_selection(start, stop)[..., :keys]
-            sums["gate"] += (target * picked).sum(-1)[rows].double().sum()
+            sums["gate"] += ((target * picked).sum(-1).double() * rows).sum()
         sums["queries"] += rows.sum()
     return sums

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
 from gsm_train.config import GSMConfig
-from gsm_train.modules.attention_targets import captured_mass, gate_distill_loss, head_averaged_probs
+from gsm_train.modules.attention_targets import captured_mass, causal_visible, gate_distill_loss, head_averaged_probs
 from gsm_train.modules.cache_bridge import CacheBridge
 from gsm_train.modules.kv_compressor import ASQCompressor
 from gsm_train.modules.sparse_gate import SparseGateHead, k_per_query, select_top_k
@@ -46,6 +46,7 @@ class GSMRuntime:
     recall_sums: dict[int, dict[str, Tensor]] = field(default_factory=dict)
     asq_losses: dict[int, Tensor] = field(default_factory=dict)
     bridge_source: tuple[Tensor, Tensor] | None = None
+    _layouts: dict[tuple, tuple[Tensor, ...]] = field(default_factory=dict)
 
     def clear(self) -> None:
         """Drop everything recorded by the last forward."""
@@ -55,16 +56,31 @@ class GSMRuntime:
         self.bridge_source = None
         self.distill_rows = None
 
-    def sampled_rows(self, counted: Tensor) -> Tensor | None:
-        """Query positions the gate KL uses in this forward: all (None), or `distill_queries` drawn once
-        per forward (shared by all layers) from the positions every sequence counts, sorted."""
+    def layout(self, attention_mask: Tensor | None, q_len: int, kv_len: int,
+               device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(allowed keys, key positions, k per query, host-side visible-key bound) for a forward; the
+        same for every layer, so it is built once when there is no padding mask."""
+        cfg = self.config.sparse_attention
+        cache_key = (q_len, kv_len, str(device), cfg.top_k_schedule, cfg.top_k, cfg.k_min, cfg.decay_rate)
+        if attention_mask is None and cache_key in self._layouts:
+            return self._layouts[cache_key]
+        positions = torch.arange(kv_len, device=device)
+        layout = (allowed_keys(attention_mask, q_len, kv_len, device), positions,
+                  k_per_query(positions, cfg.top_k_schedule, cfg.top_k, cfg.k_min, cfg.decay_rate),
+                  causal_visible(q_len, kv_len))  # visible stays on the host: chunking never waits for the device
+        if attention_mask is None:
+            self._layouts = {cache_key: layout}
+        return layout
+
+    def sampled_rows(self, counted_host: Tensor) -> Tensor | None:
+        """Query positions (on the host, sorted) the gate KL uses in this forward: all (None), or
+        `distill_queries` drawn once per forward (shared by all layers) among the counted positions."""
         if self.distill_queries <= 0:
             return None
         if self.distill_rows is None:
-            candidates = counted.all(dim=0).flatten().nonzero().flatten()
+            candidates = counted_host.nonzero().flatten()
             if len(candidates) > self.distill_queries:
-                pick = torch.randperm(len(candidates))[: self.distill_queries].to(candidates.device)
-                candidates = candidates[pick.sort().values]
+                candidates = candidates[torch.randperm(len(candidates))[: self.distill_queries].sort().values]
             self.distill_rows = candidates
         return self.distill_rows
 
@@ -167,10 +183,7 @@ def gsm_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
                        f"sequence (got {q_len} queries over {kv_len} cached keys); call the model with "
                        "use_cache=False for teacher-forced passes")
     scaling = module.scaling if scaling is None else scaling
-    allowed = allowed_keys(attention_mask, q_len, kv_len, query.device)
-    positions = torch.arange(kv_len, device=query.device)
-    k_t = k_per_query(positions, sparse_cfg.top_k_schedule, sparse_cfg.top_k, sparse_cfg.k_min,
-                      sparse_cfg.decay_rate)
+    allowed, positions, k_t, visible = runtime.layout(attention_mask, q_len, kv_len, query.device)
     chunk = sparse_cfg.query_chunk
     num_selectors = gate.num_selectors if gate is not None else 1
     gate_q = gate_k = None
@@ -200,18 +213,23 @@ def gsm_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
         out = _masked_sdpa(module, query, key, value, selection, scaling)
     if runtime.distill and gate is not None:
         counted = allowed.sum(-1) >= k_t  # queries with at least k keys  [B|1, 1, T]
-        rows = runtime.sampled_rows(counted)
+        k_host = k_per_query(visible - 1, sparse_cfg.top_k_schedule, sparse_cfg.top_k, sparse_cfg.k_min,
+                             sparse_cfg.decay_rate)
+        rows = runtime.sampled_rows(visible >= k_host)
         if rows is None:
-            distill_q, distill_gq, distill_allowed, distill_counted = query, gate_q, allowed, counted
+            distill_q, distill_gq, distill_allowed, distill_counted, distill_visible = (
+                query, gate_q, allowed, counted, visible)
         else:
-            distill_q, distill_gq = query[:, :, rows], gate_q[:, :, rows]
-            distill_allowed, distill_counted = allowed[..., rows, :], counted[..., rows]
+            index = rows.to(query.device, non_blocking=True)
+            distill_q, distill_gq = query[:, :, index], gate_q[:, :, index]
+            distill_allowed, distill_counted, distill_visible = allowed[..., index, :], counted[..., index], visible[rows]
         runtime.distill_losses[adapter.layer_idx] = gate_distill_loss(
-            distill_q.detach(), key.detach(), distill_gq, gate_k, distill_allowed, distill_counted, scaling, chunk)
+            distill_q.detach(), key.detach(), distill_gq, gate_k, distill_allowed, distill_counted, scaling, chunk,
+            distill_visible)
     if runtime.recall is not None:
         k, min_keys = runtime.recall
         constant_k = torch.full_like(k_t, k)
         runtime.recall_sums[adapter.layer_idx] = captured_mass(
             query.detach(), key.detach(), allowed, scaling, k, min_keys, chunk, num_selectors,
-            (lambda a, b: gate_selection(a, b, constant_k)) if gate is not None else None)
+            (lambda a, b: gate_selection(a, b, constant_k)) if gate is not None else None, visible)
     return out, None
