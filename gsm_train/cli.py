@@ -1,4 +1,4 @@
-"""`gsm-train`: validate recipes, train, inspect what GSM attaches, export checkpoints and publish exports."""
+"""`gsm-train`: validate recipes, train, evaluate, inspect what GSM attaches, export checkpoints, publish exports."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import sys
 
 from gsm_train.checkpoint_export import export_checkpoint
 from gsm_train.config import ConfigError, load_recipe, resolved_yaml
+from gsm_train.data import DataError
+from gsm_train.evaluate import evaluate_exports, write_report
 from gsm_train.export import ExportError
 from gsm_train.hub import PublishError, publish_export
 from gsm_train.inspect_model import inspect_model
@@ -31,6 +33,21 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     print(f"export written to {export_checkpoint(args.checkpoint, args.out)}")
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    exports = {}
+    for item in args.export:
+        name, sep, folder = item.partition("=")
+        if not sep or not name or not folder:
+            raise ExportError(f"--export {item!r}: give NAME=FOLDER, e.g. --export gsm=runs/joint/export")
+        exports[name] = folder
+    report = evaluate_exports(args.model, exports, args.data, args.seq_len, args.windows, args.batch_size, args.mode,
+                              args.min_keys)
+    table = write_report(report, args.out)
+    print(table.read_text(), end="")
+    print(f"written: {table} and {table.with_suffix('.json')}")
     return 0
 
 
@@ -59,6 +76,18 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--seq-len", type=int, default=2048, help="context for the KV byte account")
     inspect.add_argument("overrides", nargs="*", help="key.sub=value applied to the recipe")
     inspect.set_defaults(run=_inspect)
+    evaluate = commands.add_parser("eval", help="perplexity, KV bytes and gate recall of the base and exports")
+    evaluate.add_argument("--model", default="smollm2-135m", help="the base model the exports were trained on")
+    evaluate.add_argument("--data", required=True, help="evaluation text (file, folder, glob, embedded:NAME, hf://...)")
+    evaluate.add_argument("--export", action="append", default=[], help="NAME=FOLDER, repeatable")
+    evaluate.add_argument("--seq-len", type=int, default=2048)
+    evaluate.add_argument("--windows", type=int, default=40, help="non-overlapping windows to evaluate")
+    evaluate.add_argument("--batch-size", type=int, default=1)
+    evaluate.add_argument("--mode", choices=("sparse", "oracle", "dense"), default="sparse",
+                          help="main attention of the exports (inference runs sparse)")
+    evaluate.add_argument("--min-keys", type=int, default=512, help="recall counts queries with at least this many keys")
+    evaluate.add_argument("--out", default="runs/eval")
+    evaluate.set_defaults(run=_eval)
     export = commands.add_parser("export", help="write the adapter export of a checkpoint")
     export.add_argument("checkpoint", help="RUN/checkpoints/step_N")
     export.add_argument("out", help="folder to write (replaced atomically)")
@@ -81,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(err, file=sys.stderr)
         return 2
-    except (ExportError, PublishError) as err:
+    except (ExportError, PublishError, DataError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 

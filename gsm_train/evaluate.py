@@ -1,0 +1,111 @@
+"""`gsm-train eval`: perplexity in non-overlapping windows with GSM active exactly as inference runs it
+(gate-selected sparse attention, compressed K/V blocks, bridge), for the base model and each export,
+with the KV bytes per token against bf16 and the gate's captured attention mass. Writes JSON and a
+markdown table."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from gsm_train.data import load_text_dataset, pack_tokens
+from gsm_train.export import load_gsm
+from gsm_train.inspect_model import layer_reports
+from gsm_train.model_zoo import load_model_and_tokenizer
+from gsm_train.modules import GSMRuntime
+
+BASE = "base"
+
+
+def _device_and_dtype() -> tuple[torch.device, torch.dtype]:
+    if torch.cuda.is_available():
+        return torch.device("cuda"), torch.bfloat16
+    return torch.device("cpu"), torch.float32
+
+
+@torch.no_grad()
+def perplexity_and_recall(model: nn.Module, rows: Tensor, batch_size: int, runtime: GSMRuntime | None,
+                          recall: tuple[int, int]) -> dict[str, float]:
+    """Perplexity over all predicted tokens of `rows`; with a runtime, the gate/oracle captured mass too."""
+    device = next(model.parameters()).device
+    nll, tokens = 0.0, 0
+    sums = torch.zeros(3, dtype=torch.float64)
+    if runtime is not None:
+        runtime.recall = recall
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+    for start in range(0, len(rows), batch_size):
+        batch = rows[start: start + batch_size].to(device)
+        if runtime is not None:
+            runtime.clear()
+        with autocast:
+            loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+        predicted = batch.shape[0] * (batch.shape[1] - 1)
+        nll += float(loss) * predicted
+        tokens += predicted
+        if runtime is not None:
+            for layer in runtime.layers_with_gate:
+                layer_sums = runtime.recall_sums[layer]
+                sums += torch.stack([layer_sums[k] for k in ("gate", "oracle", "queries")]).cpu()
+    result = {"ppl": math.exp(nll / tokens), "tokens": tokens}
+    if runtime is not None:
+        runtime.recall = None
+        runtime.clear()
+        if sums[2] > 0:
+            result |= {"gate_mass": float(sums[0] / sums[2]), "oracle_mass": float(sums[1] / sums[2]),
+                       "recall_ratio": float(sums[0] / sums[1])}
+    return result
+
+
+def kv_bytes_ratio(model: nn.Module, runtime: GSMRuntime, seq_len: int) -> dict[str, float]:
+    """KV cache bytes per token with GSM, bf16 without, and their ratio (gate keys included)."""
+    rows = layer_reports(model, runtime.config, seq_len)
+    base, gsm = sum(r.base_bytes for r in rows), sum(r.gsm_bytes for r in rows)
+    return {"kv_bytes_per_token": gsm, "kv_bytes_per_token_bf16": base, "kv_bytes_ratio": gsm / base}
+
+
+def evaluate_exports(model_name: str, exports: dict[str, str], data: str, seq_len: int, windows: int,
+                     batch_size: int, mode: str, min_keys: int) -> dict[str, Any]:
+    """Evaluate the base model and every export (name -> folder) on the same windows."""
+    device, dtype = _device_and_dtype()
+    model, tokenizer = load_model_and_tokenizer(model_name, dtype=dtype)
+    rows = pack_tokens(load_text_dataset(data), tokenizer, seq_len)[:windows]
+    results = {BASE: perplexity_and_recall(model.to(device), rows, batch_size, None, (0, 0))}
+    for name, folder in exports.items():
+        model, _ = load_model_and_tokenizer(model_name, dtype=dtype)
+        runtime = load_gsm(model, folder, mode=mode)
+        model.to(device).eval()
+        k = runtime.config.sparse_attention.top_k
+        results[name] = (perplexity_and_recall(model, rows, batch_size, runtime, (k, min(min_keys, seq_len)))
+                         | kv_bytes_ratio(model, runtime, seq_len) | {"export": folder, "k": k})
+    for name, result in results.items():
+        result["ppl_vs_base"] = result["ppl"] / results[BASE]["ppl"]
+    return {"model": model_name, "data": data, "seq_len": seq_len, "windows": len(rows), "mode": mode,
+            "results": results}
+
+
+def markdown_table(report: dict[str, Any]) -> str:
+    """The report as a markdown table, one row per model."""
+    lines = [f"Perplexity on {report['windows']} windows of {report['seq_len']} tokens of `{report['data']}` "
+             f"(GSM mode: {report['mode']})", "",
+             "| model | PPL | vs base | KV bytes/token (ratio to bf16) | gate/oracle mass |", "|---|---|---|---|---|"]
+    for name, r in report["results"].items():
+        kv = f"{r['kv_bytes_per_token']:.0f} ({r['kv_bytes_ratio']:.3f})" if "kv_bytes_ratio" in r else "bf16"
+        recall = f"{r['recall_ratio']:.3f} @k={r['k']}" if "recall_ratio" in r else "-"
+        lines.append(f"| {name} | {r['ppl']:.3f} | {r['ppl_vs_base']:.3f}x | {kv} | {recall} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(report: dict[str, Any], out_dir: str | Path) -> Path:
+    """Write `eval.json` and `eval.md` into `out_dir`; return the markdown path."""
+    folder = Path(out_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "eval.json").write_text(json.dumps(report, indent=2))
+    table = folder / "eval.md"
+    table.write_text(markdown_table(report))
+    return table
