@@ -11,6 +11,7 @@ from gsm_train.config import load_recipe
 from gsm_train.export import ExportError, export_adapter
 from gsm_train.model_zoo import load_model_and_tokenizer
 from gsm_train.stages import STAGES
+from gsm_train.trainer import export_options
 
 
 def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path) -> Path:
@@ -27,5 +28,4 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path) -> Path:
     result = model.load_state_dict(load_file(str(weights_file)), strict=False)
     if result.unexpected_keys:
         raise ExportError(f"{checkpoint}: tensors {result.unexpected_keys[:3]} do not fit the recipe's model")
-    return export_adapter(model, out_dir, base_name=config.model.name_or_path, base_revision=config.model.revision,
-                          recipe=config.model_dump(mode="json"))
+    return export_adapter(model, out_dir, **export_options(config))

@@ -169,6 +169,23 @@ class OptimConfig(StrictModel):
     max_grad_norm: float = Field(1.0, gt=0.0)
 
 
+class LoraSettings(StrictModel):
+    """LoRA on the base's projections (train.base: lora), applied with peft."""
+
+    r: int = Field(16, ge=1, le=4096)
+    alpha: float = Field(32.0, gt=0.0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+class LossWeights(StrictModel):
+    """Weights of the joint stage's loss terms."""
+
+    lm: float = Field(1.0, ge=0.0)
+    gate_kl: float = Field(1.0, ge=0.0)
+    asq: float = Field(0.1, ge=0.0)
+
+
 class TrainConfig(StrictModel):
     """Steps, batch and which parameters train.
 
@@ -180,6 +197,8 @@ class TrainConfig(StrictModel):
     batch_size: int = Field(1, ge=1)
     grad_accum: int = Field(1, ge=1)
     base: Literal["frozen", "full", "lora"] = "frozen"
+    lora: LoraSettings = Field(default_factory=LoraSettings)
+    loss_weights: LossWeights = Field(default_factory=LossWeights)
     distill_queries: int = Field(0, ge=0)
     seed: int = 0
 
@@ -212,6 +231,7 @@ class OutputConfig(StrictModel):
     checkpoint_every: int = Field(50, ge=1)
     keep_checkpoints: int = Field(2, ge=1)
     resume_from: str | None = None
+    export_base_weights: bool = False
 
 
 class RecipeConfig(StrictModel):

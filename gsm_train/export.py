@@ -8,12 +8,11 @@ renamed into place, by rank 0 only. Loading refuses a base model that does not m
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from pydantic import ValidationError
@@ -22,7 +21,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from gsm_train.config import GSMConfig
+from gsm_train.config import GSMConfig, LoraSettings
+from gsm_train.fingerprint import base_fingerprint
+from gsm_train.lora import inject_lora
 from gsm_train.modules import GSMRuntime, gsm_runtime, inject_gsm
 from gsm_train.modules.injection import GSM_PARAM_MARKER
 
@@ -33,7 +34,7 @@ CONFIG_FILE = "gsm_config.json"
 CARD_FILE = "README.md"
 ARGS_FILE = "training_args.json"
 _GSM_SECTIONS = ("gsm_enabled", "sparse_attention", "kv_compression", "cross_layer_sharing")
-_FINGERPRINT_TENSORS = ("model.embed_tokens.weight", "model.norm.weight", "model.layers.0.self_attn.q_proj.weight")
+LORA_MARKER = ".lora_"
 
 
 class ExportError(ValueError):
@@ -44,21 +45,12 @@ def _is_gsm(name: str) -> bool:
     return GSM_PARAM_MARKER in f".{name}"
 
 
-def base_fingerprint(state: dict[str, torch.Tensor]) -> str:
-    """sha256 over the base tensors' names and shapes and the bf16-rounded values of a few of them
-    (so the same weights loaded in fp32 or bf16 give the same fingerprint)."""
-    digest = hashlib.sha256()
-    base = sorted(name for name in state if not _is_gsm(name))
-    for name in base:
-        digest.update(f"{name}:{tuple(state[name].shape)};".encode())
-    for name in _FINGERPRINT_TENSORS:
-        if name in state:
-            rows = state[name].detach()[:16].to(torch.bfloat16).to(torch.float32).cpu().contiguous()
-            digest.update(rows.numpy().tobytes())
-    return digest.hexdigest()
+def _is_adapter(name: str) -> bool:
+    """GSM tensors and LoRA deltas: what an export always holds."""
+    return _is_gsm(name) or LORA_MARKER in f".{name}"
 
 
-def base_description(model: nn.Module, state: dict[str, torch.Tensor], name: str, revision: str | None) -> dict:
+def base_description(model: nn.Module, fingerprint: str, name: str, revision: str | None) -> dict:
     """What a loader checks the base model against."""
     cfg = model.config
     heads = cfg.num_attention_heads
@@ -68,7 +60,7 @@ def base_description(model: nn.Module, state: dict[str, torch.Tensor], name: str
         "num_hidden_layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size,
         "num_attention_heads": heads, "num_key_value_heads": getattr(cfg, "num_key_value_heads", None) or heads,
         "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
-        "vocab_size": cfg.vocab_size, "fingerprint": base_fingerprint(state),
+        "vocab_size": cfg.vocab_size, "fingerprint": fingerprint,
     }
 
 
@@ -99,18 +91,22 @@ def _model_card(config: dict, recipe: dict | None, metrics: dict | None) -> str:
 
 
 def export_adapter(model: nn.Module, out_dir: str | Path, *, base_name: str, base_revision: str | None = None,
-                   recipe: dict | None = None, metrics: dict | None = None, is_main: bool = True) -> Path:
-    """Write the export (collective under FSDP: every rank calls it; rank 0 writes). Returns the folder."""
+                   recipe: dict | None = None, metrics: dict | None = None, lora: dict | None = None,
+                   include_base: bool = False, is_main: bool = True) -> Path:
+    """Write the export (collective under FSDP: every rank calls it; rank 0 writes). Returns the folder.
+
+    The export holds the GSM tensors and LoRA deltas (`lora`: the LoRA settings, if the base was
+    trained with LoRA); the base weights only with `include_base` (a base trained in full).
+    """
     out_dir = Path(out_dir)
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not is_main:
         return out_dir
-    tensors = {name: t.detach().contiguous() for name, t in state.items() if _is_gsm(name)}
-    if not tensors:
-        raise ExportError("the model has no GSM tensors to export; inject GSM modules first")
-    gsm = gsm_runtime(model).config.model_dump(mode="json")
-    config = {"format": FORMAT, "format_version": FORMAT_VERSION, **gsm,
-              "base_model": base_description(model, state, base_name, base_revision),
+    tensors = {name: t.detach().contiguous() for name, t in state.items() if include_base or _is_adapter(name)}
+    runtime = gsm_runtime(model)
+    config = {"format": FORMAT, "format_version": FORMAT_VERSION, **runtime.config.model_dump(mode="json"),
+              "base_model": base_description(model, runtime.base_fingerprint, base_name, base_revision),
+              "lora": lora, "includes_base_weights": include_base,
               "tensors": {name: list(t.shape) for name, t in sorted(tensors.items())}}
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -157,25 +153,42 @@ def _base_mismatches(expected: dict, actual: dict) -> list[str]:
     return [f"{k}: adapter {expected.get(k)!r}, model {actual.get(k)!r}" for k in keys if expected.get(k) != actual.get(k)]
 
 
+def check_base(config: dict, model: nn.Module, adapter_dir: str | Path) -> None:
+    """Refuse a fresh base model that differs from the one the export was trained on."""
+    actual = base_description(model, base_fingerprint(model.state_dict()), "", None)
+    mismatches = _base_mismatches(config["base_model"], actual)
+    if mismatches:
+        raise ExportError(f"{adapter_dir} was trained on {config['base_model']['name_or_path']!r}, which differs "
+                          f"from this model: {'; '.join(mismatches)}. Load the adapter onto that base model")
+
+
+def load_tensors(model: nn.Module, adapter_dir: str | Path, required: Callable[[str], bool],
+                 allow_unexpected: bool = False) -> list[str]:
+    """Load the export's tensors into `model`; every model tensor `required` accepts must be in the
+    export, and (unless `allow_unexpected`) every export tensor must exist in the model. Returns the
+    export tensors the model has no place for."""
+    result = model.load_state_dict(load_file(str(Path(adapter_dir) / ADAPTER_FILE)), strict=False)
+    missing = [name for name in result.missing_keys if required(name)]
+    if missing or (result.unexpected_keys and not allow_unexpected):
+        raise ExportError(f"{adapter_dir}: tensors do not fit the modules built from its gsm_config.json "
+                          f"(missing {missing[:3]}, unexpected {result.unexpected_keys[:3]}); re-export the adapter")
+    return list(result.unexpected_keys)
+
+
 def load_gsm(model: nn.Module, adapter_dir: str | Path, mode: str = "sparse") -> GSMRuntime:
-    """Attach the exported GSM modules to `model` (a fresh base) and load their tensors exactly.
+    """Attach the exported GSM modules (and LoRA deltas, and base weights if exported) to `model`, a
+    fresh base, and load their tensors exactly.
 
     Refuses a base that differs from the one the adapter was trained on (architecture, dims,
     weights fingerprint). `mode` sets how main attention runs (dense / sparse / oracle).
     """
     config = validate_export(adapter_dir)
-    actual = base_description(model, model.state_dict(), "", None)
-    mismatches = _base_mismatches(config["base_model"], actual)
-    if mismatches:
-        raise ExportError(f"{adapter_dir} was trained on {config['base_model']['name_or_path']!r}, which differs "
-                          f"from this model: {'; '.join(mismatches)}. Load the adapter onto that base model")
+    check_base(config, model, adapter_dir)
     gsm = GSMConfig.model_validate({k: config[k] for k in _GSM_SECTIONS})
     build = gsm.model_copy(update={"sparse_attention": gsm.sparse_attention.model_copy(update={"gate_init": "random"})})
     runtime = inject_gsm(model, build, mode=mode)
     runtime.config = gsm
-    result = model.load_state_dict(load_file(str(Path(adapter_dir) / ADAPTER_FILE)), strict=False)
-    missing = [name for name in result.missing_keys if _is_gsm(name)]
-    if missing or result.unexpected_keys:
-        raise ExportError(f"{adapter_dir}: tensors do not fit the modules built from its gsm_config.json "
-                          f"(missing {missing[:3]}, unexpected {result.unexpected_keys[:3]}); re-export the adapter")
+    if config.get("lora"):
+        inject_lora(model, LoraSettings.model_validate(config["lora"]))
+    load_tensors(model, adapter_dir, _is_adapter)
     return runtime

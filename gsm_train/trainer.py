@@ -118,6 +118,13 @@ def run_training(config: RecipeConfig, stage: Stage, run_name: str | None = None
         teardown()
 
 
+def export_options(config: RecipeConfig) -> dict[str, Any]:
+    """What `export_adapter` needs to know about a run besides the model."""
+    return {"base_name": config.model.name_or_path, "base_revision": config.model.revision,
+            "recipe": config.model_dump(mode="json"), "include_base": config.output.export_base_weights,
+            "lora": config.train.lora.model_dump() if config.train.base == "lora" else None}
+
+
 def _autocast(info: DistInfo, compute_dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
     if compute_dtype is None:
         return contextlib.nullcontext()
@@ -217,9 +224,8 @@ def _run(config: RecipeConfig, stage: Stage, info: DistInfo, run_name: str) -> T
         with autocast:
             result.final_metrics = stage.evaluate(model, eval_batches)
     scalars = {k: v for k, v in result.final_metrics.items() if isinstance(v, (int, float))}
-    export_dir = export_adapter(model, run_dir / "export", base_name=config.model.name_or_path,
-                                base_revision=config.model.revision, recipe=config.model_dump(mode="json"),
-                                metrics=scalars, is_main=info.is_main)
+    export_dir = export_adapter(model, run_dir / "export", metrics=scalars, is_main=info.is_main,
+                                **export_options(config))
     if info.is_main:
         result.summary = stage.report(run_dir, result.final_metrics, history) | {"export": str(export_dir)}
         logger.log("report", config.train.steps, {"summary": result.summary})

@@ -22,7 +22,7 @@ class CacheBridge(nn.Module):
         self.v_map = nn.Linear(width_in, width_out, bias=False)
         self.k_norm = nn.LayerNorm(head_dim)
         self.v_norm = nn.LayerNorm(head_dim)
-        self.alpha = nn.Parameter(torch.tensor(float(alpha_init)))
+        self.alpha = nn.Parameter(torch.full((1,), float(alpha_init)))  # 1-D: FSDP2 cannot shard scalars
         with torch.no_grad():
             eye = torch.eye(width_out, width_in)
             self.k_map.weight.copy_(eye)

@@ -34,9 +34,11 @@ class GSMRuntime:
     """Switches and per-forward records shared by all GSM layers of one model."""
 
     config: GSMConfig
+    base_fingerprint: str = ""
     mode: str = "dense"
     enabled: bool = True
     distill: bool = False
+    distill_on_selection: bool = False
     distill_queries: int = 0
     distill_rows: Tensor | None = None
     detach_gate_input: bool = False
@@ -213,16 +215,19 @@ def gsm_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
         out = _masked_sdpa(module, query, key, value, selection, scaling)
     if runtime.distill and gate is not None:
         counted = allowed.sum(-1) >= k_t  # queries with at least k keys  [B|1, 1, T]
+        # DSA: in sparse training the gate learns the main attention's distribution over what it selected
+        on_selection = runtime.distill_on_selection and mode == "sparse" and num_selectors == 1
+        kl_mask = selection if on_selection else allowed
         k_host = k_per_query(visible - 1, sparse_cfg.top_k_schedule, sparse_cfg.top_k, sparse_cfg.k_min,
                              sparse_cfg.decay_rate)
         rows = runtime.sampled_rows(visible >= k_host)
         if rows is None:
             distill_q, distill_gq, distill_allowed, distill_counted, distill_visible = (
-                query, gate_q, allowed, counted, visible)
+                query, gate_q, kl_mask, counted, visible)
         else:
             index = rows.to(query.device, non_blocking=True)
             distill_q, distill_gq = query[:, :, index], gate_q[:, :, index]
-            distill_allowed, distill_counted, distill_visible = allowed[..., index, :], counted[..., index], visible[rows]
+            distill_allowed, distill_counted, distill_visible = kl_mask[..., index, :], counted[..., index], visible[rows]
         runtime.distill_losses[adapter.layer_idx] = gate_distill_loss(
             distill_q.detach(), key.detach(), distill_gq, gate_k, distill_allowed, distill_counted, scaling, chunk,
             distill_visible)

@@ -12,6 +12,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from gsm_train.config import GSMConfig
+from gsm_train.fingerprint import base_fingerprint
 from gsm_train.modules.cache_bridge import CacheBridge
 from gsm_train.modules.gsm_attention import (
     ATTN_IMPLEMENTATION, MODES, GSMAttentionAdapter, GSMError, GSMRuntime, gsm_attention_forward,
@@ -103,7 +104,7 @@ def inject_gsm(model: PreTrainedModel, config: GSMConfig, mode: str = "dense") -
         raise GSMError(f"cross_layer_sharing.bridge_to_start={bridge.bridge_to_start} but the model has "
                        f"{dims['layers']} layers; use a value below {dims['layers']}")
     _register_attention()
-    runtime = GSMRuntime(config=config, enabled=config.gsm_enabled)
+    runtime = GSMRuntime(config=config, enabled=config.gsm_enabled, base_fingerprint=base_fingerprint(model.state_dict()))
     for layer_idx, layer in enumerate(decoder_layers(model)):
         attn = layer.self_attn
         attn.gsm = _build_adapter(layer_idx, attn, config, dims, runtime)

@@ -1,0 +1,137 @@
+"""Stage 2: the model learns to run as inference will. Main attention uses the gate's top-k keys, K/V
+pass through ASQ (block-wise, straight-through), upper layers read the cache bridge, and the base
+trains (`full`, `lora` or `frozen`).
+
+Loss = lm * LM loss + gate_kl * KL(main attention || gate) on the selected set (gate input detached,
+so the base learns from the LM loss only, as in DSA) + asq * ASQ distortion. With
+`gsm.gsm_enabled: false` the same recipe is the dense control.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from gsm_train.config import RecipeConfig
+from gsm_train.distributed import all_reduce_sum
+from gsm_train.export import check_base, load_tensors, validate_export
+from gsm_train.lora import inject_lora
+from gsm_train.modules import GSMError, gsm_parameters, gsm_runtime, inject_gsm
+from gsm_train.modules.injection import decoder_layers
+
+
+def _mean(values: list[Tensor]) -> Tensor | None:
+    return torch.stack(values).mean() if values else None
+
+
+class JointStage:
+    """Joint fine-tuning of GSM modules and base under the inference-time attention path."""
+
+    name = "joint"
+
+    def attach(self, model: nn.Module, config: RecipeConfig) -> None:
+        """GSM modules as the recipe says, gate (and any other) tensors from `init_from`, LoRA if asked."""
+        if config.init_from:
+            export = validate_export(config.init_from)
+            check_base(export, model, config.init_from)
+        inject_gsm(model, config.gsm, mode=config.gsm.sparse_attention.mode)
+        if config.init_from:  # e.g. the gate_only export; gates of layers kept dense here have no place
+            load_tensors(model, config.init_from, lambda name: False, allow_unexpected=True)
+        if config.train.base == "lora":
+            inject_lora(model, config.train.lora)
+
+    def prepare(self, model: nn.Module, config: RecipeConfig) -> None:
+        self.config = config
+        self.attach(model, config)
+        runtime = gsm_runtime(model)
+        runtime.detach_gate_input = True
+        model.requires_grad_(False)
+        base = config.train.base
+        gsm_names = {name for name, _ in gsm_parameters(model)}
+        for name, param in model.named_parameters():
+            if name in gsm_names:
+                param.requires_grad_(config.gsm.gsm_enabled)
+            elif base == "full" or (base == "lora" and ".lora_" in f".{name}"):
+                param.requires_grad_(True)
+        if not any(p.requires_grad for p in model.parameters()):
+            raise GSMError("stage joint has nothing to train: GSM is off and train.base is frozen; "
+                           "set train.base to full or lora, or gsm.gsm_enabled to true")
+
+    def loss(self, model: nn.Module, batch: Tensor) -> tuple[Tensor, dict[str, float]]:
+        runtime = gsm_runtime(model)
+        weights = self.config.train.loss_weights
+        runtime.clear()
+        runtime.distill = weights.gate_kl > 0
+        runtime.distill_on_selection = True
+        runtime.distill_queries = self.config.train.distill_queries
+        lm = model(input_ids=batch, labels=batch, use_cache=False).loss
+        runtime.distill = False
+        kl = _mean([total / count.clamp_min(1) for total, count in runtime.distill_losses.values()])
+        asq = _mean(list(runtime.asq_losses.values()))
+        runtime.clear()
+        loss = weights.lm * lm
+        scalars = {"lm_loss": float(lm.detach())}
+        for name, term, weight in (("gate_kl", kl, weights.gate_kl), ("asq_loss", asq, weights.asq)):
+            if term is not None:
+                loss = loss + weight * term
+                scalars[name] = float(term.detach())
+        return loss, scalars
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, batches: list[Tensor]) -> dict[str, Any]:
+        """Perplexity with GSM as inference runs it, gate captured mass, ASQ error and bridge alphas."""
+        runtime = gsm_runtime(model)
+        was_training = model.training
+        model.eval()
+        k, min_keys = self.config.logging.recall_k, self.config.logging.recall_min_keys
+        runtime.recall = (k, min_keys) if self.config.gsm.gsm_enabled else None
+        device = next(model.parameters()).device
+        sums = torch.zeros(6, dtype=torch.float64, device=device)  # nll, tokens, gate, oracle, queries, asq err
+        for batch in batches:
+            runtime.clear()
+            loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+            tokens = batch.shape[0] * (batch.shape[1] - 1)
+            sums[0] += loss.double() * tokens
+            sums[1] += tokens
+            for recall in runtime.recall_sums.values():
+                sums[2:5] += torch.stack([recall[key] for key in ("gate", "oracle", "queries")])
+            sums[5] += self._asq_error(model)
+        runtime.recall = None
+        runtime.clear()
+        model.train(was_training)
+        sums = all_reduce_sum(sums).cpu()
+        metrics = {"ppl": math.exp(sums[0] / sums[1]), "eval_tokens": int(sums[1])}
+        if sums[4] > 0:
+            metrics |= {f"gate_mass_k{k}": float(sums[2] / sums[4]), f"oracle_mass_k{k}": float(sums[3] / sums[4]),
+                        f"recall_ratio_k{k}": float(sums[2] / sums[3])}
+        if self.config.gsm.kv_compression.enabled:
+            metrics["asq_recon_rel_error"] = float(sums[5] / len(batches)) if batches else float("nan")
+        alphas = self._bridge_alphas(model)
+        if alphas:
+            metrics |= {"bridge_alpha_mean": sum(alphas) / len(alphas), "bridge_alphas": alphas}
+        return metrics
+
+    @staticmethod
+    def _asq_error(model: nn.Module) -> float:
+        errors = [float(asq.last_stats["recon_rel_error"]) for layer in decoder_layers(model)
+                  for asq in (layer.self_attn.gsm.asq_k, layer.self_attn.gsm.asq_v)
+                  if asq is not None and asq.last_stats and math.isfinite(float(asq.last_stats["recon_rel_error"]))]
+        return sum(errors) / len(errors) if errors else 0.0
+
+    @staticmethod
+    def _bridge_alphas(model: nn.Module) -> list[float]:
+        bridges = [layer.self_attn.gsm.bridge for layer in decoder_layers(model)]
+        return [float(b.alpha.full_tensor() if hasattr(b.alpha, "full_tensor") else b.alpha)
+                for b in bridges if b is not None]
+
+    def report(self, run_dir: Path, metrics: dict[str, Any], history: list[dict[str, Any]]) -> dict[str, Any]:
+        report = {"stage": self.name, "gsm_enabled": self.config.gsm.gsm_enabled, "final": metrics,
+                  "history": history}
+        (run_dir / "report.json").write_text(json.dumps(report, indent=2))
+        keys = [key for key in metrics if key == "ppl" or key.startswith("recall_ratio") or key == "bridge_alpha_mean"]
+        return {key: metrics[key] for key in keys} | {"report": str(run_dir / "report.json")}

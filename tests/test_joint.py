@@ -1,0 +1,123 @@
+"""Stage 2 (joint) on a tiny Llama: learning, LoRA vs full, exports that reproduce the trained model,
+causality in training mode, exact resume, FSDP2 on 2 processes, the dense control."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gsm_train.config import GSMConfig
+from gsm_train.export import load_gsm
+from gsm_train.model_zoo import tiny_model
+from gsm_train.modules import inject_gsm
+from gsm_train.train import main as train_main
+from gsm_train.train import train_recipe
+
+REPO = Path(__file__).resolve().parents[1]
+JOINT = str(REPO / "recipes" / "joint.yaml")
+TINY = ["model.name_or_path=tiny-llama", "data.seq_len=64", "logging.recall_min_keys=16", "logging.recall_k=8",
+        "gsm.sparse_attention.top_k=8", "gsm.sparse_attention.k_min=8", "gsm.sparse_attention.dense_layers=[0]",
+        "gsm.kv_compression.block_size=16", "gsm.cross_layer_sharing.bridge_from=1",
+        "gsm.cross_layer_sharing.bridge_to_start=2", "logging.progress_bar=false", "optim.warmup_steps=1",
+        "init_from=null", "logging.eval_every=100"]
+ALL_ON = {"sparse_attention": {"top_k": 4, "k_min": 4, "mode": "sparse"},
+          "kv_compression": {"enabled": True, "block_size": 8, "cluster_num": 4},
+          "cross_layer_sharing": {"enabled": True, "bridge_from": 1, "bridge_to_start": 2, "mode": "share"}}
+
+
+def _losses(run_dir: Path) -> list[float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if r["kind"] == "train"]
+
+
+def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def test_full_joint_training_lowers_the_lm_loss_and_its_export_reproduces_the_model(tmp_path: Path) -> None:
+    result = train_recipe(JOINT, [*TINY, "train.steps=20", "optim.lr=3e-3", "output.export_base_weights=true",
+                                  f"output.dir={tmp_path}"])
+    assert sum(result.losses[-5:]) < sum(result.losses[:5])
+    assert "ppl" in result.final_metrics and result.final_metrics["bridge_alpha_mean"] > 0
+    loaded = tiny_model("llama")
+    load_gsm(loaded, tmp_path / "export", mode="sparse")
+    ids = torch.randint(0, 256, (2, 48))
+    assert torch.equal(_logits(result.model, ids), _logits(loaded, ids))
+
+
+def test_lora_trains_only_deltas_and_gsm_and_exports_them(tmp_path: Path) -> None:
+    result = train_recipe(JOINT, [*TINY, "train.steps=4", "train.base=lora", "train.lora.r=4", "optim.lr=1e-2",
+                                  f"output.dir={tmp_path}"])
+    reference = tiny_model("llama").state_dict()
+    trained = result.model.state_dict()
+    base = {n.replace(".base_layer", ""): t for n, t in trained.items() if ".lora_" not in n and ".gsm." not in n}
+    assert base.keys() == reference.keys() and all(torch.equal(base[n], reference[n]) for n in base)
+    assert any(".lora_B." in n and t.abs().sum() > 0 for n, t in trained.items()), "LoRA B moved off zero"
+    config = json.loads((tmp_path / "export" / "gsm_config.json").read_text())
+    assert config["lora"]["r"] == 4 and any(".lora_A." in n for n in config["tensors"])
+    loaded = tiny_model("llama")
+    load_gsm(loaded, tmp_path / "export", mode="sparse")
+    ids = torch.randint(0, 256, (2, 48))
+    assert torch.equal(_logits(result.model, ids), _logits(loaded, ids))
+
+
+def test_causal_in_training_mode() -> None:
+    model = tiny_model("llama")
+    inject_gsm(model, GSMConfig.model_validate(ALL_ON), mode="sparse")
+    model.train()
+    ids = torch.randint(0, 256, (2, 40))
+    changed = ids.clone()
+    changed[:, 16:] = torch.randint(0, 256, (2, 24))
+    cut = 16  # a block boundary of ASQ (block 8): positions < 16 see only complete earlier blocks and their own
+    assert torch.equal(model(ids).logits[:, :cut], model(changed).logits[:, :cut])
+
+
+def test_resume_is_exact(tmp_path: Path) -> None:
+    steps = ["train.steps=6", "output.checkpoint_every=3", "train.base=full", "optim.lr=1e-3"]
+    straight = tmp_path / "straight"
+    train_recipe(JOINT, [*TINY, *steps, f"output.dir={straight}"])
+    crashed = tmp_path / "crashed"
+    (crashed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(straight / "checkpoints" / "step_00000003", crashed / "checkpoints" / "step_00000003")
+    resumed = train_recipe(JOINT, [*TINY, *steps, f"output.dir={crashed}"], resume="auto")
+    assert resumed.losses == pytest.approx(_losses(straight)[3:], abs=1e-6)
+
+
+def test_two_process_fsdp2_matches_one_process(tmp_path: Path) -> None:
+    common = [*TINY, "train.steps=3", "optim.lr=1e-4"]
+    single = train_recipe(JOINT, [*common, "train.batch_size=4", f"output.dir={tmp_path / 'one'}"])
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", "29533", "-m", "gsm_train.train", "--recipe", JOINT, *common,
+                           "train.batch_size=2", f"output.dir={tmp_path / 'two'}"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert next(r for r in records if r["kind"] == "setup")["fsdp_sharded_params"] > 0
+    # top-k selection and cluster ids are discrete, so rounding differences of the sharded reduction
+    # can flip a selected key; the bound is therefore looser than stage 1's.
+    assert _losses(tmp_path / "two") == pytest.approx(single.losses, abs=1e-3)
+
+
+def test_dense_control_is_the_base_model(tmp_path: Path) -> None:
+    control = train_recipe(JOINT, [*TINY, "train.steps=1", "gsm.gsm_enabled=false", "optim.lr=1e-9",
+                                   f"output.dir={tmp_path / 'control'}"])
+    twin = tiny_model("llama")
+    ids = torch.randint(0, 256, (2, 48))
+    assert torch.allclose(_logits(control.model, ids), _logits(twin, ids), atol=1e-4)
+    assert all(not p.requires_grad for n, p in control.model.named_parameters() if ".gsm." in n)
+
+
+def test_nothing_to_train_is_one_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    status = train_main(["--recipe", JOINT, *TINY, "gsm.gsm_enabled=false", "train.base=frozen",
+                         f"output.dir={tmp_path / 'run'}"])
+    assert status == 2 and "nothing to train" in capsys.readouterr().err
