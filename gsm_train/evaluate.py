@@ -49,8 +49,7 @@ def perplexity_and_recall(model: nn.Module, rows: Tensor, batch_size: int, runti
         nll += float(loss) * predicted
         tokens += predicted
         if runtime is not None:
-            for layer in runtime.layers_with_gate:
-                layer_sums = runtime.recall_sums[layer]
+            for layer_sums in runtime.recall_sums.values():
                 sums += torch.stack([layer_sums[k] for k in ("gate", "oracle", "queries")]).cpu()
     result = {"ppl": math.exp(nll / tokens), "tokens": tokens}
     if runtime is not None:
@@ -70,8 +69,11 @@ def kv_bytes_ratio(model: nn.Module, runtime: GSMRuntime, seq_len: int) -> dict[
 
 
 def evaluate_exports(model_name: str, exports: dict[str, str], data: str, seq_len: int, windows: int,
-                     batch_size: int, mode: str, min_keys: int) -> dict[str, Any]:
-    """Evaluate the base model and every export (name -> folder) on the same windows."""
+                     batch_size: int, mode: str, min_keys: int, kv_baseline: str | None = None) -> dict[str, Any]:
+    """Evaluate the base model and every export (name -> folder) on the same windows.
+
+    `kv_baseline` (`per_token` or `kivi`) replaces ASQ by plain quantization at ASQ's bits, with the
+    same sparsity and bridge: the baseline ASQ must beat."""
     device, dtype = _device_and_dtype()
     model, tokenizer = load_model_and_tokenizer(model_name, dtype=dtype)
     rows = pack_tokens(load_text_dataset(data), tokenizer, seq_len)[:windows]
@@ -79,14 +81,18 @@ def evaluate_exports(model_name: str, exports: dict[str, str], data: str, seq_le
     for name, folder in exports.items():
         model, _ = load_model_and_tokenizer(model_name, dtype=dtype)
         runtime = load_gsm(model, folder, mode=mode)
+        runtime.kv_baseline = kv_baseline
         model.to(device).eval()
+        if not runtime.enabled:  # e.g. the dense control: the base model with its own weights
+            results[name] = perplexity_and_recall(model, rows, batch_size, None, (0, 0)) | {"export": folder}
+            continue
         k = runtime.config.sparse_attention.top_k
         results[name] = (perplexity_and_recall(model, rows, batch_size, runtime, (k, min(min_keys, seq_len)))
                          | kv_bytes_ratio(model, runtime, seq_len) | {"export": folder, "k": k})
     for name, result in results.items():
         result["ppl_vs_base"] = result["ppl"] / results[BASE]["ppl"]
     return {"model": model_name, "data": data, "seq_len": seq_len, "windows": len(rows), "mode": mode,
-            "results": results}
+            "kv_baseline": kv_baseline, "results": results}
 
 
 def markdown_table(report: dict[str, Any]) -> str:

@@ -65,3 +65,14 @@ def test_cli_writes_json_and_table(tmp_path: Path, capsys: pytest.CaptureFixture
     report = json.loads((tmp_path / "eval" / "eval.json").read_text())
     assert set(report["results"]) == {"base", "gsm"}
     assert cli_main([*argv[:5], "--export", "no-equals-sign"]) == 2
+
+
+@pytest.mark.parametrize("baseline", ["per_token", "kivi"])
+def test_plain_quant_baselines_replace_asq(tmp_path: Path, baseline: str) -> None:
+    asq = _export(tmp_path, "asq", {"sparse_attention": {"enabled": False},
+                                    "kv_compression": {"enabled": True, "quant_bits": 2, "block_size": 8}})
+    with_asq = _evaluate({"asq": asq})["asq"]["ppl"]
+    plain = evaluate_exports("tiny-llama", {"asq": asq}, "embedded:sample_prose", SEQ, WINDOWS, 2, "sparse", 8,
+                             kv_baseline=baseline)["results"]
+    assert plain["asq"]["ppl"] != pytest.approx(with_asq, rel=1e-4)
+    assert plain["base"]["ppl"] == pytest.approx(_evaluate({})["base"]["ppl"], rel=1e-6)

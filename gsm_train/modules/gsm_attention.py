@@ -18,7 +18,7 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from gsm_train.config import GSMConfig
 from gsm_train.modules.attention_targets import captured_mass, causal_visible, gate_distill_loss, head_averaged_probs
 from gsm_train.modules.cache_bridge import CacheBridge
-from gsm_train.modules.kv_compressor import ASQCompressor
+from gsm_train.modules.kv_compressor import ASQCompressor, fake_quant_kivi, fake_quant_per_token
 from gsm_train.modules.sparse_gate import SparseGateHead, k_per_query, select_top_k
 
 ATTN_IMPLEMENTATION = "gsm"
@@ -40,6 +40,7 @@ class GSMRuntime:
     distill: bool = False
     distill_on_selection: bool = False
     distill_queries: int = 0
+    kv_baseline: str | None = None
     distill_rows: Tensor | None = None
     detach_gate_input: bool = False
     recall: tuple[int, int] | None = None
@@ -118,7 +119,9 @@ class GSMAttentionAdapter(nn.Module):
     def transform_kv(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
         """ASQ on this layer's own K/V, then the bridge from the source layer's (compressed) K/V."""
         runtime = self.runtime
-        if self.asq_k is not None:
+        if self.asq_k is not None and runtime.kv_baseline is not None:
+            key, value = plain_kv_quant(key, value, runtime.kv_baseline, self.asq_k.quant_bits, self.asq_k.block_size)
+        elif self.asq_k is not None:
             key_in, value_in = key, value
             key, value = self.asq_k(key), self.asq_v(value)
             if self.training:
@@ -132,6 +135,17 @@ class GSMAttentionAdapter(nn.Module):
             src_k, src_v = runtime.bridge_source
             key, value = self.bridge(key, value, src_k, src_v, runtime.config.cross_layer_sharing.mode)
         return key, value
+
+
+def plain_kv_quant(key: Tensor, value: Tensor, kind: str, bits: int, block_size: int) -> tuple[Tensor, Tensor]:
+    """The baselines ASQ must beat, at its bits: `per_token` (K and V per token) or `kivi` (K per
+    channel over blocks, V per token), newest incomplete block kept as is for `kivi`."""
+    if kind == "per_token":
+        return fake_quant_per_token(key, bits).to(key.dtype), fake_quant_per_token(value, bits).to(value.dtype)
+    if kind == "kivi":
+        return (fake_quant_kivi(key, bits, block_size, per_channel=True).to(key.dtype),
+                fake_quant_kivi(value, bits, block_size, per_channel=False).to(value.dtype))
+    raise GSMError(f"unknown kv_baseline {kind!r}; use per_token or kivi")
 
 
 def allowed_keys(attention_mask: Tensor | None, q_len: int, kv_len: int, device: torch.device) -> Tensor:

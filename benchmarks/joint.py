@@ -1,0 +1,83 @@
+"""Stage 2 as shipped on SmolLM2-135M: gate_only, then joint (GSM) and the dense control (same recipe,
+gsm_enabled=false) on the Gutenberg prose; perplexity on WikiText-2 validation windows for the base,
+the control and the GSM model as inference runs it; plain quantization at ASQ's bits with the same
+sparsity and bridge; KV bytes; tokens/s of a joint step against a dense fine-tune step.
+
+python benchmarks/joint.py --train-data PATH/prose --eval-data PATH/wikitext-2/valid.txt --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_result  # noqa: E402
+
+from gsm_train.evaluate import evaluate_exports  # noqa: E402
+from gsm_train.train import train_recipe  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _train(recipe: str, overrides: list[str]) -> None:
+    result = train_recipe(str(REPO / "recipes" / recipe), overrides)
+    del result
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _tokens_per_s(run_dir: Path) -> float:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rates = [r["tokens_per_s"] for r in records if r["kind"] == "train"]
+    return statistics.median(rates[5:] or rates)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--train-data", required=True)
+    parser.add_argument("--eval-data", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--result", default=None)
+    parser.add_argument("--windows", type=int, default=40)
+    args = parser.parse_args()
+    out = Path(args.out)
+    result_path = Path(args.result) if args.result else out / "joint.json"
+    data = [f"data.train.path={args.train_data}", f"data.eval.path={args.eval_data}", "logging.progress_bar=false",
+            "logging.eval_every=1000"]
+    result: dict = {}
+    _train("gate_only.yaml", [*data, f"output.dir={out / 'gate_only'}"])
+    gate_export = out / "gate_only" / "export"
+    _train("joint.yaml", [*data, f"init_from={gate_export}", f"output.dir={out / 'joint'}"])
+    _train("joint.yaml", [*data, f"init_from={gate_export}", "gsm.gsm_enabled=false",
+                          f"output.dir={out / 'control'}"])
+    result["joint_over_dense_tokens_per_s"] = _tokens_per_s(out / "joint") / _tokens_per_s(out / "control")
+    write_result(result_path, result)
+    exports = {"dense_control": str(out / "control" / "export"), "gsm": str(out / "joint" / "export")}
+    report = evaluate_exports("smollm2-135m", exports, args.eval_data, 2048, args.windows, 1, "sparse", 512)
+    rows = report["results"]
+    result |= {"ppl_base": rows["base"]["ppl"], "ppl_dense_control": rows["dense_control"]["ppl"],
+               "ppl_gsm": rows["gsm"]["ppl"], "ppl_gsm_over_control": rows["gsm"]["ppl"] / rows["dense_control"]["ppl"],
+               "kv_bytes_ratio": rows["gsm"]["kv_bytes_ratio"], "kv_bytes_per_token": rows["gsm"]["kv_bytes_per_token"],
+               "gsm_recall_ratio": rows["gsm"].get("recall_ratio"), "eval": report}
+    write_result(result_path, result)
+    for baseline in ("per_token", "kivi"):
+        plain = evaluate_exports("smollm2-135m", {"gsm": exports["gsm"]}, args.eval_data, 2048, args.windows, 1,
+                                 "sparse", 512, kv_baseline=baseline)
+        result[f"ppl_plain_quant_{baseline}"] = plain["results"]["gsm"]["ppl"]
+    result["ppl_plain_quant_same_bits"] = min(result["ppl_plain_quant_per_token"], result["ppl_plain_quant_kivi"])
+    write_result(result_path, result)
+    print(f"PPL base {result['ppl_base']:.3f}  dense control {result['ppl_dense_control']:.3f}  "
+          f"GSM {result['ppl_gsm']:.3f} ({result['ppl_gsm_over_control']:.3f}x control)  "
+          f"plain quant same bits {result['ppl_plain_quant_same_bits']:.3f}  KV bytes ratio "
+          f"{result['kv_bytes_ratio']:.3f}  joint/dense tokens/s {result['joint_over_dense_tokens_per_s']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
