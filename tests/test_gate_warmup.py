@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,17 +14,13 @@ from gsm_train.model_zoo import tiny_model
 from gsm_train.modules import gsm_parameters
 from gsm_train.train import main as train_main
 from gsm_train.train import train_recipe
+from run_helpers import losses, records, resume_after_crash, run_two_processes
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = str(REPO / "recipes" / "gate_only.yaml")
 TINY = ["model.name_or_path=tiny-llama", "data.seq_len=64", "logging.recall_min_keys=16", "logging.recall_k=8",
         "gsm.sparse_attention.top_k=8", "gsm.sparse_attention.k_min=8", "logging.progress_bar=false",
         "optim.warmup_steps=1", "gsm.sparse_attention.gate_init=random", "optim.lr=0.01"]
-
-
-def _losses(run_dir: Path) -> list[float]:
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in lines if r["kind"] == "train"]
 
 
 def test_loss_falls_and_base_stays_bit_identical(tmp_path: Path) -> None:
@@ -51,13 +43,8 @@ def test_loss_falls_and_base_stays_bit_identical(tmp_path: Path) -> None:
 def test_resume_reproduces_an_uninterrupted_run(tmp_path: Path, distill_queries: int) -> None:
     steps = ["train.steps=6", "output.checkpoint_every=3", "logging.eval_every=100",
              f"train.distill_queries={distill_queries}"]
-    straight = tmp_path / "straight"
-    train_recipe(RECIPE, [*TINY, *steps, f"output.dir={straight}"])
-    crashed = tmp_path / "crashed"
-    (crashed / "checkpoints").mkdir(parents=True)
-    shutil.copytree(straight / "checkpoints" / "step_00000003", crashed / "checkpoints" / "step_00000003")
-    resumed = train_recipe(RECIPE, [*TINY, *steps, f"output.dir={crashed}"], resume="auto")
-    assert resumed.losses == pytest.approx(_losses(straight)[3:], abs=1e-6)
+    straight, resumed = resume_after_crash(RECIPE, [*TINY, *steps], tmp_path, step=3)
+    assert resumed.losses == pytest.approx(losses(straight)[3:], abs=1e-6)
     kept = sorted(p.name for p in (straight / "checkpoints").iterdir())
     assert kept == ["latest", "step_00000003", "step_00000006"]
     assert not list(tmp_path.rglob("*.tmp")), "no half-written checkpoint is left behind"
@@ -66,17 +53,12 @@ def test_resume_reproduces_an_uninterrupted_run(tmp_path: Path, distill_queries:
 def test_two_process_fsdp2_matches_one_process(tmp_path: Path) -> None:
     common = [*TINY, "train.steps=4", "logging.eval_every=2"]
     single = train_recipe(RECIPE, [*common, "train.batch_size=4", f"output.dir={tmp_path / 'one'}"])
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", "29531", "-m", "gsm_train.train", "--recipe", RECIPE, *common,
-                           "train.batch_size=2", f"output.dir={tmp_path / 'two'}"],
-                          capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    records = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
-    setup = next(r for r in records if r["kind"] == "setup")
+    run_two_processes(RECIPE, [*common, "train.batch_size=2"], tmp_path / "two", port=29531)
+    two = records(tmp_path / "two")
+    setup = next(r for r in two if r["kind"] == "setup")
     assert setup["world_size"] == 2 and setup["fsdp_sharded_params"] > 0
-    assert _losses(tmp_path / "two") == pytest.approx(single.losses, abs=1e-4)
-    evals = [r for r in records if r["kind"] == "eval"]
+    assert losses(tmp_path / "two") == pytest.approx(single.losses, abs=1e-4)
+    evals = [r for r in two if r["kind"] == "eval"]
     assert evals[-1]["gate_mass_k8"] == pytest.approx(single.final_metrics["gate_mass_k8"], abs=1e-4)
     one_export = load_file(str(tmp_path / "one" / "export" / "adapter_model.safetensors"))
     two_export = load_file(str(tmp_path / "two" / "export" / "adapter_model.safetensors"))

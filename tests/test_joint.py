@@ -4,10 +4,6 @@ causality in training mode, exact resume, FSDP2 on 2 processes, the dense contro
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +15,7 @@ from gsm_train.model_zoo import tiny_model
 from gsm_train.modules import inject_gsm
 from gsm_train.train import main as train_main
 from gsm_train.train import train_recipe
+from run_helpers import losses, records, resume_after_crash, run_two_processes
 
 REPO = Path(__file__).resolve().parents[1]
 JOINT = str(REPO / "recipes" / "joint.yaml")
@@ -30,11 +27,6 @@ TINY = ["model.name_or_path=tiny-llama", "data.seq_len=64", "logging.recall_min_
 ALL_ON = {"sparse_attention": {"top_k": 4, "k_min": 4, "mode": "sparse"},
           "kv_compression": {"enabled": True, "block_size": 8, "cluster_num": 4},
           "cross_layer_sharing": {"enabled": True, "bridge_from": 1, "bridge_to_start": 2, "mode": "share"}}
-
-
-def _losses(run_dir: Path) -> list[float]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in records if r["kind"] == "train"]
 
 
 def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -83,29 +75,18 @@ def test_causal_in_training_mode() -> None:
 
 def test_resume_is_exact(tmp_path: Path) -> None:
     steps = ["train.steps=6", "output.checkpoint_every=3", "train.base=full", "optim.lr=1e-3"]
-    straight = tmp_path / "straight"
-    train_recipe(JOINT, [*TINY, *steps, f"output.dir={straight}"])
-    crashed = tmp_path / "crashed"
-    (crashed / "checkpoints").mkdir(parents=True)
-    shutil.copytree(straight / "checkpoints" / "step_00000003", crashed / "checkpoints" / "step_00000003")
-    resumed = train_recipe(JOINT, [*TINY, *steps, f"output.dir={crashed}"], resume="auto")
-    assert resumed.losses == pytest.approx(_losses(straight)[3:], abs=1e-6)
+    straight, resumed = resume_after_crash(JOINT, [*TINY, *steps], tmp_path, step=3)
+    assert resumed.losses == pytest.approx(losses(straight)[3:], abs=1e-6)
 
 
 def test_two_process_fsdp2_matches_one_process(tmp_path: Path) -> None:
     common = [*TINY, "train.steps=3", "optim.lr=1e-4"]
     single = train_recipe(JOINT, [*common, "train.batch_size=4", f"output.dir={tmp_path / 'one'}"])
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", "29533", "-m", "gsm_train.train", "--recipe", JOINT, *common,
-                           "train.batch_size=2", f"output.dir={tmp_path / 'two'}"],
-                          capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    records = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
-    assert next(r for r in records if r["kind"] == "setup")["fsdp_sharded_params"] > 0
+    run_two_processes(JOINT, [*common, "train.batch_size=2"], tmp_path / "two", port=29533)
+    assert next(r for r in records(tmp_path / "two") if r["kind"] == "setup")["fsdp_sharded_params"] > 0
     # top-k selection and cluster ids are discrete, so rounding differences of the sharded reduction
     # can flip a selected key; the bound is therefore looser than stage 1's.
-    assert _losses(tmp_path / "two") == pytest.approx(single.losses, abs=1e-3)
+    assert losses(tmp_path / "two") == pytest.approx(single.losses, abs=1e-3)
 
 
 def test_dense_control_is_the_base_model(tmp_path: Path) -> None:

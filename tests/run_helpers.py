@@ -1,0 +1,45 @@
+"""Shared steps of the stage tests: reading a run's losses, resuming after a simulated crash, and
+running a recipe in two processes (gloo, FSDP2)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from gsm_train.train import train_recipe
+from gsm_train.trainer import TrainResult
+
+
+def records(run_dir: Path) -> list[dict]:
+    """The run's metrics.jsonl records."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(run_dir: Path) -> list[float]:
+    """The training losses a run logged, one per step."""
+    return [r["loss"] for r in records(run_dir) if r["kind"] == "train"]
+
+
+def resume_after_crash(recipe: str, overrides: list[str], tmp_path: Path, step: int) -> tuple[Path, TrainResult]:
+    """Run `recipe` straight, then again from a copy of only its step-`step` checkpoint (as if it had
+    crashed right after writing it) with --resume auto. Returns (the straight run's folder, the resumed result)."""
+    straight = tmp_path / "straight"
+    train_recipe(recipe, [*overrides, f"output.dir={straight}"])
+    crashed = tmp_path / "crashed"
+    (crashed / "checkpoints").mkdir(parents=True)
+    name = f"step_{step:08d}"
+    shutil.copytree(straight / "checkpoints" / name, crashed / "checkpoints" / name)
+    return straight, train_recipe(recipe, [*overrides, f"output.dir={crashed}"], resume="auto")
+
+
+def run_two_processes(recipe: str, overrides: list[str], out_dir: Path, port: int) -> None:
+    """`torchrun --nproc_per_node 2 -m gsm_train.train` on CPU; fails with its stderr if it fails."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", str(port), "-m", "gsm_train.train", "--recipe", recipe, *overrides,
+                           f"output.dir={out_dir}"], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
