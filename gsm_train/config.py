@@ -158,9 +158,13 @@ class DataConfig(StrictModel):
 
 
 class OptimConfig(StrictModel):
-    """AdamW with linear warm-up and cosine decay; clipping over the trainable parameters."""
+    """AdamW with linear warm-up and cosine decay; clipping over the trainable parameters.
+
+    `gsm_lr` is the learning rate of the GSM modules (gate, ASQ, bridge) when it differs from the
+    base's `lr` (the joint stage: new modules need a larger step than a pretrained base)."""
 
     lr: float = Field(1e-3, gt=0.0, le=1.0)
+    gsm_lr: float | None = Field(None, gt=0.0, le=1.0)
     weight_decay: float = Field(0.0, ge=0.0)
     betas: tuple[float, float] = (0.9, 0.95)
     warmup_steps: int = Field(20, ge=0)

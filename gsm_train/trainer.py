@@ -23,6 +23,7 @@ from gsm_train.data import PackedBatches, load_text_dataset, pack_tokens, split_
 from gsm_train.export import export_adapter
 from gsm_train.distributed import DistInfo, all_reduce_sum, init_distributed, shard_model, teardown
 from gsm_train.model_zoo import load_model_and_tokenizer
+from gsm_train.modules.injection import GSM_PARAM_MARKER
 from gsm_train.run_log import RunLogger
 
 
@@ -102,6 +103,17 @@ def _eval_batches(rows: Tensor, config: RecipeConfig, info: DistInfo) -> list[Te
     return [usable[i: i + per_rank].to(info.device) for i in range(0, len(usable), per_rank)]
 
 
+def _param_groups(model: nn.Module, config: RecipeConfig) -> list[dict[str, Any]]:
+    """Trainable parameters in two groups: GSM modules (at `optim.gsm_lr`, if set) and the rest."""
+    gsm, rest = [], []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            (gsm if GSM_PARAM_MARKER in f".{name}" else rest).append(param)
+    gsm_lr = config.optim.gsm_lr or config.optim.lr
+    return [group for group in ({"params": gsm, "lr": gsm_lr}, {"params": rest, "lr": config.optim.lr})
+            if group["params"]]
+
+
 def _clip(params: list[nn.Parameter], max_norm: float) -> float:
     """Global gradient norm over the trainable parameters (DTensor-aware), clipped to max_norm."""
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
@@ -160,7 +172,8 @@ def _run(config: RecipeConfig, stage: Stage, info: DistInfo, run_name: str) -> T
     params = [p for p in model.parameters() if p.requires_grad]
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     optim = config.optim
-    optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
+    optimizer = torch.optim.AdamW(_param_groups(model, config), lr=optim.lr, betas=optim.betas,
+                                  weight_decay=optim.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
     loader = PackedBatches(train_rows, config.train.batch_size, seed=config.data.seed, rank=info.rank,
                            world_size=info.world_size)

@@ -9,12 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from gsm_train.config import GSMConfig
+from gsm_train.config import GSMConfig, load_recipe
 from gsm_train.export import load_gsm
 from gsm_train.model_zoo import tiny_model
 from gsm_train.modules import inject_gsm
 from gsm_train.train import main as train_main
+from gsm_train.stages import JointStage
 from gsm_train.train import train_recipe
+from gsm_train.trainer import _param_groups
 from run_helpers import losses, records, resume_after_crash, run_two_processes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -80,7 +82,7 @@ def test_resume_is_exact(tmp_path: Path) -> None:
 
 
 def test_two_process_fsdp2_matches_one_process(tmp_path: Path) -> None:
-    common = [*TINY, "train.steps=3", "optim.lr=1e-4"]
+    common = [*TINY, "train.steps=3", "optim.lr=1e-4", "optim.gsm_lr=1e-4"]
     single = train_recipe(JOINT, [*common, "train.batch_size=4", f"output.dir={tmp_path / 'one'}"])
     run_two_processes(JOINT, [*common, "train.batch_size=2"], tmp_path / "two", port=29533)
     assert next(r for r in records(tmp_path / "two") if r["kind"] == "setup")["fsdp_sharded_params"] > 0
@@ -102,3 +104,14 @@ def test_nothing_to_train_is_one_clear_error(tmp_path: Path, capsys: pytest.Capt
     status = train_main(["--recipe", JOINT, *TINY, "gsm.gsm_enabled=false", "train.base=frozen",
                          f"output.dir={tmp_path / 'run'}"])
     assert status == 2 and "nothing to train" in capsys.readouterr().err
+
+
+def test_gsm_modules_get_their_own_learning_rate() -> None:
+    config = load_recipe(JOINT, [*TINY, "optim.lr=1e-5", "optim.gsm_lr=1e-3"])
+    model = tiny_model("llama")
+    JointStage().prepare(model, config)
+    groups = _param_groups(model, config)
+    gsm_ids = {id(p) for n, p in model.named_parameters() if ".gsm." in n}
+    assert [g["lr"] for g in groups] == [1e-3, 1e-5]
+    assert {id(p) for p in groups[0]["params"]} == gsm_ids
+    assert not gsm_ids & {id(p) for p in groups[1]["params"]}
