@@ -12,9 +12,8 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
-import torch
 from pydantic import ValidationError
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
