@@ -1,4 +1,5 @@
-"""`gsm-train`: validate recipes, train, evaluate, inspect what GSM attaches, export checkpoints, publish exports."""
+"""`gsm-train`: validate recipes, train, evaluate, generate, inspect what GSM attaches, export checkpoints, publish
+exports."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from gsm_train.config import ConfigError, load_recipe, resolved_yaml
 from gsm_train.data import DataError
 from gsm_train.evaluate import evaluate_exports, write_report
 from gsm_train.export import ExportError
+from gsm_train.generate import generate
 from gsm_train.hub import PublishError, publish_export
 from gsm_train.inspect_model import inspect_model
 from gsm_train.train import main as train_main
@@ -51,6 +53,16 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate(args: argparse.Namespace) -> int:
+    prompt = args.prompt if args.prompt is not None else open(args.prompt_file, encoding="utf-8").read()
+    result = generate(args.model, args.adapter, prompt, args.max_new_tokens, args.mode)
+    print(result.text)
+    what = "GSM cache" if args.adapter else "dense cache"
+    print(f"--- {result.new_tokens} tokens in {result.seconds:.2f} s ({result.new_tokens / result.seconds:.1f} tokens/s); "
+          f"{what} {result.cache_bytes:,} bytes (a bf16 dense cache: {result.dense_cache_bytes:,})", file=sys.stderr)
+    return 0
+
+
 def _publish(args: argparse.Namespace) -> int:
     where = publish_export(args.export, args.repo_id, private=args.private, revision=args.revision,
                            endpoint=args.endpoint)
@@ -88,6 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--min-keys", type=int, default=512, help="recall counts queries with at least this many keys")
     evaluate.add_argument("--out", default="runs/eval")
     evaluate.set_defaults(run=_eval)
+    gen = commands.add_parser("generate", help="greedy generation with an adapter over the GSM cache")
+    gen.add_argument("--model", default="smollm2-135m", help="the base model the adapter was trained on")
+    gen.add_argument("--adapter", default=None, help="an export folder (without it: the dense base)")
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", default=None)
+    source.add_argument("--prompt-file", default=None)
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--mode", choices=("sparse", "dense"), default="sparse", help="main attention of the adapter")
+    gen.set_defaults(run=_generate)
     export = commands.add_parser("export", help="write the adapter export of a checkpoint")
     export.add_argument("checkpoint", help="RUN/checkpoints/step_N")
     export.add_argument("out", help="folder to write (replaced atomically)")

@@ -50,8 +50,9 @@ def test_table_per_layer_and_totals(case: str) -> None:
     rows, totals, ratio = _parse(inspect_model("tiny-llama", None, SEQ_LEN, overrides))
     assert sorted(rows) == [0, 1, 2, 3]
     assert [rows[i][0] for i in range(4)] == modules
-    assert [rows[i][1][1:] for i in range(4)] == [[BASE, expected] for expected in gsm_bytes]
-    assert totals == [sum(row[1][column] for row in rows.values()) for column in range(3)]
+    for index, expected in enumerate(gsm_bytes):  # the table prints one decimal
+        assert rows[index][1][1:] == pytest.approx([BASE, expected], abs=0.051)
+    assert totals == pytest.approx([sum(row[1][column] for row in rows.values()) for column in range(3)], abs=0.21)
     assert ratio == pytest.approx(totals[2] / totals[1], abs=1e-4)
 
 

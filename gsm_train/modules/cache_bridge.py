@@ -34,10 +34,14 @@ class CacheBridge(nn.Module):
         mapped = linear(flat.to(linear.weight.dtype)).view(batch, length, self.out_heads, self.head_dim)
         return (self.alpha * norm(mapped)).transpose(1, 2)
 
+    def bridged(self, src_key: Tensor, src_value: Tensor) -> tuple[Tensor, Tensor]:
+        """`alpha * LN(A(src))` for K and V: [B, out_heads, S, D] from the source's [B, Hsrc, S, D]."""
+        return self._map(src_key, self.k_map, self.k_norm), self._map(src_value, self.v_map, self.v_norm)
+
     def forward(self, key: Tensor, value: Tensor, src_key: Tensor, src_value: Tensor, mode: str) -> tuple[Tensor, Tensor]:
         """The target layer's K/V [B, Hkv, S, D] after bridging from the source K/V."""
-        bridged_k = self._map(src_key, self.k_map, self.k_norm).to(key.dtype)
-        bridged_v = self._map(src_value, self.v_map, self.v_norm).to(value.dtype)
+        bridged_k, bridged_v = self.bridged(src_key, src_value)
+        bridged_k, bridged_v = bridged_k.to(key.dtype), bridged_v.to(value.dtype)
         if mode == "mix":
             return key + bridged_k, value + bridged_v
         if mode == "share":

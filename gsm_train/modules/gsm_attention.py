@@ -18,15 +18,13 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from gsm_train.config import GSMConfig
 from gsm_train.modules.attention_targets import captured_mass, causal_visible, gate_distill_loss, head_averaged_probs
 from gsm_train.modules.cache_bridge import CacheBridge
+from gsm_train.modules.decode_attention import decode_attention
+from gsm_train.modules.errors import GSMError
 from gsm_train.modules.kv_compressor import ASQCompressor, fake_quant_kivi, fake_quant_per_token
 from gsm_train.modules.sparse_gate import SparseGateHead, k_per_query, select_top_k
 
 ATTN_IMPLEMENTATION = "gsm"
 MODES = ("dense", "sparse", "oracle")
-
-
-class GSMError(RuntimeError):
-    """A GSM model was used in a way the modules cannot serve."""
 
 
 @dataclass
@@ -48,7 +46,9 @@ class GSMRuntime:
     distill_losses: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
     recall_sums: dict[int, dict[str, Tensor]] = field(default_factory=dict)
     asq_losses: dict[int, Tensor] = field(default_factory=dict)
-    bridge_source: tuple[Tensor, Tensor] | None = None
+    bridge_source: tuple[Tensor, Tensor, tuple[Tensor, Tensor] | None] | None = None
+    cache_layer: Any = None  # the GSMLayerCache that the current layer's attention reads (generation)
+    decode_kernels: Any = None  # gsm_train.kernels.sparse_decode, when the cache uses the fused kernels
     _layouts: dict[tuple, tuple[Tensor, ...]] = field(default_factory=dict)
 
     def clear(self) -> None:
@@ -116,25 +116,34 @@ class GSMAttentionAdapter(nn.Module):
             raise GSMError(f"layer {self.layer_idx}: the gate's input was not captured; was the model injected?")
         return inputs
 
-    def transform_kv(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
-        """ASQ on this layer's own K/V, then the bridge from the source layer's (compressed) K/V."""
+    def transform_kv(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor] | None]:
+        """ASQ on this layer's own K/V, then the bridge from the source layer's (compressed) K/V.
+
+        Returns (K, V, own): K/V as earlier blocks are stored, and `own`, the K/V a query sees in its
+        own (newest, uncompressed) block, or None where they are the same (no quantizer upstream).
+        """
         runtime = self.runtime
+        raw_key, raw_value = key, value
         if self.asq_k is not None and runtime.kv_baseline is not None:
             key, value = plain_kv_quant(key, value, runtime.kv_baseline, self.asq_k.quant_bits, self.asq_k.block_size)
         elif self.asq_k is not None:
-            key_in, value_in = key, value
             key, value = self.asq_k(key), self.asq_v(value)
             if self.training:
                 runtime.asq_losses[self.layer_idx] = (
-                    self.asq_k.reconstruction_loss(key_in) + self.asq_v.reconstruction_loss(value_in)) / 2
+                    self.asq_k.reconstruction_loss(raw_key) + self.asq_v.reconstruction_loss(raw_value)) / 2
+        own = (raw_key, raw_value) if self.asq_k is not None else None
         if self.is_bridge_source:
-            runtime.bridge_source = (key, value)
+            runtime.bridge_source = (key, value, own)
         if self.bridge is not None:
             if runtime.bridge_source is None:
                 raise GSMError(f"layer {self.layer_idx} is a bridge target but the source layer did not run first")
-            src_k, src_v = runtime.bridge_source
-            key, value = self.bridge(key, value, src_k, src_v, runtime.config.cross_layer_sharing.mode)
-        return key, value
+            src_k, src_v, src_own = runtime.bridge_source
+            mode = runtime.config.cross_layer_sharing.mode
+            if own is not None or src_own is not None:
+                own_k, own_v = own or (raw_key, raw_value)
+                own = self.bridge(own_k, own_v, *(src_own or (src_k, src_v)), mode)
+            key, value = self.bridge(key, value, src_k, src_v, mode)
+        return key, value, own
 
 
 def plain_kv_quant(key: Tensor, value: Tensor, kind: str, bits: int, block_size: int) -> tuple[Tensor, Tensor]:
@@ -156,6 +165,23 @@ def allowed_keys(attention_mask: Tensor | None, q_len: int, kv_len: int, device:
     if attention_mask.dtype == torch.bool:
         return attention_mask[..., -kv_len:]
     return attention_mask[..., -kv_len:] > torch.finfo(attention_mask.dtype).min / 2
+
+
+def earlier_blocks(query_positions: Tensor, kv_len: int, block_size: int) -> Tensor:
+    """Boolean [T, S]: key j lies in a block before query t's own block."""
+    keys = torch.arange(kv_len, device=query_positions.device)
+    return keys[None, :] // block_size < query_positions[:, None] // block_size
+
+
+def block_causal_kv(key: Tensor, value: Tensor | None, own: tuple[Tensor, Tensor] | None, selection: Tensor,
+                    query_positions: Tensor, block_size: int) -> tuple[Tensor, Tensor | None, Tensor]:
+    """Keys, values and selection [.., T, S'] for queries that see earlier blocks as stored and their
+    own block uncompressed (as at decode): with `own`, both versions side by side (S' = 2S)."""
+    if own is None:
+        return key, value, selection
+    earlier = earlier_blocks(query_positions, key.shape[2], block_size)
+    both_values = torch.cat((value, own[1]), 2) if value is not None else None
+    return torch.cat((key, own[0]), 2), both_values, torch.cat((selection & earlier, selection & ~earlier), -1)
 
 
 def _masked_sdpa(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, selection: Tensor,
@@ -184,14 +210,19 @@ def gsm_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     runtime = adapter.runtime
+    layer_cache, runtime.cache_layer = runtime.cache_layer, None
+    if layer_cache is not None and layer_cache.cached_before_update > 0:
+        return decode_attention(module, adapter, layer_cache, query, attention_mask,
+                                module.scaling if scaling is None else scaling), None
     sparse_cfg = runtime.config.sparse_attention
     hidden, cos, sin = adapter.pop_inputs()
-    key, value = adapter.transform_kv(key, value)
+    key, value, own = adapter.transform_kv(key, value)
     mode = "dense" if adapter.dense_layer or not sparse_cfg.enabled else runtime.mode
     gate = adapter.gate
-    needs_gate = gate is not None and (mode == "sparse" or runtime.distill or runtime.recall is not None)
+    needs_gate = gate is not None and (mode == "sparse" or runtime.distill or runtime.recall is not None
+                                       or layer_cache is not None)
     q_len, kv_len = query.shape[2], key.shape[2]
-    if mode == "dense" and not needs_gate:
+    if mode == "dense" and not needs_gate and own is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     if q_len != kv_len:
@@ -200,12 +231,15 @@ def gsm_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
                        "use_cache=False for teacher-forced passes")
     scaling = module.scaling if scaling is None else scaling
     allowed, positions, k_t, visible = runtime.layout(attention_mask, q_len, kv_len, query.device)
+    block_size = runtime.config.kv_compression.block_size
     chunk = sparse_cfg.query_chunk
     num_selectors = gate.num_selectors if gate is not None else 1
     gate_q = gate_k = None
     if needs_gate:
         gate_input = hidden.detach() if runtime.detach_gate_input else hidden
         gate_q, gate_k = gate(gate_input, cos, sin)
+        if layer_cache is not None:  # prefill of a generation: the cache keeps the prompt's gate keys
+            layer_cache.append_gate_keys(gate_k)
 
     def gate_selection(start: int, stop: int, k: Tensor = k_t) -> Tensor:
         with torch.no_grad():
@@ -214,19 +248,24 @@ def gsm_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
                              sparse_cfg.sink_tokens, sparse_cfg.recent_tokens)
 
     def oracle_selection(start: int, stop: int) -> Tensor:
-        probs = head_averaged_probs(query[:, :, start:stop].detach(), key.detach(), allowed[..., start:stop, :],
-                                    scaling, num_selectors)
+        keys, _, mask = block_causal_kv(key.detach(), None, own, allowed[..., start:stop, :],
+                                        positions[start:stop], block_size)
+        probs = head_averaged_probs(query[:, :, start:stop].detach(), keys.detach(), mask, scaling, num_selectors)
+        probs = probs[..., :kv_len] + probs[..., kv_len:] if own is not None else probs  # fold the two versions
         return select_top_k(probs, allowed[..., start:stop, :], k_t[start:stop], positions[start:stop], positions,
                             sparse_cfg.sink_tokens, sparse_cfg.recent_tokens)
 
-    if mode == "dense":
+    if mode == "dense" and own is None:
         out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                      **kwargs)[0]
     else:
-        pick = gate_selection if mode == "sparse" else oracle_selection
-        with torch.no_grad():
-            selection = torch.cat([pick(a, b) for a, b in _chunks(q_len, chunk)], dim=2)
-        out = _masked_sdpa(module, query, key, value, selection, scaling)
+        selection = allowed
+        if mode != "dense":
+            pick = gate_selection if mode == "sparse" else oracle_selection
+            with torch.no_grad():
+                selection = torch.cat([pick(a, b) for a, b in _chunks(q_len, chunk)], dim=2)
+        out = _masked_sdpa(module, query, *block_causal_kv(key, value, own, selection, positions, block_size),
+                           scaling)
     if runtime.distill and gate is not None:
         counted = allowed.sum(-1) >= k_t  # queries with at least k keys  [B|1, 1, T]
         # DSA: in sparse training the gate learns the main attention's distribution over what it selected

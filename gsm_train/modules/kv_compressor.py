@@ -87,6 +87,11 @@ def _split_blocks(x: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
     return full, x[:, :, s_full:]
 
 
+def stored_split(seq_len: int, block_size: int) -> int:
+    """Tokens a cache of ``seq_len`` holds compressed: every block but the newest (which may be full)."""
+    return max(seq_len - 1, 0) // block_size * block_size
+
+
 def _join_blocks(full: Tensor, tail: Tensor) -> Tensor:
     b, h, n, bs, d = full.shape
     return torch.cat([full.reshape(b, h, n * bs, d).to(tail.dtype), tail], dim=2)
@@ -151,7 +156,7 @@ def asq_bytes(
 ) -> dict[str, float]:
     """Exact storage of :meth:`ASQCompressor.compress` output, in bytes.
 
-    With ``n = batch_size * num_kv_heads``, ``F = (seq_len // block_size) * block_size``
+    With ``n = batch_size * num_kv_heads``, ``F = stored_split(seq_len, block_size)``
     compressed tokens in ``F / block_size`` blocks and ``T = seq_len - F`` tail tokens:
     ids ``n*F``, residual ``n*F*ceil(head_dim*quant_bits/8)``, scales ``2*n*F``,
     prototypes ``2*n*(F/block_size)*cluster_num*head_dim``, tail ``tail_bytes*n*T*head_dim``.
@@ -160,8 +165,8 @@ def asq_bytes(
     ``compression_ratio`` (bf16 / total).
     """
     n = batch_size * num_kv_heads
-    n_blocks = seq_len // block_size
-    s_full = n_blocks * block_size
+    s_full = stored_split(seq_len, block_size)
+    n_blocks = s_full // block_size
     out: dict[str, float] = {
         "ids": n * s_full,
         "residual": n * s_full * math.ceil(head_dim * quant_bits / 8),
@@ -280,22 +285,26 @@ class ASQCompressor(nn.Module):
 
     # ---------------------------------------------------------------- internals
 
-    def _check_input(self, x: Tensor) -> None:
+    def _check_input(self, x: Tensor, leading_heads: bool = False) -> None:
+        """``x`` is [B, H, S, D] with this compressor's H (or, with ``leading_heads``, its first H heads)."""
         _check(x.dim() == 4, "x", f"must be [B, H, S, D], got shape {tuple(x.shape)}")
+        heads_ok = 1 <= x.shape[1] <= self.num_kv_heads if leading_heads else x.shape[1] == self.num_kv_heads
         _check(
-            x.shape[1] == self.num_kv_heads and x.shape[3] == self.head_dim,
+            heads_ok and x.shape[3] == self.head_dim,
             "x",
             f"must have H={self.num_kv_heads}, D={self.head_dim}, got shape {tuple(x.shape)}",
         )
 
     def _assign(self, blocks: Tensor) -> Tensor:
-        """Soft assignment [B, H, n, bs, C] from per-block standardized inputs."""
+        """Soft assignment [B, H, n, bs, C] from per-block standardized inputs (heads independent: the
+        first H heads' parameters serve an input of H heads)."""
+        h = blocks.shape[1]
         centered = blocks - blocks.mean(dim=3, keepdim=True)
         rms = centered.pow(2).mean(dim=(3, 4), keepdim=True).add(_EPS).sqrt()
-        hidden = torch.einsum("bhnsd,hdk->bhnsk", centered / rms, self.w1.float())
-        hidden = F.gelu(hidden + self.b1.float()[:, None, None, :])
-        logits = torch.einsum("bhnsk,hkc->bhnsc", hidden, self.w2.float())
-        logits = logits + self.b2.float()[:, None, None, :]
+        hidden = torch.einsum("bhnsd,hdk->bhnsk", centered / rms, self.w1[:h].float())
+        hidden = F.gelu(hidden + self.b1[:h].float()[:, None, None, :])
+        logits = torch.einsum("bhnsk,hkc->bhnsc", hidden, self.w2[:h].float())
+        logits = logits + self.b2[:h].float()[:, None, None, :]
         return torch.softmax(logits / self.tau, dim=-1)
 
     def _encode(self, blocks: Tensor) -> _Encoded:
@@ -308,9 +317,9 @@ class ASQCompressor(nn.Module):
         q, scale = _quantize(residual, self.quant_bits, dim=-1)
         return _Encoded(probs, prototypes, ids, q, scale)
 
-    def _encode_input(self, x: Tensor) -> tuple[_Encoded | None, Tensor, Tensor]:
+    def _encode_input(self, x: Tensor, leading_heads: bool = False) -> tuple[_Encoded | None, Tensor, Tensor]:
         """Validate and split ``x``; returns (encoding or None if no full block, fp32 blocks, tail)."""
-        self._check_input(x)
+        self._check_input(x, leading_heads)
         with torch.autocast(device_type=x.device.type, enabled=False):
             full, tail = _split_blocks(x, self.block_size)
             blocks = full.float()
@@ -361,8 +370,21 @@ class ASQCompressor(nn.Module):
 
     @torch.no_grad()
     def compress(self, x: Tensor) -> PackedKV:
-        """Pack ``x`` [B, H, S, D] into real low-bit storage (see :class:`PackedKV`)."""
-        enc, blocks, tail = self._encode_input(x)
+        """Pack ``x`` [B, H, S, D] as a cache of S tokens stores it (see :class:`PackedKV`): every
+        block but the newest compressed, the newest (1..block_size tokens) kept raw in the tail."""
+        self._check_input(x)
+        s_full = stored_split(x.shape[2], self.block_size)
+        packed = self.compress_blocks(x[:, :, :s_full])
+        packed.tail = x[:, :, s_full:].clone()
+        return packed
+
+    @torch.no_grad()
+    def compress_blocks(self, x: Tensor) -> PackedKV:
+        """Pack whole blocks ``x`` [B, H, n * block_size, D] (the tail of the result is empty); ``x`` may
+        hold only the first H heads (a bridge target caches only the heads it keeps)."""
+        _check(x.shape[-2] % self.block_size == 0, "x", f"must hold whole blocks of {self.block_size} tokens, "
+               f"got {x.shape[-2]}")
+        enc, blocks, tail = self._encode_input(x, leading_heads=True)
         b, h, n, bs, d = blocks.shape
         if enc is None:
             ids = torch.zeros(b, h, 0, dtype=torch.long, device=x.device)

@@ -12,6 +12,8 @@ import math
 import torch
 from torch import Tensor, nn
 
+GATE_KEY_DTYPE = torch.bfloat16  # how the KV cache stores gate keys (2 bytes per dimension)
+
 
 class SparseGateHead(nn.Module):
     """Gate query/key projections with RoPE; `num_selectors` independent selections per layer."""
@@ -52,8 +54,10 @@ class SparseGateHead(nn.Module):
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
     def scores(self, gate_q: Tensor, gate_k: Tensor) -> Tensor:
-        """Unmasked gate logits [B, n, T, S] in fp32."""
-        return torch.matmul(gate_q.float(), gate_k.float().transpose(-1, -2)) / math.sqrt(self.gate_head_dim)
+        """Unmasked gate logits [B, n, T, S] in fp32, over keys rounded to the cache's dtype (bf16), as
+        generation stores them, so that teacher-forced and cached selections agree."""
+        keys = gate_k.to(GATE_KEY_DTYPE).float()
+        return torch.matmul(gate_q.float(), keys.transpose(-1, -2)) / math.sqrt(self.gate_head_dim)
 
     @torch.no_grad()
     def init_from_attention(self, q_weight: Tensor, k_weight: Tensor, num_heads: int, num_kv_heads: int,

@@ -1,0 +1,58 @@
+"""`gsm-train generate`: greedy generation with a GSM adapter over the GSM cache (or the dense base)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gsm_train.export import load_gsm
+from gsm_train.model_zoo import load_model_and_tokenizer
+from gsm_train.modules.decode_cache import GSMCache
+
+
+@dataclass
+class Generation:
+    """A generated text and what it cost."""
+
+    text: str
+    new_tokens: int
+    seconds: float
+    cache_bytes: int
+    dense_cache_bytes: int
+
+
+def dense_cache_bytes(model: torch.nn.Module, tokens: int, batch: int = 1) -> int:
+    """Bytes a bf16 K/V cache of `tokens` takes for this model."""
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    return 2 * 2 * cfg.num_hidden_layers * kv_heads * head_dim * tokens * batch
+
+
+@torch.no_grad()
+def generate(model_name: str, adapter: str | Path | None, prompt: str, max_new_tokens: int, mode: str = "sparse",
+             device: str | None = None) -> Generation:
+    """Greedy continuation of `prompt`: with `adapter`, GSM attention over the GSM cache; without, the base."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model, tokenizer = load_model_and_tokenizer(model_name, dtype=dtype)
+    model.to(device)
+    cache = None
+    if adapter is not None:
+        load_gsm(model, adapter, mode=mode)
+        model.to(device)
+        cache = GSMCache(model)
+    ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)
+    tic = time.perf_counter()
+    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, past_key_values=cache,
+                         pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id or 0)
+    seconds = time.perf_counter() - tic
+    new = out[0, ids.shape[1]:]
+    cached = out.shape[1] - 1  # the last token is never fed back
+    return Generation(tokenizer.decode(new, skip_special_tokens=True), len(new), seconds,
+                      cache.nbytes() if cache is not None else dense_cache_bytes(model, cached),
+                      dense_cache_bytes(model, cached))

@@ -1,0 +1,199 @@
+"""Fused sparse decode (Triton): gate scores over the bf16 gate keys, then, over the top-k, gather the selected K/V rows, dequantize ASQ on the fly,
+and attend, in one pass over the selected rows (split over the selection, flash-decoding style).
+
+Per (batch, KV head, split) one program loads the GQA group's queries once, then for each tile of
+selected positions reads only what the cache stores for them: cluster id (1 byte), packed residual
+codes (D * bits / 8 bytes), scale (2 bytes) and the id's prototype row (read from L2, shared by the
+block), or the raw row for positions in the newest block. A second small kernel merges the splits.
+Bytes moved per selected token and KV head: about ``2 * (3 + D * bits / 8 + 2 * D)`` (K and V, the
+prototype row counted in full), against ``4 * D`` for a bf16 cache read densely.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+from torch import Tensor
+
+from gsm_train.modules.kv_store import KVStore
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the PyTorch path in decode_attention serves
+    triton = None
+
+
+def triton_available() -> bool:
+    """Whether the fused kernels can run here (Triton importable and a CUDA device, or Triton's interpreter)."""
+    return triton is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+if triton is not None:
+
+    @triton.jit
+    def _dequant_rows(ids_ptr, res_ptr, scale_ptr, proto_ptr, tail_ptr, bh, pos, live, packed_len, tail_len,
+                      n_blocks, dims, D: tl.constexpr, BITS: tl.constexpr, C: tl.constexpr,
+                      TOKENS_PER_BLOCK: tl.constexpr, PACKED: tl.constexpr, TRANSPOSED: tl.constexpr):
+        """Rows of one KV head at positions `pos` (fp32), packed or raw: [BLOCK_N, D], or [D, BLOCK_N]
+        when TRANSPOSED (built in that layout, so no transpose is needed before the dot)."""
+        if TRANSPOSED:
+            row_axis_pos = pos[None, :]
+            row_axis_live = live[None, :]
+            col = dims[:, None]
+        else:
+            row_axis_pos = pos[:, None]
+            row_axis_live = live[:, None]
+            col = dims[None, :]
+        in_tail = row_axis_live & (row_axis_pos >= packed_len)
+        rows = tl.load(tail_ptr + (bh * tail_len + (row_axis_pos - packed_len)) * D + col, mask=in_tail,
+                       other=0.0).to(tl.float32)
+        if PACKED:
+            in_packed = row_axis_live & (row_axis_pos < packed_len)
+            flat = bh * packed_len + row_axis_pos
+            cluster = tl.load(ids_ptr + flat, mask=in_packed, other=0).to(tl.int32)
+            block = row_axis_pos // TOKENS_PER_BLOCK
+            proto = tl.load(proto_ptr + ((bh * n_blocks + block) * C + cluster) * D + col, mask=in_packed,
+                            other=0.0).to(tl.float32)
+            PER: tl.constexpr = 8 // BITS
+            NBYTES: tl.constexpr = D // PER
+            byte = tl.load(res_ptr + flat * NBYTES + col // PER, mask=in_packed, other=0).to(tl.int32)
+            code = ((byte >> ((col % PER) * BITS)) & ((1 << BITS) - 1)) - (1 << (BITS - 1))
+            scale = tl.load(scale_ptr + flat, mask=in_packed, other=0.0).to(tl.float32)
+            rows = tl.where(in_packed, proto + code.to(tl.float32) * scale, rows)
+        return rows
+
+    @triton.jit
+    def _sparse_decode_kernel(q_ptr, index_ptr, valid_ptr,
+                              k_ids, k_res, k_scale, k_proto, k_tail,
+                              v_ids, v_res, v_scale, v_proto, v_tail,
+                              acc_ptr, max_ptr, sum_ptr,
+                              packed_len, tail_len, n_blocks, selected, chunk, scaling,
+                              KV_HEADS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                              BITS: tl.constexpr, C: tl.constexpr, TOKENS_PER_BLOCK: tl.constexpr,
+                              PACKED: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK_N: tl.constexpr,
+                              PRECISION: tl.constexpr, SHARED_SELECTION: tl.constexpr):
+        bh = tl.program_id(0)
+        split = tl.program_id(1)
+        splits = tl.num_programs(1)
+        selection_row = bh // KV_HEADS if SHARED_SELECTION else bh  # one selection per layer or per KV head
+        heads = tl.arange(0, GP)
+        dims = tl.arange(0, D)
+        q = tl.load(q_ptr + ((bh * G + heads) * D)[:, None] + dims[None, :], mask=(heads < G)[:, None], other=0.0)
+        m_i = tl.full([GP], -1.0e30, tl.float32)
+        l_i = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, D], tl.float32)
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, selected)
+        for start in range(0, chunk, BLOCK_N):
+            offs = lo + start + tl.arange(0, BLOCK_N)
+            live = offs < hi
+            pos = tl.load(index_ptr + selection_row * selected + offs, mask=live, other=0)
+            if HAS_VALID:
+                live = live & (tl.load(valid_ptr + selection_row * selected + offs, mask=live, other=0) != 0)
+            keys_t = _dequant_rows(k_ids, k_res, k_scale, k_proto, k_tail, bh, pos, live, packed_len, tail_len,
+                                   n_blocks, dims, D, BITS, C, TOKENS_PER_BLOCK, PACKED, True)
+            logits = tl.dot(q, keys_t.to(q.dtype), input_precision=PRECISION) * scaling
+            logits = tl.where(live[None, :], logits, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(logits, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(logits - m_new[:, None])
+            values = _dequant_rows(v_ids, v_res, v_scale, v_proto, v_tail, bh, pos, live, packed_len, tail_len,
+                                   n_blocks, dims, D, BITS, C, TOKENS_PER_BLOCK, PACKED, False)
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), values.to(q.dtype), input_precision=PRECISION)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
+        part = (bh * splits + split) * GP + heads
+        tl.store(acc_ptr + (part * D)[:, None] + dims[None, :], acc)
+        tl.store(max_ptr + part, m_i)
+        tl.store(sum_ptr + part, l_i)
+
+    @triton.jit
+    def _merge_splits_kernel(acc_ptr, max_ptr, sum_ptr, out_ptr, splits,
+                             G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr):
+        bh = tl.program_id(0)
+        heads = tl.arange(0, GP)
+        dims = tl.arange(0, D)
+        m_all = tl.full([GP], -1.0e30, tl.float32)
+        for split in range(0, splits):
+            m_all = tl.maximum(m_all, tl.load(max_ptr + (bh * splits + split) * GP + heads))
+        total = tl.zeros([GP], tl.float32)
+        out = tl.zeros([GP, D], tl.float32)
+        for split in range(0, splits):
+            part = (bh * splits + split) * GP + heads
+            weight = tl.exp(tl.load(max_ptr + part) - m_all)
+            total += tl.load(sum_ptr + part) * weight
+            out += tl.load(acc_ptr + (part * D)[:, None] + dims[None, :]) * weight[:, None]
+        out = out / tl.maximum(total, 1e-30)[:, None]
+        tl.store(out_ptr + ((bh * G + heads) * D)[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=(heads < G)[:, None])
+
+
+    @triton.jit
+    def _gate_scores_kernel(q_ptr, k_ptr, out_ptr, length, scale, DG: tl.constexpr, BLOCK_S: tl.constexpr):
+        row = tl.program_id(0)  # one (batch, selector)
+        tile = tl.program_id(1)
+        dims = tl.arange(0, DG)
+        keys_at = tile * BLOCK_S + tl.arange(0, BLOCK_S)
+        live = keys_at < length
+        q = tl.load(q_ptr + row * DG + dims).to(tl.float32)
+        keys = tl.load(k_ptr + ((row * length + keys_at) * DG)[:, None] + dims[None, :], mask=live[:, None],
+                       other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * length + keys_at, tl.sum(keys * q[None, :], 1) * scale, mask=live)
+
+
+BLOCK_N = 64
+BLOCK_S = 128
+TARGET_PROGRAMS = 1056  # 8 per SM of the H200's 132: the gathers are latency-bound, so many in flight
+
+
+def _store_args(store: KVStore, like: Tensor) -> tuple[Tensor, ...]:
+    """(ids, residual, scales, prototypes, tail) pointers; placeholders where the store has no packed part."""
+    if store.packed_len == 0:
+        return like, like, like, like, store.tail
+    return store.ids, store.residual, store.scales, store.prototypes, store.tail
+
+
+def fused_decode_attention(query: Tensor, k_store: KVStore, v_store: KVStore, index: Tensor, valid: Tensor | None,
+                           scaling: float) -> Tensor:
+    """Attention of query [B, Hq, 1, D] over the rows `index` [B, n, k] of the stores (n = 1: one selection
+    for all KV heads; n = Hkv: one per KV head; `valid` alike or None) -> [B, 1, Hq, D]."""
+    batch, q_heads, _, dim = query.shape
+    kv_heads, selected = k_store.tail.shape[1], index.shape[2]
+    groups = q_heads // kv_heads
+    group_pad = max(16, triton.next_power_of_2(groups))
+    splits = max(1, min(math.ceil(selected / BLOCK_N), math.ceil(TARGET_PROGRAMS / (batch * kv_heads))))
+    chunk = math.ceil(math.ceil(selected / splits) / BLOCK_N) * BLOCK_N
+    splits = math.ceil(selected / chunk)
+    packed = k_store.packed_len > 0
+    asq = k_store.asq
+    q = query.reshape(batch, q_heads, dim).contiguous()
+    index = index.contiguous()
+    valid_arg = valid.to(torch.int8).contiguous() if valid is not None else index
+    acc = torch.empty(batch * kv_heads * splits * group_pad * dim, device=query.device, dtype=torch.float32)
+    maxes = torch.empty(batch * kv_heads * splits * group_pad, device=query.device, dtype=torch.float32)
+    sums = torch.empty_like(maxes)
+    n_blocks = k_store.prototypes.shape[2] if packed else 0
+    _sparse_decode_kernel[(batch * kv_heads, splits)](
+        q, index, valid_arg, *_store_args(k_store, index), *_store_args(v_store, index), acc, maxes, sums,
+        k_store.packed_len, k_store.tail.shape[2], n_blocks, selected, chunk, scaling,
+        KV_HEADS=kv_heads, G=groups, GP=group_pad, D=dim, BITS=asq.quant_bits if packed else 8,
+        C=asq.cluster_num if packed else 1, TOKENS_PER_BLOCK=asq.block_size if packed else 1, PACKED=packed,
+        HAS_VALID=valid is not None, BLOCK_N=BLOCK_N,
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # fp32 queries: exact products
+        SHARED_SELECTION=index.shape[1] == 1)
+    out = torch.empty(batch, q_heads, dim, device=query.device, dtype=query.dtype)
+    _merge_splits_kernel[(batch * kv_heads,)](acc, maxes, sums, out, splits, G=groups, GP=group_pad, D=dim)
+    return out.reshape(batch, 1, q_heads, dim)
+
+
+def gate_scores(gate_q: Tensor, gate_keys: Tensor) -> Tensor:
+    """fp32 gate logits [B, n, S] of one query per row, gate_q [B, n, 1, dg], over bf16 gate keys
+    [B, n, S, dg]: the same products as `SparseGateHead.scores`, reading the keys once in bf16."""
+    batch, selectors, length, dim = gate_keys.shape
+    out = torch.empty(batch, selectors, length, device=gate_keys.device, dtype=torch.float32)
+    _gate_scores_kernel[(batch * selectors, triton.cdiv(length, BLOCK_S))](
+        gate_q.float().contiguous(), gate_keys.contiguous(), out, length, dim ** -0.5, DG=dim, BLOCK_S=BLOCK_S)
+    return out

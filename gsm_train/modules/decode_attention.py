@@ -1,0 +1,140 @@
+"""Attention for one generated token over a GSM cache (see `decode_cache.GSMCache`).
+
+Per layer: score the cached gate keys with the new gate query, keep the top-k positions (the same
+rule as training: own position, sinks and recent tokens forced; dense while k covers everything),
+gather and dequantize only those K/V rows (the bridge maps the source layer's rows on the fly), and
+attend. On CUDA with Triton, layers without a bridge gather, dequantize and attend in one fused
+kernel (`gsm_train.kernels.sparse_decode`); everywhere else this PyTorch path runs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers.integrations.sdpa_attention import repeat_kv
+
+from gsm_train.modules.errors import GSMError
+from gsm_train.modules.sparse_gate import k_per_query
+
+if TYPE_CHECKING:
+    from gsm_train.modules.decode_cache import GSMLayerCache
+    from gsm_train.modules.gsm_attention import GSMAttentionAdapter
+
+
+def forced_count(position: int, sink_tokens: int, recent_tokens: int) -> int:
+    """How many keys the rule always keeps for the query at `position`: itself, sinks and recent tokens."""
+    recent_start = max(position - recent_tokens + 1, 0) if recent_tokens else position
+    return min(sink_tokens, recent_start) + position - recent_start + 1
+
+
+def top_k_positions(scores: Tensor, allowed: Tensor | None, k: int, position: int, sink_tokens: int,
+                    recent_tokens: int) -> tuple[Tensor, Tensor | None]:
+    """Key positions [B, n, k'] the newest query keeps (same rule as `select_top_k`) and which are valid.
+
+    scores [B, n, S] over all cached keys (overwritten: forced keys get +inf); allowed [B, S] or None.
+    """
+    length = scores.shape[-1]
+    scores[..., position] = float("inf")
+    if sink_tokens:
+        scores[..., :sink_tokens] = float("inf")
+    if recent_tokens:
+        scores[..., max(position - recent_tokens + 1, 0):position + 1] = float("inf")
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed[:, None, :], float("-inf"))
+    k_eff = min(length, max(k, forced_count(position, sink_tokens, recent_tokens)))
+    index = scores.topk(k_eff, dim=-1).indices
+    valid = torch.gather(allowed[:, None, :].expand_as(scores), -1, index) if allowed is not None else None
+    return index, valid
+
+
+def _per_kv_head(index: Tensor, kv_heads: int) -> Tensor:
+    """Selections [B, n, k] (n = 1 or one per KV head) as [B, kv_heads, k]."""
+    return index.expand(-1, kv_heads, -1) if index.shape[1] == 1 else index
+
+
+def _bridged_rows(adapter: GSMAttentionAdapter, layer_cache: GSMLayerCache, index: Tensor,
+                  shared: bool) -> tuple[Tensor, Tensor]:
+    """The bridge's K/V rows [B, out_heads, k, D] at the target heads' positions `index` [B, Hkv, k]
+    (`shared`: every head has the same positions, so the source rows are mapped once)."""
+    bridge, source = adapter.bridge, layer_cache.source
+    first = index.shape[1] - bridge.out_heads  # share: the last heads; mix: all heads
+    parts = []
+    for head in [first] if shared else range(first, index.shape[1]):
+        src_index = index[:, head:head + 1].expand(-1, source.k_store.heads, -1)
+        mapped = bridge.bridged(source.k_store.gather(src_index), source.v_store.gather(src_index))
+        parts.append(mapped if shared else tuple(rows[:, head - first:head - first + 1] for rows in mapped))
+    return torch.cat([k for k, _ in parts], 1), torch.cat([v for _, v in parts], 1)
+
+
+def gather_kv(adapter: GSMAttentionAdapter, layer_cache: GSMLayerCache, index: Tensor,
+              shared: bool) -> tuple[Tensor, Tensor]:
+    """K/V rows [B, Hkv, k, D] at `index` [B, Hkv, k]: the layer's own heads dequantized, the bridge applied."""
+    own = layer_cache.k_store.heads
+    keys = layer_cache.k_store.gather(index[:, :own])
+    values = layer_cache.v_store.gather(index[:, :own])
+    if adapter.bridge is None:
+        return keys, values
+    bridged_k, bridged_v = _bridged_rows(adapter, layer_cache, index, shared)
+    bridged_k, bridged_v = bridged_k.to(keys.dtype), bridged_v.to(values.dtype)
+    if adapter.runtime.config.cross_layer_sharing.mode == "mix":
+        return keys + bridged_k, values + bridged_v
+    return torch.cat((keys, bridged_k), 1), torch.cat((values, bridged_v), 1)
+
+
+def attend(query: Tensor, keys: Tensor, values: Tensor, valid: Tensor | None, scaling: float) -> Tensor:
+    """SDPA of query [B, Hq, 1, D] over gathered rows [B, Hkv, k, D] (valid [B, Hkv, k] or None) -> [B, 1, Hq, D]."""
+    groups = query.shape[1] // keys.shape[1]
+    mask = None if valid is None else repeat_kv(valid[..., None, :], groups)
+    out = F.scaled_dot_product_attention(query, repeat_kv(keys, groups).to(query.dtype),
+                                         repeat_kv(values, groups).to(query.dtype), attn_mask=mask, scale=scaling)
+    return out.transpose(1, 2).contiguous()
+
+
+def _allowed_keys(attention_mask: Tensor | None, length: int) -> Tensor | None:
+    """[B, S] keys the newest query may see (padding), or None when all may be seen."""
+    if attention_mask is None:
+        return None
+    row = attention_mask[:, 0, -1, -length:]
+    return row if row.dtype == torch.bool else row > torch.finfo(row.dtype).min / 2
+
+
+def decode_attention(module: nn.Module, adapter: GSMAttentionAdapter, layer_cache: GSMLayerCache, query: Tensor,
+                     attention_mask: Tensor | None, scaling: float) -> Tensor:
+    """Attention output [B, 1, Hq, D] of the newest token, read from the GSM cache (already holding it)."""
+    runtime = adapter.runtime
+    cfg = runtime.config.sparse_attention
+    hidden, cos, sin = adapter.pop_inputs()
+    if query.shape[2] != 1:
+        raise GSMError(f"layer {adapter.layer_idx}: a GSM cache takes one new token per step after the prompt "
+                       f"(got {query.shape[2]}); pass the whole prompt in the first call")
+    length = layer_cache.get_seq_length()
+    position = length - 1
+    allowed = _allowed_keys(attention_mask, length)
+    mode = "dense" if adapter.dense_layer or not cfg.enabled else runtime.mode
+    if mode == "oracle":
+        raise GSMError("oracle mode needs the whole sequence; generate in sparse or dense mode")
+    gate = adapter.gate
+    if gate is not None:
+        gate_q, gate_k = gate(hidden, cos, sin)
+        layer_cache.append_gate_keys(gate_k)
+    kv_heads = module.k_proj.out_features // module.head_dim
+    if mode == "sparse" and gate is not None:
+        k = int(k_per_query(torch.tensor([position]), cfg.top_k_schedule, cfg.top_k, cfg.k_min, cfg.decay_rate))
+        kernels = runtime.decode_kernels
+        scores = kernels.gate_scores(gate_q, layer_cache.gate_keys) if kernels is not None \
+            else gate.scores(gate_q, layer_cache.gate_keys)[:, :, 0]
+        index, valid = top_k_positions(scores, allowed, k, position, cfg.sink_tokens, cfg.recent_tokens)
+    else:
+        index = torch.arange(length, device=query.device).expand(query.shape[0], 1, length)
+        valid = None if allowed is None else allowed[:, None, :]
+    if adapter.bridge is None and runtime.decode_kernels is not None:
+        return runtime.decode_kernels.fused_decode_attention(query, layer_cache.k_store, layer_cache.v_store, index,
+                                                             valid, scaling)
+    shared = index.shape[1] == 1
+    index = _per_kv_head(index, kv_heads)
+    valid = None if valid is None else _per_kv_head(valid, kv_heads)
+    keys, values = gather_kv(adapter, layer_cache, index, shared)
+    return attend(query, keys, values, valid, scaling)

@@ -1,0 +1,131 @@
+"""A transformers `Cache` that stores what GSM inference needs, and nothing more.
+
+Per layer: K and V in a `KVStore` (ASQ-packed blocks plus the raw newest block, or raw without
+ASQ), the gate keys in bf16, and, for a `share`-mode bridge target, only the KV heads it keeps (the
+shared heads are read from the source layer's store through the bridge). Works with `generate()`:
+
+    cache = GSMCache(model)
+    model.generate(ids, past_key_values=cache, max_new_tokens=64)
+
+The prompt runs through the training-time attention (so prefill equals the teacher-forced pass),
+then each new token attends over the cache (`decode_attention`).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from gsm_train.modules.errors import GSMError
+from gsm_train.modules.gsm_attention import GSMAttentionAdapter
+from gsm_train.modules.injection import decoder_layers, gsm_runtime
+from gsm_train.modules.kv_store import KVStore
+from gsm_train.modules.sparse_gate import GATE_KEY_DTYPE
+
+
+class GSMLayerCache(CacheLayerMixin):
+    """One layer's GSM cache."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, adapter: GSMAttentionAdapter, kv_heads: int, bridge_mode: str) -> None:
+        super().__init__()
+        shared = adapter.bridge.out_heads if adapter.bridge is not None and bridge_mode == "share" else 0
+        self.k_store = KVStore(adapter.asq_k, kv_heads - shared)
+        self.v_store = KVStore(adapter.asq_v, kv_heads - shared)
+        self.gate_keys: Tensor | None = None  # bf16 [B, n, S, gate_head_dim]
+        self.source: GSMLayerCache | None = None  # the bridge source's cache, for a bridge target
+        self.cached_before_update = 0
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        """Store the new raw K/V [B, Hkv, n, D]; returns them unchanged (attention reads the stores)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.cached_before_update = self.get_seq_length()
+        self.k_store.append(key_states)
+        self.v_store.append(value_states)
+        return key_states, value_states
+
+    def append_gate_keys(self, gate_k: Tensor) -> None:
+        """Add gate keys [B, n, t, gate_head_dim] (stored in bf16, as the byte account counts them)."""
+        gate_k = gate_k.detach().to(GATE_KEY_DTYPE)
+        self.gate_keys = gate_k if self.gate_keys is None else torch.cat((self.gate_keys, gate_k), dim=2)
+
+    def get_seq_length(self) -> int:
+        return self.k_store.seq_len
+
+    def get_mask_sizes(self, query_length: int, *args: Any) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_max_cache_shape(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        raise GSMError("a GSM cache cannot be reset; create a new GSMCache(model) for a new sequence")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise GSMError("a GSM cache does not support beam search; generate with num_beams=1")
+
+    def nbytes(self) -> int:
+        """Bytes held: K and V stores plus gate keys."""
+        gate = 0 if self.gate_keys is None else self.gate_keys.numel() * self.gate_keys.element_size()
+        return self.k_store.nbytes() + self.v_store.nbytes() + gate
+
+
+class GSMCache(Cache):
+    """Generation cache of a GSM-injected model (one `GSMLayerCache` per decoder layer)."""
+
+    def __init__(self, model: nn.Module, fused: bool | None = None) -> None:
+        self.runtime = gsm_runtime(model)
+        if not self.runtime.enabled:
+            raise GSMError("GSM is switched off on this model; generate with the default cache instead")
+        config = self.runtime.config
+        layers = []
+        for layer in decoder_layers(model):
+            attn = layer.self_attn
+            kv_heads = attn.k_proj.out_features // attn.head_dim
+            layers.append(GSMLayerCache(attn.gsm, kv_heads, config.cross_layer_sharing.mode))
+        for layer_cache, layer in zip(layers, decoder_layers(model), strict=True):
+            if layer.self_attn.gsm.bridge is not None:
+                layer_cache.source = layers[config.cross_layer_sharing.bridge_from]
+        super().__init__(layers=layers)
+        self.runtime.decode_kernels = _fused_kernels(model, fused)
+
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[Tensor, Tensor]:
+        """Store the new tokens of `layer_idx` and hand the layer's cache to its attention call."""
+        layer_cache = self.layers[layer_idx]
+        out = layer_cache.update(key_states, value_states)
+        self.runtime.cache_layer = layer_cache
+        return out
+
+    def nbytes(self) -> int:
+        """Bytes held by all layers."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+
+def _fused_kernels(model: nn.Module, fused: bool | None) -> ModuleType | None:
+    """The fused Triton decode kernels when asked for (or, with `fused=None`, when on CUDA with Triton)."""
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    if fused is False or (fused is None and not on_cuda):
+        return None
+    from gsm_train.kernels import sparse_decode
+
+    if not sparse_decode.triton_available():
+        if fused:
+            raise GSMError("fused=True needs Triton and a CUDA device; install triton or pass fused=False")
+        return None
+    return sparse_decode

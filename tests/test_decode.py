@@ -1,0 +1,186 @@
+"""Generation with the GSM cache (CPU, fp32 tiny models): cached decoding equals the teacher-forced
+GSM pass, the cache holds exactly the byte account, and the fused kernel equals the PyTorch path."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from gsm_train.cli import main as cli_main
+from gsm_train.config import GSMConfig
+from gsm_train.export import export_adapter
+from gsm_train.inspect_model import layer_reports
+from gsm_train.model_zoo import TINY_FAMILIES, tiny_model
+from gsm_train.modules import GSMError, inject_gsm
+from gsm_train.modules.decode_attention import attend, forced_count
+from gsm_train.modules.decode_cache import GSMCache
+from gsm_train.modules.kv_compressor import ASQCompressor
+from gsm_train.modules.kv_store import KVStore
+
+BLOCK = 8
+LENGTH = 37  # four full blocks and a partial one
+PROMPT = 5
+SPARSE = {"top_k": 4, "k_min": 2, "gate_head_dim": 16, "dense_layers": [0]}
+ASQ = {"enabled": True, "block_size": BLOCK, "cluster_num": 4, "hidden_dim": 8}
+SHARE = {"enabled": True, "bridge_from": 1, "bridge_to_start": 2, "mode": "share"}
+CONFIGS: dict[str, dict[str, Any]] = {
+    "everything_share": {"sparse_attention": SPARSE, "kv_compression": ASQ, "cross_layer_sharing": SHARE},
+    "everything_mix_kv_gates": {"sparse_attention": {**SPARSE, "heads": "kv", "sink_tokens": 2, "recent_tokens": 3},
+                                "kv_compression": {**ASQ, "quant_bits": 2},
+                                "cross_layer_sharing": {**SHARE, "mode": "mix"}},
+    "gate_only_decay": {"sparse_attention": {**SPARSE, "top_k_schedule": "linear_decay", "decay_rate": 0.2}},
+    "asq_only": {"sparse_attention": {"enabled": False}, "kv_compression": ASQ},
+}
+
+
+@pytest.fixture
+def exported_tiny(tmp_path: Path) -> Path:
+    """An export of the `everything_share` modules on tiny-llama."""
+    return export_adapter(_model("llama", CONFIGS["everything_share"]), tmp_path / "export", base_name="tiny-llama")
+
+
+def _model(family: str, sections: dict[str, Any], mode: str = "sparse") -> torch.nn.Module:
+    model = tiny_model(family)
+    inject_gsm(model, GSMConfig.model_validate(sections), mode=mode)
+    return model
+
+
+def _ids(length: int = LENGTH, batch: int = 2) -> Tensor:
+    return torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(0))
+
+
+@torch.no_grad()
+def _step_by_step(model: torch.nn.Module, ids: Tensor, cache: GSMCache) -> Tensor:
+    """Logits of `ids` from a prompt pass, then one token per call through the cache."""
+    logits = [model(ids[:, :PROMPT], past_key_values=cache, use_cache=True).logits]
+    for position in range(PROMPT, ids.shape[1]):
+        logits.append(model(ids[:, position:position + 1], past_key_values=cache, use_cache=True).logits)
+    return torch.cat(logits, dim=1)
+
+
+CASES = [(family, "everything_share") for family in TINY_FAMILIES] + [("qwen3", name) for name in CONFIGS
+                                                                       if name != "everything_share"]
+
+
+@pytest.mark.parametrize(("family", "config"), CASES)
+@pytest.mark.parametrize("mode", ["sparse", "dense"])
+def test_cached_decoding_equals_teacher_forced(family: str, config: str, mode: str) -> None:
+    """Tolerance 1e-4 (fp32): the two paths sum the same terms in another order (2-bit residuals amplify
+    that a little); one different selection would move logits by far more."""
+    model = _model(family, CONFIGS[config], mode)
+    ids = _ids()
+    with torch.no_grad():
+        teacher_forced = model(ids, use_cache=False).logits
+    torch.testing.assert_close(_step_by_step(model, ids, GSMCache(model)), teacher_forced, atol=1e-4, rtol=0)
+
+
+def test_generate_matches_teacher_forced_argmax() -> None:
+    model = _model("llama", CONFIGS["everything_share"])
+    prompt = _ids(13)
+    with torch.no_grad():
+        generated = model.generate(prompt, past_key_values=GSMCache(model), max_new_tokens=24, do_sample=False,
+                                   pad_token_id=0)
+        argmax = model(generated, use_cache=False).logits.argmax(-1)
+    assert generated.shape == (2, 13 + 24)
+    assert torch.equal(argmax[:, 12:-1], generated[:, 13:])
+
+
+@pytest.mark.parametrize("config", ["everything_share", "everything_mix_kv_gates", "asq_only"])
+@pytest.mark.parametrize("length", [BLOCK * 4, LENGTH])
+def test_cache_bytes_equal_the_account(config: str, length: int) -> None:
+    """bf16 model: the cache's tensors hold exactly what `gsm-train inspect` counts per token."""
+    model = _model("llama", CONFIGS[config]).to(torch.bfloat16)
+    cache = GSMCache(model)
+    with torch.no_grad():
+        model(_ids(length), past_key_values=cache, use_cache=True)
+    account = sum(row.gsm_bytes for row in layer_reports(model, GSMConfig.model_validate(CONFIGS[config]), length))
+    assert cache.get_seq_length() == length
+    assert cache.nbytes() == pytest.approx(account * length * 2, rel=1e-12)
+
+
+def test_store_packs_every_block_but_the_newest() -> None:
+    torch.manual_seed(0)
+    asq = ASQCompressor(2, 16, cluster_num=4, quant_bits=4, block_size=BLOCK)
+    states = torch.randn(1, 2, 3 * BLOCK, 16)
+    store = KVStore(asq, 2)
+    for position in range(3 * BLOCK):
+        store.append(states[:, :, position:position + 1])
+        assert store.packed_len == (position // BLOCK) * BLOCK  # the newest block, full or not, stays raw
+    bulk = asq.compress(states)
+    assert torch.equal(store.ids, bulk.ids) and torch.equal(store.residual, bulk.residual)
+    assert torch.equal(store.all_rows(), asq.decompress(bulk))
+    index = torch.tensor([[[0, 23, 9, 16], [5, 17, 2, 20]]])
+    assert torch.equal(store.gather(index), torch.gather(store.all_rows(), 2, index[..., None].expand(-1, -1, -1, 16)))
+
+
+def test_forced_count_matches_the_rule() -> None:
+    for position in range(12):
+        for sinks in (0, 2, 5):
+            for recent in (0, 1, 3):
+                keys = torch.arange(position + 1)
+                forced = (keys == position) | (keys < sinks) | ((position - keys) < recent)
+                assert forced_count(position, sinks, recent) == int(forced.sum()), (position, sinks, recent)
+
+
+def test_refusals() -> None:
+    model = _model("llama", CONFIGS["everything_share"])
+    cache = GSMCache(model)
+    ids = _ids()
+    with torch.no_grad():
+        model(ids[:, :PROMPT], past_key_values=cache, use_cache=True)
+        with pytest.raises(GSMError, match="one new token per step"):
+            model(ids[:, PROMPT:PROMPT + 2], past_key_values=cache, use_cache=True)
+    with pytest.raises(GSMError, match="num_beams=1"):
+        model.generate(_ids(6), past_key_values=GSMCache(model), max_new_tokens=2, num_beams=2, do_sample=False)
+    model.gsm_runtime.enabled = False
+    with pytest.raises(GSMError, match="default cache"):
+        GSMCache(model)
+
+
+FUSED_RUNS_HERE = importlib.util.find_spec("triton") is not None and (
+    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@pytest.mark.skipif(not FUSED_RUNS_HERE, reason="needs Triton with CUDA, or on CPU TRITON_INTERPRET=1 (Triton's "
+                    "interpreter wants numpy<2.3); CI has neither, the GPU benchmark runs it")
+@pytest.mark.parametrize("bits", [2, 4, 8, None])
+def test_fused_kernel_equals_pytorch_path(bits: int | None) -> None:
+    from gsm_train.kernels.sparse_decode import fused_decode_attention
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    batch, q_heads, kv_heads, dim, length, selected = 2, 6, 2, 64, 300, 40
+    stores = [KVStore(ASQCompressor(kv_heads, dim, cluster_num=8, quant_bits=bits, block_size=64).to(device)
+                      if bits else None, kv_heads) for _ in range(2)]
+    for store in stores:
+        rows = torch.randn(batch, kv_heads, length, dim, device=device)
+        store.append(rows[:, :, :250])
+        store.append(rows[:, :, 250:])
+    query = torch.randn(batch, q_heads, 1, dim, device=device)
+    index = torch.stack([torch.randperm(length)[:selected] for _ in range(batch * kv_heads)]).view(batch, kv_heads, -1)
+    index = index.to(device)
+    for valid in (torch.rand(batch, kv_heads, selected, device=device) > 0.2, None):
+        expected = attend(query, stores[0].gather(index), stores[1].gather(index), valid, 0.125)
+        got = fused_decode_attention(query, *stores, index, valid, 0.125)
+        torch.testing.assert_close(got, expected, atol=2e-6, rtol=0)
+    shared = index[:, :1]  # one selection for all KV heads, as a layer-wide gate gives
+    expected = attend(query, stores[0].gather(shared.expand_as(index)), stores[1].gather(shared.expand_as(index)),
+                      None, 0.125)
+    torch.testing.assert_close(fused_decode_attention(query, *stores, shared, None, 0.125), expected, atol=2e-6,
+                               rtol=0)
+
+
+def test_generate_command(exported_tiny: Path, capsys: pytest.CaptureFixture) -> None:
+    """`gsm-train generate` continues a prompt with the adapter over the GSM cache and says what the cache holds."""
+    assert cli_main(["generate", "--model", "tiny-llama", "--adapter", str(exported_tiny), "--prompt",
+                     "Once upon a time", "--max-new-tokens", "12"]) == 0
+    captured = capsys.readouterr()
+    assert "12 tokens" in captured.err and "GSM cache" in captured.err
+    assert cli_main(["generate", "--model", "tiny-llama", "--prompt", "Once", "--max-new-tokens", "3"]) == 0
+    assert "dense cache" in capsys.readouterr().err
