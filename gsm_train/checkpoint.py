@@ -1,8 +1,10 @@
 """Resumable checkpoints written atomically: a temporary folder renamed into place when complete.
 
-A checkpoint `step_00000050/` holds the trainable weights (`trainable.safetensors`, full tensors),
-the optimizer (`optimizer.pt`, full state, tensors only), `state.json` (step, scheduler, data
-position) and one `rng_rank{R}.pt` per rank. `latest` names the newest complete checkpoint.
+A checkpoint `step_00000050/` holds the trainable weights (`trainable.safetensors`, full fp32
+tensors), the optimizer (FSDP2: `optimizer.pt`, full state, tensors only; DeepSpeed: the engine's own
+checkpoint in `deepspeed/`, one optimizer partition per rank), `state.json` (step, backend, world
+size, scheduler, data position) and one `rng_rank{R}.pt` per rank. `latest` names the newest complete
+checkpoint. Resuming needs the same backend and number of processes.
 """
 
 from __future__ import annotations
@@ -17,14 +19,11 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
-)
 
+from gsm_train.backend import Backend
 from gsm_train.distributed import DistInfo, barrier
 
 LATEST = "latest"
-_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -47,24 +46,23 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+def save_checkpoint(run_dir: Path, step: int, backend: Backend, model: nn.Module, optimizer: torch.optim.Optimizer,
                     scheduler: Any, data_state: dict, trainable: set[str], info: DistInfo, keep: int) -> Path:
     """Write a complete checkpoint (collective: every rank calls it); return its folder."""
     final = run_dir / "checkpoints" / f"step_{step:08d}"
     tmp = final.with_name(final.name + ".tmp")
-    model_state = get_model_state_dict(model, options=_FULL)
-    optim_state = get_optimizer_state_dict(model, optimizer, options=_FULL)
+    weights = {name: t.contiguous() for name, t in backend.full_state_dict(model).items() if name in trainable}
     if info.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
     torch.save(_rng_state(), tmp / f"rng_rank{info.rank}.pt")
+    backend.save_optimizer(model, optimizer, tmp, info)
     barrier()
     if info.is_main:
-        weights = {name: t.contiguous() for name, t in model_state.items() if name in trainable}
         save_file(weights, str(tmp / "trainable.safetensors"))
-        torch.save(optim_state, tmp / "optimizer.pt")
-        meta = {"step": step, "world_size": info.world_size, "scheduler": scheduler.state_dict(), "data": data_state}
+        meta = {"step": step, "backend": backend.name, "world_size": info.world_size,
+                "scheduler": scheduler.state_dict(), "data": data_state}
         (tmp / "state.json").write_text(json.dumps(meta, indent=2))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -104,18 +102,16 @@ def resolve_resume(resume_from: str | None, run_dir: Path) -> Path | None:
     return path
 
 
-def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-                    info: DistInfo) -> dict:
+def load_checkpoint(path: Path, backend: Backend, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    scheduler: Any, info: DistInfo) -> dict:
     """Restore weights, optimizer, scheduler and RNG; return the saved state (step, data position)."""
     meta = json.loads((path / "state.json").read_text())
-    if meta["world_size"] != info.world_size:
-        raise RuntimeError(f"checkpoint {path} was written by {meta['world_size']} processes, this run has "
-                           f"{info.world_size}; resume with the same number of processes")
-    weights = load_file(str(path / "trainable.safetensors"))
-    options = StateDictOptions(full_state_dict=True, strict=False)
-    set_model_state_dict(model, weights, options=options)
-    set_optimizer_state_dict(model, optimizer, torch.load(path / "optimizer.pt", weights_only=True),
-                             options=StateDictOptions(full_state_dict=True))
+    written_by = meta.get("backend", "fsdp2")
+    if (written_by, meta["world_size"]) != (backend.name, info.world_size):
+        raise RuntimeError(f"checkpoint {path} was written by {meta['world_size']} processes with {written_by}, "
+                           f"this run has {info.world_size} with {backend.name}; resume with the same number of "
+                           "processes and the same backend (accelerate config)")
+    backend.load_state(model, optimizer, path, load_file(str(path / "trainable.safetensors")))
     scheduler.load_state_dict(meta["scheduler"])
     _set_rng_state(torch.load(path / f"rng_rank{info.rank}.pt", weights_only=True))
     return meta

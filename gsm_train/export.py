@@ -11,14 +11,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from pydantic import ValidationError
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+)
 
 from gsm_train.config import GSMConfig, LoraSettings
 from gsm_train.fingerprint import base_fingerprint
@@ -44,7 +47,7 @@ def _is_gsm(name: str) -> bool:
     return GSM_PARAM_MARKER in f".{name}"
 
 
-def _is_adapter(name: str) -> bool:
+def is_adapter(name: str) -> bool:
     """GSM tensors and LoRA deltas: what an export always holds."""
     return _is_gsm(name) or LORA_MARKER in f".{name}"
 
@@ -71,8 +74,8 @@ def _model_card(config: dict, recipe: dict | None, metrics: dict | None) -> str:
         "Trained with gsm-train. Modules: "
         + ", ".join(s for s in ("sparse_attention", "kv_compression", "cross_layer_sharing")
                     if config[s].get("enabled")) + ".", "",
-        f"- base: `{base['name_or_path']}` ({base['model_type']}, {base['num_hidden_layers']} layers), "
-        f"fingerprint `{base['fingerprint'][:16]}`",
+        (f"- base: `{base['name_or_path']}` ({base['model_type']}, {base['num_hidden_layers']} layers), "
+         f"fingerprint `{base['fingerprint'][:16]}`"),
         f"- tensors: {len(config['tensors'])}",
     ]
     if recipe:
@@ -91,17 +94,20 @@ def _model_card(config: dict, recipe: dict | None, metrics: dict | None) -> str:
 
 def export_adapter(model: nn.Module, out_dir: str | Path, *, base_name: str, base_revision: str | None = None,
                    recipe: dict | None = None, metrics: dict | None = None, lora: dict | None = None,
-                   include_base: bool = False, is_main: bool = True) -> Path:
+                   include_base: bool = False, is_main: bool = True, state: dict[str, Tensor] | None = None) -> Path:
     """Write the export (collective under FSDP: every rank calls it; rank 0 writes). Returns the folder.
 
     The export holds the GSM tensors and LoRA deltas (`lora`: the LoRA settings, if the base was
-    trained with LoRA); the base weights only with `include_base` (a base trained in full).
+    trained with LoRA); the base weights only with `include_base` (a base trained in full). `state`:
+    the model's full state dict on rank 0 when the caller gathered it (the training backend);
+    otherwise it is gathered here from FSDP2 shards.
     """
     out_dir = Path(out_dir)
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if state is None:
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not is_main:
         return out_dir
-    tensors = {name: t.detach().contiguous() for name, t in state.items() if include_base or _is_adapter(name)}
+    tensors = {name: t.detach().contiguous() for name, t in state.items() if include_base or is_adapter(name)}
     runtime = gsm_runtime(model)
     config = {"format": FORMAT, "format_version": FORMAT_VERSION, **runtime.config.model_dump(mode="json"),
               "base_model": base_description(model, runtime.base_fingerprint, base_name, base_revision),
@@ -139,7 +145,7 @@ def validate_export(export_dir: str | Path) -> dict:
     except ValidationError as err:
         raise ExportError(f"{folder / CONFIG_FILE}: invalid GSM settings: {err}") from None
     with safe_open(str(folder / ADAPTER_FILE), framework="pt") as handle:
-        shapes = {name: list(handle.get_slice(name).get_shape()) for name in handle.keys()}
+        shapes = {name: list(handle.get_slice(name).get_shape()) for name in handle.keys()}  # noqa: SIM118 (not a dict)
     if shapes != config.get("tensors"):
         raise ExportError(f"{folder}: the tensors in {ADAPTER_FILE} do not match the list in {CONFIG_FILE}; "
                           "the export is damaged, re-export it")
@@ -189,5 +195,5 @@ def load_gsm(model: nn.Module, adapter_dir: str | Path, mode: str = "sparse") ->
     runtime.config = gsm
     if config.get("lora"):
         inject_lora(model, LoraSettings.model_validate(config["lora"]))
-    load_tensors(model, adapter_dir, _is_adapter)
+    load_tensors(model, adapter_dir, is_adapter)
     return runtime

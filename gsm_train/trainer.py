@@ -1,7 +1,9 @@
-"""The shared training loop: data, FSDP2, AdamW with warm-up + cosine, clipping, checkpoints, logging.
+"""The shared training loop: data, AdamW with warm-up + cosine, clipping, checkpoints, logging.
 
 A stage (see `gsm_train/stages/`) says which parameters train, what the loss is, how to evaluate
-and what to report; this loop does everything else, the same way for every stage.
+and what to report; this loop does everything else, the same way for every stage. Sharding,
+gradient reduction and clipping go through the distributed backend (`gsm_train/backend.py`):
+FSDP2, or DeepSpeed ZeRO when the accelerate config asks for it.
 """
 
 from __future__ import annotations
@@ -17,11 +19,17 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from gsm_train.backend import Backend, select_backend
 from gsm_train.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
-from gsm_train.config import DataSourceConfig, RecipeConfig, check_against_model, resolved_yaml
+from gsm_train.config import (
+    DataSourceConfig,
+    RecipeConfig,
+    check_against_model,
+    resolved_yaml,
+)
 from gsm_train.data import PackedBatches, load_text_dataset, pack_tokens, split_eval
+from gsm_train.distributed import DistInfo, all_reduce_sum, init_distributed, teardown
 from gsm_train.export import export_adapter
-from gsm_train.distributed import DistInfo, all_reduce_sum, init_distributed, shard_model, teardown
 from gsm_train.model_zoo import load_model_and_tokenizer
 from gsm_train.modules.injection import GSM_PARAM_MARKER
 from gsm_train.run_log import RunLogger
@@ -114,18 +122,12 @@ def _param_groups(model: nn.Module, config: RecipeConfig) -> list[dict[str, Any]
             if group["params"]]
 
 
-def _clip(params: list[nn.Parameter], max_norm: float) -> float:
-    """Global gradient norm over the trainable parameters (DTensor-aware), clipped to max_norm."""
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    full = getattr(norm, "full_tensor", None)
-    return float(full() if full else norm)
-
-
 def run_training(config: RecipeConfig, stage: Stage, run_name: str | None = None) -> TrainResult:
     """Run `stage` as the recipe says, resuming if asked; return losses, final metrics and summary."""
+    backend = select_backend(config)
     info = init_distributed()
     try:
-        return _run(config, stage, info, run_name or config.stage)
+        return _run(config, stage, info, backend, run_name or config.stage)
     finally:
         teardown()
 
@@ -162,25 +164,26 @@ def evaluate_recipe(config: RecipeConfig, stage: Stage) -> dict[str, Any]:
         return stage.evaluate(model, _eval_batches(eval_rows, config, info))
 
 
-def _run(config: RecipeConfig, stage: Stage, info: DistInfo, run_name: str) -> TrainResult:
+def _run(config: RecipeConfig, stage: Stage, info: DistInfo, backend: Backend, run_name: str) -> TrainResult:
     torch.manual_seed(config.train.seed)
     run_dir = Path(config.output.dir)
     _, compute_dtype = _dtypes(config, info)
     model, train_rows, eval_rows = _prepared_model(config, stage, info)
-    if info.distributed and config.distributed.fsdp == "auto":
-        shard_model(model, compute_dtype)
-    params = [p for p in model.parameters() if p.requires_grad]
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    # counted before wrapping: ZeRO-3 leaves partitioned parameters empty
+    counts = {"trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+              "frozen_params": sum(p.numel() for p in model.parameters() if not p.requires_grad)}
     optim = config.optim
-    optimizer = torch.optim.AdamW(_param_groups(model, config), lr=optim.lr, betas=optim.betas,
-                                  weight_decay=optim.weight_decay)
+    model, optimizer = backend.prepare(
+        model, lambda m: torch.optim.AdamW(_param_groups(m, config), lr=optim.lr, betas=optim.betas,
+                                           weight_decay=optim.weight_decay), info, compute_dtype)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
     loader = PackedBatches(train_rows, config.train.batch_size, seed=config.data.seed, rank=info.rank,
                            world_size=info.world_size)
     start = 0
     resume = resolve_resume(config.output.resume_from, run_dir)
     if resume is not None:
-        meta = load_checkpoint(resume, model, optimizer, scheduler, info)
+        meta = load_checkpoint(resume, backend, model, optimizer, scheduler, info)
         loader.load_state_dict(meta["data"])
         start = meta["step"]
     if info.is_main:
@@ -189,31 +192,27 @@ def _run(config: RecipeConfig, stage: Stage, info: DistInfo, run_name: str) -> T
     logger = RunLogger(run_dir, config.logging, config.train.steps, start, info.is_main, run_name,
                        config.model_dump(mode="json"))
     logger.log("setup", start, {
-        "world_size": info.world_size, "device": str(info.device),
-        "fsdp_sharded_params": sum(isinstance(p, DTensor) for p in model.parameters()),
-        "trainable_params": sum(p.numel() for p in params),
-        "frozen_params": sum(p.numel() for p in model.parameters() if not p.requires_grad),
+        "world_size": info.world_size, "device": str(info.device), **backend.describe(),
+        "fsdp_sharded_params": sum(isinstance(p, DTensor) for p in model.parameters()), **counts,
         "train_rows": len(train_rows), "eval_rows": len(eval_rows),
         "resumed_from": str(resume) if resume is not None else None})
     eval_batches = _eval_batches(eval_rows, config, info)
     autocast = _autocast(info, compute_dtype)
-    result = TrainResult(run_dir=run_dir, model=model)
+    result = TrainResult(run_dir=run_dir, model=backend.unwrap(model))
     history: list[dict[str, Any]] = []
     tokens_per_step = config.train.batch_size * config.train.grad_accum * config.data.seq_len * info.world_size
     for step in range(start, config.train.steps):
         tic = time.perf_counter()
         model.train()
-        optimizer.zero_grad(set_to_none=True)
         step_loss = torch.zeros((), device=info.device)
         scalars: dict[str, float] = {}
-        for _ in range(config.train.grad_accum):
+        for micro in range(config.train.grad_accum):
             batch = loader.next_batch().to(info.device)
             with autocast:
                 loss, scalars = stage.loss(model, batch)
-            (loss / config.train.grad_accum).backward()
+            backend.backward(loss / config.train.grad_accum, boundary=micro == config.train.grad_accum - 1)
             step_loss += loss.detach().float() / config.train.grad_accum
-        grad_norm = _clip(params, optim.max_grad_norm)
-        optimizer.step()
+        grad_norm = backend.step(optimizer)
         scheduler.step()
         mean_loss = float(all_reduce_sum(step_loss) / info.world_size)
         result.losses.append(mean_loss)
@@ -231,14 +230,14 @@ def _run(config: RecipeConfig, stage: Stage, info: DistInfo, run_name: str) -> T
             logger.log("eval", done, metrics)
             result.final_metrics = metrics
         if done % config.output.checkpoint_every == 0 or done == config.train.steps:
-            save_checkpoint(run_dir, done, model, optimizer, scheduler, loader.state_dict(), trainable, info,
-                            config.output.keep_checkpoints)
+            save_checkpoint(run_dir, done, backend, model, optimizer, scheduler, loader.state_dict(), trainable,
+                            info, config.output.keep_checkpoints)
     if not result.final_metrics:
         with autocast:
             result.final_metrics = stage.evaluate(model, eval_batches)
     scalars = {k: v for k, v in result.final_metrics.items() if isinstance(v, (int, float))}
-    export_dir = export_adapter(model, run_dir / "export", metrics=scalars, is_main=info.is_main,
-                                **export_options(config))
+    export_dir = export_adapter(backend.unwrap(model), run_dir / "export", metrics=scalars, is_main=info.is_main,
+                                state=backend.full_state_dict(model), **export_options(config))
     if info.is_main:
         result.summary = stage.report(run_dir, result.final_metrics, history) | {"export": str(export_dir)}
         logger.log("report", config.train.steps, {"summary": result.summary})

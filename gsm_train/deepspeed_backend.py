@@ -1,0 +1,114 @@
+"""DeepSpeed ZeRO-2/3 through accelerate's integration (chosen by `backend.select_backend`).
+
+accelerate builds the engine (`Accelerator.prepare(model, optimizer)`) from the DeepSpeed plugin that
+`accelerate launch` configured, completed here with the recipe's clipping, accumulation and micro-batch.
+The loop stays gsm-train's: the same AdamW parameter groups (trainables only), LR schedule, logging,
+checkpoint and export formats. Where it differs from FSDP2:
+
+- bf16 (`mixed_precision: bf16`): DeepSpeed stores every parameter in bf16 and keeps fp32 masters of
+  the trainables in its optimizer; checkpoints and exports take the trainables from those masters.
+  Frozen GSM/LoRA tensors are kept aside on CPU before that cast, so exports carry them unchanged; a
+  frozen base loaded in bf16 (the recipes' default on GPU) is untouched.
+- Gradients are reduced in fp32 (`communication_data_type`), as FSDP2's `reduce_dtype`.
+- A checkpoint holds the engine's own `save_checkpoint` (fp32 master partitions and Adam moments, one
+  file per rank) in `deepspeed/`, next to the same full `trainable.safetensors` FSDP2 writes; resuming
+  restores it exactly and needs the same number of processes.
+- ZeRO-3 partitions every parameter. GSM parameters read outside their module's forward (ASQ's loss)
+  are gathered by ZeRO-3's external-parameter discovery during the engine's forward; full tensors for
+  checkpoints and exports are gathered one parameter at a time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DeepSpeedPlugin
+from deepspeed.utils import safe_get_full_fp32_param
+from torch import Tensor, nn
+
+from gsm_train.backend import OptimizerFactory
+from gsm_train.config import RecipeConfig
+from gsm_train.distributed import DistInfo
+from gsm_train.export import is_adapter
+
+CHECKPOINT_TAG = "deepspeed"
+
+
+class DeepSpeedBackend:
+    """Model and optimizer in a DeepSpeed engine; clipping, reduction and partitioning are the engine's."""
+
+    name = "deepspeed"
+
+    def __init__(self, config: RecipeConfig, plugin: DeepSpeedPlugin):
+        self.config = config
+        self.plugin = plugin
+        self.engine: Any = None
+        self.is_main = True
+        self.kept: dict[str, Tensor] = {}
+
+    def prepare(self, model: nn.Module, make_optimizer: OptimizerFactory, info: DistInfo,
+                compute_dtype: torch.dtype | None) -> tuple[nn.Module, torch.optim.Optimizer]:
+        self.is_main = info.is_main
+        self.kept = {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters()
+                     if not p.requires_grad and is_adapter(name)}
+        optimizer = make_optimizer(model)
+        train = self.config.train
+        self.plugin.deepspeed_config.update({
+            "gradient_clipping": self.config.optim.max_grad_norm, "gradient_accumulation_steps": train.grad_accum,
+            "train_micro_batch_size_per_gpu": train.batch_size,
+            "train_batch_size": train.batch_size * train.grad_accum * info.world_size})
+        self.plugin.deepspeed_config.setdefault("communication_data_type", "fp32")
+        accelerator = Accelerator(deepspeed_plugin=self.plugin, gradient_accumulation_steps=train.grad_accum)
+        self.engine, _ = accelerator.prepare(model, optimizer)
+        return self.engine, optimizer
+
+    def backward(self, loss: Tensor, boundary: bool) -> None:
+        self.engine.set_gradient_accumulation_boundary(boundary)
+        self.engine.backward(loss, scale_wrt_gas=False)  # the loop already divides by train.grad_accum
+
+    def step(self, optimizer: torch.optim.Optimizer) -> float:
+        self.engine.step()  # clips to gradient_clipping, updates and zeroes the gradients
+        norm = self.engine.get_global_grad_norm()
+        return float("nan") if norm is None else float(norm)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return self.engine.module
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": self.name, "zero_stage": self.engine.zero_optimization_stage(),
+                "bf16": self.engine.bfloat16_enabled()}
+
+    def _full(self, name: str, tensor: Tensor) -> Tensor:
+        """One full tensor (collective): fp32 master of a trainable, the kept copy of a frozen adapter
+        tensor, else the (under ZeRO-3 gathered) module tensor."""
+        if isinstance(tensor, nn.Parameter) and tensor.requires_grad:
+            return safe_get_full_fp32_param(tensor).cpu()
+        if name in self.kept:
+            return self.kept[name]
+        with deepspeed.zero.GatheredParameters(tensor):  # a no-op unless ZeRO-3 partitioned it
+            return tensor.detach().to("cpu", copy=True)
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, Tensor]:
+        state = {}
+        for name, tensor in self.unwrap(model).state_dict(keep_vars=True).items():
+            full = self._full(name, tensor)
+            if self.is_main:
+                state[name] = full
+        return state
+
+    def save_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path, info: DistInfo) -> None:
+        self.engine.save_checkpoint(str(folder), tag=CHECKPOINT_TAG, client_state={}, save_latest=False,
+                                    exclude_frozen_parameters=True)
+
+    def load_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path,
+                   weights: dict[str, Tensor]) -> None:
+        """The engine's checkpoint restores the fp32 masters (the same values as `weights`) and Adam."""
+        loaded, _ = self.engine.load_checkpoint(str(folder), tag=CHECKPOINT_TAG, load_module_strict=False,
+                                                load_optimizer_states=True, load_lr_scheduler_states=False)
+        if loaded is None:
+            raise RuntimeError(f"{folder}: no DeepSpeed state in {CHECKPOINT_TAG}/; resume with the backend "
+                               "that wrote the checkpoint")

@@ -1,0 +1,105 @@
+"""Choosing the distributed backend from the accelerate config (CI has no deepspeed): the settings
+`accelerate launch` exports for launch/deepspeed_zero{2,3}.yaml select DeepSpeed with their ZeRO
+stage; without the deepspeed package that is one clear error before any output; FSDP2 otherwise."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+from run_helpers import records
+
+from gsm_train import backend
+from gsm_train.config import ConfigError, load_recipe
+from gsm_train.train import main as train_main
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = str(REPO / "recipes" / "gate_only.yaml")
+TINY = ["model.name_or_path=tiny-llama", "data.seq_len=64", "logging.recall_min_keys=16", "logging.recall_k=8",
+        "gsm.sparse_attention.top_k=8", "gsm.sparse_attention.k_min=8", "logging.progress_bar=false",
+        "gsm.sparse_attention.gate_init=random"]
+
+
+def _launch_env(config_file: str) -> dict[str, str]:
+    """The ACCELERATE_* variables `accelerate launch --config_file FILE` gives each process, computed by
+    accelerate's own launcher code (nothing is started)."""
+    argv = ["--config_file", str(REPO / "launch" / config_file), "-m", "gsm_train.train", "--recipe", RECIPE]
+    args, defaults, _ = _validate_launch_command(launch_command_parser().parse_args(argv))
+    if args.use_deepspeed:
+        args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config)
+        env = prepare_deepspeed_cmd_env(args)[1]
+    else:
+        env = prepare_multi_gpu_env(args)
+    return {key: value for key, value in env.items() if key.startswith("ACCELERATE_")}
+
+
+@pytest.fixture
+def launched(monkeypatch: pytest.MonkeyPatch):
+    """Put the environment of one accelerate config into this process."""
+    def apply(config_file: str) -> dict[str, str]:
+        env = _launch_env(config_file)
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        return env
+    return apply
+
+
+class _FakeDeepSpeedBackend:
+    def __init__(self, config, plugin):
+        self.config, self.plugin = config, plugin
+
+
+@pytest.mark.parametrize(("config_file", "stage"), [("deepspeed_zero2.yaml", 2), ("deepspeed_zero3.yaml", 3)])
+def test_zero_configs_select_deepspeed_with_their_stage(launched, monkeypatch: pytest.MonkeyPatch,
+                                                        config_file: str, stage: int) -> None:
+    env = launched(config_file)
+    assert env["ACCELERATE_MIXED_PRECISION"] == "bf16"
+    monkeypatch.setitem(sys.modules, "deepspeed", ModuleType("deepspeed"))  # stands in for the installed package
+    fake = ModuleType("gsm_train.deepspeed_backend")
+    fake.DeepSpeedBackend = _FakeDeepSpeedBackend
+    monkeypatch.setitem(sys.modules, "gsm_train.deepspeed_backend", fake)
+    config = load_recipe(RECIPE, TINY)
+    chosen = backend.select_backend(config)
+    assert isinstance(chosen, _FakeDeepSpeedBackend)
+    plugin = chosen.plugin
+    assert plugin.zero_stage == stage and not plugin.zero3_init_flag
+    assert plugin.gradient_clipping == config.optim.max_grad_norm == 1.0
+
+
+def test_missing_deepspeed_is_one_clear_error_before_any_output(launched, monkeypatch: pytest.MonkeyPatch,
+                                                                 tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture) -> None:
+    launched("deepspeed_zero2.yaml")
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # `import deepspeed` fails
+    status = train_main(["--recipe", RECIPE, *TINY, f"output.dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert status == 2 and "Traceback" not in err
+    assert "1 problem" in err and "import deepspeed" in err and "pip install 'gsm-train[deepspeed]'" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_settings_that_contradict_the_recipe_are_reported_with_the_missing_package(
+        launched, monkeypatch: pytest.MonkeyPatch) -> None:
+    launched("deepspeed_zero3.yaml")
+    monkeypatch.setitem(sys.modules, "deepspeed", None)
+    with pytest.raises(ConfigError) as caught:
+        backend.select_backend(load_recipe(RECIPE, [*TINY, "optim.max_grad_norm=0.5"]))
+    paths = [problem.path for problem in caught.value.problems]
+    assert paths == ["distributed_type", "deepspeed_config.gradient_clipping"]
+    assert "optim.max_grad_norm (0.5)" in str(caught.value)
+
+
+def test_fsdp2_is_the_default(launched, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+    config = load_recipe(RECIPE, TINY)
+    assert isinstance(backend.select_backend(config), backend.FSDP2Backend)
+    launched("multi_gpu.yaml")
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # not needed, so never imported
+    assert isinstance(backend.select_backend(config), backend.FSDP2Backend)
+    assert train_main(["--recipe", RECIPE, *TINY, "train.steps=1", f"output.dir={tmp_path}"]) == 0
+    setup = next(r for r in records(tmp_path) if r["kind"] == "setup")
+    assert setup["backend"] == "fsdp2"
