@@ -26,3 +26,29 @@ def plot_recall_per_layer(layers: list[int], gate: list[float], oracle: list[flo
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def plot_decode_speedup(rows: list[dict], path: Path) -> Path:
+    """Dense / GSM decode-attention time per step against context, one panel per layer shape."""
+    shapes = sorted({row["shape"] for row in rows})
+    fig, axes = plt.subplots(1, len(shapes), figsize=(5.2 * len(shapes), 3.8), sharey=True, squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        for batch in sorted({row["batch"] for row in rows}):
+            for k in sorted({row["k"] for row in rows}):
+                points = sorted((r["context"], r["speedup"]) for r in rows
+                                if (r["shape"], r["batch"], r["k"]) == (shape, batch, k))
+                ax.plot([c for c, _ in points], [s for _, s in points], "o-", label=f"batch {batch}, k={k}")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.axhline(3.0, color="grey", lw=0.8, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log", base=2)
+        ax.set_xlabel("context (tokens)")
+        ax.set_title(shape)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("speed-up over dense SDPA (x)")
+    axes[0][-1].legend(fontsize=8)
+    fig.suptitle("decode attention per step, GSM (top-k + fused ASQ kernel) vs dense bf16 SDPA")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

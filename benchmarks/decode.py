@@ -1,0 +1,262 @@
+"""Sparse decode against dense decode on the GPU, side by side in one run.
+
+1. One layer's decode attention per step: GSM (gate scores over the bf16 gate keys, top-k, then the
+   fused gather + ASQ-dequantize + attend kernel) against dense SDPA over a bf16 cache, for SmolLM2
+   shapes (9 q heads, 3 KV heads, head_dim 64) and a Llama-8B-shaped layer (32 / 8 / 128), at contexts
+   8k / 32k / 128k, batch 1 and 16, k 64 and 2048. Both paths are captured in CUDA graphs (as a
+   serving engine runs decode), timed with CUDA events, median of 50 replays.
+2. End to end on SmolLM2-135M (bf16) with a GSM adapter (an export, or the joint recipe's modules
+   freshly initialised): greedy `generate()` with `GSMCache` against the dense base with its default
+   cache, same prompts; tokens/s, the KV memory held on the device, and agreement of the generated
+   tokens with the teacher-forced GSM model's argmax.
+
+python benchmarks/decode.py --eval-data PATH/wikitext-2/valid.txt [--adapter EXPORT] --result OUT.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_result  # noqa: E402
+
+from gsm_train.config import load_recipe  # noqa: E402
+from gsm_train.data import load_text_dataset, pack_tokens  # noqa: E402
+from gsm_train.export import load_gsm  # noqa: E402
+from gsm_train.kernels.sparse_decode import fused_decode_attention, gate_scores  # noqa: E402
+from gsm_train.model_zoo import load_model_and_tokenizer  # noqa: E402
+from gsm_train.modules import inject_gsm, set_gsm_mode  # noqa: E402
+from gsm_train.modules.decode_attention import top_k_positions  # noqa: E402
+from gsm_train.modules.decode_cache import GSMCache  # noqa: E402
+from gsm_train.modules.kv_compressor import ASQCompressor  # noqa: E402
+from gsm_train.modules.kv_store import KVStore  # noqa: E402
+from gsm_train.plots import plot_decode_speedup  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+SHAPES = {"smollm2": (9, 3, 64), "llama8b": (32, 8, 128)}
+H200_BYTES_PER_S = 4.8e12
+
+
+def graph_ms(step: Callable[[], torch.Tensor], replays: int = 50) -> float:
+    """Median time of one replay of `step` captured in a CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    times = []
+    for _ in range(replays + 5):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        stop.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times[5:])
+
+
+def _filled_store(asq: ASQCompressor, batch: int, kv_heads: int, length: int, dim: int) -> KVStore:
+    """A store holding `length` random tokens, packed block by block in slices (bounded memory)."""
+    store = KVStore(asq, kv_heads)
+    slice_len = max(asq.block_size, (1 << 24) // (batch * kv_heads * dim) // asq.block_size * asq.block_size)
+    for start in range(0, length, slice_len):
+        store.append(torch.randn(batch, kv_heads, min(slice_len, length - start), dim, device="cuda",
+                                 dtype=torch.bfloat16))
+    return store
+
+
+def _dense_ms(query: torch.Tensor, kv_heads: int, length: int) -> tuple[float, int]:
+    """(ms per step, bytes of the bf16 K/V cache) of dense SDPA decode: the faster of GQA-native SDPA and
+    SDPA over K/V repeated to the query heads (whichever backend each picks)."""
+    batch, q_heads, _, dim = query.shape
+    keys = torch.randn(batch, kv_heads, length, dim, device="cuda", dtype=torch.bfloat16)
+    values = torch.randn_like(keys)
+    native = graph_ms(lambda: F.scaled_dot_product_attention(query, keys, values, enable_gqa=True))
+    wide_k, wide_v = (t.repeat_interleave(q_heads // kv_heads, dim=1) for t in (keys, values))
+    repeated = graph_ms(lambda: F.scaled_dot_product_attention(query, wide_k, wide_v))
+    return min(native, repeated), 2 * keys.numel() * keys.element_size()
+
+
+def _gsm_ms(query: torch.Tensor, k_store: KVStore, v_store: KVStore, gate_keys: torch.Tensor, k: int) -> float:
+    """ms per step of GSM decode attention: gate scores, top-k, fused gather + dequantize + attend."""
+    length, dim = gate_keys.shape[2], query.shape[-1]
+    gate_q = torch.randn(query.shape[0], 1, 1, gate_keys.shape[-1], device="cuda")
+
+    def step() -> torch.Tensor:
+        index, _ = top_k_positions(gate_scores(gate_q, gate_keys), None, k, length - 1, 0, 0)
+        return fused_decode_attention(query, k_store, v_store, index, None, dim ** -0.5)
+
+    return graph_ms(step)
+
+
+@torch.no_grad()
+def attention_rows(contexts: list[int], batches: list[int], ks: list[int], bits: int) -> list[dict]:
+    """Per-step decode attention time, GSM vs dense SDPA, for every shape / context / batch / k."""
+    rows = []
+    for shape, (q_heads, kv_heads, dim) in SHAPES.items():
+        asq_k, asq_v = (ASQCompressor(kv_heads, dim, cluster_num=16, quant_bits=bits, block_size=128).cuda()
+                        for _ in range(2))
+        for length in contexts:
+            for batch in batches:
+                query = torch.randn(batch, q_heads, 1, dim, device="cuda", dtype=torch.bfloat16)
+                dense, dense_bytes = _dense_ms(query, kv_heads, length)
+                k_store = _filled_store(asq_k, batch, kv_heads, length, dim)
+                v_store = _filled_store(asq_v, batch, kv_heads, length, dim)
+                gate_keys = torch.randn(batch, 1, length, 64, device="cuda", dtype=torch.bfloat16)
+                for k in ks:
+                    gsm = _gsm_ms(query, k_store, v_store, gate_keys, k)
+                    row = {"shape": shape, "context": length, "batch": batch, "k": k, "dense_ms": dense,
+                           "gsm_ms": gsm, "speedup": dense / gsm,
+                           "dense_bandwidth_TBps": dense_bytes / dense / 1e9}
+                    rows.append(row)
+                    print(f"{shape:>8} {length:>7} {batch:>3} {k:>5} dense {dense * 1e3:9.1f} us  gsm "
+                          f"{gsm * 1e3:9.1f} us  x{dense / gsm:6.2f}", flush=True)
+                del k_store, v_store, gate_keys
+                torch.cuda.empty_cache()
+    return rows
+
+
+def _gsm_model(adapter: str | None, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+    model, _ = load_model_and_tokenizer("smollm2-135m", dtype=dtype)
+    model.to(device)
+    if adapter:
+        load_gsm(model, adapter, mode="sparse")
+    else:
+        inject_gsm(model, load_recipe(str(REPO / "recipes" / "joint.yaml")).gsm, mode="sparse")
+    set_gsm_mode(model, "sparse")
+    return model.to(device).eval()
+
+
+def _timed_generate(model: torch.nn.Module, prompts: torch.Tensor, new_tokens: int,
+                    cache_factory: Callable[[], object | None]) -> tuple[torch.Tensor, float, float, int]:
+    """(tokens, seconds for the whole call, seconds for the prompt alone, bytes the cache holds on the device)."""
+    def run(tokens: int) -> tuple[torch.Tensor, float, int]:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        cache = cache_factory()
+        tic = time.perf_counter()
+        kwargs = {"past_key_values": cache} if cache is not None else {"return_dict_in_generate": True}
+        out = model.generate(prompts, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                             pad_token_id=0, **kwargs)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - tic
+        if cache is None:
+            out, cache = out.sequences, out.past_key_values
+        held = torch.cuda.memory_allocated() - base - out.numel() * out.element_size()
+        del cache
+        return out, seconds, held
+
+    run(2)  # warm-up
+    _, prefill_s, _ = run(1)
+    out, total_s, held = run(new_tokens)
+    return out, total_s, prefill_s, held
+
+
+def _agreement(model: torch.nn.Module, generated: torch.Tensor, new_tokens: int) -> float:
+    """Share of generated tokens equal to the teacher-forced argmax of the same model on the same sequence."""
+    argmax = model(generated, use_cache=False, logits_to_keep=new_tokens + 1).logits[:, :-1].argmax(-1)
+    return (argmax == generated[:, -new_tokens:]).float().mean().item()
+
+
+@torch.no_grad()
+def fp32_agreement(eval_data: str, adapter: str | None, prompt_len: int, new_tokens: int) -> float:
+    """Token agreement of cached GSM decoding with teacher forcing in fp32 (batch 1): rounding aside, the two
+    paths compute the same thing, so this isolates real mismatches from bf16 noise."""
+    gsm = _gsm_model(adapter, torch.device("cuda"), torch.float32)
+    _, tokenizer = load_model_and_tokenizer("smollm2-135m")
+    prompt = pack_tokens(load_text_dataset(eval_data), tokenizer, prompt_len)[1:2].cuda()
+    out = gsm.generate(prompt, past_key_values=GSMCache(gsm), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                       do_sample=False, pad_token_id=0)
+    return _agreement(gsm, out, new_tokens)
+
+
+@torch.no_grad()
+def end_to_end(eval_data: str, adapter: str | None, prompt_len: int, new_tokens: int, batches: list[int]) -> list[dict]:
+    """Greedy generation tokens/s, GSM adapter vs dense base, and token agreement with teacher forcing."""
+    device = torch.device("cuda")
+    _, tokenizer = load_model_and_tokenizer("smollm2-135m", dtype=torch.bfloat16)
+    prompts_all = pack_tokens(load_text_dataset(eval_data), tokenizer, prompt_len)
+    dense, _ = load_model_and_tokenizer("smollm2-135m", dtype=torch.bfloat16)
+    dense.to(device)
+    gsm = _gsm_model(adapter, device)
+    rows = []
+    for batch in batches:
+        prompts = prompts_all[:batch].to(device)
+        dense_out, dense_s, dense_prefill, dense_bytes = _timed_generate(dense, prompts, new_tokens, lambda: None)
+        gsm_out, gsm_s, gsm_prefill, gsm_bytes = _timed_generate(gsm, prompts, new_tokens, lambda: GSMCache(gsm))
+        agreement = _agreement(gsm, gsm_out, new_tokens)
+        generated = batch * new_tokens
+        row = {"batch": batch, "prompt": prompt_len, "new_tokens": new_tokens,
+               "tokens_per_s_dense": generated / dense_s, "tokens_per_s_gsm": generated / gsm_s,
+               "decode_tokens_per_s_dense": generated / (dense_s - dense_prefill),
+               "decode_tokens_per_s_gsm": generated / (gsm_s - gsm_prefill),
+               "kv_bytes_dense": dense_bytes, "kv_bytes_gsm": gsm_bytes, "kv_bytes_ratio": gsm_bytes / dense_bytes,
+               "token_agreement": agreement, "token_agreement_dense_bf16": _agreement(dense, dense_out, new_tokens),
+               "same_tokens_as_dense": (dense_out[:, prompt_len:] == gsm_out[:, prompt_len:]).float().mean().item()}
+        rows.append(row)
+        print(f"e2e batch {batch}: dense {row['tokens_per_s_dense']:.0f} tok/s, gsm {row['tokens_per_s_gsm']:.0f} "
+              f"tok/s; KV {dense_bytes / 2**20:.1f} -> {gsm_bytes / 2**20:.1f} MiB; agreement {agreement:.4f}",
+              flush=True)
+        gc.collect()
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--eval-data", required=True)
+    parser.add_argument("--adapter", default=None, help="a GSM export; default: the joint recipe's fresh modules")
+    parser.add_argument("--contexts", default="8192,32768,131072")
+    parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--ks", default="64,2048")
+    parser.add_argument("--bits", type=int, default=4)
+    parser.add_argument("--prompt", type=int, default=4096)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--result", required=True)
+    args = parser.parse_args()
+    ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
+    try:
+        import flash_attn  # noqa: F401
+        flash = "installed but not benchmarked"
+    except ImportError:
+        flash = "not installed on this machine; dense SDPA picks its own backend (flash/cuDNN/efficient)"
+    rows = attention_rows(ints(args.contexts), ints(args.batches), ints(args.ks), args.bits)
+    e2e = end_to_end(args.eval_data, args.adapter, args.prompt, args.new_tokens, ints(args.batches))
+
+    def speedup(context: int, batch: int, k: int, shape: str = "llama8b") -> float:
+        return next(r["speedup"] for r in rows if (r["shape"], r["context"], r["batch"], r["k"]) ==
+                    (shape, context, batch, k))
+
+    agreement_fp32 = fp32_agreement(args.eval_data, args.adapter, args.prompt, args.new_tokens)
+    print(f"token agreement in fp32: {agreement_fp32:.4f}")
+    first = e2e[0]
+    result = {
+        "attn_speedup_32k_bs1_k2048": speedup(32768, 1, 2048),
+        "attn_speedup_32k_bs16_k2048": speedup(32768, 16, 2048),
+        "attn_speedup_32k_bs1_k2048_smollm2": speedup(32768, 1, 2048, "smollm2"),
+        "attn_speedup_32k_bs16_k2048_smollm2": speedup(32768, 16, 2048, "smollm2"),
+        "e2e_tokens_per_s_gsm": first["tokens_per_s_gsm"], "e2e_tokens_per_s_dense": first["tokens_per_s_dense"],
+        "kv_bytes_gsm": first["kv_bytes_gsm"], "kv_bytes_dense": first["kv_bytes_dense"],
+        "token_agreement": min(r["token_agreement"] for r in e2e), "token_agreement_fp32": agreement_fp32,
+        "adapter": args.adapter or "recipes/joint.yaml modules, untrained", "asq_bits": args.bits,
+        "flash_attn": flash, "attention": rows, "end_to_end": e2e,
+    }
+    write_result(Path(args.result), result)
+    print(f"plot: {plot_decode_speedup(rows, Path(args.result).with_suffix('.png'))}")
+
+
+if __name__ == "__main__":
+    main()
