@@ -90,16 +90,18 @@ def _dense_ms(query: torch.Tensor, kv_heads: int, length: int) -> tuple[float, i
     return min(native, repeated), 2 * keys.numel() * keys.element_size()
 
 
-def _gsm_ms(query: torch.Tensor, k_store: KVStore, v_store: KVStore, gate_keys: torch.Tensor, k: int) -> float:
-    """ms per step of GSM decode attention: gate scores, top-k, fused gather + dequantize + attend."""
+def _gsm_ms(query: torch.Tensor, k_store: KVStore, v_store: KVStore, gate_keys: torch.Tensor,
+            k: int) -> dict[str, float]:
+    """ms per step of GSM decode attention (gate scores, top-k, fused gather + dequantize + attend), and
+    of its first parts alone: where the time goes."""
     length, dim = gate_keys.shape[2], query.shape[-1]
     gate_q = torch.randn(query.shape[0], 1, 1, gate_keys.shape[-1], device="cuda")
 
-    def step() -> torch.Tensor:
-        index, _ = top_k_positions(gate_scores(gate_q, gate_keys), None, k, length - 1, 0, 0)
-        return fused_decode_attention(query, k_store, v_store, index, None, dim ** -0.5)
+    def select() -> torch.Tensor:
+        return top_k_positions(gate_scores(gate_q, gate_keys), None, k, length - 1, 0, 0)[0]
 
-    return graph_ms(step)
+    return {"gsm_ms": graph_ms(lambda: fused_decode_attention(query, k_store, v_store, select(), None, dim ** -0.5)),
+            "gate_scores_ms": graph_ms(lambda: gate_scores(gate_q, gate_keys)), "gate_scores_topk_ms": graph_ms(select)}
 
 
 @torch.no_grad()
@@ -117,13 +119,14 @@ def attention_rows(contexts: list[int], batches: list[int], ks: list[int], bits:
                 v_store = _filled_store(asq_v, batch, kv_heads, length, dim)
                 gate_keys = torch.randn(batch, 1, length, 64, device="cuda", dtype=torch.bfloat16)
                 for k in ks:
-                    gsm = _gsm_ms(query, k_store, v_store, gate_keys, k)
-                    row = {"shape": shape, "context": length, "batch": batch, "k": k, "dense_ms": dense,
-                           "gsm_ms": gsm, "speedup": dense / gsm,
-                           "dense_bandwidth_TBps": dense_bytes / dense / 1e9}
+                    times = _gsm_ms(query, k_store, v_store, gate_keys, k)
+                    gsm = times["gsm_ms"]
+                    row = {"shape": shape, "context": length, "batch": batch, "k": k, "dense_ms": dense, **times,
+                           "speedup": dense / gsm, "dense_bandwidth_TBps": dense_bytes / dense / 1e9}
                     rows.append(row)
                     print(f"{shape:>8} {length:>7} {batch:>3} {k:>5} dense {dense * 1e3:9.1f} us  gsm "
-                          f"{gsm * 1e3:9.1f} us  x{dense / gsm:6.2f}", flush=True)
+                          f"{gsm * 1e3:9.1f} us (scores {times['gate_scores_ms'] * 1e3:.1f}, +top-k "
+                          f"{times['gate_scores_topk_ms'] * 1e3:.1f})  x{dense / gsm:6.2f}", flush=True)
                 del k_store, v_store, gate_keys
                 torch.cuda.empty_cache()
     return rows

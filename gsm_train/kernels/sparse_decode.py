@@ -65,16 +65,23 @@ if triton is not None:
             rows = tl.where(in_packed, proto + code.to(tl.float32) * scale, rows)
         return rows
 
+    # Gathers of scattered rows are latency-bound: how many rows a program takes (BLOCK_N x TILES) and
+    # how many warps it runs trade parallelism against per-program overhead; Triton picks per shape.
+    @triton.autotune(
+        configs=[triton.Config({"BLOCK_N": block, "TILES": tiles}, num_warps=warps)
+                 for block, tiles, warps in ((16, 2, 2), (32, 1, 2), (32, 2, 4), (32, 4, 4), (64, 1, 4), (64, 4, 4),
+                                             (64, 16, 4))],
+        key=["size_class", "rows", "D", "G", "PACKED"])
     @triton.jit
     def _sparse_decode_kernel(q_ptr, index_ptr, valid_ptr,
                               k_ids, k_res, k_scale, k_proto, k_tail,
                               v_ids, v_res, v_scale, v_proto, v_tail,
                               acc_ptr, max_ptr, sum_ptr,
-                              packed_len, tail_len, n_blocks, selected, chunk, scaling,
+                              packed_len, tail_len, n_blocks, selected, size_class, rows, scaling,
                               KV_HEADS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                               BITS: tl.constexpr, C: tl.constexpr, TOKENS_PER_BLOCK: tl.constexpr,
-                              PACKED: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK_N: tl.constexpr,
-                              PRECISION: tl.constexpr, SHARED_SELECTION: tl.constexpr):
+                              PACKED: tl.constexpr, HAS_VALID: tl.constexpr, PRECISION: tl.constexpr,
+                              SHARED_SELECTION: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr):
         bh = tl.program_id(0)
         split = tl.program_id(1)
         splits = tl.num_programs(1)
@@ -85,9 +92,9 @@ if triton is not None:
         m_i = tl.full([GP], -1.0e30, tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
-        lo = split * chunk
-        hi = tl.minimum(lo + chunk, selected)
-        for start in range(0, chunk, BLOCK_N):
+        lo = split * BLOCK_N * TILES
+        hi = tl.minimum(lo + BLOCK_N * TILES, selected)
+        for start in range(0, BLOCK_N * TILES, BLOCK_N):
             offs = lo + start + tl.arange(0, BLOCK_N)
             live = offs < hi
             pos = tl.load(index_ptr + selection_row * selected + offs, mask=live, other=0)
@@ -144,9 +151,8 @@ if triton is not None:
         tl.store(out_ptr + row * length + keys_at, tl.sum(keys * q[None, :], 1) * scale, mask=live)
 
 
-BLOCK_N = 64
 BLOCK_S = 128
-TARGET_PROGRAMS = 1056  # 8 per SM of the H200's 132: the gathers are latency-bound, so many in flight
+SMALLEST_CHUNK = 32  # the fewest rows a program of the autotuned decode kernel takes (16 x 2)
 
 
 def _store_args(store: KVStore, like: Tensor) -> tuple[Tensor, ...]:
@@ -164,26 +170,32 @@ def fused_decode_attention(query: Tensor, k_store: KVStore, v_store: KVStore, in
     kv_heads, selected = k_store.tail.shape[1], index.shape[2]
     groups = q_heads // kv_heads
     group_pad = max(16, triton.next_power_of_2(groups))
-    splits = max(1, min(math.ceil(selected / BLOCK_N), math.ceil(TARGET_PROGRAMS / (batch * kv_heads))))
-    chunk = math.ceil(math.ceil(selected / splits) / BLOCK_N) * BLOCK_N
-    splits = math.ceil(selected / chunk)
+    most_splits = math.ceil(selected / SMALLEST_CHUNK)
     packed = k_store.packed_len > 0
     asq = k_store.asq
     q = query.reshape(batch, q_heads, dim).contiguous()
     index = index.contiguous()
     valid_arg = valid.to(torch.int8).contiguous() if valid is not None else index
-    acc = torch.empty(batch * kv_heads * splits * group_pad * dim, device=query.device, dtype=torch.float32)
-    maxes = torch.empty(batch * kv_heads * splits * group_pad, device=query.device, dtype=torch.float32)
+    acc = torch.empty(batch * kv_heads * most_splits * group_pad * dim, device=query.device, dtype=torch.float32)
+    maxes = torch.empty(batch * kv_heads * most_splits * group_pad, device=query.device, dtype=torch.float32)
     sums = torch.empty_like(maxes)
     n_blocks = k_store.prototypes.shape[2] if packed else 0
-    _sparse_decode_kernel[(batch * kv_heads, splits)](
+
+    def grid(meta: dict) -> tuple[int, int]:
+        return batch * kv_heads, math.ceil(selected / (meta["BLOCK_N"] * meta["TILES"]))
+
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # no device to time configurations on
+    kernel = _sparse_decode_kernel.fn if interpreted else _sparse_decode_kernel
+    fixed = {"BLOCK_N": 16, "TILES": 2} if interpreted else {}
+    kernel[grid](
         q, index, valid_arg, *_store_args(k_store, index), *_store_args(v_store, index), acc, maxes, sums,
-        k_store.packed_len, k_store.tail.shape[2], n_blocks, selected, chunk, scaling,
+        k_store.packed_len, k_store.tail.shape[2], n_blocks, selected, triton.next_power_of_2(selected),
+        batch * kv_heads, scaling,
         KV_HEADS=kv_heads, G=groups, GP=group_pad, D=dim, BITS=asq.quant_bits if packed else 8,
         C=asq.cluster_num if packed else 1, TOKENS_PER_BLOCK=asq.block_size if packed else 1, PACKED=packed,
-        HAS_VALID=valid is not None, BLOCK_N=BLOCK_N,
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # fp32 queries: exact products
-        SHARED_SELECTION=index.shape[1] == 1)
+        HAS_VALID=valid is not None, PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # fp32: exact
+        SHARED_SELECTION=index.shape[1] == 1, **fixed)
+    splits = grid(fixed or _sparse_decode_kernel.best_config.kwargs)[1]
     out = torch.empty(batch, q_heads, dim, device=query.device, dtype=query.dtype)
     _merge_splits_kernel[(batch * kv_heads,)](acc, maxes, sums, out, splits, G=groups, GP=group_pad, D=dim)
     return out.reshape(batch, 1, q_heads, dim)
