@@ -80,6 +80,23 @@ def test_cached_decoding_equals_teacher_forced(family: str, config: str, mode: s
     torch.testing.assert_close(_step_by_step(model, ids, GSMCache(model)), teacher_forced, atol=1e-4, rtol=0)
 
 
+def test_left_padded_batch_decodes_as_teacher_forced() -> None:
+    """Padding reaches the selection: padded keys are never attended, the rest matches teacher forcing."""
+    model = _model("llama", CONFIGS["everything_mix_kv_gates"])
+    ids, mask = _ids(), torch.ones(2, LENGTH, dtype=torch.long)
+    ids[1, :3], mask[1, :3] = 0, 0
+    cache = GSMCache(model)
+    with torch.no_grad():
+        teacher_forced = model(ids, attention_mask=mask, use_cache=False).logits
+        logits = [model(ids[:, :PROMPT], attention_mask=mask[:, :PROMPT], past_key_values=cache, use_cache=True).logits]
+        for position in range(PROMPT, LENGTH):
+            logits.append(model(ids[:, position:position + 1], attention_mask=mask[:, :position + 1],
+                                past_key_values=cache, use_cache=True).logits)
+    decoded = torch.cat(logits, dim=1)
+    torch.testing.assert_close(decoded[0], teacher_forced[0], atol=1e-4, rtol=0)
+    torch.testing.assert_close(decoded[1, 3:], teacher_forced[1, 3:], atol=1e-4, rtol=0)
+
+
 def test_generate_matches_teacher_forced_argmax() -> None:
     model = _model("llama", CONFIGS["everything_share"])
     prompt = _ids(13)

@@ -42,11 +42,13 @@ def top_k_positions(scores: Tensor, allowed: Tensor | None, k: int, position: in
         scores[..., :sink_tokens] = float("inf")
     if recent_tokens:
         scores[..., max(position - recent_tokens + 1, 0):position + 1] = float("inf")
-    if allowed is not None:
-        scores = scores.masked_fill(~allowed[:, None, :], float("-inf"))
     k_eff = min(length, max(k, forced_count(position, sink_tokens, recent_tokens)))
-    index = scores.topk(k_eff, dim=-1).indices
-    valid = torch.gather(allowed[:, None, :].expand_as(scores), -1, index) if allowed is not None else None
+    if allowed is None:  # every forced key is visible: the top k_eff are exactly the selection
+        return scores.topk(k_eff, dim=-1).indices, None
+    values, index = scores.masked_fill(~allowed[:, None, :], float("-inf")).topk(k_eff, dim=-1)
+    # as select_top_k: the k best visible keys plus every visible forced key (forced keys rank first)
+    rank = torch.arange(k_eff, device=scores.device)
+    valid = (values > float("-inf")) & ((values == float("inf")) | (rank < k))
     return index, valid
 
 
