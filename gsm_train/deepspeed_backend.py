@@ -7,9 +7,18 @@ checkpoint and export formats. Where it differs from FSDP2:
 
 - bf16 (`mixed_precision: bf16`): DeepSpeed stores every parameter in bf16 and keeps fp32 masters of
   the trainables in its optimizer; checkpoints and exports take the trainables from those masters.
+  DeepSpeed builds those masters from the parameters it has already cast to bf16; they are set back to
+  the trainables' own fp32 values (as FSDP2's fp32 sharded parameters keep them). Masters rounded to bf16
+  make every update smaller than half a bf16 step vanish from the bf16 weights, where fp32 masters move
+  them by that update on average: early in warm-up DeepSpeed's base barely learned.
   Frozen GSM/LoRA tensors are kept aside on CPU before that cast, so exports carry them unchanged; a
   frozen base loaded in bf16 (the recipes' default on GPU) is untouched.
 - Gradients are reduced in fp32 (`communication_data_type`), as FSDP2's `reduce_dtype`.
+- The loop's autocast reaches the model: the engine's forward switches off an autocast active around it
+  on CUDA (`deepspeed.runtime.torch_autocast.autocast_if_enabled`, unless DeepSpeed's own `torch_autocast`
+  is configured), which would run the forward in plain bf16, unlike FSDP2's bf16 parameters under
+  autocast (e.g. the GSM modules' fp32 einsums and matmuls, and autocast's fp32 softmax/log/exp/sums).
+  The model's own forward therefore enters the same autocast inside the engine.
 - A checkpoint holds the engine's own `save_checkpoint` (fp32 master partitions and Adam moments, one
   file per rank) in `deepspeed/`, next to the same full `trainable.safetensors` FSDP2 writes; resuming
   restores it exactly and needs the same number of processes.
@@ -27,7 +36,7 @@ import deepspeed
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DeepSpeedPlugin
-from deepspeed.utils import safe_get_full_fp32_param
+from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
 from torch import Tensor, nn
 
 from gsm_train.backend import OptimizerFactory
@@ -55,6 +64,8 @@ class DeepSpeedBackend:
         self.is_main = info.is_main
         self.kept = {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters()
                      if not p.requires_grad and is_adapter(name)}
+        masters = {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters()
+                   if p.requires_grad and p.dtype == torch.float32}
         optimizer = make_optimizer(model)
         train = self.config.train
         self.plugin.deepspeed_config.update({
@@ -64,6 +75,12 @@ class DeepSpeedBackend:
         self.plugin.deepspeed_config.setdefault("communication_data_type", "fp32")
         accelerator = Accelerator(deepspeed_plugin=self.plugin, gradient_accumulation_steps=train.grad_accum)
         self.engine, _ = accelerator.prepare(model, optimizer)
+        for name, param in self.engine.module.named_parameters():
+            if name in masters and param.dtype != torch.float32:  # the engine cast it: restore the fp32 master
+                safe_set_full_fp32_param(param, masters[name].to(param.device))
+        if compute_dtype is not None:
+            module = self.engine.module
+            module.forward = torch.autocast(info.device.type, dtype=compute_dtype)(module.forward)
         return self.engine, optimizer
 
     def backward(self, loss: Tensor, boundary: bool) -> None:

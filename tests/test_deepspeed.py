@@ -4,17 +4,20 @@ stage; without the deepspeed package that is one clear error before any output; 
 
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import pytest
+import torch
 from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
 from run_helpers import records
 
 from gsm_train import backend
 from gsm_train.config import ConfigError, load_recipe
+from gsm_train.distributed import DistInfo
 from gsm_train.train import main as train_main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -103,3 +106,65 @@ def test_fsdp2_is_the_default(launched, monkeypatch: pytest.MonkeyPatch, tmp_pat
     assert train_main(["--recipe", RECIPE, *TINY, "train.steps=1", f"output.dir={tmp_path}"]) == 0
     setup = next(r for r in records(tmp_path) if r["kind"] == "setup")
     assert setup["backend"] == "fsdp2"
+
+
+class _AutocastOffEngine:
+    """Stands in for DeepSpeed's engine: its forward switches off an autocast active around it, as
+    `autocast_if_enabled` does on CUDA when DeepSpeed's own `torch_autocast` is not configured."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    def __call__(self, *args, **kwargs):
+        with torch.autocast("cpu", enabled=False):
+            return self.module(*args, **kwargs)
+
+
+class _FakeAccelerator:
+    """Like accelerate's DeepSpeed integration in bf16: the engine casts every parameter to bf16."""
+
+    def __init__(self, **kwargs):
+        pass
+
+    def prepare(self, model, optimizer):
+        for param in model.parameters():
+            param.data = param.data.to(torch.bfloat16)
+        return _AutocastOffEngine(model), optimizer
+
+
+class _Upcasting(torch.nn.Module):
+    """A GSM-style computation: fp32 inputs to a matmul, which autocast runs in bf16."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        return torch.matmul(x.float(), self.weight.float()), torch.is_autocast_enabled("cpu")
+
+
+def test_deepspeed_runs_the_loops_autocast_from_fp32_masters(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSpeed would run the forward in plain bf16 (the GSM modules' fp32 matmuls in fp32, no fp32
+    softmax/log), unlike FSDP2's bf16 parameters under the loop's autocast, and would start its fp32
+    masters from the bf16-cast parameters; the backend re-enters the autocast and restores the masters."""
+    masters: dict[int, torch.Tensor] = {}
+    monkeypatch.setitem(sys.modules, "deepspeed", ModuleType("deepspeed"))
+    utils = ModuleType("deepspeed.utils")
+    utils.safe_get_full_fp32_param = lambda param: masters.get(id(param), param)
+    utils.safe_set_full_fp32_param = lambda param, value: masters.__setitem__(id(param), value.clone())
+    monkeypatch.setitem(sys.modules, "deepspeed.utils", utils)
+    monkeypatch.delitem(sys.modules, "gsm_train.deepspeed_backend", raising=False)
+    module = importlib.import_module("gsm_train.deepspeed_backend")
+    monkeypatch.setattr(module, "Accelerator", _FakeAccelerator)
+    info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    x = torch.randn(2, 8)
+    for compute_dtype, expected in ((torch.bfloat16, torch.bfloat16), (None, torch.float32)):
+        model = _Upcasting()
+        weight = model.weight.detach().clone()
+        chosen = module.DeepSpeedBackend(load_recipe(RECIPE, TINY), SimpleNamespace(deepspeed_config={}))
+        engine, _ = chosen.prepare(model, lambda m: torch.optim.AdamW(m.parameters()), info, compute_dtype)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=compute_dtype is not None):
+            out, autocast_on = engine(x)
+        assert out.dtype == expected and autocast_on == (compute_dtype is not None)
+        assert not torch.equal(weight.to(torch.bfloat16).float(), weight)  # bf16 would lose low bits
+        assert torch.equal(masters[id(model.weight)], weight)
