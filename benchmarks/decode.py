@@ -140,7 +140,7 @@ def _gsm_model(adapter: str | None, device: torch.device, dtype: torch.dtype = t
     else:
         inject_gsm(model, load_recipe(str(REPO / "recipes" / "joint.yaml")).gsm, mode="sparse")
     set_gsm_mode(model, "sparse")
-    return model.to(device).eval()
+    return model.eval()  # the GSM modules are built on the model's device
 
 
 def _timed_generate(model: torch.nn.Module, prompts: torch.Tensor, new_tokens: int,

@@ -11,6 +11,7 @@ import torch
 from gsm_train.export import load_gsm
 from gsm_train.model_zoo import load_model_and_tokenizer
 from gsm_train.modules.decode_cache import GSMCache
+from gsm_train.modules.injection import model_dims
 
 
 @dataclass
@@ -26,11 +27,8 @@ class Generation:
 
 def dense_cache_bytes(model: torch.nn.Module, tokens: int, batch: int = 1) -> int:
     """Bytes a bf16 K/V cache of `tokens` takes for this model."""
-    cfg = model.config
-    heads = cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    return 2 * 2 * cfg.num_hidden_layers * kv_heads * head_dim * tokens * batch
+    dims = model_dims(model)
+    return 2 * 2 * dims["layers"] * dims["kv_heads"] * dims["head_dim"] * tokens * batch
 
 
 @torch.no_grad()
@@ -43,8 +41,7 @@ def generate(model_name: str, adapter: str | Path | None, prompt: str, max_new_t
     model.to(device)
     cache = None
     if adapter is not None:
-        load_gsm(model, adapter, mode=mode)
-        model.to(device)
+        load_gsm(model, adapter, mode=mode)  # the modules are built on the model's device
         cache = GSMCache(model)
     ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)
     tic = time.perf_counter()

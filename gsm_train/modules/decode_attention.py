@@ -95,17 +95,10 @@ def attend(query: Tensor, keys: Tensor, values: Tensor, valid: Tensor | None, sc
     return out.transpose(1, 2).contiguous()
 
 
-def _allowed_keys(attention_mask: Tensor | None, length: int) -> Tensor | None:
-    """[B, S] keys the newest query may see (padding), or None when all may be seen."""
-    if attention_mask is None:
-        return None
-    row = attention_mask[:, 0, -1, -length:]
-    return row if row.dtype == torch.bool else row > torch.finfo(row.dtype).min / 2
-
-
 def decode_attention(module: nn.Module, adapter: GSMAttentionAdapter, layer_cache: GSMLayerCache, query: Tensor,
-                     attention_mask: Tensor | None, scaling: float) -> Tensor:
-    """Attention output [B, 1, Hq, D] of the newest token, read from the GSM cache (already holding it)."""
+                     allowed: Tensor | None, scaling: float) -> Tensor:
+    """Attention output [B, 1, Hq, D] of the newest token, read from the GSM cache (already holding it);
+    `allowed` [B, S]: the keys it may see (padding), or None for all."""
     runtime = adapter.runtime
     cfg = runtime.config.sparse_attention
     hidden, cos, sin = adapter.pop_inputs()
@@ -114,7 +107,6 @@ def decode_attention(module: nn.Module, adapter: GSMAttentionAdapter, layer_cach
                        f"(got {query.shape[2]}); pass the whole prompt in the first call")
     length = layer_cache.get_seq_length()
     position = length - 1
-    allowed = _allowed_keys(attention_mask, length)
     mode = "dense" if adapter.dense_layer or not cfg.enabled else runtime.mode
     if mode == "oracle":
         raise GSMError("oracle mode needs the whole sequence; generate in sparse or dense mode")

@@ -212,7 +212,9 @@ def gsm_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
     runtime = adapter.runtime
     layer_cache, runtime.cache_layer = runtime.cache_layer, None
     if layer_cache is not None and layer_cache.cached_before_update > 0:
-        return decode_attention(module, adapter, layer_cache, query, attention_mask,
+        allowed = None if attention_mask is None else \
+            allowed_keys(attention_mask, 1, layer_cache.get_seq_length(), query.device)[:, 0, -1]
+        return decode_attention(module, adapter, layer_cache, query, allowed,
                                 module.scaling if scaling is None else scaling), None
     sparse_cfg = runtime.config.sparse_attention
     hidden, cos, sin = adapter.pop_inputs()

@@ -53,7 +53,8 @@ def _capture_inputs(module: nn.Module, args: tuple, kwargs: dict) -> None:
     module.gsm.capture_inputs(hidden, cos, sin)
 
 
-def _model_dims(model: PreTrainedModel) -> dict[str, int]:
+def model_dims(model: PreTrainedModel) -> dict[str, int]:
+    """hidden size, query heads, KV heads, head_dim and layers of a supported causal LM."""
     cfg = model.config
     heads = cfg.num_attention_heads
     return {
@@ -98,7 +99,7 @@ def inject_gsm(model: PreTrainedModel, config: GSMConfig, mode: str = "dense") -
     _check_family(model)
     if getattr(model, "gsm_runtime", None) is not None:
         raise GSMError("this model already has GSM modules; load a fresh base model to inject again")
-    dims = _model_dims(model)
+    dims = model_dims(model)
     bridge = config.cross_layer_sharing
     if config.gsm_enabled and bridge.enabled and bridge.bridge_to_start >= dims["layers"]:
         raise GSMError(f"cross_layer_sharing.bridge_to_start={bridge.bridge_to_start} but the model has "
