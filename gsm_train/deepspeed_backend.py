@@ -47,6 +47,22 @@ from gsm_train.export import is_adapter
 CHECKPOINT_TAG = "deepspeed"
 
 
+def _set_fp32_master(param: nn.Parameter, value: Tensor) -> None:
+    """Set the fp32 master of a trainable to `value`. ZeRO-3 partitions are padded at the end, which
+    DeepSpeed 0.19's `set_full_hp_param` does not allow for (a rank whose partition lies in the padding
+    fails, leaving the others waiting in the next collective), so its local partition is set here."""
+    if not hasattr(param, "ds_id"):
+        safe_set_full_fp32_param(param, value)
+        return
+    optimizer = param._z3_optimizer
+    partition, _ = optimizer._get_fp32_opt_state_partition(param, release_swap_buffers=False)
+    size = partition.numel()
+    start = size * optimizer._get_param_partition_rank(param)
+    local = value.flatten()[start:start + size]
+    partition.data.zero_()
+    partition.data[:local.numel()].copy_(local)
+
+
 class DeepSpeedBackend:
     """Model and optimizer in a DeepSpeed engine; clipping, reduction and partitioning are the engine's."""
 
@@ -77,7 +93,7 @@ class DeepSpeedBackend:
         self.engine, _ = accelerator.prepare(model, optimizer)
         for name, param in self.engine.module.named_parameters():
             if name in masters and param.dtype != torch.float32:  # the engine cast it: restore the fp32 master
-                safe_set_full_fp32_param(param, masters[name].to(param.device))
+                _set_fp32_master(param, masters[name].to(param.device))
         if compute_dtype is not None:
             module = self.engine.module
             module.forward = torch.autocast(info.device.type, dtype=compute_dtype)(module.forward)

@@ -168,3 +168,40 @@ def test_deepspeed_runs_the_loops_autocast_from_fp32_masters(monkeypatch: pytest
         assert out.dtype == expected and autocast_on == (compute_dtype is not None)
         assert not torch.equal(weight.to(torch.bfloat16).float(), weight)  # bf16 would lose low bits
         assert torch.equal(masters[id(model.weight)], weight)
+
+
+class _Zero3Optimizer:
+    """Stands in for DeepSpeed's ZeRO-3 optimizer: each rank holds `ceil(numel / world)` fp32 values,
+    the last rank's padded at the end."""
+
+    def __init__(self, rank: int, partition: torch.Tensor):
+        self.rank, self.partition = rank, partition
+
+    def _get_fp32_opt_state_partition(self, param: torch.nn.Parameter, release_swap_buffers: bool):
+        return self.partition, 0
+
+    def _get_param_partition_rank(self, param: torch.nn.Parameter) -> int:
+        return self.rank
+
+
+@pytest.mark.parametrize(("numel", "world"), [(1, 2), (5, 2), (7, 3), (8, 2)])
+def test_zero3_master_partitions_take_their_slice_padding_included(monkeypatch: pytest.MonkeyPatch, numel: int,
+                                                                   world: int) -> None:
+    """DeepSpeed 0.19's set_full_hp_param fails on a rank whose partition reaches into the padding
+    (a 1-element bridge alpha on 2 ranks hung ZeRO-3 on the GPU); every rank gets its slice, zeros beyond."""
+    monkeypatch.setitem(sys.modules, "deepspeed", ModuleType("deepspeed"))
+    utils = ModuleType("deepspeed.utils")
+    utils.safe_get_full_fp32_param = utils.safe_set_full_fp32_param = None
+    monkeypatch.setitem(sys.modules, "deepspeed.utils", utils)
+    monkeypatch.delitem(sys.modules, "gsm_train.deepspeed_backend", raising=False)
+    module = importlib.import_module("gsm_train.deepspeed_backend")
+    value = torch.arange(1, numel + 1, dtype=torch.float32)
+    size = -(-numel // world)
+    gathered = []
+    for rank in range(world):
+        param = torch.nn.Parameter(torch.empty(0))
+        param.ds_id = 0
+        param._z3_optimizer = _Zero3Optimizer(rank, torch.full((size,), -1.0))
+        module._set_fp32_master(param, value)
+        gathered.append(param._z3_optimizer.partition)
+    assert torch.equal(torch.cat(gathered), torch.cat([value, torch.zeros(size * world - numel)]))
