@@ -166,19 +166,20 @@ FUSED_RUNS_HERE = importlib.util.find_spec("triton") is not None and (
 
 @pytest.mark.skipif(not FUSED_RUNS_HERE, reason="needs Triton with CUDA, or on CPU TRITON_INTERPRET=1 (Triton's "
                     "interpreter wants numpy<2.3); CI has neither, the GPU benchmark runs it")
-@pytest.mark.parametrize("bits", [2, 4, 8, None])
-def test_fused_kernel_equals_pytorch_path(bits: int | None) -> None:
+@pytest.mark.parametrize(("bits", "length", "selected"), [(2, 300, 40), (4, 300, 40), (8, 300, 40), (None, 300, 40),
+                                                            (4, 2400, 2100)])  # 2100: more splits than one merge load
+def test_fused_kernel_equals_pytorch_path(bits: int | None, length: int, selected: int) -> None:
     from gsm_train.kernels.sparse_decode import fused_decode_attention
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
-    batch, q_heads, kv_heads, dim, length, selected = 2, 6, 2, 64, 300, 40
+    batch, q_heads, kv_heads, dim = 2, 6, 2, 64
     stores = [KVStore(ASQCompressor(kv_heads, dim, cluster_num=8, quant_bits=bits, block_size=64).to(device)
                       if bits else None, kv_heads) for _ in range(2)]
     for store in stores:
         rows = torch.randn(batch, kv_heads, length, dim, device=device)
-        store.append(rows[:, :, :250])
-        store.append(rows[:, :, 250:])
+        store.append(rows[:, :, :length - 50])
+        store.append(rows[:, :, length - 50:])
     query = torch.randn(batch, q_heads, 1, dim, device=device)
     index = torch.stack([torch.randperm(length)[:selected] for _ in range(batch * kv_heads)]).view(batch, kv_heads, -1)
     index = index.to(device)

@@ -112,30 +112,38 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), values.to(q.dtype), input_precision=PRECISION)
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
-        part = (bh * splits + split) * GP + heads
-        tl.store(acc_ptr + (part * D)[:, None] + dims[None, :], acc)
-        tl.store(max_ptr + part, m_i)
-        tl.store(sum_ptr + part, l_i)
+        part = (bh * splits + split) * G + heads  # the group's real heads only, not the dot's padding
+        real = heads < G
+        tl.store(acc_ptr + (part * D)[:, None] + dims[None, :], acc, mask=real[:, None])
+        tl.store(max_ptr + part, m_i, mask=real)
+        tl.store(sum_ptr + part, l_i, mask=real)
 
     @triton.jit
     def _merge_splits_kernel(acc_ptr, max_ptr, sum_ptr, out_ptr, splits,
-                             G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr):
-        bh = tl.program_id(0)
-        heads = tl.arange(0, GP)
+                             G: tl.constexpr, D: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
+        """One query head: the softmax-weighted sum of its splits' partial results, SPLIT_BLOCK splits
+        per load (one round trip to memory for up to SPLIT_BLOCK splits, not one per split)."""
+        row = tl.program_id(0)  # (batch, KV head, head of the group)
+        bh = row // G
+        head = row % G
         dims = tl.arange(0, D)
-        m_all = tl.full([GP], -1.0e30, tl.float32)
-        for split in range(0, splits):
-            m_all = tl.maximum(m_all, tl.load(max_ptr + (bh * splits + split) * GP + heads))
-        total = tl.zeros([GP], tl.float32)
-        out = tl.zeros([GP, D], tl.float32)
-        for split in range(0, splits):
-            part = (bh * splits + split) * GP + heads
-            weight = tl.exp(tl.load(max_ptr + part) - m_all)
-            total += tl.load(sum_ptr + part) * weight
-            out += tl.load(acc_ptr + (part * D)[:, None] + dims[None, :]) * weight[:, None]
-        out = out / tl.maximum(total, 1e-30)[:, None]
-        tl.store(out_ptr + ((bh * G + heads) * D)[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=(heads < G)[:, None])
+        m_all = tl.full([1], -1.0e30, tl.float32)
+        total = tl.zeros([1], tl.float32)
+        out = tl.zeros([D], tl.float32)
+        for first in range(0, splits, SPLIT_BLOCK):
+            split = first + tl.arange(0, SPLIT_BLOCK)
+            live = split < splits
+            part = (bh * splits + split) * G + head
+            maxes = tl.load(max_ptr + part, mask=live, other=-1.0e30)
+            m_new = tl.maximum(m_all, tl.max(maxes, 0))
+            weight = tl.where(live, tl.exp(maxes - m_new), 0.0)
+            rescale = tl.exp(m_all - m_new)
+            total = total * rescale + tl.sum(tl.load(sum_ptr + part, mask=live, other=0.0) * weight, 0)
+            partial = tl.load(acc_ptr + (part * D)[:, None] + dims[None, :], mask=live[:, None], other=0.0)
+            out = out * rescale + tl.sum(partial * weight[:, None], 0)
+            m_all = m_new
+        out = out / tl.maximum(total, 1e-30)
+        tl.store(out_ptr + row * D + dims, out.to(out_ptr.dtype.element_ty))
 
 
     @triton.jit
@@ -176,8 +184,8 @@ def fused_decode_attention(query: Tensor, k_store: KVStore, v_store: KVStore, in
     q = query.reshape(batch, q_heads, dim).contiguous()
     index = index.contiguous()
     valid_arg = valid.to(torch.int8).contiguous() if valid is not None else index
-    acc = torch.empty(batch * kv_heads * most_splits * group_pad * dim, device=query.device, dtype=torch.float32)
-    maxes = torch.empty(batch * kv_heads * most_splits * group_pad, device=query.device, dtype=torch.float32)
+    acc = torch.empty(batch * kv_heads * most_splits * groups * dim, device=query.device, dtype=torch.float32)
+    maxes = torch.empty(batch * kv_heads * most_splits * groups, device=query.device, dtype=torch.float32)
     sums = torch.empty_like(maxes)
     n_blocks = k_store.prototypes.shape[2] if packed else 0
 
@@ -197,7 +205,8 @@ def fused_decode_attention(query: Tensor, k_store: KVStore, v_store: KVStore, in
         SHARED_SELECTION=index.shape[1] == 1, **fixed)
     splits = grid(fixed or _sparse_decode_kernel.best_config.kwargs)[1]
     out = torch.empty(batch, q_heads, dim, device=query.device, dtype=query.dtype)
-    _merge_splits_kernel[(batch * kv_heads,)](acc, maxes, sums, out, splits, G=groups, GP=group_pad, D=dim)
+    _merge_splits_kernel[(batch * q_heads,)](acc, maxes, sums, out, splits, G=groups, D=dim,
+                                             SPLIT_BLOCK=min(64, triton.next_power_of_2(splits)))
     return out.reshape(batch, 1, q_heads, dim)
 
 

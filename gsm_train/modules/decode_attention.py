@@ -43,8 +43,8 @@ def top_k_positions(scores: Tensor, allowed: Tensor | None, k: int, position: in
     if recent_tokens:
         scores[..., max(position - recent_tokens + 1, 0):position + 1] = float("inf")
     k_eff = min(length, max(k, forced_count(position, sink_tokens, recent_tokens)))
-    if allowed is None:  # every forced key is visible: the top k_eff are exactly the selection
-        return scores.topk(k_eff, dim=-1).indices, None
+    if allowed is None:  # every forced key is visible: the top k_eff, in any order, are exactly the selection
+        return scores.topk(k_eff, dim=-1, sorted=False).indices, None  # attention does not need them sorted
     values, index = scores.masked_fill(~allowed[:, None, :], float("-inf")).topk(k_eff, dim=-1)
     # as select_top_k: the k best visible keys plus every visible forced key (forced keys rank first)
     rank = torch.arange(k_eff, device=scores.device)
