@@ -98,10 +98,10 @@ def _gsm_ms(query: torch.Tensor, k_store: KVStore, v_store: KVStore, gate_keys: 
     gate_q = torch.randn(query.shape[0], 1, 1, gate_keys.shape[-1], device="cuda")
 
     def select() -> torch.Tensor:
-        return top_k_positions(gate_scores(gate_q, gate_keys), None, k, length - 1, 0, 0)[0]
+        return top_k_positions(gate_scores(gate_q, gate_keys, None), None, k, length - 1, 0, 0)[0]
 
     return {"gsm_ms": graph_ms(lambda: fused_decode_attention(query, k_store, v_store, select(), None, dim ** -0.5)),
-            "gate_scores_ms": graph_ms(lambda: gate_scores(gate_q, gate_keys)), "gate_scores_topk_ms": graph_ms(select)}
+            "gate_scores_ms": graph_ms(lambda: gate_scores(gate_q, gate_keys, None)), "gate_scores_topk_ms": graph_ms(select)}
 
 
 @torch.no_grad()

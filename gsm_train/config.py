@@ -50,6 +50,7 @@ class SparseAttentionConfig(StrictModel):
     k_min: int = Field(32, ge=1, le=65536)
     decay_rate: float = Field(0.0, ge=0.0)
     gate_head_dim: int = Field(64, ge=2, le=1024)
+    gate_key_bits: Literal[8, 16] = 16  # how the KV cache stores gate keys: 16 = bf16, 8 = int8 + fp16 scale per key
     heads: Literal["layer", "kv"] = "layer"
     dense_layers: list[int] = Field(default_factory=list)
     sink_tokens: int = Field(0, ge=0)

@@ -25,6 +25,7 @@ from gsm_train.model_zoo import load_model_and_tokenizer
 from gsm_train.modules import inject_gsm
 from gsm_train.modules.gsm_attention import GSMAttentionAdapter
 from gsm_train.modules.injection import decoder_layers
+from gsm_train.modules.sparse_gate import gate_key_bytes
 
 BF16_BYTES = 2
 
@@ -81,7 +82,7 @@ def kv_bytes_per_token(attn: nn.Module, adapter: GSMAttentionAdapter, bridge_mod
                    for asq in (adapter.asq_k, adapter.asq_v))
     shared = adapter.bridge.out_heads if adapter.bridge is not None and bridge_mode == "share" else 0
     gate = adapter.gate
-    gate_keys = BF16_BYTES * gate.gate_head_dim * gate.num_selectors if gate is not None else 0
+    gate_keys = gate_key_bytes(gate.gate_head_dim, gate.key_bits) * gate.num_selectors if gate is not None else 0
     return base, per_head * (kv_heads - shared) + gate_keys
 
 

@@ -31,7 +31,8 @@ ASQ = {"enabled": True, "block_size": BLOCK, "cluster_num": 4, "hidden_dim": 8}
 SHARE = {"enabled": True, "bridge_from": 1, "bridge_to_start": 2, "mode": "share"}
 CONFIGS: dict[str, dict[str, Any]] = {
     "everything_share": {"sparse_attention": SPARSE, "kv_compression": ASQ, "cross_layer_sharing": SHARE},
-    "everything_mix_kv_gates": {"sparse_attention": {**SPARSE, "heads": "kv", "sink_tokens": 2, "recent_tokens": 3},
+    "everything_mix_kv_gates": {"sparse_attention": {**SPARSE, "heads": "kv", "sink_tokens": 2, "recent_tokens": 3,
+                                                     "gate_key_bits": 8},
                                 "kv_compression": {**ASQ, "quant_bits": 2},
                                 "cross_layer_sharing": {**SHARE, "mode": "mix"}},
     "gate_only_decay": {"sparse_attention": {**SPARSE, "top_k_schedule": "linear_decay", "decay_rate": 0.2}},
@@ -192,6 +193,21 @@ def test_fused_kernel_equals_pytorch_path(bits: int | None, length: int, selecte
                       None, 0.125)
     torch.testing.assert_close(fused_decode_attention(query, *stores, shared, None, 0.125), expected, atol=2e-6,
                                rtol=0)
+
+
+@pytest.mark.skipif(not FUSED_RUNS_HERE, reason="needs Triton with CUDA, or on CPU TRITON_INTERPRET=1")
+@pytest.mark.parametrize("bits", [16, 8])
+def test_gate_score_kernel_equals_pytorch_path(bits: int) -> None:
+    from gsm_train.kernels.sparse_decode import gate_scores
+    from gsm_train.modules.sparse_gate import SparseGateHead, decode_gate_keys, encode_gate_keys
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    gate = SparseGateHead(32, 16, 8, num_selectors=2, key_bits=bits).to(device)
+    gate_q, gate_k = torch.randn(3, 2, 1, 16, device=device), torch.randn(3, 2, 300, 16, device=device)
+    keys, scales = encode_gate_keys(gate_k, bits)
+    expected = gate.score_stored(gate_q, decode_gate_keys(keys, scales))[:, :, 0]
+    torch.testing.assert_close(gate_scores(gate_q, keys, scales), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_generate_command(exported_tiny: Path, capsys: pytest.CaptureFixture) -> None:

@@ -12,7 +12,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from gsm_train.modules import CacheBridge, SparseGateHead
 from gsm_train.modules.attention_targets import captured_mass, gate_distill_loss, head_averaged_probs
-from gsm_train.modules.sparse_gate import k_per_query, select_top_k
+from gsm_train.modules.sparse_gate import decode_gate_keys, encode_gate_keys, gate_key_bytes, k_per_query, select_top_k
 
 T = 24
 
@@ -183,6 +183,28 @@ def test_gate_init_keeps_strongest_frequencies() -> None:
 def test_gate_rejects_odd_dim() -> None:
     with pytest.raises(ValueError, match="even"):
         SparseGateHead(16, 7, 16)
+
+
+def test_int8_gate_keys_round_to_half_a_step_and_pass_gradients() -> None:
+    """8-bit gate keys: int8 codes and an fp16 scale max|k|/127 per key, error at most half a step (plus the
+    scale's fp16 rounding), 66 bytes for 64 dims; scores see the stored keys and pass gradients unchanged."""
+    torch.manual_seed(0)
+    gate_k = torch.randn(2, 1, 50, 64) * torch.rand(2, 1, 50, 1) * 4
+    gate_k[0, 0, 3] = 0.0  # an all-zero key stays zero
+    codes, scales = encode_gate_keys(gate_k, 8)
+    assert codes.dtype == torch.int8 and scales.dtype == torch.float16 and scales.shape == (2, 1, 50, 1)
+    assert int(codes.abs().max()) == 127
+    error = (decode_gate_keys(codes, scales) - gate_k).abs()
+    assert bool((error <= scales.float() * 0.5 + gate_k.abs() * 2e-3).all())
+    assert torch.equal(decode_gate_keys(codes, scales)[0, 0, 3], torch.zeros(64))
+    assert (gate_key_bytes(64, 8), gate_key_bytes(64, 16)) == (66, 128)
+    gate = SparseGateHead(16, 64, 8, key_bits=8)
+    gate_q = torch.randn(2, 1, 50, 64)
+    keys = gate_k.clone().requires_grad_()
+    scores = gate.scores(gate_q, keys)
+    torch.testing.assert_close(scores, gate.score_stored(gate_q, decode_gate_keys(codes, scales)))
+    scores.sum().backward()
+    torch.testing.assert_close(keys.grad, gate_q.sum(2, keepdim=True).expand_as(keys) / 8.0)
 
 
 # --------------------------------------------------------------------------- gate_distill_loss

@@ -147,7 +147,8 @@ if triton is not None:
 
 
     @triton.jit
-    def _gate_scores_kernel(q_ptr, k_ptr, out_ptr, length, scale, DG: tl.constexpr, BLOCK_S: tl.constexpr):
+    def _gate_scores_kernel(q_ptr, k_ptr, scale_ptr, out_ptr, length, scale, DG: tl.constexpr, BLOCK_S: tl.constexpr,
+                            SCALED: tl.constexpr):
         row = tl.program_id(0)  # one (batch, selector)
         tile = tl.program_id(1)
         dims = tl.arange(0, DG)
@@ -155,8 +156,11 @@ if triton is not None:
         live = keys_at < length
         q = tl.load(q_ptr + row * DG + dims).to(tl.float32)
         keys = tl.load(k_ptr + ((row * length + keys_at) * DG)[:, None] + dims[None, :], mask=live[:, None],
-                       other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * length + keys_at, tl.sum(keys * q[None, :], 1) * scale, mask=live)
+                       other=0).to(tl.float32)
+        logits = tl.sum(keys * q[None, :], 1) * scale
+        if SCALED:  # int8 codes: one fp16 scale per key
+            logits = logits * tl.load(scale_ptr + row * length + keys_at, mask=live, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * length + keys_at, logits, mask=live)
 
 
 BLOCK_S = 128
@@ -210,11 +214,14 @@ def fused_decode_attention(query: Tensor, k_store: KVStore, v_store: KVStore, in
     return out.reshape(batch, 1, q_heads, dim)
 
 
-def gate_scores(gate_q: Tensor, gate_keys: Tensor) -> Tensor:
-    """fp32 gate logits [B, n, S] of one query per row, gate_q [B, n, 1, dg], over bf16 gate keys
-    [B, n, S, dg]: the same products as `SparseGateHead.scores`, reading the keys once in bf16."""
+def gate_scores(gate_q: Tensor, gate_keys: Tensor, key_scales: Tensor | None) -> Tensor:
+    """fp32 gate logits [B, n, S] of one query per row, gate_q [B, n, 1, dg], over the cached gate keys
+    [B, n, S, dg] (bf16, or int8 codes with fp16 `key_scales` [B, n, S, 1]): the same products as
+    `SparseGateHead.score_stored`, reading the keys once as stored."""
     batch, selectors, length, dim = gate_keys.shape
     out = torch.empty(batch, selectors, length, device=gate_keys.device, dtype=torch.float32)
+    scales = key_scales.contiguous() if key_scales is not None else out
     _gate_scores_kernel[(batch * selectors, triton.cdiv(length, BLOCK_S))](
-        gate_q.float().contiguous(), gate_keys.contiguous(), out, length, dim ** -0.5, DG=dim, BLOCK_S=BLOCK_S)
+        gate_q.float().contiguous(), gate_keys.contiguous(), scales, out, length, dim ** -0.5, DG=dim, BLOCK_S=BLOCK_S,
+        SCALED=key_scales is not None)
     return out

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from transformers.integrations.sdpa_attention import repeat_kv
 
 from gsm_train.modules.errors import GSMError
-from gsm_train.modules.sparse_gate import k_per_query
+from gsm_train.modules.sparse_gate import decode_gate_keys, k_per_query
 
 if TYPE_CHECKING:
     from gsm_train.modules.decode_cache import GSMLayerCache
@@ -113,13 +113,14 @@ def decode_attention(module: nn.Module, adapter: GSMAttentionAdapter, layer_cach
     gate = adapter.gate
     if gate is not None:
         gate_q, gate_k = gate(hidden, cos, sin)
-        layer_cache.append_gate_keys(gate_k)
+        layer_cache.append_gate_keys(gate_k, gate.key_bits)
     kv_heads = module.k_proj.out_features // module.head_dim
     if mode == "sparse" and gate is not None:
         k = int(k_per_query(torch.tensor([position]), cfg.top_k_schedule, cfg.top_k, cfg.k_min, cfg.decay_rate))
         kernels = runtime.decode_kernels
-        scores = kernels.gate_scores(gate_q, layer_cache.gate_keys) if kernels is not None \
-            else gate.scores(gate_q, layer_cache.gate_keys)[:, :, 0]
+        keys, key_scales = layer_cache.gate_keys, layer_cache.gate_key_scales
+        scores = kernels.gate_scores(gate_q, keys, key_scales) if kernels is not None \
+            else gate.score_stored(gate_q, decode_gate_keys(keys, key_scales))[:, :, 0]
         index, valid = top_k_positions(scores, allowed, k, position, cfg.sink_tokens, cfg.recent_tokens)
     else:
         index = torch.arange(length, device=query.device).expand(query.shape[0], 1, length)

@@ -24,7 +24,7 @@ from gsm_train.modules.errors import GSMError
 from gsm_train.modules.gsm_attention import GSMAttentionAdapter
 from gsm_train.modules.injection import decoder_layers, gsm_runtime
 from gsm_train.modules.kv_store import KVStore
-from gsm_train.modules.sparse_gate import GATE_KEY_DTYPE
+from gsm_train.modules.sparse_gate import encode_gate_keys
 
 
 class GSMLayerCache(CacheLayerMixin):
@@ -39,7 +39,8 @@ class GSMLayerCache(CacheLayerMixin):
         shared = adapter.bridge.out_heads if adapter.bridge is not None and bridge_mode == "share" else 0
         self.k_store = KVStore(adapter.asq_k, kv_heads - shared)
         self.v_store = KVStore(adapter.asq_v, kv_heads - shared)
-        self.gate_keys: Tensor | None = None  # bf16 [B, n, S, gate_head_dim]
+        self.gate_keys: Tensor | None = None  # bf16, or int8 codes, [B, n, S, gate_head_dim]
+        self.gate_key_scales: Tensor | None = None  # fp16 [B, n, S, 1] for int8 gate keys
         self.source: GSMLayerCache | None = None  # the bridge source's cache, for a bridge target
         self.cached_before_update = 0
 
@@ -56,10 +57,15 @@ class GSMLayerCache(CacheLayerMixin):
         self.v_store.append(value_states)
         return key_states, value_states
 
-    def append_gate_keys(self, gate_k: Tensor) -> None:
-        """Add gate keys [B, n, t, gate_head_dim] (stored in bf16, as the byte account counts them)."""
-        gate_k = gate_k.detach().to(GATE_KEY_DTYPE)
-        self.gate_keys = gate_k if self.gate_keys is None else torch.cat((self.gate_keys, gate_k), dim=2)
+    def append_gate_keys(self, gate_k: Tensor, bits: int) -> None:
+        """Add gate keys [B, n, t, gate_head_dim], stored as `encode_gate_keys` gives them at `bits`."""
+        codes, scales = encode_gate_keys(gate_k.detach(), bits)
+        if self.gate_keys is None:
+            self.gate_keys, self.gate_key_scales = codes, scales
+            return
+        self.gate_keys = torch.cat((self.gate_keys, codes), dim=2)
+        if scales is not None:
+            self.gate_key_scales = torch.cat((self.gate_key_scales, scales), dim=2)
 
     def get_seq_length(self) -> int:
         return self.k_store.seq_len
@@ -81,7 +87,7 @@ class GSMLayerCache(CacheLayerMixin):
 
     def nbytes(self) -> int:
         """Bytes held: K and V stores plus gate keys."""
-        gate = 0 if self.gate_keys is None else self.gate_keys.numel() * self.gate_keys.element_size()
+        gate = sum(t.numel() * t.element_size() for t in (self.gate_keys, self.gate_key_scales) if t is not None)
         return self.k_store.nbytes() + self.v_store.nbytes() + gate
 
 

@@ -241,7 +241,7 @@ def gsm_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
         gate_input = hidden.detach() if runtime.detach_gate_input else hidden
         gate_q, gate_k = gate(gate_input, cos, sin)
         if layer_cache is not None:  # prefill of a generation: the cache keeps the prompt's gate keys
-            layer_cache.append_gate_keys(gate_k)
+            layer_cache.append_gate_keys(gate_k, gate.key_bits)
 
     def gate_selection(start: int, stop: int, k: Tensor = k_t) -> Tensor:
         with torch.no_grad():

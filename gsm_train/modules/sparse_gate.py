@@ -12,18 +12,44 @@ import math
 import torch
 from torch import Tensor, nn
 
-GATE_KEY_DTYPE = torch.bfloat16  # how the KV cache stores gate keys (2 bytes per dimension)
+GATE_KEY_DTYPE = torch.bfloat16  # how the KV cache stores gate keys at 16 bits (2 bytes per dimension)
+INT8_LEVELS = 127  # gate keys at 8 bits: symmetric int8 codes with one fp16 scale per key
+
+
+def encode_gate_keys(gate_k: Tensor, bits: int) -> tuple[Tensor, Tensor | None]:
+    """Gate keys [..., dg] as the cache stores them: bf16 (bits 16, no scales), or int8 codes with an
+    fp16 scale per key [..., 1] (bits 8: scale = max|k| / 127)."""
+    if bits == 16:
+        return gate_k.to(GATE_KEY_DTYPE), None
+    scale = (gate_k.detach().float().abs().amax(-1, keepdim=True) / INT8_LEVELS).to(torch.float16)
+    safe = scale.float().clamp_min(torch.finfo(torch.float16).tiny)
+    codes = torch.round(gate_k.detach().float() / safe).clamp(-INT8_LEVELS, INT8_LEVELS).to(torch.int8)
+    return codes, scale
+
+
+def decode_gate_keys(codes: Tensor, scales: Tensor | None) -> Tensor:
+    """fp32 gate keys from what `encode_gate_keys` stored."""
+    return codes.float() if scales is None else codes.float() * scales.float()
+
+
+def gate_key_bytes(gate_head_dim: int, bits: int) -> int:
+    """Bytes the cache holds per gate key: 2 per dimension at 16 bits; 1 per dimension plus the scale at 8."""
+    return 2 * gate_head_dim if bits == 16 else gate_head_dim + 2
 
 
 class SparseGateHead(nn.Module):
     """Gate query/key projections with RoPE; `num_selectors` independent selections per layer."""
 
-    def __init__(self, hidden_size: int, gate_head_dim: int, base_head_dim: int, num_selectors: int = 1):
+    def __init__(self, hidden_size: int, gate_head_dim: int, base_head_dim: int, num_selectors: int = 1,
+                 key_bits: int = 16):
         super().__init__()
         if gate_head_dim % 2:
             raise ValueError(f"gate_head_dim must be even, got {gate_head_dim}")
+        if key_bits not in (8, 16):
+            raise ValueError(f"key_bits must be 8 or 16, got {key_bits}")
         self.gate_head_dim = gate_head_dim
         self.num_selectors = num_selectors
+        self.key_bits = key_bits
         self.q_proj = nn.Linear(hidden_size, num_selectors * gate_head_dim, bias=False)
         self.k_proj = nn.Linear(hidden_size, num_selectors * gate_head_dim, bias=False)
         pairs = gate_head_dim // 2
@@ -54,9 +80,14 @@ class SparseGateHead(nn.Module):
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
     def scores(self, gate_q: Tensor, gate_k: Tensor) -> Tensor:
-        """Unmasked gate logits [B, n, T, S] in fp32, over keys rounded to the cache's dtype (bf16), as
-        generation stores them, so that teacher-forced and cached selections agree."""
-        keys = gate_k.to(GATE_KEY_DTYPE).float()
+        """Unmasked gate logits [B, n, T, S] in fp32, over the keys as the cache stores them (`key_bits`),
+        so that teacher-forced and cached selections agree; gradients pass the rounding unchanged."""
+        gate_k = gate_k.float()
+        stored = decode_gate_keys(*encode_gate_keys(gate_k, self.key_bits))
+        return self.score_stored(gate_q, gate_k + (stored - gate_k).detach())
+
+    def score_stored(self, gate_q: Tensor, keys: Tensor) -> Tensor:
+        """Gate logits [B, n, T, S] in fp32 over fp32 keys already decoded from the cache."""
         return torch.matmul(gate_q.float(), keys.transpose(-1, -2)) / math.sqrt(self.gate_head_dim)
 
     @torch.no_grad()
