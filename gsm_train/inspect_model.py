@@ -19,7 +19,12 @@ from dataclasses import dataclass
 from torch import nn
 
 from gsm_train.config import (
-    CrossLayerSharingConfig, GSMConfig, apply_overrides, check_against_model, load_recipe, validate_recipe_dict,
+    CrossLayerSharingConfig,
+    GSMConfig,
+    apply_overrides,
+    check_against_model,
+    load_recipe,
+    validate_recipe_dict,
 )
 from gsm_train.model_zoo import load_model_and_tokenizer
 from gsm_train.modules import inject_gsm

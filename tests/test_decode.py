@@ -199,7 +199,11 @@ def test_fused_kernel_equals_pytorch_path(bits: int | None, length: int, selecte
 @pytest.mark.parametrize("bits", [16, 8])
 def test_gate_score_kernel_equals_pytorch_path(bits: int) -> None:
     from gsm_train.kernels.sparse_decode import gate_scores
-    from gsm_train.modules.sparse_gate import SparseGateHead, decode_gate_keys, encode_gate_keys
+    from gsm_train.modules.sparse_gate import (
+        SparseGateHead,
+        decode_gate_keys,
+        encode_gate_keys,
+    )
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)

@@ -11,8 +11,18 @@ from torch import Tensor
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from gsm_train.modules import CacheBridge, SparseGateHead
-from gsm_train.modules.attention_targets import captured_mass, gate_distill_loss, head_averaged_probs
-from gsm_train.modules.sparse_gate import decode_gate_keys, encode_gate_keys, gate_key_bytes, k_per_query, select_top_k
+from gsm_train.modules.attention_targets import (
+    captured_mass,
+    gate_distill_loss,
+    head_averaged_probs,
+)
+from gsm_train.modules.sparse_gate import (
+    decode_gate_keys,
+    encode_gate_keys,
+    gate_key_bytes,
+    k_per_query,
+    select_top_k,
+)
 
 T = 24
 
