@@ -41,7 +41,11 @@ def test_full_joint_training_lowers_the_lm_loss_and_its_export_reproduces_the_mo
     result = train_recipe(JOINT, [*TINY, "train.steps=20", "optim.lr=3e-3", "output.export_base_weights=true",
                                   f"output.dir={tmp_path}"])
     assert sum(result.losses[-5:]) < sum(result.losses[:5])
-    assert "ppl" in result.final_metrics and result.final_metrics["bridge_alpha_mean"] > 0
+    final = result.final_metrics
+    assert "ppl" in final and final["bridge_alpha_mean"] > 0
+    assert 0 < final["asq_recon_rel_error"] < 1 and 0 < final["asq_cluster_usage"] <= 1
+    clusters = load_recipe(JOINT, TINY).gsm.kv_compression.cluster_num  # dead = unused share of the clusters
+    assert final["asq_dead_clusters"] == pytest.approx((1 - final["asq_cluster_usage"]) * clusters, abs=1e-6)
     loaded = tiny_model("llama")
     load_gsm(loaded, tmp_path / "export", mode="sparse")
     ids = torch.randint(0, 256, (2, 48))

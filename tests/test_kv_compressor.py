@@ -117,6 +117,20 @@ def test_gradients_reach_mlp_and_input() -> None:
         assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0
 
 
+def test_forward_with_loss_equals_forward_then_loss() -> None:
+    """One shared encoding: the same reconstruction and loss as the two separate calls, the same gradients."""
+    grads = []
+    for shared in (True, False):
+        comp = _asq(4).train()
+        x = _offset_data(s=300).requires_grad_(True)
+        out, loss = comp(x, with_loss=True) if shared else (comp(x), comp.reconstruction_loss(x))
+        (out.pow(2).mean() + loss).backward()
+        grads.append((out.detach(), loss.detach(), x.grad, comp.w1.grad, comp.b2.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+    for shared_grad, separate_grad in zip(grads[0][2:], grads[1][2:]):
+        torch.testing.assert_close(shared_grad, separate_grad, rtol=1e-5, atol=1e-6)
+
+
 def test_forward_alone_gives_mlp_gradient() -> None:
     comp = _asq(4).train()
     comp(_offset_data(s=128)).pow(2).mean().backward()
@@ -129,7 +143,9 @@ def test_reconstruction_loss_and_stats() -> None:
     loss = comp.reconstruction_loss(x)
     assert loss.ndim == 0 and 0.0 < loss.item() <= 1.0 + 1e-5
     assert comp.reconstruction_loss(_random(s=10)).item() == 0.0
-    out = comp(x)
+    comp.train()(x)
+    assert comp.last_stats == {}  # training steps do not pay for the logging stats
+    out = comp.eval()(x)
     stats = comp.last_stats
     assert stats["recon_rel_error"].item() == pytest.approx(_rel_err(out, x), rel=1e-4)
     assert 0.0 < stats["cluster_usage"].item() <= 1.0

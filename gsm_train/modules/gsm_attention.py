@@ -60,17 +60,19 @@ class GSMRuntime:
         self.distill_rows = None
 
     def layout(self, attention_mask: Tensor | None, q_len: int, kv_len: int,
-               device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """(allowed keys, key positions, k per query, host-side visible-key bound) for a forward; the
-        same for every layer, so it is built once when there is no padding mask."""
+               device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """(allowed keys, key positions, k per query, host-side visible-key bound, host-side k per query)
+        for a forward; the same for every layer, so it is built once when there is no padding mask. The
+        host copies let chunking and top-k sizes be decided without waiting for the device."""
         cfg = self.config.sparse_attention
         cache_key = (q_len, kv_len, str(device), cfg.top_k_schedule, cfg.top_k, cfg.k_min, cfg.decay_rate)
         if attention_mask is None and cache_key in self._layouts:
             return self._layouts[cache_key]
         positions = torch.arange(kv_len, device=device)
+        visible = causal_visible(q_len, kv_len)
         layout = (allowed_keys(attention_mask, q_len, kv_len, device), positions,
-                  k_per_query(positions, cfg.top_k_schedule, cfg.top_k, cfg.k_min, cfg.decay_rate),
-                  causal_visible(q_len, kv_len))  # visible stays on the host: chunking never waits for the device
+                  k_per_query(positions, cfg.top_k_schedule, cfg.top_k, cfg.k_min, cfg.decay_rate), visible,
+                  k_per_query(visible - 1, cfg.top_k_schedule, cfg.top_k, cfg.k_min, cfg.decay_rate))
         if attention_mask is None:
             self._layouts = {cache_key: layout}
         return layout
@@ -126,11 +128,11 @@ class GSMAttentionAdapter(nn.Module):
         raw_key, raw_value = key, value
         if self.asq_k is not None and runtime.kv_baseline is not None:
             key, value = plain_kv_quant(key, value, runtime.kv_baseline, self.asq_k.quant_bits, self.asq_k.block_size)
+        elif self.asq_k is not None and self.training:  # one encoding gives the reconstruction and its loss
+            (key, loss_k), (value, loss_v) = self.asq_k(key, with_loss=True), self.asq_v(value, with_loss=True)
+            runtime.asq_losses[self.layer_idx] = (loss_k + loss_v) / 2
         elif self.asq_k is not None:
             key, value = self.asq_k(key), self.asq_v(value)
-            if self.training:
-                runtime.asq_losses[self.layer_idx] = (
-                    self.asq_k.reconstruction_loss(raw_key) + self.asq_v.reconstruction_loss(raw_value)) / 2
         own = (raw_key, raw_value) if self.asq_k is not None else None
         if self.is_bridge_source:
             runtime.bridge_source = (key, value, own)
@@ -232,22 +234,25 @@ def gsm_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
                        f"sequence (got {q_len} queries over {kv_len} cached keys); call the model with "
                        "use_cache=False for teacher-forced passes")
     scaling = module.scaling if scaling is None else scaling
-    allowed, positions, k_t, visible = runtime.layout(attention_mask, q_len, kv_len, query.device)
+    allowed, positions, k_t, visible, k_host = runtime.layout(attention_mask, q_len, kv_len, query.device)
     block_size = runtime.config.kv_compression.block_size
     chunk = sparse_cfg.query_chunk
     num_selectors = gate.num_selectors if gate is not None else 1
-    gate_q = gate_k = None
+    gate_q = gate_k = stored_k = None
     if needs_gate:
         gate_input = hidden.detach() if runtime.detach_gate_input else hidden
         gate_q, gate_k = gate(gate_input, cos, sin)
         if layer_cache is not None:  # prefill of a generation: the cache keeps the prompt's gate keys
             layer_cache.append_gate_keys(gate_k, gate.key_bits)
+        with torch.no_grad():  # selection only: the keys as stored, rounded once for every query chunk
+            stored_k = gate.stored_keys(gate_k.detach())
 
-    def gate_selection(start: int, stop: int, k: Tensor = k_t) -> Tensor:
+    def gate_selection(start: int, stop: int, k: Tensor = k_t, k_max: int | None = None) -> Tensor:
         with torch.no_grad():
-            scores = gate.scores(gate_q[:, :, start:stop], gate_k)
+            scores = gate.score_stored(gate_q[:, :, start:stop], stored_k)
         return select_top_k(scores, allowed[..., start:stop, :], k[start:stop], positions[start:stop], positions,
-                             sparse_cfg.sink_tokens, sparse_cfg.recent_tokens)
+                            sparse_cfg.sink_tokens, sparse_cfg.recent_tokens,
+                            int(k_host[start:stop].max()) if k_max is None else k_max)
 
     def oracle_selection(start: int, stop: int) -> Tensor:
         keys, _, mask = block_causal_kv(key.detach(), None, own, allowed[..., start:stop, :],
@@ -255,7 +260,7 @@ def gsm_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
         probs = head_averaged_probs(query[:, :, start:stop].detach(), keys.detach(), mask, scaling, num_selectors)
         probs = probs[..., :kv_len] + probs[..., kv_len:] if own is not None else probs  # fold the two versions
         return select_top_k(probs, allowed[..., start:stop, :], k_t[start:stop], positions[start:stop], positions,
-                            sparse_cfg.sink_tokens, sparse_cfg.recent_tokens)
+                            sparse_cfg.sink_tokens, sparse_cfg.recent_tokens, int(k_host[start:stop].max()))
 
     if mode == "dense" and own is None:
         out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -273,8 +278,6 @@ def gsm_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
         # DSA: in sparse training the gate learns the main attention's distribution over what it selected
         on_selection = runtime.distill_on_selection and mode == "sparse" and num_selectors == 1
         kl_mask = selection if on_selection else allowed
-        k_host = k_per_query(visible - 1, sparse_cfg.top_k_schedule, sparse_cfg.top_k, sparse_cfg.k_min,
-                             sparse_cfg.decay_rate)
         rows = runtime.sampled_rows(visible >= k_host)
         if rows is None:
             distill_q, distill_gq, distill_allowed, distill_counted, distill_visible = (
@@ -291,5 +294,5 @@ def gsm_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
         constant_k = torch.full_like(k_t, k)
         runtime.recall_sums[adapter.layer_idx] = captured_mass(
             query.detach(), key.detach(), allowed, scaling, k, min_keys, chunk, num_selectors,
-            (lambda a, b: gate_selection(a, b, constant_k)) if gate is not None else None, visible)
+            (lambda a, b: gate_selection(a, b, constant_k, k)) if gate is not None else None, visible)
     return out, None

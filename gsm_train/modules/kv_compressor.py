@@ -222,7 +222,9 @@ class _Encoded:
     """Intermediate results of encoding the full blocks (all fp32, [B, H, n, bs, ...])."""
 
     probs: Tensor  # [B, H, n, bs, C]
-    prototypes: Tensor  # [B, H, n, C, D], fp16-rounded
+    weighted: Tensor  # [B, H, n, C, D]: sum over the block of probs * x
+    mass: Tensor  # [B, H, n, C]: sum over the block of probs
+    prototypes: Tensor  # [B, H, n, C, D], fp16-rounded weighted / mass
     ids: Tensor  # [B, H, n, bs] int64
     q: Tensor  # [B, H, n, bs, D] integer-valued codes
     scale: Tensor  # [B, H, n, bs, 1] fp16-rounded
@@ -242,7 +244,7 @@ class ASQCompressor(nn.Module):
 
     ``forward`` returns the fake-quantized reconstruction (straight-through rounding);
     ``compress`` / ``decompress`` give the real packed storage. Detached logging stats
-    of the last forward are kept in ``last_stats``.
+    of the last forward in eval mode are kept in ``last_stats``.
     """
 
     def __init__(
@@ -310,12 +312,13 @@ class ASQCompressor(nn.Module):
     def _encode(self, blocks: Tensor) -> _Encoded:
         """Cluster, build prototypes and quantize residuals of fp32 blocks [B, H, n, bs, D]."""
         probs = self._assign(blocks)
-        weighted = torch.einsum("bhnsc,bhnsd->bhncd", probs, blocks)
-        prototypes = _to_store(weighted / (probs.sum(dim=3).unsqueeze(-1) + _EPS))
+        weighted = torch.matmul(probs.transpose(-1, -2), blocks)
+        mass = probs.sum(dim=3)
+        prototypes = _to_store(weighted / (mass.unsqueeze(-1) + _EPS))
         ids = probs.argmax(dim=-1)
         residual = blocks - _gather_prototypes(prototypes, ids)
         q, scale = _quantize(residual, self.quant_bits, dim=-1)
-        return _Encoded(probs, prototypes, ids, q, scale)
+        return _Encoded(probs, weighted, mass, prototypes, ids, q, scale)
 
     def _encode_input(self, x: Tensor, leading_heads: bool = False) -> tuple[_Encoded | None, Tensor, Tensor]:
         """Validate and split ``x``; returns (encoding or None if no full block, fp32 blocks, tail)."""
@@ -343,11 +346,19 @@ class ASQCompressor(nn.Module):
 
     # ---------------------------------------------------------------- public API
 
-    def forward(self, x: Tensor) -> Tensor:
-        """Fake-quantized reconstruction of ``x`` [B, H, S, D]; the trailing partial block is returned as is."""
+    def forward(self, x: Tensor, with_loss: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        """Fake-quantized reconstruction of ``x`` [B, H, S, D]; the trailing partial block is returned as is.
+        With ``with_loss``, ``(reconstruction, reconstruction_loss(x))`` from the one encoding (a method of
+        its own would bypass FSDP2's and ZeRO-3's parameter gathering, which hook ``forward``). In eval
+        mode it also records ``last_stats`` (training steps skip that work)."""
         enc, blocks, tail = self._encode_input(x)
+        x_hat = self._reconstruct(x, enc, blocks, tail)
+        return (x_hat, self._distortion(enc, blocks)) if with_loss else x_hat
+
+    def _reconstruct(self, x: Tensor, enc: _Encoded | None, blocks: Tensor, tail: Tensor) -> Tensor:
         x_hat = enc.reconstruct() if enc is not None else blocks
-        self._record_stats(enc, blocks, x_hat)
+        if not self.training:
+            self._record_stats(enc, blocks, x_hat)
         return _join_blocks(x_hat, tail) if enc is not None else x
 
     def reconstruction_loss(self, x: Tensor) -> Tensor:
@@ -359,14 +370,18 @@ class ASQCompressor(nn.Module):
         quantizer must encode. Zero when ``x`` has no full block.
         """
         enc, blocks, _ = self._encode_input(x)
+        return self._distortion(enc, blocks)
+
+    @staticmethod
+    def _distortion(enc: _Encoded | None, blocks: Tensor) -> Tensor:
         if enc is None:
             return blocks.new_zeros(())
-        p, protos = enc.probs, enc.prototypes
-        mixed = torch.einsum("bhnsc,bhncd->bhnsd", p, protos)
-        proto_energy = torch.einsum("bhnsc,bhnc->bhns", p, protos.pow(2).sum(-1))
-        distortion = blocks.pow(2).sum(-1) - 2 * (blocks * mixed).sum(-1) + proto_energy
-        variance = (blocks - blocks.mean(dim=3, keepdim=True)).pow(2).sum()
-        return distortion.sum().clamp_min(0) / variance.clamp_min(_EPS)
+        # sum_t sum_c p_tc ||x_t - m_c||^2 = sum ||x||^2 - 2 sum_c <sum_t p_tc x_t, m_c> + sum_c (sum_t p_tc) ||m_c||^2
+        protos = enc.prototypes
+        energy = blocks.pow(2).sum()
+        distortion = energy - 2 * (enc.weighted * protos).sum() + (enc.mass * protos.pow(2).sum(-1)).sum()
+        variance = (blocks - blocks.mean(dim=3, keepdim=True)).pow(2).sum()  # direct: no cancellation
+        return distortion.clamp_min(0) / variance.clamp_min(_EPS)
 
     @torch.no_grad()
     def compress(self, x: Tensor) -> PackedKV:

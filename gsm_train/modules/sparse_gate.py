@@ -82,9 +82,13 @@ class SparseGateHead(nn.Module):
     def scores(self, gate_q: Tensor, gate_k: Tensor) -> Tensor:
         """Unmasked gate logits [B, n, T, S] in fp32, over the keys as the cache stores them (`key_bits`),
         so that teacher-forced and cached selections agree; gradients pass the rounding unchanged."""
+        return self.score_stored(gate_q, self.stored_keys(gate_k))
+
+    def stored_keys(self, gate_k: Tensor) -> Tensor:
+        """fp32 gate keys as the cache holds them (`key_bits`), straight-through for gradients; round once
+        per layer and score query chunks against them with `score_stored`."""
         gate_k = gate_k.float()
-        stored = decode_gate_keys(*encode_gate_keys(gate_k, self.key_bits))
-        return self.score_stored(gate_q, gate_k + (stored - gate_k).detach())
+        return gate_k + (decode_gate_keys(*encode_gate_keys(gate_k, self.key_bits)) - gate_k).detach()
 
     def score_stored(self, gate_q: Tensor, keys: Tensor) -> Tensor:
         """Gate logits [B, n, T, S] in fp32 over fp32 keys already decoded from the cache."""
@@ -153,11 +157,12 @@ def k_per_query(query_positions: Tensor, schedule: str, top_k: int, k_min: int, 
 
 
 def select_top_k(scores: Tensor, allowed: Tensor, k: Tensor, query_positions: Tensor, key_positions: Tensor,
-                 sink_tokens: int = 0, recent_tokens: int = 0) -> Tensor:
+                 sink_tokens: int = 0, recent_tokens: int = 0, k_max: int | None = None) -> Tensor:
     """Boolean selection [B, n, T, S]: the k[t] best allowed keys per query, own position always kept.
 
     Queries with at most k allowed keys keep all of them (dense). Sink tokens (the first
-    `sink_tokens` positions) and the `recent_tokens` latest keys are always kept too.
+    `sink_tokens` positions) and the `recent_tokens` latest keys are always kept too. `k_max`: max(k)
+    when the caller knows it on the host (else it is read from the device, which waits for it).
     """
     forced = key_positions[None, :] == query_positions[:, None]
     if sink_tokens:
@@ -166,7 +171,7 @@ def select_top_k(scores: Tensor, allowed: Tensor, k: Tensor, query_positions: Te
         distance = query_positions[:, None] - key_positions[None, :]
         forced = forced | ((distance >= 0) & (distance < recent_tokens))
     ranked = scores.masked_fill(forced, float("inf")).masked_fill(~allowed, float("-inf"))
-    k_top = int(min(int(k.max()), scores.shape[-1]))
+    k_top = min(int(k.max()) if k_max is None else k_max, scores.shape[-1])
     index = ranked.topk(k_top, dim=-1).indices
     keep_rank = (torch.arange(k_top, device=k.device)[None, :] < k[:, None]).expand(index.shape)
     selected = torch.zeros_like(allowed.expand(scores.shape)).scatter(-1, index, keep_rank)

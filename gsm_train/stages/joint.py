@@ -25,6 +25,9 @@ from gsm_train.modules import GSMError, gsm_parameters, gsm_runtime, inject_gsm
 from gsm_train.modules.injection import decoder_layers
 
 
+ASQ_STATS = ("recon_rel_error", "cluster_usage", "dead_clusters")  # logged as asq_<name> at each evaluation
+
+
 def _mean(values: list[Tensor]) -> Tensor | None:
     return torch.stack(values).mean() if values else None
 
@@ -91,7 +94,7 @@ class JointStage:
         k, min_keys = self.config.logging.recall_k, self.config.logging.recall_min_keys
         runtime.recall = (k, min_keys) if self.config.gsm.gsm_enabled else None
         device = next(model.parameters()).device
-        sums = torch.zeros(6, dtype=torch.float64, device=device)  # nll, tokens, gate, oracle, queries, asq err
+        sums = torch.zeros(8, dtype=torch.float64, device=device)  # nll, tokens, gate, oracle, queries, ASQ x3
         for batch in batches:
             runtime.clear()
             loss = model(input_ids=batch, labels=batch, use_cache=False).loss
@@ -100,7 +103,7 @@ class JointStage:
             sums[1] += tokens
             for recall in runtime.recall_sums.values():
                 sums[2:5] += torch.stack([recall[key] for key in ("gate", "oracle", "queries")])
-            sums[5] += self._asq_error(model)
+            sums[5:8] += torch.tensor(self._asq_stats(model), dtype=torch.float64, device=device)
         runtime.recall = None
         runtime.clear()
         model.train(was_training)
@@ -110,18 +113,20 @@ class JointStage:
             metrics |= {f"gate_mass_k{k}": float(sums[2] / sums[4]), f"oracle_mass_k{k}": float(sums[3] / sums[4]),
                         f"recall_ratio_k{k}": float(sums[2] / sums[3])}
         if self.config.gsm.kv_compression.enabled:
-            metrics["asq_recon_rel_error"] = float(sums[5] / len(batches)) if batches else float("nan")
+            for index, key in enumerate(ASQ_STATS):
+                metrics[f"asq_{key}"] = float(sums[5 + index] / len(batches)) if batches else float("nan")
         alphas = self._bridge_alphas(model)
         if alphas:
             metrics |= {"bridge_alpha_mean": sum(alphas) / len(alphas), "bridge_alphas": alphas}
         return metrics
 
     @staticmethod
-    def _asq_error(model: nn.Module) -> float:
-        errors = [float(asq.last_stats["recon_rel_error"]) for layer in decoder_layers(model)
-                  for asq in (layer.self_attn.gsm.asq_k, layer.self_attn.gsm.asq_v)
-                  if asq is not None and asq.last_stats and math.isfinite(float(asq.last_stats["recon_rel_error"]))]
-        return sum(errors) / len(errors) if errors else 0.0
+    def _asq_stats(model: nn.Module) -> list[float]:
+        """Mean over the ASQ compressors of the last forward's ASQ_STATS (zeros without a full block)."""
+        stats = [asq.last_stats for layer in decoder_layers(model)
+                 for asq in (layer.self_attn.gsm.asq_k, layer.self_attn.gsm.asq_v)
+                 if asq is not None and asq.last_stats and math.isfinite(float(asq.last_stats["recon_rel_error"]))]
+        return [sum(float(s[key]) for s in stats) / len(stats) if stats else 0.0 for key in ASQ_STATS]
 
     @staticmethod
     def _bridge_alphas(model: nn.Module) -> list[float]:
