@@ -57,15 +57,18 @@ class SparseGateHead(nn.Module):
         default_index = torch.arange(pairs) % base_pairs
         self.register_buffer("rope_freq_index", default_index.repeat(num_selectors, 1), persistent=True)
 
-    def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """Apply RoPE (rotate-half layout) with each selector's chosen base frequencies."""
+    def _rope_tables(self, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """Each selector's chosen base frequencies of the model's cos/sin: [B, n, T, pairs] each."""
         half = cos.shape[-1] // 2
         index = self.rope_freq_index  # [n, pairs]
         cos_sel = cos[..., :half][:, None, :, :].expand(-1, self.num_selectors, -1, -1)
         sin_sel = sin[..., :half][:, None, :, :].expand(-1, self.num_selectors, -1, -1)
         gather = index[None, :, None, :].expand(cos.shape[0], -1, cos.shape[1], -1)
-        c = torch.gather(cos_sel, -1, gather).to(x.dtype)
-        s = torch.gather(sin_sel, -1, gather).to(x.dtype)
+        return torch.gather(cos_sel, -1, gather), torch.gather(sin_sel, -1, gather)
+
+    @staticmethod
+    def _rotate(x: Tensor, c: Tensor, s: Tensor) -> Tensor:
+        """Apply RoPE (rotate-half layout) with per-pair cos `c` and sin `s` (in x's dtype)."""
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
@@ -77,7 +80,8 @@ class SparseGateHead(nn.Module):
             hidden = hidden.to(self.q_proj.weight.dtype)
         q = self.q_proj(hidden).view(shape).transpose(1, 2)
         k = self.k_proj(hidden).view(shape).transpose(1, 2)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        c, s = (table.to(q.dtype) for table in self._rope_tables(cos, sin))  # once for both
+        return self._rotate(q, c, s), self._rotate(k, c, s)
 
     def scores(self, gate_q: Tensor, gate_k: Tensor) -> Tensor:
         """Unmasked gate logits [B, n, T, S] in fp32, over the keys as the cache stores them (`key_bits`),
