@@ -46,12 +46,17 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--result", default=None)
     parser.add_argument("--windows", type=int, default=40)
+    parser.add_argument("--gsm", nargs="*", default=[], metavar="gsm.KEY=VALUE",
+                        help="GSM settings for all three runs on top of the shipped recipes, e.g. a KV budget: "
+                             "gsm.sparse_attention.gate_key_bits=8 gsm.kv_compression.quant_bits=2")
     args = parser.parse_args()
+    if any(not item.startswith("gsm.") for item in args.gsm):
+        parser.error(f"--gsm takes gsm.* settings only, got {args.gsm}")
     out = Path(args.out)
     result_path = Path(args.result) if args.result else out / "joint.json"
     data = [f"data.train.path={args.train_data}", f"data.eval.path={args.eval_data}", "logging.progress_bar=false",
-            "logging.eval_every=1000"]
-    result: dict = {}
+            "logging.eval_every=1000", *args.gsm]
+    result: dict = {"gsm_overrides": args.gsm}
     _train("gate_only.yaml", [*data, f"output.dir={out / 'gate_only'}"])
     gate_export = out / "gate_only" / "export"
     _train("joint.yaml", [*data, f"init_from={gate_export}", f"output.dir={out / 'joint'}"])
