@@ -239,6 +239,16 @@ class OutputConfig(StrictModel):
     export_base_weights: bool = False
 
 
+class TuningConfig(StrictModel):
+    """The three tuning knobs: each, when set, decides the gsm field it names (null: the gsm block's own
+    field stands). The resolved recipe a run saves shows the values used; exports carry only the gsm block."""
+
+    top_k_base: int | None = Field(None, ge=32, le=256)  # sets gsm.sparse_attention.top_k (the schedule's start)
+    kv_compression_ratio: float | None = Field(None, ge=0.3, le=0.8)  # KV bytes / bf16 budget: picks
+    # gsm.kv_compression.quant_bits and gsm.sparse_attention.gate_key_bits once the model's shape is known
+    bridge_alpha: float | None = Field(None, ge=0.1, le=0.5)  # sets gsm.cross_layer_sharing.alpha_init
+
+
 class RecipeConfig(StrictModel):
     """A whole recipe: which stage, on which model and data, with which GSM modules."""
 
@@ -246,12 +256,29 @@ class RecipeConfig(StrictModel):
     init_from: str | None = None
     model: ModelConfig = Field(default_factory=ModelConfig)
     gsm: GSMConfig = Field(default_factory=GSMConfig)
+    tuning: TuningConfig = Field(default_factory=TuningConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
+
+    @model_validator(mode="after")
+    def _apply_knobs(self) -> RecipeConfig:
+        knobs, sparse = self.tuning, self.gsm.sparse_attention
+        if knobs.top_k_base is not None:
+            if sparse.k_min > knobs.top_k_base:
+                raise _problem(f"tuning.top_k_base ({knobs.top_k_base}) is below gsm.sparse_attention.k_min "
+                               f"({sparse.k_min})", f"set gsm.sparse_attention.k_min to at most {knobs.top_k_base}")
+            sparse.top_k = knobs.top_k_base
+        if knobs.bridge_alpha is not None:
+            self.gsm.cross_layer_sharing.alpha_init = knobs.bridge_alpha
+        if knobs.kv_compression_ratio is not None and not self.gsm.kv_compression.enabled:
+            raise _problem(f"tuning.kv_compression_ratio ({knobs.kv_compression_ratio}) budgets ASQ, but "
+                           "gsm.kv_compression.enabled is false",
+                           "set gsm.kv_compression.enabled: true, or drop the ratio")
+        return self
 
     @model_validator(mode="after")
     def _stage_needs(self) -> RecipeConfig:

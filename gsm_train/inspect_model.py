@@ -3,7 +3,9 @@
 KV bytes are per token at `seq_len` for a bf16 cache. Without GSM a layer stores
 `2 (K, V) * 2 bytes * kv_heads * head_dim`. With GSM: ASQ stores `bytes_per_token(seq_len)` per KV
 head for K and for V; a `share`-mode bridge target does not store its shared heads (a `mix` target
-saves nothing); a layer with a gate also stores `2 bytes * gate_head_dim * num_selectors` of gate keys.
+saves nothing); a layer with a gate also stores `gate_head_dim * num_selectors` gate keys, 2 bytes per dimension
+(bf16) or, with `gate_key_bits: 8`, 1 byte per dimension plus a 2-byte scale per key. The account is
+`gsm_train.kv_budget.layer_kv_bytes`; `tuning.kv_compression_ratio` in the recipe is resolved first.
 
 Without a recipe the GSM block enables sparse attention, ASQ and the cache bridge at their defaults;
 if the default bridge does not fit the model, `bridge_to_start` becomes `num_layers // 2` and
@@ -21,18 +23,18 @@ from torch import nn
 from gsm_train.config import (
     CrossLayerSharingConfig,
     GSMConfig,
+    RecipeConfig,
     apply_overrides,
     check_against_model,
     load_recipe,
     validate_recipe_dict,
 )
+from gsm_train.kv_budget import apply_kv_budget, layer_kv_bytes
 from gsm_train.model_zoo import load_model_and_tokenizer
 from gsm_train.modules import inject_gsm
 from gsm_train.modules.gsm_attention import GSMAttentionAdapter
-from gsm_train.modules.injection import decoder_layers
-from gsm_train.modules.sparse_gate import gate_key_bytes
+from gsm_train.modules.injection import decoder_layers, model_dims
 
-BF16_BYTES = 2
 
 
 @dataclass(frozen=True)
@@ -57,15 +59,15 @@ def default_gsm_config(num_layers: int) -> GSMConfig:
                                      "cross_layer_sharing": {**bridge.model_dump(), "enabled": enabled}})
 
 
-def gsm_config_for(recipe: str | None, overrides: list[str], num_layers: int) -> GSMConfig:
-    """The gsm block of the recipe, or the default one, after `overrides`, checked against the model."""
+def recipe_for(recipe: str | None, overrides: list[str], num_layers: int) -> RecipeConfig:
+    """The recipe, or one with the default gsm block, after `overrides`, checked against the model."""
     if recipe is None:
         data = {"stage": "gate_warmup", "gsm": default_gsm_config(num_layers).model_dump()}  # only gsm is used
         config = validate_recipe_dict(data, "default gsm block", apply_overrides(data, overrides))
     else:
         config = load_recipe(recipe, overrides)
     check_against_model(config, num_layers)
-    return config.gsm
+    return config
 
 
 def layer_modules(adapter: GSMAttentionAdapter, bridge_mode: str) -> str:
@@ -77,29 +79,16 @@ def layer_modules(adapter: GSMAttentionAdapter, bridge_mode: str) -> str:
     return " ".join(parts) or "-"
 
 
-def kv_bytes_per_token(attn: nn.Module, adapter: GSMAttentionAdapter, bridge_mode: str,
-                       seq_len: int) -> tuple[float, float]:
-    """(bf16 bytes without GSM, bytes with GSM) cached per token by one layer."""
-    head_dim = attn.head_dim
-    kv_heads = attn.k_proj.out_features // head_dim
-    base = 2 * BF16_BYTES * kv_heads * head_dim
-    per_head = sum(asq.bytes_per_token(seq_len) if asq is not None else BF16_BYTES * head_dim
-                   for asq in (adapter.asq_k, adapter.asq_v))
-    shared = adapter.bridge.out_heads if adapter.bridge is not None and bridge_mode == "share" else 0
-    gate = adapter.gate
-    gate_keys = gate_key_bytes(gate.gate_head_dim, gate.key_bits) * gate.num_selectors if gate is not None else 0
-    return base, per_head * (kv_heads - shared) + gate_keys
-
-
 def layer_reports(model: nn.Module, config: GSMConfig, seq_len: int) -> list[LayerReport]:
     """One report per decoder layer of an injected model."""
     mode = config.cross_layer_sharing.mode
+    dims = model_dims(model)
     rows = []
     for index, layer in enumerate(decoder_layers(model)):
         attn = layer.self_attn
         params = sum(param.numel() for param in attn.gsm.parameters())
         rows.append(LayerReport(index, layer_modules(attn.gsm, mode), params,
-                                *kv_bytes_per_token(attn, attn.gsm, mode, seq_len)))
+                                *layer_kv_bytes(config, dims, index, seq_len)))
     return rows
 
 
@@ -118,9 +107,13 @@ def render(title: str, rows: list[LayerReport]) -> str:
 def inspect_model(model_name: str, recipe: str | None, seq_len: int, overrides: list[str]) -> str:
     """Inject the recipe's (or the default) GSM modules into `model_name` and describe them per layer."""
     model, _ = load_model_and_tokenizer(model_name)
-    config = gsm_config_for(recipe, overrides, model.config.num_hidden_layers)
+    recipe_config = recipe_for(recipe, overrides, model.config.num_hidden_layers)
+    config = recipe_config.gsm
+    budget = apply_kv_budget(config, recipe_config.tuning.kv_compression_ratio, model_dims(model), seq_len)
     inject_gsm(model, config)
     title = f"{model_name}: GSM modules and KV cache per token at seq_len={seq_len} (bf16 cache)"
+    if budget is not None:
+        title += f"\n{budget}"
     if not config.gsm_enabled:
         title += "\ngsm_enabled is false: the model runs as the base; the gsm column shows what enabling it gives"
     return render(title, layer_reports(model, config, seq_len))

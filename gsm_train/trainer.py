@@ -30,8 +30,9 @@ from gsm_train.config import (
 from gsm_train.data import PackedBatches, load_text_dataset, pack_tokens, split_eval
 from gsm_train.distributed import DistInfo, all_reduce_sum, init_distributed, teardown
 from gsm_train.export import export_adapter
+from gsm_train.kv_budget import apply_kv_budget, kv_bytes_ratio
 from gsm_train.model_zoo import load_model_and_tokenizer
-from gsm_train.modules.injection import GSM_PARAM_MARKER
+from gsm_train.modules.injection import GSM_PARAM_MARKER, model_dims
 from gsm_train.run_log import RunLogger
 
 
@@ -151,6 +152,7 @@ def _prepared_model(config: RecipeConfig, stage: Stage, info: DistInfo) -> tuple
     model, tokenizer = load_model_and_tokenizer(config.model.name_or_path, config.model.gguf_file,
                                                 config.model.revision, load_dtype)
     check_against_model(config, model.config.num_hidden_layers)
+    apply_kv_budget(config.gsm, config.tuning.kv_compression_ratio, model_dims(model), config.data.seq_len)
     stage.prepare(model, config)
     model.to(info.device)
     return model, *_load_rows(config, tokenizer)
@@ -169,6 +171,7 @@ def _run(config: RecipeConfig, stage: Stage, info: DistInfo, backend: Backend, r
     run_dir = Path(config.output.dir)
     _, compute_dtype = _dtypes(config, info)
     model, train_rows, eval_rows = _prepared_model(config, stage, info)
+    kv_ratio = kv_bytes_ratio(config.gsm, model_dims(model), config.data.seq_len)
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     # counted before wrapping: ZeRO-3 leaves partitioned parameters empty
     counts = {"trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
@@ -194,7 +197,7 @@ def _run(config: RecipeConfig, stage: Stage, info: DistInfo, backend: Backend, r
     logger.log("setup", start, {
         "world_size": info.world_size, "device": str(info.device), **backend.describe(),
         "fsdp_sharded_params": sum(isinstance(p, DTensor) for p in model.parameters()), **counts,
-        "train_rows": len(train_rows), "eval_rows": len(eval_rows),
+        "train_rows": len(train_rows), "eval_rows": len(eval_rows), "kv_bytes_ratio": kv_ratio,
         "resumed_from": str(resume) if resume is not None else None})
     eval_batches = _eval_batches(eval_rows, config, info)
     autocast = _autocast(info, compute_dtype)

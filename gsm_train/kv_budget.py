@@ -1,0 +1,67 @@
+"""The KV cache's byte account from a GSM config and the model's shape, and the
+`tuning.kv_compression_ratio` knob, which picks the storage that fits a budget.
+
+The account is exactly what `GSMCache` holds (tests/test_decode.py checks it byte for byte): per
+layer and token, ASQ's packed K and V per KV head (ids, residual codes, scales, amortised
+prototypes, the raw newest block), bf16 K/V where ASQ is off, minus the heads a `share`-mode
+bridge target does not cache, plus the gate keys.
+
+The knob sets two fields: `kv_compression.quant_bits` (ASQ's residual bits: 8, 4 or 2) and
+`sparse_attention.gate_key_bits` (16 or 8). It takes the most precise pair whose ratio at
+`data.seq_len` is within the budget, giving up gate key precision before residual bits: from
+(8, 16) through (8, 8), (4, 16), (4, 8), (2, 16) to (2, 8). Everything else
+(bridge sharing, gate dimension, clusters, block size) stays as the recipe says.
+"""
+
+from __future__ import annotations
+
+from gsm_train.config import ConfigError, GSMConfig, Problem
+from gsm_train.modules.kv_compressor import asq_bytes
+from gsm_train.modules.sparse_gate import gate_key_bytes
+
+BF16_BYTES = 2
+BUDGET_LADDER = ((8, 16), (8, 8), (4, 16), (4, 8), (2, 16), (2, 8))  # (quant_bits, gate_key_bits), most precise first
+
+
+def layer_kv_bytes(config: GSMConfig, dims: dict[str, int], layer: int, seq_len: int) -> tuple[float, float]:
+    """(bf16 bytes without GSM, bytes with GSM) one layer caches per token at `seq_len`."""
+    head_dim, kv_heads = dims["head_dim"], dims["kv_heads"]
+    base = 2 * BF16_BYTES * kv_heads * head_dim
+    asq = config.kv_compression
+    per_head = 2 * (asq_bytes(seq_len, 1, head_dim, asq.cluster_num, asq.quant_bits, asq.block_size)["bytes_per_token"]
+                    if asq.enabled else BF16_BYTES * head_dim)
+    sharing = config.cross_layer_sharing
+    shared = (min(sharing.shared_kv_heads, kv_heads)
+              if sharing.enabled and sharing.mode == "share" and layer >= sharing.bridge_to_start else 0)
+    sparse = config.sparse_attention
+    selectors = 1 if sparse.heads == "layer" else kv_heads
+    gate = (gate_key_bytes(sparse.gate_head_dim, sparse.gate_key_bits) * selectors
+            if sparse.enabled and layer not in sparse.dense_layers else 0)
+    return base, per_head * (kv_heads - shared) + gate
+
+
+def kv_bytes_ratio(config: GSMConfig, dims: dict[str, int], seq_len: int) -> float:
+    """KV bytes with GSM over bf16 without, whole model, at `seq_len`."""
+    rows = [layer_kv_bytes(config, dims, layer, seq_len) for layer in range(dims["layers"])]
+    return sum(gsm for _, gsm in rows) / sum(base for base, _ in rows)
+
+
+def apply_kv_budget(config: GSMConfig, budget: float | None, dims: dict[str, int], seq_len: int) -> str | None:
+    """Set ASQ's bits and the gate keys' bits in `config` from the `tuning.kv_compression_ratio` budget
+    (None: nothing to do); returns what was chosen, in words. Raises ConfigError when no pair fits,
+    naming the smallest ratio reachable."""
+    if budget is None:
+        return None
+    tried = []
+    for quant_bits, key_bits in BUDGET_LADDER:
+        config.kv_compression.quant_bits, config.sparse_attention.gate_key_bits = quant_bits, key_bits
+        ratio = kv_bytes_ratio(config, dims, seq_len)
+        if ratio <= budget:
+            return (f"kv_compression_ratio {budget}: ASQ {quant_bits}-bit residuals, {key_bits}-bit gate keys, "
+                    f"{ratio:.4f} of bf16 at seq_len {seq_len}")
+        tried.append(ratio)
+    raise ConfigError("recipe vs model", [Problem(
+        "tuning.kv_compression_ratio", budget,
+        f"the smallest ratio ASQ and gate key bits reach on this model at seq_len {seq_len} is {min(tried):.4f}",
+        f"use at least {min(tried):.2f}, or cache less elsewhere (cross_layer_sharing.mode share with more "
+        "shared_kv_heads or a lower bridge_to_start, a smaller sparse_attention.gate_head_dim)")])

@@ -1,0 +1,86 @@
+"""The three tuning knobs (`tuning.top_k_base`, `tuning.kv_compression_ratio`, `tuning.bridge_alpha`):
+ranges, what each sets, the KV budget's choice against the exact byte account, and a run that uses it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from run_helpers import records
+
+from gsm_train.config import ConfigError, load_recipe
+from gsm_train.kv_budget import BUDGET_LADDER, apply_kv_budget, kv_bytes_ratio
+from gsm_train.model_zoo import tiny_model
+from gsm_train.modules.injection import model_dims
+from gsm_train.train import train_recipe
+
+REPO = Path(__file__).resolve().parents[1]
+JOINT = str(REPO / "recipes" / "joint.yaml")
+TINY = ["model.name_or_path=tiny-llama", "data.seq_len=64", "logging.recall_min_keys=16", "logging.recall_k=8",
+        "gsm.sparse_attention.k_min=8", "gsm.sparse_attention.dense_layers=[0]", "gsm.sparse_attention.gate_head_dim=4",
+        "gsm.kv_compression.block_size=16", "gsm.kv_compression.cluster_num=4", "gsm.cross_layer_sharing.bridge_from=1",
+        "gsm.cross_layer_sharing.bridge_to_start=2", "init_from=null", "logging.progress_bar=false",
+        "optim.warmup_steps=1", "logging.eval_every=100"]
+DIMS = model_dims(tiny_model("llama"))
+
+
+def _problem(overrides: list[str]) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_recipe(JOINT, [*TINY, *overrides])
+    return str(info.value)
+
+
+def test_knobs_set_the_fields_they_name() -> None:
+    config = load_recipe(JOINT, [*TINY, "tuning.top_k_base=128", "tuning.bridge_alpha=0.2"])
+    assert config.gsm.sparse_attention.top_k == 128 and config.gsm.cross_layer_sharing.alpha_init == 0.2
+    plain = load_recipe(JOINT, TINY)
+    assert (plain.gsm.sparse_attention.top_k, plain.gsm.cross_layer_sharing.alpha_init) == (64, 0.3)
+
+
+@pytest.mark.parametrize(("override", "words"), [
+    ("tuning.top_k_base=16", "tuning.top_k_base = 16: Input should be greater than or equal to 32"),
+    ("tuning.top_k_base=512", "tuning.top_k_base = 512: Input should be less than or equal to 256"),
+    ("tuning.kv_compression_ratio=0.9", "tuning.kv_compression_ratio = 0.9"),
+    ("tuning.bridge_alpha=0.05", "tuning.bridge_alpha = 0.05"),
+    ("tuning.depth=3", "tuning.depth = 3: unknown key"),
+])
+def test_knob_out_of_range_is_one_clear_error(override: str, words: str) -> None:
+    assert words in _problem([override])
+
+
+def test_knobs_that_contradict_the_gsm_block_are_errors() -> None:
+    assert "set gsm.sparse_attention.k_min to at most 40" in _problem(
+        ["tuning.top_k_base=40", "gsm.sparse_attention.k_min=48"])
+    assert "gsm.kv_compression.enabled is false" in _problem(
+        ["tuning.kv_compression_ratio=0.5", "gsm.kv_compression.enabled=false"])
+
+
+@pytest.mark.parametrize("budget", [0.75, 0.7, 0.6, 0.56, 0.5, 0.49])
+def test_budget_takes_the_most_precise_storage_that_fits(budget: float) -> None:
+    config = load_recipe(JOINT, TINY).gsm
+    chosen = apply_kv_budget(config, budget, DIMS, 64)
+    pair = (config.kv_compression.quant_bits, config.sparse_attention.gate_key_bits)
+    assert kv_bytes_ratio(config, DIMS, 64) <= budget and f"{pair[0]}-bit residuals, {pair[1]}-bit gate keys" in chosen
+    for earlier in BUDGET_LADDER[:BUDGET_LADDER.index(pair)]:  # every more precise pair exceeds the budget
+        config.kv_compression.quant_bits, config.sparse_attention.gate_key_bits = earlier
+        assert kv_bytes_ratio(config, DIMS, 64) > budget
+
+
+def test_unreachable_budget_names_the_smallest_ratio() -> None:
+    config = load_recipe(JOINT, TINY).gsm
+    with pytest.raises(ConfigError) as info:
+        apply_kv_budget(config, 0.4, DIMS, 64)
+    assert "tuning.kv_compression_ratio = 0.4" in str(info.value) and "is 0.4863" in str(info.value)
+    assert apply_kv_budget(config, None, DIMS, 64) is None
+
+
+def test_run_uses_the_budget_and_records_the_ratio(tmp_path: Path) -> None:
+    train_recipe(JOINT, [*TINY, "train.steps=1", "tuning.kv_compression_ratio=0.56", f"output.dir={tmp_path}"])
+    setup = next(r for r in records(tmp_path) if r["kind"] == "setup")
+    assert setup["kv_bytes_ratio"] == pytest.approx(0.556640625)  # 4-bit residuals, 8-bit gate keys
+    resolved = yaml.safe_load((tmp_path / "recipe.resolved.yaml").read_text())
+    assert resolved["gsm"]["kv_compression"]["quant_bits"] == 4
+    assert resolved["gsm"]["sparse_attention"]["gate_key_bits"] == 8
+    exported = yaml.safe_load((tmp_path / "export" / "gsm_config.json").read_text())
+    assert exported["kv_compression"]["quant_bits"] == 4 and "tuning" not in exported
