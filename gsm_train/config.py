@@ -241,7 +241,8 @@ class OutputConfig(StrictModel):
 
 class TuningConfig(StrictModel):
     """The three tuning knobs: each, when set, decides the gsm field it names (null: the gsm block's own
-    field stands). The resolved recipe a run saves shows the values used; exports carry only the gsm block."""
+    field stands). The resolved recipe a run saves shows the values used; exports carry only the gsm block.
+    Tensors an `init_from` export brings (e.g. a trained bridge alpha) replace the initial values."""
 
     top_k_base: int | None = Field(None, ge=32, le=256)  # sets gsm.sparse_attention.top_k (the schedule's start)
     kv_compression_ratio: float | None = Field(None, ge=0.3, le=0.8)  # KV bytes / bf16 budget: picks
@@ -282,6 +283,10 @@ class RecipeConfig(StrictModel):
 
     @model_validator(mode="after")
     def _stage_needs(self) -> RecipeConfig:
+        knobs = [name for name, value in self.tuning.model_dump().items() if value is not None]
+        if self.stage == "math_gate" and knobs:
+            raise _problem(f"stage math_gate keeps the exported adapter's modules as they are, so tuning.{knobs[0]} "
+                           "has nothing to set", "drop the tuning block, or set it in the joint recipe")
         if self.stage == "math_gate" and not self.init_from:
             raise _problem("stage math_gate starts from an exported adapter but init_from is empty",
                            "set init_from: path/to/export")

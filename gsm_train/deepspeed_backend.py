@@ -55,12 +55,14 @@ def _set_fp32_master(param: nn.Parameter, value: Tensor) -> None:
         safe_set_full_fp32_param(param, value)
         return
     optimizer = param._z3_optimizer
-    partition, _ = optimizer._get_fp32_opt_state_partition(param, release_swap_buffers=False)
+    partition, group = optimizer._get_fp32_opt_state_partition(param, release_swap_buffers=False)
     size = partition.numel()
     start = size * optimizer._get_param_partition_rank(param)
     local = value.flatten()[start:start + size]
     partition.data.zero_()
     partition.data[:local.numel()].copy_(local)
+    if optimizer._swappable_optimizer_subgroup(group):  # NVMe offload: write it back, as DeepSpeed's own setter does
+        optimizer._optimizer_states_and_gradient_swap_out(group)
 
 
 class DeepSpeedBackend:

@@ -109,7 +109,8 @@ def inspect_model(model_name: str, recipe: str | None, seq_len: int, overrides: 
     model, _ = load_model_and_tokenizer(model_name)
     recipe_config = recipe_for(recipe, overrides, model.config.num_hidden_layers)
     config = recipe_config.gsm
-    budget = apply_kv_budget(config, recipe_config.tuning.kv_compression_ratio, model_dims(model), seq_len)
+    budget = apply_kv_budget(config, recipe_config.tuning.kv_compression_ratio, model_dims(model),
+                             recipe_config.data.seq_len)  # as a run of this recipe resolves it
     inject_gsm(model, config)
     title = f"{model_name}: GSM modules and KV cache per token at seq_len={seq_len} (bf16 cache)"
     if budget is not None:

@@ -32,7 +32,7 @@ from gsm_train.distributed import DistInfo, all_reduce_sum, init_distributed, te
 from gsm_train.export import export_adapter
 from gsm_train.kv_budget import apply_kv_budget, kv_bytes_ratio
 from gsm_train.model_zoo import load_model_and_tokenizer
-from gsm_train.modules.injection import GSM_PARAM_MARKER, model_dims
+from gsm_train.modules.injection import GSM_PARAM_MARKER, gsm_runtime, model_dims
 from gsm_train.run_log import RunLogger
 
 
@@ -171,7 +171,7 @@ def _run(config: RecipeConfig, stage: Stage, info: DistInfo, backend: Backend, r
     run_dir = Path(config.output.dir)
     _, compute_dtype = _dtypes(config, info)
     model, train_rows, eval_rows = _prepared_model(config, stage, info)
-    kv_ratio = kv_bytes_ratio(config.gsm, model_dims(model), config.data.seq_len)
+    kv_ratio = kv_bytes_ratio(gsm_runtime(model).config, model_dims(model), config.data.seq_len)  # as built
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     # counted before wrapping: ZeRO-3 leaves partitioned parameters empty
     counts = {"trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),

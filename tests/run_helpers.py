@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -36,8 +37,16 @@ def resume_after_crash(recipe: str, overrides: list[str], tmp_path: Path, step: 
     return straight, train_recipe(recipe, [*overrides, f"output.dir={crashed}"], resume="auto")
 
 
-def run_two_processes(recipe: str, overrides: list[str], out_dir: Path, port: int) -> None:
+def free_port() -> int:
+    """A TCP port nothing listens on now (for a rendezvous that must not meet another run's)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_two_processes(recipe: str, overrides: list[str], out_dir: Path) -> None:
     """`torchrun --nproc_per_node 2 -m gsm_train.train` on CPU; fails with its stderr if it fails."""
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                            "--master_port", str(port), "-m", "gsm_train.train", "--recipe", recipe, *overrides,

@@ -53,7 +53,7 @@ def test_resume_reproduces_an_uninterrupted_run(tmp_path: Path, distill_queries:
 def test_two_process_fsdp2_matches_one_process(tmp_path: Path) -> None:
     common = [*TINY, "train.steps=4", "logging.eval_every=2"]
     single = train_recipe(RECIPE, [*common, "train.batch_size=4", f"output.dir={tmp_path / 'one'}"])
-    run_two_processes(RECIPE, [*common, "train.batch_size=2"], tmp_path / "two", port=29531)
+    run_two_processes(RECIPE, [*common, "train.batch_size=2"], tmp_path / "two")
     two = records(tmp_path / "two")
     setup = next(r for r in two if r["kind"] == "setup")
     assert setup["world_size"] == 2 and setup["fsdp_sharded_params"] > 0

@@ -195,26 +195,25 @@ def test_gate_rejects_odd_dim() -> None:
         SparseGateHead(16, 7, 16)
 
 
-def test_int8_gate_keys_round_to_half_a_step_and_pass_gradients() -> None:
-    """8-bit gate keys: int8 codes and an fp16 scale max|k|/127 per key, error at most half a step (plus the
-    scale's fp16 rounding), 66 bytes for 64 dims; scores see the stored keys and pass gradients unchanged."""
+def test_int8_gate_keys_round_to_half_a_step() -> None:
+    """8-bit gate keys: int8 codes and an fp16 scale max|k|/127 per key (at least fp16's smallest normal),
+    error at most half a stored step at any magnitude, 66 bytes for 64 dims; selection scores the keys as stored."""
     torch.manual_seed(0)
-    gate_k = torch.randn(2, 1, 50, 64) * torch.rand(2, 1, 50, 1) * 4
+    magnitude = torch.logspace(-6, 1, 50).view(1, 1, 50, 1)  # down to keys whose scale max|k|/127 is below
+    # fp16's smallest normal (it is stored as that, and divides by what is stored)
+    gate_k = torch.randn(2, 1, 50, 64) * magnitude
     gate_k[0, 0, 3] = 0.0  # an all-zero key stays zero
     codes, scales = encode_gate_keys(gate_k, 8)
     assert codes.dtype == torch.int8 and scales.dtype == torch.float16 and scales.shape == (2, 1, 50, 1)
-    assert int(codes.abs().max()) == 127
+    assert int(codes.abs().max()) == 127 and bool((scales > 0).all())
     error = (decode_gate_keys(codes, scales) - gate_k).abs()
     assert bool((error <= scales.float() * 0.5 + gate_k.abs() * 2e-3).all())
     assert torch.equal(decode_gate_keys(codes, scales)[0, 0, 3], torch.zeros(64))
     assert (gate_key_bytes(64, 8), gate_key_bytes(64, 16)) == (66, 128)
     gate = SparseGateHead(16, 64, 8, key_bits=8)
     gate_q = torch.randn(2, 1, 50, 64)
-    keys = gate_k.clone().requires_grad_()
-    scores = gate.scores(gate_q, keys)
-    torch.testing.assert_close(scores, gate.score_stored(gate_q, decode_gate_keys(codes, scales)))
-    scores.sum().backward()
-    torch.testing.assert_close(keys.grad, gate_q.sum(2, keepdim=True).expand_as(keys) / 8.0)
+    torch.testing.assert_close(gate.score_stored(gate_q, gate.stored_keys(gate_k)),
+                               torch.matmul(gate_q, decode_gate_keys(codes, scales).transpose(-1, -2)) / 8.0)
 
 
 # --------------------------------------------------------------------------- gate_distill_loss

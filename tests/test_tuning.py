@@ -84,3 +84,9 @@ def test_run_uses_the_budget_and_records_the_ratio(tmp_path: Path) -> None:
     assert resolved["gsm"]["sparse_attention"]["gate_key_bits"] == 8
     exported = yaml.safe_load((tmp_path / "export" / "gsm_config.json").read_text())
     assert exported["kv_compression"]["quant_bits"] == 4 and "tuning" not in exported
+
+
+def test_math_gate_takes_no_knobs() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_recipe(str(REPO / "recipes" / "math_gate.yaml"), ["init_from=some/export", "tuning.bridge_alpha=0.2"])
+    assert "tuning.bridge_alpha has nothing to set" in str(info.value)

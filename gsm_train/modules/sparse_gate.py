@@ -21,9 +21,9 @@ def encode_gate_keys(gate_k: Tensor, bits: int) -> tuple[Tensor, Tensor | None]:
     fp16 scale per key [..., 1] (bits 8: scale = max|k| / 127)."""
     if bits == 16:
         return gate_k.to(GATE_KEY_DTYPE), None
-    scale = (gate_k.detach().float().abs().amax(-1, keepdim=True) / INT8_LEVELS).to(torch.float16)
-    safe = scale.float().clamp_min(torch.finfo(torch.float16).tiny)
-    codes = torch.round(gate_k.detach().float() / safe).clamp(-INT8_LEVELS, INT8_LEVELS).to(torch.int8)
+    amax = gate_k.detach().float().abs().amax(-1, keepdim=True)
+    scale = (amax / INT8_LEVELS).clamp_min(torch.finfo(torch.float16).tiny).to(torch.float16)  # never 0 or subnormal
+    codes = torch.round(gate_k.detach().float() / scale.float()).clamp(-INT8_LEVELS, INT8_LEVELS).to(torch.int8)
     return codes, scale
 
 
@@ -83,16 +83,11 @@ class SparseGateHead(nn.Module):
         c, s = (table.to(q.dtype) for table in self._rope_tables(cos, sin))  # once for both
         return self._rotate(q, c, s), self._rotate(k, c, s)
 
-    def scores(self, gate_q: Tensor, gate_k: Tensor) -> Tensor:
-        """Unmasked gate logits [B, n, T, S] in fp32, over the keys as the cache stores them (`key_bits`),
-        so that teacher-forced and cached selections agree; gradients pass the rounding unchanged."""
-        return self.score_stored(gate_q, self.stored_keys(gate_k))
-
     def stored_keys(self, gate_k: Tensor) -> Tensor:
-        """fp32 gate keys as the cache holds them (`key_bits`), straight-through for gradients; round once
-        per layer and score query chunks against them with `score_stored`."""
-        gate_k = gate_k.float()
-        return gate_k + (decode_gate_keys(*encode_gate_keys(gate_k, self.key_bits)) - gate_k).detach()
+        """fp32 gate keys as the cache holds them (`key_bits`), for selection: teacher-forced and cached
+        selections then agree. Round once per layer and score query chunks with `score_stored`. (The
+        gate's KL loss scores the unrounded keys.)"""
+        return decode_gate_keys(*encode_gate_keys(gate_k.detach(), self.key_bits))
 
     def score_stored(self, gate_q: Tensor, keys: Tensor) -> Tensor:
         """Gate logits [B, n, T, S] in fp32 over fp32 keys already decoded from the cache."""
