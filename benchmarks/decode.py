@@ -168,14 +168,24 @@ def _timed_generate(model: torch.nn.Module, prompts: torch.Tensor, new_tokens: i
     return out, total_s, prefill_s, held
 
 
-def _agreement(model: torch.nn.Module, generated: torch.Tensor, new_tokens: int) -> float:
-    """Share of generated tokens equal to the teacher-forced argmax of the same model on the same sequence."""
-    argmax = model(generated, use_cache=False, logits_to_keep=new_tokens + 1).logits[:, :-1].argmax(-1)
-    return (argmax == generated[:, -new_tokens:]).float().mean().item()
+NEAR_TIE = 0.1  # logits: a teacher-forced argmax this close to the generated token's logit is a near-tie
+
+
+def _agreement(model: torch.nn.Module, generated: torch.Tensor, new_tokens: int) -> dict[str, float]:
+    """Share of generated tokens equal to the teacher-forced argmax of the same model on the same sequence,
+    and how far the teacher-forced logits put each mismatch from a tie (the generated token's logit below
+    the argmax's): near-ties are rounding differences meeting a discrete step, large gaps real mismatches."""
+    logits = model(generated, use_cache=False, logits_to_keep=new_tokens + 1).logits[:, :-1].float()
+    tokens = generated[:, -new_tokens:]
+    gap = logits.max(-1).values - logits.gather(-1, tokens[..., None])[..., 0]
+    mismatch = logits.argmax(-1) != tokens
+    return {"agreement": 1 - mismatch.float().mean().item(),
+            "mismatch_max_logit_gap": gap[mismatch].max().item() if mismatch.any() else 0.0,
+            "agreement_outside_near_ties": 1 - (mismatch & (gap > NEAR_TIE)).float().mean().item()}
 
 
 @torch.no_grad()
-def fp32_agreement(eval_data: str, adapter: str | None, prompt_len: int, new_tokens: int) -> float:
+def fp32_agreement(eval_data: str, adapter: str | None, prompt_len: int, new_tokens: int) -> dict[str, float]:
     """Token agreement of cached GSM decoding with teacher forcing in fp32 (batch 1): rounding aside, the two
     paths compute the same thing, so this isolates real mismatches from bf16 noise."""
     gsm = _gsm_model(adapter, torch.device("cuda"), torch.float32)
@@ -201,17 +211,24 @@ def end_to_end(eval_data: str, adapter: str | None, prompt_len: int, new_tokens:
         dense_out, dense_s, dense_prefill, dense_bytes = _timed_generate(dense, prompts, new_tokens, lambda: None)
         gsm_out, gsm_s, gsm_prefill, gsm_bytes = _timed_generate(gsm, prompts, new_tokens, lambda: GSMCache(gsm))
         agreement = _agreement(gsm, gsm_out, new_tokens)
+        dense_agreement = _agreement(dense, dense_out, new_tokens)
         generated = batch * new_tokens
         row = {"batch": batch, "prompt": prompt_len, "new_tokens": new_tokens,
                "tokens_per_s_dense": generated / dense_s, "tokens_per_s_gsm": generated / gsm_s,
                "decode_tokens_per_s_dense": generated / (dense_s - dense_prefill),
                "decode_tokens_per_s_gsm": generated / (gsm_s - gsm_prefill),
                "kv_bytes_dense": dense_bytes, "kv_bytes_gsm": gsm_bytes, "kv_bytes_ratio": gsm_bytes / dense_bytes,
-               "token_agreement": agreement, "token_agreement_dense_bf16": _agreement(dense, dense_out, new_tokens),
+               "token_agreement": agreement["agreement"],
+               "token_agreement_outside_near_ties": agreement["agreement_outside_near_ties"],
+               "mismatch_max_logit_gap": agreement["mismatch_max_logit_gap"],
+               "token_agreement_dense_bf16": dense_agreement["agreement"],
+               "mismatch_max_logit_gap_dense_bf16": dense_agreement["mismatch_max_logit_gap"],
                "same_tokens_as_dense": (dense_out[:, prompt_len:] == gsm_out[:, prompt_len:]).float().mean().item()}
         rows.append(row)
         print(f"e2e batch {batch}: dense {row['tokens_per_s_dense']:.0f} tok/s, gsm {row['tokens_per_s_gsm']:.0f} "
-              f"tok/s; KV {dense_bytes / 2**20:.1f} -> {gsm_bytes / 2**20:.1f} MiB; agreement {agreement:.4f}",
+              f"tok/s; KV {dense_bytes / 2**20:.1f} -> {gsm_bytes / 2**20:.1f} MiB; agreement {agreement['agreement']:.4f} "
+              f"({agreement['agreement_outside_near_ties']:.4f} outside near-ties, largest mismatch gap "
+              f"{agreement['mismatch_max_logit_gap']:.3f})",
               flush=True)
         gc.collect()
         torch.cuda.empty_cache()
@@ -244,7 +261,8 @@ def main() -> None:
                     (shape, context, batch, k))
 
     agreement_fp32 = fp32_agreement(args.eval_data, args.adapter, args.prompt, args.new_tokens)
-    print(f"token agreement in fp32: {agreement_fp32:.4f}")
+    print(f"token agreement in fp32: {agreement_fp32['agreement']:.4f} "
+          f"({agreement_fp32['agreement_outside_near_ties']:.4f} outside near-ties)")
     first = e2e[0]
     result = {
         "attn_speedup_32k_bs1_k2048": speedup(32768, 1, 2048),
@@ -253,7 +271,10 @@ def main() -> None:
         "attn_speedup_32k_bs16_k2048_smollm2": speedup(32768, 16, 2048, "smollm2"),
         "e2e_tokens_per_s_gsm": first["tokens_per_s_gsm"], "e2e_tokens_per_s_dense": first["tokens_per_s_dense"],
         "kv_bytes_gsm": first["kv_bytes_gsm"], "kv_bytes_dense": first["kv_bytes_dense"],
-        "token_agreement": min(r["token_agreement"] for r in e2e), "token_agreement_fp32": agreement_fp32,
+        "token_agreement": min(r["token_agreement"] for r in e2e), "token_agreement_fp32": agreement_fp32["agreement"],
+        "token_agreement_outside_near_ties": min(r["token_agreement_outside_near_ties"] for r in e2e),
+        "token_agreement_fp32_outside_near_ties": agreement_fp32["agreement_outside_near_ties"],
+        "near_tie_logit_gap": NEAR_TIE,
         "adapter": args.adapter or "recipes/joint.yaml modules, untrained", "asq_bits": args.bits,
         "flash_attn": flash, "attention": rows, "end_to_end": e2e,
     }
