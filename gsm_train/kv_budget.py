@@ -15,6 +15,8 @@ The knob sets two fields: `kv_compression.quant_bits` (ASQ's residual bits: 8, 4
 
 from __future__ import annotations
 
+import math
+
 from gsm_train.config import ConfigError, GSMConfig, Problem
 from gsm_train.modules.kv_compressor import asq_bytes
 from gsm_train.modules.sparse_gate import gate_key_bytes
@@ -63,5 +65,5 @@ def apply_kv_budget(config: GSMConfig, budget: float | None, dims: dict[str, int
     raise ConfigError("recipe vs model", [Problem(
         "tuning.kv_compression_ratio", budget,
         f"the smallest ratio ASQ and gate key bits reach on this model at seq_len {seq_len} is {min(tried):.4f}",
-        f"use at least {min(tried):.2f}, or cache less elsewhere (cross_layer_sharing.mode share with more "
+        f"use at least {math.ceil(min(tried) * 100) / 100:.2f}, or cache less elsewhere (cross_layer_sharing.mode share with more "
         "shared_kv_heads or a lower bridge_to_start, a smaller sparse_attention.gate_head_dim)")])

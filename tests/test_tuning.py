@@ -72,6 +72,7 @@ def test_unreachable_budget_names_the_smallest_ratio() -> None:
     with pytest.raises(ConfigError) as info:
         apply_kv_budget(config, 0.4, DIMS, 64)
     assert "tuning.kv_compression_ratio = 0.4" in str(info.value) and "is 0.4863" in str(info.value)
+    assert "use at least 0.49" in str(info.value)  # rounded up, so that the suggestion fits
     assert apply_kv_budget(config, None, DIMS, 64) is None
 
 
