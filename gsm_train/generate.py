@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from gsm_train.export import load_gsm
+from gsm_train.kv_budget import bf16_layer_kv_bytes
 from gsm_train.model_zoo import load_model_and_tokenizer
 from gsm_train.modules.decode_cache import GSMCache
 from gsm_train.modules.injection import model_dims
@@ -28,7 +29,7 @@ class Generation:
 def dense_cache_bytes(model: torch.nn.Module, tokens: int, batch: int = 1) -> int:
     """Bytes a bf16 K/V cache of `tokens` takes for this model."""
     dims = model_dims(model)
-    return 2 * 2 * dims["layers"] * dims["kv_heads"] * dims["head_dim"] * tokens * batch
+    return bf16_layer_kv_bytes(dims) * dims["layers"] * tokens * batch
 
 
 @torch.no_grad()

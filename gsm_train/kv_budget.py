@@ -25,10 +25,15 @@ BF16_BYTES = 2
 BUDGET_LADDER = ((8, 16), (8, 8), (4, 16), (4, 8), (2, 16), (2, 8))  # (quant_bits, gate_key_bits), most precise first
 
 
+def bf16_layer_kv_bytes(dims: dict[str, int]) -> int:
+    """Bytes one layer of a plain bf16 cache holds per token: K and V of every KV head."""
+    return 2 * BF16_BYTES * dims["kv_heads"] * dims["head_dim"]
+
+
 def layer_kv_bytes(config: GSMConfig, dims: dict[str, int], layer: int, seq_len: int) -> tuple[float, float]:
     """(bf16 bytes without GSM, bytes with GSM) one layer caches per token at `seq_len`."""
     head_dim, kv_heads = dims["head_dim"], dims["kv_heads"]
-    base = 2 * BF16_BYTES * kv_heads * head_dim
+    base = bf16_layer_kv_bytes(dims)
     asq = config.kv_compression
     per_head = 2 * (asq_bytes(seq_len, 1, head_dim, asq.cluster_num, asq.quant_bits, asq.block_size)["bytes_per_token"]
                     if asq.enabled else BF16_BYTES * head_dim)

@@ -238,19 +238,18 @@ def gsm_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
     block_size = runtime.config.kv_compression.block_size
     chunk = sparse_cfg.query_chunk
     num_selectors = gate.num_selectors if gate is not None else 1
-    gate_q = gate_k = None
-    stored_k: list[Tensor] = []  # the gate keys as stored, rounded once for every query chunk that selects
+    gate_q = gate_k = stored_k = None
     if needs_gate:
         gate_input = hidden.detach() if runtime.detach_gate_input else hidden
         gate_q, gate_k = gate(gate_input, cos, sin)
         if layer_cache is not None:  # prefill of a generation: the cache keeps the prompt's gate keys
             layer_cache.append_gate_keys(gate_k, gate.key_bits)
+        if mode == "sparse" or runtime.recall is not None:  # selecting: the keys as stored, rounded once
+            stored_k = gate.stored_keys(gate_k)
 
     def gate_selection(start: int, stop: int, k: Tensor = k_t, k_max: int | None = None) -> Tensor:
         with torch.no_grad():
-            if not stored_k:
-                stored_k.append(gate.stored_keys(gate_k.detach()))
-            scores = gate.score_stored(gate_q[:, :, start:stop], stored_k[0])
+            scores = gate.score_stored(gate_q[:, :, start:stop], stored_k)
         return select_top_k(scores, allowed[..., start:stop, :], k[start:stop], positions[start:stop], positions,
                             sparse_cfg.sink_tokens, sparse_cfg.recent_tokens,
                             int(k_host[start:stop].max()) if k_max is None else k_max)
