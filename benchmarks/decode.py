@@ -34,7 +34,7 @@ from gsm_train.data import load_text_dataset, pack_tokens  # noqa: E402
 from gsm_train.export import load_gsm  # noqa: E402
 from gsm_train.kernels.sparse_decode import fused_decode_attention, gate_scores  # noqa: E402
 from gsm_train.model_zoo import load_model_and_tokenizer  # noqa: E402
-from gsm_train.modules import inject_gsm, set_gsm_mode  # noqa: E402
+from gsm_train.modules import inject_gsm  # noqa: E402
 from gsm_train.modules.decode_attention import top_k_positions  # noqa: E402
 from gsm_train.modules.decode_cache import GSMCache  # noqa: E402
 from gsm_train.modules.kv_compressor import ASQCompressor  # noqa: E402
@@ -139,7 +139,6 @@ def _gsm_model(adapter: str | None, device: torch.device, dtype: torch.dtype = t
         load_gsm(model, adapter, mode="sparse")
     else:
         inject_gsm(model, load_recipe(str(REPO / "recipes" / "joint.yaml")).gsm, mode="sparse")
-    set_gsm_mode(model, "sparse")
     return model.eval()  # the GSM modules are built on the model's device
 
 
