@@ -39,7 +39,7 @@ class GSMRuntime:
     distill_on_selection: bool = False
     distill_queries: int = 0
     kv_baseline: str | None = None
-    distill_rows: Tensor | None = None
+    distill_rows: Tensor | None = None  # this forward's sampled query positions (device), see sampled_rows
     detach_gate_input: bool = False
     recall: tuple[int, int] | None = None
     layers_with_gate: list[int] = field(default_factory=list)
@@ -77,16 +77,27 @@ class GSMRuntime:
             self._layouts = {cache_key: layout}
         return layout
 
-    def sampled_rows(self, counted_host: Tensor) -> Tensor | None:
-        """Query positions (on the host, sorted) the gate KL uses in this forward: all (None), or
-        `distill_queries` drawn once per forward (shared by all layers) among the counted positions."""
+    def sampled_rows(self, counted_host: Tensor, device: torch.device) -> Tensor | None:
+        """Query positions (a sorted device index) the gate KL uses in this forward: all (None), or
+        `distill_queries` drawn once per forward (shared by all layers) among the counted positions.
+
+        Counted positions (at least k visible keys) form a suffix, as keys only grow and k only falls
+        along the sequence, so the draw is made on the device from host-side bounds: no host-to-device
+        copy and no wait, which lets a CUDA graph capture the step (each replay draws anew)."""
         if self.distill_queries <= 0:
             return None
         if self.distill_rows is None:
-            candidates = counted_host.nonzero().flatten()
-            if len(candidates) > self.distill_queries:
-                candidates = candidates[torch.randperm(len(candidates))[: self.distill_queries].sort().values]
-            self.distill_rows = candidates
+            length = len(counted_host)
+            uncounted = (~counted_host).nonzero()
+            first = int(uncounted[-1]) + 1 if len(uncounted) else 0  # start of the counted suffix
+            if counted_host[:first].any():
+                raise GSMError("the positions with at least k keys are not a suffix of the sequence; "
+                               "use train.distill_queries=0 with this top-k schedule")
+            if length - first <= self.distill_queries:
+                self.distill_rows = torch.arange(first, length, device=device)
+            else:
+                draw = torch.rand(length - first, device=device).topk(self.distill_queries).indices
+                self.distill_rows = draw.sort().values + first
         return self.distill_rows
 
 
@@ -278,14 +289,14 @@ def gsm_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
         # DSA: in sparse training the gate learns the main attention's distribution over what it selected
         on_selection = runtime.distill_on_selection and mode == "sparse" and num_selectors == 1
         kl_mask = selection if on_selection else allowed
-        rows = runtime.sampled_rows(visible >= k_host)
-        if rows is None:
+        index = runtime.sampled_rows(visible >= k_host, query.device)
+        if index is None:
             distill_q, distill_gq, distill_allowed, distill_counted, distill_visible = (
                 query, gate_q, kl_mask, counted, visible)
-        else:
-            index = rows.to(query.device, non_blocking=True)
+        else:  # drawn on the device: every key is in bounds (the mask still holds each row to its own)
             distill_q, distill_gq = query[:, :, index], gate_q[:, :, index]
-            distill_allowed, distill_counted, distill_visible = kl_mask[..., index, :], counted[..., index], visible[rows]
+            distill_allowed, distill_counted = kl_mask[..., index, :], counted[..., index]
+            distill_visible = torch.full((len(index),), kv_len)
         runtime.distill_losses[adapter.layer_idx] = gate_distill_loss(
             distill_q.detach(), key.detach(), distill_gq, gate_k, distill_allowed, distill_counted, scaling, chunk,
             distill_visible)
