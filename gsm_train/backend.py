@@ -82,6 +82,7 @@ class FSDP2Backend:
     def __init__(self, config: RecipeConfig):
         self.config = config
         self.params: list[nn.Parameter] = []
+        self.grads_in_place = False  # a captured step adds into fixed .grad buffers: zero them, never drop them
 
     def prepare(self, model: nn.Module, make_optimizer: OptimizerFactory, info: DistInfo,
                 compute_dtype: torch.dtype | None) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -96,7 +97,7 @@ class FSDP2Backend:
     def step(self, optimizer: torch.optim.Optimizer) -> float:
         norm = clip_grad_norm(self.params, self.config.optim.max_grad_norm)
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=not self.grads_in_place)
         return norm
 
     def unwrap(self, model: nn.Module) -> nn.Module:

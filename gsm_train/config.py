@@ -196,7 +196,11 @@ class TrainConfig(StrictModel):
 
     `distill_queries`: how many query positions per step the gate KL uses (drawn uniformly, once per
     forward and shared by all layers, among the queries with at least k keys); 0 uses all of them.
-    Evaluation always uses every query."""
+    Evaluation always uses every query.
+
+    `cuda_graph`: capture the micro-step (loss and backward) in a CUDA graph and replay it (see
+    `gsm_train/step_graph.py`). `auto` does so where it can: one CUDA GPU, the FSDP2 backend, a stage
+    whose step never waits on the device (the gate stages); `true` makes anything else an error."""
 
     steps: int = Field(200, ge=1)
     batch_size: int = Field(1, ge=1)
@@ -206,6 +210,7 @@ class TrainConfig(StrictModel):
     loss_weights: LossWeights = Field(default_factory=LossWeights)
     distill_queries: int = Field(0, ge=0)
     seed: int = 0
+    cuda_graph: Literal["auto"] | bool = "auto"
 
 
 class DistributedConfig(StrictModel):

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from gsm_train.backend import Backend, select_backend
+from gsm_train.backend import Backend, FSDP2Backend, select_backend
 from gsm_train.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from gsm_train.config import (
     DataSourceConfig,
@@ -34,12 +34,14 @@ from gsm_train.kv_budget import apply_kv_budget, kv_bytes_ratio
 from gsm_train.model_zoo import load_model_and_tokenizer
 from gsm_train.modules.injection import GSM_PARAM_MARKER, gsm_runtime, model_dims
 from gsm_train.run_log import RunLogger
+from gsm_train.step_graph import GraphedLoss, cuda_graph_blockers, use_cuda_graph
 
 
 class Stage(Protocol):
     """What a training stage supplies to the loop."""
 
     name: str
+    graph_safe: bool  # optional (default False): the step may be captured in a CUDA graph (train.cuda_graph)
 
     def prepare(self, model: nn.Module, config: RecipeConfig) -> None:
         """Attach/load modules and set `requires_grad` on exactly the parameters that train."""
@@ -166,7 +168,19 @@ def evaluate_recipe(config: RecipeConfig, stage: Stage) -> dict[str, Any]:
         return stage.evaluate(model, _eval_batches(eval_rows, config, info))
 
 
+def _graphed_loss(config: RecipeConfig, stage: Stage, model: nn.Module, backend: FSDP2Backend, info: DistInfo,
+                  compute_dtype: torch.dtype | None, token_dtype: torch.dtype) -> GraphedLoss:
+    """The stage's micro-step captured in a CUDA graph (after any resume, so the captured step reads the
+    restored trainables)."""
+    backend.grads_in_place = True
+    example = torch.zeros(config.train.batch_size, config.data.seq_len, dtype=token_dtype, device=info.device)
+    return GraphedLoss(lambda batch: stage.loss(model, batch)[0], [p for p in model.parameters() if p.requires_grad],
+                       example, compute_dtype, grad_scale=1 / config.train.grad_accum)
+
+
 def _run(config: RecipeConfig, stage: Stage, info: DistInfo, backend: Backend, run_name: str) -> TrainResult:
+    capture_step = use_cuda_graph(config.train.cuda_graph,  # checked before anything loads or is written
+                                  cuda_graph_blockers(info.device, info.world_size, backend.name, stage))
     torch.manual_seed(config.train.seed)
     run_dir = Path(config.output.dir)
     _, compute_dtype = _dtypes(config, info)
@@ -198,9 +212,11 @@ def _run(config: RecipeConfig, stage: Stage, info: DistInfo, backend: Backend, r
         "world_size": info.world_size, "device": str(info.device), **backend.describe(),
         "fsdp_sharded_params": sum(isinstance(p, DTensor) for p in model.parameters()), **counts,
         "train_rows": len(train_rows), "eval_rows": len(eval_rows), "kv_bytes_ratio": kv_ratio,
-        "resumed_from": str(resume) if resume is not None else None})
+        "resumed_from": str(resume) if resume is not None else None,
+        "cuda_graph": capture_step})
     eval_batches = _eval_batches(eval_rows, config, info)
     autocast = _autocast(info, compute_dtype)
+    graphed = _graphed_loss(config, stage, model, backend, info, compute_dtype, train_rows.dtype) if capture_step else None
     result = TrainResult(run_dir=run_dir, model=backend.unwrap(model))
     history: list[dict[str, Any]] = []
     tokens_per_step = config.train.batch_size * config.train.grad_accum * config.data.seq_len * info.world_size
@@ -211,9 +227,12 @@ def _run(config: RecipeConfig, stage: Stage, info: DistInfo, backend: Backend, r
         scalars: dict[str, float] = {}
         for micro in range(config.train.grad_accum):
             batch = loader.next_batch().to(info.device)
-            with autocast:
-                loss, scalars = stage.loss(model, batch)
-            backend.backward(loss / config.train.grad_accum, boundary=micro == config.train.grad_accum - 1)
+            if graphed is not None:
+                loss = graphed(batch)
+            else:
+                with autocast:
+                    loss, scalars = stage.loss(model, batch)
+                backend.backward(loss / config.train.grad_accum, boundary=micro == config.train.grad_accum - 1)
             step_loss += loss.detach().float() / config.train.grad_accum
         grad_norm = backend.step(optimizer)
         scheduler.step()

@@ -1,0 +1,77 @@
+"""Capturing the training step in a CUDA graph: when it is allowed, its errors, and (on a GPU) that a
+captured gate step trains exactly like the eager one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from gsm_train.config import ConfigError, GSMConfig, load_recipe
+from gsm_train.modules.gsm_attention import GSMRuntime
+from gsm_train.stages import GateWarmupStage, JointStage
+from gsm_train.stages.math_gate import MathGateStage
+from gsm_train.step_graph import cuda_graph_blockers, use_cuda_graph
+from gsm_train.train import train_recipe
+from test_gate_warmup import RECIPE, TINY
+
+CUDA = torch.device("cuda")
+
+
+def test_only_the_gate_warmup_on_one_gpu_with_fsdp2_can_be_captured() -> None:
+    assert cuda_graph_blockers(CUDA, 1, "fsdp2", GateWarmupStage()) == []
+    assert len(cuda_graph_blockers(torch.device("cpu"), 1, "fsdp2", GateWarmupStage())) == 1
+    assert len(cuda_graph_blockers(CUDA, 2, "fsdp2", GateWarmupStage())) == 1
+    assert len(cuda_graph_blockers(CUDA, 1, "deepspeed", GateWarmupStage())) == 1
+    assert len(cuda_graph_blockers(CUDA, 1, "fsdp2", JointStage())) == 1
+    assert len(cuda_graph_blockers(CUDA, 1, "fsdp2", MathGateStage())) == 1
+
+
+def test_auto_captures_where_possible_and_true_names_what_blocks_it() -> None:
+    assert use_cuda_graph("auto", []) and not use_cuda_graph("auto", ["x"])
+    assert use_cuda_graph(True, []) and not use_cuda_graph(False, []) and not use_cuda_graph(False, ["x"])
+    with pytest.raises(ConfigError, match=r"train\.cuda_graph = True: the run is on cpu.*\n.*fix: set train\.cuda_graph"):
+        use_cuda_graph(True, cuda_graph_blockers(torch.device("cpu"), 1, "fsdp2", GateWarmupStage()))
+
+
+def test_recipe_field_takes_auto_or_a_bool() -> None:
+    assert load_recipe(RECIPE).train.cuda_graph == "auto"
+    assert load_recipe(RECIPE, ["train.cuda_graph=false"]).train.cuda_graph is False
+    with pytest.raises(ConfigError, match="train.cuda_graph"):
+        load_recipe(RECIPE, ["train.cuda_graph=sometimes"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_cuda_graph_true_on_cpu_fails_before_anything_is_written(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="train.cuda_graph"):
+        train_recipe(RECIPE, [*TINY, "train.steps=1", "train.cuda_graph=true", f"output.dir={tmp_path / 'run'}"])
+    assert not (tmp_path / "run").exists()
+
+
+def test_gate_kl_rows_are_drawn_once_per_forward_among_counted_queries() -> None:
+    runtime = GSMRuntime(config=GSMConfig(), distill_queries=5)
+    counted = torch.arange(40) >= 12
+    rows = runtime.sampled_rows(counted, torch.device("cpu"))
+    assert runtime.sampled_rows(counted, torch.device("cpu")) is rows  # shared by all layers of the forward
+    assert len(rows) == 5 and len(set(rows.tolist())) == 5 and bool((rows >= 12).all() and (rows < 40).all())
+    assert torch.equal(rows, rows.sort().values)
+    runtime.clear()
+    assert torch.equal(GSMRuntime(config=GSMConfig(), distill_queries=50).sampled_rows(counted, torch.device("cpu")),
+                       torch.arange(12, 40))
+    with pytest.raises(Exception, match="not a suffix"):
+        GSMRuntime(config=GSMConfig(), distill_queries=5).sampled_rows(torch.arange(40) % 2 == 0, torch.device("cpu"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_captured_gate_steps_train_exactly_like_eager_ones(tmp_path: Path, grad_accum: int) -> None:
+    common = [*TINY, "train.steps=4", "train.batch_size=2", f"train.grad_accum={grad_accum}",
+              "train.distill_queries=16", "logging.eval_every=4"]
+    eager = train_recipe(RECIPE, [*common, "train.cuda_graph=false", f"output.dir={tmp_path / 'eager'}"])
+    graphed = train_recipe(RECIPE, [*common, "train.cuda_graph=true", f"output.dir={tmp_path / 'graphed'}"])
+    assert graphed.losses == pytest.approx(eager.losses, abs=1e-6)
+    assert graphed.losses[-1] != pytest.approx(graphed.losses[0], abs=1e-6)  # it trained
+    weights = dict(eager.model.named_parameters())
+    for name, param in graphed.model.named_parameters():
+        torch.testing.assert_close(param, weights[name], atol=1e-6, rtol=0)
