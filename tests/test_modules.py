@@ -369,3 +369,27 @@ def test_bridge_initial_mapping(mode: str, out_heads: int) -> None:
 def test_bridge_rejects_unknown_mode() -> None:
     with pytest.raises(ValueError, match="mix or share"):
         CacheBridge(3, 8, 3, 0.3)(*_bridge_inputs(), "swap")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled training paths run on the GPU only")
+def test_compiled_gate_paths_match_the_written_ones() -> None:
+    from gsm_train.modules.attention_targets import _chunk_kl, _compiled_chunk_kl
+    from gsm_train.modules.sparse_gate import _compiled_rope_pair, rope_pair
+
+    gen = torch.Generator().manual_seed(0)
+    cuda = torch.device("cuda")
+    gq, gk = torch.randn(2, 1, 16, 8, generator=gen).to(cuda), torch.randn(2, 1, 32, 8, generator=gen).to(cuda)
+    query, key = torch.randn(2, 4, 16, 8, generator=gen).to(cuda), torch.randn(2, 2, 32, 8, generator=gen).to(cuda)
+    mask = (torch.arange(32)[None, :] <= torch.arange(16, 32)[:, None])[None, None].to(cuda)
+    rows = torch.ones(1, 1, 16, device=cuda)
+    for written, compiled in zip(_chunk_kl(gq, gk, query, key, mask, rows, 0.3, True),
+                                 _compiled_chunk_kl()(gq, gk, query, key, mask, rows, 0.3, True)):
+        torch.testing.assert_close(compiled, written, atol=1e-5, rtol=1e-5)
+    cos, sin = torch.randn(2, 16, 8, generator=gen).to(cuda), torch.randn(2, 16, 8, generator=gen).to(cuda)
+    index = torch.tensor([[0, 3, 1, 2]], device=cuda)
+    q = torch.randn(2, 1, 16, 8, generator=gen).to(cuda).requires_grad_()
+    k = torch.randn(2, 1, 16, 8, generator=gen).to(cuda).requires_grad_()
+    outs = [fn(q, k, cos, sin, index) for fn in (rope_pair, _compiled_rope_pair())]
+    grads = [torch.autograd.grad(a.sum() + 2 * b.sum(), (q, k)) for a, b in outs]
+    for written, compiled in zip((*outs[0], *grads[0]), (*outs[1], *grads[1])):
+        torch.testing.assert_close(compiled, written, atol=1e-5, rtol=1e-5)

@@ -8,6 +8,7 @@ The gate's KL gradient is formed in the same pass (softmax(gate) - target), so n
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -28,6 +29,30 @@ def head_averaged_probs(query: Tensor, key: Tensor, allowed: Tensor, scaling: fl
     return probs.view(batch, num_selectors, num_heads // num_selectors, length, -1).mean(dim=2)
 
 
+def _chunk_kl(gate_q: Tensor, gate_k: Tensor, query: Tensor, key: Tensor, mask: Tensor, rows: Tensor, scaling: float,
+              want_grad: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """One query chunk: the sum of KL(target || softmax(gate logits)) over its counted `rows`, and (if
+    `want_grad`) its gradients for the chunk's gate queries and for the gate keys it sees (all fp32)."""
+    scale = gate_q.shape[-1] ** -0.5
+    target = head_averaged_probs(query, key, mask, scaling, gate_q.shape[1])
+    logits = torch.matmul(gate_q, gate_k.transpose(-1, -2)) * scale
+    log_gate = torch.log_softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
+    log_target = torch.log(target.clamp_min(1e-30))
+    kl = torch.where(target > 0, target * (log_target - log_gate), torch.zeros_like(target)).sum(-1)
+    total = (kl * rows).sum()
+    if not want_grad:
+        return total, None, None
+    grad_logits = (log_gate.exp() - target).masked_fill(~mask, 0.0) * (rows[..., None] * scale)
+    return total, torch.matmul(grad_logits, gate_k), torch.matmul(grad_logits.transpose(-1, -2), gate_q)
+
+
+@functools.cache
+def _compiled_chunk_kl() -> Callable[..., tuple[Tensor, Tensor | None, Tensor | None]]:
+    """`_chunk_kl` fused by torch.compile, for training on the GPU, where shapes are fixed (evaluation and
+    CPU runs use it as written)."""
+    return torch.compile(_chunk_kl, dynamic=False)
+
+
 class _GateKL(torch.autograd.Function):
     """Sum of KL(target || softmax(gate logits)) over counted rows, with its gradient computed chunk by chunk
     in the forward pass: d KL / d logits = softmax(logits) - target, so the backward needs neither the
@@ -37,25 +62,24 @@ class _GateKL(torch.autograd.Function):
     def forward(ctx, gate_q: Tensor, gate_k: Tensor, query: Tensor, key: Tensor, allowed: Tensor,
                 counted_rows: Tensor, visible: Tensor, scaling: float, chunk: int) -> Tensor:
         want_grad = any(ctx.needs_input_grad[:2])
-        scale = gate_q.shape[-1] ** -0.5
         gq, gk = gate_q.float(), gate_k.float()
         grad_q, grad_k = torch.zeros_like(gq), torch.zeros_like(gk)
         total = torch.zeros((), dtype=torch.float32, device=gq.device)
+        chunk_kl = _compiled_chunk_kl() if gq.is_cuda and want_grad else _chunk_kl
+        batch = query.shape[0]
         for start in range(0, query.shape[2], chunk):
             stop = min(start + chunk, query.shape[2])
-            rows = counted_rows[..., start:stop].float()  # [B|1, 1, c]
             keys = int(visible[stop - 1])
-            mask = allowed[..., start:stop, :keys]
-            target = head_averaged_probs(query[:, :, start:stop], key[:, :, :keys], mask, scaling, gq.shape[1])
-            logits = torch.matmul(gq[:, :, start:stop], gk[:, :, :keys].transpose(-1, -2)) * scale
-            log_gate = torch.log_softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
-            log_target = torch.log(target.clamp_min(1e-30))
-            kl = torch.where(target > 0, target * (log_target - log_gate), torch.zeros_like(target)).sum(-1)
-            total += (kl * rows).sum()
+            # mask and rows at the full batch, contiguous: one shape whether the model passed a mask or not
+            # (transformers builds one while a CUDA graph captures), so nothing recompiles during a capture
+            mask = allowed[..., start:stop, :keys].expand(batch, -1, -1, -1).contiguous()
+            rows = counted_rows[..., start:stop].expand(batch, -1, -1).float().contiguous()
+            part, part_q, part_k = chunk_kl(gq[:, :, start:stop], gk[:, :, :keys], query[:, :, start:stop],
+                                            key[:, :, :keys], mask, rows, scaling, want_grad)
+            total += part
             if want_grad:
-                grad_logits = (log_gate.exp() - target).masked_fill(~mask, 0.0) * (rows[..., None] * scale)
-                grad_q[:, :, start:stop] = torch.matmul(grad_logits, gk[:, :, :keys])
-                grad_k[:, :, :keys] += torch.matmul(grad_logits.transpose(-1, -2), gq[:, :, start:stop])
+                grad_q[:, :, start:stop] = part_q
+                grad_k[:, :, :keys] += part_k
         ctx.save_for_backward(grad_q, grad_k)
         ctx.dtypes = (gate_q.dtype, gate_k.dtype)
         return total
