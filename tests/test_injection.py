@@ -215,3 +215,18 @@ def test_bf16_base_runs_without_autocast(mode: str) -> None:
     inject_gsm(model, GSMConfig.model_validate(EVERYTHING), mode=mode)
     logits = _logits(model)
     assert logits.dtype == torch.bfloat16 and logits.isfinite().all()
+
+
+def test_gsm_mask_is_none_only_for_an_unpadded_causal_pass_over_the_whole_sequence() -> None:
+    from transformers.masking_utils import sdpa_mask
+
+    from gsm_train.modules.injection import gsm_mask
+
+    assert gsm_mask(batch_size=2, q_length=8, kv_length=8, device="cpu") is None
+    padding = torch.ones(2, 8, dtype=torch.bool)
+    padding[0, :3] = False
+    for case in ({"q_length": 8, "kv_length": 8, "attention_mask": padding},
+                 {"q_length": 4, "kv_length": 8, "q_offset": 4},
+                 {"q_length": 8, "kv_length": 8, "allow_is_causal_skip": False}):
+        expected = sdpa_mask(batch_size=2, device="cpu", **case)
+        assert expected is not None and torch.equal(gsm_mask(batch_size=2, device="cpu", **case), expected)

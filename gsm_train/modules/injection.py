@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function, sdpa_mask
 
 from gsm_train.config import GSMConfig
 from gsm_train.fingerprint import base_fingerprint
@@ -24,9 +25,30 @@ SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 GSM_PARAM_MARKER = ".gsm."
 
 
+_SDPA_MASK_PARAMETERS = inspect.signature(sdpa_mask)
+
+
+def gsm_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """transformers' `sdpa_mask`, except that an unpadded causal pass over the whole sequence gets no mask
+    (None: attention is causal by construction, and SDPA keeps its flash path) even while a CUDA graph
+    captures, where some transformers 5.x versions materialise the [B, 1, T, T] mask."""
+    bound = _SDPA_MASK_PARAMETERS.bind(*args, **kwargs)
+    bound.apply_defaults()
+    given = bound.arguments
+    if "q_length" in given:
+        q_length = given["q_length"]
+    else:
+        position = given.get("cache_position")
+        q_length = None if position is None else position.shape[0]
+    causal_full = (given.get("attention_mask") is None and given.get("mask_function") is causal_mask_function
+                   and given.get("local_size") is None and given.get("allow_is_causal_skip", False)
+                   and q_length is not None and q_length == given.get("kv_length") and not given.get("kv_offset"))
+    return None if causal_full else sdpa_mask(*args, **kwargs)
+
+
 def _register_attention() -> None:
     AttentionInterface.register(ATTN_IMPLEMENTATION, gsm_attention_forward)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, sdpa_mask)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, gsm_mask)
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
