@@ -41,6 +41,28 @@ def median_ms(fn: Callable[[], object], warmup: int = 3, repeat: int = 15) -> fl
     return statistics.median(times)
 
 
+def graph_ms(step: Callable[[], torch.Tensor], replays: int = 50) -> float:
+    """Median time of one replay of `step` captured in a CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    times = []
+    for _ in range(replays + 5):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        stop.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times[5:])
+
+
 def write_result(path: Path, result: dict) -> None:
     """Write the JSON result with the command line that produced it."""
     result = {"command": "python " + " ".join(sys.argv), "device": device_name(), **result}

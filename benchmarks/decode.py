@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -27,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
+from common import graph_ms, write_result  # noqa: E402
 
 from gsm_train.config import load_recipe  # noqa: E402
 from gsm_train.data import load_text_dataset, pack_tokens  # noqa: E402
@@ -44,28 +43,6 @@ from gsm_train.plots import plot_decode_speedup  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 SHAPES = {"smollm2": (9, 3, 64), "llama8b": (32, 8, 128)}
 H200_BYTES_PER_S = 4.8e12
-
-
-def graph_ms(step: Callable[[], torch.Tensor], replays: int = 50) -> float:
-    """Median time of one replay of `step` captured in a CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    times = []
-    for _ in range(replays + 5):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times[5:])
 
 
 def _filled_store(asq: ASQCompressor, batch: int, kv_heads: int, length: int, dim: int) -> KVStore:
