@@ -374,7 +374,8 @@ def test_bridge_rejects_unknown_mode() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled training paths run on the GPU only")
 def test_compiled_gate_paths_match_the_written_ones() -> None:
     from gsm_train.modules.attention_targets import _chunk_kl, _compiled_chunk_kl
-    from gsm_train.modules.sparse_gate import _compiled_rope_pair, rope_pair
+    from gsm_train.modules.gate_distill import _compiled_gate_kl_from_hidden, _gate_kl_from_hidden
+    from gsm_train.modules.gate_rope import compiled_rope_pair, rope_pair
 
     gen = torch.Generator().manual_seed(0)
     cuda = torch.device("cuda")
@@ -389,7 +390,67 @@ def test_compiled_gate_paths_match_the_written_ones() -> None:
     index = torch.tensor([[0, 3, 1, 2]], device=cuda)
     q = torch.randn(2, 1, 16, 8, generator=gen).to(cuda).requires_grad_()
     k = torch.randn(2, 1, 16, 8, generator=gen).to(cuda).requires_grad_()
-    outs = [fn(q, k, cos, sin, index) for fn in (rope_pair, _compiled_rope_pair())]
+    hidden, weights = torch.randn(2, 32, 16, generator=gen).to(cuda), torch.randn(2, 8, 16, generator=gen).to(cuda)
+    rows_index = torch.tensor([1, 5, 9, 15], device=cuda)
+    cos32, sin32 = torch.randn(2, 32, 8, generator=gen).to(cuda), torch.randn(2, 32, 8, generator=gen).to(cuda)
+    fused_args = (weights[0], weights[1], hidden, cos32, sin32, index, query[:, :, :4], key, mask[..., :4, :],
+                  rows[..., :4], rows_index, 0.3, True)
+    for written, compiled in zip(_gate_kl_from_hidden(*fused_args), _compiled_gate_kl_from_hidden()(*fused_args)):
+        torch.testing.assert_close(compiled, written, atol=1e-4, rtol=1e-4)
+    outs = [fn(q, k, cos, sin, index) for fn in (rope_pair, compiled_rope_pair())]
     grads = [torch.autograd.grad(a.sum() + 2 * b.sum(), (q, k)) for a, b in outs]
     for written, compiled in zip((*outs[0], *grads[0]), (*outs[1], *grads[1])):
         torch.testing.assert_close(compiled, written, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("selectors", [1, 2])
+def test_gate_loss_from_hidden_equals_the_gate_head_and_autograd(selectors: int) -> None:
+    from gsm_train.modules.attention_targets import gate_distill_loss
+    from gsm_train.modules.gate_distill import DistillTarget
+
+    gen = torch.Generator().manual_seed(3)
+    gate = SparseGateHead(32, 8, 16, num_selectors=selectors)
+    torch.nn.init.normal_(gate.q_proj.weight, generator=gen)
+    torch.nn.init.normal_(gate.k_proj.weight, generator=gen)
+    hidden = torch.randn(2, 24, 32, generator=gen)
+    angles = torch.arange(24.0)[:, None] * torch.rand(8, generator=gen)[None, :]
+    cos, sin = (torch.cat((f(angles), f(angles)), -1)[None].expand(2, -1, -1) for f in (torch.cos, torch.sin))
+    query, key = torch.randn(2, 4, 24, 16, generator=gen), torch.randn(2, 2, 24, 16, generator=gen)
+    allowed = (torch.arange(24)[None, :] <= torch.arange(24)[:, None])[None, None]
+    counted = allowed.sum(-1) >= 6
+    index = torch.tensor([3, 9, 17, 23])
+    gate_q, gate_k = gate(hidden, cos, sin)
+    expected, expected_count = gate_distill_loss(query[:, :, index], key, gate_q[:, :, index], gate_k,
+                                                 allowed[..., index, :], counted[..., index], 0.25, 64,
+                                                 torch.full((len(index),), 24))
+    expected_grads = torch.autograd.grad(expected, (gate.q_proj.weight, gate.k_proj.weight))
+    total, count = gate(hidden, cos, sin, DistillTarget(query[:, :, index], key, allowed[..., index, :],
+                                                        counted[..., index], index, 0.25))
+    grads = torch.autograd.grad(total, (gate.q_proj.weight, gate.k_proj.weight))
+    assert int(count) == int(expected_count) == 2 * selectors * 3
+    torch.testing.assert_close(total, expected, rtol=1e-6, atol=1e-6)
+    for grad, want in zip(grads, expected_grads):
+        assert want.abs().max() > 0
+        torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-6)
+
+
+def test_gate_loss_from_hidden_hands_bf16_weights_bf16_gradients() -> None:
+    from gsm_train.modules.attention_targets import gate_distill_loss
+    from gsm_train.modules.gate_distill import DistillTarget
+
+    gen = torch.Generator().manual_seed(4)
+    gate = SparseGateHead(32, 8, 16).to(torch.bfloat16)
+    hidden = torch.randn(1, 16, 32, generator=gen, dtype=torch.bfloat16)
+    cos, sin = torch.ones(1, 16, 16), torch.zeros(1, 16, 16)
+    query, key = torch.randn(1, 2, 16, 16, generator=gen), torch.randn(1, 1, 16, 16, generator=gen)
+    allowed = (torch.arange(16)[None, :] <= torch.arange(16)[:, None])[None, None]
+    counted = allowed.sum(-1) >= 1
+    gate_q, gate_k = gate(hidden, cos, sin)
+    expected, _ = gate_distill_loss(query, key, gate_q, gate_k, allowed, counted, 0.25, 64)
+    expected_grads = torch.autograd.grad(expected, (gate.q_proj.weight, gate.k_proj.weight))
+    total, _ = gate(hidden, cos, sin, DistillTarget(query, key, allowed, counted, torch.arange(16), 0.25))
+    grads = torch.autograd.grad(total, (gate.q_proj.weight, gate.k_proj.weight))
+    torch.testing.assert_close(total, expected, rtol=1e-2, atol=1e-3)
+    for grad, want in zip(grads, expected_grads):
+        assert grad.dtype == torch.bfloat16
+        assert F.cosine_similarity(grad.float().flatten(), want.float().flatten(), dim=0) > 0.99

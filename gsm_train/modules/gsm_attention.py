@@ -20,6 +20,7 @@ from gsm_train.modules.attention_targets import captured_mass, causal_visible, g
 from gsm_train.modules.cache_bridge import CacheBridge
 from gsm_train.modules.decode_attention import decode_attention
 from gsm_train.modules.errors import GSMError
+from gsm_train.modules.gate_distill import DistillTarget, reads_weights_directly
 from gsm_train.modules.kv_compressor import ASQCompressor, fake_quant_kivi, fake_quant_per_token
 from gsm_train.modules.sparse_gate import SparseGateHead, k_per_query, select_top_k
 
@@ -234,10 +235,9 @@ def gsm_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
     key, value, own = adapter.transform_kv(key, value)
     mode = "dense" if adapter.dense_layer or not sparse_cfg.enabled else runtime.mode
     gate = adapter.gate
-    needs_gate = gate is not None and (mode == "sparse" or runtime.distill or runtime.recall is not None
-                                       or layer_cache is not None)
     q_len, kv_len = query.shape[2], key.shape[2]
-    if mode == "dense" and not needs_gate and own is None:
+    if mode == "dense" and own is None and (gate is None or not (runtime.distill or runtime.recall is not None
+                                                                 or layer_cache is not None)):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     if q_len != kv_len:
@@ -248,6 +248,13 @@ def gsm_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
     allowed, positions, k_t, visible, k_host = runtime.layout(attention_mask, q_len, kv_len, query.device)
     block_size = runtime.config.kv_compression.block_size
     chunk = sparse_cfg.query_chunk
+    index = runtime.sampled_rows(visible >= k_host, query.device) if runtime.distill and gate is not None else None
+    # stage 1: the gate feeds only its KL, on sampled rows that fit one chunk: the fused path needs no gate q/k
+    gate_from_hidden = (mode == "dense" and own is None and runtime.recall is None and layer_cache is None
+                        and index is not None and len(index) <= chunk and reads_weights_directly(gate)
+                        and (runtime.detach_gate_input or not hidden.requires_grad))  # it gives hidden no gradient
+    needs_gate = gate is not None and not gate_from_hidden and (
+        mode == "sparse" or runtime.distill or runtime.recall is not None or layer_cache is not None)
     num_selectors = gate.num_selectors if gate is not None else 1
     gate_q = gate_k = stored_k = None
     if needs_gate:
@@ -289,15 +296,15 @@ def gsm_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
         # DSA: in sparse training the gate learns the main attention's distribution over what it selected
         on_selection = runtime.distill_on_selection and mode == "sparse" and num_selectors == 1
         kl_mask = selection if on_selection else allowed
-        index = runtime.sampled_rows(visible >= k_host, query.device)
         if index is None:
             distill_q, distill_gq, distill_allowed, distill_counted, distill_visible = (
                 query, gate_q, kl_mask, counted, visible)
         else:  # drawn on the device: every key is in bounds (the mask still holds each row to its own)
-            distill_q, distill_gq = query[:, :, index], gate_q[:, :, index]
-            distill_allowed, distill_counted = kl_mask[..., index, :], counted[..., index]
-            distill_visible = torch.full((len(index),), kv_len)
-        runtime.distill_losses[adapter.layer_idx] = gate_distill_loss(
+            distill_q, distill_allowed, distill_counted = query[:, :, index], kl_mask[..., index, :], counted[..., index]
+            distill_gq, distill_visible = None if gate_q is None else gate_q[:, :, index], torch.full((len(index),), kv_len)
+        runtime.distill_losses[adapter.layer_idx] = gate(hidden, cos, sin, DistillTarget(
+            distill_q.detach(), key.detach(), distill_allowed, distill_counted, index, scaling)
+        ) if gate_from_hidden else gate_distill_loss(
             distill_q.detach(), key.detach(), distill_gq, gate_k, distill_allowed, distill_counted, scaling, chunk,
             distill_visible)
     if runtime.recall is not None:

@@ -7,12 +7,13 @@ rotated pair, stored in `rope_freq_index`), and scores `q_t . k_j / sqrt(gate_he
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
+
+from gsm_train.modules.gate_distill import DistillTarget, gate_kl_from_hidden
+from gsm_train.modules.gate_rope import compiled_rope_pair, rope_pair
 
 GATE_KEY_DTYPE = torch.bfloat16  # how the KV cache stores gate keys at 16 bits (2 bytes per dimension)
 INT8_LEVELS = 127  # gate keys at 8 bits: symmetric int8 codes with one fp16 scale per key
@@ -39,30 +40,6 @@ def gate_key_bytes(gate_head_dim: int, bits: int) -> int:
     return 2 * gate_head_dim if bits == 16 else gate_head_dim + 2
 
 
-def _rotate(x: Tensor, c: Tensor, s: Tensor) -> Tensor:
-    """Apply RoPE (rotate-half layout) with per-pair cos `c` and sin `s` (in x's dtype)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
-
-
-def rope_pair(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, freq_index: Tensor) -> tuple[Tensor, Tensor]:
-    """Gate q and k [B, n, T, dg] rotated by each selector's chosen base frequencies (`freq_index` [n, dg/2])
-    of the model's cos/sin [B, T, head_dim]."""
-    half = cos.shape[-1] // 2
-    selectors = freq_index.shape[0]
-    gather = freq_index[None, :, None, :].expand(cos.shape[0], -1, cos.shape[1], -1)
-    c, s = (torch.gather(table[..., :half][:, None].expand(-1, selectors, -1, -1), -1, gather).to(q.dtype)
-            for table in (cos, sin))
-    return _rotate(q, c, s), _rotate(k, c, s)
-
-
-@functools.cache
-def _compiled_rope_pair() -> Callable[..., tuple[Tensor, Tensor]]:
-    """`rope_pair` fused by torch.compile, forward and backward, for training on the GPU (elsewhere, and for
-    inference with its changing lengths, it runs as written)."""
-    return torch.compile(rope_pair, dynamic=False)
-
-
 class SparseGateHead(nn.Module):
     """Gate query/key projections with RoPE; `num_selectors` independent selections per layer."""
 
@@ -83,15 +60,23 @@ class SparseGateHead(nn.Module):
         default_index = torch.arange(pairs) % base_pairs
         self.register_buffer("rope_freq_index", default_index.repeat(num_selectors, 1), persistent=True)
 
-    def forward(self, hidden: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        """Gate queries and keys [B, n, T, gate_head_dim] from hidden [B, T, d] and the model's cos/sin."""
-        batch, length, _ = hidden.shape
-        shape = (batch, length, self.num_selectors, self.gate_head_dim)
+    def forward(self, hidden: Tensor, cos: Tensor, sin: Tensor,
+                distill: DistillTarget | None = None) -> tuple[Tensor, Tensor]:
+        """Gate queries and keys [B, n, T, gate_head_dim] from hidden [B, T, d] and the model's cos/sin.
+
+        With `distill`, instead the stage-1 KL sum and the rows counted for its sampled queries, computed
+        without materialising the gate's queries and keys (`gate_distill.py`). Either way it runs through
+        the module's call, where FSDP2 gathers the weights and later reduces their gradients."""
         if not torch.is_autocast_enabled(hidden.device.type):
             hidden = hidden.to(self.q_proj.weight.dtype)
+        if distill is not None:
+            return gate_kl_from_hidden(self.q_proj.weight, self.k_proj.weight, self.rope_freq_index, hidden, cos, sin,
+                                       distill)
+        batch, length, _ = hidden.shape
+        shape = (batch, length, self.num_selectors, self.gate_head_dim)
         q = self.q_proj(hidden).view(shape).transpose(1, 2)
         k = self.k_proj(hidden).view(shape).transpose(1, 2)
-        rope = _compiled_rope_pair() if q.is_cuda and q.requires_grad else rope_pair  # training shapes are fixed
+        rope = compiled_rope_pair() if q.is_cuda and q.requires_grad else rope_pair  # training shapes are fixed
         return rope(q, k, cos, sin, self.rope_freq_index)
 
     def stored_keys(self, gate_k: Tensor) -> Tensor:

@@ -1,0 +1,41 @@
+"""RoPE for the Sparse Gate Head: each selector rotates its gate query/key pairs by a chosen subset of
+the base model's frequencies (`rope_freq_index`), so that gate scores commute with RoPE like q.k does."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+
+def rotate(x: Tensor, c: Tensor, s: Tensor) -> Tensor:
+    """Apply RoPE (rotate-half layout) with per-pair cos `c` and sin `s`; with `-s` it applies the inverse
+    (the transpose), which is how gradients go back through it."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+def rope_tables(cos: Tensor, sin: Tensor, freq_index: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Each selector's chosen base frequencies (`freq_index` [n, dg/2]) of the model's cos/sin
+    [B, T, head_dim]: cos and sin tables [B, n, T, dg/2] in `dtype`."""
+    half = cos.shape[-1] // 2
+    selectors = freq_index.shape[0]
+    gather = freq_index[None, :, None, :].expand(cos.shape[0], -1, cos.shape[1], -1)
+    c, s = (torch.gather(table[..., :half][:, None].expand(-1, selectors, -1, -1), -1, gather).to(dtype)
+            for table in (cos, sin))
+    return c, s
+
+
+def rope_pair(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, freq_index: Tensor) -> tuple[Tensor, Tensor]:
+    """Gate q and k [B, n, T, dg] rotated by each selector's frequencies of the model's cos/sin."""
+    c, s = rope_tables(cos, sin, freq_index, q.dtype)
+    return rotate(q, c, s), rotate(k, c, s)
+
+
+@functools.cache
+def compiled_rope_pair() -> Callable[..., tuple[Tensor, Tensor]]:
+    """`rope_pair` fused by torch.compile, forward and backward, for training on the GPU (elsewhere, and for
+    inference with its changing lengths, it runs as written)."""
+    return torch.compile(rope_pair, dynamic=False)
