@@ -373,7 +373,7 @@ def test_bridge_rejects_unknown_mode() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled training paths run on the GPU only")
 def test_compiled_gate_paths_match_the_written_ones() -> None:
-    from gsm_train.modules.attention_targets import _chunk_kl, _compiled_chunk_kl
+    from gsm_train.modules.attention_targets import chunk_kl, compiled_chunk_kl
     from gsm_train.modules.gate_distill import _compiled_gate_kl_from_hidden, _gate_kl_from_hidden
     from gsm_train.modules.gate_rope import compiled_rope_pair, rope_pair
 
@@ -383,8 +383,8 @@ def test_compiled_gate_paths_match_the_written_ones() -> None:
     query, key = torch.randn(2, 4, 16, 8, generator=gen).to(cuda), torch.randn(2, 2, 32, 8, generator=gen).to(cuda)
     mask = (torch.arange(32)[None, :] <= torch.arange(16, 32)[:, None])[None, None].to(cuda)
     rows = torch.ones(1, 1, 16, device=cuda)
-    for written, compiled in zip(_chunk_kl(gq, gk, query, key, mask, rows, 0.3, True),
-                                 _compiled_chunk_kl()(gq, gk, query, key, mask, rows, 0.3, True)):
+    for written, compiled in zip(chunk_kl(gq, gk, query, key, mask, rows, 0.3, True),
+                                 compiled_chunk_kl()(gq, gk, query, key, mask, rows, 0.3, True)):
         torch.testing.assert_close(compiled, written, atol=1e-5, rtol=1e-5)
     cos, sin = torch.randn(2, 16, 8, generator=gen).to(cuda), torch.randn(2, 16, 8, generator=gen).to(cuda)
     index = torch.tensor([[0, 3, 1, 2]], device=cuda)

@@ -29,7 +29,7 @@ def head_averaged_probs(query: Tensor, key: Tensor, allowed: Tensor, scaling: fl
     return probs.view(batch, num_selectors, num_heads // num_selectors, length, -1).mean(dim=2)
 
 
-def _chunk_kl(gate_q: Tensor, gate_k: Tensor, query: Tensor, key: Tensor, mask: Tensor, rows: Tensor, scaling: float,
+def chunk_kl(gate_q: Tensor, gate_k: Tensor, query: Tensor, key: Tensor, mask: Tensor, rows: Tensor, scaling: float,
               want_grad: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """One query chunk: the sum of KL(target || softmax(gate logits)) over its counted `rows`, and (if
     `want_grad`) its gradients for the chunk's gate queries and for the gate keys it sees (all fp32)."""
@@ -47,13 +47,37 @@ def _chunk_kl(gate_q: Tensor, gate_k: Tensor, query: Tensor, key: Tensor, mask: 
 
 
 @functools.cache
-def _compiled_chunk_kl() -> Callable[..., tuple[Tensor, Tensor | None, Tensor | None]]:
-    """`_chunk_kl` fused by torch.compile, for training on the GPU, where shapes are fixed (evaluation and
+def compiled_chunk_kl() -> Callable[..., tuple[Tensor, Tensor | None, Tensor | None]]:
+    """`chunk_kl` fused by torch.compile, for training on the GPU, where shapes are fixed (evaluation and
     CPU runs use it as written)."""
-    return torch.compile(_chunk_kl, dynamic=False)
+    return torch.compile(chunk_kl, dynamic=False)
 
 
-class _GateKL(torch.autograd.Function):
+def full_batch(allowed: Tensor, counted_rows: Tensor, batch: int) -> tuple[Tensor, Tensor]:
+    """Mask [B, 1, c, S] and counted rows [B, 1, c] (fp32) at the full batch, contiguous: one shape whether
+    the model passed a mask or not (transformers builds one while a CUDA graph captures), so a compiled
+    chunk never recompiles inside a capture."""
+    return allowed.expand(batch, -1, -1, -1).contiguous(), counted_rows.expand(batch, -1, -1).float().contiguous()
+
+
+class GradientsFromForward(torch.autograd.Function):
+    """A scalar whose gradients for its first two inputs are formed in the forward pass (`keep_gradients`);
+    the backward only scales them and hands them back in those inputs' dtypes."""
+
+    @staticmethod
+    def keep_gradients(ctx, first: Tensor, second: Tensor, dtypes: tuple[torch.dtype, torch.dtype],
+                       other_inputs: int) -> None:
+        ctx.save_for_backward(first, second)
+        ctx.dtypes, ctx.other_inputs = dtypes, other_inputs
+
+    @staticmethod
+    def backward(ctx, grad_total: Tensor):
+        first, second = ctx.saved_tensors
+        dtype_first, dtype_second = ctx.dtypes
+        return (first * grad_total).to(dtype_first), (second * grad_total).to(dtype_second), *([None] * ctx.other_inputs)
+
+
+class _GateKL(GradientsFromForward):
     """Sum of KL(target || softmax(gate logits)) over counted rows, with its gradient computed chunk by chunk
     in the forward pass: d KL / d logits = softmax(logits) - target, so the backward needs neither the
     target nor the logits again, and memory stays O(chunk x S)."""
@@ -65,30 +89,19 @@ class _GateKL(torch.autograd.Function):
         gq, gk = gate_q.float(), gate_k.float()
         grad_q, grad_k = torch.zeros_like(gq), torch.zeros_like(gk)
         total = torch.zeros((), dtype=torch.float32, device=gq.device)
-        chunk_kl = _compiled_chunk_kl() if gq.is_cuda and want_grad else _chunk_kl
-        batch = query.shape[0]
+        kl_of_chunk = compiled_chunk_kl() if gq.is_cuda and want_grad else chunk_kl
         for start in range(0, query.shape[2], chunk):
             stop = min(start + chunk, query.shape[2])
             keys = int(visible[stop - 1])
-            # mask and rows at the full batch, contiguous: one shape whether the model passed a mask or not
-            # (transformers builds one while a CUDA graph captures), so nothing recompiles during a capture
-            mask = allowed[..., start:stop, :keys].expand(batch, -1, -1, -1).contiguous()
-            rows = counted_rows[..., start:stop].expand(batch, -1, -1).float().contiguous()
-            part, part_q, part_k = chunk_kl(gq[:, :, start:stop], gk[:, :, :keys], query[:, :, start:stop],
-                                            key[:, :, :keys], mask, rows, scaling, want_grad)
+            mask, rows = full_batch(allowed[..., start:stop, :keys], counted_rows[..., start:stop], query.shape[0])
+            part, part_q, part_k = kl_of_chunk(gq[:, :, start:stop], gk[:, :, :keys], query[:, :, start:stop],
+                                               key[:, :, :keys], mask, rows, scaling, want_grad)
             total += part
             if want_grad:
                 grad_q[:, :, start:stop] = part_q
                 grad_k[:, :, :keys] += part_k
-        ctx.save_for_backward(grad_q, grad_k)
-        ctx.dtypes = (gate_q.dtype, gate_k.dtype)
+        _GateKL.keep_gradients(ctx, grad_q, grad_k, (gate_q.dtype, gate_k.dtype), 7)
         return total
-
-    @staticmethod
-    def backward(ctx, grad_total: Tensor):
-        grad_q, grad_k = ctx.saved_tensors
-        dtype_q, dtype_k = ctx.dtypes
-        return (grad_q * grad_total).to(dtype_q), (grad_k * grad_total).to(dtype_k), *([None] * 7)
 
 
 def causal_visible(q_len: int, kv_len: int) -> Tensor:

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from gsm_train.modules.attention_targets import _chunk_kl
+from gsm_train.modules.attention_targets import GradientsFromForward, chunk_kl, full_batch
 from gsm_train.modules.gate_rope import rope_tables, rotate
 
 
@@ -35,7 +35,7 @@ def _gate_kl_from_hidden(q_weight: Tensor, k_weight: Tensor, hidden: Tensor, cos
     q = F.linear(hidden_rows, q_weight).view(batch, len(index), selectors, dim).transpose(1, 2)
     c, s = rope_tables(cos, sin, freq_index, k.dtype)
     c_rows, s_rows = c[:, :, index], s[:, :, index]
-    total, grad_q, grad_k = _chunk_kl(rotate(q, c_rows, s_rows).float(), rotate(k, c, s).float(), query, key, mask,
+    total, grad_q, grad_k = chunk_kl(rotate(q, c_rows, s_rows).float(), rotate(k, c, s).float(), query, key, mask,
                                       rows, scaling, want_grad)
     if not want_grad:
         return total, None, None
@@ -51,7 +51,7 @@ def _compiled_gate_kl_from_hidden() -> Callable[..., tuple[Tensor, Tensor | None
     return torch.compile(_gate_kl_from_hidden, dynamic=False)
 
 
-class _GateKLFromHidden(torch.autograd.Function):
+class _GateKLFromHidden(GradientsFromForward):
     """The KL sum as a function of the two projection weights; their gradients come from the forward."""
 
     @staticmethod
@@ -62,16 +62,9 @@ class _GateKLFromHidden(torch.autograd.Function):
         kl = _compiled_gate_kl_from_hidden() if hidden.is_cuda and want_grad else _gate_kl_from_hidden
         total, grad_q_weight, grad_k_weight = kl(q_weight, k_weight, hidden, cos, sin, freq_index, query, key, mask,
                                                  rows, index, scaling, want_grad)
-        if want_grad:
-            ctx.save_for_backward(grad_q_weight, grad_k_weight)
-            ctx.dtypes = (q_weight.dtype, k_weight.dtype)
+        if want_grad:  # summed in fp32, handed back in the weights' own dtype
+            _GateKLFromHidden.keep_gradients(ctx, grad_q_weight, grad_k_weight, (q_weight.dtype, k_weight.dtype), 10)
         return total
-
-    @staticmethod
-    def backward(ctx, grad_total: Tensor):
-        grad_q_weight, grad_k_weight = ctx.saved_tensors
-        dtype_q, dtype_k = ctx.dtypes  # fp32 sums, handed back in the weights' own dtype
-        return (grad_q_weight * grad_total).to(dtype_q), (grad_k_weight * grad_total).to(dtype_k), *([None] * 10)
 
 
 @dataclass(frozen=True)
@@ -100,10 +93,7 @@ def gate_kl_from_hidden(q_weight: Tensor, k_weight: Tensor, freq_index: Tensor, 
     """Sum of KL(target || gate) over the target's rows, and the number of rows counted, as
     `gate_distill_loss` gives for the gate's own queries and keys. `hidden` [B, S, d], the gate's input
     in the dtype its projections take, gets no gradient (stage 1's base is frozen)."""
-    batch = target.query.shape[0]
-    # at the full batch and contiguous: one shape whether the model passed a mask or not (see _GateKL)
-    mask = target.allowed_rows.expand(batch, -1, -1, -1).contiguous()
-    rows = target.counted_rows.expand(batch, -1, -1).float().contiguous()
+    mask, rows = full_batch(target.allowed_rows, target.counted_rows, target.query.shape[0])
     total = _GateKLFromHidden.apply(q_weight, k_weight, hidden, cos, sin, freq_index, target.query, target.key, mask,
                                     rows, target.index, target.scaling)
     return total, rows.expand(-1, freq_index.shape[0], -1).sum()
