@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -26,7 +26,13 @@ WARMUP_PASSES = 3  # eager passes on a side stream before capture (library handl
 CudaGraphSetting = Literal["auto"] | bool
 
 
-def cuda_graph_blockers(device: torch.device, world_size: int, backend_name: str, stage: object) -> list[str]:
+class CapturableStage(Protocol):
+    name: str
+    graph_blocker: str | None
+
+
+def cuda_graph_blockers(device: torch.device, world_size: int, backend_name: str,
+                        stage: CapturableStage) -> list[str]:
     """Why this run's step cannot be captured (empty: it can)."""
     blockers = []
     if device.type != "cuda":
@@ -35,8 +41,8 @@ def cuda_graph_blockers(device: torch.device, world_size: int, backend_name: str
         blockers.append(f"the run has {world_size} processes; sharded steps (FSDP2, DeepSpeed) run eagerly")
     if backend_name != "fsdp2":
         blockers.append(f"the {backend_name} backend runs its own step")
-    if not getattr(stage, "graph_safe", False):
-        blockers.append(f"stage {getattr(stage, 'name', stage)} reads values on the host during its step")
+    if stage.graph_blocker is not None:
+        blockers.append(f"stage {stage.name}: {stage.graph_blocker}")
     return blockers
 
 
@@ -54,11 +60,14 @@ class GraphedLoss:
     Calling it copies the batch into the captured input, replays, and returns the loss (a tensor that
     the next call overwrites). Gradients of `params` are added into their `.grad` buffers, scaled by
     `grad_scale` (1 / gradient accumulation steps). The warm-up passes and the capture leave the
-    parameters, their gradients (zero) and the CPU and CUDA random states as they found them.
+    parameters, their gradients (zero) and the CPU and CUDA random states as they found them. Anything
+    else the step reads that was allocated before the capture (cached masks, for instance) must stay
+    alive as long as the graph: `keep_alive()`, called after the capture, returns it.
     """
 
     def __init__(self, loss_fn: Callable[[Tensor], Tensor], params: list[nn.Parameter], example: Tensor,
-                 autocast_dtype: torch.dtype | None, grad_scale: float = 1.0):
+                 autocast_dtype: torch.dtype | None, grad_scale: float = 1.0,
+                 keep_alive: Callable[[], object] | None = None):
         self.loss_fn, self.params, self.grad_scale = loss_fn, params, grad_scale
         self.autocast_dtype = autocast_dtype
         self.batch = torch.zeros_like(example)
@@ -78,6 +87,7 @@ class GraphedLoss:
             param.grad.zero_()
         torch.set_rng_state(cpu_rng)
         torch.cuda.set_rng_state(cuda_rng)
+        self.kept = keep_alive() if keep_alive is not None else None  # read by the replays, owned elsewhere
 
     def _loss_and_backward(self) -> Tensor:
         autocast = (torch.autocast("cuda", dtype=self.autocast_dtype, cache_enabled=False)  # no cached casts in a graph

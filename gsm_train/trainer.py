@@ -32,6 +32,7 @@ from gsm_train.distributed import DistInfo, all_reduce_sum, init_distributed, te
 from gsm_train.export import export_adapter
 from gsm_train.kv_budget import apply_kv_budget, kv_bytes_ratio
 from gsm_train.model_zoo import load_model_and_tokenizer
+from gsm_train.modules import GSMError
 from gsm_train.modules.injection import GSM_PARAM_MARKER, gsm_runtime, model_dims
 from gsm_train.run_log import RunLogger
 from gsm_train.step_graph import GraphedLoss, cuda_graph_blockers, use_cuda_graph
@@ -41,7 +42,9 @@ class Stage(Protocol):
     """What a training stage supplies to the loop."""
 
     name: str
-    graph_safe: bool  # optional (default False): the step may be captured in a CUDA graph (train.cuda_graph)
+    # why the step cannot be captured in a CUDA graph (train.cuda_graph), or None if it can: a capturable step
+    # reads no device values on the host, gives every trainable parameter a gradient and logs no scalars
+    graph_blocker: str | None
 
     def prepare(self, model: nn.Module, config: RecipeConfig) -> None:
         """Attach/load modules and set `requires_grad` on exactly the parameters that train."""
@@ -173,9 +176,19 @@ def _graphed_loss(config: RecipeConfig, stage: Stage, model: nn.Module, backend:
     """The stage's micro-step captured in a CUDA graph (after any resume, so the captured step reads the
     restored trainables)."""
     backend.grads_in_place = True
+    model.train()  # the replays run as captured
+
+    def loss_only(batch: Tensor) -> Tensor:
+        loss, scalars = stage.loss(model, batch)
+        if scalars:
+            raise GSMError(f"stage {stage.name} logs per-step scalars ({', '.join(sorted(scalars))}), which a "
+                           "captured step cannot; give the stage a graph_blocker, or set train.cuda_graph: false")
+        return loss
+
     example = torch.zeros(config.train.batch_size, config.data.seq_len, dtype=token_dtype, device=info.device)
-    return GraphedLoss(lambda batch: stage.loss(model, batch)[0], [p for p in model.parameters() if p.requires_grad],
-                       example, compute_dtype, grad_scale=1 / config.train.grad_accum)
+    # the runtime's cached layouts are read by the graph but allocated outside it: keep them alive
+    return GraphedLoss(loss_only, [p for p in model.parameters() if p.requires_grad], example, compute_dtype,
+                       grad_scale=1 / config.train.grad_accum, keep_alive=gsm_runtime(model).layouts_in_use)
 
 
 def _run(config: RecipeConfig, stage: Stage, info: DistInfo, backend: Backend, run_name: str) -> TrainResult:

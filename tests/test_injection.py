@@ -217,16 +217,24 @@ def test_bf16_base_runs_without_autocast(mode: str) -> None:
     assert logits.dtype == torch.bfloat16 and logits.isfinite().all()
 
 
-def test_gsm_mask_is_none_only_for_an_unpadded_causal_pass_over_the_whole_sequence() -> None:
-    from transformers.masking_utils import sdpa_mask
+def test_gsm_mask_is_none_only_for_an_unpadded_causal_pass_over_the_whole_sequence(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers import masking_utils
+    from transformers.masking_utils import and_masks, causal_mask_function, sdpa_mask
 
     from gsm_train.modules.injection import gsm_mask
 
+    # as transformers 5.17 does while a CUDA graph captures: never skip the causal mask
+    monkeypatch.setattr(masking_utils, "_ignore_causal_mask_sdpa", lambda *args, **kwargs: False)
+    assert sdpa_mask(batch_size=2, q_length=8, kv_length=8, device="cpu") is not None
     assert gsm_mask(batch_size=2, q_length=8, kv_length=8, device="cpu") is None
     padding = torch.ones(2, 8, dtype=torch.bool)
     padding[0, :3] = False
+    packed = and_masks(causal_mask_function, lambda b, h, q, kv: (q < 4) == (kv < 4))
     for case in ({"q_length": 8, "kv_length": 8, "attention_mask": padding},
                  {"q_length": 4, "kv_length": 8, "q_offset": 4},
+                 {"q_length": 8, "kv_length": 8, "kv_offset": 2, "q_offset": 2},
+                 {"q_length": 8, "kv_length": 8, "mask_function": packed},
                  {"q_length": 8, "kv_length": 8, "allow_is_causal_skip": False}):
         expected = sdpa_mask(batch_size=2, device="cpu", **case)
         assert expected is not None and torch.equal(gsm_mask(batch_size=2, device="cpu", **case), expected)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from gsm_train.config import ConfigError, GSMConfig, load_recipe
+from gsm_train.modules import GSMError
 from gsm_train.modules.gsm_attention import GSMRuntime
 from gsm_train.stages import GateWarmupStage, JointStage
 from gsm_train.stages.math_gate import MathGateStage
@@ -21,11 +22,12 @@ CUDA = torch.device("cuda")
 
 def test_only_the_gate_warmup_on_one_gpu_with_fsdp2_can_be_captured() -> None:
     assert cuda_graph_blockers(CUDA, 1, "fsdp2", GateWarmupStage()) == []
-    assert len(cuda_graph_blockers(torch.device("cpu"), 1, "fsdp2", GateWarmupStage())) == 1
-    assert len(cuda_graph_blockers(CUDA, 2, "fsdp2", GateWarmupStage())) == 1
-    assert len(cuda_graph_blockers(CUDA, 1, "deepspeed", GateWarmupStage())) == 1
-    assert len(cuda_graph_blockers(CUDA, 1, "fsdp2", JointStage())) == 1
-    assert len(cuda_graph_blockers(CUDA, 1, "fsdp2", MathGateStage())) == 1
+    for blockers, says in ((cuda_graph_blockers(torch.device("cpu"), 1, "fsdp2", GateWarmupStage()), "on cpu"),
+                           (cuda_graph_blockers(CUDA, 2, "fsdp2", GateWarmupStage()), "2 processes"),
+                           (cuda_graph_blockers(CUDA, 1, "deepspeed", GateWarmupStage()), "deepspeed backend"),
+                           (cuda_graph_blockers(CUDA, 1, "fsdp2", JointStage()), "stage joint: its step reads"),
+                           (cuda_graph_blockers(CUDA, 1, "fsdp2", MathGateStage()), "stage math_gate: its adapter")):
+        assert len(blockers) == 1 and says in blockers[0]
 
 
 def test_auto_captures_where_possible_and_true_names_what_blocks_it() -> None:
@@ -59,7 +61,7 @@ def test_gate_kl_rows_are_drawn_once_per_forward_among_counted_queries() -> None
     runtime.clear()
     assert torch.equal(GSMRuntime(config=GSMConfig(), distill_queries=50).sampled_rows(counted, torch.device("cpu")),
                        torch.arange(12, 40))
-    with pytest.raises(Exception, match="not a suffix"):
+    with pytest.raises(GSMError, match="not a suffix"):
         GSMRuntime(config=GSMConfig(), distill_queries=5).sampled_rows(torch.arange(40) % 2 == 0, torch.device("cpu"))
 
 

@@ -1,7 +1,9 @@
 """What stage 1 learns from and how gates are measured, computed per layer in query chunks.
 
 The target `p[t, :]` is the main attention's probabilities averaged over the heads that share one
-selection (all heads of the layer, or one KV group), in fp32, without gradient. Only a
+selection (all heads of the layer, or one KV group), without gradient: softmax, KL and their
+gradients in fp32; the matmuls take fp32 inputs, which autocast (on the GPU) runs as bf16 products with
+fp32 accumulation, as the base's own attention does. Only a
 `[B, n, chunk, S]` slice exists at any time, so memory grows with the chunk, not with T x S.
 The gate's KL gradient is formed in the same pass (softmax(gate) - target), so nothing is recomputed.
 """
@@ -16,7 +18,7 @@ from torch import Tensor
 
 
 def head_averaged_probs(query: Tensor, key: Tensor, allowed: Tensor, scaling: float, num_selectors: int) -> Tensor:
-    """Attention probabilities [B, n, c, S] averaged within each selector's heads (fp32).
+    """Attention probabilities [B, n, c, S] averaged within each selector's heads (fp32 tensors).
 
     query: [B, Hq, c, D] (a chunk of queries), key: [B, Hkv, S, D], allowed: [B|1, 1, c, S].
     """
@@ -32,7 +34,7 @@ def head_averaged_probs(query: Tensor, key: Tensor, allowed: Tensor, scaling: fl
 def chunk_kl(gate_q: Tensor, gate_k: Tensor, query: Tensor, key: Tensor, mask: Tensor, rows: Tensor, scaling: float,
               want_grad: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """One query chunk: the sum of KL(target || softmax(gate logits)) over its counted `rows`, and (if
-    `want_grad`) its gradients for the chunk's gate queries and for the gate keys it sees (all fp32)."""
+    `want_grad`) its gradients for the chunk's gate queries and for the gate keys it sees."""
     scale = gate_q.shape[-1] ** -0.5
     target = head_averaged_probs(query, key, mask, scaling, gate_q.shape[1])
     logits = torch.matmul(gate_q, gate_k.transpose(-1, -2)) * scale
@@ -48,15 +50,14 @@ def chunk_kl(gate_q: Tensor, gate_k: Tensor, query: Tensor, key: Tensor, mask: T
 
 @functools.cache
 def compiled_chunk_kl() -> Callable[..., tuple[Tensor, Tensor | None, Tensor | None]]:
-    """`chunk_kl` fused by torch.compile, for training on the GPU, where shapes are fixed (evaluation and
-    CPU runs use it as written)."""
+    """`chunk_kl` fused by torch.compile, for training on the GPU when the rows fit one chunk, so that every
+    step has one shape (several chunks, evaluation and CPU runs use it as written)."""
     return torch.compile(chunk_kl, dynamic=False)
 
 
 def full_batch(allowed: Tensor, counted_rows: Tensor, batch: int) -> tuple[Tensor, Tensor]:
     """Mask [B, 1, c, S] and counted rows [B, 1, c] (fp32) at the full batch, contiguous: one shape whether
-    the model passed a mask or not (transformers builds one while a CUDA graph captures), so a compiled
-    chunk never recompiles inside a capture."""
+    the model passed a mask or not, so a compiled chunk never recompiles inside a CUDA graph capture."""
     return allowed.expand(batch, -1, -1, -1).contiguous(), counted_rows.expand(batch, -1, -1).float().contiguous()
 
 
@@ -89,7 +90,8 @@ class _GateKL(GradientsFromForward):
         gq, gk = gate_q.float(), gate_k.float()
         grad_q, grad_k = torch.zeros_like(gq), torch.zeros_like(gk)
         total = torch.zeros((), dtype=torch.float32, device=gq.device)
-        kl_of_chunk = compiled_chunk_kl() if gq.is_cuda and want_grad else chunk_kl
+        one_chunk = query.shape[2] <= chunk  # several chunks see different key counts: shapes a compile would chase
+        kl_of_chunk = compiled_chunk_kl() if gq.is_cuda and want_grad and one_chunk else chunk_kl
         for start in range(0, query.shape[2], chunk):
             stop = min(start + chunk, query.shape[2])
             keys = int(visible[stop - 1])

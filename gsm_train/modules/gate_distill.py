@@ -27,7 +27,7 @@ from gsm_train.modules.gate_rope import rope_tables, rotate
 def _gate_kl_from_hidden(q_weight: Tensor, k_weight: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor,
                          freq_index: Tensor, query: Tensor, key: Tensor, mask: Tensor, rows: Tensor, index: Tensor,
                          scaling: float, want_grad: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """KL sum over the sampled query rows `index`, and the gradients of the q/k projection weights (fp32)."""
+    """KL sum over the sampled query rows `index`, and the gradients of the q/k projection weights."""
     batch, length, _ = hidden.shape
     selectors, dim = freq_index.shape[0], 2 * freq_index.shape[1]
     hidden_rows = hidden[:, index]
@@ -62,7 +62,7 @@ class _GateKLFromHidden(GradientsFromForward):
         kl = _compiled_gate_kl_from_hidden() if hidden.is_cuda and want_grad else _gate_kl_from_hidden
         total, grad_q_weight, grad_k_weight = kl(q_weight, k_weight, hidden, cos, sin, freq_index, query, key, mask,
                                                  rows, index, scaling, want_grad)
-        if want_grad:  # summed in fp32, handed back in the weights' own dtype
+        if want_grad:  # handed back in the weights' own dtype
             _GateKLFromHidden.keep_gradients(ctx, grad_q_weight, grad_k_weight, (q_weight.dtype, k_weight.dtype), 10)
         return total
 

@@ -78,6 +78,10 @@ class GSMRuntime:
             self._layouts = {cache_key: layout}
         return layout
 
+    def layouts_in_use(self) -> tuple[tuple[Tensor, ...], ...]:
+        """The cached layouts (a captured step reads them; holding them keeps them allocated)."""
+        return tuple(self._layouts.values())
+
     def sampled_rows(self, counted_host: Tensor, device: torch.device) -> Tensor | None:
         """Query positions (a sorted device index) the gate KL uses in this forward: all (None), or
         `distill_queries` drawn once per forward (shared by all layers) among the counted positions.

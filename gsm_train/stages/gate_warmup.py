@@ -29,7 +29,7 @@ class GateWarmupStage:
 
     name = "gate_warmup"
     distill_queries = 0
-    graph_safe = True  # the step never reads device values on the host, so train.cuda_graph may capture it
+    graph_blocker = None  # its step never reads device values on the host: train.cuda_graph may capture it
 
     def prepare(self, model: nn.Module, config: RecipeConfig) -> None:
         if not (config.gsm.gsm_enabled and config.gsm.sparse_attention.enabled):

@@ -36,6 +36,7 @@ class JointStage:
     """Joint fine-tuning of GSM modules and base under the inference-time attention path."""
 
     name = "joint"
+    graph_blocker = "its step reads values on the host (top-k sizes, ASQ statistics, logged scalars)"
 
     def attach(self, model: nn.Module, config: RecipeConfig) -> None:
         """GSM modules as the recipe says, gate (and any other) tensors from `init_from`, LoRA if asked."""
