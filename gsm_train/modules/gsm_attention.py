@@ -240,8 +240,8 @@ def gsm_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
     mode = "dense" if adapter.dense_layer or not sparse_cfg.enabled else runtime.mode
     gate = adapter.gate
     q_len, kv_len = query.shape[2], key.shape[2]
-    if mode == "dense" and own is None and (gate is None or not (runtime.distill or runtime.recall is not None
-                                                                 or layer_cache is not None)):
+    gate_needed_in_dense = gate is not None and (runtime.distill or runtime.recall is not None or layer_cache is not None)
+    if mode == "dense" and own is None and not gate_needed_in_dense:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     if q_len != kv_len:
@@ -257,8 +257,7 @@ def gsm_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
     gate_from_hidden = (mode == "dense" and own is None and runtime.recall is None and layer_cache is None
                         and index is not None and len(index) <= chunk and reads_weights_directly(gate)
                         and (runtime.detach_gate_input or not hidden.requires_grad))  # it gives hidden no gradient
-    needs_gate = gate is not None and not gate_from_hidden and (
-        mode == "sparse" or runtime.distill or runtime.recall is not None or layer_cache is not None)
+    needs_gate = not gate_from_hidden and (gate_needed_in_dense or (gate is not None and mode == "sparse"))
     num_selectors = gate.num_selectors if gate is not None else 1
     gate_q = gate_k = stored_k = None
     if needs_gate:
@@ -300,17 +299,17 @@ def gsm_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
         # DSA: in sparse training the gate learns the main attention's distribution over what it selected
         on_selection = runtime.distill_on_selection and mode == "sparse" and num_selectors == 1
         kl_mask = selection if on_selection else allowed
-        if index is None:
-            distill_q, distill_gq, distill_allowed, distill_counted, distill_visible = (
-                query, gate_q, kl_mask, counted, visible)
-        else:  # drawn on the device: every key is in bounds (the mask still holds each row to its own)
-            distill_q, distill_allowed, distill_counted = query[:, :, index], kl_mask[..., index, :], counted[..., index]
-            distill_gq, distill_visible = None if gate_q is None else gate_q[:, :, index], torch.full((len(index),), kv_len)
-        runtime.distill_losses[adapter.layer_idx] = gate(hidden, cos, sin, DistillTarget(
-            distill_q.detach(), key.detach(), distill_allowed, distill_counted, index, scaling)
-        ) if gate_from_hidden else gate_distill_loss(
-            distill_q.detach(), key.detach(), distill_gq, gate_k, distill_allowed, distill_counted, scaling, chunk,
-            distill_visible)
+        rows_q, rows_allowed, rows_counted = (query, kl_mask, counted) if index is None else (
+            query[:, :, index], kl_mask[..., index, :], counted[..., index])
+        if gate_from_hidden:
+            loss = gate(hidden, cos, sin, DistillTarget(rows_q.detach(), key.detach(), rows_allowed, rows_counted,
+                                                        index, scaling))
+        else:  # sampled rows were drawn on the device: every key is in bounds (the mask holds each row to its own)
+            rows_gq, rows_visible = (gate_q, visible) if index is None else (
+                gate_q[:, :, index], torch.full((len(index),), kv_len))
+            loss = gate_distill_loss(rows_q.detach(), key.detach(), rows_gq, gate_k, rows_allowed, rows_counted,
+                                     scaling, chunk, rows_visible)
+        runtime.distill_losses[adapter.layer_idx] = loss
     if runtime.recall is not None:
         k, min_keys = runtime.recall
         constant_k = torch.full_like(k_t, k)
