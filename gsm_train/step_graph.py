@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from gsm_train.config import ConfigError, Problem
+from gsm_train.modules.injection import rows_not_packed
 
 WARMUP_PASSES = 3  # eager passes on a side stream before capture (library handles, autotuning, layout caches)
 CudaGraphSetting = Literal["auto"] | bool
@@ -92,7 +93,7 @@ class GraphedLoss:
     def _loss_and_backward(self) -> Tensor:
         autocast = (torch.autocast("cuda", dtype=self.autocast_dtype, cache_enabled=False)  # no cached casts in a graph
                     if self.autocast_dtype is not None else contextlib.nullcontext())
-        with autocast:
+        with autocast, rows_not_packed():  # what transformers cannot check while capturing (see there)
             loss = self.loss_fn(self.batch)
         (loss * self.grad_scale).backward()
         return loss.detach()

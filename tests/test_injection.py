@@ -238,3 +238,31 @@ def test_gsm_mask_is_none_only_for_an_unpadded_causal_pass_over_the_whole_sequen
                  {"q_length": 8, "kv_length": 8, "allow_is_causal_skip": False}):
         expected = sdpa_mask(batch_size=2, device="cpu", **case)
         assert expected is not None and torch.equal(gsm_mask(batch_size=2, device="cpu", **case), expected)
+
+
+def test_a_pass_that_cannot_read_position_ids_keeps_the_causal_path_only_inside_rows_not_packed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers import masking_utils
+
+    from gsm_train.modules import gsm_attention
+    from gsm_train.modules.injection import rows_not_packed
+
+    model = _injected("llama", {"sparse_attention": SPARSE})
+    expected = _logits(model)
+    masks: list[Tensor | None] = []
+    real_sdpa = gsm_attention.sdpa_attention_forward
+
+    def recording_sdpa(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, **kwargs):
+        masks.append(mask)
+        return real_sdpa(module, query, key, value, mask, **kwargs)
+
+    monkeypatch.setattr(gsm_attention, "sdpa_attention_forward", recording_sdpa)
+    monkeypatch.setattr(masking_utils, "is_tracing", lambda *args, **kwargs: True)  # as while a CUDA graph captures
+    assume_packed = _logits(model)
+    assert masks and all(mask is not None for mask in masks)  # transformers assumed packed rows: a full mask
+    masks.clear()
+    with rows_not_packed():
+        causal = _logits(model)
+    assert masks and all(mask is None for mask in masks)
+    assert torch.allclose(causal, expected, atol=1e-6) and torch.allclose(assume_packed, expected, atol=1e-5)
+    assert masking_utils.find_packed_sequence_indices(torch.tensor([[0, 1, 0, 1]])) is not None  # restored

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AttentionInterface, PreTrainedModel
+from transformers import AttentionInterface, PreTrainedModel, masking_utils
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function, sdpa_mask
 
 from gsm_train.config import GSMConfig
@@ -44,6 +44,27 @@ def gsm_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
                    and given.get("local_size") is None and given.get("allow_is_causal_skip", False)
                    and q_length is not None and q_length == given.get("kv_length") and not given.get("kv_offset"))
     return None if causal_full else sdpa_mask(*args, **kwargs)
+
+
+@contextmanager
+def rows_not_packed() -> Iterator[None]:
+    """Within: transformers takes each row's position ids as one sequence, without looking.
+
+    Without a padding mask, transformers reads the position ids on the host to detect several sequences
+    packed into one row with restarting positions. While a CUDA graph captures it cannot read them, so
+    it assumes packing and builds a full [B, 1, T, T] mask: SDPA then loses its causal path (masked
+    attention, GQA heads copied, the mask converted in every layer) and GSM its shared layout. gsm-train's
+    rows are never packed that way (documents are joined with separators, positions run 0..T-1), so a
+    captured training step runs inside this context and gets the causal pass an eager step gets."""
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None:  # a transformers version without the check: nothing to skip
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
 
 
 def _register_attention() -> None:
