@@ -16,7 +16,8 @@ from torch import Tensor, nn
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
 from gsm_train.config import GSMConfig
-from gsm_train.modules.attention_targets import captured_mass, causal_visible, gate_distill_loss, head_averaged_probs
+from gsm_train.modules.attention_targets import (captured_mass, causal_visible, full_batch, gate_distill_loss,
+                                                 head_averaged_probs)
 from gsm_train.modules.cache_bridge import CacheBridge
 from gsm_train.modules.decode_attention import decode_attention
 from gsm_train.modules.errors import GSMError
@@ -41,6 +42,7 @@ class GSMRuntime:
     distill_queries: int = 0
     kv_baseline: str | None = None
     distill_rows: Tensor | None = None  # this forward's sampled query positions (device), see sampled_rows
+    _kl_rows: tuple[Tensor, Tensor | None, Tensor, Tensor] | None = None  # see kl_rows
     detach_gate_input: bool = False
     recall: tuple[int, int] | None = None
     layers_with_gate: list[int] = field(default_factory=list)
@@ -59,6 +61,7 @@ class GSMRuntime:
         self.asq_losses.clear()
         self.bridge_source = None
         self.distill_rows = None
+        self._kl_rows = None
 
     def layout(self, attention_mask: Tensor | None, q_len: int, kv_len: int,
                device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -104,6 +107,22 @@ class GSMRuntime:
                 draw = torch.rand(length - first, device=device).topk(self.distill_queries).indices
                 self.distill_rows = draw.sort().values + first
         return self.distill_rows
+
+    def kl_rows(self, allowed: Tensor, k_t: Tensor, index: Tensor | None, batch: int) -> tuple[Tensor, Tensor]:
+        """The gate KL's query rows: their allowed keys [B|1, 1, R, S] and whether each has at least k of
+        them [B|1, 1, R]; all rows, or the sampled `index` (then at the full batch and contiguous, the one
+        shape the compiled KL takes). Built once per forward when the layers share one layout (no padding
+        mask), as in every stage-1 step."""
+        cached = self._kl_rows
+        if cached is not None and cached[0] is allowed and cached[1] is index:
+            return cached[2], cached[3]
+        if index is None:
+            rows_allowed, counted = allowed, allowed.sum(-1) >= k_t
+        else:
+            rows_allowed = allowed[..., index, :]
+            rows_allowed, counted = full_batch(rows_allowed, rows_allowed.sum(-1) >= k_t[index], batch)
+        self._kl_rows = (allowed, index, rows_allowed, counted)
+        return rows_allowed, counted
 
 
 class GSMAttentionAdapter(nn.Module):
@@ -295,12 +314,11 @@ def gsm_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
         out = _masked_sdpa(module, query, *block_causal_kv(key, value, own, selection, positions, block_size),
                            scaling)
     if runtime.distill and gate is not None:
-        counted = allowed.sum(-1) >= k_t  # queries with at least k keys  [B|1, 1, T]
+        rows_allowed, rows_counted = runtime.kl_rows(allowed, k_t, index, query.shape[0])  # counted: >= k keys
         # DSA: in sparse training the gate learns the main attention's distribution over what it selected
-        on_selection = runtime.distill_on_selection and mode == "sparse" and num_selectors == 1
-        kl_mask = selection if on_selection else allowed
-        rows_q, rows_allowed, rows_counted = (query, kl_mask, counted) if index is None else (
-            query[:, :, index], kl_mask[..., index, :], counted[..., index])
+        if runtime.distill_on_selection and mode == "sparse" and num_selectors == 1:
+            rows_allowed = selection if index is None else selection[..., index, :]
+        rows_q = query if index is None else query[:, :, index]
         if gate_from_hidden:
             loss = gate(hidden, cos, sin, DistillTarget(rows_q.detach(), key.detach(), rows_allowed, rows_counted,
                                                         index, scaling))
