@@ -47,8 +47,9 @@ class Backend(Protocol):
     def backward(self, loss: Tensor, boundary: bool) -> None:
         """Backward of one micro-batch; `boundary` marks the last one of the step."""
 
-    def step(self, optimizer: torch.optim.Optimizer) -> float:
-        """Clip the global gradient norm, update, zero the gradients; return the norm before clipping."""
+    def step(self, optimizer: torch.optim.Optimizer) -> Tensor | float:
+        """Clip the global gradient norm, update, zero the gradients; return the norm before clipping (a
+        tensor is read only when the step is logged, so the host does not wait for it)."""
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The Hugging Face model inside the wrapper."""
@@ -67,11 +68,12 @@ class Backend(Protocol):
         """Restore the trainables (`weights`, full tensors) and the optimizer from a checkpoint folder."""
 
 
-def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
-    """Global gradient norm over the trainable parameters (DTensor-aware), clipped to max_norm."""
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> Tensor:
+    """Global gradient norm over the trainable parameters (DTensor-aware), clipped to max_norm; the norm
+    before clipping stays on the device."""
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     full = getattr(norm, "full_tensor", None)
-    return float(full() if full else norm)
+    return full() if full else norm
 
 
 class FSDP2Backend:
@@ -94,7 +96,7 @@ class FSDP2Backend:
     def backward(self, loss: Tensor, boundary: bool) -> None:
         loss.backward()
 
-    def step(self, optimizer: torch.optim.Optimizer) -> float:
+    def step(self, optimizer: torch.optim.Optimizer) -> Tensor:
         norm = clip_grad_norm(self.params, self.config.optim.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=not self.grads_in_place)
