@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
 
 import pytest
 import torch
@@ -337,6 +339,29 @@ def test_head_averaged_probs_matches_reference() -> None:
         assert torch.allclose(got, _reference_target(query, key, _causal(), 0.5, selectors), atol=1e-6)
 
 
+@pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
+                    or importlib.util.find_spec("triton") is None,
+                    reason="needs Triton with CUDA, or on CPU TRITON_INTERPRET=1 (Triton's interpreter)")
+@pytest.mark.parametrize("selectors", [1, 2, 4])
+def test_attention_target_kernel_matches_the_dense_softmax(selectors: int) -> None:
+    from gsm_train.kernels import attention_target
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    g = _gen(11)
+    length, rows = 150, 70  # neither a multiple of the kernels' 64-wide tiles
+    index = torch.randperm(length, generator=g)[:rows].sort().values
+    query, key = torch.randn(2, 4, rows, 16, generator=g), torch.randn(2, 2, length, 16, generator=g)
+    allowed = (torch.arange(length)[None, :] <= index[:, None])[None, None].repeat(2, 1, 1, 1)
+    allowed[1, ..., :5] = False  # padding: rows before it see no key at all
+    sees_keys = allowed.any(-1, keepdim=True)  # [2, 1, R, 1]: the kernel gives such rows zeros, not NaN
+    expected = _reference_target(query, key, allowed, 0.3, selectors).nan_to_num(0.0) * sees_keys
+    for limit in (None, index + 1):
+        got = attention_target.head_averaged_probs(
+            query.to(device), key.to(device), allowed.to(device), 0.3, selectors,
+            None if limit is None else limit.to(device)).cpu()
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+
+
 # --------------------------------------------------------------------------- CacheBridge
 
 
@@ -383,8 +408,9 @@ def test_compiled_gate_paths_match_the_written_ones() -> None:
     query, key = torch.randn(2, 4, 16, 8, generator=gen).to(cuda), torch.randn(2, 2, 32, 8, generator=gen).to(cuda)
     mask = (torch.arange(32)[None, :] <= torch.arange(16, 32)[:, None])[None, None].to(cuda)
     rows = torch.ones(1, 1, 16, device=cuda)
-    for written, compiled in zip(chunk_kl(gq, gk, query, key, mask, rows, 0.3, True),
-                                 compiled_chunk_kl()(gq, gk, query, key, mask, rows, 0.3, True)):
+    target = head_averaged_probs(query, key, mask, 0.3, 1)
+    for written, compiled in zip(chunk_kl(gq, gk, target, mask, rows, True),
+                                 compiled_chunk_kl()(gq, gk, target, mask, rows, True)):
         torch.testing.assert_close(compiled, written, atol=1e-5, rtol=1e-5)
     cos, sin = torch.randn(2, 16, 8, generator=gen).to(cuda), torch.randn(2, 16, 8, generator=gen).to(cuda)
     index = torch.tensor([[0, 3, 1, 2]], device=cuda)
@@ -393,8 +419,8 @@ def test_compiled_gate_paths_match_the_written_ones() -> None:
     hidden, weights = torch.randn(2, 32, 16, generator=gen).to(cuda), torch.randn(2, 8, 16, generator=gen).to(cuda)
     rows_index = torch.tensor([1, 5, 9, 15], device=cuda)
     cos32, sin32 = torch.randn(2, 32, 8, generator=gen).to(cuda), torch.randn(2, 32, 8, generator=gen).to(cuda)
-    fused_args = (weights[0], weights[1], hidden, cos32, sin32, index, query[:, :, :4], key, mask[..., :4, :],
-                  rows[..., :4], rows_index, 0.3, True)
+    fused_args = (weights[0], weights[1], hidden, cos32, sin32, index, target[:, :, :4], mask[..., :4, :],
+                  rows[..., :4], rows_index, True)
     for written, compiled in zip(_gate_kl_from_hidden(*fused_args), _compiled_gate_kl_from_hidden()(*fused_args)):
         torch.testing.assert_close(compiled, written, atol=1e-4, rtol=1e-4)
     outs = [fn(q, k, cos, sin, index) for fn in (rope_pair, compiled_rope_pair())]

@@ -1,11 +1,12 @@
 """What stage 1 learns from and how gates are measured, computed per layer in query chunks.
 
 The target `p[t, :]` is the main attention's probabilities averaged over the heads that share one
-selection (all heads of the layer, or one KV group), without gradient: softmax, KL and their
-gradients in fp32; the matmuls take fp32 inputs, which autocast (on the GPU) runs as bf16 products with
-fp32 accumulation, as the base's own attention does. Only a
-`[B, n, chunk, S]` slice exists at any time, so memory grows with the chunk, not with T x S.
-The gate's KL gradient is formed in the same pass (softmax(gate) - target), so nothing is recomputed.
+selection (all heads of the layer, or one KV group), without gradient. On CUDA two Triton kernels form
+it from the base's queries and keys with fp32 logits that never leave registers
+(`gsm_train/kernels/attention_target.py`); elsewhere PyTorch forms the logits (under autocast as bf16
+products with fp32 accumulation). Softmax, KL and their gradients are fp32. Only a `[B, n, chunk, S]`
+slice exists at any time, so memory grows with the chunk, not with T x S. The gate's KL gradient is
+formed in the same pass (softmax(gate) - target), so nothing is recomputed.
 """
 
 from __future__ import annotations
@@ -16,12 +17,19 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from gsm_train.kernels import attention_target
 
-def head_averaged_probs(query: Tensor, key: Tensor, allowed: Tensor, scaling: float, num_selectors: int) -> Tensor:
+
+def head_averaged_probs(query: Tensor, key: Tensor, allowed: Tensor, scaling: float, num_selectors: int,
+                        key_limit: Tensor | None = None) -> Tensor:
     """Attention probabilities [B, n, c, S] averaged within each selector's heads (fp32 tensors).
 
-    query: [B, Hq, c, D] (a chunk of queries), key: [B, Hkv, S, D], allowed: [B|1, 1, c, S].
+    query: [B, Hq, c, D] (a chunk of queries), key: [B, Hkv, S, D], allowed: [B|1, 1, c, S]. On CUDA with
+    Triton, two fused kernels that never hold the per-head logits (`gsm_train/kernels/attention_target.py`;
+    `key_limit` [c], if given, bounds the keys each row sees, so they skip the rest); elsewhere PyTorch.
     """
+    if query.is_cuda and attention_target.kernel_runs(query):
+        return attention_target.head_averaged_probs(query, key, allowed, scaling, num_selectors, key_limit)
     batch, num_heads, length, _ = query.shape
     num_kv = key.shape[1]
     q = query.float().view(batch, num_kv, num_heads // num_kv, length, -1)
@@ -31,12 +39,12 @@ def head_averaged_probs(query: Tensor, key: Tensor, allowed: Tensor, scaling: fl
     return probs.view(batch, num_selectors, num_heads // num_selectors, length, -1).mean(dim=2)
 
 
-def chunk_kl(gate_q: Tensor, gate_k: Tensor, query: Tensor, key: Tensor, mask: Tensor, rows: Tensor, scaling: float,
-              want_grad: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
+def chunk_kl(gate_q: Tensor, gate_k: Tensor, target: Tensor, mask: Tensor, rows: Tensor,
+             want_grad: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """One query chunk: the sum of KL(target || softmax(gate logits)) over its counted `rows`, and (if
-    `want_grad`) its gradients for the chunk's gate queries and for the gate keys it sees."""
+    `want_grad`) its gradients for the chunk's gate queries and for the gate keys it sees. `target` is
+    `head_averaged_probs` of the chunk."""
     scale = gate_q.shape[-1] ** -0.5
-    target = head_averaged_probs(query, key, mask, scaling, gate_q.shape[1])
     logits = torch.matmul(gate_q, gate_k.transpose(-1, -2)) * scale
     log_gate = torch.log_softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
     log_target = torch.log(target.clamp_min(1e-30))
@@ -96,8 +104,8 @@ class _GateKL(GradientsFromForward):
             stop = min(start + chunk, query.shape[2])
             keys = int(visible[stop - 1])
             mask, rows = full_batch(allowed[..., start:stop, :keys], counted_rows[..., start:stop], query.shape[0])
-            part, part_q, part_k = kl_of_chunk(gq[:, :, start:stop], gk[:, :, :keys], query[:, :, start:stop],
-                                               key[:, :, :keys], mask, rows, scaling, want_grad)
+            target = head_averaged_probs(query[:, :, start:stop], key[:, :, :keys], mask, scaling, gq.shape[1])
+            part, part_q, part_k = kl_of_chunk(gq[:, :, start:stop], gk[:, :, :keys], target, mask, rows, want_grad)
             total += part
             if want_grad:
                 grad_q[:, :, start:stop] = part_q

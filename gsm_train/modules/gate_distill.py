@@ -20,14 +20,15 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from gsm_train.modules.attention_targets import GradientsFromForward, chunk_kl, full_batch
+from gsm_train.modules.attention_targets import GradientsFromForward, chunk_kl, full_batch, head_averaged_probs
 from gsm_train.modules.gate_rope import rope_tables, rotate
 
 
 def _gate_kl_from_hidden(q_weight: Tensor, k_weight: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor,
-                         freq_index: Tensor, query: Tensor, key: Tensor, mask: Tensor, rows: Tensor, index: Tensor,
-                         scaling: float, want_grad: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """KL sum over the sampled query rows `index`, and the gradients of the q/k projection weights."""
+                         freq_index: Tensor, target: Tensor, mask: Tensor, rows: Tensor, index: Tensor,
+                         want_grad: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """KL sum over the sampled query rows `index` against their `target` (`head_averaged_probs`), and the
+    gradients of the q/k projection weights."""
     batch, length, _ = hidden.shape
     selectors, dim = freq_index.shape[0], 2 * freq_index.shape[1]
     hidden_rows = hidden[:, index]
@@ -35,8 +36,8 @@ def _gate_kl_from_hidden(q_weight: Tensor, k_weight: Tensor, hidden: Tensor, cos
     q = F.linear(hidden_rows, q_weight).view(batch, len(index), selectors, dim).transpose(1, 2)
     c, s = rope_tables(cos, sin, freq_index, k.dtype)
     c_rows, s_rows = c[:, :, index], s[:, :, index]
-    total, grad_q, grad_k = chunk_kl(rotate(q, c_rows, s_rows).float(), rotate(k, c, s).float(), query, key, mask,
-                                      rows, scaling, want_grad)
+    total, grad_q, grad_k = chunk_kl(rotate(q, c_rows, s_rows).float(), rotate(k, c, s).float(), target, mask, rows,
+                                      want_grad)
     if not want_grad:
         return total, None, None
     grad_q = rotate(grad_q, c_rows.float(), -s_rows.float()).transpose(1, 2).reshape(-1, selectors * dim)
@@ -59,9 +60,11 @@ class _GateKLFromHidden(GradientsFromForward):
                 freq_index: Tensor, query: Tensor, key: Tensor, mask: Tensor, rows: Tensor, index: Tensor,
                 scaling: float) -> Tensor:
         want_grad = any(ctx.needs_input_grad[:2])
+        # each row sees no key after its own position: the target skips the keys past the last row's
+        target = head_averaged_probs(query, key, mask, scaling, freq_index.shape[0], key_limit=index + 1)
         kl = _compiled_gate_kl_from_hidden() if hidden.is_cuda and want_grad else _gate_kl_from_hidden
-        total, grad_q_weight, grad_k_weight = kl(q_weight, k_weight, hidden, cos, sin, freq_index, query, key, mask,
-                                                 rows, index, scaling, want_grad)
+        total, grad_q_weight, grad_k_weight = kl(q_weight, k_weight, hidden, cos, sin, freq_index, target, mask, rows,
+                                                 index, want_grad)
         if want_grad:  # handed back in the weights' own dtype
             _GateKLFromHidden.keep_gradients(ctx, grad_q_weight, grad_k_weight, (q_weight.dtype, k_weight.dtype), 10)
         return total
@@ -69,9 +72,10 @@ class _GateKLFromHidden(GradientsFromForward):
 
 @dataclass(frozen=True)
 class DistillTarget:
-    """What the gate's KL compares against, for the sampled query rows `index` (all in one chunk):
-    query [B, Hq, R, D] (those rows), key [B, Hkv, S, D], allowed_rows [B|1, 1, R, S] and
-    counted_rows [B|1, 1, R] (rows with at least k keys), and the attention's scaling."""
+    """What the gate's KL compares against, for the sampled query rows `index` (all in one chunk; their
+    positions in a full-length pass, so no row sees a key after its own position): query [B, Hq, R, D]
+    (those rows), key [B, Hkv, S, D], allowed_rows [B|1, 1, R, S] and counted_rows [B|1, 1, R] (rows
+    with at least k keys), and the attention's scaling."""
 
     query: Tensor
     key: Tensor
