@@ -19,11 +19,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import graph_ms, median_ms, write_result  # noqa: E402
 
-from gsm_train.config import load_recipe  # noqa: E402
+from gsm_train.backend import FSDP2Backend  # noqa: E402
+from gsm_train.config import RecipeConfig, load_recipe  # noqa: E402
 from gsm_train.modules import gsm_disabled  # noqa: E402
+from gsm_train.modules.injection import rows_not_packed  # noqa: E402
 from gsm_train.stages import GateWarmupStage  # noqa: E402
 from gsm_train.step_graph import GraphedLoss  # noqa: E402
 from gsm_train.train import train_recipe  # noqa: E402
+from gsm_train.trainer import build_optimizer, lr_lambda  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,38 +36,46 @@ def _losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in records if r["kind"] == "train"]
 
 
-def _time_step_vs_forward(model: torch.nn.Module, batch: torch.Tensor, distill_queries: int) -> dict[str, float]:
-    """One training step as the trainer runs it on one GPU (the micro-step replayed from a CUDA graph, then
-    clipping and AdamW) and the same step run eagerly; one plain forward of the base, eagerly (as
-    `model(...)` runs) and replayed from a CUDA graph."""
+def _time_step_vs_forward(model: torch.nn.Module, batch: torch.Tensor, config: RecipeConfig,
+                          distill_queries: int) -> dict[str, float]:
+    """One training step as the trainer runs it on one GPU (the micro-step replayed from a CUDA graph,
+    then the backend's clipping and fused AdamW, the schedule, and the loss read on the host) and the same
+    step run eagerly; one plain forward of the base, eagerly (as `model(...)` runs) and replayed from a
+    CUDA graph (captured as the step is, see `rows_not_packed`)."""
     stage = GateWarmupStage()
     stage.distill_queries = distill_queries
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-5)
+    backend = FSDP2Backend(config)
+    backend.params = [p for p in model.parameters() if p.requires_grad]
+    backend.grads_in_place = True
+    optimizer = build_optimizer(model, config)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
     model.train()
-    captured = GraphedLoss(lambda b: stage.loss(model, b)[0], params, batch, torch.bfloat16)
+    captured = GraphedLoss(lambda b: stage.loss(model, b)[0], backend.params, batch, torch.bfloat16)
 
-    def update() -> None:
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
+    def update(loss: torch.Tensor) -> None:
+        backend.step(optimizer)
+        scheduler.step()
+        float(loss)
 
     def step() -> None:
-        captured(batch)
-        update()
+        update(captured(batch))
 
     def eager_step() -> None:
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss, _ = stage.loss(model, batch)
         loss.backward()
-        update()
+        update(loss)
 
     @torch.no_grad()
     def forward() -> None:
         with gsm_disabled(model), torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
             model(input_ids=batch, use_cache=False)
 
-    step_ms, forward_ms, forward_graphed_ms = median_ms(step), median_ms(forward), graph_ms(forward)
+    def captured_forward() -> None:
+        with rows_not_packed():
+            forward()
+
+    step_ms, forward_ms, forward_graphed_ms = median_ms(step), median_ms(forward), graph_ms(captured_forward)
     return {"step_ms": step_ms, "forward_ms": forward_ms, "step_over_forward": step_ms / forward_ms,
             "step_ms_eager": median_ms(eager_step), "forward_ms_graphed": forward_graphed_ms,
             "step_over_graphed_forward": step_ms / forward_graphed_ms}
@@ -84,9 +95,9 @@ def main() -> None:
     one = train_recipe(args.recipe, [*data, *args.overrides, f"output.dir={out / 'one_gpu'}"])
     metrics = one.final_metrics
     stage_batch = torch.randint(0, 1000, (4, 2048), device="cuda")
-    distill_queries = load_recipe(args.recipe, args.overrides).train.distill_queries
-    timing = _time_step_vs_forward(one.model, stage_batch, distill_queries)
-    every_query = _time_step_vs_forward(one.model, stage_batch, 0)
+    config = load_recipe(args.recipe, [*data, *args.overrides])
+    timing = _time_step_vs_forward(one.model, stage_batch, config, config.train.distill_queries)
+    every_query = _time_step_vs_forward(one.model, stage_batch, config, 0)
     timing |= {"distill_queries": distill_queries, "step_ms_all_queries": every_query["step_ms"],
                "step_over_forward_all_queries": every_query["step_over_forward"],
                "step_ms_eager_all_queries": every_query["step_ms_eager"]}
