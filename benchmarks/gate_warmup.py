@@ -98,7 +98,7 @@ def main() -> None:
     config = load_recipe(args.recipe, [*data, *args.overrides])
     timing = _time_step_vs_forward(one.model, stage_batch, config, config.train.distill_queries)
     every_query = _time_step_vs_forward(one.model, stage_batch, config, 0)
-    timing |= {"distill_queries": distill_queries, "step_ms_all_queries": every_query["step_ms"],
+    timing |= {"distill_queries": config.train.distill_queries, "step_ms_all_queries": every_query["step_ms"],
                "step_over_forward_all_queries": every_query["step_over_forward"],
                "step_ms_eager_all_queries": every_query["step_ms_eager"]}
     result = {
