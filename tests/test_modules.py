@@ -362,6 +362,20 @@ def test_attention_target_kernel_matches_the_dense_softmax(selectors: int) -> No
         torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+def test_attention_target_kernel_leaves_what_needs_64_bit_offsets_to_pytorch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gsm_train.kernels import attention_target
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # so that CPU tensors qualify; nothing is launched
+    row = torch.zeros(1, 1, 1, 64)
+    query, key = row.expand(2, 8, 1024, 64), row.expand(2, 2, 4096, 64)
+    assert attention_target.kernel_runs(query, key)
+    assert not attention_target.kernel_runs(row.expand(2, 8, 2**18, 64), key)  # output [2, 8, 2**18, 4096]
+    assert not attention_target.kernel_runs(query, row.expand(2, 2, 2**25, 64))
+    odd = torch.zeros(1, 1, 1, 96)  # a head dim tl.dot does not take
+    assert not attention_target.kernel_runs(odd.expand(2, 8, 1024, 96), odd.expand(2, 2, 4096, 96))
+
+
 # --------------------------------------------------------------------------- CacheBridge
 
 

@@ -1,1 +1,3 @@
-"""Triton kernels for GPU inference (optional: imported only where Triton and a CUDA device exist)."""
+"""Triton kernels: the fused sparse decode (inference) and the stage-1 target (training). Optional:
+each module imports Triton if it can, and callers use them only on a CUDA device (or under Triton's
+interpreter in tests); the PyTorch paths serve everywhere else."""

@@ -28,12 +28,14 @@ BLOCK_KEYS = 128
 NUM_WARPS = 4
 
 
-def kernel_runs(query: Tensor) -> bool:
-    """Whether the kernels can take these queries: Triton with a CUDA device (or its interpreter on the
-    CPU), and a head dimension that `tl.dot` takes (a power of two from 16 to 256)."""
-    head_dim = query.shape[-1]
+def kernel_runs(query: Tensor, key: Tensor) -> bool:
+    """Whether the kernels can take these queries and keys: Triton with a CUDA device (or its
+    interpreter on the CPU), a head dimension that `tl.dot` takes (a power of two from 16 to 256), and
+    offsets that fit 32 bits (64-bit ones cost the kernels 15%; larger problems take the PyTorch path)."""
+    batch, heads, rows, head_dim = query.shape
     on_device = query.is_cuda or (query.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
-    return triton is not None and on_device and 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
+    fits = batch * heads * rows * max(key.shape[2], head_dim) < 2**31 and key.numel() < 2**31
+    return triton is not None and on_device and fits and 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
 
 
 if triton is not None:
@@ -124,7 +126,9 @@ def head_averaged_probs(query: Tensor, key: Tensor, allowed: Tensor, scaling: fl
                         key_limit: Tensor | None = None) -> Tensor:
     """As `attention_targets.head_averaged_probs` (query [B, Hq, R, D], key [B, Hkv, S, D], allowed
     [B|1, 1, R, S] bool; returns [B, n, R, S] fp32), computed by the two kernels. `key_limit` [R] (device,
-    optional): row r sees no key at or past key_limit[r], so tiles beyond every row's bound are skipped."""
+    optional): row r sees no key at or past key_limit[r], so key tiles past the bound of every row of a
+    row tile are skipped. The caller guarantees the bound: a row with allowed keys past it would be
+    normalised over fewer keys, silently."""
     batch, num_heads, rows, head_dim = query.shape
     num_kv, keys = key.shape[1], key.shape[2]
     key = key.to(query.dtype)

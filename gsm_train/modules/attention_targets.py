@@ -28,14 +28,14 @@ def head_averaged_probs(query: Tensor, key: Tensor, allowed: Tensor, scaling: fl
     Triton, two fused kernels that never hold the per-head logits (`gsm_train/kernels/attention_target.py`;
     `key_limit` [c], if given, bounds the keys each row sees, so they skip the rest); elsewhere PyTorch.
     """
-    if query.is_cuda and attention_target.kernel_runs(query):
+    if query.is_cuda and attention_target.kernel_runs(query, key):
         return attention_target.head_averaged_probs(query, key, allowed, scaling, num_selectors, key_limit)
     batch, num_heads, length, _ = query.shape
     num_kv = key.shape[1]
     q = query.float().view(batch, num_kv, num_heads // num_kv, length, -1)
     logits = torch.matmul(q, key.float()[:, :, None].transpose(-1, -2)) * scaling  # [B, Hkv, g, c, S]
     logits = logits.view(batch, num_heads, length, -1).masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
+    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a row that sees no key: zeros, as the kernels give
     return probs.view(batch, num_selectors, num_heads // num_selectors, length, -1).mean(dim=2)
 
 
