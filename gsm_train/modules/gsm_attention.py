@@ -112,9 +112,9 @@ class GSMRuntime:
         """The gate KL's query rows: their allowed keys [B|1, 1, R, S] and whether each has at least k of
         them [B|1, 1, R]; all rows, or the sampled `index` (then at the full batch and contiguous, the one
         shape the compiled KL takes). Built once per forward when the layers share one layout (no padding
-        mask), as in every stage-1 step."""
+        mask), as in every stage-1 step; `clear()` drops them with the rest of the forward's records."""
         cached = self._kl_rows
-        if cached is not None and cached[0] is allowed and cached[1] is index:
+        if cached is not None and cached[0] is allowed and cached[1] is index and cached[2].shape[0] in (1, batch):
             return cached[2], cached[3]
         if index is None:
             rows_allowed, counted = allowed, allowed.sum(-1) >= k_t
