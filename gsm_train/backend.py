@@ -49,7 +49,7 @@ class Backend(Protocol):
 
     def step(self, optimizer: torch.optim.Optimizer) -> Tensor | float:
         """Clip the global gradient norm, update, zero the gradients; return the norm before clipping (a
-        tensor is read only when the step is logged, so the host does not wait for it)."""
+        tensor stays on the device, so the host queues the update before it waits to read the norm)."""
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The Hugging Face model inside the wrapper."""
