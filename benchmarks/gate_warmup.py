@@ -21,7 +21,7 @@ from common import graph_ms, median_ms, write_result  # noqa: E402
 
 from gsm_train.backend import FSDP2Backend  # noqa: E402
 from gsm_train.config import RecipeConfig, load_recipe  # noqa: E402
-from gsm_train.modules import gsm_disabled  # noqa: E402
+from gsm_train.modules import gsm_disabled, gsm_runtime  # noqa: E402
 from gsm_train.modules.injection import rows_not_packed  # noqa: E402
 from gsm_train.stages import GateWarmupStage  # noqa: E402
 from gsm_train.step_graph import GraphedLoss  # noqa: E402
@@ -50,12 +50,13 @@ def _time_step_vs_forward(model: torch.nn.Module, batch: torch.Tensor, config: R
     optimizer = build_optimizer(model, config)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
     model.train()
-    captured = GraphedLoss(lambda b: stage.loss(model, b)[0], backend.params, batch, torch.bfloat16)
+    captured = GraphedLoss(lambda b: stage.loss(model, b)[0], backend.params, batch, torch.bfloat16,
+                           keep_alive=gsm_runtime(model).layouts_in_use)
 
     def update(loss: torch.Tensor) -> None:
         backend.step(optimizer)
         scheduler.step()
-        float(loss)
+        float(loss.detach())
 
     def step() -> None:
         update(captured(batch))
