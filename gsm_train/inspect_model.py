@@ -36,7 +36,6 @@ from gsm_train.modules.gsm_attention import GSMAttentionAdapter
 from gsm_train.modules.injection import decoder_layers, model_dims
 
 
-
 @dataclass(frozen=True)
 class LayerReport:
     """One row of the table."""

@@ -74,16 +74,16 @@ class GradientsFromForward(torch.autograd.Function):
     the backward only scales them and hands them back in those inputs' dtypes."""
 
     @staticmethod
-    def keep_gradients(ctx, first: Tensor, second: Tensor, dtypes: tuple[torch.dtype, torch.dtype],
-                       other_inputs: int) -> None:
+    def keep_gradients(ctx, first: Tensor, second: Tensor, dtypes: tuple[torch.dtype, torch.dtype]) -> None:
         ctx.save_for_backward(first, second)
-        ctx.dtypes, ctx.other_inputs = dtypes, other_inputs
+        ctx.dtypes = dtypes
 
     @staticmethod
     def backward(ctx, grad_total: Tensor):
         first, second = ctx.saved_tensors
         dtype_first, dtype_second = ctx.dtypes
-        return (first * grad_total).to(dtype_first), (second * grad_total).to(dtype_second), *([None] * ctx.other_inputs)
+        others = [None] * (len(ctx.needs_input_grad) - 2)  # the inputs after the first two get no gradient
+        return (first * grad_total).to(dtype_first), (second * grad_total).to(dtype_second), *others
 
 
 class _GateKL(GradientsFromForward):
@@ -110,7 +110,7 @@ class _GateKL(GradientsFromForward):
             if want_grad:
                 grad_q[:, :, start:stop] = part_q
                 grad_k[:, :, :keys] += part_k
-        _GateKL.keep_gradients(ctx, grad_q, grad_k, (gate_q.dtype, gate_k.dtype), 7)
+        _GateKL.keep_gradients(ctx, grad_q, grad_k, (gate_q.dtype, gate_k.dtype))
         return total
 
 

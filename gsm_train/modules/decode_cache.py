@@ -1,8 +1,9 @@
 """A transformers `Cache` that stores what GSM inference needs, and nothing more.
 
 Per layer: K and V in a `KVStore` (ASQ-packed blocks plus the raw newest block, or raw without
-ASQ), the gate keys (bf16, or int8 with an fp16 scale per key: `gate_key_bits`), and, for a `share`-mode bridge target, only the KV heads it keeps (the
-shared heads are read from the source layer's store through the bridge). Works with `generate()`:
+ASQ), the gate keys (bf16, or int8 with an fp16 scale per key: `gate_key_bits`), and, for a
+`share`-mode bridge target, only the KV heads it keeps (the shared heads are read from the source
+layer's store through the bridge). Works with `generate()`:
 
     cache = GSMCache(model)
     model.generate(ids, past_key_values=cache, max_new_tokens=64)

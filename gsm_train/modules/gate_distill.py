@@ -57,16 +57,13 @@ class _GateKLFromHidden(GradientsFromForward):
 
     @staticmethod
     def forward(ctx, q_weight: Tensor, k_weight: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor,
-                freq_index: Tensor, query: Tensor, key: Tensor, mask: Tensor, rows: Tensor, index: Tensor,
-                scaling: float) -> Tensor:
+                freq_index: Tensor, target: Tensor, mask: Tensor, rows: Tensor, index: Tensor) -> Tensor:
         want_grad = any(ctx.needs_input_grad[:2])
-        # each row sees no key after its own position: the target skips the keys past the last row's
-        target = head_averaged_probs(query, key, mask, scaling, freq_index.shape[0], key_limit=index + 1)
         kl = _compiled_gate_kl_from_hidden() if hidden.is_cuda and want_grad else _gate_kl_from_hidden
         total, grad_q_weight, grad_k_weight = kl(q_weight, k_weight, hidden, cos, sin, freq_index, target, mask, rows,
                                                  index, want_grad)
         if want_grad:  # handed back in the weights' own dtype
-            _GateKLFromHidden.keep_gradients(ctx, grad_q_weight, grad_k_weight, (q_weight.dtype, k_weight.dtype), 10)
+            _GateKLFromHidden.keep_gradients(ctx, grad_q_weight, grad_k_weight, (q_weight.dtype, k_weight.dtype))
         return total
 
 
@@ -98,6 +95,8 @@ def gate_kl_from_hidden(q_weight: Tensor, k_weight: Tensor, freq_index: Tensor, 
     `gate_distill_loss` gives for the gate's own queries and keys. `hidden` [B, S, d], the gate's input
     in the dtype its projections take, gets no gradient (stage 1's base is frozen)."""
     mask, rows = full_batch(target.allowed_rows, target.counted_rows, target.query.shape[0])
-    total = _GateKLFromHidden.apply(q_weight, k_weight, hidden, cos, sin, freq_index, target.query, target.key, mask,
-                                    rows, target.index, target.scaling)
+    # each row sees no key after its own position: the target skips the keys past its tile's last row
+    probs = head_averaged_probs(target.query, target.key, mask, target.scaling, freq_index.shape[0],
+                                key_limit=target.index + 1)
+    total = _GateKLFromHidden.apply(q_weight, k_weight, hidden, cos, sin, freq_index, probs, mask, rows, target.index)
     return total, rows.expand(-1, freq_index.shape[0], -1).sum()

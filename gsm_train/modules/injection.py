@@ -31,7 +31,8 @@ _SDPA_MASK_PARAMETERS = inspect.signature(sdpa_mask)
 def gsm_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     """transformers' `sdpa_mask`, except that an unpadded causal pass over the whole sequence gets no mask
     (None: attention is causal by construction, and SDPA keeps its flash path) even while a CUDA graph
-    captures, where some transformers 5.x versions materialise the [B, 1, T, T] mask."""
+    captures, where transformers 5.x materialises the [B, 1, T, T] mask. (Under capture transformers also
+    takes the rows for packed sequences, which no mask function can undo: see `rows_not_packed`.)"""
     bound = _SDPA_MASK_PARAMETERS.bind(*args, **kwargs)
     bound.apply_defaults()
     given = bound.arguments

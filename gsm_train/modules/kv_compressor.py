@@ -352,14 +352,11 @@ class ASQCompressor(nn.Module):
         its own would bypass FSDP2's and ZeRO-3's parameter gathering, which hook ``forward``). In eval
         mode it also records ``last_stats`` (training steps skip that work)."""
         enc, blocks, tail = self._encode_input(x)
-        x_hat = self._reconstruct(x, enc, blocks, tail)
-        return (x_hat, self._distortion(enc, blocks)) if with_loss else x_hat
-
-    def _reconstruct(self, x: Tensor, enc: _Encoded | None, blocks: Tensor, tail: Tensor) -> Tensor:
         x_hat = enc.reconstruct() if enc is not None else blocks
         if not self.training:
             self._record_stats(enc, blocks, x_hat)
-        return _join_blocks(x_hat, tail) if enc is not None else x
+        out = _join_blocks(x_hat, tail) if enc is not None else x
+        return (out, self._distortion(enc, blocks)) if with_loss else out
 
     def reconstruction_loss(self, x: Tensor) -> Tensor:
         """Clustering loss for the assignment MLP (differentiable, fp32 scalar).
