@@ -150,24 +150,39 @@ NEAR_TIE = 0.1  # logits: a teacher-forced argmax this close to the generated to
 def _agreement(model: torch.nn.Module, generated: torch.Tensor, new_tokens: int) -> dict[str, float]:
     """Share of generated tokens equal to the teacher-forced argmax of the same model on the same sequence,
     and how far the teacher-forced logits put each mismatch from a tie (the generated token's logit below
-    the argmax's): near-ties are rounding differences meeting a discrete step, large gaps real mismatches."""
+    the argmax's): near-ties are rounding differences meeting a discrete step, large gaps amplified ones.
+
+    Also the teacher-forced pass against itself: its argmax over the first half of the new tokens from
+    the whole sequence and from the sequence without its second half. The two passes compute the same
+    thing, so this share is the floor that rounding (amplified by ASQ's code rounding and the top-k)
+    sets for any agreement at this precision."""
     logits = model(generated, use_cache=False, logits_to_keep=new_tokens + 1).logits[:, :-1].float()
     tokens = generated[:, -new_tokens:]
     gap = logits.max(-1).values - logits.gather(-1, tokens[..., None])[..., 0]
     mismatch = logits.argmax(-1) != tokens
+    half = new_tokens // 2
+    shorter = model(generated[:, :-half], use_cache=False, logits_to_keep=new_tokens - half + 1).logits[:, :-1]
+    self_agreement = (shorter.argmax(-1) == logits[:, :new_tokens - half].argmax(-1)).float().mean().item()
     return {"agreement": 1 - mismatch.float().mean().item(),
             "mismatch_max_logit_gap": gap[mismatch].max().item() if mismatch.any() else 0.0,
-            "agreement_outside_near_ties": 1 - (mismatch & (gap > NEAR_TIE)).float().mean().item()}
+            "agreement_outside_near_ties": 1 - (mismatch & (gap > NEAR_TIE)).float().mean().item(),
+            "teacher_forced_self_agreement": self_agreement}
 
 
 @torch.no_grad()
-def fp32_agreement(eval_data: str, adapter: str | None, prompt_len: int, new_tokens: int) -> dict[str, float]:
-    """Token agreement of cached GSM decoding with teacher forcing in fp32 (batch 1): rounding aside, the two
-    paths compute the same thing, so this isolates real mismatches from bf16 noise."""
+def exact_agreement(eval_data: str, adapter: str | None, prompt_len: int, new_tokens: int,
+                    dtype: torch.dtype) -> dict[str, float]:
+    """Token agreement of cached GSM decoding with teacher forcing in fp32 or fp64 (batch 1, the PyTorch decode
+    path for fp64, which the kernels do not take). In fp64 the two paths differ only by fp64 rounding, which
+    no ASQ code rounding or top-k boundary meets in practice: agreement there shows they compute the same
+    function; fp32 shows how much of the bf16 disagreement rounding alone explains."""
     gsm = _gsm_model(adapter, torch.device("cuda"), torch.float32)
+    if dtype == torch.float64:
+        gsm.double()
     _, tokenizer = load_model_and_tokenizer("smollm2-135m")
     prompt = pack_tokens(load_text_dataset(eval_data), tokenizer, prompt_len)[1:2].cuda()
-    out = gsm.generate(prompt, past_key_values=GSMCache(gsm), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+    cache = GSMCache(gsm, fused=False if dtype == torch.float64 else None)
+    out = gsm.generate(prompt, past_key_values=cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                        do_sample=False, pad_token_id=0)
     return _agreement(gsm, out, new_tokens)
 
@@ -196,6 +211,7 @@ def end_to_end(eval_data: str, adapter: str | None, prompt_len: int, new_tokens:
                "kv_bytes_dense": dense_bytes, "kv_bytes_gsm": gsm_bytes, "kv_bytes_ratio": gsm_bytes / dense_bytes,
                "token_agreement": agreement["agreement"],
                "token_agreement_outside_near_ties": agreement["agreement_outside_near_ties"],
+               "teacher_forced_self_agreement": agreement["teacher_forced_self_agreement"],
                "mismatch_max_logit_gap": agreement["mismatch_max_logit_gap"],
                "token_agreement_dense_bf16": dense_agreement["agreement"],
                "mismatch_max_logit_gap_dense_bf16": dense_agreement["mismatch_max_logit_gap"],
@@ -236,9 +252,11 @@ def main() -> None:
         return next(r["speedup"] for r in rows if (r["shape"], r["context"], r["batch"], r["k"]) ==
                     (shape, context, batch, k))
 
-    agreement_fp32 = fp32_agreement(args.eval_data, args.adapter, args.prompt, args.new_tokens)
-    print(f"token agreement in fp32: {agreement_fp32['agreement']:.4f} "
-          f"({agreement_fp32['agreement_outside_near_ties']:.4f} outside near-ties)")
+    exact = {name: exact_agreement(args.eval_data, args.adapter, args.prompt, args.new_tokens, dtype)
+             for name, dtype in (("fp32", torch.float32), ("fp64", torch.float64))}
+    for name, agreement in exact.items():
+        print(f"token agreement in {name}: {agreement['agreement']:.4f} ({agreement['agreement_outside_near_ties']:.4f} "
+              f"outside near-ties; teacher forcing against itself {agreement['teacher_forced_self_agreement']:.4f})")
     first = e2e[0]
     result = {
         "attn_speedup_32k_bs1_k2048": speedup(32768, 1, 2048),
@@ -247,9 +265,12 @@ def main() -> None:
         "attn_speedup_32k_bs16_k2048_smollm2": speedup(32768, 16, 2048, "smollm2"),
         "e2e_tokens_per_s_gsm": first["tokens_per_s_gsm"], "e2e_tokens_per_s_dense": first["tokens_per_s_dense"],
         "kv_bytes_gsm": first["kv_bytes_gsm"], "kv_bytes_dense": first["kv_bytes_dense"],
-        "token_agreement": min(r["token_agreement"] for r in e2e), "token_agreement_fp32": agreement_fp32["agreement"],
+        "token_agreement": min(r["token_agreement"] for r in e2e),
+        "token_agreement_fp32": exact["fp32"]["agreement"], "token_agreement_fp64": exact["fp64"]["agreement"],
+        "teacher_forced_self_agreement": min(r["teacher_forced_self_agreement"] for r in e2e),
+        "teacher_forced_self_agreement_fp32": exact["fp32"]["teacher_forced_self_agreement"],
         "token_agreement_outside_near_ties": min(r["token_agreement_outside_near_ties"] for r in e2e),
-        "token_agreement_fp32_outside_near_ties": agreement_fp32["agreement_outside_near_ties"],
+        "token_agreement_fp32_outside_near_ties": exact["fp32"]["agreement_outside_near_ties"],
         "near_tie_logit_gap": NEAR_TIE,
         "adapter": args.adapter or "recipes/joint.yaml modules, untrained", "asq_bits": args.bits,
         "flash_attn": flash, "attention": rows, "end_to_end": e2e,

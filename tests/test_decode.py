@@ -81,6 +81,19 @@ def test_cached_decoding_equals_teacher_forced(family: str, config: str, mode: s
     torch.testing.assert_close(_step_by_step(model, ids, GSMCache(model)), teacher_forced, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("config", ["everything_share", "everything_mix_kv_gates"])
+def test_cached_decoding_equals_teacher_forced_exactly_in_fp64(config: str) -> None:
+    """In fp64 the two paths differ only by fp64 rounding (1e-10 here), so every rounding-amplifying
+    step (ASQ's code rounding, the top-k) decides alike in both: this is the check that they compute the
+    same function, free of the noise that ASQ amplifies in fp32 and bf16."""
+    model = _model("llama", CONFIGS[config]).double()
+    ids = _ids()
+    with torch.no_grad():
+        teacher_forced = model(ids, use_cache=False).logits
+    torch.testing.assert_close(_step_by_step(model, ids, GSMCache(model, fused=False)), teacher_forced, atol=1e-10,
+                               rtol=0)
+
+
 def test_left_padded_batch_decodes_as_teacher_forced() -> None:
     """Padding reaches the selection: padded keys are never attended, the rest matches teacher forcing."""
     model = _model("llama", CONFIGS["everything_mix_kv_gates"])

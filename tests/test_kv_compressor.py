@@ -92,6 +92,19 @@ def test_eval_forward_equals_decompress_compress(bits, dtype) -> None:
     torch.testing.assert_close(rebuilt, out, rtol=0, atol=1e-6)
 
 
+def test_fp64_input_is_encoded_and_rebuilt_in_fp64() -> None:
+    """fp64 in, fp64 throughout (the exactness check of cached decoding relies on it: an fp32 step
+    inside would turn fp64 rounding differences into fp32 ones, which flip 4-bit codes): the encoding
+    (its loss shows its dtype) and the packed round trip, which equals the forward to fp64 rounding."""
+    comp = _asq(4).double()
+    x = _offset_data(s=200).double()
+    with torch.no_grad():
+        out, loss = comp(x, with_loss=True)
+    rebuilt = comp.decompress(comp.compress(x))
+    assert out.dtype == rebuilt.dtype == loss.dtype == torch.float64
+    torch.testing.assert_close(rebuilt, out, rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize("train", [False, True])
 def test_causality_and_uncompressed_tail(train) -> None:
     comp = _asq(4, block_size=64).train(train)

@@ -56,9 +56,15 @@ def _round_ste(x: Tensor) -> Tensor:
     return x + (torch.round(x) - x).detach()
 
 
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """The dtype ASQ computes in for input `x`: fp32, or fp64 for fp64 input (where cached decoding
+    and teacher forcing can be checked free of rounding)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
 def _to_store(x: Tensor) -> Tensor:
-    """Round fp32 values to the float16 storage grid (stays fp32, differentiable)."""
-    return x.clamp(-_FP16_MAX, _FP16_MAX).to(_STORE_DTYPE).to(torch.float32)
+    """Round fp32 (or fp64) values to the float16 storage grid (keeps x's dtype, differentiable)."""
+    return x.clamp(-_FP16_MAX, _FP16_MAX).to(_STORE_DTYPE).to(x.dtype)
 
 
 def _quantize(x: Tensor, bits: int, dim: int) -> tuple[Tensor, Tensor]:
@@ -109,13 +115,13 @@ def _pack(q: Tensor, bits: int) -> Tensor:
     return torch.bitwise_left_shift(u, shifts).sum(dim=-1).to(torch.uint8)
 
 
-def _unpack(packed: Tensor, bits: int, dim: int) -> Tensor:
-    """Inverse of :func:`_pack`: uint8 [..., nbytes] -> fp32 integer codes [..., dim]."""
+def _unpack(packed: Tensor, bits: int, dim: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Inverse of :func:`_pack`: uint8 [..., nbytes] -> integer codes [..., dim] as `dtype`."""
     per = 8 // bits
     shifts = torch.arange(per, device=packed.device, dtype=torch.int32) * bits
     u = torch.bitwise_right_shift(packed.to(torch.int32).unsqueeze(-1), shifts) & (2**bits - 1)
     u = u.reshape(*packed.shape[:-1], packed.shape[-1] * per)[..., :dim]
-    return (u - 2 ** (bits - 1)).to(torch.float32)
+    return (u - 2 ** (bits - 1)).to(dtype)
 
 
 # --------------------------------------------------------------------------- baselines
@@ -303,14 +309,15 @@ class ASQCompressor(nn.Module):
         h = blocks.shape[1]
         centered = blocks - blocks.mean(dim=3, keepdim=True)
         rms = centered.pow(2).mean(dim=(3, 4), keepdim=True).add(_EPS).sqrt()
-        hidden = torch.einsum("bhnsd,hdk->bhnsk", centered / rms, self.w1[:h].float())
-        hidden = F.gelu(hidden + self.b1[:h].float()[:, None, None, :])
-        logits = torch.einsum("bhnsk,hkc->bhnsc", hidden, self.w2[:h].float())
-        logits = logits + self.b2[:h].float()[:, None, None, :]
+        dtype = blocks.dtype
+        hidden = torch.einsum("bhnsd,hdk->bhnsk", centered / rms, self.w1[:h].to(dtype))
+        hidden = F.gelu(hidden + self.b1[:h].to(dtype)[:, None, None, :])
+        logits = torch.einsum("bhnsk,hkc->bhnsc", hidden, self.w2[:h].to(dtype))
+        logits = logits + self.b2[:h].to(dtype)[:, None, None, :]
         return torch.softmax(logits / self.tau, dim=-1)
 
     def _encode(self, blocks: Tensor) -> _Encoded:
-        """Cluster, build prototypes and quantize residuals of fp32 blocks [B, H, n, bs, D]."""
+        """Cluster, build prototypes and quantize residuals of blocks [B, H, n, bs, D] (`compute_dtype`)."""
         probs = self._assign(blocks)
         weighted = torch.matmul(probs.transpose(-1, -2), blocks)
         mass = probs.sum(dim=3)
@@ -321,11 +328,11 @@ class ASQCompressor(nn.Module):
         return _Encoded(probs, weighted, mass, prototypes, ids, q, scale)
 
     def _encode_input(self, x: Tensor, leading_heads: bool = False) -> tuple[_Encoded | None, Tensor, Tensor]:
-        """Validate and split ``x``; returns (encoding or None if no full block, fp32 blocks, tail)."""
+        """Validate and split ``x``; returns (encoding or None if no full block, blocks in `compute_dtype`, tail)."""
         self._check_input(x, leading_heads)
         with torch.autocast(device_type=x.device.type, enabled=False):
             full, tail = _split_blocks(x, self.block_size)
-            blocks = full.float()
+            blocks = full.to(compute_dtype(full))
             enc = self._encode(blocks) if blocks.shape[2] > 0 else None
         return enc, blocks, tail
 
@@ -422,9 +429,10 @@ class ASQCompressor(nn.Module):
         b, h, s_full = packed.ids.shape
         n, d = packed.prototypes.shape[2], packed.head_dim
         ids = packed.ids.long().reshape(b, h, n, packed.block_size)
-        q = _unpack(packed.residual, packed.bits, d).reshape(b, h, n, packed.block_size, d)
-        scale = packed.scales.float().reshape(b, h, n, packed.block_size, 1)
-        x_hat = _gather_prototypes(packed.prototypes.float(), ids) + q * scale
+        dtype = compute_dtype(packed.tail)
+        q = _unpack(packed.residual, packed.bits, d, dtype).reshape(b, h, n, packed.block_size, d)
+        scale = packed.scales.to(dtype).reshape(b, h, n, packed.block_size, 1)
+        x_hat = _gather_prototypes(packed.prototypes.to(dtype), ids) + q * scale
         return _join_blocks(x_hat, packed.tail)
 
     def byte_account(self, seq_len: int, batch_size: int = 1, tail_bytes: int = 2) -> dict[str, float]:

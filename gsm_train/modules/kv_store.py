@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from gsm_train.modules.kv_compressor import ASQCompressor, PackedKV, _unpack, stored_split
+from gsm_train.modules.kv_compressor import ASQCompressor, PackedKV, _unpack, compute_dtype, stored_split
 
 
 class KVStore:
@@ -66,13 +66,14 @@ class KVStore:
         at = index.clamp_max(packed_len - 1)
         ids = torch.gather(self.ids, 2, at).long()
         nbytes = self.residual.shape[-1]
+        dtype = compute_dtype(rows)
         codes = _unpack(torch.gather(self.residual, 2, at.unsqueeze(-1).expand(*at.shape, nbytes)),
-                        self.asq.quant_bits, dim)
-        scales = torch.gather(self.scales, 2, at).float().unsqueeze(-1)
+                        self.asq.quant_bits, dim, dtype)
+        scales = torch.gather(self.scales, 2, at).to(dtype).unsqueeze(-1)
         block = at // self.asq.block_size
         b, h, n_blocks, clusters, _ = self.prototypes.shape
         flat = self.prototypes.reshape(b, h, n_blocks * clusters, dim)
-        protos = torch.gather(flat, 2, (block * clusters + ids).unsqueeze(-1).expand(*at.shape, dim)).float()
+        protos = torch.gather(flat, 2, (block * clusters + ids).unsqueeze(-1).expand(*at.shape, dim)).to(dtype)
         packed_rows = (protos + codes * scales).to(rows.dtype)
         return torch.where((index < packed_len).unsqueeze(-1), packed_rows, rows)
 

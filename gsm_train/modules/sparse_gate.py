@@ -86,8 +86,9 @@ class SparseGateHead(nn.Module):
         return decode_gate_keys(*encode_gate_keys(gate_k.detach(), self.key_bits))
 
     def score_stored(self, gate_q: Tensor, keys: Tensor) -> Tensor:
-        """Gate logits [B, n, T, S] in fp32 over fp32 keys already decoded from the cache."""
-        return torch.matmul(gate_q.float(), keys.transpose(-1, -2)) / math.sqrt(self.gate_head_dim)
+        """Gate logits [B, n, T, S] in fp32 (fp64 for an fp64 query) over keys already decoded from the cache."""
+        dtype = torch.float64 if gate_q.dtype == torch.float64 else torch.float32
+        return torch.matmul(gate_q.to(dtype), keys.to(dtype).transpose(-1, -2)) / math.sqrt(self.gate_head_dim)
 
     @torch.no_grad()
     def init_from_attention(self, q_weight: Tensor, k_weight: Tensor, num_heads: int, num_kv_heads: int,
