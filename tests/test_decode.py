@@ -72,21 +72,22 @@ CASES = [(family, "everything_share") for family in TINY_FAMILIES] + [("qwen3", 
 @pytest.mark.parametrize(("family", "config"), CASES)
 @pytest.mark.parametrize("mode", ["sparse", "dense"])
 def test_cached_decoding_equals_teacher_forced(family: str, config: str, mode: str) -> None:
-    """Tolerance 1e-4 (fp32): the two paths sum the same terms in another order (2-bit residuals amplify
-    that a little); one different selection would move logits by far more."""
+    """Tolerance 1e-3 (fp32): the two paths sum the same terms in another order. How that rounds depends on
+    the host's BLAS threading, and it can flip an odd ASQ code (1.6e-4 at one position, measured on a
+    16-core host; 2-bit residuals amplify it most). The fp64 test below is the exact check."""
     model = _model(family, CONFIGS[config], mode)
     ids = _ids()
     with torch.no_grad():
         teacher_forced = model(ids, use_cache=False).logits
-    torch.testing.assert_close(_step_by_step(model, ids, GSMCache(model)), teacher_forced, atol=1e-4, rtol=0)
+    torch.testing.assert_close(_step_by_step(model, ids, GSMCache(model)), teacher_forced, atol=1e-3, rtol=0)
 
 
-@pytest.mark.parametrize("config", ["everything_share", "everything_mix_kv_gates"])
-def test_cached_decoding_equals_teacher_forced_exactly_in_fp64(config: str) -> None:
+@pytest.mark.parametrize(("family", "config"), CASES)
+def test_cached_decoding_equals_teacher_forced_exactly_in_fp64(family: str, config: str) -> None:
     """In fp64 the two paths differ only by fp64 rounding (1e-10 here), so every rounding-amplifying
     step (ASQ's code rounding, the top-k) decides alike in both: this is the check that they compute the
     same function, free of the noise that ASQ amplifies in fp32 and bf16."""
-    model = _model("llama", CONFIGS[config]).double()
+    model = _model(family, CONFIGS[config]).double()
     ids = _ids()
     with torch.no_grad():
         teacher_forced = model(ids, use_cache=False).logits
