@@ -154,14 +154,15 @@ def _agreement(model: torch.nn.Module, generated: torch.Tensor, new_tokens: int)
 
     Also the teacher-forced pass against itself: its argmax over the first half of the new tokens from
     the whole sequence and from the sequence without its second half. The two passes compute the same
-    thing, so this share is the floor that rounding (amplified by ASQ's code rounding and the top-k)
-    sets for any agreement at this precision."""
-    logits = model(generated, use_cache=False, logits_to_keep=new_tokens + 1).logits[:, :-1].float()
+    thing, so this share is a reference level for how much rounding (amplified by ASQ's code rounding
+    and the top-k) alone moves the argmax at this precision (over the first half of the tokens only)."""
+    logits = model(generated, use_cache=False, logits_to_keep=new_tokens + 1).logits[:, :-1]
+    logits = logits if logits.dtype == torch.float64 else logits.float()
     tokens = generated[:, -new_tokens:]
     gap = logits.max(-1).values - logits.gather(-1, tokens[..., None])[..., 0]
     mismatch = logits.argmax(-1) != tokens
     half = new_tokens // 2
-    shorter = model(generated[:, :-half], use_cache=False, logits_to_keep=new_tokens - half + 1).logits[:, :-1]
+    shorter = model(generated[:, :generated.shape[1] - half], use_cache=False, logits_to_keep=new_tokens - half + 1).logits[:, :-1]
     self_agreement = (shorter.argmax(-1) == logits[:, :new_tokens - half].argmax(-1)).float().mean().item()
     return {"agreement": 1 - mismatch.float().mean().item(),
             "mismatch_max_logit_gap": gap[mismatch].max().item() if mismatch.any() else 0.0,
@@ -181,7 +182,7 @@ def exact_agreement(eval_data: str, adapter: str | None, prompt_len: int, new_to
         gsm.double()
     _, tokenizer = load_model_and_tokenizer("smollm2-135m")
     prompt = pack_tokens(load_text_dataset(eval_data), tokenizer, prompt_len)[1:2].cuda()
-    cache = GSMCache(gsm, fused=False if dtype == torch.float64 else None)
+    cache = GSMCache(gsm)  # fp64: the PyTorch decode path
     out = gsm.generate(prompt, past_key_values=cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                        do_sample=False, pad_token_id=0)
     return _agreement(gsm, out, new_tokens)

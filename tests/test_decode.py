@@ -83,15 +83,16 @@ def test_cached_decoding_equals_teacher_forced(family: str, config: str, mode: s
 
 
 @pytest.mark.parametrize(("family", "config"), CASES)
-def test_cached_decoding_equals_teacher_forced_exactly_in_fp64(family: str, config: str) -> None:
+@pytest.mark.parametrize("mode", ["sparse", "dense"])
+def test_cached_decoding_equals_teacher_forced_exactly_in_fp64(family: str, config: str, mode: str) -> None:
     """In fp64 the two paths differ only by fp64 rounding (1e-10 here), so every rounding-amplifying
     step (ASQ's code rounding, the top-k) decides alike in both: this is the check that they compute the
     same function, free of the noise that ASQ amplifies in fp32 and bf16."""
-    model = _model(family, CONFIGS[config]).double()
+    model = _model(family, CONFIGS[config], mode).double()
     ids = _ids()
     with torch.no_grad():
         teacher_forced = model(ids, use_cache=False).logits
-    torch.testing.assert_close(_step_by_step(model, ids, GSMCache(model, fused=False)), teacher_forced, atol=1e-10,
+    torch.testing.assert_close(_step_by_step(model, ids, GSMCache(model)), teacher_forced, atol=1e-10,
                                rtol=0)
 
 
@@ -170,6 +171,8 @@ def test_refusals() -> None:
             model(ids[:, PROMPT:PROMPT + 2], past_key_values=cache, use_cache=True)
     with pytest.raises(GSMError, match="num_beams=1"):
         model.generate(_ids(6), past_key_values=GSMCache(model), max_new_tokens=2, num_beams=2, do_sample=False)
+    with pytest.raises(GSMError, match="fused=False"):
+        GSMCache(_model("llama", CONFIGS["everything_share"]).double(), fused=True)
     model.gsm_runtime.enabled = False
     with pytest.raises(GSMError, match="default cache"):
         GSMCache(model)

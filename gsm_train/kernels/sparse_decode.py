@@ -251,4 +251,3 @@ def gate_scores(gate_q: Tensor, gate_keys: Tensor, key_scales: Tensor | None) ->
         gate_q.float().contiguous(), gate_keys.contiguous(), scales, out, length, dim ** -0.5, DG=dim, BLOCK_S=BLOCK_S,
         SCALED=key_scales is not None)
     return out
-

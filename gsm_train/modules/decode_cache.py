@@ -125,9 +125,15 @@ class GSMCache(Cache):
 
 
 def _fused_kernels(model: nn.Module, fused: bool | None) -> ModuleType | None:
-    """The fused Triton decode kernels when asked for (or, with `fused=None`, when on CUDA with Triton)."""
-    on_cuda = next(model.parameters()).device.type == "cuda"
-    if fused is False or (fused is None and not on_cuda):
+    """The fused Triton decode kernels when asked for (or, with `fused=None`, when on CUDA with Triton and
+    not in fp64: the kernels compute in fp32, an fp64 model decodes on the PyTorch path)."""
+    parameter = next(model.parameters())
+    if parameter.dtype == torch.float64:
+        if fused:
+            raise GSMError("the fused decode kernels compute in fp32, not fp64; pass fused=False (or None) for "
+                           "an fp64 model")
+        return None
+    if fused is False or (fused is None and parameter.device.type != "cuda"):
         return None
     from gsm_train.kernels import sparse_decode
 
