@@ -4,6 +4,11 @@ the control and the GSM model as inference runs it; plain quantization at ASQ's 
 sparsity and bridge; KV bytes; tokens/s of a joint step against a dense fine-tune step.
 
 python benchmarks/joint.py --train-data PATH/prose --eval-data PATH/wikitext-2/valid.txt --out DIR
+
+Run again with the same arguments after an interruption (e.g. a per-call time limit) and it goes on
+where it stopped: a stage whose export exists is not trained again, a stage with checkpoints resumes
+from its latest one, and the measurements already in the result file are kept (so keep `--result`
+where it survives between runs, e.g. its default under `--out`, and copy it out afterwards).
 """
 
 from __future__ import annotations
@@ -26,11 +31,23 @@ from gsm_train.train import train_recipe  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _train(recipe: str, overrides: list[str]) -> None:
-    result = train_recipe(str(REPO / "recipes" / recipe), overrides)
+def _train(recipe: str, overrides: list[str], run_dir: Path) -> None:
+    """Train `recipe` into `run_dir`, unless its export is already there; resume from its latest checkpoint."""
+    if (run_dir / "export").is_dir():  # exports are written to a temporary folder and renamed when complete
+        print(f"{run_dir / 'export'} exists: {recipe} is not trained again", flush=True)
+        return
+    result = train_recipe(str(REPO / "recipes" / recipe), [*overrides, f"output.dir={run_dir}"], resume="auto")
     del result
     gc.collect()
     torch.cuda.empty_cache()
+
+
+def _earlier_result(path: Path, overrides: list[str]) -> dict:
+    """The measurements an interrupted run of the same settings already wrote (none for other settings)."""
+    if not path.exists():
+        return {}
+    earlier = json.loads(path.read_text())
+    return earlier if earlier.get("gsm_overrides") == overrides else {}
 
 
 def _tokens_per_s(run_dir: Path) -> float:
@@ -56,26 +73,36 @@ def main() -> None:
     result_path = Path(args.result) if args.result else out / "joint.json"
     data = [f"data.train.path={args.train_data}", f"data.eval.path={args.eval_data}", "logging.progress_bar=false",
             "logging.eval_every=1000", *args.gsm]
+    earlier = _earlier_result(result_path, args.gsm)
     result: dict = {"gsm_overrides": args.gsm}
-    _train("gate_only.yaml", [*data, f"output.dir={out / 'gate_only'}"])
+    _train("gate_only.yaml", data, out / "gate_only")
     gate_export = out / "gate_only" / "export"
-    _train("joint.yaml", [*data, f"init_from={gate_export}", f"output.dir={out / 'joint'}"])
-    _train("joint.yaml", [*data, f"init_from={gate_export}", "gsm.gsm_enabled=false",
-                          f"output.dir={out / 'control'}"])
+    _train("joint.yaml", [*data, f"init_from={gate_export}"], out / "joint")
+    _train("joint.yaml", [*data, f"init_from={gate_export}", "gsm.gsm_enabled=false"], out / "control")
     result["joint_over_dense_tokens_per_s"] = _tokens_per_s(out / "joint") / _tokens_per_s(out / "control")
     write_result(result_path, result)
     exports = {"dense_control": str(out / "control" / "export"), "gsm": str(out / "joint" / "export")}
-    report = evaluate_exports("smollm2-135m", exports, args.eval_data, 2048, args.windows, 1, "sparse", 512)
-    rows = report["results"]
-    result |= {"ppl_base": rows["base"]["ppl"], "ppl_dense_control": rows["dense_control"]["ppl"],
-               "ppl_gsm": rows["gsm"]["ppl"], "ppl_gsm_over_control": rows["gsm"]["ppl"] / rows["dense_control"]["ppl"],
-               "kv_bytes_ratio": rows["gsm"]["kv_bytes_ratio"], "kv_bytes_per_token": rows["gsm"]["kv_bytes_per_token"],
-               "gsm_recall_ratio": rows["gsm"].get("recall_ratio"), "eval": report}
+    if "eval" in earlier:
+        result |= {key: earlier[key] for key in ("ppl_base", "ppl_dense_control", "ppl_gsm", "ppl_gsm_over_control",
+                                                 "kv_bytes_ratio", "kv_bytes_per_token", "gsm_recall_ratio", "eval")}
+    else:
+        report = evaluate_exports("smollm2-135m", exports, args.eval_data, 2048, args.windows, 1, "sparse", 512)
+        rows = report["results"]
+        result |= {"ppl_base": rows["base"]["ppl"], "ppl_dense_control": rows["dense_control"]["ppl"],
+                   "ppl_gsm": rows["gsm"]["ppl"],
+                   "ppl_gsm_over_control": rows["gsm"]["ppl"] / rows["dense_control"]["ppl"],
+                   "kv_bytes_ratio": rows["gsm"]["kv_bytes_ratio"],
+                   "kv_bytes_per_token": rows["gsm"]["kv_bytes_per_token"],
+                   "gsm_recall_ratio": rows["gsm"].get("recall_ratio"), "eval": report}
     write_result(result_path, result)
     for baseline in ("per_token", "kivi"):
+        if f"ppl_plain_quant_{baseline}" in earlier:
+            result[f"ppl_plain_quant_{baseline}"] = earlier[f"ppl_plain_quant_{baseline}"]
+            continue
         plain = evaluate_exports("smollm2-135m", {"gsm": exports["gsm"]}, args.eval_data, 2048, args.windows, 1,
                                  "sparse", 512, kv_baseline=baseline)
         result[f"ppl_plain_quant_{baseline}"] = plain["results"]["gsm"]["ppl"]
+        write_result(result_path, result)
     result["ppl_plain_quant_same_bits"] = min(result["ppl_plain_quant_per_token"], result["ppl_plain_quant_kivi"])
     write_result(result_path, result)
     print(f"PPL base {result['ppl_base']:.3f}  dense control {result['ppl_dense_control']:.3f}  "
