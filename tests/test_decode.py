@@ -180,6 +180,7 @@ def test_refusals() -> None:
 
 FUSED_RUNS_HERE = importlib.util.find_spec("triton") is not None and (
     torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
+FUSED_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.skipif(not FUSED_RUNS_HERE, reason="needs Triton with CUDA, or on CPU TRITON_INTERPRET=1 (Triton's "
@@ -209,6 +210,24 @@ def test_fused_kernel_equals_pytorch_path(bits: int | None, length: int, selecte
     expected = attend(query, stores[0].gather(shared.expand_as(index)), stores[1].gather(shared.expand_as(index)),
                       None, 0.125)
     torch.testing.assert_close(fused_decode_attention(query, *stores, shared, None, 0.125), expected, atol=2e-6,
+                               rtol=0)
+
+
+def test_kernels_take_only_the_head_sizes_they_fit() -> None:
+    from gsm_train.kernels.sparse_decode import kernel_fits
+
+    assert [dim for dim in (8, 12, 16, 48, 64, 96, 128, 256, 512) if kernel_fits(dim)] == [16, 64, 128, 256]
+
+
+@pytest.mark.skipif(not FUSED_RUNS_HERE, reason="needs Triton with CUDA, or on CPU TRITON_INTERPRET=1")
+def test_fused_cache_leaves_odd_head_sizes_to_pytorch() -> None:
+    """A gate head of 12 dimensions (no power of two) decodes through the PyTorch score path, the rest fused."""
+    model = _model("llama", {**CONFIGS["everything_share"],
+                             "sparse_attention": {**SPARSE, "gate_head_dim": 12}}).to(FUSED_DEVICE)
+    ids = _ids().to(FUSED_DEVICE)
+    with torch.no_grad():
+        teacher_forced = model(ids, use_cache=False).logits
+    torch.testing.assert_close(_step_by_step(model, ids, GSMCache(model, fused=True)), teacher_forced, atol=1e-3,
                                rtol=0)
 
 
