@@ -69,16 +69,18 @@ def _dense_ms(query: torch.Tensor, kv_heads: int, length: int) -> tuple[float, i
 
 def _gsm_ms(query: torch.Tensor, k_store: KVStore, v_store: KVStore, gate_keys: torch.Tensor,
             k: int) -> dict[str, float]:
-    """ms per step of GSM decode attention (gate scores, top-k, fused gather + dequantize + attend), and
-    of its first parts alone: where the time goes."""
+    """ms per step of GSM decode attention (gate scores, top-k, fused gather + dequantize + attend), of its
+    first parts alone, and of the fused kernel (with its merge) alone: where the time goes."""
     length, dim = gate_keys.shape[2], query.shape[-1]
     gate_q = torch.randn(query.shape[0], 1, 1, gate_keys.shape[-1], device="cuda")
 
     def select() -> torch.Tensor:
         return top_k_positions(gate_scores(gate_q, gate_keys, None), None, k, length - 1, 0, 0)[0]
 
+    index = select()
     return {"gsm_ms": graph_ms(lambda: fused_decode_attention(query, k_store, v_store, select(), None, dim ** -0.5)),
-            "gate_scores_ms": graph_ms(lambda: gate_scores(gate_q, gate_keys, None)), "gate_scores_topk_ms": graph_ms(select)}
+            "gate_scores_ms": graph_ms(lambda: gate_scores(gate_q, gate_keys, None)), "gate_scores_topk_ms": graph_ms(select),
+            "attend_ms": graph_ms(lambda: fused_decode_attention(query, k_store, v_store, index, None, dim ** -0.5))}
 
 
 @torch.no_grad()
