@@ -17,6 +17,17 @@ from gsm_train.inspect_model import inspect_model
 from gsm_train.train import main as train_main
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1 (argparse names the option in its error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text!r}")
+    return value
+
+
 def _validate(args: argparse.Namespace) -> int:
     config = load_recipe(args.recipe, args.overrides)
     print(resolved_yaml(config), end="")
@@ -85,19 +96,19 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = commands.add_parser("inspect", help="per layer: GSM modules, parameters, KV bytes per token")
     inspect.add_argument("--model", required=True, help="tiny-llama, smollm2-135m, a folder or a hub id")
     inspect.add_argument("--recipe", default=None, help="take the gsm block from this recipe")
-    inspect.add_argument("--seq-len", type=int, default=2048, help="context for the KV byte account")
+    inspect.add_argument("--seq-len", type=_positive_int, default=2048, help="context for the KV byte account")
     inspect.add_argument("overrides", nargs="*", help="key.sub=value applied to the recipe")
     inspect.set_defaults(run=_inspect)
     evaluate = commands.add_parser("eval", help="perplexity, KV bytes and gate recall of the base and exports")
     evaluate.add_argument("--model", default="smollm2-135m", help="the base model the exports were trained on")
     evaluate.add_argument("--data", required=True, help="evaluation text (file, folder, glob, embedded:NAME, hf://...)")
     evaluate.add_argument("--export", action="append", default=[], help="NAME=FOLDER, repeatable")
-    evaluate.add_argument("--seq-len", type=int, default=2048)
-    evaluate.add_argument("--windows", type=int, default=40, help="non-overlapping windows to evaluate")
-    evaluate.add_argument("--batch-size", type=int, default=1)
+    evaluate.add_argument("--seq-len", type=_positive_int, default=2048)
+    evaluate.add_argument("--windows", type=_positive_int, default=40, help="non-overlapping windows to evaluate")
+    evaluate.add_argument("--batch-size", type=_positive_int, default=1)
     evaluate.add_argument("--mode", choices=("sparse", "oracle", "dense"), default="sparse",
                           help="main attention of the exports (inference runs sparse)")
-    evaluate.add_argument("--min-keys", type=int, default=512, help="recall counts queries with at least this many keys")
+    evaluate.add_argument("--min-keys", type=_positive_int, default=512, help="recall counts queries with at least this many keys")
     evaluate.add_argument("--out", default="runs/eval")
     evaluate.set_defaults(run=_eval)
     gen = commands.add_parser("generate", help="greedy generation with an adapter over the GSM cache")
@@ -106,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", default=None)
     source.add_argument("--prompt-file", default=None)
-    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--max-new-tokens", type=_positive_int, default=64)
     gen.add_argument("--mode", choices=("sparse", "dense"), default="sparse", help="main attention of the adapter")
     gen.set_defaults(run=_generate)
     export = commands.add_parser("export", help="write the adapter export of a checkpoint")

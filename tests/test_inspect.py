@@ -87,3 +87,16 @@ def test_cli_reports_a_recipe_that_does_not_fit(capsys: pytest.CaptureFixture[st
     assert main(["inspect", "--model", "tiny-llama", "--recipe", str(JOINT_RECIPE)]) == 2
     err = capsys.readouterr().err
     assert "gsm.cross_layer_sharing.bridge_to_start" in err and "use a value below 4" in err
+
+
+@pytest.mark.parametrize("argv", [["inspect", "--model", "tiny-llama", "--seq-len", "0"],
+                                  ["eval", "--data", "embedded:sample_prose", "--windows", "0"],
+                                  ["eval", "--data", "embedded:sample_prose", "--batch-size", "-2"],
+                                  ["generate", "--model", "tiny-llama", "--prompt", "hi", "--max-new-tokens", "zero"]])
+def test_cli_counts_must_be_positive(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """A count of 0 or less (or not a number) stops at the command line, naming the option and the value."""
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    option, value = argv[-2], argv[-1]
+    assert stopped.value.code == 2
+    assert f"argument {option}: must be a whole number of at least 1, got '{value}'" in capsys.readouterr().err
