@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from gsm_train.checkpoint_export import export_checkpoint
 from gsm_train.config import ConfigError, load_recipe, resolved_yaml
@@ -14,6 +15,7 @@ from gsm_train.export import ExportError
 from gsm_train.generate import generate
 from gsm_train.hub import PublishError, publish_export
 from gsm_train.inspect_model import inspect_model
+from gsm_train.modules.errors import GSMError
 from gsm_train.train import main as train_main
 
 
@@ -64,9 +66,19 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prompt_text(args: argparse.Namespace) -> str:
+    """The prompt: --prompt as given, or the text of --prompt-file."""
+    if args.prompt is not None:
+        return args.prompt
+    path = Path(args.prompt_file)
+    if not path.is_file():
+        raise DataError(f"--prompt-file {args.prompt_file}", "no such file",
+                        "give a UTF-8 text file, or the text itself with --prompt")
+    return path.read_text(encoding="utf-8")
+
+
 def _generate(args: argparse.Namespace) -> int:
-    prompt = args.prompt if args.prompt is not None else open(args.prompt_file, encoding="utf-8").read()
-    result = generate(args.model, args.adapter, prompt, args.max_new_tokens, args.mode)
+    result = generate(args.model, args.adapter, _prompt_text(args), args.max_new_tokens, args.mode)
     print(result.text)
     what = "GSM cache" if args.adapter else "dense cache"
     print(f"--- {result.new_tokens} tokens in {result.seconds:.2f} s ({result.new_tokens / result.seconds:.1f} tokens/s); "
@@ -142,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(err, file=sys.stderr)
         return 2
-    except (ExportError, PublishError, DataError) as err:
+    except (ExportError, PublishError, DataError, GSMError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 

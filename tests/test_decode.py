@@ -258,3 +258,5 @@ def test_generate_command(exported_tiny: Path, capsys: pytest.CaptureFixture) ->
     assert "12 tokens" in captured.err and "GSM cache" in captured.err
     assert cli_main(["generate", "--model", "tiny-llama", "--prompt", "Once", "--max-new-tokens", "3"]) == 0
     assert "dense cache" in capsys.readouterr().err
+    assert cli_main(["generate", "--model", "tiny-llama", "--prompt-file", "no/such.txt"]) == 2
+    assert "--prompt-file no/such.txt: no such file. Fix: give a UTF-8 text file" in capsys.readouterr().err
