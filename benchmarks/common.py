@@ -52,15 +52,7 @@ def graph_ms(step: Callable[[], torch.Tensor], replays: int = 50) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    times = []
-    for _ in range(replays + 5):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times[5:])
+    return median_ms(graph.replay, warmup=5, repeat=replays)
 
 
 def write_result(path: Path, result: dict) -> None:

@@ -149,12 +149,13 @@ def _timed_generate(model: torch.nn.Module, prompts: torch.Tensor, new_tokens: i
 NEAR_TIE = 0.1  # logits: a teacher-forced argmax this close to the generated token's logit is a near-tie
 
 
-def _agreement(model: torch.nn.Module, generated: torch.Tensor, new_tokens: int) -> dict[str, float]:
+def _agreement(model: torch.nn.Module, generated: torch.Tensor, new_tokens: int,
+               against_itself: bool = True) -> dict[str, float]:
     """Share of generated tokens equal to the teacher-forced argmax of the same model on the same sequence,
     and how far the teacher-forced logits put each mismatch from a tie (the generated token's logit below
     the argmax's): near-ties are rounding differences meeting a discrete step, large gaps amplified ones.
 
-    Also the teacher-forced pass against itself: its argmax over the first half of the new tokens from
+    With `against_itself`, also the teacher-forced pass against itself: its argmax over the first half of the new tokens from
     the whole sequence and from the sequence without its second half. The two passes compute the same
     thing, so this share is a reference level for how much rounding (amplified by ASQ's code rounding
     and the top-k) alone moves the argmax at this precision (over the first half of the tokens only)."""
@@ -163,18 +164,20 @@ def _agreement(model: torch.nn.Module, generated: torch.Tensor, new_tokens: int)
     tokens = generated[:, -new_tokens:]
     gap = logits.max(-1).values - logits.gather(-1, tokens[..., None])[..., 0]
     mismatch = logits.argmax(-1) != tokens
-    half = new_tokens // 2
-    shorter = model(generated[:, :generated.shape[1] - half], use_cache=False, logits_to_keep=new_tokens - half + 1).logits[:, :-1]
-    self_agreement = (shorter.argmax(-1) == logits[:, :new_tokens - half].argmax(-1)).float().mean().item()
-    return {"agreement": 1 - mismatch.float().mean().item(),
-            "mismatch_max_logit_gap": gap[mismatch].max().item() if mismatch.any() else 0.0,
-            "agreement_outside_near_ties": 1 - (mismatch & (gap > NEAR_TIE)).float().mean().item(),
-            "teacher_forced_self_agreement": self_agreement}
+    result = {"agreement": 1 - mismatch.float().mean().item(),
+              "mismatch_max_logit_gap": gap[mismatch].max().item() if mismatch.any() else 0.0,
+              "agreement_outside_near_ties": 1 - (mismatch & (gap > NEAR_TIE)).float().mean().item()}
+    if against_itself:
+        half = new_tokens // 2
+        shorter = model(generated[:, :generated.shape[1] - half], use_cache=False,
+                        logits_to_keep=new_tokens - half + 1).logits[:, :-1]
+        same = shorter.argmax(-1) == logits[:, :new_tokens - half].argmax(-1)
+        result["teacher_forced_self_agreement"] = same.float().mean().item()
+    return result
 
 
 @torch.no_grad()
-def exact_agreement(eval_data: str, adapter: str | None, prompt_len: int, new_tokens: int,
-                    dtype: torch.dtype) -> dict[str, float]:
+def exact_agreement(prompt: torch.Tensor, adapter: str | None, new_tokens: int, dtype: torch.dtype) -> dict[str, float]:
     """Token agreement of cached GSM decoding with teacher forcing in fp32 or fp64 (batch 1, the PyTorch decode
     path for fp64, which the kernels do not take). In fp64 the two paths differ only by fp64 rounding, which
     no ASQ code rounding or top-k boundary meets in practice: agreement there shows they compute the same
@@ -182,21 +185,18 @@ def exact_agreement(eval_data: str, adapter: str | None, prompt_len: int, new_to
     gsm = _gsm_model(adapter, torch.device("cuda"), torch.float32)
     if dtype == torch.float64:
         gsm.double()
-    _, tokenizer = load_model_and_tokenizer("smollm2-135m")
-    prompt = pack_tokens(load_text_dataset(eval_data), tokenizer, prompt_len)[1:2].cuda()
     cache = GSMCache(gsm)  # fp64: the PyTorch decode path
-    out = gsm.generate(prompt, past_key_values=cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+    out = gsm.generate(prompt.cuda(), past_key_values=cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                        do_sample=False, pad_token_id=0)
     return _agreement(gsm, out, new_tokens)
 
 
 @torch.no_grad()
-def end_to_end(eval_data: str, adapter: str | None, prompt_len: int, new_tokens: int, batches: list[int]) -> list[dict]:
-    """Greedy generation tokens/s, GSM adapter vs dense base, and token agreement with teacher forcing."""
+def end_to_end(dense: torch.nn.Module, prompts_all: torch.Tensor, adapter: str | None, new_tokens: int,
+               batches: list[int]) -> list[dict]:
+    """Greedy generation tokens/s, GSM adapter vs the dense base (bf16), and token agreement with teacher forcing."""
     device = torch.device("cuda")
-    _, tokenizer = load_model_and_tokenizer("smollm2-135m", dtype=torch.bfloat16)
-    prompts_all = pack_tokens(load_text_dataset(eval_data), tokenizer, prompt_len)
-    dense, _ = load_model_and_tokenizer("smollm2-135m", dtype=torch.bfloat16)
+    prompt_len = prompts_all.shape[1]
     dense.to(device)
     gsm = _gsm_model(adapter, device)
     rows = []
@@ -205,7 +205,7 @@ def end_to_end(eval_data: str, adapter: str | None, prompt_len: int, new_tokens:
         dense_out, dense_s, dense_prefill, dense_bytes = _timed_generate(dense, prompts, new_tokens, lambda: None)
         gsm_out, gsm_s, gsm_prefill, gsm_bytes = _timed_generate(gsm, prompts, new_tokens, lambda: GSMCache(gsm))
         agreement = _agreement(gsm, gsm_out, new_tokens)
-        dense_agreement = _agreement(dense, dense_out, new_tokens)
+        dense_agreement = _agreement(dense, dense_out, new_tokens, against_itself=False)
         generated = batch * new_tokens
         row = {"batch": batch, "prompt": prompt_len, "new_tokens": new_tokens,
                "tokens_per_s_dense": generated / dense_s, "tokens_per_s_gsm": generated / gsm_s,
@@ -249,13 +249,16 @@ def main() -> None:
     except ImportError:
         flash = "not installed on this machine; dense SDPA picks its own backend (flash/cuDNN/efficient)"
     rows = attention_rows(ints(args.contexts), ints(args.batches), ints(args.ks), args.bits)
-    e2e = end_to_end(args.eval_data, args.adapter, args.prompt, args.new_tokens, ints(args.batches))
+    dense, tokenizer = load_model_and_tokenizer("smollm2-135m", dtype=torch.bfloat16)
+    prompts = pack_tokens(load_text_dataset(args.eval_data), tokenizer, args.prompt)
+    e2e = end_to_end(dense, prompts, args.adapter, args.new_tokens, ints(args.batches))
+    del dense
 
     def speedup(context: int, batch: int, k: int, shape: str = "llama8b") -> float:
         return next(r["speedup"] for r in rows if (r["shape"], r["context"], r["batch"], r["k"]) ==
                     (shape, context, batch, k))
 
-    exact = {name: exact_agreement(args.eval_data, args.adapter, args.prompt, args.new_tokens, dtype)
+    exact = {name: exact_agreement(prompts[1:2], args.adapter, args.new_tokens, dtype)
              for name, dtype in (("fp32", torch.float32), ("fp64", torch.float64))}
     for name, agreement in exact.items():
         print(f"token agreement in {name}: {agreement['agreement']:.4f} ({agreement['agreement_outside_near_ties']:.4f} "

@@ -69,7 +69,7 @@ class GraphedLoss:
     def __init__(self, loss_fn: Callable[[Tensor], Tensor], params: list[nn.Parameter], example: Tensor,
                  autocast_dtype: torch.dtype | None, grad_scale: float = 1.0,
                  keep_alive: Callable[[], object] | None = None):
-        self.loss_fn, self.params, self.grad_scale = loss_fn, params, grad_scale
+        self.loss_fn, self.grad_scale = loss_fn, grad_scale
         self.autocast_dtype = autocast_dtype
         self.batch = torch.zeros_like(example)
         for param in params:

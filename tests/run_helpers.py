@@ -1,8 +1,9 @@
 """Shared steps of the stage tests: reading a run's losses, resuming after a simulated crash, and
-running a recipe in two processes (gloo, FSDP2)."""
+running a recipe in two processes (gloo, FSDP2); where the Triton kernels can run."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -11,8 +12,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 from gsm_train.train import train_recipe
 from gsm_train.trainer import TrainResult
+
+# the Triton kernels run with CUDA, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1)
+KERNELS_RUN_HERE = importlib.util.find_spec("triton") is not None and (
+    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def records(run_dir: Path) -> list[dict]:

@@ -3,13 +3,12 @@ GSM pass, the cache holds exactly the byte account, and the fused kernel equals 
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from run_helpers import KERNEL_DEVICE, KERNELS_RUN_HERE
 from torch import Tensor
 
 from gsm_train.cli import main as cli_main
@@ -178,19 +177,14 @@ def test_refusals() -> None:
         GSMCache(model)
 
 
-FUSED_RUNS_HERE = importlib.util.find_spec("triton") is not None and (
-    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
-FUSED_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@pytest.mark.skipif(not FUSED_RUNS_HERE, reason="needs Triton with CUDA, or on CPU TRITON_INTERPRET=1 (Triton's "
+@pytest.mark.skipif(not KERNELS_RUN_HERE, reason="needs Triton with CUDA, or on CPU TRITON_INTERPRET=1 (Triton's "
                     "interpreter wants numpy<2.3); CI has neither, the GPU benchmark runs it")
 @pytest.mark.parametrize(("bits", "length", "selected"), [(2, 300, 40), (4, 300, 40), (8, 300, 40), (None, 300, 40),
                                                             (4, 2400, 2100)])  # 2100: more splits than one merge load
 def test_fused_kernel_equals_pytorch_path(bits: int | None, length: int, selected: int) -> None:
     from gsm_train.kernels.sparse_decode import fused_decode_attention
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = KERNEL_DEVICE
     torch.manual_seed(0)
     batch, q_heads, kv_heads, dim = 2, 6, 2, 64
     stores = [KVStore(ASQCompressor(kv_heads, dim, cluster_num=8, quant_bits=bits, block_size=64).to(device)
@@ -214,24 +208,24 @@ def test_fused_kernel_equals_pytorch_path(bits: int | None, length: int, selecte
 
 
 def test_kernels_take_only_the_head_sizes_they_fit() -> None:
-    from gsm_train.kernels.sparse_decode import kernel_fits
+    from gsm_train.kernels import kernel_fits
 
     assert [dim for dim in (8, 12, 16, 48, 64, 96, 128, 256, 512) if kernel_fits(dim)] == [16, 64, 128, 256]
 
 
-@pytest.mark.skipif(not FUSED_RUNS_HERE, reason="needs Triton with CUDA, or on CPU TRITON_INTERPRET=1")
+@pytest.mark.skipif(not KERNELS_RUN_HERE, reason="needs Triton with CUDA, or on CPU TRITON_INTERPRET=1")
 def test_fused_cache_leaves_odd_head_sizes_to_pytorch() -> None:
     """A gate head of 12 dimensions (no power of two) decodes through the PyTorch score path, the rest fused."""
     model = _model("llama", {**CONFIGS["everything_share"],
-                             "sparse_attention": {**SPARSE, "gate_head_dim": 12}}).to(FUSED_DEVICE)
-    ids = _ids().to(FUSED_DEVICE)
+                             "sparse_attention": {**SPARSE, "gate_head_dim": 12}}).to(KERNEL_DEVICE)
+    ids = _ids().to(KERNEL_DEVICE)
     with torch.no_grad():
         teacher_forced = model(ids, use_cache=False).logits
     torch.testing.assert_close(_step_by_step(model, ids, GSMCache(model, fused=True)), teacher_forced, atol=1e-3,
                                rtol=0)
 
 
-@pytest.mark.skipif(not FUSED_RUNS_HERE, reason="needs Triton with CUDA, or on CPU TRITON_INTERPRET=1")
+@pytest.mark.skipif(not KERNELS_RUN_HERE, reason="needs Triton with CUDA, or on CPU TRITON_INTERPRET=1")
 @pytest.mark.parametrize("bits", [16, 8])
 def test_gate_score_kernel_equals_pytorch_path(bits: int) -> None:
     from gsm_train.kernels.sparse_decode import gate_scores
@@ -241,7 +235,7 @@ def test_gate_score_kernel_equals_pytorch_path(bits: int) -> None:
         encode_gate_keys,
     )
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = KERNEL_DEVICE
     torch.manual_seed(0)
     gate = SparseGateHead(32, 16, 8, num_selectors=2, key_bits=bits).to(device)
     gate_q, gate_k = torch.randn(3, 2, 1, 16, device=device), torch.randn(3, 2, 300, 16, device=device)

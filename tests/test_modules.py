@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
+from run_helpers import KERNEL_DEVICE, KERNELS_RUN_HERE
 from torch import Tensor
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -339,14 +339,13 @@ def test_head_averaged_probs_matches_reference() -> None:
         assert torch.allclose(got, _reference_target(query, key, _causal(), 0.5, selectors), atol=1e-6)
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
-                    or importlib.util.find_spec("triton") is None,
+@pytest.mark.skipif(not KERNELS_RUN_HERE,
                     reason="needs Triton with CUDA, or on CPU TRITON_INTERPRET=1 (Triton's interpreter)")
 @pytest.mark.parametrize("selectors", [1, 2, 4])
 def test_attention_target_kernel_matches_the_dense_softmax(selectors: int) -> None:
     from gsm_train.kernels import attention_target
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(KERNEL_DEVICE)
     g = _gen(11)
     length, rows = 150, 70  # neither a multiple of the kernels' 64-wide tiles
     index = torch.randperm(length, generator=g)[:rows].sort().values

@@ -17,6 +17,8 @@ import os
 import torch
 from torch import Tensor
 
+from gsm_train.kernels import kernel_fits
+
 try:
     import triton
     import triton.language as tl
@@ -35,7 +37,7 @@ def kernel_runs(query: Tensor, key: Tensor) -> bool:
     batch, heads, rows, head_dim = query.shape
     on_device = query.is_cuda or (query.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
     fits = batch * heads * rows * max(key.shape[2], head_dim) < 2**31 and key.numel() < 2**31
-    return triton is not None and on_device and fits and 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
+    return triton is not None and on_device and fits and kernel_fits(head_dim)
 
 
 if triton is not None:
@@ -44,7 +46,7 @@ if triton is not None:
     def _row_log_normaliser(q_ptr, k_ptr, mask_ptr, limit_ptr, lse_ptr, rows_total, keys_total, num_heads,
                             groups, sq_b, sq_h, sq_r, sk_b, sk_h, sk_s, sm_b, sm_r, scale,
                             D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, HAS_LIMIT: tl.constexpr,
-                            IEEE: tl.constexpr):
+                            PRECISION: tl.constexpr):
         """lse[b, h, r] = log sum_j allowed exp(scale * q.k_j) for one head and a tile of rows (+inf for a
         row that sees no key, so that its probabilities come out 0)."""
         pid_bh = tl.program_id(0)
@@ -67,10 +69,7 @@ if triton is not None:
                 keys = start + tl.arange(0, BLOCK_S)
                 key_ok = keys < keys_total
                 k = tl.load(k_base + keys[:, None] * sk_s + dims[None, :], mask=key_ok[:, None], other=0.0)
-                if IEEE:
-                    logits = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-                else:
-                    logits = tl.dot(q, tl.trans(k)) * scale
+                logits = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
                 allowed = tl.load(mask_ptr + b * sm_b + rows[:, None] * sm_r + keys[None, :],
                                   mask=row_ok[:, None] & key_ok[None, :], other=0) != 0
                 logits = tl.where(allowed, logits, float("-inf"))
@@ -87,7 +86,7 @@ if triton is not None:
     def _averaged_probs(q_ptr, k_ptr, mask_ptr, limit_ptr, lse_ptr, out_ptr, rows_total, keys_total, num_heads,
                         num_selectors, groups, sq_b, sq_h, sq_r, sk_b, sk_h, sk_s, sm_b, sm_r, scale,
                         HEADS_PER_SELECTOR: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr,
-                        BLOCK_S: tl.constexpr, HAS_LIMIT: tl.constexpr, IEEE: tl.constexpr):
+                        BLOCK_S: tl.constexpr, HAS_LIMIT: tl.constexpr, PRECISION: tl.constexpr):
         """out[b, s, rows, keys] = mean over the selector's heads of exp(scale * q.k - lse), 0 where not
         allowed; tiles past every row's key bound stay as allocated (zeros)."""
         pid_bs = tl.program_id(0)
@@ -112,10 +111,7 @@ if triton is not None:
                             mask=row_ok[:, None], other=0.0)
                 k = tl.load(k_ptr + b * sk_b + (h // groups) * sk_h + keys[:, None] * sk_s + dims[None, :],
                             mask=key_ok[:, None], other=0.0)
-                if IEEE:
-                    logits = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-                else:
-                    logits = tl.dot(q, tl.trans(k)) * scale
+                logits = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
                 lse = tl.load(lse_ptr + (b * num_heads + h) * rows_total + rows, mask=row_ok, other=float("inf"))
                 acc += tl.where(allowed, tl.exp(logits - lse[:, None]), 0.0)
             out = out_ptr + ((b * num_selectors + selector) * rows_total + rows[:, None]) * keys_total + keys[None, :]
@@ -147,7 +143,7 @@ def head_averaged_probs(query: Tensor, key: Tensor, allowed: Tensor, scaling: fl
     common = (rows, keys, num_heads)
     strides = (*query.stride()[:3], *key.stride()[:3], mask.stride(0), mask.stride(2), scaling)
     flags = {"D": head_dim, "BLOCK_R": BLOCK_ROWS, "BLOCK_S": BLOCK_KEYS, "HAS_LIMIT": key_limit is not None,
-             "IEEE": query.dtype == torch.float32, "num_warps": NUM_WARPS}
+             "PRECISION": "ieee" if query.dtype == torch.float32 else None, "num_warps": NUM_WARPS}
     _row_log_normaliser[(batch * num_heads, row_tiles)](query, key, mask, limit, lse, *common,
                                                          num_heads // num_kv, *strides, **flags)
     _averaged_probs[(batch * num_selectors, row_tiles, triton.cdiv(keys, BLOCK_KEYS))](

@@ -193,12 +193,6 @@ BLOCK_S = 1024  # gate keys per program of the score kernel (the fastest of 128.
 SMALLEST_CHUNK = 32  # the fewest rows a program of the autotuned decode kernel takes (16 x 2)
 
 
-def kernel_fits(dim: int) -> bool:
-    """Whether a head (or gate head) dimension suits the kernels: a power of two from 16 to 256 (Triton's
-    block shapes are powers of two and its dot wants at least 16); other sizes take the PyTorch path."""
-    return 16 <= dim <= 256 and dim & (dim - 1) == 0
-
-
 def _store_args(store: KVStore, like: Tensor) -> tuple[Tensor, ...]:
     """(ids, residual, scales, prototypes, tail) pointers; placeholders where the store has no packed part."""
     if store.packed_len == 0:

@@ -4,8 +4,8 @@ Per layer: score the cached gate keys with the new gate query, keep the top-k po
 rule as training: own position, sinks and recent tokens forced; dense while k covers everything),
 gather and dequantize only those K/V rows (the bridge maps the source layer's rows on the fly), and
 attend. On CUDA with Triton, layers without a bridge gather, dequantize and attend in one fused
-kernel (`gsm_train.kernels.sparse_decode`) when their head size suits it (`kernel_fits`: a power of
-two from 16 to 256), as do the gate scores; everywhere else this PyTorch path runs.
+kernel (`gsm_train.kernels.sparse_decode`) when their head size suits it (`kernels.kernel_fits`: a
+power of two from 16 to 256), as do the gate scores; everywhere else this PyTorch path runs.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.integrations.sdpa_attention import repeat_kv
 
+from gsm_train.kernels import kernel_fits
 from gsm_train.modules.errors import GSMError
 from gsm_train.modules.sparse_gate import decode_gate_keys, k_per_query
 
@@ -120,7 +121,7 @@ def decode_attention(module: nn.Module, adapter: GSMAttentionAdapter, layer_cach
     if mode == "sparse" and gate is not None:
         k = int(k_per_query(torch.tensor([position]), cfg.top_k_schedule, cfg.top_k, cfg.k_min, cfg.decay_rate))
         keys, key_scales = layer_cache.gate_keys, layer_cache.gate_key_scales
-        if kernels is not None and kernels.kernel_fits(gate.gate_head_dim):
+        if kernels is not None and kernel_fits(gate.gate_head_dim):
             scores = kernels.gate_scores(gate_q, keys, key_scales)
         else:
             scores = gate.score_stored(gate_q, decode_gate_keys(keys, key_scales))[:, :, 0]
@@ -128,7 +129,7 @@ def decode_attention(module: nn.Module, adapter: GSMAttentionAdapter, layer_cach
     else:
         index = torch.arange(length, device=query.device).expand(query.shape[0], 1, length)
         valid = None if allowed is None else allowed[:, None, :]
-    if adapter.bridge is None and kernels is not None and kernels.kernel_fits(module.head_dim):
+    if adapter.bridge is None and kernels is not None and kernel_fits(module.head_dim):
         return kernels.fused_decode_attention(query, layer_cache.k_store, layer_cache.v_store, index, valid, scaling)
     shared = index.shape[1] == 1
     index = _per_kv_head(index, kv_heads)

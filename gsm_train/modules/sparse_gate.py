@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from gsm_train.modules.gate_distill import DistillTarget, gate_kl_from_hidden
 from gsm_train.modules.gate_rope import compiled_rope_pair, rope_pair
+from gsm_train.modules.kv_compressor import compute_dtype
 
 GATE_KEY_DTYPE = torch.bfloat16  # how the KV cache stores gate keys at 16 bits (2 bytes per dimension)
 INT8_LEVELS = 127  # gate keys at 8 bits: symmetric int8 codes with one fp16 scale per key
@@ -87,7 +88,7 @@ class SparseGateHead(nn.Module):
 
     def score_stored(self, gate_q: Tensor, keys: Tensor) -> Tensor:
         """Gate logits [B, n, T, S] in fp32 (fp64 for an fp64 query) over keys already decoded from the cache."""
-        dtype = torch.float64 if gate_q.dtype == torch.float64 else torch.float32
+        dtype = compute_dtype(gate_q)
         return torch.matmul(gate_q.to(dtype), keys.to(dtype).transpose(-1, -2)) / math.sqrt(self.gate_head_dim)
 
     @torch.no_grad()
