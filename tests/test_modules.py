@@ -339,6 +339,17 @@ def test_head_averaged_probs_matches_reference() -> None:
         assert torch.allclose(got, _reference_target(query, key, _causal(), 0.5, selectors), atol=1e-6)
 
 
+def test_target_products_take_autocasts_dtype_as_main_attention_does() -> None:
+    """An fp32 base under autocast gives fp32 queries after RoPE; SDPA (main attention) and the PyTorch
+    target multiply them in bf16, and so must the Triton target (its exact fp32 path is 30x slower)."""
+    from gsm_train.modules.attention_targets import _product_dtype
+
+    fp32, bf16 = torch.zeros(1), torch.zeros(1, dtype=torch.bfloat16)
+    assert _product_dtype(fp32) == torch.float32 and _product_dtype(bf16) == torch.bfloat16
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert _product_dtype(fp32) == torch.bfloat16 and _product_dtype(fp32.double()) == torch.float64
+
+
 @pytest.mark.skipif(not KERNELS_RUN_HERE,
                     reason="needs Triton with CUDA, or on CPU TRITON_INTERPRET=1 (Triton's interpreter)")
 @pytest.mark.parametrize("selectors", [1, 2, 4])
