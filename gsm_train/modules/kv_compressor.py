@@ -13,7 +13,9 @@ the same way, so eval ``forward(x)`` equals ``decompress(compress(x))``.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +64,7 @@ def compute_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+@torch.compiler.disable  # Inductor would fuse the round trip away (`_compiled_training_pass`); run as written
 def _to_store(x: Tensor) -> Tensor:
     """Round fp32 (or fp64) values to the float16 storage grid (keeps x's dtype, differentiable)."""
     return x.clamp(-_FP16_MAX, _FP16_MAX).to(_STORE_DTYPE).to(x.dtype)
@@ -245,6 +248,65 @@ def _gather_prototypes(prototypes: Tensor, ids: Tensor) -> Tensor:
     return torch.gather(prototypes, 3, index)
 
 
+def _soft_assignment(blocks: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, tau: float) -> Tensor:
+    """Soft assignment [B, H, n, bs, C] of blocks [B, H, n, bs, D] by the per-head MLP (w1 [H, D, K], b1 [H, K],
+    w2 [H, K, C], b2 [H, C]) from per-block standardized inputs, in the blocks' dtype.
+
+    Each head's weights are broadcast over the B * n blocks (not an einsum over heads): the weights'
+    gradient is then one small product per block and a sum, where the einsum's was one product per head
+    reducing over all B * n * bs tokens, which cuBLAS ran on a dozen thread blocks (33 of the 199 ms of a
+    captured SmolLM2 joint step on the H200)."""
+    dtype = blocks.dtype
+    centered = blocks - blocks.mean(dim=3, keepdim=True)
+    rms = centered.pow(2).mean(dim=(3, 4), keepdim=True).add(_EPS).sqrt()
+    hidden = torch.matmul(centered / rms, w1.to(dtype)[:, None])
+    hidden = F.gelu(hidden + b1.to(dtype)[:, None, None, :])
+    logits = torch.matmul(hidden, w2.to(dtype)[:, None]) + b2.to(dtype)[:, None, None, :]
+    return torch.softmax(logits / tau, dim=-1)
+
+
+def _encode_blocks(blocks: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, tau: float,
+                   bits: int) -> _Encoded:
+    """Cluster, build prototypes and quantize residuals of blocks [B, H, n, bs, D] (`compute_dtype`)."""
+    probs = _soft_assignment(blocks, w1, b1, w2, b2, tau)
+    weighted = torch.matmul(probs.transpose(-1, -2), blocks)
+    mass = probs.sum(dim=3)
+    prototypes = _to_store(weighted / (mass.unsqueeze(-1) + _EPS))
+    ids = probs.argmax(dim=-1)
+    residual = blocks - _gather_prototypes(prototypes, ids)
+    q, scale = _quantize(residual, bits, dim=-1)
+    return _Encoded(probs, weighted, mass, prototypes, ids, q, scale)
+
+
+def _distortion(enc: _Encoded | None, blocks: Tensor) -> Tensor:
+    """Soft k-means distortion of the encoding over the within-block variance (see `reconstruction_loss`)."""
+    if enc is None:
+        return blocks.new_zeros(())
+    # sum_t sum_c p_tc ||x_t - m_c||^2 = sum ||x||^2 - 2 sum_c <sum_t p_tc x_t, m_c> + sum_c (sum_t p_tc) ||m_c||^2
+    protos = enc.prototypes
+    energy = blocks.pow(2).sum()
+    distortion = energy - 2 * (enc.weighted * protos).sum() + (enc.mass * protos.pow(2).sum(-1)).sum()
+    variance = (blocks - blocks.mean(dim=3, keepdim=True)).pow(2).sum()  # direct: no cancellation
+    return distortion.clamp_min(0) / variance.clamp_min(_EPS)
+
+
+def _reconstruction_and_distortion(blocks: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, tau: float,
+                                   bits: int) -> tuple[Tensor, Tensor]:
+    """A training pass over full blocks: the fake-quantized blocks and the distortion loss."""
+    enc = _encode_blocks(blocks, w1, b1, w2, b2, tau, bits)
+    return enc.reconstruct(), _distortion(enc, blocks)
+
+
+@functools.cache
+def _compiled_training_pass() -> Callable[..., tuple[Tensor, Tensor]]:
+    """`_reconstruction_and_distortion` fused by torch.compile, for training on the GPU (shapes are fixed
+    there): dozens of small kernels per compressor and pass become a few. Inductor drops the fp32 ->
+    fp16 -> fp32 round trips of prototypes and scales when it fuses them (torch 2.11 on the H200 did so
+    even with `emulate_precision_casts`); training must see the storage grid that inference reads, so
+    `_to_store` stays outside the compiled graphs."""
+    return torch.compile(_reconstruction_and_distortion, dynamic=False)
+
+
 class ASQCompressor(nn.Module):
     """Causal block-wise ASQ compressor for one layer's K or V ([B, H, S, D]).
 
@@ -303,29 +365,14 @@ class ASQCompressor(nn.Module):
             f"must have H={self.num_kv_heads}, D={self.head_dim}, got shape {tuple(x.shape)}",
         )
 
-    def _assign(self, blocks: Tensor) -> Tensor:
-        """Soft assignment [B, H, n, bs, C] from per-block standardized inputs (heads independent: the
-        first H heads' parameters serve an input of H heads)."""
-        h = blocks.shape[1]
-        centered = blocks - blocks.mean(dim=3, keepdim=True)
-        rms = centered.pow(2).mean(dim=(3, 4), keepdim=True).add(_EPS).sqrt()
-        dtype = blocks.dtype
-        hidden = torch.einsum("bhnsd,hdk->bhnsk", centered / rms, self.w1[:h].to(dtype))
-        hidden = F.gelu(hidden + self.b1[:h].to(dtype)[:, None, None, :])
-        logits = torch.einsum("bhnsk,hkc->bhnsc", hidden, self.w2[:h].to(dtype))
-        logits = logits + self.b2[:h].to(dtype)[:, None, None, :]
-        return torch.softmax(logits / self.tau, dim=-1)
+    def _mlp(self, heads: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The assignment MLP's (w1, b1, w2, b2) for an input of the first `heads` heads (heads are
+        independent)."""
+        return self.w1[:heads], self.b1[:heads], self.w2[:heads], self.b2[:heads]
 
     def _encode(self, blocks: Tensor) -> _Encoded:
         """Cluster, build prototypes and quantize residuals of blocks [B, H, n, bs, D] (`compute_dtype`)."""
-        probs = self._assign(blocks)
-        weighted = torch.matmul(probs.transpose(-1, -2), blocks)
-        mass = probs.sum(dim=3)
-        prototypes = _to_store(weighted / (mass.unsqueeze(-1) + _EPS))
-        ids = probs.argmax(dim=-1)
-        residual = blocks - _gather_prototypes(prototypes, ids)
-        q, scale = _quantize(residual, self.quant_bits, dim=-1)
-        return _Encoded(probs, weighted, mass, prototypes, ids, q, scale)
+        return _encode_blocks(blocks, *self._mlp(blocks.shape[1]), self.tau, self.quant_bits)
 
     def _encode_input(self, x: Tensor, leading_heads: bool = False) -> tuple[_Encoded | None, Tensor, Tensor]:
         """Validate and split ``x``; returns (encoding or None if no full block, blocks in `compute_dtype`, tail)."""
@@ -357,13 +404,25 @@ class ASQCompressor(nn.Module):
         """Fake-quantized reconstruction of ``x`` [B, H, S, D]; the trailing partial block is returned as is.
         With ``with_loss``, ``(reconstruction, reconstruction_loss(x))`` from the one encoding (a method of
         its own would bypass FSDP2's and ZeRO-3's parameter gathering, which hook ``forward``). In eval
-        mode it also records ``last_stats`` (training steps skip that work)."""
+        mode it also records ``last_stats`` (training steps skip that work). Training on the GPU runs
+        the compiled pass (`_compiled_training_pass`)."""
+        if with_loss and self.training and x.is_cuda and x.shape[2] >= self.block_size:
+            return self._compiled_forward(x)
         enc, blocks, tail = self._encode_input(x)
         x_hat = enc.reconstruct() if enc is not None else blocks
         if not self.training:
             self._record_stats(enc, blocks, x_hat)
         out = _join_blocks(x_hat, tail) if enc is not None else x
-        return (out, self._distortion(enc, blocks)) if with_loss else out
+        return (out, _distortion(enc, blocks)) if with_loss else out
+
+    def _compiled_forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """`forward(x, with_loss=True)` for an input with at least one full block, compiled."""
+        self._check_input(x)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            full, tail = _split_blocks(x, self.block_size)
+            x_hat, loss = _compiled_training_pass()(full.to(compute_dtype(full)), *self._mlp(x.shape[1]), self.tau,
+                                                    self.quant_bits)
+        return _join_blocks(x_hat, tail), loss
 
     def reconstruction_loss(self, x: Tensor) -> Tensor:
         """Clustering loss for the assignment MLP (differentiable, fp32 scalar).
@@ -374,18 +433,7 @@ class ASQCompressor(nn.Module):
         quantizer must encode. Zero when ``x`` has no full block.
         """
         enc, blocks, _ = self._encode_input(x)
-        return self._distortion(enc, blocks)
-
-    @staticmethod
-    def _distortion(enc: _Encoded | None, blocks: Tensor) -> Tensor:
-        if enc is None:
-            return blocks.new_zeros(())
-        # sum_t sum_c p_tc ||x_t - m_c||^2 = sum ||x||^2 - 2 sum_c <sum_t p_tc x_t, m_c> + sum_c (sum_t p_tc) ||m_c||^2
-        protos = enc.prototypes
-        energy = blocks.pow(2).sum()
-        distortion = energy - 2 * (enc.weighted * protos).sum() + (enc.mass * protos.pow(2).sum(-1)).sum()
-        variance = (blocks - blocks.mean(dim=3, keepdim=True)).pow(2).sum()  # direct: no cancellation
-        return distortion.clamp_min(0) / variance.clamp_min(_EPS)
+        return _distortion(enc, blocks)
 
     @torch.no_grad()
     def compress(self, x: Tensor) -> PackedKV:
