@@ -50,7 +50,7 @@ def _time_step_vs_forward(model: torch.nn.Module, batch: torch.Tensor, config: R
     optimizer = build_optimizer(model, config)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
     model.train()
-    captured = GraphedLoss(lambda b: stage.loss(model, b)[0], backend.params, batch, torch.bfloat16,
+    captured = GraphedLoss(lambda b: stage.loss(model, b), backend.params, batch, torch.bfloat16,
                            keep_alive=gsm_runtime(model).layouts_in_use)
 
     def update(loss: torch.Tensor) -> None:
@@ -59,7 +59,7 @@ def _time_step_vs_forward(model: torch.nn.Module, batch: torch.Tensor, config: R
         float(loss.detach())
 
     def step() -> None:
-        update(captured(batch))
+        update(captured(batch)[0])
 
     def eager_step() -> None:
         with torch.autocast("cuda", dtype=torch.bfloat16):

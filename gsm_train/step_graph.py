@@ -2,8 +2,8 @@
 
 On one GPU the stage-1 step is bound by the host, not the GPU: Python issues thousands of small
 kernels (gate projections, RoPE, the KL per layer, their backward) more slowly than the GPU runs
-them. A replay issues the whole micro-step at once. What a captured step must not do, and the gate
-stage does not: read device values on the host, copy from the host, or change shapes between steps
+them. A replay issues the whole micro-step at once. What a captured step must not do, and the gate and
+joint stages do not: read device values on the host, copy from the host, or change shapes between steps
 (packed batches have one shape; the gate KL draws its query rows on the device).
 
 Gradients accumulate in place into buffers that exist before the capture, so gradient accumulation,
@@ -56,17 +56,18 @@ def use_cuda_graph(setting: CudaGraphSetting, blockers: list[str]) -> bool:
 
 
 class GraphedLoss:
-    """`loss_fn(batch)` and its backward, captured for batches shaped like `example`.
+    """`loss_fn(batch)` -> (loss, scalars to log) and the loss's backward, captured for batches shaped
+    like `example`.
 
-    Calling it copies the batch into the captured input, replays, and returns the loss (a tensor that
-    the next call overwrites). Gradients of `params` are added into their `.grad` buffers, scaled by
+    Calling it copies the batch into the captured input, replays, and returns the loss and the scalars
+    (tensors that the next call overwrites). Gradients of `params` are added into their `.grad` buffers, scaled by
     `grad_scale` (1 / gradient accumulation steps). The warm-up passes and the capture leave the
     parameters, their gradients (zero) and the CPU and CUDA random states as they found them. Anything
     else the step reads that was allocated before the capture (cached masks, for instance) must stay
     alive as long as the graph: `keep_alive()`, called after the capture, returns it.
     """
 
-    def __init__(self, loss_fn: Callable[[Tensor], Tensor], params: list[nn.Parameter], example: Tensor,
+    def __init__(self, loss_fn: Callable[[Tensor], tuple[Tensor, dict[str, Tensor]]], params: list[nn.Parameter], example: Tensor,
                  autocast_dtype: torch.dtype | None, grad_scale: float = 1.0,
                  keep_alive: Callable[[], object] | None = None):
         self.loss_fn, self.grad_scale = loss_fn, grad_scale
@@ -83,22 +84,22 @@ class GraphedLoss:
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.loss = self._loss_and_backward()
+            self.loss, self.scalars = self._loss_and_backward()
         for param in params:
             param.grad.zero_()
         torch.set_rng_state(cpu_rng)
         torch.cuda.set_rng_state(cuda_rng)
         self.kept = keep_alive() if keep_alive is not None else None  # read by the replays, owned elsewhere
 
-    def _loss_and_backward(self) -> Tensor:
+    def _loss_and_backward(self) -> tuple[Tensor, dict[str, Tensor]]:
         autocast = (torch.autocast("cuda", dtype=self.autocast_dtype, cache_enabled=False)  # no cached casts in a graph
                     if self.autocast_dtype is not None else contextlib.nullcontext())
         with autocast, rows_not_packed():  # what transformers cannot check while capturing (see there)
-            loss = self.loss_fn(self.batch)
+            loss, scalars = self.loss_fn(self.batch)
         (loss * self.grad_scale).backward()
-        return loss.detach()
+        return loss.detach(), {name: value.detach() for name, value in scalars.items()}
 
-    def __call__(self, batch: Tensor) -> Tensor:
+    def __call__(self, batch: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         self.batch.copy_(batch, non_blocking=True)
         self.graph.replay()
-        return self.loss
+        return self.loss, self.scalars

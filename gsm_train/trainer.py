@@ -32,7 +32,6 @@ from gsm_train.distributed import DistInfo, all_reduce_sum, init_distributed, te
 from gsm_train.export import export_adapter
 from gsm_train.kv_budget import apply_kv_budget, kv_bytes_ratio
 from gsm_train.model_zoo import load_model_and_tokenizer
-from gsm_train.modules import GSMError
 from gsm_train.modules.injection import GSM_PARAM_MARKER, gsm_runtime, model_dims
 from gsm_train.run_log import RunLogger
 from gsm_train.step_graph import GraphedLoss, cuda_graph_blockers, use_cuda_graph
@@ -43,14 +42,15 @@ class Stage(Protocol):
 
     name: str
     # why the step cannot be captured in a CUDA graph (train.cuda_graph), or None if it can: a capturable step
-    # reads no device values on the host, gives every trainable parameter a gradient and logs no scalars
+    # reads no device values on the host and gives every trainable parameter a gradient
     graph_blocker: str | None
 
     def prepare(self, model: nn.Module, config: RecipeConfig) -> None:
         """Attach/load modules and set `requires_grad` on exactly the parameters that train."""
 
-    def loss(self, model: nn.Module, batch: Tensor) -> tuple[Tensor, dict[str, float]]:
-        """Loss of one micro-batch (mean over its tokens/positions) and scalars to log."""
+    def loss(self, model: nn.Module, batch: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """Loss of one micro-batch (mean over its tokens/positions) and scalars to log (detached 0-d
+        tensors, read on the host only when logged, so that a captured step can produce them)."""
 
     def evaluate(self, model: nn.Module, batches: list[Tensor]) -> dict[str, Any]:
         """Metrics on held-out batches, identical on every rank (reduce across ranks inside)."""
@@ -188,16 +188,9 @@ def _graphed_loss(config: RecipeConfig, stage: Stage, model: nn.Module, backend:
     backend.grads_in_place = True
     model.train()  # the replays run as captured
 
-    def loss_only(batch: Tensor) -> Tensor:
-        loss, scalars = stage.loss(model, batch)
-        if scalars:
-            raise GSMError(f"stage {stage.name} logs per-step scalars ({', '.join(sorted(scalars))}), which a "
-                           "captured step cannot; give the stage a graph_blocker, or set train.cuda_graph: false")
-        return loss
-
     example = torch.zeros(config.train.batch_size, config.data.seq_len, dtype=token_dtype, device=info.device)
     # the runtime's cached layouts are read by the graph but allocated outside it: keep them alive
-    return GraphedLoss(loss_only, [p for p in model.parameters() if p.requires_grad], example, compute_dtype,
+    return GraphedLoss(lambda batch: stage.loss(model, batch), [p for p in model.parameters() if p.requires_grad], example, compute_dtype,
                        grad_scale=1 / config.train.grad_accum, keep_alive=gsm_runtime(model).layouts_in_use)
 
 
@@ -245,11 +238,11 @@ def _run(config: RecipeConfig, stage: Stage, info: DistInfo, backend: Backend, r
         tic = time.perf_counter()
         model.train()
         step_loss = torch.zeros((), device=info.device)
-        scalars: dict[str, float] = {}
+        scalars: dict[str, Tensor] = {}  # the last micro-batch's
         for micro in range(config.train.grad_accum):
             batch = loader.next_batch().to(info.device)
             if graphed is not None:
-                loss = graphed(batch)
+                loss, scalars = graphed(batch)
             else:
                 with autocast:
                     loss, scalars = stage.loss(model, batch)
@@ -261,7 +254,7 @@ def _run(config: RecipeConfig, stage: Stage, info: DistInfo, backend: Backend, r
         result.losses.append(mean_loss)
         elapsed = time.perf_counter() - tic
         record = {"loss": mean_loss, "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0],
-                  "tokens_per_s": tokens_per_step / elapsed, **scalars}
+                  "tokens_per_s": tokens_per_step / elapsed, **{name: float(value) for name, value in scalars.items()}}
         done = step + 1
         if done % config.logging.log_every == 0:
             logger.log("train", done, record)

@@ -49,7 +49,7 @@ class GateWarmupStage:
     def _forward(self, model: nn.Module, batch: Tensor) -> None:
         model(input_ids=batch, use_cache=False, logits_to_keep=1)
 
-    def loss(self, model: nn.Module, batch: Tensor) -> tuple[Tensor, dict[str, float]]:
+    def loss(self, model: nn.Module, batch: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         runtime = gsm_runtime(model)
         runtime.clear()
         runtime.distill, runtime.recall, runtime.distill_queries = True, None, self.distill_queries

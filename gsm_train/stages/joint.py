@@ -36,7 +36,7 @@ class JointStage:
     """Joint fine-tuning of GSM modules and base under the inference-time attention path."""
 
     name = "joint"
-    graph_blocker = "its step reads values on the host (top-k sizes, ASQ statistics, logged scalars)"
+    graph_blocker = None  # top-k sizes and KL rows are decided on the host, scalars are read after the step
 
     def attach(self, model: nn.Module, config: RecipeConfig) -> None:
         """GSM modules as the recipe says, gate (and any other) tensors from `init_from`, LoRA if asked."""
@@ -66,7 +66,7 @@ class JointStage:
             raise GSMError("stage joint has nothing to train: GSM is off and train.base is frozen; "
                            "set train.base to full or lora, or gsm.gsm_enabled to true")
 
-    def loss(self, model: nn.Module, batch: Tensor) -> tuple[Tensor, dict[str, float]]:
+    def loss(self, model: nn.Module, batch: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         runtime = gsm_runtime(model)
         weights = self.config.train.loss_weights
         runtime.clear()
@@ -79,11 +79,11 @@ class JointStage:
         asq = _mean(list(runtime.asq_losses.values()))
         runtime.clear()
         loss = weights.lm * lm
-        scalars = {"lm_loss": float(lm.detach())}
+        scalars = {"lm_loss": lm.detach()}
         for name, term, weight in (("gate_kl", kl, weights.gate_kl), ("asq_loss", asq, weights.asq)):
             if term is not None:
                 loss = loss + weight * term
-                scalars[name] = float(term.detach())
+                scalars[name] = term.detach()
         return loss, scalars
 
     @torch.no_grad()
