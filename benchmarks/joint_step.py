@@ -1,0 +1,98 @@
+"""Tokens/s of a joint (GSM) training step against a dense fine-tune step of the same model, batch and
+length, side by side in one run: SmolLM2-135M, recipes/joint.yaml as shipped (batch 4 x 2048 tokens,
+full base training, bf16 autocast over fp32 weights), and the same recipe with gsm.gsm_enabled=false.
+
+Each step runs as the trainer runs it on one GPU (`train.cuda_graph: auto`: the micro-step replayed
+from a CUDA graph, then clipping and fused AdamW) and eagerly (`train.cuda_graph: false`). The gate
+starts untrained (`init_from=null`): a step's work does not depend on the gate's values.
+
+python benchmarks/joint_step.py --result OUT.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_result  # noqa: E402
+
+from gsm_train.backend import select_backend  # noqa: E402
+from gsm_train.config import load_recipe  # noqa: E402
+from gsm_train.distributed import init_distributed  # noqa: E402
+from gsm_train.stages import JointStage  # noqa: E402
+from gsm_train.trainer import _autocast, _dtypes, _graphed_loss, _prepared_model, build_optimizer  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _step_ms(gsm_enabled: bool, graphed: bool, overrides: list[str], steps: int) -> float:
+    """Median wall time of one training step (micro-step, clipping, optimizer), in milliseconds."""
+    config = load_recipe(str(REPO / "recipes" / "joint.yaml"),
+                         ["init_from=null", f"gsm.gsm_enabled={str(gsm_enabled).lower()}", *overrides])
+    info = init_distributed()
+    stage = JointStage()
+    model, rows, _ = _prepared_model(config, stage, info)
+    backend = select_backend(config)
+    _, compute_dtype = _dtypes(config, info)
+    model, optimizer = backend.prepare(model, lambda m: build_optimizer(m, config), info, compute_dtype)
+    batch = rows[:config.train.batch_size].to(info.device)
+    captured = _graphed_loss(config, stage, model, backend, info, compute_dtype, rows.dtype) if graphed else None
+
+    def step() -> None:
+        if captured is not None:
+            captured(batch)
+        else:
+            with _autocast(info, compute_dtype):
+                loss, _ = stage.loss(model, batch)
+            backend.backward(loss, boundary=True)
+        backend.step(optimizer)
+        torch.cuda.synchronize()
+
+    for _ in range(3):
+        step()
+    times = []
+    for _ in range(steps):
+        tic = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - tic) * 1e3)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--result", required=True)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--train-data", default="embedded:sample_prose")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("this benchmark times GPU training steps; run it on a CUDA device")
+    overrides = [f"data.train.path={args.train_data}", "logging.progress_bar=false"]
+    config = load_recipe(str(REPO / "recipes" / "joint.yaml"), overrides)
+    tokens = config.train.batch_size * config.data.seq_len
+    rows = {}
+    for graphed in (True, False):
+        for gsm_enabled in (False, True):
+            name = f"{'joint' if gsm_enabled else 'dense'}_{'graphed' if graphed else 'eager'}"
+            ms = _step_ms(gsm_enabled, graphed, overrides, args.steps)
+            gc.collect()  # the model, optimizer and graph of the last setting
+            torch.cuda.empty_cache()
+            rows[name] = {"step_ms": ms, "tokens_per_s": tokens / ms * 1e3}
+            print(f"{name:14s} {ms:8.1f} ms/step {rows[name]['tokens_per_s']:10.0f} tokens/s", flush=True)
+    result = {"batch_size": config.train.batch_size, "seq_len": config.data.seq_len, "steps_timed": args.steps,
+              "joint_over_dense_tokens_per_s": rows["joint_graphed"]["tokens_per_s"] / rows["dense_graphed"]["tokens_per_s"],
+              "joint_over_dense_tokens_per_s_eager": rows["joint_eager"]["tokens_per_s"] / rows["dense_eager"]["tokens_per_s"],
+              "rows": rows}
+    print(f"joint / dense tokens/s: {result['joint_over_dense_tokens_per_s']:.3f} as the trainer runs them "
+          f"(CUDA graph), {result['joint_over_dense_tokens_per_s_eager']:.3f} eager")
+    write_result(Path(args.result), result)
+
+
+if __name__ == "__main__":
+    main()
