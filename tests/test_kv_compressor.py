@@ -144,12 +144,33 @@ def test_forward_with_loss_equals_forward_then_loss() -> None:
         torch.testing.assert_close(shared_grad, separate_grad, rtol=1e-5, atol=1e-6)
 
 
+def test_storage_rounding_is_fp16_and_passes_the_gradient_within_its_range() -> None:
+    """`_to_store` (an operator of its own, so torch.compile cannot fuse the rounding away) gives the
+    fp16 grid exactly, in the input's dtype, and the gradient unchanged wherever fp16 holds the value."""
+    from gsm_train.modules.kv_compressor import _to_store
+
+    big = torch.finfo(torch.float16).max
+    for dtype in (torch.float32, torch.float64):
+        x = torch.cat([torch.randn(1000, dtype=dtype) * 10.0 ** torch.randint(-9, 5, (1000,)),
+                       torch.tensor([-1e6, 1e6, 1e-9, 0.0], dtype=dtype)]).requires_grad_(True)
+        stored = _to_store(x)
+        assert stored.dtype == dtype
+        assert torch.equal(stored, x.detach().clamp(-big, big).half().to(dtype))
+        grad = torch.randn_like(x) * 1e-9  # below fp16's smallest step: passed on as it is, not rounded
+        stored.backward(grad)
+        assert torch.equal(x.grad, torch.where(x.detach().abs() <= big, grad, 0.0))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled training pass runs on the GPU only")
 def test_compiled_training_pass_matches_the_eager_one() -> None:
     """On the GPU, forward(x, with_loss=True) in training runs the torch.compile'd pass; forward and
     reconstruction_loss run eagerly. Fused kernels sum in another order, so a token near a tie may take
     another cluster or code (a few rows differ), but prototypes and scales sit on the same fp16 grid
     (without that, most elements differed) and the loss and the MLP's gradients agree closely."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()  # a fresh compile, so that it cannot have fallen back to eager after earlier ones
+    counters.clear()
     results = []
     for compiled in (True, False):
         comp = _asq(4).train().cuda()
@@ -157,6 +178,7 @@ def test_compiled_training_pass_matches_the_eager_one() -> None:
         out, loss = comp(x, with_loss=True) if compiled else (comp(x), comp.reconstruction_loss(x))
         (out.pow(2).mean() + loss).backward()
         results.append((out.detach(), loss.detach(), comp.w1.grad, comp.b1.grad, comp.w2.grad, comp.b2.grad))
+    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"]  # compiled, in one piece
     (out, *rest), (want_out, *want_rest) = results
     assert ((out - want_out).abs() <= 1e-5).float().mean() > 0.995
     for got, want in zip(rest, want_rest):

@@ -64,10 +64,32 @@ def compute_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-@torch.compiler.disable  # Inductor would fuse the round trip away (`_compiled_training_pass`); run as written
+@torch.library.custom_op("gsm_train::to_store", mutates_args=())
 def _to_store(x: Tensor) -> Tensor:
-    """Round fp32 (or fp64) values to the float16 storage grid (keeps x's dtype, differentiable)."""
+    """Round fp32 (or fp64) values to the float16 storage grid (keeps x's dtype, differentiable: the
+    gradient passes where x is within fp16's range).
+
+    An operator of its own, so that torch.compile calls it as it is: Inductor fuses a plain
+    `.to(float16).to(float32)` into its neighbours and drops the rounding (torch 2.11 on the H200 did so
+    even with `emulate_precision_casts`), and training must see the grid that inference reads."""
     return x.clamp(-_FP16_MAX, _FP16_MAX).to(_STORE_DTYPE).to(x.dtype)
+
+
+@_to_store.register_fake
+def _(x: Tensor) -> Tensor:
+    return torch.empty_like(x)
+
+
+def _to_store_setup(ctx, inputs: tuple[Tensor], output: Tensor) -> None:
+    ctx.save_for_backward(inputs[0])
+
+
+def _to_store_backward(ctx, grad: Tensor) -> Tensor:
+    (x,) = ctx.saved_tensors
+    return torch.where((x >= -_FP16_MAX) & (x <= _FP16_MAX), grad, torch.zeros_like(grad))
+
+
+_to_store.register_autograd(_to_store_backward, setup_context=_to_store_setup)
 
 
 def _quantize(x: Tensor, bits: int, dim: int) -> tuple[Tensor, Tensor]:
@@ -300,10 +322,8 @@ def _reconstruction_and_distortion(blocks: Tensor, w1: Tensor, b1: Tensor, w2: T
 @functools.cache
 def _compiled_training_pass() -> Callable[..., tuple[Tensor, Tensor]]:
     """`_reconstruction_and_distortion` fused by torch.compile, for training on the GPU (shapes are fixed
-    there): dozens of small kernels per compressor and pass become a few. Inductor drops the fp32 ->
-    fp16 -> fp32 round trips of prototypes and scales when it fuses them (torch 2.11 on the H200 did so
-    even with `emulate_precision_casts`); training must see the storage grid that inference reads, so
-    `_to_store` stays outside the compiled graphs."""
+    there): dozens of small kernels per compressor and pass become a few (`_to_store`, the fp16
+    rounding, stays an operator of its own inside the graph)."""
     return torch.compile(_reconstruction_and_distortion, dynamic=False)
 
 
@@ -404,8 +424,10 @@ class ASQCompressor(nn.Module):
         """Fake-quantized reconstruction of ``x`` [B, H, S, D]; the trailing partial block is returned as is.
         With ``with_loss``, ``(reconstruction, reconstruction_loss(x))`` from the one encoding (a method of
         its own would bypass FSDP2's and ZeRO-3's parameter gathering, which hook ``forward``). In eval
-        mode it also records ``last_stats`` (training steps skip that work). Training on the GPU runs
-        the compiled pass (`_compiled_training_pass`)."""
+        mode it also records ``last_stats`` (training steps skip that work). Training on the GPU with
+        ``with_loss`` runs the compiled pass (`_compiled_training_pass`, compiled once per input shape:
+        training steps have one): its fused kernels sum in another order, so a token near a tie may
+        take another cluster or code than the eager pass (about 0.01% of the elements on the test's data)."""
         if with_loss and self.training and x.is_cuda and x.shape[2] >= self.block_size:
             return self._compiled_forward(x)
         enc, blocks, tail = self._encode_input(x)
