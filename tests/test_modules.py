@@ -348,6 +348,14 @@ def test_target_products_take_autocasts_dtype_as_main_attention_does() -> None:
     assert _product_dtype(fp32) == torch.float32 and _product_dtype(bf16) == torch.bfloat16
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert _product_dtype(fp32) == torch.bfloat16 and _product_dtype(fp32.double()) == torch.float64
+    if torch.cuda.is_available() and KERNELS_RUN_HERE:  # the kernels then get bf16 queries and keys
+        from gsm_train.kernels import attention_target
+
+        query, key = (t.cuda() for t in _attention_inputs(head_dim=16))
+        allowed = _causal().cuda()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            got = head_averaged_probs(query.float(), key.float(), allowed, 0.5, 1)
+        assert torch.equal(got, attention_target.head_averaged_probs(query.bfloat16(), key.bfloat16(), allowed, 0.5, 1))
 
 
 @pytest.mark.skipif(not KERNELS_RUN_HERE,
@@ -451,6 +459,12 @@ def test_compiled_gate_paths_match_the_written_ones() -> None:
     grads = [torch.autograd.grad(a.sum() + 2 * b.sum(), (q, k)) for a, b in outs]
     for written, compiled in zip((*outs[0], *grads[0]), (*outs[1], *grads[1])):
         torch.testing.assert_close(compiled, written, atol=1e-5, rtol=1e-5)
+    from gsm_train.modules.sparse_gate import compiled_select_top_k
+
+    scores, positions = torch.randn(2, 2, T, T, generator=gen).to(cuda), torch.arange(T, device=cuda)
+    for sinks, recent in ((0, 0), (2, 3)):
+        args = (scores, _causal().to(cuda), torch.full((T,), 5, device=cuda), positions, positions, sinks, recent, 5)
+        assert torch.equal(compiled_select_top_k()(*args), select_top_k(*args))  # exact operations: the same set
 
 
 @pytest.mark.parametrize("selectors", [1, 2])

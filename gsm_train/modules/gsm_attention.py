@@ -23,7 +23,7 @@ from gsm_train.modules.decode_attention import decode_attention
 from gsm_train.modules.errors import GSMError
 from gsm_train.modules.gate_distill import DistillTarget, reads_weights_directly
 from gsm_train.modules.kv_compressor import ASQCompressor, fake_quant_kivi, fake_quant_per_token
-from gsm_train.modules.sparse_gate import SparseGateHead, k_per_query, select_top_k
+from gsm_train.modules.sparse_gate import SparseGateHead, compiled_select_top_k, k_per_query, select_top_k
 
 ATTN_IMPLEMENTATION = "gsm"
 MODES = ("dense", "sparse", "oracle")
@@ -294,9 +294,10 @@ def gsm_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
     def gate_selection(start: int, stop: int, k: Tensor = k_t, k_max: int | None = None) -> Tensor:
         with torch.no_grad():
             scores = gate.score_stored(gate_q[:, :, start:stop], stored_k)
-        return select_top_k(scores, allowed[..., start:stop, :], k[start:stop], positions[start:stop], positions,
-                            sparse_cfg.sink_tokens, sparse_cfg.recent_tokens,
-                            int(k_host[start:stop].max()) if k_max is None else k_max)
+        select = compiled_select_top_k() if scores.is_cuda and module.training else select_top_k  # fixed shapes
+        return select(scores, allowed[..., start:stop, :], k[start:stop], positions[start:stop], positions,
+                      sparse_cfg.sink_tokens, sparse_cfg.recent_tokens,
+                      int(k_host[start:stop].max()) if k_max is None else k_max)
 
     def oracle_selection(start: int, stop: int) -> Tensor:
         keys, _, mask = block_causal_kv(key.detach(), None, own, allowed[..., start:stop, :],

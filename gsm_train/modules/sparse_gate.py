@@ -7,7 +7,9 @@ rotated pair, stored in `rope_freq_index`), and scores `q_t . k_j / sqrt(gate_he
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -151,6 +153,14 @@ def k_per_query(query_positions: Tensor, schedule: str, top_k: int, k_min: int, 
     else:
         raise ValueError(f"unknown top_k_schedule {schedule!r}; use constant, exp_decay or linear_decay")
     return k.clamp(min=min(k_min, top_k), max=top_k).long()
+
+
+@functools.cache
+def compiled_select_top_k() -> Callable[..., Tensor]:
+    """`select_top_k` fused by torch.compile, for training on the GPU (its shapes are fixed there): the
+    masking before top-k and the masks after it become a few kernels instead of passes over [B, n, T, S]
+    each. The selection is the same (the fused operations are exact)."""
+    return torch.compile(select_top_k, dynamic=False)
 
 
 def select_top_k(scores: Tensor, allowed: Tensor, k: Tensor, query_positions: Tensor, key_positions: Tensor,
