@@ -60,15 +60,15 @@ class GraphedLoss:
     like `example`.
 
     Calling it copies the batch into the captured input, replays, and returns the loss and the scalars
-    (tensors that the next call overwrites). Gradients of `params` are added into their `.grad` buffers, scaled by
-    `grad_scale` (1 / gradient accumulation steps). The warm-up passes and the capture leave the
+    (tensors that the next call overwrites). Gradients of `params` are added into their `.grad`
+    buffers, scaled by `grad_scale` (1 / gradient accumulation steps). The warm-up passes and the capture leave the
     parameters, their gradients (zero) and the CPU and CUDA random states as they found them. Anything
     else the step reads that was allocated before the capture (cached masks, for instance) must stay
     alive as long as the graph: `keep_alive()`, called after the capture, returns it.
     """
 
-    def __init__(self, loss_fn: Callable[[Tensor], tuple[Tensor, dict[str, Tensor]]], params: list[nn.Parameter], example: Tensor,
-                 autocast_dtype: torch.dtype | None, grad_scale: float = 1.0,
+    def __init__(self, loss_fn: Callable[[Tensor], tuple[Tensor, dict[str, Tensor]]], params: list[nn.Parameter],
+                 example: Tensor, autocast_dtype: torch.dtype | None, grad_scale: float = 1.0,
                  keep_alive: Callable[[], object] | None = None):
         self.loss_fn, self.grad_scale = loss_fn, grad_scale
         self.autocast_dtype = autocast_dtype

@@ -49,8 +49,9 @@ class Stage(Protocol):
         """Attach/load modules and set `requires_grad` on exactly the parameters that train."""
 
     def loss(self, model: nn.Module, batch: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        """Loss of one micro-batch (mean over its tokens/positions) and scalars to log (detached 0-d
-        tensors, read on the host only when logged, so that a captured step can produce them)."""
+        """Loss of one micro-batch (mean over its tokens/positions) and terms to log (detached 0-d
+        tensors: the trainer averages them over micro-batches and ranks, as the loss, and reads them on
+        the host after the step, so that a captured step can produce them)."""
 
     def evaluate(self, model: nn.Module, batches: list[Tensor]) -> dict[str, Any]:
         """Metrics on held-out batches, identical on every rank (reduce across ranks inside)."""
@@ -187,10 +188,10 @@ def _graphed_loss(config: RecipeConfig, stage: Stage, model: nn.Module, backend:
     restored trainables)."""
     backend.grads_in_place = True
     model.train()  # the replays run as captured
-
     example = torch.zeros(config.train.batch_size, config.data.seq_len, dtype=token_dtype, device=info.device)
+    trainables = [p for p in model.parameters() if p.requires_grad]
     # the runtime's cached layouts are read by the graph but allocated outside it: keep them alive
-    return GraphedLoss(lambda batch: stage.loss(model, batch), [p for p in model.parameters() if p.requires_grad], example, compute_dtype,
+    return GraphedLoss(lambda batch: stage.loss(model, batch), trainables, example, compute_dtype,
                        grad_scale=1 / config.train.grad_accum, keep_alive=gsm_runtime(model).layouts_in_use)
 
 
@@ -237,24 +238,26 @@ def _run(config: RecipeConfig, stage: Stage, info: DistInfo, backend: Backend, r
     for step in range(start, config.train.steps):
         tic = time.perf_counter()
         model.train()
-        step_loss = torch.zeros((), device=info.device)
-        scalars: dict[str, Tensor] = {}  # the last micro-batch's
+        sums: dict[str, Tensor] = {}  # the loss and the stage's terms, averaged over the micro-batches
         for micro in range(config.train.grad_accum):
             batch = loader.next_batch().to(info.device)
             if graphed is not None:
-                loss, scalars = graphed(batch)
+                loss, terms = graphed(batch)
             else:
                 with autocast:
-                    loss, scalars = stage.loss(model, batch)
+                    loss, terms = stage.loss(model, batch)
                 backend.backward(loss / config.train.grad_accum, boundary=micro == config.train.grad_accum - 1)
-            step_loss += loss.detach().float() / config.train.grad_accum
+            for name, value in {"loss": loss, **terms}.items():  # added up before the next replay overwrites it
+                sums[name] = sums.get(name, 0.0) + value.detach().float() / config.train.grad_accum
         grad_norm = backend.step(optimizer)
         scheduler.step()
-        mean_loss = float(all_reduce_sum(step_loss) / info.world_size)
+        means = all_reduce_sum(torch.stack(list(sums.values()))) / info.world_size  # one reduction, one read
+        step_means = dict(zip(sums, means.tolist()))
+        mean_loss = step_means.pop("loss")
         result.losses.append(mean_loss)
         elapsed = time.perf_counter() - tic
         record = {"loss": mean_loss, "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0],
-                  "tokens_per_s": tokens_per_step / elapsed, **{name: float(value) for name, value in scalars.items()}}
+                  "tokens_per_s": tokens_per_step / elapsed, **step_means}
         done = step + 1
         if done % config.logging.log_every == 0:
             logger.log("train", done, record)

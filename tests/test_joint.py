@@ -119,3 +119,28 @@ def test_gsm_modules_get_their_own_learning_rate() -> None:
     assert [g["lr"] for g in groups] == [1e-3, 1e-5]
     assert {id(p) for p in groups[0]["params"]} == gsm_ids
     assert not gsm_ids & {id(p) for p in groups[1]["params"]}
+
+
+@pytest.mark.parametrize("gate_kl", [1.0, 0.0])
+def test_the_gate_trains_only_with_its_kl(gate_kl: float) -> None:
+    """The gate's only loss is its KL (its input is detached and top-k has no gradient): without it the
+    gate is frozen, not a trainable that never gets a gradient (which AdamW's decay would still move in
+    a captured step, whose gradients are zero-filled buffers)."""
+    config = load_recipe(JOINT, [*TINY, f"train.loss_weights.gate_kl={gate_kl}"])
+    model = tiny_model("llama")
+    JointStage().prepare(model, config)
+    trains = {name: param.requires_grad for name, param in model.named_parameters() if ".gsm." in name}
+    gate = [flag for name, flag in trains.items() if ".gate." in name]
+    assert gate and all(flag == (gate_kl > 0) for flag in gate)
+    assert all(flag for name, flag in trains.items() if ".gate." not in name)  # ASQ and the bridge train
+
+
+def test_logged_terms_are_averaged_over_micro_batches_as_the_loss_is(tmp_path: Path) -> None:
+    """loss = lm + gate_kl * KL + asq * ASQ per micro-batch; the logged loss is the mean over the
+    micro-batches, so the logged terms, averaged the same way, satisfy the same sum (the last
+    micro-batch's terms alone would not)."""
+    train_recipe(JOINT, [*TINY, "train.steps=2", "train.grad_accum=2", "train.loss_weights.asq=0.5",
+                         f"output.dir={tmp_path}"])
+    for record in (r for r in records(tmp_path) if r["kind"] == "train"):
+        total = record["lm_loss"] + record["gate_kl"] + 0.5 * record["asq_loss"]
+        assert record["loss"] == pytest.approx(total, rel=1e-6)

@@ -17,7 +17,8 @@ from gsm_train.step_graph import cuda_graph_blockers, use_cuda_graph
 from gsm_train.train import train_recipe
 from run_helpers import records
 from test_gate_warmup import RECIPE, TINY
-from test_joint import JOINT, TINY as TINY_JOINT
+from test_joint import JOINT
+from test_joint import TINY as TINY_JOINT
 
 CUDA = torch.device("cuda")
 
@@ -82,9 +83,9 @@ def test_captured_gate_steps_train_exactly_like_eager_ones(tmp_path: Path, grad_
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("gsm_enabled", [True, False])
-def test_captured_joint_steps_train_like_eager_ones_and_log_the_same_scalars(tmp_path: Path,
-                                                                              gsm_enabled: bool) -> None:
+@pytest.mark.parametrize(("gsm_enabled", "grad_accum"), [(True, 1), (True, 2), (False, 1)])
+def test_captured_joint_steps_train_like_eager_ones_and_log_the_same_scalars(tmp_path: Path, gsm_enabled: bool,
+                                                                              grad_accum: int) -> None:
     """Sparse attention, ASQ, the share bridge and a fully trained base (or, GSM off, the dense control):
     the replayed step gives the eager losses, logged terms and weights. Not bit for bit: attention's and
     the embedding's backward add with atomics, so two eager runs differ too, and AdamW turns a last-bit
@@ -92,7 +93,7 @@ def test_captured_joint_steps_train_like_eager_ones_and_log_the_same_scalars(tmp
     weight may differ by at most lr per step, and a parameter by a tenth of that on average (one the
     replay failed to update would be a whole trajectory, about lr per step on most elements, away)."""
     common = [*TINY_JOINT, "train.steps=4", "train.batch_size=2", "train.distill_queries=16", "optim.lr=3e-3",
-              f"gsm.gsm_enabled={str(gsm_enabled).lower()}"]
+              f"gsm.gsm_enabled={str(gsm_enabled).lower()}", f"train.grad_accum={grad_accum}"]
     eager = train_recipe(JOINT, [*common, "train.cuda_graph=false", f"output.dir={tmp_path / 'eager'}"])
     graphed = train_recipe(JOINT, [*common, "train.cuda_graph=true", f"output.dir={tmp_path / 'graphed'}"])
     assert graphed.losses == pytest.approx(eager.losses, abs=1e-3)

@@ -36,7 +36,7 @@ class JointStage:
     """Joint fine-tuning of GSM modules and base under the inference-time attention path."""
 
     name = "joint"
-    graph_blocker = None  # top-k sizes and KL rows are decided on the host, scalars are read after the step
+    graph_blocker = None  # top-k sizes come from the host, KL rows are drawn on the device, scalars read after
 
     def attach(self, model: nn.Module, config: RecipeConfig) -> None:
         """GSM modules as the recipe says, gate (and any other) tensors from `init_from`, LoRA if asked."""
@@ -57,9 +57,11 @@ class JointStage:
         model.requires_grad_(False)
         base = config.train.base
         gsm_names = {name for name, _ in gsm_parameters(model)}
+        # the gate learns from its KL alone (its input is detached, its selection has no gradient)
+        gate_learns = config.train.loss_weights.gate_kl > 0
         for name, param in model.named_parameters():
             if name in gsm_names:
-                param.requires_grad_(config.gsm.gsm_enabled)
+                param.requires_grad_(config.gsm.gsm_enabled and (gate_learns or ".gate." not in f".{name}"))
             elif base == "full" or (base == "lora" and ".lora_" in f".{name}"):
                 param.requires_grad_(True)
         if not any(p.requires_grad for p in model.parameters()):

@@ -16,7 +16,7 @@ class MathGateStage(GateWarmupStage):
     """Gate-only fine-tune of an exported adapter; the modules come from the export, not the recipe."""
 
     name = "math_gate"
-    graph_blocker = "its adapter may carry ASQ and the bridge, whose steps are not verified under capture"
+    graph_blocker = "its adapter may carry ASQ and the bridge in dense mode, a step not verified under capture"
 
     def attach(self, model: nn.Module, config: RecipeConfig) -> None:
         load_gsm(model, config.init_from)
