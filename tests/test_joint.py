@@ -60,6 +60,7 @@ def test_lora_trains_only_deltas_and_gsm_and_exports_them(tmp_path: Path) -> Non
     base = {n.replace(".base_layer", ""): t for n, t in trained.items() if ".lora_" not in n and ".gsm." not in n}
     assert base.keys() == reference.keys() and all(torch.equal(base[n], reference[n]) for n in base)
     assert any(".lora_B." in n and t.abs().sum() > 0 for n, t in trained.items()), "LoRA B moved off zero"
+    assert not any(".lora_" in n and ".gsm." in n for n in trained), "LoRA is for the base, not the gate's q/k_proj"
     config = json.loads((tmp_path / "export" / "gsm_config.json").read_text())
     assert config["lora"]["r"] == 4 and any(".lora_A." in n for n in config["tensors"])
     loaded = tiny_model("llama")
@@ -104,9 +105,12 @@ def test_dense_control_is_the_base_model(tmp_path: Path) -> None:
     assert all(not p.requires_grad for n, p in control.model.named_parameters() if ".gsm." in n)
 
 
-def test_nothing_to_train_is_one_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    status = train_main(["--recipe", JOINT, *TINY, "gsm.gsm_enabled=false", "train.base=frozen",
-                         f"output.dir={tmp_path / 'run'}"])
+@pytest.mark.parametrize("nothing", [["gsm.gsm_enabled=false"],
+                                     ["gsm.kv_compression.enabled=false", "gsm.cross_layer_sharing.enabled=false",
+                                      "train.loss_weights.gate_kl=0"]])
+def test_nothing_to_train_is_one_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                             nothing: list[str]) -> None:
+    status = train_main(["--recipe", JOINT, *TINY, *nothing, "train.base=frozen", f"output.dir={tmp_path / 'run'}"])
     assert status == 2 and "nothing to train" in capsys.readouterr().err
 
 
