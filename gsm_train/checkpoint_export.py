@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from safetensors.torch import load_file
 
 from gsm_train.config import load_recipe
@@ -23,6 +24,7 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path) -> Path:
         raise ExportError(f"{checkpoint}: not a checkpoint of a gsm-train run (need {weights_file.name} here and "
                           f"{recipe.name} two folders up); give RUN/checkpoints/step_N")
     config = load_recipe(recipe)
+    torch.manual_seed(config.train.seed)  # as the run did: frozen modules initialised at random are not in checkpoints
     model, _ = load_model_and_tokenizer(config.model.name_or_path, config.model.gguf_file, config.model.revision)
     STAGES[config.stage]().attach(model, config)
     result = model.load_state_dict(load_file(str(weights_file)), strict=False)

@@ -117,6 +117,17 @@ def test_select_top_k_keeps_best_scores() -> None:
         assert torch.equal(selection[..., t, :t], expected)
 
 
+def test_a_larger_top_k_bound_selects_the_same_keys() -> None:
+    """What lets the compiled selection take one `k_max` for all query chunks of a decaying schedule."""
+    scores, positions = torch.randn(2, 2, T, T, generator=_gen(3)), torch.arange(T)
+    k = k_per_query(positions, "linear_decay", 9, 2, 0.5)
+    for sinks, recent in ((0, 0), (1, 2)):
+        for start, stop in ((0, T // 2), (T // 2, T)):
+            args = (scores[..., start:stop, :], _causal()[..., start:stop, :], k[start:stop], positions[start:stop],
+                    positions, sinks, recent)
+            assert torch.equal(select_top_k(*args, int(k.max())), select_top_k(*args))
+
+
 def test_select_top_k_per_query_k() -> None:
     k = torch.tensor([3, 6] * (T // 2))
     selection, _, _ = _select(k)

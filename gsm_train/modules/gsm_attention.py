@@ -294,10 +294,12 @@ def gsm_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
     def gate_selection(start: int, stop: int, k: Tensor = k_t, k_max: int | None = None) -> Tensor:
         with torch.no_grad():
             scores = gate.score_stored(gate_q[:, :, start:stop], stored_k)
-        select = compiled_select_top_k() if scores.is_cuda and module.training else select_top_k  # fixed shapes
+        compiled = scores.is_cuda and module.training  # training shapes are fixed
+        if k_max is None:  # compiled, every chunk takes the layer's largest k (the same selection: each query
+            k_max = int((k_host if compiled else k_host[start:stop]).max())  # keeps its own k), so one compile
+        select = compiled_select_top_k() if compiled else select_top_k
         return select(scores, allowed[..., start:stop, :], k[start:stop], positions[start:stop], positions,
-                      sparse_cfg.sink_tokens, sparse_cfg.recent_tokens,
-                      int(k_host[start:stop].max()) if k_max is None else k_max)
+                      sparse_cfg.sink_tokens, sparse_cfg.recent_tokens, k_max)
 
     def oracle_selection(start: int, stop: int) -> Tensor:
         keys, _, mask = block_causal_kv(key.detach(), None, own, allowed[..., start:stop, :],

@@ -159,7 +159,9 @@ def k_per_query(query_positions: Tensor, schedule: str, top_k: int, k_min: int, 
 def compiled_select_top_k() -> Callable[..., Tensor]:
     """`select_top_k` fused by torch.compile, for training on the GPU (its shapes are fixed there): the
     masking before top-k and the masks after it become a few kernels instead of passes over [B, n, T, S]
-    each. The selection is the same (the fused operations are exact)."""
+    each. The selection is the same (the fused operations are exact). Callers pass one `k_max` for all
+    query chunks of a forward (a larger `k_max` selects the same keys), or each chunk of a decaying
+    k schedule would compile anew."""
     return torch.compile(select_top_k, dynamic=False)
 
 

@@ -65,8 +65,9 @@ class JointStage:
             elif base == "full" or (base == "lora" and ".lora_" in f".{name}"):
                 param.requires_grad_(True)
         if not any(p.requires_grad for p in model.parameters()):
-            raise GSMError("stage joint has nothing to train: GSM is off and train.base is frozen; "
-                           "set train.base to full or lora, or gsm.gsm_enabled to true")
+            raise GSMError("stage joint has nothing to train: train.base is frozen and no GSM module trains "
+                           "(GSM is off, or only the gate is on and train.loss_weights.gate_kl is 0); set train.base "
+                           "to full or lora, turn GSM on, or give the gate a KL weight")
 
     def loss(self, model: nn.Module, batch: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         runtime = gsm_runtime(model)
