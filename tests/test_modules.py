@@ -441,9 +441,10 @@ def test_bridge_rejects_unknown_mode() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled training paths run on the GPU only")
 def test_compiled_gate_paths_match_the_written_ones() -> None:
-    from gsm_train.modules.attention_targets import chunk_kl, compiled_chunk_kl
-    from gsm_train.modules.gate_distill import _compiled_gate_kl_from_hidden, _gate_kl_from_hidden
-    from gsm_train.modules.gate_rope import compiled_rope_pair, rope_pair
+    from gsm_train.modules.attention_targets import chunk_kl
+    from gsm_train.modules.compiled import compiled
+    from gsm_train.modules.gate_distill import _gate_kl_from_hidden
+    from gsm_train.modules.gate_rope import rope_pair
 
     gen = torch.Generator().manual_seed(0)
     cuda = torch.device("cuda")
@@ -452,9 +453,9 @@ def test_compiled_gate_paths_match_the_written_ones() -> None:
     mask = (torch.arange(32)[None, :] <= torch.arange(16, 32)[:, None])[None, None].to(cuda)
     rows = torch.ones(1, 1, 16, device=cuda)
     target = head_averaged_probs(query, key, mask, 0.3, 1)
-    for written, compiled in zip(chunk_kl(gq, gk, target, mask, rows, True),
-                                 compiled_chunk_kl()(gq, gk, target, mask, rows, True)):
-        torch.testing.assert_close(compiled, written, atol=1e-5, rtol=1e-5)
+    for written, fused in zip(chunk_kl(gq, gk, target, mask, rows, True),
+                                 compiled(chunk_kl)(gq, gk, target, mask, rows, True)):
+        torch.testing.assert_close(fused, written, atol=1e-5, rtol=1e-5)
     cos, sin = torch.randn(2, 16, 8, generator=gen).to(cuda), torch.randn(2, 16, 8, generator=gen).to(cuda)
     index = torch.tensor([[0, 3, 1, 2]], device=cuda)
     q = torch.randn(2, 1, 16, 8, generator=gen).to(cuda).requires_grad_()
@@ -464,18 +465,16 @@ def test_compiled_gate_paths_match_the_written_ones() -> None:
     cos32, sin32 = torch.randn(2, 32, 8, generator=gen).to(cuda), torch.randn(2, 32, 8, generator=gen).to(cuda)
     fused_args = (weights[0], weights[1], hidden, cos32, sin32, index, target[:, :, :4], mask[..., :4, :],
                   rows[..., :4], rows_index, True)
-    for written, compiled in zip(_gate_kl_from_hidden(*fused_args), _compiled_gate_kl_from_hidden()(*fused_args)):
-        torch.testing.assert_close(compiled, written, atol=1e-4, rtol=1e-4)
-    outs = [fn(q, k, cos, sin, index) for fn in (rope_pair, compiled_rope_pair())]
+    for written, fused in zip(_gate_kl_from_hidden(*fused_args), compiled(_gate_kl_from_hidden)(*fused_args)):
+        torch.testing.assert_close(fused, written, atol=1e-4, rtol=1e-4)
+    outs = [fn(q, k, cos, sin, index) for fn in (rope_pair, compiled(rope_pair))]
     grads = [torch.autograd.grad(a.sum() + 2 * b.sum(), (q, k)) for a, b in outs]
-    for written, compiled in zip((*outs[0], *grads[0]), (*outs[1], *grads[1])):
-        torch.testing.assert_close(compiled, written, atol=1e-5, rtol=1e-5)
-    from gsm_train.modules.sparse_gate import compiled_select_top_k
-
+    for written, fused in zip((*outs[0], *grads[0]), (*outs[1], *grads[1])):
+        torch.testing.assert_close(fused, written, atol=1e-5, rtol=1e-5)
     scores, positions = torch.randn(2, 2, T, T, generator=gen).to(cuda), torch.arange(T, device=cuda)
     for sinks, recent in ((0, 0), (2, 3)):
         args = (scores, _causal().to(cuda), torch.full((T,), 5, device=cuda), positions, positions, sinks, recent, 5)
-        assert torch.equal(compiled_select_top_k()(*args), select_top_k(*args))  # exact operations: the same set
+        assert torch.equal(compiled(select_top_k)(*args), select_top_k(*args))  # exact operations: the same set
 
 
 @pytest.mark.parametrize("selectors", [1, 2])

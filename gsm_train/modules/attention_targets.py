@@ -11,13 +11,13 @@ formed in the same pass (softmax(gate) - target), so nothing is recomputed.
 
 from __future__ import annotations
 
-import functools
 from typing import Callable
 
 import torch
 from torch import Tensor
 
 from gsm_train.kernels import attention_target
+from gsm_train.modules.compiled import compiled
 
 
 def _product_dtype(query: Tensor) -> torch.dtype:
@@ -69,13 +69,6 @@ def chunk_kl(gate_q: Tensor, gate_k: Tensor, target: Tensor, mask: Tensor, rows:
     return total, torch.matmul(grad_logits, gate_k), torch.matmul(grad_logits.transpose(-1, -2), gate_q)
 
 
-@functools.cache
-def compiled_chunk_kl() -> Callable[..., tuple[Tensor, Tensor | None, Tensor | None]]:
-    """`chunk_kl` fused by torch.compile, for training on the GPU when the rows fit one chunk, so that every
-    step has one shape (several chunks, evaluation and CPU runs use it as written)."""
-    return torch.compile(chunk_kl, dynamic=False)
-
-
 def full_batch(allowed: Tensor, counted_rows: Tensor, batch: int) -> tuple[Tensor, Tensor]:
     """Mask [B, 1, c, S] and counted rows [B, 1, c] (fp32) at the full batch, contiguous: one shape whether
     the model passed a mask or not, so a compiled chunk never recompiles inside a CUDA graph capture."""
@@ -112,7 +105,7 @@ class _GateKL(GradientsFromForward):
         grad_q, grad_k = torch.zeros_like(gq), torch.zeros_like(gk)
         total = torch.zeros((), dtype=torch.float32, device=gq.device)
         one_chunk = query.shape[2] <= chunk  # several chunks see different key counts: shapes a compile would chase
-        kl_of_chunk = compiled_chunk_kl() if gq.is_cuda and want_grad and one_chunk else chunk_kl
+        kl_of_chunk = compiled(chunk_kl) if gq.is_cuda and want_grad and one_chunk else chunk_kl
         for start in range(0, query.shape[2], chunk):
             stop = min(start + chunk, query.shape[2])
             keys = int(visible[stop - 1])

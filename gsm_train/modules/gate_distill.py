@@ -12,8 +12,6 @@ The result equals `SparseGateHead` + `gate_distill_loss` + autograd (a test chec
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +19,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from gsm_train.modules.attention_targets import GradientsFromForward, chunk_kl, full_batch, head_averaged_probs
+from gsm_train.modules.compiled import compiled
 from gsm_train.modules.gate_rope import rope_tables, rotate
 
 
@@ -46,12 +45,6 @@ def _gate_kl_from_hidden(q_weight: Tensor, k_weight: Tensor, hidden: Tensor, cos
             grad_k.t() @ hidden.reshape(len(grad_k), -1).float())
 
 
-@functools.cache
-def _compiled_gate_kl_from_hidden() -> Callable[..., tuple[Tensor, Tensor | None, Tensor | None]]:
-    """`_gate_kl_from_hidden` fused by torch.compile, for training on the GPU (its shapes are fixed)."""
-    return torch.compile(_gate_kl_from_hidden, dynamic=False)
-
-
 class _GateKLFromHidden(GradientsFromForward):
     """The KL sum as a function of the two projection weights; their gradients come from the forward."""
 
@@ -59,7 +52,7 @@ class _GateKLFromHidden(GradientsFromForward):
     def forward(ctx, q_weight: Tensor, k_weight: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor,
                 freq_index: Tensor, target: Tensor, mask: Tensor, rows: Tensor, index: Tensor) -> Tensor:
         want_grad = any(ctx.needs_input_grad[:2])
-        kl = _compiled_gate_kl_from_hidden() if hidden.is_cuda and want_grad else _gate_kl_from_hidden
+        kl = compiled(_gate_kl_from_hidden) if hidden.is_cuda and want_grad else _gate_kl_from_hidden
         total, grad_q_weight, grad_k_weight = kl(q_weight, k_weight, hidden, cos, sin, freq_index, target, mask, rows,
                                                  index, want_grad)
         if want_grad:  # handed back in the weights' own dtype

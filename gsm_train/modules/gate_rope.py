@@ -3,9 +3,6 @@ the base model's frequencies (`rope_freq_index`), so that gate scores commute wi
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-
 import torch
 from torch import Tensor
 
@@ -32,10 +29,3 @@ def rope_pair(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, freq_index: Tensor
     """Gate q and k [B, n, T, dg] rotated by each selector's frequencies of the model's cos/sin."""
     c, s = rope_tables(cos, sin, freq_index, q.dtype)
     return rotate(q, c, s), rotate(k, c, s)
-
-
-@functools.cache
-def compiled_rope_pair() -> Callable[..., tuple[Tensor, Tensor]]:
-    """`rope_pair` fused by torch.compile, forward and backward, for training on the GPU (elsewhere, and for
-    inference with its changing lengths, it runs as written)."""
-    return torch.compile(rope_pair, dynamic=False)

@@ -23,7 +23,8 @@ from gsm_train.modules.decode_attention import decode_attention
 from gsm_train.modules.errors import GSMError
 from gsm_train.modules.gate_distill import DistillTarget, reads_weights_directly
 from gsm_train.modules.kv_compressor import ASQCompressor, fake_quant_kivi, fake_quant_per_token
-from gsm_train.modules.sparse_gate import SparseGateHead, compiled_select_top_k, k_per_query, select_top_k
+from gsm_train.modules.compiled import compiled
+from gsm_train.modules.sparse_gate import SparseGateHead, k_per_query, select_top_k
 
 ATTN_IMPLEMENTATION = "gsm"
 MODES = ("dense", "sparse", "oracle")
@@ -294,10 +295,10 @@ def gsm_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
     def gate_selection(start: int, stop: int, k: Tensor = k_t, k_max: int | None = None) -> Tensor:
         with torch.no_grad():
             scores = gate.score_stored(gate_q[:, :, start:stop], stored_k)
-        compiled = scores.is_cuda and module.training  # training shapes are fixed
-        if k_max is None:  # compiled, every chunk takes the layer's largest k (the same selection: each query
-            k_max = int((k_host if compiled else k_host[start:stop]).max())  # keeps its own k), so one compile
-        select = compiled_select_top_k() if compiled else select_top_k
+        fused = scores.is_cuda and module.training  # training shapes are fixed: the masking around top-k fuses
+        if k_max is None:  # fused, every chunk takes the layer's largest k (the same selection: each query
+            k_max = int((k_host if fused else k_host[start:stop]).max())  # keeps its own k), so one compile
+        select = compiled(select_top_k) if fused else select_top_k
         return select(scores, allowed[..., start:stop, :], k[start:stop], positions[start:stop], positions,
                       sparse_cfg.sink_tokens, sparse_cfg.recent_tokens, k_max)
 

@@ -13,14 +13,14 @@ the same way, so eval ``forward(x)`` equals ``decompress(compress(x))``.
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from gsm_train.modules.compiled import compiled
 
 _VALID_BITS = (2, 4, 8)
 _STORE_DTYPE = torch.float16
@@ -319,14 +319,6 @@ def _reconstruction_and_distortion(blocks: Tensor, w1: Tensor, b1: Tensor, w2: T
     return enc.reconstruct(), _distortion(enc, blocks)
 
 
-@functools.cache
-def _compiled_training_pass() -> Callable[..., tuple[Tensor, Tensor]]:
-    """`_reconstruction_and_distortion` fused by torch.compile, for training on the GPU (shapes are fixed
-    there): dozens of small kernels per compressor and pass become a few (`_to_store`, the fp16
-    rounding, stays an operator of its own inside the graph)."""
-    return torch.compile(_reconstruction_and_distortion, dynamic=False)
-
-
 class ASQCompressor(nn.Module):
     """Causal block-wise ASQ compressor for one layer's K or V ([B, H, S, D]).
 
@@ -394,12 +386,16 @@ class ASQCompressor(nn.Module):
         """Cluster, build prototypes and quantize residuals of blocks [B, H, n, bs, D] (`compute_dtype`)."""
         return _encode_blocks(blocks, *self._mlp(blocks.shape[1]), self.tau, self.quant_bits)
 
+    def _split_input(self, x: Tensor, leading_heads: bool = False) -> tuple[Tensor, Tensor]:
+        """Validate ``x``; its full blocks in `compute_dtype` and its tail."""
+        self._check_input(x, leading_heads)
+        full, tail = _split_blocks(x, self.block_size)
+        return full.to(compute_dtype(full)), tail
+
     def _encode_input(self, x: Tensor, leading_heads: bool = False) -> tuple[_Encoded | None, Tensor, Tensor]:
         """Validate and split ``x``; returns (encoding or None if no full block, blocks in `compute_dtype`, tail)."""
-        self._check_input(x, leading_heads)
+        blocks, tail = self._split_input(x, leading_heads)
         with torch.autocast(device_type=x.device.type, enabled=False):
-            full, tail = _split_blocks(x, self.block_size)
-            blocks = full.to(compute_dtype(full))
             enc = self._encode(blocks) if blocks.shape[2] > 0 else None
         return enc, blocks, tail
 
@@ -424,28 +420,23 @@ class ASQCompressor(nn.Module):
         """Fake-quantized reconstruction of ``x`` [B, H, S, D]; the trailing partial block is returned as is.
         With ``with_loss``, ``(reconstruction, reconstruction_loss(x))`` from the one encoding (a method of
         its own would bypass FSDP2's and ZeRO-3's parameter gathering, which hook ``forward``). In eval
-        mode it also records ``last_stats`` (training steps skip that work). Training on the GPU with
-        ``with_loss`` runs the compiled pass (`_compiled_training_pass`, compiled once per input shape:
-        training steps have one): its fused kernels sum in another order, so a token near a tie may
-        take another cluster or code than the eager pass (about 0.01% of the elements on the test's data)."""
-        if with_loss and self.training and x.is_cuda and x.shape[2] >= self.block_size:
-            return self._compiled_forward(x)
+        mode it also records ``last_stats`` (training steps skip that work). A training pass with
+        ``with_loss`` runs `_reconstruction_and_distortion`, compiled on the GPU (once per input shape:
+        training steps have one; `_to_store` stays an operator of its own in the graph): its fused
+        kernels sum in another order, so a token near a tie may take another cluster or code than the
+        eager pass (about 0.01% of the elements on the test's data)."""
+        if with_loss and self.training and x.shape[2] >= self.block_size:
+            blocks, tail = self._split_input(x)
+            training_pass = compiled(_reconstruction_and_distortion) if x.is_cuda else _reconstruction_and_distortion
+            with torch.autocast(device_type=x.device.type, enabled=False):
+                x_hat, loss = training_pass(blocks, *self._mlp(x.shape[1]), self.tau, self.quant_bits)
+            return _join_blocks(x_hat, tail), loss
         enc, blocks, tail = self._encode_input(x)
         x_hat = enc.reconstruct() if enc is not None else blocks
         if not self.training:
             self._record_stats(enc, blocks, x_hat)
         out = _join_blocks(x_hat, tail) if enc is not None else x
         return (out, _distortion(enc, blocks)) if with_loss else out
-
-    def _compiled_forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """`forward(x, with_loss=True)` for an input with at least one full block, compiled."""
-        self._check_input(x)
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            full, tail = _split_blocks(x, self.block_size)
-            x_hat, loss = _compiled_training_pass()(full.to(compute_dtype(full)), *self._mlp(x.shape[1]), self.tau,
-                                                    self.quant_bits)
-        return _join_blocks(x_hat, tail), loss
-
     def reconstruction_loss(self, x: Tensor) -> Tensor:
         """Clustering loss for the assignment MLP (differentiable, fp32 scalar).
 

@@ -7,15 +7,14 @@ rotated pair, stored in `rope_freq_index`), and scores `q_t . k_j / sqrt(gate_he
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 
 from gsm_train.modules.gate_distill import DistillTarget, gate_kl_from_hidden
-from gsm_train.modules.gate_rope import compiled_rope_pair, rope_pair
+from gsm_train.modules.compiled import compiled
+from gsm_train.modules.gate_rope import rope_pair
 from gsm_train.modules.kv_compressor import compute_dtype
 
 GATE_KEY_DTYPE = torch.bfloat16  # how the KV cache stores gate keys at 16 bits (2 bytes per dimension)
@@ -79,7 +78,7 @@ class SparseGateHead(nn.Module):
         shape = (batch, length, self.num_selectors, self.gate_head_dim)
         q = self.q_proj(hidden).view(shape).transpose(1, 2)
         k = self.k_proj(hidden).view(shape).transpose(1, 2)
-        rope = compiled_rope_pair() if q.is_cuda and q.requires_grad else rope_pair  # training shapes are fixed
+        rope = compiled(rope_pair) if q.is_cuda and q.requires_grad else rope_pair  # training shapes are fixed
         return rope(q, k, cos, sin, self.rope_freq_index)
 
     def stored_keys(self, gate_k: Tensor) -> Tensor:
@@ -153,16 +152,6 @@ def k_per_query(query_positions: Tensor, schedule: str, top_k: int, k_min: int, 
     else:
         raise ValueError(f"unknown top_k_schedule {schedule!r}; use constant, exp_decay or linear_decay")
     return k.clamp(min=min(k_min, top_k), max=top_k).long()
-
-
-@functools.cache
-def compiled_select_top_k() -> Callable[..., Tensor]:
-    """`select_top_k` fused by torch.compile, for training on the GPU (its shapes are fixed there): the
-    masking before top-k and the masks after it become a few kernels instead of passes over [B, n, T, S]
-    each. The selection is the same (the fused operations are exact). Callers pass one `k_max` for all
-    query chunks of a forward (a larger `k_max` selects the same keys), or each chunk of a decaying
-    k schedule would compile anew."""
-    return torch.compile(select_top_k, dynamic=False)
 
 
 def select_top_k(scores: Tensor, allowed: Tensor, k: Tensor, query_positions: Tensor, key_positions: Tensor,
