@@ -12,7 +12,7 @@ from gsm_train.model_zoo import tiny_model
 from gsm_train.modules import gsm_parameters, inject_gsm
 from gsm_train.modules.kv_compressor import asq_bytes
 
-JOINT_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "joint.yaml"  # bridges 8 -> 24
+JOINT_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "joint.yaml"  # bridge (when enabled): 8 -> 24
 SEQ_LEN = 2048
 BASE = 2 * 2 * 2 * 16  # K and V, bf16, 2 KV heads of 16 dims
 ASQ_HEAD = 2 * asq_bytes(SEQ_LEN, 1, 16, cluster_num=32, quant_bits=4, block_size=128)["bytes_per_token"]  # K + V
@@ -84,7 +84,8 @@ def test_cli_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_cli_reports_a_recipe_that_does_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["inspect", "--model", "tiny-llama", "--recipe", str(JOINT_RECIPE)]) == 2
+    assert main(["inspect", "--model", "tiny-llama", "--recipe", str(JOINT_RECIPE),
+                 "gsm.cross_layer_sharing.enabled=true"]) == 2
     err = capsys.readouterr().err
     assert "gsm.cross_layer_sharing.bridge_to_start" in err and "use a value below 4" in err
 

@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 JOINT = str(REPO / "recipes" / "joint.yaml")
 TINY = ["model.name_or_path=tiny-llama", "data.seq_len=64", "logging.recall_min_keys=16", "logging.recall_k=8",
         "gsm.sparse_attention.top_k=8", "gsm.sparse_attention.k_min=8", "gsm.sparse_attention.dense_layers=[0]",
-        "gsm.kv_compression.block_size=16", "gsm.cross_layer_sharing.bridge_from=1",
+        "gsm.kv_compression.block_size=16", "gsm.cross_layer_sharing.enabled=true", "gsm.cross_layer_sharing.bridge_from=1",
         "gsm.cross_layer_sharing.bridge_to_start=2", "logging.progress_bar=false", "optim.warmup_steps=1",
         "init_from=null", "logging.eval_every=100"]
 ALL_ON = {"sparse_attention": {"top_k": 4, "k_min": 4, "mode": "sparse"},
