@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import platform
+import shlex
 import statistics
 import sys
 from collections.abc import Callable
@@ -57,7 +58,7 @@ def graph_ms(step: Callable[[], torch.Tensor], replays: int = 50) -> float:
 
 def write_result(path: Path, result: dict) -> None:
     """Write the JSON result with the command line that produced it."""
-    result = {"command": "python " + " ".join(sys.argv), "device": device_name(), **result}
+    result = {"command": "python " + shlex.join(sys.argv), "device": device_name(), **result}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))
     print(f"wrote {path}")

@@ -7,16 +7,19 @@ python benchmarks/joint.py --train-data PATH/prose --eval-data PATH/wikitext-2/v
 
 Run again with the same arguments after an interruption (e.g. a per-call time limit) and it goes on
 where it stopped: a stage whose export exists is not trained again, a stage with checkpoints resumes
-from its latest one, and the measurements already in the result file are kept (so keep `--result`
-where it survives between runs, e.g. its default under `--out`, and copy it out afterwards).
+from its latest one, and the measurements already in the result file are kept if it records the
+same overrides and recipes (it holds their hash and the commit; so keep `--result` where it
+survives between runs, e.g. its default under `--out`, and copy it out afterwards).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -42,12 +45,36 @@ def _train(recipe: str, overrides: list[str], run_dir: Path) -> None:
     torch.cuda.empty_cache()
 
 
-def _earlier_result(path: Path, overrides: list[str]) -> dict:
-    """The measurements an interrupted run of the same settings already wrote (none for other settings)."""
+RECIPES = ("gate_only.yaml", "joint.yaml")
+LAST_EVAL_KEYS = ("ppl", "recall_ratio_k64", "asq_recon_rel_error", "asq_cluster_usage", "asq_dead_clusters",
+                  "bridge_alpha_mean")
+
+
+def _identity(overrides: list[str]) -> dict:
+    """What makes two runs the same: the overrides and the recipes' text (hashed); plus the commit, for the record."""
+    digest = hashlib.sha256(b"".join((REPO / "recipes" / name).read_bytes() for name in RECIPES)).hexdigest()
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                                check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown (no git checkout)"
+    return {"gsm_overrides": overrides, "recipes_sha256": digest, "commit": commit}
+
+
+def _earlier_result(path: Path, identity: dict) -> dict:
+    """The measurements an interrupted run of the same overrides and recipes already wrote (none otherwise)."""
     if not path.exists():
         return {}
     earlier = json.loads(path.read_text())
-    return earlier if earlier.get("gsm_overrides") == overrides else {}
+    same = all(earlier.get(key) == identity[key] for key in ("gsm_overrides", "recipes_sha256"))
+    return earlier if same else {}
+
+
+def _last_eval(run_dir: Path) -> dict:
+    """The joint run's last in-training evaluation (ASQ error and cluster use, recall, bridge alphas)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in records if r["kind"] == "eval"][-1:]
+    return {key: last[0][key] for key in LAST_EVAL_KEYS if last and key in last[0]}
 
 
 def _tokens_per_s(run_dir: Path) -> float:
@@ -73,13 +100,15 @@ def main() -> None:
     result_path = Path(args.result) if args.result else out / "joint.json"
     data = [f"data.train.path={args.train_data}", f"data.eval.path={args.eval_data}", "logging.progress_bar=false",
             "logging.eval_every=1000", *args.gsm]
-    earlier = _earlier_result(result_path, args.gsm)
-    result: dict = {"gsm_overrides": args.gsm}
+    identity = _identity(args.gsm)
+    earlier = _earlier_result(result_path, identity)
+    result: dict = dict(identity)
     _train("gate_only.yaml", data, out / "gate_only")
     gate_export = out / "gate_only" / "export"
     _train("joint.yaml", [*data, f"init_from={gate_export}"], out / "joint")
     _train("joint.yaml", [*data, f"init_from={gate_export}", "gsm.gsm_enabled=false"], out / "control")
     result["joint_over_dense_tokens_per_s"] = _tokens_per_s(out / "joint") / _tokens_per_s(out / "control")
+    result["joint_last_eval"] = _last_eval(out / "joint")
     write_result(result_path, result)
     exports = {"dense_control": str(out / "control" / "export"), "gsm": str(out / "joint" / "export")}
     if "eval" in earlier:

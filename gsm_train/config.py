@@ -273,12 +273,18 @@ class RecipeConfig(StrictModel):
     @model_validator(mode="after")
     def _apply_knobs(self) -> RecipeConfig:
         knobs, sparse = self.tuning, self.gsm.sparse_attention
+        if self.stage == "math_gate":  # takes no knobs: _stage_needs says so
+            return self
         if knobs.top_k_base is not None:
             if sparse.k_min > knobs.top_k_base:
                 raise _problem(f"tuning.top_k_base ({knobs.top_k_base}) is below gsm.sparse_attention.k_min "
                                f"({sparse.k_min})", f"set gsm.sparse_attention.k_min to at most {knobs.top_k_base}")
             sparse.top_k = knobs.top_k_base
         if knobs.bridge_alpha is not None:
+            if not self.gsm.cross_layer_sharing.enabled:
+                raise _problem(f"tuning.bridge_alpha ({knobs.bridge_alpha}) sets the bridge's starting weight, but "
+                               "gsm.cross_layer_sharing.enabled is false",
+                               "set gsm.cross_layer_sharing.enabled: true, or drop bridge_alpha")
             self.gsm.cross_layer_sharing.alpha_init = knobs.bridge_alpha
         if knobs.kv_compression_ratio is not None and not self.gsm.kv_compression.enabled:
             raise _problem(f"tuning.kv_compression_ratio ({knobs.kv_compression_ratio}) budgets ASQ, but "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -54,18 +55,22 @@ def plot_decode_speedup(rows: list[dict], path: Path) -> Path:
     return path
 
 
-def plot_quality_vs_kv(points: list[dict], goal_ppl: float, goal_kv: float, path: Path) -> Path:
-    """Perplexity over the dense control's against KV bytes over bf16, one numbered point per run (its
-    label in the legend below), with the goal region (both at most their goals) shaded."""
+def plot_quality_vs_kv(points: list[dict[str, Any]], goal_ppl: float, goal_kv: float, path: Path) -> Path:
+    """Perplexity over the dense control's against KV bytes over bf16 for one or more runs, each a dict with
+    `label`, `kv_bytes_ratio` and `ppl_over_control`: numbered points (labels in the legend below), the
+    goal region (both at most their goals) shaded."""
+    if not points:
+        raise ValueError("plot_quality_vs_kv: no runs to plot")
+    low = min(0.9, min(p["ppl_over_control"] for p in points) - 0.05)
     fig, ax = plt.subplots(figsize=(8.5, 4.2 + 0.22 * len(points)))
-    ax.fill_between([0, goal_kv], 0.9, goal_ppl, color="tab:green", alpha=0.12, label="goal")
+    ax.fill_between([0, goal_kv], low, goal_ppl, color="tab:green", alpha=0.12, label="goal")
     for number, point in enumerate(sorted(points, key=lambda p: p["kv_bytes_ratio"]), start=1):
         x, y = point["kv_bytes_ratio"], point["ppl_over_control"]
         ax.plot(x, y, "o", label=f"{number}: {point['label']}")
         ax.annotate(str(number), (x, y), fontsize=8, xytext=(5, 5), textcoords="offset points")
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xlim(0, max(1.2, max(p["kv_bytes_ratio"] for p in points) + 0.1))
-    ax.set_ylim(0.9, max(p["ppl_over_control"] for p in points) + 0.1)
+    ax.set_ylim(low, max(p["ppl_over_control"] for p in points) + 0.1)
     ax.set_xlabel("KV bytes per token / bf16")
     ax.set_ylabel("perplexity / dense control")
     ax.set_title("stage 2, SmolLM2-135M: quality against KV bytes (WikiText-2, context 2048)", fontsize=10)

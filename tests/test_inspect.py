@@ -83,6 +83,12 @@ def test_cli_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert "KV bytes ratio" in out
 
 
+def test_cli_inspects_the_shipped_joint_recipe(capsys: pytest.CaptureFixture[str]) -> None:
+    """With its bridge off, the joint recipe fits even a 4-layer model (its bridge_to_start=24 is not used)."""
+    assert main(["inspect", "--model", "tiny-llama", "--recipe", str(JOINT_RECIPE)]) == 0
+    assert "KV bytes ratio" in capsys.readouterr().out
+
+
 def test_cli_reports_a_recipe_that_does_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["inspect", "--model", "tiny-llama", "--recipe", str(JOINT_RECIPE),
                  "gsm.cross_layer_sharing.enabled=true"]) == 2

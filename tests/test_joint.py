@@ -37,12 +37,16 @@ def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return model(ids).logits
 
 
-def test_full_joint_training_lowers_the_lm_loss_and_its_export_reproduces_the_model(tmp_path: Path) -> None:
+@pytest.mark.parametrize("bridge", [True, False])  # False: the bridge as recipes/joint.yaml ships it
+def test_full_joint_training_lowers_the_lm_loss_and_its_export_reproduces_the_model(tmp_path: Path,
+                                                                                   bridge: bool) -> None:
     result = train_recipe(JOINT, [*TINY, "train.steps=20", "optim.lr=3e-3", "output.export_base_weights=true",
-                                  f"output.dir={tmp_path}"])
+                                  f"gsm.cross_layer_sharing.enabled={str(bridge).lower()}", f"output.dir={tmp_path}"])
     assert sum(result.losses[-5:]) < sum(result.losses[:5])
     final = result.final_metrics
-    assert "ppl" in final and final["bridge_alpha_mean"] > 0
+    assert "ppl" in final and (final["bridge_alpha_mean"] > 0 if bridge else "bridge_alpha_mean" not in final)
+    exported = json.loads((tmp_path / "export" / "gsm_config.json").read_text())["tensors"]
+    assert any(".bridge." in name for name in exported) == bridge
     assert 0 < final["asq_recon_rel_error"] < 1 and 0 < final["asq_cluster_usage"] <= 1
     clusters = load_recipe(JOINT, TINY).gsm.kv_compression.cluster_num  # dead = unused share of the clusters
     assert final["asq_dead_clusters"] == pytest.approx((1 - final["asq_cluster_usage"]) * clusters, abs=1e-6)

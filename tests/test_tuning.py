@@ -55,6 +55,8 @@ def test_knobs_that_contradict_the_gsm_block_are_errors() -> None:
         ["tuning.top_k_base=40", "gsm.sparse_attention.k_min=48"])
     assert "gsm.kv_compression.enabled is false" in _problem(
         ["tuning.kv_compression_ratio=0.5", "gsm.kv_compression.enabled=false"])
+    assert "set gsm.cross_layer_sharing.enabled: true, or drop bridge_alpha" in _problem(
+        ["tuning.bridge_alpha=0.2", "gsm.cross_layer_sharing.enabled=false"])
 
 
 @pytest.mark.parametrize("budget", [0.75, 0.7, 0.6, 0.56, 0.5, 0.49])
