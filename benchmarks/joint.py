@@ -70,16 +70,20 @@ def _earlier_result(path: Path, identity: dict) -> dict:
     return earlier if same else {}
 
 
+def _records(run_dir: Path, kind: str) -> list[dict]:
+    """The run's metrics.jsonl records of one kind (train, eval, ...)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if r["kind"] == kind]
+
+
 def _last_eval(run_dir: Path) -> dict:
     """The joint run's last in-training evaluation (ASQ error and cluster use, recall, bridge alphas)."""
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    last = [r for r in records if r["kind"] == "eval"][-1:]
+    last = _records(run_dir, "eval")[-1:]
     return {key: last[0][key] for key in LAST_EVAL_KEYS if last and key in last[0]}
 
 
 def _tokens_per_s(run_dir: Path) -> float:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    rates = [r["tokens_per_s"] for r in records if r["kind"] == "train"]
+    rates = [r["tokens_per_s"] for r in _records(run_dir, "train")]
     return statistics.median(rates[5:] or rates)
 
 

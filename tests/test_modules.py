@@ -454,7 +454,7 @@ def test_compiled_gate_paths_match_the_written_ones() -> None:
     rows = torch.ones(1, 1, 16, device=cuda)
     target = head_averaged_probs(query, key, mask, 0.3, 1)
     for written, fused in zip(chunk_kl(gq, gk, target, mask, rows, True),
-                                 compiled(chunk_kl)(gq, gk, target, mask, rows, True)):
+                              compiled(chunk_kl)(gq, gk, target, mask, rows, True)):
         torch.testing.assert_close(fused, written, atol=1e-5, rtol=1e-5)
     cos, sin = torch.randn(2, 16, 8, generator=gen).to(cuda), torch.randn(2, 16, 8, generator=gen).to(cuda)
     index = torch.tensor([[0, 3, 1, 2]], device=cuda)

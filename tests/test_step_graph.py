@@ -82,6 +82,12 @@ def test_captured_gate_steps_train_exactly_like_eager_ones(tmp_path: Path, grad_
         torch.testing.assert_close(param, weights[name], atol=1e-6, rtol=0)
 
 
+def _logged_terms(run_dir: Path) -> list[dict[str, float]]:
+    """The stage's logged loss terms of each training step."""
+    return [{k: v for k, v in r.items() if k in ("lm_loss", "gate_kl", "asq_loss")}
+            for r in records(run_dir) if r["kind"] == "train"]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize(("gsm_enabled", "grad_accum"), [(True, 1), (True, 2), (False, 1)])
 def test_captured_joint_steps_train_like_eager_ones_and_log_the_same_scalars(tmp_path: Path, gsm_enabled: bool,
@@ -98,10 +104,7 @@ def test_captured_joint_steps_train_like_eager_ones_and_log_the_same_scalars(tmp
     graphed = train_recipe(JOINT, [*common, "train.cuda_graph=true", f"output.dir={tmp_path / 'graphed'}"])
     assert graphed.losses == pytest.approx(eager.losses, abs=1e-3)
     assert graphed.losses[-1] < graphed.losses[0]  # it trained
-    logged = [{k: v for k, v in r.items() if k in ("lm_loss", "gate_kl", "asq_loss")}
-              for r in records(tmp_path / "graphed") if r["kind"] == "train"]
-    expected = [{k: v for k, v in r.items() if k in ("lm_loss", "gate_kl", "asq_loss")}
-                for r in records(tmp_path / "eager") if r["kind"] == "train"]
+    logged, expected = (_logged_terms(tmp_path / run) for run in ("graphed", "eager"))
     assert [sorted(r) for r in logged] == [sorted(r) for r in expected] and logged[0]
     for got, want in zip(logged, expected):
         assert got == pytest.approx(want, abs=1e-3)

@@ -437,6 +437,7 @@ class ASQCompressor(nn.Module):
             self._record_stats(enc, blocks, x_hat)
         out = _join_blocks(x_hat, tail) if enc is not None else x
         return (out, _distortion(enc, blocks)) if with_loss else out
+
     def reconstruction_loss(self, x: Tensor) -> Tensor:
         """Clustering loss for the assignment MLP (differentiable, fp32 scalar).
 
