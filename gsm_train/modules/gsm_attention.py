@@ -21,6 +21,7 @@ from gsm_train.modules.attention_targets import (captured_mass, causal_visible, 
 from gsm_train.modules.cache_bridge import CacheBridge
 from gsm_train.modules.compiled import compiled
 from gsm_train.modules.decode_attention import decode_attention
+from gsm_train.modules import own_block_attention as own_block
 from gsm_train.modules.errors import GSMError
 from gsm_train.modules.gate_distill import DistillTarget, reads_weights_directly
 from gsm_train.modules.kv_compressor import ASQCompressor, fake_quant_kivi, fake_quant_per_token
@@ -319,8 +320,12 @@ def gsm_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
             pick = gate_selection if mode == "sparse" else oracle_selection
             with torch.no_grad():
                 selection = torch.cat([pick(a, b) for a, b in _chunks(q_len, chunk)], dim=2)
-        out = _masked_sdpa(module, query, *block_causal_kv(key, value, own, selection, positions, block_size),
-                           scaling)
+        if own is not None and query.is_cuda and own_block.fits(q_len, block_size):  # only the tiles queries see
+            out = own_block.own_block_attention(query, torch.cat((key, own[0]), 2), torch.cat((value, own[1]), 2),
+                                                selection, block_size, scaling, module.num_key_value_groups > 1)
+        else:
+            out = _masked_sdpa(module, query, *block_causal_kv(key, value, own, selection, positions, block_size),
+                               scaling)
     if runtime.distill and gate is not None:
         rows_allowed, rows_counted = runtime.kl_rows(allowed, k_t, index, query.shape[0])  # counted: >= k keys
         # DSA: in sparse training the gate learns the main attention's distribution over what it selected
