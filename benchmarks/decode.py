@@ -33,7 +33,6 @@ from common import graph_ms, write_result  # noqa: E402
 from gsm_train.config import load_recipe  # noqa: E402
 from gsm_train.data import load_text_dataset, pack_tokens  # noqa: E402
 from gsm_train.export import load_gsm  # noqa: E402
-from gsm_train.kernels import sparse_decode  # noqa: E402
 from gsm_train.kernels.sparse_decode import fused_decode_attention, gate_scores  # noqa: E402
 from gsm_train.model_zoo import load_model_and_tokenizer  # noqa: E402
 from gsm_train.modules import inject_gsm  # noqa: E402
@@ -89,20 +88,19 @@ def _dense_ms(query: torch.Tensor, kv_heads: int, length: int, layers: int) -> f
 
 def _gsm_ms(query: torch.Tensor, caches: list[tuple[KVStore, KVStore, torch.Tensor]], k: int) -> dict[str, float]:
     """ms per layer of GSM decode attention (gate scores, top-k, fused gather + dequantize + attend), of its
-    first parts alone (top-k by the radix-select kernels, and by torch.topk for comparison), and of the fused
-    kernel (with its merge) alone: where the time goes."""
+    first parts alone (gate scores; gate scores and torch.topk), and of the fused kernel (with its merge) alone:
+    where the time goes."""
     length, dim = caches[0][2].shape[2], query.shape[-1]
     gate_q = torch.randn(query.shape[0], 1, 1, caches[0][2].shape[-1], device="cuda")
 
-    def select(gate_keys: torch.Tensor, kernels: object = sparse_decode) -> torch.Tensor:
-        return top_k_positions(gate_scores(gate_q, gate_keys, None), None, k, length - 1, 0, 0, kernels)[0]
+    def select(gate_keys: torch.Tensor) -> torch.Tensor:
+        return top_k_positions(gate_scores(gate_q, gate_keys, None), None, k, length - 1, 0, 0)[0]
 
     index = select(caches[0][2])
     return {"gsm_ms": _per_layer_ms([lambda c=c: fused_decode_attention(query, c[0], c[1], select(c[2]), None,
                                                                         dim ** -0.5) for c in caches]),
             "gate_scores_ms": _per_layer_ms([lambda c=c: gate_scores(gate_q, c[2], None) for c in caches]),
             "gate_scores_topk_ms": _per_layer_ms([lambda c=c: select(c[2]) for c in caches]),
-            "gate_scores_torch_topk_ms": _per_layer_ms([lambda c=c: select(c[2], None) for c in caches]),
             "attend_ms": _per_layer_ms([lambda c=c: fused_decode_attention(query, c[0], c[1], index, None, dim ** -0.5)
                                         for c in caches])}
 
@@ -134,8 +132,7 @@ def attention_rows(contexts: list[int], batches: list[int], ks: list[int], bits:
                     rows.append(row)
                     print(f"{shape:>8} {length:>7} {batch:>3} {k:>5} dense {dense * 1e3:9.1f} us  gsm "
                           f"{gsm * 1e3:9.1f} us (scores {times['gate_scores_ms'] * 1e3:.1f}, +top-k "
-                          f"{times['gate_scores_topk_ms'] * 1e3:.1f} [torch.topk "
-                          f"{times['gate_scores_torch_topk_ms'] * 1e3:.1f}], attend {times['attend_ms'] * 1e3:.1f})  "
+                          f"{times['gate_scores_topk_ms'] * 1e3:.1f}, attend {times['attend_ms'] * 1e3:.1f})  "
                           f"x{dense / gsm:6.2f}  [{layers} layers per graph]", flush=True)
                 del caches
                 torch.cuda.empty_cache()

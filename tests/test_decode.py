@@ -244,34 +244,6 @@ def test_gate_score_kernel_equals_pytorch_path(bits: int) -> None:
     torch.testing.assert_close(gate_scores(gate_q, keys, scales), expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.skipif(not KERNELS_RUN_HERE, reason="needs Triton with CUDA, or on CPU TRITON_INTERPRET=1")
-@pytest.mark.parametrize(("rows", "length", "k", "values"),
-                         [(1, 300, 40, "normal"), (3, 5000, 4097, "normal"), (2, 9000, 1, "normal"),
-                          (2, 777, 777, "normal"), (2, 9000, 4000, "three levels"), (1, 64, 10, "all equal"),
-                          (1, 64, 20, "infinities")])
-def test_radix_top_k_kernel_selects_the_top_k_set(rows: int, length: int, k: int, values: str) -> None:
-    """The kernels' positions are the k best scores, ties at the boundary going to the lowest positions: the
-    first k of a stable descending sort (distinct scores with +inf forced keys and -inf among them; boundary
-    bins holding more candidates than one load; one value everywhere; nothing but infinities)."""
-    from gsm_train.kernels.top_k import top_k_indices
-
-    torch.manual_seed(0)
-    scores = torch.randn(rows, length, device=KERNEL_DEVICE)
-    if values == "normal":
-        scores[0, 5], scores[-1, :3] = float("inf"), float("-inf")
-        scores[:, -1] = -scores[:, -1].abs()  # negative floats order by flipped magnitude bits
-    elif values == "three levels":
-        scores = torch.randint(0, 3, (rows, length), device=KERNEL_DEVICE).float()
-    elif values == "all equal":
-        scores = torch.full((rows, length), 2.5, device=KERNEL_DEVICE)
-    else:
-        scores = torch.where(torch.rand(rows, length, device=KERNEL_DEVICE) > 0.5, float("inf"), float("-inf"))
-    expected = torch.sort(-scores, dim=-1, stable=True).indices[:, :k].sort(-1).values
-    assert torch.equal(top_k_indices(scores, k).sort(-1).values, expected)
-    with pytest.raises(ValueError, match=f"k={length + 1} must be in 1..{length}"):
-        top_k_indices(scores, length + 1)
-
-
 def test_generate_command(exported_tiny: Path, capsys: pytest.CaptureFixture) -> None:
     """`gsm-train generate` continues a prompt with the adapter over the GSM cache and says what the cache holds."""
     assert cli_main(["generate", "--model", "tiny-llama", "--adapter", str(exported_tiny), "--prompt",

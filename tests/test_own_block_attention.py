@@ -30,9 +30,16 @@ def test_forward_equals_masked_sdpa_over_both_versions(block_size: int, selector
     torch.testing.assert_close(got, expected, atol=2e-6, rtol=0)
 
 
-def test_fits_whole_tiles_only() -> None:
-    assert fits(2048, 128) and fits(512, 256)
-    assert not fits(2000, 128) and not fits(2048, 64)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the block-sparse path serves CUDA tensors only")
+def test_fits_whole_tiles_in_training_dtypes_only() -> None:
+    def query(length: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return torch.zeros(1, 2, length, 16, device="cuda", dtype=dtype)
+    assert fits(query(2048), 128) and fits(query(512), 256) and fits(query(512, torch.float32), 128)
+    assert not fits(query(2000), 128) and not fits(query(2048), 64) and not fits(query(512, torch.float64), 128)
+
+
+def test_cpu_tensors_take_the_masked_sdpa() -> None:
+    assert not fits(torch.zeros(1, 2, 512, 16), 128)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward runs on GPUs only")

@@ -21,10 +21,7 @@ import os
 import torch
 from torch import Tensor
 
-from gsm_train.kernels.top_k import top_k_indices
 from gsm_train.modules.kv_store import KVStore
-
-__all__ = ["fused_decode_attention", "gate_scores", "top_k_indices", "triton_available"]  # what GSMCache calls
 
 try:
     import triton

@@ -10,7 +10,6 @@ power of two from 16 to 256), as do the gate scores; everywhere else this PyTorc
 
 from __future__ import annotations
 
-from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,11 +33,10 @@ def forced_count(position: int, sink_tokens: int, recent_tokens: int) -> int:
 
 
 def top_k_positions(scores: Tensor, allowed: Tensor | None, k: int, position: int, sink_tokens: int,
-                    recent_tokens: int, kernels: ModuleType | None = None) -> tuple[Tensor, Tensor | None]:
+                    recent_tokens: int) -> tuple[Tensor, Tensor | None]:
     """Key positions [B, n, k'] the newest query keeps (same rule as `select_top_k`) and which are valid.
 
     scores [B, n, S] over all cached keys (overwritten: forced keys get +inf); allowed [B, S] or None.
-    With `kernels` (`gsm_train.kernels.sparse_decode`) and no padding, its radix-select kernels pick them.
     """
     length = scores.shape[-1]
     scores[..., position] = float("inf")
@@ -48,8 +46,6 @@ def top_k_positions(scores: Tensor, allowed: Tensor | None, k: int, position: in
         scores[..., max(position - recent_tokens + 1, 0):position + 1] = float("inf")
     k_eff = min(length, max(k, forced_count(position, sink_tokens, recent_tokens)))
     if allowed is None:  # every forced key is visible: the top k_eff, in any order, are exactly the selection
-        if kernels is not None:
-            return kernels.top_k_indices(scores, k_eff), None
         return scores.topk(k_eff, dim=-1, sorted=False).indices, None  # attention does not need them sorted
     values, index = scores.masked_fill(~allowed[:, None, :], float("-inf")).topk(k_eff, dim=-1)
     # as select_top_k: the k best visible keys plus every visible forced key (forced keys rank first)
@@ -129,7 +125,7 @@ def decode_attention(module: nn.Module, adapter: GSMAttentionAdapter, layer_cach
             scores = kernels.gate_scores(gate_q, keys, key_scales)
         else:
             scores = gate.score_stored(gate_q, decode_gate_keys(keys, key_scales))[:, :, 0]
-        index, valid = top_k_positions(scores, allowed, k, position, cfg.sink_tokens, cfg.recent_tokens, kernels)
+        index, valid = top_k_positions(scores, allowed, k, position, cfg.sink_tokens, cfg.recent_tokens)
     else:
         index = torch.arange(length, device=query.device).expand(query.shape[0], 1, length)
         valid = None if allowed is None else allowed[:, None, :]

@@ -320,7 +320,7 @@ def gsm_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
             pick = gate_selection if mode == "sparse" else oracle_selection
             with torch.no_grad():
                 selection = torch.cat([pick(a, b) for a, b in _chunks(q_len, chunk)], dim=2)
-        if own is not None and query.is_cuda and own_block.fits(q_len, block_size):  # only the tiles queries see
+        if own is not None and own_block.fits(query, block_size):  # only the tiles queries see
             out = own_block.own_block_attention(query, torch.cat((key, own[0]), 2), torch.cat((value, own[1]), 2),
                                                 selection, block_size, scaling, module.num_key_value_groups > 1)
         else:
