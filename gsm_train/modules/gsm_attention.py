@@ -299,9 +299,10 @@ def gsm_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
         fused = scores.is_cuda and module.training  # training shapes are fixed: the masking around top-k fuses
         if k_max is None:  # fused, every chunk takes the layer's largest k (the same selection: each query
             k_max = int((k_host if fused else k_host[start:stop]).max())  # keeps its own k), so one compile
+        uniform = bool((k_host[start:stop] == k_max).all())
         select = compiled(select_top_k) if fused else select_top_k
         return select(scores, allowed[..., start:stop, :], k[start:stop], positions[start:stop], positions,
-                      sparse_cfg.sink_tokens, sparse_cfg.recent_tokens, k_max)
+                      sparse_cfg.sink_tokens, sparse_cfg.recent_tokens, k_max, uniform)
 
     def oracle_selection(start: int, stop: int) -> Tensor:
         keys, _, mask = block_causal_kv(key.detach(), None, own, allowed[..., start:stop, :],
