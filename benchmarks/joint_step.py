@@ -16,13 +16,12 @@ import gc
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
+from common import kernel_times, write_result  # noqa: E402
 
 from gsm_train.backend import select_backend  # noqa: E402
 from gsm_train.config import load_recipe  # noqa: E402
@@ -31,18 +30,6 @@ from gsm_train.stages import JointStage  # noqa: E402
 from gsm_train.trainer import _autocast, _dtypes, _graphed_loss, _prepared_model, build_optimizer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _kernel_table(step: Callable[[], None], rows: int) -> list[dict]:
-    """GPU time per kernel name over 3 profiled steps (ms per step), the `rows` largest first."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            step()
-    totals = [(event.key, event.device_time_total / 3e3, event.count / 3) for event in prof.key_averages()
-              if event.device_time_total > 0]
-    totals.sort(key=lambda row: -row[1])
-    return [{"kernel": name[:120], "ms_per_step": ms, "calls_per_step": calls} for name, ms, calls in totals[:rows]]
 
 
 def _step_ms(gsm_enabled: bool, graphed: bool, overrides: list[str], steps: int,
@@ -77,7 +64,7 @@ def _step_ms(gsm_enabled: bool, graphed: bool, overrides: list[str], steps: int,
         tic = time.perf_counter()
         step()
         times.append((time.perf_counter() - tic) * 1e3)
-    return statistics.median(times), _kernel_table(step, profile_rows) if profile_rows else []
+    return statistics.median(times), kernel_times(step)[:profile_rows] if profile_rows else []
 
 
 def main() -> None:
