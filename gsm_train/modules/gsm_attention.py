@@ -16,12 +16,12 @@ from torch import Tensor, nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from gsm_train.config import GSMConfig
+from gsm_train.modules import own_block_attention as own_block
 from gsm_train.modules.attention_targets import (captured_mass, causal_visible, full_batch, gate_distill_loss,
                                                  head_averaged_probs)
 from gsm_train.modules.cache_bridge import CacheBridge
 from gsm_train.modules.compiled import compiled
 from gsm_train.modules.decode_attention import decode_attention
-from gsm_train.modules import own_block_attention as own_block
 from gsm_train.modules.errors import GSMError
 from gsm_train.modules.gate_distill import DistillTarget, reads_weights_directly
 from gsm_train.modules.kv_compressor import ASQCompressor, fake_quant_kivi, fake_quant_per_token

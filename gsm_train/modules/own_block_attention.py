@@ -26,8 +26,6 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from gsm_train.modules.compiled import compiled
 
 TILE = 128  # FlexAttention's default tile: queries and keys per block of the block mask
-
-
 FLEX_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # others (fp64 checks) take the masked SDPA
 
 
@@ -35,7 +33,7 @@ def fits(query: Tensor, block_size: int) -> bool:
     """Whether this path serves `query` [B, H, T, D]: on CUDA, in a training dtype, T a whole number of tiles
     and ASQ blocks of `block_size` tokens whole tiles too."""
     length = query.shape[2]
-    return (query.is_cuda and query.dtype in FLEX_DTYPES and length % TILE == 0 and block_size % TILE == 0)
+    return query.is_cuda and query.dtype in FLEX_DTYPES and length % TILE == 0 and block_size % TILE == 0
 
 
 @functools.cache
