@@ -56,6 +56,20 @@ def graph_ms(step: Callable[[], torch.Tensor], replays: int = 50) -> float:
     return median_ms(graph.replay, warmup=5, repeat=replays)
 
 
+def kernel_times(step: Callable[[], object], repeats: int = 3) -> list[dict]:
+    """GPU time per kernel name (and copy) of one call of `step`, averaged over `repeats` profiled calls after
+    one warm-up, the largest first: [{"kernel", "ms_per_step", "calls_per_step"}]."""
+    from torch.profiler import ProfilerActivity, profile
+    step()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            step()
+        torch.cuda.synchronize()
+    rows = [{"kernel": event.key[:120], "ms_per_step": event.device_time_total / repeats / 1e3,
+             "calls_per_step": event.count / repeats} for event in prof.key_averages() if event.device_time_total > 0]
+    return sorted(rows, key=lambda row: -row["ms_per_step"])
+
+
 def write_result(path: Path, result: dict) -> None:
     """Write the JSON result with the command line that produced it."""
     result = {"command": "python " + shlex.join(sys.argv), "device": device_name(), **result}

@@ -4,7 +4,9 @@
    fused gather + ASQ-dequantize + attend kernel) against dense SDPA over a bf16 cache, for SmolLM2
    shapes (9 q heads, 3 KV heads, head_dim 64) and a Llama-8B-shaped layer (32 / 8 / 128), at contexts
    8k / 32k / 128k, batch 1 and 16, k 64 and 2048. Both paths are captured in CUDA graphs (as a
-   serving engine runs decode), timed with CUDA events, median of 50 replays.
+   serving engine runs decode), timed with CUDA events, median of 50 replays, per layer. Each graph runs
+   up to 16 layers, each with its own cache, until their dense caches hold 2 GiB: as in a model's decode
+   step, one graph launch serves them all and no layer reads its cache from L2 left by the previous replay.
 2. End to end on SmolLM2-135M (bf16) with a GSM adapter (an export, or the joint recipe's modules
    freshly initialised): greedy `generate()` with `GSMCache` against the dense base with its default
    cache, same prompts; tokens/s, the KV memory held on the device, and agreement of the generated
@@ -55,37 +57,57 @@ def _filled_store(asq: ASQCompressor, batch: int, kv_heads: int, length: int, di
     return store
 
 
-def _dense_ms(query: torch.Tensor, kv_heads: int, length: int) -> tuple[float, int]:
-    """(ms per step, bytes of the bf16 K/V cache) of dense SDPA decode: the faster of GQA-native SDPA and
-    SDPA over K/V repeated to the query heads (whichever backend each picks)."""
+LAYER_BYTES = 1 << 31  # a step's layers together hold at least this much dense cache (or 16 layers)
+
+
+def _layers(cache_bytes: int) -> int:
+    """How many layers, each with its own cache, one timed step runs: as in a model's decode step, one
+    graph launch serves them all and no layer finds its cache in L2 from the previous replay (their
+    dense caches together hold LAYER_BYTES, 40x the H200's L2, or there are 16 of them)."""
+    return max(1, min(16, -(-LAYER_BYTES // cache_bytes)))
+
+
+def _per_layer_ms(steps: list[Callable[[], object]]) -> float:
+    """ms per layer of one CUDA graph replaying every layer's step once (CUDA events, median of 50 replays)."""
+    return graph_ms(lambda: [step() for step in steps]) / len(steps)
+
+
+def _dense_ms(query: torch.Tensor, kv_heads: int, length: int, layers: int) -> float:
+    """ms per layer of dense SDPA decode over a bf16 cache: the faster of GQA-native SDPA and SDPA over K/V
+    repeated to the query heads (whichever backend each picks)."""
     batch, q_heads, _, dim = query.shape
-    keys = torch.randn(batch, kv_heads, length, dim, device="cuda", dtype=torch.bfloat16)
-    values = torch.randn_like(keys)
-    native = graph_ms(lambda: F.scaled_dot_product_attention(query, keys, values, enable_gqa=True))
-    wide_k, wide_v = (t.repeat_interleave(q_heads // kv_heads, dim=1) for t in (keys, values))
-    repeated = graph_ms(lambda: F.scaled_dot_product_attention(query, wide_k, wide_v))
-    return min(native, repeated), 2 * keys.numel() * keys.element_size()
+    caches = [(torch.randn(batch, kv_heads, length, dim, device="cuda", dtype=torch.bfloat16),
+               torch.randn(batch, kv_heads, length, dim, device="cuda", dtype=torch.bfloat16)) for _ in range(layers)]
+    native = _per_layer_ms([lambda k=k, v=v: F.scaled_dot_product_attention(query, k, v, enable_gqa=True)
+                            for k, v in caches])
+    wide = [tuple(t.repeat_interleave(q_heads // kv_heads, dim=1) for t in cache) for cache in caches]
+    del caches
+    repeated = _per_layer_ms([lambda k=k, v=v: F.scaled_dot_product_attention(query, k, v) for k, v in wide])
+    return min(native, repeated)
 
 
-def _gsm_ms(query: torch.Tensor, k_store: KVStore, v_store: KVStore, gate_keys: torch.Tensor,
-            k: int) -> dict[str, float]:
-    """ms per step of GSM decode attention (gate scores, top-k, fused gather + dequantize + attend), of its
-    first parts alone, and of the fused kernel (with its merge) alone: where the time goes."""
-    length, dim = gate_keys.shape[2], query.shape[-1]
-    gate_q = torch.randn(query.shape[0], 1, 1, gate_keys.shape[-1], device="cuda")
+def _gsm_ms(query: torch.Tensor, caches: list[tuple[KVStore, KVStore, torch.Tensor]], k: int) -> dict[str, float]:
+    """ms per layer of GSM decode attention (gate scores, top-k, fused gather + dequantize + attend), of its
+    first parts alone (gate scores; gate scores and torch.topk), and of the fused kernel (with its merge) alone:
+    where the time goes."""
+    length, dim = caches[0][2].shape[2], query.shape[-1]
+    gate_q = torch.randn(query.shape[0], 1, 1, caches[0][2].shape[-1], device="cuda")
 
-    def select() -> torch.Tensor:
+    def select(gate_keys: torch.Tensor) -> torch.Tensor:
         return top_k_positions(gate_scores(gate_q, gate_keys, None), None, k, length - 1, 0, 0)[0]
 
-    index = select()
-    return {"gsm_ms": graph_ms(lambda: fused_decode_attention(query, k_store, v_store, select(), None, dim ** -0.5)),
-            "gate_scores_ms": graph_ms(lambda: gate_scores(gate_q, gate_keys, None)), "gate_scores_topk_ms": graph_ms(select),
-            "attend_ms": graph_ms(lambda: fused_decode_attention(query, k_store, v_store, index, None, dim ** -0.5))}
+    index = select(caches[0][2])
+    return {"gsm_ms": _per_layer_ms([lambda c=c: fused_decode_attention(query, c[0], c[1], select(c[2]), None,
+                                                                        dim ** -0.5) for c in caches]),
+            "gate_scores_ms": _per_layer_ms([lambda c=c: gate_scores(gate_q, c[2], None) for c in caches]),
+            "gate_scores_topk_ms": _per_layer_ms([lambda c=c: select(c[2]) for c in caches]),
+            "attend_ms": _per_layer_ms([lambda c=c: fused_decode_attention(query, c[0], c[1], index, None, dim ** -0.5)
+                                        for c in caches])}
 
 
 @torch.no_grad()
 def attention_rows(contexts: list[int], batches: list[int], ks: list[int], bits: int) -> list[dict]:
-    """Per-step decode attention time, GSM vs dense SDPA, for every shape / context / batch / k."""
+    """Per-step decode attention time per layer, GSM vs dense SDPA, for every shape / context / batch / k."""
     rows = []
     for shape, (q_heads, kv_heads, dim) in SHAPES.items():
         asq_k, asq_v = (ASQCompressor(kv_heads, dim, cluster_num=16, quant_bits=bits, block_size=128).cuda()
@@ -93,20 +115,26 @@ def attention_rows(contexts: list[int], batches: list[int], ks: list[int], bits:
         for length in contexts:
             for batch in batches:
                 query = torch.randn(batch, q_heads, 1, dim, device="cuda", dtype=torch.bfloat16)
-                dense, dense_bytes = _dense_ms(query, kv_heads, length)
-                k_store = _filled_store(asq_k, batch, kv_heads, length, dim)
-                v_store = _filled_store(asq_v, batch, kv_heads, length, dim)
-                gate_keys = torch.randn(batch, 1, length, 64, device="cuda", dtype=torch.bfloat16)
+                dense_bytes = 2 * batch * kv_heads * length * dim * 2
+                layers = _layers(dense_bytes)
+                dense = _dense_ms(query, kv_heads, length, layers)
+                torch.cuda.empty_cache()
+                caches = [(_filled_store(asq_k, batch, kv_heads, length, dim),
+                           _filled_store(asq_v, batch, kv_heads, length, dim),
+                           torch.randn(batch, 1, length, 64, device="cuda", dtype=torch.bfloat16))
+                          for _ in range(layers)]
                 for k in ks:
-                    times = _gsm_ms(query, k_store, v_store, gate_keys, k)
+                    times = _gsm_ms(query, caches, k)
                     gsm = times["gsm_ms"]
-                    row = {"shape": shape, "context": length, "batch": batch, "k": k, "dense_ms": dense, **times,
-                           "speedup": dense / gsm, "dense_bandwidth_TBps": dense_bytes / dense / 1e9}
+                    row = {"shape": shape, "context": length, "batch": batch, "k": k, "layers_per_graph": layers,
+                           "dense_ms": dense, **times, "speedup": dense / gsm,
+                           "dense_bandwidth_TBps": dense_bytes / dense / 1e9}
                     rows.append(row)
                     print(f"{shape:>8} {length:>7} {batch:>3} {k:>5} dense {dense * 1e3:9.1f} us  gsm "
                           f"{gsm * 1e3:9.1f} us (scores {times['gate_scores_ms'] * 1e3:.1f}, +top-k "
-                          f"{times['gate_scores_topk_ms'] * 1e3:.1f})  x{dense / gsm:6.2f}", flush=True)
-                del k_store, v_store, gate_keys
+                          f"{times['gate_scores_topk_ms'] * 1e3:.1f}, attend {times['attend_ms'] * 1e3:.1f})  "
+                          f"x{dense / gsm:6.2f}  [{layers} layers per graph]", flush=True)
+                del caches
                 torch.cuda.empty_cache()
     return rows
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
+from common import kernel_times, write_result  # noqa: E402
 
 from gsm_train.backend import select_backend  # noqa: E402
 from gsm_train.config import load_recipe  # noqa: E402
@@ -32,8 +32,10 @@ from gsm_train.trainer import _autocast, _dtypes, _graphed_loss, _prepared_model
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _step_ms(gsm_enabled: bool, graphed: bool, overrides: list[str], steps: int) -> float:
-    """Median wall time of one training step (micro-step, clipping, optimizer), in milliseconds."""
+def _step_ms(gsm_enabled: bool, graphed: bool, overrides: list[str], steps: int,
+             profile_rows: int = 0) -> tuple[float, list[dict]]:
+    """Median wall time of one training step (micro-step, clipping, optimizer), in milliseconds, and with
+    `profile_rows` the largest kernels' GPU time per step."""
     config = load_recipe(str(REPO / "recipes" / "joint.yaml"),
                          ["init_from=null", f"gsm.gsm_enabled={str(gsm_enabled).lower()}", *overrides])
     info = init_distributed()
@@ -62,7 +64,7 @@ def _step_ms(gsm_enabled: bool, graphed: bool, overrides: list[str], steps: int)
         tic = time.perf_counter()
         step()
         times.append((time.perf_counter() - tic) * 1e3)
-    return statistics.median(times)
+    return statistics.median(times), kernel_times(step)[:profile_rows] if profile_rows else []
 
 
 def main() -> None:
@@ -70,6 +72,8 @@ def main() -> None:
     parser.add_argument("--result", required=True)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--train-data", default="embedded:sample_prose")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="also record the N kernels taking the most GPU time per step, per setting")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("this benchmark times GPU training steps; run it on a CUDA device")
@@ -80,11 +84,13 @@ def main() -> None:
     for graphed in (True, False):
         for gsm_enabled in (False, True):
             name = f"{'joint' if gsm_enabled else 'dense'}_{'graphed' if graphed else 'eager'}"
-            ms = _step_ms(gsm_enabled, graphed, overrides, args.steps)
+            ms, kernels = _step_ms(gsm_enabled, graphed, overrides, args.steps, args.profile)
             gc.collect()  # the model, optimizer and graph of the last setting
             torch.cuda.empty_cache()
-            rows[name] = {"step_ms": ms, "tokens_per_s": tokens / ms * 1e3}
+            rows[name] = {"step_ms": ms, "tokens_per_s": tokens / ms * 1e3, **({"kernels": kernels} if kernels else {})}
             print(f"{name:14s} {ms:8.1f} ms/step {rows[name]['tokens_per_s']:10.0f} tokens/s", flush=True)
+            for kernel in kernels:
+                print(f"    {kernel['ms_per_step']:8.2f} ms {kernel['calls_per_step']:6.0f}x  {kernel['kernel']}")
     result = {"batch_size": config.train.batch_size, "seq_len": config.data.seq_len, "steps_timed": args.steps,
               "joint_over_dense_tokens_per_s": rows["joint_graphed"]["tokens_per_s"] / rows["dense_graphed"]["tokens_per_s"],
               "joint_over_dense_tokens_per_s_eager": rows["joint_eager"]["tokens_per_s"] / rows["dense_eager"]["tokens_per_s"],

@@ -188,6 +188,7 @@ def _graphed_loss(config: RecipeConfig, stage: Stage, model: nn.Module, backend:
     restored trainables)."""
     backend.grads_in_place = True
     model.train()  # the replays run as captured
+    gsm_runtime(model).captured_steps = True  # paths that pay off only without per-call Python and launches
     example = torch.zeros(config.train.batch_size, config.data.seq_len, dtype=token_dtype, device=info.device)
     trainables = [p for p in model.parameters() if p.requires_grad]
     # the runtime's cached layouts are read by the graph but allocated outside it: keep them alive

@@ -128,6 +128,14 @@ def test_a_larger_top_k_bound_selects_the_same_keys() -> None:
             assert torch.equal(select_top_k(*args, int(k.max())), select_top_k(*args))
 
 
+@pytest.mark.parametrize(("sinks", "recent"), [(0, 0), (1, 2)])
+def test_one_k_for_every_query_selects_the_same_keys_unsorted(sinks: int, recent: int) -> None:
+    """`uniform_k` (top-k unsorted, no ranks) keeps exactly the ranked path's keys when every query has k_max."""
+    scores, positions, k = torch.randn(2, 2, T, T, generator=_gen(4)), torch.arange(T), torch.full((T,), 5)
+    args = (scores, _causal(), k, positions, positions, sinks, recent, 5)
+    assert torch.equal(select_top_k(*args, uniform_k=True), select_top_k(*args))
+
+
 def test_select_top_k_per_query_k() -> None:
     k = torch.tensor([3, 6] * (T // 2))
     selection, _, _ = _select(k)

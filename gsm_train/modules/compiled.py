@@ -17,6 +17,7 @@ F = TypeVar("F", bound=Callable)
 
 
 @functools.cache
-def compiled(fn: F) -> F:
-    """`fn` compiled by torch.compile (static shapes), built once per function and process."""
-    return torch.compile(fn, dynamic=False)
+def compiled(fn: F, mode: str | None = None) -> F:
+    """`fn` compiled by torch.compile (static shapes; `mode` as torch.compile takes it), built once per
+    function, mode and process."""
+    return torch.compile(fn, dynamic=False, mode=mode)

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from gsm_train.config import GSMConfig
+from gsm_train.modules import own_block_attention as own_block
 from gsm_train.modules.attention_targets import (captured_mass, causal_visible, full_batch, gate_distill_loss,
                                                  head_averaged_probs)
 from gsm_train.modules.cache_bridge import CacheBridge
@@ -45,6 +46,7 @@ class GSMRuntime:
     distill_rows: Tensor | None = None  # this forward's sampled query positions (device), see sampled_rows
     _kl_rows: tuple[Tensor, Tensor | None, Tensor, Tensor] | None = None  # see kl_rows
     detach_gate_input: bool = False
+    captured_steps: bool = False  # steps replay from a CUDA graph: ASQ layers attend block-sparsely (flex)
     recall: tuple[int, int] | None = None
     layers_with_gate: list[int] = field(default_factory=list)
     distill_losses: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
@@ -298,9 +300,10 @@ def gsm_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
         fused = scores.is_cuda and module.training  # training shapes are fixed: the masking around top-k fuses
         if k_max is None:  # fused, every chunk takes the layer's largest k (the same selection: each query
             k_max = int((k_host if fused else k_host[start:stop]).max())  # keeps its own k), so one compile
+        uniform = bool((k_host[start:stop] == k_max).all())
         select = compiled(select_top_k) if fused else select_top_k
         return select(scores, allowed[..., start:stop, :], k[start:stop], positions[start:stop], positions,
-                      sparse_cfg.sink_tokens, sparse_cfg.recent_tokens, k_max)
+                      sparse_cfg.sink_tokens, sparse_cfg.recent_tokens, k_max, uniform)
 
     def oracle_selection(start: int, stop: int) -> Tensor:
         keys, _, mask = block_causal_kv(key.detach(), None, own, allowed[..., start:stop, :],
@@ -319,8 +322,14 @@ def gsm_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
             pick = gate_selection if mode == "sparse" else oracle_selection
             with torch.no_grad():
                 selection = torch.cat([pick(a, b) for a, b in _chunks(q_len, chunk)], dim=2)
-        out = _masked_sdpa(module, query, *block_causal_kv(key, value, own, selection, positions, block_size),
-                           scaling)
+        # from a CUDA graph, FlexAttention over only the tiles queries see (0.78 vs 1.31 ms of kernels per layer
+        # on the H200); eagerly its Python and launches cost more than that (2.70 vs 1.46 ms per layer)
+        if own is not None and runtime.captured_steps and own_block.fits(query, block_size):
+            out = own_block.own_block_attention(query, torch.cat((key, own[0]), 2), torch.cat((value, own[1]), 2),
+                                                selection, block_size, scaling, module.num_key_value_groups > 1)
+        else:
+            out = _masked_sdpa(module, query, *block_causal_kv(key, value, own, selection, positions, block_size),
+                               scaling)
     if runtime.distill and gate is not None:
         rows_allowed, rows_counted = runtime.kl_rows(allowed, k_t, index, query.shape[0])  # counted: >= k keys
         # DSA: in sparse training the gate learns the main attention's distribution over what it selected

@@ -155,12 +155,15 @@ def k_per_query(query_positions: Tensor, schedule: str, top_k: int, k_min: int, 
 
 
 def select_top_k(scores: Tensor, allowed: Tensor, k: Tensor, query_positions: Tensor, key_positions: Tensor,
-                 sink_tokens: int = 0, recent_tokens: int = 0, k_max: int | None = None) -> Tensor:
+                 sink_tokens: int = 0, recent_tokens: int = 0, k_max: int | None = None,
+                 uniform_k: bool = False) -> Tensor:
     """Boolean selection [B, n, T, S]: the k[t] best allowed keys per query, own position always kept.
 
     Queries with at most k allowed keys keep all of them (dense). Sink tokens (the first
     `sink_tokens` positions) and the `recent_tokens` latest keys are always kept too. `k_max`: max(k)
     when the caller knows it on the host (else it is read from the device, which waits for it).
+    `uniform_k`: every k[t] equals k_max (the caller knows), so the top-k set needs no ranking and
+    is taken unsorted (the sort of the k winners took 3.4 ms of a 116 ms joint step on the H200).
     """
     forced = key_positions[None, :] == query_positions[:, None]
     if sink_tokens:
@@ -170,7 +173,10 @@ def select_top_k(scores: Tensor, allowed: Tensor, k: Tensor, query_positions: Te
         forced = forced | ((distance >= 0) & (distance < recent_tokens))
     ranked = scores.masked_fill(forced, float("inf")).masked_fill(~allowed, float("-inf"))
     k_top = min(int(k.max()) if k_max is None else k_max, scores.shape[-1])
-    index = ranked.topk(k_top, dim=-1).indices
-    keep_rank = (torch.arange(k_top, device=k.device)[None, :] < k[:, None]).expand(index.shape)
+    index = ranked.topk(k_top, dim=-1, sorted=not uniform_k).indices
+    if uniform_k:
+        keep_rank = torch.ones_like(index, dtype=torch.bool)
+    else:
+        keep_rank = (torch.arange(k_top, device=k.device)[None, :] < k[:, None]).expand(index.shape)
     selected = torch.zeros_like(allowed.expand(scores.shape)).scatter(-1, index, keep_rank)
     return (selected | (forced & allowed)) & allowed

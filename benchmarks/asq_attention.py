@@ -1,0 +1,95 @@
+"""Training attention of one ASQ layer, forward and backward, per way of computing it, side by side in
+one run: the queries see earlier blocks' keys as stored and their own block's raw, restricted to the
+gate's top-k (SmolLM2-135M shapes: batch 4, 9 query heads over 3 KV heads, head_dim 64, T 2048, ASQ
+blocks of 128, top-256, bf16).
+
+- masked SDPA over both key versions side by side (2T keys, boolean mask): all T x 2T products;
+- FlexAttention over the tiles a query can see (`own_block_attention`), compiled as the trainer does;
+- the same, compiled with Inductor's autotuning (`max-autotune-no-cudagraphs`);
+- for scale: dense causal SDPA over T keys (a dense layer's attention).
+
+Each is timed as the sum of its GPU kernels' times (what a CUDA graph replays, as the trainer runs a step
+on one GPU; torch.profiler, mean of 3 calls) and eagerly, as under FSDP, where Python and launches count
+too (CUDA events, median of 20 calls).
+
+python benchmarks/asq_attention.py --result OUT.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import kernel_times, median_ms, write_result  # noqa: E402
+
+from gsm_train.modules import own_block_attention as own_block  # noqa: E402
+from gsm_train.modules.gsm_attention import block_causal_kv  # noqa: E402
+from gsm_train.modules.sparse_gate import select_top_k  # noqa: E402
+
+BATCH, HEADS, KV_HEADS, LENGTH, DIM, BLOCK, TOP_K = 4, 9, 3, 2048, 64, 128, 256
+
+
+def _inputs() -> tuple[list[torch.Tensor], torch.Tensor]:
+    """(query, stored K, stored V, raw K, raw V) needing gradients, and a top-k selection [B, 1, T, T]."""
+    torch.manual_seed(0)
+    tensors = [torch.randn(BATCH, HEADS, LENGTH, DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)]
+    tensors += [torch.randn(BATCH, KV_HEADS, LENGTH, DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                for _ in range(4)]
+    positions = torch.arange(LENGTH, device="cuda")
+    causal = (positions[None, :] <= positions[:, None])[None, None]
+    scores = torch.randn(BATCH, 1, LENGTH, LENGTH, device="cuda")
+    selection = select_top_k(scores, causal, torch.full((LENGTH,), TOP_K, device="cuda"), positions, positions,
+                             k_max=TOP_K, uniform_k=True)
+    return tensors, selection
+
+
+def _fwd_bwd(attend: Callable[[], torch.Tensor], tensors: list[torch.Tensor]) -> Callable[[], None]:
+    """One forward and backward of `attend` (gradients of every input it reads)."""
+    def step() -> None:
+        torch.autograd.grad(attend().float().sum(), tensors, allow_unused=True)
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--result", required=True)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("this benchmark times GPU kernels; run it on a CUDA device")
+    tensors, selection = _inputs()
+    query, stored_k, stored_v, raw_k, raw_v = tensors
+    positions = torch.arange(LENGTH, device="cuda")
+    scaling = DIM ** -0.5
+    both_k, both_v = torch.cat((stored_k, raw_k), 2), torch.cat((stored_v, raw_v), 2)
+
+    def masked_sdpa() -> torch.Tensor:
+        keys, values, mask = block_causal_kv(stored_k, stored_v, (raw_k, raw_v), selection, positions, BLOCK)
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True)
+
+    def flex(mode: str | None) -> Callable[[], torch.Tensor]:
+        return lambda: own_block.own_block_attention(query, both_k, both_v, selection, BLOCK, scaling, True, mode)
+
+    def dense_causal() -> torch.Tensor:
+        return F.scaled_dot_product_attention(query, stored_k, stored_v, is_causal=True, scale=scaling, enable_gqa=True)
+
+    ways = {"masked_sdpa_2T_keys": masked_sdpa, "flex_visible_tiles": flex(None),
+            "flex_visible_tiles_autotuned": flex("max-autotune-no-cudagraphs"), "dense_causal_sdpa_T_keys": dense_causal}
+    rows = {}
+    for name, attend in ways.items():
+        step = _fwd_bwd(attend, [query, both_k, both_v] if name.startswith("flex") else tensors)
+        rows[name] = {"fwd_bwd_gpu_ms": sum(row["ms_per_step"] for row in kernel_times(step)),
+                      "fwd_bwd_ms_eager": median_ms(step, warmup=3, repeat=20)}
+        print(f"{name:30s} {rows[name]['fwd_bwd_gpu_ms']:8.3f} ms of GPU kernels "
+              f"{rows[name]['fwd_bwd_ms_eager']:8.3f} ms eager (forward + backward, one layer)", flush=True)
+    write_result(Path(args.result), {"shape": {"batch": BATCH, "heads": HEADS, "kv_heads": KV_HEADS, "seq_len": LENGTH,
+                                               "head_dim": DIM, "block_size": BLOCK, "top_k": TOP_K}, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Block-sparse attention for ASQ layers in training: earlier blocks as stored, the own block raw.
+
+The masked SDPA in `gsm_attention` runs over both versions of the keys side by side (stored and
+uncompressed, 2S keys) with a boolean mask, so it computes all T x 2S products although a query
+can see only earlier blocks' stored keys and its own block's raw ones: about a quarter of them at
+T = 2048 and blocks of 128. FlexAttention skips the tiles no query of a tile can see, known from the
+block structure alone (the stored half below the block diagonal, the raw half on it), and reads
+the selection only inside the tiles it computes.
+
+Used when training steps replay from a CUDA graph (`GSMRuntime.captured_steps`, set by the trainer
+on one GPU), on CUDA (FlexAttention's backward runs on GPUs only), when the sequence is a whole number
+of flex tiles and the ASQ block a whole number of tiles; the masked SDPA serves everywhere else. On the
+H200 (`benchmarks/asq_attention.py`, SmolLM2 shapes, T 2048, top-256) its kernels take 0.78 ms per layer
+forward and backward against the masked SDPA's 1.31, but called eagerly it takes 2.70 ms against 1.46:
+the compiled call and the block mask cost more Python and launches than the kernels save.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from gsm_train.modules.compiled import compiled
+
+TILE = 128  # FlexAttention's default tile: queries and keys per block of the block mask
+FLEX_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # others (fp64 checks) take the masked SDPA
+
+
+def fits(query: Tensor, block_size: int) -> bool:
+    """Whether this path serves `query` [B, H, T, D]: on CUDA, in a training dtype, T a whole number of tiles
+    and ASQ blocks of `block_size` tokens whole tiles too."""
+    length = query.shape[2]
+    return query.is_cuda and query.dtype in FLEX_DTYPES and length % TILE == 0 and block_size % TILE == 0
+
+
+@functools.cache
+def _tile_structure(length: int, block_size: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """(kv_num_blocks [1, 1, nQ], kv_indices [1, 1, nQ, 2 nQ]) of the tiles some query of a query tile may
+    see among the 2 x length keys [stored; raw]: stored tiles of earlier ASQ blocks, raw tiles of its
+    own ASQ block up to the diagonal."""
+    tile = torch.arange(length // TILE, device=device)
+    block = tile * TILE // block_size  # the ASQ block each tile lies in
+    stored = block[None, :] < block[:, None]  # [query tile, key tile]
+    raw = (block[None, :] == block[:, None]) & (tile[None, :] <= tile[:, None])
+    active = torch.cat((stored, raw), 1)  # [nQ, 2 nQ]
+    counts = active.sum(1, dtype=torch.int32)
+    indices = torch.argsort((~active).to(torch.int8), dim=1, stable=True).to(torch.int32)  # active tiles first
+    return counts[None, None], indices[None, None]
+
+
+def own_block_attention(query: Tensor, keys: Tensor, values: Tensor, selection: Tensor, block_size: int,
+                        scaling: float, gqa: bool, compile_mode: str | None = None) -> Tensor:
+    """Attention of query [B, H, T, D] over keys/values [B, Hkv, 2T, D] (stored, then raw) where query t
+    sees stored key j when `selection[b, g, t, j]` and j lies in an earlier ASQ block, and raw key j when
+    `selection[b, g, t, j]` and j lies in its own block (g: 0, or the query head's KV group when the
+    selection [B|1, n, T, T] has one row per KV head) -> [B, T, H, D]. On CUDA FlexAttention runs
+    compiled, with torch.compile's `compile_mode`."""
+    length = query.shape[2]
+    heads_per_row = query.shape[1] // selection.shape[1]
+    selection = selection.expand(query.shape[0], -1, -1, -1)  # a mask without padding is shared by the batch
+
+    def visible(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        is_stored = kv < length
+        key_at = torch.where(is_stored, kv, kv - length)
+        same_block = key_at // block_size == q // block_size
+        return selection[b, h // heads_per_row, q, key_at] & torch.where(is_stored, ~same_block, same_block)
+
+    counts, indices = _tile_structure(length, block_size, query.device)
+    mask = BlockMask.from_kv_blocks(counts, indices, BLOCK_SIZE=TILE, mask_mod=visible,
+                                    seq_lengths=(length, 2 * length))
+    attend = compiled(flex_attention, compile_mode) if query.is_cuda else flex_attention
+    out = attend(query, keys, values, block_mask=mask, scale=scaling, enable_gqa=gqa)
+    return out.transpose(1, 2).contiguous()

@@ -1,0 +1,64 @@
+"""The block-sparse attention of ASQ layers computes what the masked SDPA over both key versions does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gsm_train.modules.gsm_attention import block_causal_kv
+from gsm_train.modules.own_block_attention import fits, own_block_attention
+
+
+@pytest.mark.parametrize(("block_size", "selectors", "mask_batch"), [(128, 1, 2), (256, 1, 2), (128, 2, 2), (128, 1, 1)])
+def test_forward_equals_masked_sdpa_over_both_versions(block_size: int, selectors: int, mask_batch: int) -> None:
+    """Same output for one selection per layer or per KV head, ASQ blocks of one or two tiles, and a
+    selection shared by the batch (dense mode: the causal mask)."""
+    torch.manual_seed(0)
+    batch, heads, kv_heads, length, dim = 2, 4, 2, 512, 16
+    query = torch.randn(batch, heads, length, dim)
+    stored_k, stored_v, raw_k, raw_v = (torch.randn(batch, kv_heads, length, dim) for _ in range(4))
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    selection = (torch.rand(mask_batch, selectors, length, length) > 0.6) & causal
+    selection |= torch.eye(length, dtype=torch.bool)  # every query keeps itself, as select_top_k forces
+    positions = torch.arange(length)
+    keys, values, mask = block_causal_kv(stored_k, stored_v, (raw_k, raw_v), selection, positions, block_size)
+    groups = heads // selectors
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, keys.repeat_interleave(heads // kv_heads, 1), values.repeat_interleave(heads // kv_heads, 1),
+        attn_mask=mask.repeat_interleave(groups, 1), scale=0.25).transpose(1, 2)
+    got = own_block_attention(query, keys, values, selection, block_size, 0.25, gqa=True)
+    torch.testing.assert_close(got, expected, atol=2e-6, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the block-sparse path serves CUDA tensors only")
+def test_fits_whole_tiles_in_training_dtypes_only() -> None:
+    def query(length: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return torch.zeros(1, 2, length, 16, device="cuda", dtype=dtype)
+    assert fits(query(2048), 128) and fits(query(512), 256) and fits(query(512, torch.float32), 128)
+    assert not fits(query(2000), 128) and not fits(query(2048), 64) and not fits(query(512, torch.float64), 128)
+
+
+def test_cpu_tensors_take_the_masked_sdpa() -> None:
+    assert not fits(torch.zeros(1, 2, 512, 16), 128)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward runs on GPUs only")
+def test_gradients_equal_masked_sdpa_on_the_gpu() -> None:
+    """Compiled on the GPU, forward and gradients (query, both key and value versions) match the masked SDPA."""
+    torch.manual_seed(0)
+    batch, heads, kv_heads, length, dim, block_size = 2, 6, 2, 1024, 64, 128
+    inputs = [torch.randn(batch, heads, length, dim, device="cuda", requires_grad=True)]
+    inputs += [torch.randn(batch, kv_heads, length, dim, device="cuda", requires_grad=True) for _ in range(4)]
+    query, stored_k, stored_v, raw_k, raw_v = inputs
+    causal = torch.ones(length, length, dtype=torch.bool, device="cuda").tril()
+    selection = ((torch.rand(batch, 1, length, length, device="cuda") > 0.9) & causal) | torch.eye(
+        length, dtype=torch.bool, device="cuda")
+    keys, values, mask = block_causal_kv(stored_k, stored_v, (raw_k, raw_v), selection,
+                                         torch.arange(length, device="cuda"), block_size)
+    expected = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=0.125,
+                                                                enable_gqa=True).transpose(1, 2)
+    got = own_block_attention(query, keys, values, selection, block_size, 0.125, gqa=True)
+    grad = torch.randn_like(expected)
+    for a, b in zip(torch.autograd.grad(expected, inputs, grad), torch.autograd.grad(got, inputs, grad)):
+        torch.testing.assert_close(b, a, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(got, expected, atol=2e-3, rtol=2e-3)
