@@ -6,6 +6,7 @@ blocks of 128, top-256, bf16).
 - masked SDPA over both key versions side by side (2T keys, boolean mask): all T x 2T products;
 - FlexAttention over the tiles a query can see (`own_block_attention`), compiled as the trainer does;
 - the same, compiled with Inductor's autotuning (`max-autotune-no-cudagraphs`);
+- one masked SDPA per ASQ block of queries over only the keys it can see (`per_block_attention`);
 - for scale: dense causal SDPA over T keys (a dense layer's attention).
 
 Each is timed as the sum of its GPU kernels' times (what a CUDA graph replays, as the trainer runs a step
@@ -78,8 +79,12 @@ def main() -> None:
     def dense_causal() -> torch.Tensor:
         return F.scaled_dot_product_attention(query, stored_k, stored_v, is_causal=True, scale=scaling, enable_gqa=True)
 
+    def per_block() -> torch.Tensor:
+        return own_block.per_block_attention(query, stored_k, stored_v, (raw_k, raw_v), selection, BLOCK, scaling, True)
+
     ways = {"masked_sdpa_2T_keys": masked_sdpa, "flex_visible_tiles": flex(None),
-            "flex_visible_tiles_autotuned": flex("max-autotune-no-cudagraphs"), "dense_causal_sdpa_T_keys": dense_causal}
+            "flex_visible_tiles_autotuned": flex("max-autotune-no-cudagraphs"), "per_block_sdpa": per_block,
+            "dense_causal_sdpa_T_keys": dense_causal}
     rows = {}
     for name, attend in ways.items():
         step = _fwd_bwd(attend, [query, both_k, both_v] if name.startswith("flex") else tensors)

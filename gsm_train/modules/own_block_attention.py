@@ -74,3 +74,22 @@ def own_block_attention(query: Tensor, keys: Tensor, values: Tensor, selection: 
     attend = compiled(flex_attention, compile_mode) if query.is_cuda else flex_attention
     out = attend(query, keys, values, block_mask=mask, scale=scaling, enable_gqa=gqa)
     return out.transpose(1, 2).contiguous()
+
+
+def per_block_attention(query: Tensor, key: Tensor, value: Tensor, own: tuple[Tensor, Tensor], selection: Tensor,
+                        block_size: int, scaling: float, gqa: bool) -> Tensor:
+    """The same attention as `own_block_attention`, as one masked SDPA per ASQ block of queries over only
+    the keys it can see: earlier blocks as stored (key, value [B, Hkv, T, D]), its own block raw (`own`),
+    so the products computed are those of the visible tiles. -> [B, T, H, D]."""
+    length, heads = query.shape[2], query.shape[1]
+    outs = []
+    for start in range(0, length, block_size):
+        stop = min(start + block_size, length)
+        keys = torch.cat((key[:, :, :start], own[0][:, :, start:stop]), 2)
+        values = torch.cat((value[:, :, :start], own[1][:, :, start:stop]), 2)
+        mask = selection[:, :, start:stop, :stop]
+        if mask.shape[1] > 1:  # one selection per KV group: the mask per head
+            mask = mask.repeat_interleave(heads // mask.shape[1], dim=1)
+        outs.append(torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, start:stop], keys, values, attn_mask=mask, scale=scaling, enable_gqa=gqa))
+    return torch.cat(outs, 2).transpose(1, 2).contiguous()
