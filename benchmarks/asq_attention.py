@@ -6,7 +6,8 @@ blocks of 128, top-256, bf16).
 - masked SDPA over both key versions side by side (2T keys, boolean mask): all T x 2T products;
 - FlexAttention over the tiles a query can see (`own_block_attention`), compiled as the trainer does;
 - the same, compiled with Inductor's autotuning (`max-autotune-no-cudagraphs`);
-- one masked SDPA per ASQ block of queries over only the keys it can see (`per_block_attention`);
+- one masked SDPA per ASQ block of queries over only the keys it can see (a candidate that computes
+  only the visible tiles' products with SDPA's kernels; measured slower, not used by the trainer);
 - for scale: dense causal SDPA over T keys (a dense layer's attention).
 
 Each is timed as the sum of its GPU kernels' times (what a CUDA graph replays, as the trainer runs a step
@@ -50,6 +51,21 @@ def _inputs() -> tuple[list[torch.Tensor], torch.Tensor]:
     return tensors, selection
 
 
+def _per_block_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, own: tuple[torch.Tensor, torch.Tensor],
+                    selection: torch.Tensor, scaling: float) -> torch.Tensor:
+    """One masked SDPA per ASQ block of queries over earlier blocks' stored keys and its own block's raw
+    ones (one selection for all heads) -> [B, H, T, D]."""
+    outs = []
+    for start in range(0, LENGTH, BLOCK):
+        stop = min(start + BLOCK, LENGTH)
+        keys = torch.cat((key[:, :, :start], own[0][:, :, start:stop]), 2)
+        values = torch.cat((value[:, :, :start], own[1][:, :, start:stop]), 2)
+        outs.append(F.scaled_dot_product_attention(query[:, :, start:stop], keys, values,
+                                                   attn_mask=selection[:, :, start:stop, :stop], scale=scaling,
+                                                   enable_gqa=True))
+    return torch.cat(outs, 2)
+
+
 def _fwd_bwd(attend: Callable[[], torch.Tensor], tensors: list[torch.Tensor]) -> Callable[[], None]:
     """One forward and backward of `attend` (gradients of every input it reads)."""
     def step() -> None:
@@ -80,7 +96,7 @@ def main() -> None:
         return F.scaled_dot_product_attention(query, stored_k, stored_v, is_causal=True, scale=scaling, enable_gqa=True)
 
     def per_block() -> torch.Tensor:
-        return own_block.per_block_attention(query, stored_k, stored_v, (raw_k, raw_v), selection, BLOCK, scaling, True)
+        return _per_block_sdpa(query, stored_k, stored_v, (raw_k, raw_v), selection, scaling)
 
     ways = {"masked_sdpa_2T_keys": masked_sdpa, "flex_visible_tiles": flex(None),
             "flex_visible_tiles_autotuned": flex("max-autotune-no-cudagraphs"), "per_block_sdpa": per_block,

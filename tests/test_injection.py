@@ -266,16 +266,3 @@ def test_a_pass_that_cannot_read_position_ids_keeps_the_causal_path_only_inside_
     assert masks and all(mask is None for mask in masks)
     assert torch.allclose(causal, expected, atol=1e-6) and torch.allclose(assume_packed, expected, atol=1e-5)
     assert masking_utils.find_packed_sequence_indices(torch.tensor([[0, 1, 0, 1]])) is not None  # restored
-
-
-@families
-@pytest.mark.parametrize("mode", ["sparse", "dense"])
-def test_captured_steps_attention_path_gives_the_same_logits(family: str, mode: str) -> None:
-    """The per-block attention that captured training steps take in ASQ layers (`captured_steps`) computes
-    what the masked SDPA of eager steps does: same logits, sparse or dense, with a partial last block."""
-    torch.manual_seed(0)
-    model = _injected(family, {"sparse_attention": SPARSE, "kv_compression": ASQ}, mode=mode)
-    ids = torch.randint(0, 256, (2, LENGTH - 3), generator=torch.Generator().manual_seed(1))
-    eager = _logits(model, ids)
-    gsm_runtime(model).captured_steps = True
-    torch.testing.assert_close(_logits(model, ids), eager, atol=2e-5, rtol=1e-5)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gsm_train.modules.gsm_attention import block_causal_kv
-from gsm_train.modules.own_block_attention import fits, own_block_attention, per_block_attention
+from gsm_train.modules.own_block_attention import fits, own_block_attention
 
 
 @pytest.mark.parametrize(("block_size", "selectors", "mask_batch"), [(128, 1, 2), (256, 1, 2), (128, 2, 2), (128, 1, 1)])
@@ -62,29 +62,3 @@ def test_gradients_equal_masked_sdpa_on_the_gpu() -> None:
     for a, b in zip(torch.autograd.grad(expected, inputs, grad), torch.autograd.grad(got, inputs, grad)):
         torch.testing.assert_close(b, a, atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(got, expected, atol=2e-3, rtol=2e-3)
-
-
-@pytest.mark.parametrize(("length", "block_size", "selectors", "mask_batch"),
-                         [(512, 128, 1, 2), (512, 256, 2, 2), (500, 128, 1, 1), (96, 128, 1, 2)])
-def test_per_block_sdpa_equals_masked_sdpa_forward_and_gradients(length: int, block_size: int, selectors: int,
-                                                                 mask_batch: int) -> None:
-    """One SDPA per ASQ block gives the masked SDPA's output and gradients (query, both key and value
-    versions): one selection per layer or per KV head, blocks of one or two tiles, a partial last block,
-    a sequence shorter than a block, a selection shared by the batch."""
-    torch.manual_seed(1)
-    batch, heads, kv_heads, dim = 2, 4, 2, 16
-    inputs = [torch.randn(batch, heads, length, dim, requires_grad=True)]
-    inputs += [torch.randn(batch, kv_heads, length, dim, requires_grad=True) for _ in range(4)]
-    query, stored_k, stored_v, raw_k, raw_v = inputs
-    causal = torch.ones(length, length, dtype=torch.bool).tril()
-    selection = ((torch.rand(mask_batch, selectors, length, length) > 0.6) & causal) | torch.eye(length, dtype=torch.bool)
-    keys, values, mask = block_causal_kv(stored_k, stored_v, (raw_k, raw_v), selection, torch.arange(length),
-                                         block_size)
-    expected = torch.nn.functional.scaled_dot_product_attention(
-        query, keys, values, attn_mask=mask.repeat_interleave(heads // selectors, 1), scale=0.25,
-        enable_gqa=True).transpose(1, 2)
-    got = per_block_attention(query, stored_k, stored_v, (raw_k, raw_v), selection, block_size, 0.25, gqa=True)
-    torch.testing.assert_close(got, expected, atol=2e-6, rtol=0)
-    grad = torch.randn_like(expected)
-    for a, b in zip(torch.autograd.grad(expected, inputs, grad), torch.autograd.grad(got, inputs, grad)):
-        torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-5)

@@ -10,8 +10,8 @@ the selection only inside the tiles it computes.
 Used when training steps replay from a CUDA graph (`GSMRuntime.captured_steps`, set by the trainer
 on one GPU), on CUDA (FlexAttention's backward runs on GPUs only), when the sequence is a whole number
 of flex tiles and the ASQ block a whole number of tiles; the masked SDPA serves everywhere else. On the
-H200 (`benchmarks/asq_attention.py`, SmolLM2 shapes, T 2048, top-256) its kernels take 0.78 ms per layer
-forward and backward against the masked SDPA's 1.31, but called eagerly it takes 2.70 ms against 1.46:
+H200 (`benchmarks/asq_attention.py`, SmolLM2 shapes, T 2048, top-256) its kernels take 0.77 ms per layer
+forward and backward against the masked SDPA's 1.31, but called eagerly it takes 2.79 ms against 1.73:
 the compiled call and the block mask cost more Python and launches than the kernels save.
 """
 
@@ -74,22 +74,3 @@ def own_block_attention(query: Tensor, keys: Tensor, values: Tensor, selection: 
     attend = compiled(flex_attention, compile_mode) if query.is_cuda else flex_attention
     out = attend(query, keys, values, block_mask=mask, scale=scaling, enable_gqa=gqa)
     return out.transpose(1, 2).contiguous()
-
-
-def per_block_attention(query: Tensor, key: Tensor, value: Tensor, own: tuple[Tensor, Tensor], selection: Tensor,
-                        block_size: int, scaling: float, gqa: bool) -> Tensor:
-    """The same attention as `own_block_attention`, as one masked SDPA per ASQ block of queries over only
-    the keys it can see: earlier blocks as stored (key, value [B, Hkv, T, D]), its own block raw (`own`),
-    so the products computed are those of the visible tiles. -> [B, T, H, D]."""
-    length, heads = query.shape[2], query.shape[1]
-    outs = []
-    for start in range(0, length, block_size):
-        stop = min(start + block_size, length)
-        keys = torch.cat((key[:, :, :start], own[0][:, :, start:stop]), 2)
-        values = torch.cat((value[:, :, :start], own[1][:, :, start:stop]), 2)
-        mask = selection[:, :, start:stop, :stop]
-        if mask.shape[1] > 1:  # one selection per KV group: the mask per head
-            mask = mask.repeat_interleave(heads // mask.shape[1], dim=1)
-        outs.append(torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, start:stop], keys, values, attn_mask=mask, scale=scaling, enable_gqa=gqa))
-    return torch.cat(outs, 2).transpose(1, 2).contiguous()
