@@ -163,7 +163,7 @@ def select_top_k(scores: Tensor, allowed: Tensor, k: Tensor, query_positions: Te
     `sink_tokens` positions) and the `recent_tokens` latest keys are always kept too. `k_max`: max(k)
     when the caller knows it on the host (else it is read from the device, which waits for it).
     `uniform_k`: every k[t] equals k_max (the caller knows), so the top-k set needs no ranking and
-    is taken unsorted (the sort of the k winners took 3.4 ms of a 116 ms joint step on the H200).
+    is taken unsorted (the sort of the k winners took 3.4 ms of GPU time in a 116 ms joint step on the H200).
     """
     forced = key_positions[None, :] == query_positions[:, None]
     if sink_tokens:
