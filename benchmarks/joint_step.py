@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import kernel_times, write_result  # noqa: E402
+from common import kernel_times, op_times, write_result  # noqa: E402
 
 from gsm_train.backend import select_backend  # noqa: E402
 from gsm_train.config import load_recipe  # noqa: E402
@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 def _step_ms(gsm_enabled: bool, graphed: bool, overrides: list[str], steps: int,
              profile_rows: int = 0) -> tuple[float, list[dict]]:
     """Median wall time of one training step (micro-step, clipping, optimizer), in milliseconds, and with
-    `profile_rows` the largest kernels' GPU time per step."""
+    `profile_rows` the largest kernels' GPU time per step (eager steps: per op and input shapes)."""
     config = load_recipe(str(REPO / "recipes" / "joint.yaml"),
                          ["init_from=null", f"gsm.gsm_enabled={str(gsm_enabled).lower()}", *overrides])
     info = init_distributed()
@@ -64,7 +64,8 @@ def _step_ms(gsm_enabled: bool, graphed: bool, overrides: list[str], steps: int,
         tic = time.perf_counter()
         step()
         times.append((time.perf_counter() - tic) * 1e3)
-    return statistics.median(times), kernel_times(step)[:profile_rows] if profile_rows else []
+    profile = kernel_times if graphed else op_times
+    return statistics.median(times), profile(step)[:profile_rows] if profile_rows else []
 
 
 def main() -> None:
@@ -73,7 +74,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--train-data", default="embedded:sample_prose")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
-                        help="also record the N kernels taking the most GPU time per step, per setting")
+                        help="also record what takes the most GPU time per step, per setting: the N largest "
+                             "kernels of captured steps, the N largest ops (with input shapes) of eager ones")
     parser.add_argument("--no-eager", action="store_true", help="time the captured steps only")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -90,8 +92,9 @@ def main() -> None:
             torch.cuda.empty_cache()
             rows[name] = {"step_ms": ms, "tokens_per_s": tokens / ms * 1e3, **({"kernels": kernels} if kernels else {})}
             print(f"{name:14s} {ms:8.1f} ms/step {rows[name]['tokens_per_s']:10.0f} tokens/s", flush=True)
-            for kernel in kernels:
-                print(f"    {kernel['ms_per_step']:8.2f} ms {kernel['calls_per_step']:6.0f}x  {kernel['kernel']}")
+            for row in kernels:
+                print(f"    {row['ms_per_step']:8.2f} ms {row['calls_per_step']:6.0f}x  {row.get('kernel') or row['op']} "
+                      f"{row.get('input_shapes', '')}")
     result = {"batch_size": config.train.batch_size, "seq_len": config.data.seq_len, "steps_timed": args.steps,
               "joint_over_dense_tokens_per_s": rows["joint_graphed"]["tokens_per_s"] / rows["dense_graphed"]["tokens_per_s"],
               "rows": rows}
