@@ -79,8 +79,13 @@ class KVCompressionConfig(StrictModel):
     cluster_num: int = Field(32, ge=2, le=256)
     hidden_dim: int = Field(64, ge=1, le=65536)
     quant_bits: Literal[2, 4, 8] = 4
+    value_quant_bits: Literal[2, 4, 8] | None = None  # V's residual bits when they differ from K's
     block_size: int = Field(128, ge=1, le=65536)
     tau: float = Field(1.0, gt=0.0)
+
+    def bits(self) -> tuple[int, int]:
+        """(K, V) residual bits: `quant_bits` for both unless `value_quant_bits` sets V's."""
+        return self.quant_bits, self.value_quant_bits or self.quant_bits
 
 
 class CrossLayerSharingConfig(StrictModel):
@@ -290,6 +295,11 @@ class RecipeConfig(StrictModel):
             raise _problem(f"tuning.kv_compression_ratio ({knobs.kv_compression_ratio}) budgets ASQ, but "
                            "gsm.kv_compression.enabled is false",
                            "set gsm.kv_compression.enabled: true, or drop the ratio")
+        if knobs.kv_compression_ratio is not None and self.gsm.kv_compression.value_quant_bits is not None:
+            raise _problem(f"tuning.kv_compression_ratio ({knobs.kv_compression_ratio}) picks one residual width for "
+                           "K and V, but gsm.kv_compression.value_quant_bits is "
+                           f"{self.gsm.kv_compression.value_quant_bits}",
+                           "drop one of them: the ratio, or value_quant_bits (then set quant_bits yourself)")
         return self
 
     @model_validator(mode="after")

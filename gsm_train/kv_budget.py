@@ -2,8 +2,8 @@
 `tuning.kv_compression_ratio` knob, which picks the storage that fits a budget.
 
 The account is exactly what `GSMCache` holds (tests/test_decode.py checks it byte for byte): per
-layer and token, ASQ's packed K and V per KV head (ids, residual codes, scales, amortised
-prototypes, the raw newest block), bf16 K/V where ASQ is off, minus the heads a `share`-mode
+layer and token, ASQ's packed K and V per KV head (ids, residual codes at K's and V's bits, scales,
+amortised prototypes, the raw newest block), bf16 K/V where ASQ is off, minus the heads a `share`-mode
 bridge target does not cache, plus the gate keys.
 
 The knob sets two fields: `kv_compression.quant_bits` (ASQ's residual bits: 8, 4 or 2) and
@@ -35,8 +35,8 @@ def layer_kv_bytes(config: GSMConfig, dims: dict[str, int], layer: int, seq_len:
     head_dim, kv_heads = dims["head_dim"], dims["kv_heads"]
     base = bf16_layer_kv_bytes(dims)
     asq = config.kv_compression
-    per_head = 2 * (asq_bytes(seq_len, 1, head_dim, asq.cluster_num, asq.quant_bits, asq.block_size)["bytes_per_token"]
-                    if asq.enabled else BF16_BYTES * head_dim)
+    per_head = (sum(asq_bytes(seq_len, 1, head_dim, asq.cluster_num, bits, asq.block_size)["bytes_per_token"]
+                    for bits in asq.bits()) if asq.enabled else 2 * BF16_BYTES * head_dim)
     sharing = config.cross_layer_sharing
     shared = (min(sharing.shared_kv_heads, kv_heads)
               if sharing.enabled and sharing.mode == "share" and layer >= sharing.bridge_to_start else 0)

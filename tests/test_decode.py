@@ -36,6 +36,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
                                 "cross_layer_sharing": {**SHARE, "mode": "mix"}},
     "gate_only_decay": {"sparse_attention": {**SPARSE, "top_k_schedule": "linear_decay", "decay_rate": 0.2}},
     "asq_only": {"sparse_attention": {"enabled": False}, "kv_compression": ASQ},
+    "gate_asq_k4_v2": {"sparse_attention": SPARSE, "kv_compression": {**ASQ, "value_quant_bits": 2}},
 }
 
 
@@ -123,7 +124,7 @@ def test_generate_matches_teacher_forced_argmax() -> None:
     assert torch.equal(argmax[:, 12:-1], generated[:, 13:])
 
 
-@pytest.mark.parametrize("config", ["everything_share", "everything_mix_kv_gates", "asq_only"])
+@pytest.mark.parametrize("config", ["everything_share", "everything_mix_kv_gates", "asq_only", "gate_asq_k4_v2"])
 @pytest.mark.parametrize("length", [BLOCK * 4, LENGTH])
 def test_cache_bytes_equal_the_account(config: str, length: int) -> None:
     """bf16 model: the cache's tensors hold exactly what `gsm-train inspect` counts per token."""
@@ -180,15 +181,17 @@ def test_refusals() -> None:
 @pytest.mark.skipif(not KERNELS_RUN_HERE, reason="needs Triton with CUDA, or on CPU TRITON_INTERPRET=1 (Triton's "
                     "interpreter wants numpy<2.3); CI has neither, the GPU benchmark runs it")
 @pytest.mark.parametrize(("bits", "length", "selected"), [(2, 300, 40), (4, 300, 40), (8, 300, 40), (None, 300, 40),
-                                                            (4, 2400, 2100)])  # 2100: more splits than one merge load
-def test_fused_kernel_equals_pytorch_path(bits: int | None, length: int, selected: int) -> None:
+                                                            (4, 2400, 2100),  # 2100: more splits than one merge load
+                                                            ((4, 2), 300, 40)])  # (K, V) bits apart
+def test_fused_kernel_equals_pytorch_path(bits: int | tuple[int, int] | None, length: int, selected: int) -> None:
     from gsm_train.kernels.sparse_decode import fused_decode_attention
 
     device = KERNEL_DEVICE
     torch.manual_seed(0)
     batch, q_heads, kv_heads, dim = 2, 6, 2, 64
-    stores = [KVStore(ASQCompressor(kv_heads, dim, cluster_num=8, quant_bits=bits, block_size=64).to(device)
-                      if bits else None, kv_heads) for _ in range(2)]
+    side_bits = bits if isinstance(bits, tuple) else (bits, bits)
+    stores = [KVStore(ASQCompressor(kv_heads, dim, cluster_num=8, quant_bits=side, block_size=64).to(device)
+                      if side else None, kv_heads) for side in side_bits]
     for store in stores:
         rows = torch.randn(batch, kv_heads, length, dim, device=device)
         store.append(rows[:, :, :length - 50])

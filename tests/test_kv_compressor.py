@@ -244,3 +244,16 @@ def test_bad_inputs_raise() -> None:
         fake_quant_per_token(_random(), 5)
     with pytest.raises(ValueError, match="x"):
         _asq()(torch.randn(2, H + 1, 8, D))
+
+
+@pytest.mark.parametrize("kind", ["per_token", "kivi"])
+def test_plain_baselines_quantize_keys_and_values_at_their_own_bits(kind: str) -> None:
+    """With ASQ's (K, V) bits apart, each baseline rounds K and V to the same grids as alone at those bits."""
+    from gsm_train.modules.gsm_attention import plain_kv_quant
+
+    torch.manual_seed(0)
+    key, value = torch.randn(2, 3, 40, 16), torch.randn(2, 3, 40, 16)
+    mixed = plain_kv_quant(key, value, kind, (4, 2), 16)
+    assert torch.equal(mixed[0], plain_kv_quant(key, value, kind, (4, 4), 16)[0])
+    assert torch.equal(mixed[1], plain_kv_quant(key, value, kind, (2, 2), 16)[1])
+    assert not torch.equal(mixed[1], plain_kv_quant(key, value, kind, (4, 4), 16)[1])

@@ -57,6 +57,8 @@ def test_knobs_that_contradict_the_gsm_block_are_errors() -> None:
         ["tuning.kv_compression_ratio=0.5", "gsm.kv_compression.enabled=false"])
     assert "set gsm.cross_layer_sharing.enabled: true, or drop bridge_alpha" in _problem(
         ["tuning.bridge_alpha=0.2", "gsm.cross_layer_sharing.enabled=false"])
+    assert "drop one of them: the ratio, or value_quant_bits" in _problem(
+        ["tuning.kv_compression_ratio=0.5", "gsm.kv_compression.value_quant_bits=2"])
 
 
 @pytest.mark.parametrize("budget", [0.75, 0.7, 0.6, 0.56, 0.5, 0.49])
@@ -94,3 +96,19 @@ def test_math_gate_takes_no_knobs() -> None:
     with pytest.raises(ConfigError) as info:
         load_recipe(str(REPO / "recipes" / "math_gate.yaml"), ["init_from=some/export", "tuning.bridge_alpha=0.2"])
     assert "tuning.bridge_alpha has nothing to set" in str(info.value)
+
+
+def test_value_bits_apart_from_key_bits_count_in_the_account() -> None:
+    """`value_quant_bits` narrows V's residuals alone: the account drops by exactly V's residual bytes saved,
+    and a width ASQ does not pack is one clear error."""
+    config = load_recipe(JOINT, TINY).gsm
+    assert config.kv_compression.bits() == (4, 4)
+    same = kv_bytes_ratio(config, DIMS, 64)
+    config.kv_compression.value_quant_bits = 2
+    assert config.kv_compression.bits() == (4, 2)
+    cached_heads = sum(DIMS["kv_heads"] - (1 if layer >= 2 else 0) for layer in range(DIMS["layers"]))  # share mode
+    packed = (64 - 16) / 64  # at seq_len 64 the newest of the 16-token blocks stays raw
+    saved = cached_heads * DIMS["head_dim"] * (4 - 2) / 8 * packed  # V's residual bytes per token
+    bf16 = DIMS["layers"] * 2 * 2 * DIMS["kv_heads"] * DIMS["head_dim"]
+    assert kv_bytes_ratio(config, DIMS, 64) == pytest.approx(same - saved / bf16, rel=1e-12)
+    assert "gsm.kv_compression.value_quant_bits = 3" in _problem(["gsm.kv_compression.value_quant_bits=3"])

@@ -4,13 +4,13 @@ over the selection, flash-decoding style).
 
 Per (batch, KV head, split) one program loads the GQA group's queries once, then for each tile of
 selected positions reads only what the cache stores for them: cluster id (1 byte), packed residual
-codes (D * bits / 8 bytes, read as whole rows and unpacked in registers), scale (2 bytes) and the
-id's prototype row, or the raw row for positions in the newest block (read only by tiles holding
-one). All of a tile's K and V loads are issued before any of them is used. (Whole-row residual reads
-and this load order took the kernel from 206 to 160 us per step on the H200 at context 32k, batch 16,
-k 2048, Llama-8B shapes.) A second small kernel merges the splits. Bytes moved per
-selected token and KV head: about ``2 * (3 + D * bits / 8 + 2 * D)`` (K and V, the prototype row
-counted in full), against ``4 * D`` for a bf16 cache read densely.
+codes (D * bits / 8 bytes at K's or V's width, read as whole rows and unpacked in registers), scale
+(2 bytes) and the id's prototype row, or the raw row for positions in the newest block (read only by
+tiles holding one). All of a tile's K and V loads are issued before any of them is used. (Whole-row
+residual reads and this load order took the kernel from 206 to 160 us per step on the H200 at
+context 32k, batch 16, k 2048, Llama-8B shapes.) A second small kernel merges the splits. Bytes
+moved per selected token and KV head: about ``2 * (3 + D * bits / 8 + 2 * D)`` (K and V, the
+prototype row counted in full), against ``4 * D`` for a bf16 cache read densely.
 """
 
 from __future__ import annotations
@@ -95,7 +95,8 @@ if triton is not None:
                               acc_ptr, max_ptr, sum_ptr,
                               packed_len, tail_len, n_blocks, selected, size_class, rows, scaling,
                               KV_HEADS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                              BITS: tl.constexpr, C: tl.constexpr, TOKENS_PER_BLOCK: tl.constexpr,
+                              K_BITS: tl.constexpr, V_BITS: tl.constexpr, C: tl.constexpr,
+                              TOKENS_PER_BLOCK: tl.constexpr,
                               PACKED: tl.constexpr, HAS_VALID: tl.constexpr, PRECISION: tl.constexpr,
                               SHARED_SELECTION: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr):
         bh = tl.program_id(0)
@@ -120,21 +121,21 @@ if triton is not None:
             in_packed = live & (pos < packed_len)
             if PACKED:  # every load of the tile is issued before any of it is used
                 k_proto, k_byte, k_scale = _packed_parts(k_ids, k_res, k_scales, k_protos, bh, pos, in_packed,
-                                                         packed_len, n_blocks, dims, D, BITS, C, TOKENS_PER_BLOCK)
+                                                         packed_len, n_blocks, dims, D, K_BITS, C, TOKENS_PER_BLOCK)
                 v_proto, v_byte, v_scale = _packed_parts(v_ids, v_res, v_scales, v_protos, bh, pos, in_packed,
-                                                         packed_len, n_blocks, dims, D, BITS, C, TOKENS_PER_BLOCK)
+                                                         packed_len, n_blocks, dims, D, V_BITS, C, TOKENS_PER_BLOCK)
             else:
                 k_proto, k_byte, k_scale = pos, pos, pos
                 v_proto, v_byte, v_scale = pos, pos, pos
             keys = _dequant_rows(k_proto, k_byte, k_scale, in_packed, k_tail, bh, pos, live, packed_len, tail_len,
-                                 dims, D, BITS, PACKED)
+                                 dims, D, K_BITS, PACKED)
             logits = tl.dot(keys.to(q.dtype), q_t, input_precision=PRECISION) * scaling  # [BLOCK_N, GP]
             logits = tl.where(live[:, None], logits, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(logits, 0))
             alpha = tl.exp(m_i - m_new)
             p = tl.trans(tl.exp(logits - m_new[None, :]))
             values = _dequant_rows(v_proto, v_byte, v_scale, in_packed, v_tail, bh, pos, live, packed_len, tail_len,
-                                   dims, D, BITS, PACKED)
+                                   dims, D, V_BITS, PACKED)
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), values.to(q.dtype), input_precision=PRECISION)
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
@@ -238,7 +239,8 @@ def fused_decode_attention(query: Tensor, k_store: KVStore, v_store: KVStore, in
         q, index, valid_arg, *_store_args(k_store, index), *_store_args(v_store, index), acc, maxes, sums,
         k_store.packed_len, k_store.tail.shape[2], n_blocks, selected, triton.next_power_of_2(selected),
         batch * kv_heads, scaling,
-        KV_HEADS=kv_heads, G=groups, GP=group_pad, D=dim, BITS=asq.quant_bits if packed else 8,
+        KV_HEADS=kv_heads, G=groups, GP=group_pad, D=dim, K_BITS=asq.quant_bits if packed else 8,
+        V_BITS=v_store.asq.quant_bits if packed else 8,
         C=asq.cluster_num if packed else 1, TOKENS_PER_BLOCK=asq.block_size if packed else 1, PACKED=packed,
         HAS_VALID=valid is not None, PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # fp32: exact
         SHARED_SELECTION=index.shape[1] == 1, **fixed)

@@ -165,7 +165,8 @@ class GSMAttentionAdapter(nn.Module):
         runtime = self.runtime
         raw_key, raw_value = key, value
         if self.asq_k is not None and runtime.kv_baseline is not None:
-            key, value = plain_kv_quant(key, value, runtime.kv_baseline, self.asq_k.quant_bits, self.asq_k.block_size)
+            key, value = plain_kv_quant(key, value, runtime.kv_baseline, (self.asq_k.quant_bits, self.asq_v.quant_bits),
+                                        self.asq_k.block_size)
         elif self.asq_k is not None and self.training:  # one encoding gives the reconstruction and its loss
             (key, loss_k), (value, loss_v) = self.asq_k(key, with_loss=True), self.asq_v(value, with_loss=True)
             runtime.asq_losses[self.layer_idx] = (loss_k + loss_v) / 2
@@ -186,14 +187,17 @@ class GSMAttentionAdapter(nn.Module):
         return key, value, own
 
 
-def plain_kv_quant(key: Tensor, value: Tensor, kind: str, bits: int, block_size: int) -> tuple[Tensor, Tensor]:
-    """The baselines ASQ must beat, at its bits: `per_token` (K and V per token) or `kivi` (K per
+def plain_kv_quant(key: Tensor, value: Tensor, kind: str, bits: tuple[int, int],
+                   block_size: int) -> tuple[Tensor, Tensor]:
+    """The baselines ASQ must beat, at its (K, V) bits: `per_token` (K and V per token) or `kivi` (K per
     channel over blocks, V per token), newest incomplete block kept as is for `kivi`."""
+    key_bits, value_bits = bits
     if kind == "per_token":
-        return fake_quant_per_token(key, bits).to(key.dtype), fake_quant_per_token(value, bits).to(value.dtype)
+        return (fake_quant_per_token(key, key_bits).to(key.dtype),
+                fake_quant_per_token(value, value_bits).to(value.dtype))
     if kind == "kivi":
-        return (fake_quant_kivi(key, bits, block_size, per_channel=True).to(key.dtype),
-                fake_quant_kivi(value, bits, block_size, per_channel=False).to(value.dtype))
+        return (fake_quant_kivi(key, key_bits, block_size, per_channel=True).to(key.dtype),
+                fake_quant_kivi(value, value_bits, block_size, per_channel=False).to(value.dtype))
     raise GSMError(f"unknown kv_baseline {kind!r}; use per_token or kivi")
 
 

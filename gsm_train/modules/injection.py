@@ -123,7 +123,7 @@ def _build_adapter(layer_idx: int, attn: nn.Module, config: GSMConfig, dims: dic
                                      dims["head_dim"])
     if asq_cfg.enabled:
         asq_k, asq_v = (ASQCompressor(dims["kv_heads"], dims["head_dim"], asq_cfg.cluster_num, asq_cfg.hidden_dim,
-                                      asq_cfg.quant_bits, asq_cfg.block_size, asq_cfg.tau) for _ in range(2))
+                                      bits, asq_cfg.block_size, asq_cfg.tau) for bits in asq_cfg.bits())
     is_target = bridge_cfg.enabled and layer_idx >= bridge_cfg.bridge_to_start
     if is_target:
         out_heads = dims["kv_heads"] if bridge_cfg.mode == "mix" else min(bridge_cfg.shared_kv_heads, dims["kv_heads"])
