@@ -4,7 +4,9 @@ gate's top-k (SmolLM2-135M shapes: batch 4, 9 query heads over 3 KV heads, head_
 blocks of 128, top-256, bf16).
 
 - masked SDPA over both key versions side by side (2T keys, boolean mask): all T x 2T products;
-- FlexAttention over the tiles a query can see (`own_block_attention`), compiled as the trainer does;
+- FlexAttention over the tiles a query can see (`own_block_attention`), compiled as the trainer does
+  (timed from the keys already side by side, [stored; raw], and their gradients; the masked SDPA's
+  timing includes that concatenation and its mask, a few copies of [4, 3, 2048, 64]);
 - the same, compiled with Inductor's autotuning (`max-autotune-no-cudagraphs`);
 - one masked SDPA per ASQ block of queries over only the keys it can see (a candidate that computes
   only the visible tiles' products with SDPA's kernels; measured slower, not used by the trainer);

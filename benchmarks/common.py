@@ -74,6 +74,7 @@ def op_times(step: Callable[[], object], repeats: int = 3) -> list[dict]:
     """GPU time of the kernels each PyTorch op launches itself, per op and input shapes, for one eager call
     of `step` (mean of `repeats` profiled calls after one warm-up), the largest first: which op and
     tensor behind a kernel of `kernel_times` (a CUDA graph's replay shows kernels only)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     step()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
@@ -82,7 +83,8 @@ def op_times(step: Callable[[], object], repeats: int = 3) -> list[dict]:
         torch.cuda.synchronize()
     rows = [{"op": event.key[:120], "input_shapes": str(event.input_shapes)[:200],
              "ms_per_step": event.self_device_time_total / repeats / 1e3, "calls_per_step": event.count / repeats}
-            for event in prof.key_averages(group_by_input_shape=True) if event.self_device_time_total > 0]
+            for event in prof.key_averages(group_by_input_shape=True)
+            if event.device_type == DeviceType.CPU and event.self_device_time_total > 0]  # ops, not their kernels
     return sorted(rows, key=lambda row: -row["ms_per_step"])
 
 

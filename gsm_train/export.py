@@ -109,7 +109,10 @@ def export_adapter(model: nn.Module, out_dir: str | Path, *, base_name: str, bas
         return out_dir
     tensors = {name: t.detach().contiguous() for name, t in state.items() if include_base or is_adapter(name)}
     runtime = gsm_runtime(model)
-    config = {"format": FORMAT, "format_version": FORMAT_VERSION, **runtime.config.model_dump(mode="json"),
+    settings = runtime.config.model_dump(mode="json")
+    if settings["kv_compression"]["value_quant_bits"] is None:  # added after format 1: written only when set,
+        del settings["kv_compression"]["value_quant_bits"]       # so earlier readers load what they can represent
+    config = {"format": FORMAT, "format_version": FORMAT_VERSION, **settings,
               "base_model": base_description(model, runtime.base_fingerprint, base_name, base_revision),
               "lora": lora, "includes_base_weights": include_base,
               "tensors": {name: list(t.shape) for name, t in sorted(tensors.items())}}

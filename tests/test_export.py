@@ -54,6 +54,22 @@ def test_export_then_load_is_exact(exported: tuple[torch.nn.Module, Path]) -> No
     assert "kl" in (folder / "README.md").read_text()
 
 
+@pytest.mark.parametrize("value_bits", [None, 2])
+def test_value_bits_are_written_only_when_set_and_load_back(value_bits: int | None, tmp_path: Path) -> None:
+    """`kv_compression.value_quant_bits` came after format 1: an export without it reads as before (so
+    earlier readers still load it), and one with it restores each compressor's width."""
+    model = tiny_model("llama")
+    asq = {**ALL_ON["kv_compression"], **({"value_quant_bits": value_bits} if value_bits else {})}
+    inject_gsm(model, GSMConfig.model_validate({**ALL_ON, "kv_compression": asq}), mode="sparse")
+    folder = export_adapter(model, tmp_path / "export", base_name="tiny-llama")
+    written = json.loads((folder / CONFIG_FILE).read_text())["kv_compression"]
+    assert ("value_quant_bits" in written) == (value_bits is not None)
+    loaded = tiny_model("llama")
+    load_gsm(loaded, folder, mode="sparse")
+    adapter = loaded.model.layers[0].self_attn.gsm
+    assert (adapter.asq_k.quant_bits, adapter.asq_v.quant_bits) == (4, value_bits or 4)
+
+
 @pytest.mark.parametrize("other", [lambda: tiny_model("llama", seed=1), lambda: tiny_model("qwen2"),
                                    lambda: tiny_model("llama", num_layers=3)])
 def test_a_different_base_is_refused(exported: tuple[torch.nn.Module, Path], other) -> None:

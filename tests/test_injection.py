@@ -266,3 +266,48 @@ def test_a_pass_that_cannot_read_position_ids_keeps_the_causal_path_only_inside_
     assert masks and all(mask is None for mask in masks)
     assert torch.allclose(causal, expected, atol=1e-6) and torch.allclose(assume_packed, expected, atol=1e-5)
     assert masking_utils.find_packed_sequence_indices(torch.tensor([[0, 1, 0, 1]])) is not None  # restored
+
+
+@pytest.mark.parametrize("heads", ["layer", "kv"])
+def test_captured_training_forwards_take_the_block_sparse_path_with_the_same_logits(
+        heads: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With `captured_steps` (set by the trainer when it captures the step) a training forward of an ASQ
+    layer attends through `own_block_attention`, here run eagerly on CPU (its path is otherwise for CUDA
+    only), and gives the masked SDPA's logits (fp64); evaluation forwards keep the masked SDPA."""
+    from gsm_train.modules import own_block_attention as own_block
+
+    calls = []
+    attend = own_block.own_block_attention
+    monkeypatch.setattr(own_block, "fits", lambda query, block_size: True)
+    monkeypatch.setattr(own_block, "TILE", BLOCK)  # tiles of one ASQ block at these lengths
+    own_block._tile_structure.cache_clear()  # cached per length and block size: not across tile sizes
+    monkeypatch.setattr(own_block, "own_block_attention", lambda *args: calls.append(1) or attend(*args))
+    torch.manual_seed(0)
+    model = _injected("llama", {"sparse_attention": {**SPARSE, "heads": heads}, "kv_compression": ASQ},
+                      mode="sparse").double()  # fp64: no fp32 rounding for ASQ's codes to amplify
+    model.train()
+    masked = _logits(model)
+    runtime = gsm_runtime(model)
+    runtime.captured_steps = True
+    torch.testing.assert_close(_logits(model), masked, atol=1e-10, rtol=0)
+    assert calls  # the block-sparse path ran
+    calls.clear()
+    model.eval()
+    _logits(model)
+    assert not calls
+    own_block._tile_structure.cache_clear()
+
+
+@pytest.mark.parametrize("baseline", ["per_token", "kivi"])
+def test_plain_quantization_baselines_take_each_side_at_its_width(baseline: str) -> None:
+    """With `value_quant_bits`, an evaluation's plain-quantization baseline rounds K at quant_bits and V at
+    value_quant_bits, as ASQ stores them."""
+    from gsm_train.modules.gsm_attention import plain_kv_quant
+
+    model = _injected("llama", {"kv_compression": {**ASQ, "value_quant_bits": 2}})
+    adapter = model.model.layers[1].self_attn.gsm
+    gsm_runtime(model).kv_baseline = baseline
+    key, value = torch.randn(2, 2, LENGTH, 16), torch.randn(2, 2, LENGTH, 16)
+    got_k, got_v, _ = adapter.transform_kv(key, value)
+    assert torch.equal(got_k, plain_kv_quant(key, value, baseline, (4, 4), BLOCK)[0])
+    assert torch.equal(got_v, plain_kv_quant(key, value, baseline, (2, 2), BLOCK)[1])

@@ -62,3 +62,30 @@ def test_gradients_equal_masked_sdpa_on_the_gpu() -> None:
     for a, b in zip(torch.autograd.grad(expected, inputs, grad), torch.autograd.grad(got, inputs, grad)):
         torch.testing.assert_close(b, a, atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(got, expected, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize(("length", "block_size"), [(512, 128), (512, 256), (1024, 512), (256, 256)])
+def test_tile_lists_are_the_tiles_the_rule_touches(length: int, block_size: int) -> None:
+    """The block mask's tile lists (built from the block structure alone) name exactly the tiles where some
+    query may see some key, as FlexAttention's own builder finds them from the rule itself. On CPU flex
+    applies only the rule, so this is where a wrong tile list shows."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from gsm_train.modules.own_block_attention import TILE, _tile_structure
+
+    def rule(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        key_at = torch.where(kv < length, kv, kv - length)
+        same_block = key_at // block_size == q // block_size
+        return (key_at <= q) & torch.where(kv < length, ~same_block, same_block)
+
+    reference = create_block_mask(rule, None, None, length, 2 * length, device="cpu", BLOCK_SIZE=TILE)
+    counts, indices = _tile_structure(length, block_size, torch.device("cpu"))
+    ref_counts = reference.kv_num_blocks + (reference.full_kv_num_blocks if reference.full_kv_num_blocks is not None
+                                            else 0)
+    assert torch.equal(counts.flatten(), ref_counts.flatten().to(counts.dtype))
+    for row in range(length // TILE):
+        ours = set(indices[0, 0, row, :counts[0, 0, row]].tolist())
+        theirs = set(reference.kv_indices[0, 0, row, :reference.kv_num_blocks[0, 0, row]].tolist())
+        if reference.full_kv_num_blocks is not None:
+            theirs |= set(reference.full_kv_indices[0, 0, row, :reference.full_kv_num_blocks[0, 0, row]].tolist())
+        assert ours == theirs, row

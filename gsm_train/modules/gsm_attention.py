@@ -298,13 +298,15 @@ def gsm_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
         if mode == "sparse" or runtime.recall is not None:  # selecting: the keys as stored, rounded once
             stored_k = gate.stored_keys(gate_k)
 
-    def gate_selection(start: int, stop: int, k: Tensor = k_t, k_max: int | None = None) -> Tensor:
+    def gate_selection(start: int, stop: int, k: Tensor = k_t, k_max: int | None = None,
+                       uniform: bool | None = None) -> Tensor:
         with torch.no_grad():
             scores = gate.score_stored(gate_q[:, :, start:stop], stored_k)
         fused = scores.is_cuda and module.training  # training shapes are fixed: the masking around top-k fuses
         if k_max is None:  # fused, every chunk takes the layer's largest k (the same selection: each query
             k_max = int((k_host if fused else k_host[start:stop]).max())  # keeps its own k), so one compile
-        uniform = bool((k_host[start:stop] == k_max).all())
+        if uniform is None:  # the schedule's k: every query keeps k_max?
+            uniform = bool((k_host[start:stop] == k_max).all())
         select = compiled(select_top_k) if fused else select_top_k
         return select(scores, allowed[..., start:stop, :], k[start:stop], positions[start:stop], positions,
                       sparse_cfg.sink_tokens, sparse_cfg.recent_tokens, k_max, uniform)
@@ -328,7 +330,7 @@ def gsm_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
                 selection = torch.cat([pick(a, b) for a, b in _chunks(q_len, chunk)], dim=2)
         # from a CUDA graph, FlexAttention over only the tiles queries see (0.77 vs 1.31 ms of kernels per layer
         # on the H200); eagerly its Python and launches cost more than that (2.79 vs 1.73 ms per layer)
-        if own is not None and runtime.captured_steps and own_block.fits(query, block_size):
+        if own is not None and runtime.captured_steps and module.training and own_block.fits(query, block_size):
             out = own_block.own_block_attention(query, torch.cat((key, own[0]), 2), torch.cat((value, own[1]), 2),
                                                 selection, block_size, scaling, module.num_key_value_groups > 1)
         else:
@@ -354,5 +356,5 @@ def gsm_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
         constant_k = torch.full_like(k_t, k)
         runtime.recall_sums[adapter.layer_idx] = captured_mass(
             query.detach(), key.detach(), allowed, scaling, k, min_keys, chunk, num_selectors,
-            (lambda a, b: gate_selection(a, b, constant_k, k)) if gate is not None else None, visible)
+            (lambda a, b: gate_selection(a, b, constant_k, k, uniform=True)) if gate is not None else None, visible)
     return out, None

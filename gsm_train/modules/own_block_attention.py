@@ -7,8 +7,8 @@ T = 2048 and blocks of 128. FlexAttention skips the tiles no query of a tile can
 block structure alone (the stored half below the block diagonal, the raw half on it), and reads
 the selection only inside the tiles it computes.
 
-Used when training steps replay from a CUDA graph (`GSMRuntime.captured_steps`, set by the trainer
-on one GPU), on CUDA (FlexAttention's backward runs on GPUs only), when the sequence is a whole number
+Used in the training forwards of steps that replay from a CUDA graph (`GSMRuntime.captured_steps`,
+set by the trainer on one GPU; its evaluation forwards run eagerly and keep the masked SDPA), on CUDA (FlexAttention's backward runs on GPUs only), when the sequence is a whole number
 of flex tiles and the ASQ block a whole number of tiles; the masked SDPA serves everywhere else. On the
 H200 (`benchmarks/asq_attention.py`, SmolLM2 shapes, T 2048, top-256) its kernels take 0.77 ms per layer
 forward and backward against the masked SDPA's 1.31, but called eagerly it takes 2.79 ms against 1.73:
@@ -30,10 +30,12 @@ FLEX_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # others (fp64 che
 
 
 def fits(query: Tensor, block_size: int) -> bool:
-    """Whether this path serves `query` [B, H, T, D]: on CUDA, in a training dtype, T a whole number of tiles
-    and ASQ blocks of `block_size` tokens whole tiles too."""
-    length = query.shape[2]
-    return query.is_cuda and query.dtype in FLEX_DTYPES and length % TILE == 0 and block_size % TILE == 0
+    """Whether this path serves `query` [B, H, T, D]: on CUDA, in a training dtype, heads of at least 16
+    (Inductor's FlexAttention refuses smaller), T a whole number of tiles and ASQ blocks of `block_size`
+    tokens whole tiles too."""
+    length, head_dim = query.shape[2], query.shape[3]
+    return (query.is_cuda and query.dtype in FLEX_DTYPES and head_dim >= 16 and length % TILE == 0
+            and block_size % TILE == 0)
 
 
 @functools.cache
