@@ -56,17 +56,25 @@ def graph_ms(step: Callable[[], torch.Tensor], replays: int = 50) -> float:
     return median_ms(graph.replay, warmup=5, repeat=replays)
 
 
-def kernel_times(step: Callable[[], object], repeats: int = 3) -> list[dict]:
-    """GPU time per kernel name (and copy) of one call of `step`, averaged over `repeats` profiled calls after
-    one warm-up, the largest first: [{"kernel", "ms_per_step", "calls_per_step"}]."""
+def _profiled(step: Callable[[], object], repeats: int, with_ops: bool) -> torch.profiler.profile:
+    """torch.profiler over `repeats` calls of `step` after one warm-up: GPU activity, and with `with_ops` the
+    PyTorch ops (with input shapes) that launched it."""
     from torch.profiler import ProfilerActivity, profile
     step()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if with_ops else [ProfilerActivity.CUDA]
+    with profile(activities=activities, record_shapes=with_ops) as prof:
         for _ in range(repeats):
             step()
         torch.cuda.synchronize()
+    return prof
+
+
+def kernel_times(step: Callable[[], object], repeats: int = 3) -> list[dict]:
+    """GPU time per kernel name (and copy) of one call of `step`, averaged over `repeats` profiled calls after
+    one warm-up, the largest first: [{"kernel", "ms_per_step", "calls_per_step"}]."""
     rows = [{"kernel": event.key[:120], "ms_per_step": event.device_time_total / repeats / 1e3,
-             "calls_per_step": event.count / repeats} for event in prof.key_averages() if event.device_time_total > 0]
+             "calls_per_step": event.count / repeats}
+            for event in _profiled(step, repeats, with_ops=False).key_averages() if event.device_time_total > 0]
     return sorted(rows, key=lambda row: -row["ms_per_step"])
 
 
@@ -75,12 +83,7 @@ def op_times(step: Callable[[], object], repeats: int = 3) -> list[dict]:
     of `step` (mean of `repeats` profiled calls after one warm-up), the largest first: which op and
     tensor behind a kernel of `kernel_times` (a CUDA graph's replay shows kernels only)."""
     from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-    step()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
-        for _ in range(repeats):
-            step()
-        torch.cuda.synchronize()
+    prof = _profiled(step, repeats, with_ops=True)
     rows = [{"op": event.key[:120], "input_shapes": str(event.input_shapes)[:200],
              "ms_per_step": event.self_device_time_total / repeats / 1e3, "calls_per_step": event.count / repeats}
             for event in prof.key_averages(group_by_input_shape=True)

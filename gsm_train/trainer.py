@@ -188,12 +188,13 @@ def _graphed_loss(config: RecipeConfig, stage: Stage, model: nn.Module, backend:
     restored trainables)."""
     backend.grads_in_place = True
     model.train()  # the replays run as captured
-    gsm_runtime(model).captured_steps = True  # paths that pay off only without per-call Python and launches
+    runtime = gsm_runtime(model)
+    runtime.captured_steps = True  # paths that pay off only without per-call Python and launches
     example = torch.zeros(config.train.batch_size, config.data.seq_len, dtype=token_dtype, device=info.device)
     trainables = [p for p in model.parameters() if p.requires_grad]
     # the runtime's cached layouts are read by the graph but allocated outside it: keep them alive
     return GraphedLoss(lambda batch: stage.loss(model, batch), trainables, example, compute_dtype,
-                       grad_scale=1 / config.train.grad_accum, keep_alive=gsm_runtime(model).layouts_in_use)
+                       grad_scale=1 / config.train.grad_accum, keep_alive=runtime.layouts_in_use)
 
 
 def _run(config: RecipeConfig, stage: Stage, info: DistInfo, backend: Backend, run_name: str) -> TrainResult:

@@ -174,9 +174,6 @@ def select_top_k(scores: Tensor, allowed: Tensor, k: Tensor, query_positions: Te
     ranked = scores.masked_fill(forced, float("inf")).masked_fill(~allowed, float("-inf"))
     k_top = min(int(k.max()) if k_max is None else k_max, scores.shape[-1])
     index = ranked.topk(k_top, dim=-1, sorted=not uniform_k).indices
-    if uniform_k:
-        keep_rank = torch.ones_like(index, dtype=torch.bool)
-    else:
-        keep_rank = (torch.arange(k_top, device=k.device)[None, :] < k[:, None]).expand(index.shape)
+    keep_rank = True if uniform_k else (torch.arange(k_top, device=k.device)[None, :] < k[:, None]).expand(index.shape)
     selected = torch.zeros_like(allowed.expand(scores.shape)).scatter(-1, index, keep_rank)
     return (selected | (forced & allowed)) & allowed
