@@ -30,7 +30,7 @@ from gsm_train.modules import GSMRuntime, gsm_runtime, inject_gsm
 from gsm_train.modules.injection import GSM_PARAM_MARKER
 
 FORMAT = "gsm-train-adapter"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: 2-bit ASQ residuals on the mid-rise grid (kv_compressor.code_center); 1: on the symmetric one
 ADAPTER_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "gsm_config.json"
 CARD_FILE = "README.md"
@@ -112,14 +112,15 @@ def export_adapter(model: nn.Module, out_dir: str | Path, *, base_name: str, bas
     settings = runtime.config.model_dump(mode="json")
     if settings["kv_compression"]["value_quant_bits"] is None:  # added after format 1: written only when set,
         del settings["kv_compression"]["value_quant_bits"]       # so earlier readers load what they can represent
-    config = {"format": FORMAT, "format_version": FORMAT_VERSION, **settings,
+    version = FORMAT_VERSION if _two_bit_residuals(settings) else 1  # earlier readers load what they can represent
+    config = {"format": FORMAT, "format_version": version, **settings,
               "base_model": base_description(model, runtime.base_fingerprint, base_name, base_revision),
               "lora": lora, "includes_base_weights": include_base,
               "tensors": {name: list(t.shape) for name, t in sorted(tensors.items())}}
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file(tensors, str(tmp / ADAPTER_FILE), metadata={"format": FORMAT, "format_version": str(FORMAT_VERSION)})
+    save_file(tensors, str(tmp / ADAPTER_FILE), metadata={"format": FORMAT, "format_version": str(version)})
     (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True))
     (tmp / ARGS_FILE).write_text(json.dumps({"recipe": recipe, "metrics": metrics}, indent=2, sort_keys=True,
                                             default=float))
@@ -127,6 +128,12 @@ def export_adapter(model: nn.Module, out_dir: str | Path, *, base_name: str, bas
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
     return out_dir
+
+
+def _two_bit_residuals(settings: dict) -> bool:
+    """Whether ASQ stores K or V residuals at 2 bits under these (exported) GSM settings."""
+    kv = settings.get("kv_compression") or {}
+    return bool(kv.get("enabled")) and 2 in (kv.get("quant_bits"), kv.get("value_quant_bits"))
 
 
 def validate_export(export_dir: str | Path) -> dict:
@@ -140,9 +147,13 @@ def validate_export(export_dir: str | Path) -> dict:
         config = json.loads((folder / CONFIG_FILE).read_text())
     except json.JSONDecodeError as err:
         raise ExportError(f"{folder / CONFIG_FILE}: not valid JSON ({err}); re-export the adapter") from None
-    if config.get("format") != FORMAT or config.get("format_version") != FORMAT_VERSION:
+    if config.get("format") != FORMAT or config.get("format_version") not in range(1, FORMAT_VERSION + 1):
         raise ExportError(f"{folder / CONFIG_FILE}: format {config.get('format')!r} version "
-                          f"{config.get('format_version')!r}, expected {FORMAT!r} version {FORMAT_VERSION}")
+                          f"{config.get('format_version')!r}, expected {FORMAT!r} version 1 to {FORMAT_VERSION}")
+    if config["format_version"] == 1 and _two_bit_residuals(config):
+        raise ExportError(f"{folder / CONFIG_FILE}: format 1 with 2-bit ASQ residuals, trained on the three-level "
+                          "2-bit grid that format 2 replaced with four levels (docs/adapter-format.md); train and "
+                          "export it again with this version")
     try:
         GSMConfig.model_validate({k: config[k] for k in _GSM_SECTIONS if k in config})
     except ValidationError as err:

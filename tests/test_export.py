@@ -64,10 +64,24 @@ def test_value_bits_are_written_only_when_set_and_load_back(value_bits: int | No
     folder = export_adapter(model, tmp_path / "export", base_name="tiny-llama")
     written = json.loads((folder / CONFIG_FILE).read_text())["kv_compression"]
     assert ("value_quant_bits" in written) == (value_bits is not None)
+    assert json.loads((folder / CONFIG_FILE).read_text())["format_version"] == (2 if value_bits == 2 else 1)
     loaded = tiny_model("llama")
     load_gsm(loaded, folder, mode="sparse")
     adapter = loaded.model.layers[0].self_attn.gsm
     assert (adapter.asq_k.quant_bits, adapter.asq_v.quant_bits) == (4, value_bits or 4)
+
+
+def test_a_format_1_export_with_two_bit_residuals_is_refused(tmp_path: Path) -> None:
+    """Format 1 held 2-bit residuals on a three-level grid; its ASQ weights were trained for that grid."""
+    model = tiny_model("llama")
+    inject_gsm(model, GSMConfig.model_validate({**ALL_ON, "kv_compression": {**ALL_ON["kv_compression"],
+                                                                             "quant_bits": 2}}), mode="sparse")
+    folder = export_adapter(model, tmp_path / "export", base_name="tiny-llama")
+    config = json.loads((folder / CONFIG_FILE).read_text())
+    assert config["format_version"] == 2
+    (folder / CONFIG_FILE).write_text(json.dumps({**config, "format_version": 1}))
+    with pytest.raises(ExportError, match="format 1 with 2-bit ASQ residuals"):
+        load_gsm(tiny_model("llama"), folder, mode="sparse")
 
 
 @pytest.mark.parametrize("other", [lambda: tiny_model("llama", seed=1), lambda: tiny_model("qwen2"),

@@ -38,16 +38,18 @@ def triton_available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _unpacked_codes(byte, BITS: tl.constexpr):
-        """Signed residual codes [N, D] from packed bytes [N, D * BITS / 8] (int32): code j of a row sits
-        in byte j * BITS // 8 at bit (j % (8 // BITS)) * BITS, as `kv_compressor` packs them."""
+    def _unpacked_levels(byte, BITS: tl.constexpr):
+        """Residual levels [N, D] (fp32, in units of the scale) from packed bytes [N, D * BITS / 8] (int32):
+        code j of a row sits in byte j * BITS // 8 at bit (j % (8 // BITS)) * BITS, less
+        `kv_compressor.code_center`, as `kv_compressor` packs them."""
         if BITS == 4:
-            codes = tl.interleave(byte & 15, byte >> 4)
+            codes = tl.interleave(byte & 15, byte >> 4).to(tl.float32) - 8.0
         elif BITS == 2:
             codes = tl.interleave(tl.interleave(byte & 3, (byte >> 4) & 3), tl.interleave((byte >> 2) & 3, byte >> 6))
+            codes = codes.to(tl.float32) - 1.5
         else:
-            codes = byte
-        return codes - (1 << (BITS - 1))
+            codes = byte.to(tl.float32) - 128.0
+        return codes
 
     @triton.jit
     def _packed_parts(ids_ptr, res_ptr, scale_ptr, proto_ptr, bh, pos, in_packed, packed_len, n_blocks, dims,
@@ -71,9 +73,9 @@ if triton is not None:
         block read from the tail (only when the tile holds one)."""
         rows = tl.zeros([pos.shape[0], D], tl.float32)
         if PACKED:
-            codes = _unpacked_codes(byte.to(tl.int32), BITS)
+            levels = _unpacked_levels(byte.to(tl.int32), BITS)
             rows = tl.where(in_packed[:, None],
-                            proto.to(tl.float32) + codes.to(tl.float32) * scale.to(tl.float32)[:, None], 0.0)
+                            proto.to(tl.float32) + levels * scale.to(tl.float32)[:, None], 0.0)
         in_tail = live & (pos >= packed_len)
         if tl.max(in_tail.to(tl.int32), 0) > 0:
             raw = tl.load(tail_ptr + (bh * tail_len + (pos - packed_len))[:, None] * D + dims[None, :],

@@ -4,8 +4,16 @@ Tokens are compressed causally in blocks of ``block_size`` along the sequence ax
 For each full block and KV head a small MLP softly assigns every token to one of
 ``cluster_num`` clusters; the prototypes are the assignment-weighted means of the
 block's own tokens. Each token stores its cluster id (uint8), its residual
-``x - prototype[id]`` quantized symmetrically to 2/4/8 bits, and a per-token fp16
-scale. The newest, incomplete block is kept uncompressed.
+``x - prototype[id]`` quantized to 2/4/8 bits, and a per-token fp16 scale. The newest,
+incomplete block is kept uncompressed.
+
+The grid depends on the width (see :func:`code_center`). At 4 and 8 bits it is symmetric
+around zero, ``code * absmax / qmax`` with codes in ``[-qmax, qmax]`` (one of the 2**bits
+codes unused). At 2 bits it is mid-rise, ``(code + 1/2) * scale`` with codes in ``[-2, 1]``
+and ``scale = 0.9957 * rms``, the step of the mean-squared-error-optimal uniform 4-level
+quantizer of a Gaussian (Max, 1960): a symmetric 2-bit grid has three levels and an absmax
+scale rounds most of a token's channels to zero (on SmolLM2's keys and values it left 1.9x and
+2.1x the error of the mid-rise grid; docs/design-decisions.md).
 
 Prototypes and scales are stored in float16 and the fake-quant path rounds them
 the same way, so eval ``forward(x)`` equals ``decompress(compress(x))``.
@@ -53,6 +61,17 @@ def _qmax(bits: int) -> int:
     return 2 ** (bits - 1) - 1
 
 
+_MIDRISE_BITS = 2
+_MIDRISE_STEP = 0.9957  # step / rms of the MSE-optimal uniform 4-level quantizer of a unit Gaussian (Max, 1960)
+
+
+def code_center(bits: int) -> float:
+    """The offset from a stored code (0 .. 2**bits - 1) to the multiple of the scale it stands for:
+    ``2**(bits-1)`` on the symmetric 4- and 8-bit grids, 1.5 on the mid-rise 2-bit grid (levels
+    -1.5, -0.5, 0.5 and 1.5 times the scale)."""
+    return 2 ** (bits - 1) - (0.5 if bits == _MIDRISE_BITS else 0.0)
+
+
 def _round_ste(x: Tensor) -> Tensor:
     """Round to nearest with a straight-through (identity) gradient."""
     return x + (torch.round(x) - x).detach()
@@ -92,12 +111,22 @@ def _to_store_backward(ctx, grad: Tensor) -> Tensor:
 _to_store.register_autograd(_to_store_backward, setup_context=_to_store_setup)
 
 
-def _quantize(x: Tensor, bits: int, dim: int) -> tuple[Tensor, Tensor]:
-    """Symmetric absmax quantization over ``dim``.
+def _floor_ste(x: Tensor) -> Tensor:
+    """Round down with a straight-through (identity) gradient."""
+    return x + (torch.floor(x) - x).detach()
 
-    Returns ``(q, scale)``: integer-valued fp32 codes in ``[-qmax, qmax]`` (straight-
-    through rounding) and the fp16-rounded scale ``absmax / qmax`` (keepdim).
+
+def _quantize(x: Tensor, bits: int, dim: int) -> tuple[Tensor, Tensor]:
+    """Quantization over ``dim`` on the grid of ``bits`` (module docstring, straight-through rounding).
+
+    Returns ``(q, scale)`` with ``q * scale`` the dequantized value: ``q`` the levels in units of the
+    scale (integers in ``[-qmax, qmax]`` on the symmetric grid, half-integers in ``[-1.5, 1.5]`` on the
+    2-bit one) and the fp16-rounded ``scale`` (keepdim).
     """
+    if bits == _MIDRISE_BITS:
+        scale = _to_store(x.pow(2).mean(dim=dim, keepdim=True).sqrt() * _MIDRISE_STEP)
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        return _floor_ste(x / safe).clamp(-2, 1) + 0.5, scale
     qmax = _qmax(bits)
     scale = _to_store(x.abs().amax(dim=dim, keepdim=True) / qmax)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
@@ -129,9 +158,9 @@ def _join_blocks(full: Tensor, tail: Tensor) -> Tensor:
 
 
 def _pack(q: Tensor, bits: int) -> Tensor:
-    """Pack signed integer codes [..., D] into uint8 [..., ceil(D * bits / 8)] (offset binary)."""
+    """Pack levels [..., D] (from `_quantize`) into uint8 [..., ceil(D * bits / 8)] as codes ``q + code_center``."""
     per = 8 // bits
-    u = q.to(torch.int32) + 2 ** (bits - 1)
+    u = (q + code_center(bits)).to(torch.int32)
     pad = (-u.shape[-1]) % per
     if pad:
         u = torch.cat([u, u.new_zeros(*u.shape[:-1], pad)], dim=-1)
@@ -141,12 +170,12 @@ def _pack(q: Tensor, bits: int) -> Tensor:
 
 
 def _unpack(packed: Tensor, bits: int, dim: int, dtype: torch.dtype = torch.float32) -> Tensor:
-    """Inverse of :func:`_pack`: uint8 [..., nbytes] -> integer codes [..., dim] as `dtype`."""
+    """Inverse of :func:`_pack`: uint8 [..., nbytes] -> levels [..., dim] as `dtype`."""
     per = 8 // bits
     shifts = torch.arange(per, device=packed.device, dtype=torch.int32) * bits
     u = torch.bitwise_right_shift(packed.to(torch.int32).unsqueeze(-1), shifts) & (2**bits - 1)
     u = u.reshape(*packed.shape[:-1], packed.shape[-1] * per)[..., :dim]
-    return (u - 2 ** (bits - 1)).to(dtype)
+    return u.to(dtype) - code_center(bits)
 
 
 # --------------------------------------------------------------------------- baselines
@@ -220,8 +249,8 @@ def asq_bytes(
 class PackedKV:
     """Packed ASQ storage of a [B, H, S, D] tensor.
 
-    ``ids`` uint8 [B, H, F]; ``residual`` uint8 [B, H, F, ceil(D*bits/8)] (offset-binary
-    codes, ``8 // bits`` per byte); ``scales`` float16 [B, H, F]; ``prototypes`` float16
+    ``ids`` uint8 [B, H, F]; ``residual`` uint8 [B, H, F, ceil(D*bits/8)] (codes ``level +
+    code_center(bits)``, ``8 // bits`` per byte); ``scales`` float16 [B, H, F]; ``prototypes`` float16
     [B, H, F // block_size, C, D]; ``tail`` the uncompressed last ``S - F`` tokens in the
     input dtype. ``F`` is the number of tokens in full blocks.
     """
@@ -257,7 +286,7 @@ class _Encoded:
     mass: Tensor  # [B, H, n, C]: sum over the block of probs
     prototypes: Tensor  # [B, H, n, C, D], fp16-rounded weighted / mass
     ids: Tensor  # [B, H, n, bs] int64
-    q: Tensor  # [B, H, n, bs, D] integer-valued codes
+    q: Tensor  # [B, H, n, bs, D] levels in units of the scale (see `_quantize`)
     scale: Tensor  # [B, H, n, bs, 1] fp16-rounded
 
     def reconstruct(self) -> Tensor:
