@@ -55,7 +55,7 @@ if triton is not None:
         ties = key == threshold
         tie_rank = tl.cumsum(ties.to(tl.int32), 0)  # 1 for the lowest tied position
         keep = above | (ties & (tie_rank <= k - tl.sum(above.to(tl.int32), 0)))
-        tl.store(out_ptr + row * length + offs, keep.to(tl.int8), mask=live)
+        tl.store(out_ptr + row * length + offs, keep, mask=live)
 
 
 def top_k_mask(scores: Tensor, k: int) -> Tensor:
@@ -63,8 +63,8 @@ def top_k_mask(scores: Tensor, k: int) -> Tensor:
     k >= S; at a tie with the k-th largest, the lowest positions)."""
     length = scores.shape[-1]
     rows = scores.reshape(-1, length).contiguous()
-    out = torch.empty(rows.shape, dtype=torch.int8, device=scores.device)
+    out = torch.empty(rows.shape, dtype=torch.bool, device=scores.device)  # no int8 view: Inductor cannot view as bool
     search_bits = 16 if scores.dtype == torch.bfloat16 else 32
     _top_k_mask_kernel[(rows.shape[0],)](rows, out, length, k, BLOCK=triton.next_power_of_2(length),
                                          SEARCH_BITS=search_bits, num_warps=4 if length <= 2048 else 8)
-    return out.view(torch.bool).view(scores.shape)
+    return out.view(scores.shape)
