@@ -4,10 +4,12 @@ gate's top-k (SmolLM2-135M shapes: batch 4, 9 query heads over 3 KV heads, head_
 blocks of 128, top-256, bf16).
 
 - masked SDPA over both key versions side by side (2T keys, boolean mask): all T x 2T products;
-- FlexAttention over the tiles a query can see (`own_block_attention`), compiled as the trainer does
-  (timed from the keys already side by side, [stored; raw], and their gradients; the masked SDPA's
+- FlexAttention over the tiles a query can see (`own_block_attention`), compiled as the trainer does,
+  with the kernel options it passes on Hopper GPUs (`own_block_attention.HOPPER_KERNEL_OPTIONS`) and
+  with Inductor's default configuration (timed from the keys already side by side, [stored; raw], and their gradients; the masked SDPA's
   timing includes that concatenation and its mask, a few copies of [4, 3, 2048, 64]);
-- the same, compiled with Inductor's autotuning (`max-autotune-no-cudagraphs`);
+- the same, compiled with Inductor's autotuning (`max-autotune-no-cudagraphs`, from the default
+  configuration: what the Hopper options were taken from);
 - one masked SDPA per ASQ block of queries over only the keys it can see (a candidate that computes
   only the visible tiles' products with SDPA's kernels; measured slower, not used by the trainer);
 - for scale: dense causal SDPA over T keys (a dense layer's attention).
@@ -91,8 +93,9 @@ def main() -> None:
         keys, values, mask = block_causal_kv(stored_k, stored_v, (raw_k, raw_v), selection, positions, BLOCK)
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True)
 
-    def flex(mode: str | None) -> Callable[[], torch.Tensor]:
-        return lambda: own_block.own_block_attention(query, both_k, both_v, selection, BLOCK, scaling, True, mode)
+    def flex(mode: str | None, tuned: bool) -> Callable[[], torch.Tensor]:
+        return lambda: own_block.own_block_attention(query, both_k, both_v, selection, BLOCK, scaling, True, mode,
+                                                     tuned)
 
     def dense_causal() -> torch.Tensor:
         return F.scaled_dot_product_attention(query, stored_k, stored_v, is_causal=True, scale=scaling, enable_gqa=True)
@@ -100,8 +103,9 @@ def main() -> None:
     def per_block() -> torch.Tensor:
         return _per_block_sdpa(query, stored_k, stored_v, (raw_k, raw_v), selection, scaling)
 
-    ways = {"masked_sdpa_2T_keys": masked_sdpa, "flex_visible_tiles": flex(None),
-            "flex_visible_tiles_autotuned": flex("max-autotune-no-cudagraphs"), "per_block_sdpa": per_block,
+    ways = {"masked_sdpa_2T_keys": masked_sdpa, "flex_visible_tiles": flex(None, True),
+            "flex_visible_tiles_default_options": flex(None, False),
+            "flex_visible_tiles_autotuned": flex("max-autotune-no-cudagraphs", False), "per_block_sdpa": per_block,
             "dense_causal_sdpa_T_keys": dense_causal}
     rows = {}
     for name, attend in ways.items():
@@ -110,7 +114,7 @@ def main() -> None:
                       "fwd_bwd_ms_eager": median_ms(step, warmup=3, repeat=20)}
         print(f"{name:30s} {rows[name]['fwd_bwd_gpu_ms']:8.3f} ms of GPU kernels "
               f"{rows[name]['fwd_bwd_ms_eager']:8.3f} ms eager (forward + backward, one layer)", flush=True)
-    write_result(Path(args.result), {"shape": {"batch": BATCH, "heads": HEADS, "kv_heads": KV_HEADS, "seq_len": LENGTH,
+    write_result(Path(args.result), {"hopper_kernel_options": own_block.kernel_options(query), "shape": {"batch": BATCH, "heads": HEADS, "kv_heads": KV_HEADS, "seq_len": LENGTH,
                                                "head_dim": DIM, "block_size": BLOCK, "top_k": TOP_K}, "rows": rows})
 
 

@@ -27,6 +27,14 @@ from gsm_train.modules.compiled import compiled
 
 TILE = 128  # FlexAttention's default tile: queries and keys per block of the block mask
 FLEX_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # others (fp64 checks) take the masked SDPA
+# Inductor's max-autotune choice for this attention on the H200 at SmolLM2's shapes (heads of 64, T 2048;
+# `benchmarks/asq_attention.py`): 64 x 64 tiles, 3 stages, 4 warps, forward and backward. Passed on Hopper
+# GPUs for heads of 64, it gives the autotuned kernels' speed without their ~20 s of autotuning per run;
+# other GPUs and head sizes keep Inductor's default configuration.
+HOPPER_HEAD_DIM = 64
+HOPPER_KERNEL_OPTIONS = {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "fwd_num_stages": 3, "fwd_num_warps": 4,
+                         "bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64,
+                         "bwd_num_stages": 3, "bwd_num_warps": 4}
 
 
 def fits(query: Tensor, block_size: int) -> bool:
@@ -36,6 +44,13 @@ def fits(query: Tensor, block_size: int) -> bool:
     length, head_dim = query.shape[2], query.shape[3]
     return (query.is_cuda and query.dtype in FLEX_DTYPES and head_dim >= 16 and length % TILE == 0
             and block_size % TILE == 0)
+
+
+def kernel_options(query: Tensor) -> dict[str, int] | None:
+    """FlexAttention kernel options for `query` [B, H, T, D]: `HOPPER_KERNEL_OPTIONS` on a Hopper GPU with
+    heads of `HOPPER_HEAD_DIM`, else None (Inductor's defaults)."""
+    hopper = query.is_cuda and torch.cuda.get_device_capability(query.device)[0] == 9
+    return HOPPER_KERNEL_OPTIONS if hopper and query.shape[-1] == HOPPER_HEAD_DIM else None
 
 
 @functools.cache
@@ -54,12 +69,12 @@ def _tile_structure(length: int, block_size: int, device: torch.device) -> tuple
 
 
 def own_block_attention(query: Tensor, keys: Tensor, values: Tensor, selection: Tensor, block_size: int,
-                        scaling: float, gqa: bool, compile_mode: str | None = None) -> Tensor:
+                        scaling: float, gqa: bool, compile_mode: str | None = None, tuned: bool = True) -> Tensor:
     """Attention of query [B, H, T, D] over keys/values [B, Hkv, 2T, D] (stored, then raw) where query t
     sees stored key j when `selection[b, g, t, j]` and j lies in an earlier ASQ block, and raw key j when
     `selection[b, g, t, j]` and j lies in its own block (g: 0, or the query head's KV group when the
     selection [B|1, n, T, T] has one row per KV head) -> [B, T, H, D]. On CUDA FlexAttention runs
-    compiled, with torch.compile's `compile_mode`."""
+    compiled, with torch.compile's `compile_mode` and, when `tuned`, the `kernel_options` for the query."""
     length = query.shape[2]
     heads_per_row = query.shape[1] // selection.shape[1]
     selection = selection.expand(query.shape[0], -1, -1, -1)  # a mask without padding is shared by the batch
@@ -74,5 +89,6 @@ def own_block_attention(query: Tensor, keys: Tensor, values: Tensor, selection: 
     mask = BlockMask.from_kv_blocks(counts, indices, BLOCK_SIZE=TILE, mask_mod=visible,
                                     seq_lengths=(length, 2 * length))
     attend = compiled(flex_attention, compile_mode) if query.is_cuda else flex_attention
-    out = attend(query, keys, values, block_mask=mask, scale=scaling, enable_gqa=gqa)
+    options = kernel_options(query) if tuned else None
+    out = attend(query, keys, values, block_mask=mask, scale=scaling, enable_gqa=gqa, kernel_options=options)
     return out.transpose(1, 2).contiguous()
