@@ -2,12 +2,13 @@
 
 The joint step selects the k best-scored keys of every query row (4 x 1,024 rows of 2,048 gate
 scores per chunk at SmolLM2's shapes); `torch.topk` over them took 4.8 ms of a 112.5 ms captured
-joint step on the H200, in several radix passes across blocks, and the mask is then scattered from
-its indices. Here each program holds one row in registers, finds the row's k-th largest score by a
-bitwise search over an order-preserving integer form of the scores (16 steps for bf16, whose top 16
-bits as fp32 tell every value apart; 32 otherwise), and writes the mask directly: the scores above
-it, then the ties at it in position order until k are marked (the lowest positions win a tie;
-`torch.topk` leaves that order open).
+joint step on the H200, in several radix passes across blocks, the mask was then scattered from its
+indices, and the ranking (forced keys first, hidden ones last) and the final masking took two more
+passes over the scores. Here each program holds one row in registers, ranks it as `select_top_k` does,
+finds the row's k-th largest score by a bitwise search over an order-preserving integer form of the
+scores (16 steps for bf16, whose top 16 bits as fp32 tell every value apart; 32 otherwise), and writes
+the selection directly: the scores above it, then the ties at it in position order until k are marked
+(the lowest positions win a tie; `torch.topk` leaves that order open), with the forced keys, where allowed.
 """
 
 from __future__ import annotations
@@ -28,20 +29,34 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read once: compiled c
 
 
 def kernel_runs(scores: Tensor) -> bool:
-    """Whether `top_k_mask` serves these scores: Triton with a CUDA tensor (or Triton's interpreter), rows
-    no longer than LONGEST_ROW."""
+    """Whether `top_k_selection` serves these scores [B, n, T, S]: Triton with a CUDA tensor (or Triton's
+    interpreter), rows no longer than LONGEST_ROW."""
     here = scores.is_cuda or INTERPRETED
-    return triton is not None and here and scores.shape[-1] <= LONGEST_ROW
+    return triton is not None and here and scores.dim() == 4 and scores.shape[-1] <= LONGEST_ROW
 
 
 if triton is not None:
 
     @triton.jit
-    def _top_k_mask_kernel(scores_ptr, out_ptr, length, k, BLOCK: tl.constexpr, SEARCH_BITS: tl.constexpr):
-        row = tl.program_id(0)
+    def _top_k_selection_kernel(scores_ptr, allowed_ptr, query_pos_ptr, key_pos_ptr, out_ptr, length, queries,
+                                selectors, k, sink_tokens, recent_tokens, allowed_batch_stride,
+                                allowed_selector_stride, allowed_query_stride, allowed_key_stride,
+                                BLOCK: tl.constexpr, SEARCH_BITS: tl.constexpr):
+        row = tl.program_id(0)  # (batch, selector, query) of scores [B, n, T, S]
+        query = row % queries
+        selector = (row // queries) % selectors
+        batch = row // (queries * selectors)
         offs = tl.arange(0, BLOCK)
         live = offs < length
+        allowed = tl.load(allowed_ptr + batch * allowed_batch_stride + selector * allowed_selector_stride
+                          + query * allowed_query_stride + offs * allowed_key_stride, mask=live, other=0) != 0
+        query_pos = tl.load(query_pos_ptr + query)
+        key_pos = tl.load(key_pos_ptr + offs, mask=live, other=0)
+        distance = query_pos - key_pos
+        forced = (key_pos == query_pos) | (key_pos < sink_tokens) | ((distance >= 0) & (distance < recent_tokens))
         x = tl.load(scores_ptr + row * length + offs, mask=live, other=float("-inf")).to(tl.float32)
+        x = tl.where(forced, float("inf"), x)  # as select_top_k ranks them: forced first, hidden last
+        x = tl.where(allowed, x, float("-inf"))
         bits = x.to(tl.int32, bitcast=True)
         key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) + 2147483648  # in [0, 2^32), ordered as x
         key = key >> (32 - SEARCH_BITS)  # bf16: the top 16 bits tell every value apart
@@ -55,16 +70,22 @@ if triton is not None:
         ties = key == threshold
         tie_rank = tl.cumsum(ties.to(tl.int32), 0)  # 1 for the lowest tied position
         keep = above | (ties & (tie_rank <= k - tl.sum(above.to(tl.int32), 0)))
-        tl.store(out_ptr + row * length + offs, keep, mask=live)
+        tl.store(out_ptr + row * length + offs, (keep | forced) & allowed, mask=live)
 
 
-def top_k_mask(scores: Tensor, k: int) -> Tensor:
-    """Boolean mask shaped like `scores` [..., S]: the k largest scores of each row (all of a row when
-    k >= S; at a tie with the k-th largest, the lowest positions)."""
-    length = scores.shape[-1]
-    rows = scores.reshape(-1, length).contiguous()
-    out = torch.empty(rows.shape, dtype=torch.bool, device=scores.device)  # no int8 view: Inductor cannot view as bool
+def top_k_selection(scores: Tensor, allowed: Tensor, k: int, query_positions: Tensor, key_positions: Tensor,
+                    sink_tokens: int = 0, recent_tokens: int = 0) -> Tensor:
+    """`select_top_k`'s selection [B, n, T, S] for a k every query keeps, in one pass over the scores: each
+    row's k best allowed keys (at a tie with the k-th largest, the lowest positions; all of a row when k
+    covers it), plus its forced ones (own position, the first `sink_tokens`, the `recent_tokens` latest),
+    only where `allowed` [B|1, n|1, T, S] is true."""
+    batch, selectors, queries, length = scores.shape
+    rows = scores.contiguous()
+    allowed = allowed.expand(batch, selectors, queries, length)  # read in place: broadcast dims have stride 0
+    out = torch.empty(scores.shape, dtype=torch.bool, device=scores.device)
     search_bits = 16 if scores.dtype == torch.bfloat16 else 32
-    _top_k_mask_kernel[(rows.shape[0],)](rows, out, length, k, BLOCK=triton.next_power_of_2(length),
-                                         SEARCH_BITS=search_bits, num_warps=4 if length <= 2048 else 8)
-    return out.view(scores.shape)
+    _top_k_selection_kernel[(batch * selectors * queries,)](
+        rows, allowed, query_positions.contiguous(), key_positions.contiguous(), out, length, queries, selectors, k,
+        sink_tokens, recent_tokens, *allowed.stride(), BLOCK=triton.next_power_of_2(length),
+        SEARCH_BITS=search_bits, num_warps=4 if length <= 2048 else 8)
+    return out

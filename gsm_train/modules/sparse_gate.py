@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from gsm_train.kernels.selection import kernel_runs as selection_kernel_runs
-from gsm_train.kernels.selection import top_k_mask
+from gsm_train.kernels.selection import top_k_selection
 from gsm_train.modules.gate_distill import DistillTarget, gate_kl_from_hidden
 from gsm_train.modules.compiled import compiled
 from gsm_train.modules.gate_rope import rope_pair
@@ -166,8 +166,12 @@ def select_top_k(scores: Tensor, allowed: Tensor, k: Tensor, query_positions: Te
     when the caller knows it on the host (else it is read from the device, which waits for it).
     `uniform_k`: every k[t] equals k_max (the caller knows), so the top-k set needs no ranking and
     is taken unsorted (the sort of the k winners took 3.4 ms of GPU time in a 116 ms joint step on the H200),
-    on CUDA as a mask straight from each row's k-th score (`gsm_train.kernels.selection`).
+    on CUDA by one kernel that ranks, finds each row's k-th score and writes the selection
+    (`gsm_train.kernels.selection`).
     """
+    k_top = min(int(k.max()) if k_max is None else k_max, scores.shape[-1])
+    if uniform_k and selection_kernel_runs(scores):  # one pass: ranking, k-th score, mask
+        return top_k_selection(scores, allowed, k_top, query_positions, key_positions, sink_tokens, recent_tokens)
     forced = key_positions[None, :] == query_positions[:, None]
     if sink_tokens:
         forced = forced | (key_positions[None, :] < sink_tokens)
@@ -175,12 +179,7 @@ def select_top_k(scores: Tensor, allowed: Tensor, k: Tensor, query_positions: Te
         distance = query_positions[:, None] - key_positions[None, :]
         forced = forced | ((distance >= 0) & (distance < recent_tokens))
     ranked = scores.masked_fill(forced, float("inf")).masked_fill(~allowed, float("-inf"))
-    k_top = min(int(k.max()) if k_max is None else k_max, scores.shape[-1])
-    if uniform_k and selection_kernel_runs(ranked):  # the mask straight from each row's k-th score
-        selected = top_k_mask(ranked, k_top)
-    else:
-        index = ranked.topk(k_top, dim=-1, sorted=not uniform_k).indices
-        keep_rank = True if uniform_k else (torch.arange(k_top, device=k.device)[None, :] < k[:, None]).expand(
-            index.shape)
-        selected = torch.zeros_like(allowed.expand(scores.shape)).scatter(-1, index, keep_rank)
+    index = ranked.topk(k_top, dim=-1, sorted=not uniform_k).indices
+    keep_rank = True if uniform_k else (torch.arange(k_top, device=k.device)[None, :] < k[:, None]).expand(index.shape)
+    selected = torch.zeros_like(allowed.expand(scores.shape)).scatter(-1, index, keep_rank)
     return (selected | (forced & allowed)) & allowed
