@@ -78,14 +78,15 @@ def top_k_selection(scores: Tensor, allowed: Tensor, k: int, query_positions: Te
     """`select_top_k`'s selection [B, n, T, S] for a k every query keeps, in one pass over the scores: each
     row's k best allowed keys (at a tie with the k-th largest, the lowest positions; all of a row when k
     covers it), plus its forced ones (own position, the first `sink_tokens`, the `recent_tokens` latest),
-    only where `allowed` [B|1, n|1, T, S] is true."""
+    only where `allowed` [B|1, n|1, T, S] is true. Positions are read as int32 (training rows are at most
+    LONGEST_ROW long)."""
     batch, selectors, queries, length = scores.shape
     rows = scores.contiguous()
     allowed = allowed.expand(batch, selectors, queries, length)  # read in place: broadcast dims have stride 0
     out = torch.empty(scores.shape, dtype=torch.bool, device=scores.device)
     search_bits = 16 if scores.dtype == torch.bfloat16 else 32
     _top_k_selection_kernel[(batch * selectors * queries,)](
-        rows, allowed, query_positions.contiguous(), key_positions.contiguous(), out, length, queries, selectors, k,
+        rows, allowed, query_positions.to(torch.int32), key_positions.to(torch.int32), out, length, queries, selectors, k,
         sink_tokens, recent_tokens, *allowed.stride(), BLOCK=triton.next_power_of_2(length),
         SEARCH_BITS=search_bits, num_warps=4 if length <= 2048 else 8)
     return out
