@@ -56,6 +56,10 @@ def _identity(overrides: list[str]) -> dict:
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
                                 check=True).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                                 capture_output=True, text=True, check=True).stdout.strip()
+        if changed:  # e.g. a copied working tree whose git metadata is older than its files
+            commit += " with uncommitted changes"
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown (no git checkout)"
     return {"gsm_overrides": overrides, "recipes_sha256": digest, "commit": commit}
