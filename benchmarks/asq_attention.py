@@ -23,7 +23,6 @@ python benchmarks/asq_attention.py --result OUT.json
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -32,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import kernel_times, median_ms, write_result  # noqa: E402
+from common import kernel_benchmark_args, kernel_times, median_ms, write_result  # noqa: E402
 
 from gsm_train.modules import own_block_attention as own_block  # noqa: E402
 from gsm_train.modules.gsm_attention import block_causal_kv  # noqa: E402
@@ -78,11 +77,7 @@ def _fwd_bwd(attend: Callable[[], torch.Tensor], tensors: list[torch.Tensor]) ->
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--result", required=True)
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        parser.error("this benchmark times GPU kernels; run it on a CUDA device")
+    args = kernel_benchmark_args(__doc__)
     tensors, selection = _inputs()
     query, stored_k, stored_v, raw_k, raw_v = tensors
     positions = torch.arange(LENGTH, device="cuda")

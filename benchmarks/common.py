@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import shlex
@@ -89,6 +90,17 @@ def op_times(step: Callable[[], object], repeats: int = 3) -> list[dict]:
             for event in prof.key_averages(group_by_input_shape=True)
             if event.device_type == DeviceType.CPU and event.self_device_time_total > 0]  # ops, not their kernels
     return sorted(rows, key=lambda row: -row["ms_per_step"])
+
+
+def kernel_benchmark_args(description: str) -> argparse.Namespace:
+    """The command line of a benchmark that times GPU kernels and takes only `--result OUT.json`; refuses
+    to run without CUDA."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--result", required=True)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("this benchmark times GPU kernels; run it on a CUDA device")
+    return args
 
 
 def write_result(path: Path, result: dict) -> None:

@@ -10,14 +10,13 @@ python benchmarks/selection.py --result OUT.json
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import kernel_times, write_result  # noqa: E402
+from common import kernel_benchmark_args, kernel_times, write_result  # noqa: E402
 
 from gsm_train.kernels.selection import top_k_selection  # noqa: E402
 
@@ -25,11 +24,7 @@ BATCH, QUERIES, KEYS, TOP_K = 4, 1024, 2048, 256
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--result", required=True)
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        parser.error("this benchmark times GPU kernels; run it on a CUDA device")
+    args = kernel_benchmark_args(__doc__)
     torch.manual_seed(0)
     positions = torch.arange(KEYS, device="cuda")
     queries = positions[KEYS - QUERIES:]
