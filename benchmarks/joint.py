@@ -53,15 +53,20 @@ LAST_EVAL_KEYS = ("ppl", "recall_ratio_k64", "asq_recon_rel_error", "asq_cluster
 def _identity(overrides: list[str]) -> dict:
     """What makes two runs the same: the overrides and the recipes' text (hashed); plus the commit, for the record."""
     digest = hashlib.sha256(b"".join((REPO / "recipes" / name).read_bytes() for name in RECIPES)).hexdigest()
+    def git(*command: str) -> str:
+        return subprocess.run(["git", "--no-optional-locks", *command], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                                check=True).stdout.strip()
-        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                                 capture_output=True, text=True, check=True).stdout.strip()
-        if changed:  # e.g. a copied working tree whose git metadata is older than its files
-            commit += " with uncommitted changes"
+        commit = git("rev-parse", "--short", "HEAD")
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown (no git checkout)"
+    else:
+        try:  # the code that runs differs from the commit (e.g. a copied tree whose git metadata is older)?
+            if git("status", "--porcelain", "--untracked-files=no", "--", "gsm_train", "recipes", "benchmarks/*.py"):
+                commit += " with uncommitted changes"
+        except (OSError, subprocess.CalledProcessError):
+            commit += " (uncommitted changes unknown)"
     return {"gsm_overrides": overrides, "recipes_sha256": digest, "commit": commit}
 
 

@@ -61,6 +61,31 @@ def test_two_bits_use_all_four_levels_at_the_gaussian_optimum() -> None:
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
+def test_a_zero_residual_has_finite_gradients(bits: int) -> None:
+    """A block of identical tokens leaves residuals of exactly zero; the 2-bit scale's square root must not
+    turn their gradient into NaN (it would spread to every trained weight)."""
+    comp = _asq(bits, block_size=16).train()
+    x = torch.ones(1, H, 32, D).mul(torch.linspace(-1, 1, D).half().float()).requires_grad_(True)
+    out, loss = comp(x, with_loss=True)
+    (out.sum() + loss).backward()
+    assert torch.isfinite(x.grad).all() and all(torch.isfinite(p.grad).all() for p in comp.parameters())
+
+
+def test_kivi_baseline_is_asymmetric_min_max() -> None:
+    """KIVI quantizes from each group's minimum with a zero point: a channel that is constant over a block
+    comes back exactly, and a channel's values take 2**bits levels from its minimum to its maximum."""
+    x = torch.randn(1, 1, 64, 4, generator=torch.Generator().manual_seed(0))
+    x[..., 0] = 3.0  # an offset channel, constant over the block
+    x_hat = fake_quant_kivi(x, 2, 64, per_channel=True)
+    assert torch.equal(x_hat[..., 0], x[..., 0])
+    for channel in range(1, 4):
+        low, high = x[0, 0, :, channel].min(), x[0, 0, :, channel].max()
+        assert x_hat[0, 0, :, channel].unique().numel() <= 4
+        assert torch.allclose(x_hat[0, 0, :, channel].min(), low, atol=2e-3)
+        assert torch.allclose(x_hat[0, 0, :, channel].max(), high, atol=2e-3)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
 def test_packed_codes_span_their_range(bits: int) -> None:
     """Stored codes are level + code_center: 0 .. 2**bits - 1 on the 2-bit grid, 1 .. 2**bits - 1 on the
     symmetric ones (one code unused), and decompress gives back the reconstruction."""
@@ -246,7 +271,8 @@ def test_kivi_keeps_tail_and_per_channel_helps_offsets() -> None:
     k = fake_quant_kivi(x, 4, 64, per_channel=True)
     v = fake_quant_kivi(x, 4, 64, per_channel=False)
     assert torch.equal(k[:, :, 128:], x[:, :, 128:]) and torch.equal(v[:, :, 128:], x[:, :, 128:])
-    torch.testing.assert_close(v[:, :, :128], fake_quant_per_token(x[:, :, :128], 4))
+    per_token = fake_quant_kivi(x[:, :, :128].transpose(-1, -2), 4, D, per_channel=True).transpose(-1, -2)
+    assert torch.equal(v[:, :, :128], per_token)  # values: one group per token
     assert _rel_err(k[:, :, :128], x[:, :, :128]) < _rel_err(v[:, :, :128], x[:, :, :128])
 
 

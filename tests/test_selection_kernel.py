@@ -43,6 +43,19 @@ def test_selection_equals_the_pytorch_path(length: int, k: int, sinks: int, rece
     assert torch.equal(got.cpu(), _torch_selection(scores, allowed, k, positions, start, sinks, recent))
 
 
+def test_select_top_k_hands_a_uniform_k_to_the_kernel_from_the_first_chunk() -> None:
+    """The first chunk's rows hold fewer allowed keys than k (they keep all of them); select_top_k with
+    `uniform_k` gives the kernel's selection, which equals the PyTorch path's."""
+    torch.manual_seed(0)
+    positions = torch.arange(300, device=KERNEL_DEVICE)
+    allowed = (positions[None, :] <= positions[:, None])[None, None, :48]
+    scores = torch.randn(2, 1, 48, 300, device=KERNEL_DEVICE)
+    k = torch.full((48,), 40, device=KERNEL_DEVICE)
+    got = select_top_k(scores, allowed, k, positions[:48], positions, k_max=40, uniform_k=True)
+    assert torch.equal(got.cpu(), _torch_selection(scores, allowed, 40, positions, 0))
+    assert torch.equal(got[0, 0, 10].cpu(), allowed[0, 0, 10].cpu())  # 11 keys < k: all kept
+
+
 def test_bf16_keeps_the_same_scores_and_ties_go_to_the_lowest_positions() -> None:
     """bf16 ties: the kept scores are the PyTorch path's as a multiset; at the k-th score the lowest positions win."""
     from gsm_train.kernels.selection import top_k_selection

@@ -30,9 +30,10 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read once: compiled c
 
 def kernel_runs(scores: Tensor) -> bool:
     """Whether `top_k_selection` serves these scores [B, n, T, S]: Triton with a CUDA tensor (or Triton's
-    interpreter), rows no longer than LONGEST_ROW."""
+    interpreter), in bf16, fp16 or fp32, rows no longer than LONGEST_ROW."""
     here = scores.is_cuda or INTERPRETED
-    return triton is not None and here and scores.dim() == 4 and scores.shape[-1] <= LONGEST_ROW
+    searched = scores.dtype in (torch.bfloat16, torch.float16, torch.float32)  # fp64 would be searched as fp32
+    return triton is not None and here and searched and scores.dim() == 4 and scores.shape[-1] <= LONGEST_ROW
 
 
 if triton is not None:
@@ -42,7 +43,7 @@ if triton is not None:
                                 selectors, k, sink_tokens, recent_tokens, allowed_batch_stride,
                                 allowed_selector_stride, allowed_query_stride, allowed_key_stride,
                                 BLOCK: tl.constexpr, SEARCH_BITS: tl.constexpr):
-        row = tl.program_id(0)  # (batch, selector, query) of scores [B, n, T, S]
+        row = tl.program_id(0).to(tl.int64)  # (batch, selector, query) of scores [B, n, T, S]; int64 offsets
         query = row % queries
         selector = (row // queries) % selectors
         batch = row // (queries * selectors)

@@ -123,8 +123,9 @@ def _quantize(x: Tensor, bits: int, dim: int) -> tuple[Tensor, Tensor]:
     scale (integers in ``[-qmax, qmax]`` on the symmetric grid, half-integers in ``[-1.5, 1.5]`` on the
     2-bit one) and the fp16-rounded ``scale`` (keepdim).
     """
-    if bits == _MIDRISE_BITS:
-        scale = _to_store(x.pow(2).mean(dim=dim, keepdim=True).sqrt() * _MIDRISE_STEP)
+    if bits == _MIDRISE_BITS:  # the clamp keeps sqrt's gradient finite where a residual is exactly zero
+        mean_square = x.pow(2).mean(dim=dim, keepdim=True)
+        scale = _to_store(mean_square.clamp_min(torch.finfo(x.dtype).tiny).sqrt() * _MIDRISE_STEP)
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         return _floor_ste(x / safe).clamp(-2, 1) + 0.5, scale
     qmax = _qmax(bits)
@@ -182,22 +183,32 @@ def _unpack(packed: Tensor, bits: int, dim: int, dtype: torch.dtype = torch.floa
 
 
 def fake_quant_per_token(x: Tensor, bits: int) -> Tensor:
-    """Baseline: symmetric per-token absmax fake quantization of every token of [..., D]."""
+    """Baseline: per-token fake quantization of every token of [..., D] on ASQ's grid for `bits` (symmetric
+    around zero: absmax at 4 and 8 bits, mid-rise at 2)."""
     _check_bits(bits, "bits")
     return _fake_quant(x.float(), bits, dim=-1).to(x.dtype)
 
 
-def fake_quant_kivi(x: Tensor, bits: int, block_size: int, per_channel: bool) -> Tensor:
-    """KIVI-like baseline on [B, H, S, D].
+def _fake_quant_asymmetric(x: Tensor, bits: int, dim: int) -> Tensor:
+    """Asymmetric min-max fake quantization over ``dim``: 2**bits levels from the minimum (the zero point)
+    to the maximum, fp16 scale and zero point (KIVI's quantizer)."""
+    low = _to_store(x.amin(dim=dim, keepdim=True))
+    scale = _to_store((x.amax(dim=dim, keepdim=True) - low) / (2**bits - 1))
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return _round_ste((x - low) / safe).clamp(0, 2**bits - 1) * scale + low
 
-    ``per_channel=True`` (keys): one scale per channel over each block of ``block_size``
-    tokens; ``per_channel=False`` (values): one scale per token. As in KIVI (and ASQ),
+
+def fake_quant_kivi(x: Tensor, bits: int, block_size: int, per_channel: bool) -> Tensor:
+    """KIVI-like baseline on [B, H, S, D], asymmetric (min-max with a zero point) as KIVI quantizes.
+
+    ``per_channel=True`` (keys): one scale and zero point per channel over each block of
+    ``block_size`` tokens; ``per_channel=False`` (values): one per token. As in KIVI (and ASQ),
     the newest incomplete block is kept in full precision.
     """
     _check_bits(bits, "bits")
     _check(block_size >= 1, "block_size", f"must be >= 1, got {block_size!r}")
     full, tail = _split_blocks(x, block_size)
-    deq = _fake_quant(full.float(), bits, dim=-2 if per_channel else -1)
+    deq = _fake_quant_asymmetric(full.float(), bits, dim=-2 if per_channel else -1)
     return _join_blocks(deq, tail)
 
 

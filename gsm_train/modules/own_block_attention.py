@@ -29,7 +29,7 @@ TILE = 128  # FlexAttention's default tile: queries and keys per block of the bl
 FLEX_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # others (fp64 checks) take the masked SDPA
 # Inductor's max-autotune choice for this attention on the H200 at SmolLM2's shapes (heads of 64, T 2048;
 # `benchmarks/asq_attention.py`): 64 x 64 tiles, 3 stages, 4 warps, forward and backward. Passed on Hopper
-# GPUs for heads of 64, it gives the autotuned kernels' speed without their ~20 s of autotuning per run;
+# GPUs for bf16/fp16 heads of 64, it gives the autotuned kernels' speed without their ~20 s of autotuning per run;
 # other GPUs and head sizes keep Inductor's default configuration.
 HOPPER_HEAD_DIM = 64
 HOPPER_KERNEL_OPTIONS = {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "fwd_num_stages": 3, "fwd_num_warps": 4,
@@ -48,9 +48,11 @@ def fits(query: Tensor, block_size: int) -> bool:
 
 def kernel_options(query: Tensor) -> dict[str, int] | None:
     """FlexAttention kernel options for `query` [B, H, T, D]: `HOPPER_KERNEL_OPTIONS` on a Hopper GPU with
-    heads of `HOPPER_HEAD_DIM`, else None (Inductor's defaults)."""
+    heads of `HOPPER_HEAD_DIM` in bf16 or fp16 (as measured; fp32 tiles need more shared memory), else None
+    (Inductor's defaults)."""
     hopper = query.is_cuda and torch.cuda.get_device_capability(query.device)[0] == 9
-    return HOPPER_KERNEL_OPTIONS if hopper and query.shape[-1] == HOPPER_HEAD_DIM else None
+    measured = query.shape[-1] == HOPPER_HEAD_DIM and query.dtype in (torch.bfloat16, torch.float16)
+    return HOPPER_KERNEL_OPTIONS if hopper and measured else None
 
 
 @functools.cache
