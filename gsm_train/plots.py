@@ -80,3 +80,31 @@ def plot_quality_vs_kv(points: list[dict[str, Any]], goal_ppl: float, goal_kv: f
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def plot_step_breakdown(steps: dict[str, dict[str, float]], title: str, path: Path) -> Path:
+    """One horizontal bar per setting (`steps`: setting -> {part: ms}, parts in the order to stack), the
+    same part in the same colour in every bar, milliseconds on the x axis."""
+    if not steps:
+        raise ValueError("plot_step_breakdown: no settings to plot")
+    parts = list(dict.fromkeys(part for split in steps.values() for part in split))
+    colours = plt.get_cmap("tab20").colors
+    fig, ax = plt.subplots(figsize=(9, 1.6 + 0.55 * len(steps) + 0.18 * len(parts)))
+    names = list(steps)
+    for index, part in enumerate(parts):
+        widths = [steps[name].get(part, 0.0) for name in names]
+        starts = [sum(steps[name].get(p, 0.0) for p in parts[:index]) for name in names]
+        ax.barh(names, widths, left=starts, color=colours[index % len(colours)], label=part)
+    for row, name in enumerate(names):
+        total = sum(steps[name].values())
+        ax.annotate(f"{total:.1f} ms", (total, row), xytext=(4, 0), textcoords="offset points", va="center",
+                    fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per step")
+    ax.set_title(title, fontsize=10)
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=3, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
