@@ -8,6 +8,8 @@ blocks of 128, top-256, bf16).
   with the kernel options it passes on Hopper GPUs (`own_block_attention.HOPPER_KERNEL_OPTIONS`) and
   with Inductor's default configuration (timed from the keys already side by side, [stored; raw], and their gradients; the masked SDPA's
   timing includes that concatenation and its mask, a few copies of [4, 3, 2048, 64]);
+- a candidate: the same with FlexAttention's `ROWS_GUARANTEED_SAFE` (every query sees at least its own
+  raw key, so the kernel may skip its empty-row checks; not used by the trainer until measured);
 - the same, compiled with Inductor's autotuning (`max-autotune-no-cudagraphs`, from the default
   configuration: what the Hopper options were taken from);
 - one masked SDPA per ASQ block of queries over only the keys it can see (a candidate that computes
@@ -88,9 +90,9 @@ def main() -> None:
         keys, values, mask = block_causal_kv(stored_k, stored_v, (raw_k, raw_v), selection, positions, BLOCK)
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True)
 
-    def flex(mode: str | None, tuned: bool) -> Callable[[], torch.Tensor]:
+    def flex(mode: str | None, tuned: bool, extra: dict | None = None) -> Callable[[], torch.Tensor]:
         return lambda: own_block.own_block_attention(query, both_k, both_v, selection, BLOCK, scaling, True, mode,
-                                                     tuned)
+                                                     tuned, extra)
 
     def dense_causal() -> torch.Tensor:
         return F.scaled_dot_product_attention(query, stored_k, stored_v, is_causal=True, scale=scaling, enable_gqa=True)
@@ -100,6 +102,7 @@ def main() -> None:
 
     ways = {"masked_sdpa_2T_keys": masked_sdpa, "flex_visible_tiles": flex(None, True),
             "flex_visible_tiles_default_options": flex(None, False),
+            "flex_visible_tiles_rows_guaranteed_safe": flex(None, True, {"ROWS_GUARANTEED_SAFE": True}),
             "flex_visible_tiles_autotuned": flex("max-autotune-no-cudagraphs", False), "per_block_sdpa": per_block,
             "dense_causal_sdpa_T_keys": dense_causal}
     rows = {}

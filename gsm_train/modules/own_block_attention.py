@@ -71,12 +71,15 @@ def _tile_structure(length: int, block_size: int, device: torch.device) -> tuple
 
 
 def own_block_attention(query: Tensor, keys: Tensor, values: Tensor, selection: Tensor, block_size: int,
-                        scaling: float, gqa: bool, compile_mode: str | None = None, tuned: bool = True) -> Tensor:
+                        scaling: float, gqa: bool, compile_mode: str | None = None, tuned: bool = True,
+                        extra_options: dict[str, int | bool] | None = None) -> Tensor:
     """Attention of query [B, H, T, D] over keys/values [B, Hkv, 2T, D] (stored, then raw) where query t
     sees stored key j when `selection[b, g, t, j]` and j lies in an earlier ASQ block, and raw key j when
     `selection[b, g, t, j]` and j lies in its own block (g: 0, or the query head's KV group when the
     selection [B|1, n, T, T] has one row per KV head) -> [B, T, H, D]. On CUDA FlexAttention runs
-    compiled, with torch.compile's `compile_mode` and, when `tuned`, the `kernel_options` for the query."""
+    compiled, with torch.compile's `compile_mode` and, when `tuned`, the `kernel_options` for the query;
+    `extra_options` go on top (FlexAttention's `kernel_options`, for candidates that
+    `benchmarks/asq_attention.py` times)."""
     length = query.shape[2]
     heads_per_row = query.shape[1] // selection.shape[1]
     selection = selection.expand(query.shape[0], -1, -1, -1)  # a mask without padding is shared by the batch
@@ -91,6 +94,6 @@ def own_block_attention(query: Tensor, keys: Tensor, values: Tensor, selection: 
     mask = BlockMask.from_kv_blocks(counts, indices, BLOCK_SIZE=TILE, mask_mod=visible,
                                     seq_lengths=(length, 2 * length))
     attend = compiled(flex_attention, compile_mode) if query.is_cuda else flex_attention
-    options = kernel_options(query) if tuned else None
+    options = {**((kernel_options(query) or {}) if tuned else {}), **(extra_options or {})} or None
     out = attend(query, keys, values, block_mask=mask, scale=scaling, enable_gqa=gqa, kernel_options=options)
     return out.transpose(1, 2).contiguous()
