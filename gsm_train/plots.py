@@ -108,3 +108,26 @@ def plot_step_breakdown(steps: dict[str, dict[str, float]], title: str, path: Pa
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def plot_layer_sensitivity(increase: dict[str, list[float]], bits: int, path: Path) -> Path:
+    """Loss increase per layer when one layer's K or V (the keys of `increase`) is quantized at `bits`:
+    grouped bars, one group per layer."""
+    if not increase:
+        raise ValueError("plot_layer_sensitivity: nothing to plot")
+    layers = len(next(iter(increase.values())))
+    width = 0.8 / len(increase)
+    fig, ax = plt.subplots(figsize=(10, 3.8))
+    for index, (side, values) in enumerate(increase.items()):
+        ax.bar([layer + (index - (len(increase) - 1) / 2) * width for layer in range(layers)], values, width,
+               label=side)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("loss increase (nats)")
+    ax.set_xticks(range(layers))
+    ax.set_title(f"SmolLM2-135M, training-free: one layer's K or V residuals at {bits} bits", fontsize=10)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,95 @@
+"""Which layers' keys and values suffer most from low-bit residuals, training-free, on SmolLM2-135M: for each
+layer alone (and for all layers at once), K or V of every full block of 128 tokens is replaced by its
+block mean plus the per-token residual fake-quantized at `--bits` on ASQ's grid (`fake_quant_per_token`),
+and the loss increase over the unquantized model is measured on `--windows` windows of the training prose
+(not the evaluation text). A proxy for where extra bits pay off: no training, the block mean in place of
+ASQ's prototypes, and every full block quantized (ASQ keeps a query's own block raw). Prints the table,
+writes JSON and a plot (loss increase per layer, K and V).
+
+python benchmarks/layer_sensitivity.py --train-data PATH/prose --result OUT.json --plot OUT.png [--bits 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_result  # noqa: E402
+
+from gsm_train.data import load_text_dataset, pack_tokens  # noqa: E402
+from gsm_train.model_zoo import load_model_and_tokenizer  # noqa: E402
+from gsm_train.modules.kv_compressor import fake_quant_per_token  # noqa: E402
+from gsm_train.plots import plot_layer_sensitivity  # noqa: E402
+
+BLOCK = 128
+
+
+def _quantized(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """[B, H, S, D] with every full block's tokens as block mean + per-token fake-quantized residual."""
+    b, h, s, d = x.shape
+    full = (s // BLOCK) * BLOCK
+    blocks = x[:, :, :full].float().reshape(b, h, full // BLOCK, BLOCK, d)
+    mean = blocks.mean(dim=3, keepdim=True)
+    rebuilt = fake_quant_per_token(blocks - mean, bits) + mean
+    return torch.cat([rebuilt.reshape(b, h, full, d).to(x.dtype), x[:, :, full:]], dim=2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--train-data", required=True)
+    parser.add_argument("--result", required=True)
+    parser.add_argument("--plot", required=True)
+    parser.add_argument("--bits", type=int, default=2, choices=(2, 4, 8))
+    parser.add_argument("--windows", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, tokenizer = load_model_and_tokenizer("smollm2-135m")
+    model.to(device)
+    rows = pack_tokens(load_text_dataset(args.train_data), tokenizer, args.seq_len)[: args.windows].to(device)
+    target: dict[str, object] = {"layer": None, "side": "V"}
+
+    def attention(module, query, key, value, *rest, **kwargs):
+        if target["layer"] in ("all", module.layer_idx):
+            if target["side"] == "K":
+                key = _quantized(key, args.bits)
+            else:
+                value = _quantized(value, args.bits)
+        return sdpa_attention_forward(module, query, key, value, *rest, **kwargs)
+
+    ALL_ATTENTION_FUNCTIONS["gsm_layer_sensitivity"] = attention
+    model.config._attn_implementation = "gsm_layer_sensitivity"
+
+    @torch.no_grad()
+    def loss() -> float:
+        return sum(model(row[None], labels=row[None]).loss.item() for row in rows) / len(rows)
+
+    base = loss()
+    layers = range(model.config.num_hidden_layers)
+    increase: dict[str, list[float]] = {}
+    all_layers: dict[str, float] = {}
+    for side in ("K", "V"):
+        target["side"] = side
+        target["layer"] = "all"
+        all_layers[side] = loss() - base
+        increase[side] = []
+        for layer in layers:
+            target["layer"] = layer
+            increase[side].append(loss() - base)
+            print(f"{side} layer {layer:2d}: loss +{increase[side][-1]:.4f}", flush=True)
+        print(f"{side} all layers at once: loss +{all_layers[side]:.4f}; sum of single layers "
+              f"+{sum(increase[side]):.4f}", flush=True)
+    plot_layer_sensitivity(increase, args.bits, Path(args.plot))
+    write_result(Path(args.result), {"bits": args.bits, "windows": len(rows), "seq_len": args.seq_len,
+                                     "base_loss": base, "all_layers_loss_increase": all_layers,
+                                     "loss_increase_per_layer": increase, "plot": args.plot})
+
+
+if __name__ == "__main__":
+    main()
