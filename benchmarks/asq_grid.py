@@ -28,7 +28,7 @@ from common import write_result  # noqa: E402
 
 from gsm_train.data import load_text_dataset, pack_tokens  # noqa: E402
 from gsm_train.model_zoo import load_model_and_tokenizer  # noqa: E402
-from gsm_train.modules.kv_compressor import fake_quant_per_token  # noqa: E402
+from gsm_train.modules.kv_compressor import _split_blocks, fake_quant_per_token  # noqa: E402
 
 BLOCK = 128
 CLUSTERS = (1, 2, 4, 16)
@@ -82,11 +82,10 @@ def main() -> None:
     model, tokenizer = load_model_and_tokenizer("smollm2-135m")
     rows = pack_tokens(load_text_dataset(args.train_data), tokenizer, args.seq_len)[: args.windows]
     keys, values = _captured_kv(model, rows)
-    packed = (args.seq_len // BLOCK) * BLOCK
     result: dict = {"windows": len(rows), "seq_len": args.seq_len, "block_size": BLOCK, "errors": {}}
     print(f"{'side':5s} {'c':>3s} {'residual':>9s} {'2b mid-rise':>12s} {'2b symmetric':>13s} {'4b symmetric':>13s}")
     for side, x in (("K", keys), ("V", values)):
-        blocks = x[:, :, :packed].reshape(*x.shape[:2], packed // BLOCK, BLOCK, x.shape[-1])
+        blocks = _split_blocks(x, BLOCK)[0]
         norm = blocks.norm()
         for clusters in CLUSTERS:
             residual = blocks - _kmeans_prototypes(blocks, clusters)

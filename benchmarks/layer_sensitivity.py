@@ -24,7 +24,7 @@ from common import write_result  # noqa: E402
 
 from gsm_train.data import load_text_dataset, pack_tokens  # noqa: E402
 from gsm_train.model_zoo import load_model_and_tokenizer  # noqa: E402
-from gsm_train.modules.kv_compressor import fake_quant_per_token  # noqa: E402
+from gsm_train.modules.kv_compressor import _join_blocks, _split_blocks, fake_quant_per_token  # noqa: E402
 from gsm_train.plots import plot_layer_sensitivity  # noqa: E402
 
 BLOCK = 128
@@ -32,12 +32,9 @@ BLOCK = 128
 
 def _quantized(x: torch.Tensor, bits: int) -> torch.Tensor:
     """[B, H, S, D] with every full block's tokens as block mean + per-token fake-quantized residual."""
-    b, h, s, d = x.shape
-    full = (s // BLOCK) * BLOCK
-    blocks = x[:, :, :full].float().reshape(b, h, full // BLOCK, BLOCK, d)
-    mean = blocks.mean(dim=3, keepdim=True)
-    rebuilt = fake_quant_per_token(blocks - mean, bits) + mean
-    return torch.cat([rebuilt.reshape(b, h, full, d).to(x.dtype), x[:, :, full:]], dim=2)
+    blocks, tail = _split_blocks(x, BLOCK)
+    mean = blocks.float().mean(dim=3, keepdim=True)
+    return _join_blocks(fake_quant_per_token(blocks.float() - mean, bits) + mean, tail)
 
 
 def main() -> None:

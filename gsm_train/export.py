@@ -112,7 +112,7 @@ def export_adapter(model: nn.Module, out_dir: str | Path, *, base_name: str, bas
     settings = runtime.config.model_dump(mode="json")
     if settings["kv_compression"]["value_quant_bits"] is None:  # added after format 1: written only when set,
         del settings["kv_compression"]["value_quant_bits"]       # so earlier readers load what they can represent
-    version = FORMAT_VERSION if _two_bit_residuals(settings) else 1  # earlier readers load what they can represent
+    version = FORMAT_VERSION if _two_bit_residuals(settings) else 1  # likewise: format 2 only where it differs
     config = {"format": FORMAT, "format_version": version, **settings,
               "base_model": base_description(model, runtime.base_fingerprint, base_name, base_revision),
               "lora": lora, "includes_base_weights": include_base,

@@ -328,8 +328,8 @@ def gsm_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
             pick = gate_selection if mode == "sparse" else oracle_selection
             with torch.no_grad():
                 selection = torch.cat([pick(a, b) for a, b in _chunks(q_len, chunk)], dim=2)
-        # from a CUDA graph, FlexAttention over only the tiles queries see (0.77 vs 1.31 ms of kernels per layer
-        # on the H200); eagerly its Python and launches cost more than that (2.79 vs 1.73 ms per layer)
+        # from a CUDA graph, FlexAttention over only the tiles queries see (0.62 vs 1.31 ms of kernels per layer
+        # on the H200); eagerly its Python and launches cost more than that (2.66 vs 1.46 ms per layer)
         if own is not None and runtime.captured_steps and module.training and own_block.fits(query, block_size):
             out = own_block.own_block_attention(query, torch.cat((key, own[0]), 2), torch.cat((value, own[1]), 2),
                                                 selection, block_size, scaling, module.num_key_value_groups > 1)

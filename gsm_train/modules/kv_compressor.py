@@ -111,6 +111,11 @@ def _to_store_backward(ctx, grad: Tensor) -> Tensor:
 _to_store.register_autograd(_to_store_backward, setup_context=_to_store_setup)
 
 
+def _divisor(scale: Tensor) -> Tensor:
+    """`scale` with zeros replaced by ones: a zero scale stands for all-zero values, which any divisor keeps."""
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
 def _floor_ste(x: Tensor) -> Tensor:
     """Round down with a straight-through (identity) gradient."""
     return x + (torch.floor(x) - x).detach()
@@ -126,12 +131,10 @@ def _quantize(x: Tensor, bits: int, dim: int) -> tuple[Tensor, Tensor]:
     if bits == _MIDRISE_BITS:  # the clamp keeps sqrt's gradient finite where a residual is exactly zero
         mean_square = x.pow(2).mean(dim=dim, keepdim=True)
         scale = _to_store(mean_square.clamp_min(torch.finfo(x.dtype).tiny).sqrt() * _MIDRISE_STEP)
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        return _floor_ste(x / safe).clamp(-2, 1) + 0.5, scale
+        return _floor_ste(x / _divisor(scale)).clamp(-2, 1) + 0.5, scale
     qmax = _qmax(bits)
     scale = _to_store(x.abs().amax(dim=dim, keepdim=True) / qmax)
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = _round_ste(x / safe).clamp(-qmax, qmax)
+    q = _round_ste(x / _divisor(scale)).clamp(-qmax, qmax)
     return q, scale
 
 
@@ -194,8 +197,7 @@ def _fake_quant_asymmetric(x: Tensor, bits: int, dim: int) -> Tensor:
     to the maximum, fp16 scale and zero point (KIVI's quantizer)."""
     low = _to_store(x.amin(dim=dim, keepdim=True))
     scale = _to_store((x.amax(dim=dim, keepdim=True) - low) / (2**bits - 1))
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return _round_ste((x - low) / safe).clamp(0, 2**bits - 1) * scale + low
+    return _round_ste((x - low) / _divisor(scale)).clamp(0, 2**bits - 1) * scale + low
 
 
 def fake_quant_kivi(x: Tensor, bits: int, block_size: int, per_channel: bool) -> Tensor:

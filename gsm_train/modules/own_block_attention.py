@@ -10,8 +10,8 @@ the selection only inside the tiles it computes.
 Used in the training forwards of steps that replay from a CUDA graph (`GSMRuntime.captured_steps`,
 set by the trainer on one GPU; its evaluation forwards run eagerly and keep the masked SDPA), on CUDA (FlexAttention's backward runs on GPUs only), when the sequence is a whole number
 of flex tiles and the ASQ block a whole number of tiles; the masked SDPA serves everywhere else. On the
-H200 (`benchmarks/asq_attention.py`, SmolLM2 shapes, T 2048, top-256) its kernels take 0.77 ms per layer
-forward and backward against the masked SDPA's 1.31, but called eagerly it takes 2.79 ms against 1.73:
+H200 (`benchmarks/asq_attention.py`, SmolLM2 shapes, T 2048, top-256) its kernels take 0.62 ms per layer
+forward and backward against the masked SDPA's 1.31, but called eagerly it takes 2.66 ms against 1.46:
 the compiled call and the block mask cost more Python and launches than the kernels save.
 """
 
@@ -46,11 +46,16 @@ def fits(query: Tensor, block_size: int) -> bool:
             and block_size % TILE == 0)
 
 
+@functools.cache
+def _is_hopper(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] == 9
+
+
 def kernel_options(query: Tensor) -> dict[str, int] | None:
     """FlexAttention kernel options for `query` [B, H, T, D]: `HOPPER_KERNEL_OPTIONS` on a Hopper GPU with
     heads of `HOPPER_HEAD_DIM` in bf16 or fp16 (as measured; fp32 tiles need more shared memory), else None
     (Inductor's defaults)."""
-    hopper = query.is_cuda and torch.cuda.get_device_capability(query.device)[0] == 9
+    hopper = query.is_cuda and _is_hopper(query.device)
     measured = query.shape[-1] == HOPPER_HEAD_DIM and query.dtype in (torch.bfloat16, torch.float16)
     return HOPPER_KERNEL_OPTIONS if hopper and measured else None
 
