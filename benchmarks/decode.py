@@ -1,8 +1,7 @@
 """Sparse decode against dense decode on the GPU, side by side in one run.
 
-1. One layer's decode attention per step: GSM (gate scores over the bf16 gate keys, the top-k kernel of
-   `kernels.decode_selection` (torch.topk timed beside it), then the fused gather + ASQ-dequantize +
-   attend kernel) against dense SDPA over a bf16 cache, for SmolLM2
+1. One layer's decode attention per step: GSM (gate scores over the bf16 gate keys, top-k, then the
+   fused gather + ASQ-dequantize + attend kernel) against dense SDPA over a bf16 cache, for SmolLM2
    shapes (9 q heads, 3 KV heads, head_dim 64) and a Llama-8B-shaped layer (32 / 8 / 128), at contexts
    8k / 32k / 128k, batch 1 and 16, k 64 and 2048. Both paths are captured in CUDA graphs (as a
    serving engine runs decode), timed with CUDA events, median of 50 replays, per layer. Each graph runs
@@ -34,7 +33,6 @@ from common import graph_ms, write_result  # noqa: E402
 from gsm_train.config import load_recipe  # noqa: E402
 from gsm_train.data import load_text_dataset, pack_tokens  # noqa: E402
 from gsm_train.export import load_gsm  # noqa: E402
-from gsm_train.kernels.decode_selection import top_k_indices  # noqa: E402
 from gsm_train.kernels.sparse_decode import fused_decode_attention, gate_scores  # noqa: E402
 from gsm_train.model_zoo import load_model_and_tokenizer  # noqa: E402
 from gsm_train.modules import inject_gsm  # noqa: E402
@@ -90,15 +88,12 @@ def _dense_ms(query: torch.Tensor, kv_heads: int, length: int, layers: int) -> f
 
 def _gsm_ms(query: torch.Tensor, caches: list[tuple[KVStore, KVStore, torch.Tensor]], k: int) -> dict[str, float]:
     """ms per layer of GSM decode attention (gate scores, top-k, fused gather + dequantize + attend), of its
-    first parts alone (gate scores; gate scores and the top-k kernel; the same with torch.topk, as the decode
-    path selected before the kernel), and of the fused kernel (with its merge) alone: where the time goes."""
+    first parts alone (gate scores; gate scores and torch.topk), and of the fused kernel (with its merge) alone:
+    where the time goes."""
     length, dim = caches[0][2].shape[2], query.shape[-1]
     gate_q = torch.randn(query.shape[0], 1, 1, caches[0][2].shape[-1], device="cuda")
 
     def select(gate_keys: torch.Tensor) -> torch.Tensor:
-        return top_k_indices(gate_scores(gate_q, gate_keys, None), None, k, min(k, length), length - 1, 0, 0)[0]
-
-    def select_torch_topk(gate_keys: torch.Tensor) -> torch.Tensor:
         return top_k_positions(gate_scores(gate_q, gate_keys, None), None, k, length - 1, 0, 0)[0]
 
     index = select(caches[0][2])
@@ -106,7 +101,6 @@ def _gsm_ms(query: torch.Tensor, caches: list[tuple[KVStore, KVStore, torch.Tens
                                                                         dim ** -0.5) for c in caches]),
             "gate_scores_ms": _per_layer_ms([lambda c=c: gate_scores(gate_q, c[2], None) for c in caches]),
             "gate_scores_topk_ms": _per_layer_ms([lambda c=c: select(c[2]) for c in caches]),
-            "gate_scores_torch_topk_ms": _per_layer_ms([lambda c=c: select_torch_topk(c[2]) for c in caches]),
             "attend_ms": _per_layer_ms([lambda c=c: fused_decode_attention(query, c[0], c[1], index, None, dim ** -0.5)
                                         for c in caches])}
 
@@ -138,8 +132,7 @@ def attention_rows(contexts: list[int], batches: list[int], ks: list[int], bits:
                     rows.append(row)
                     print(f"{shape:>8} {length:>7} {batch:>3} {k:>5} dense {dense * 1e3:9.1f} us  gsm "
                           f"{gsm * 1e3:9.1f} us (scores {times['gate_scores_ms'] * 1e3:.1f}, +top-k "
-                          f"{times['gate_scores_topk_ms'] * 1e3:.1f}, with torch.topk "
-                          f"{times['gate_scores_torch_topk_ms'] * 1e3:.1f}; attend {times['attend_ms'] * 1e3:.1f})  "
+                          f"{times['gate_scores_topk_ms'] * 1e3:.1f}, attend {times['attend_ms'] * 1e3:.1f})  "
                           f"x{dense / gsm:6.2f}  [{layers} layers per graph]", flush=True)
                 del caches
                 torch.cuda.empty_cache()

@@ -1,8 +1,7 @@
 """Attention for one generated token over a GSM cache (see `decode_cache.GSMCache`).
 
 Per layer: score the cached gate keys with the new gate query, keep the top-k positions (the same
-rule as training: own position, sinks and recent tokens forced; dense while k covers everything; with
-the fused kernels, `kernels.decode_selection` picks them in two passes, else `torch.topk`),
+rule as training: own position, sinks and recent tokens forced; dense while k covers everything),
 gather and dequantize only those K/V rows (the bridge maps the source layer's rows on the fly), and
 attend. On CUDA with Triton, layers without a bridge gather, dequantize and attend in one fused
 kernel (`gsm_train.kernels.sparse_decode`) when their head size suits it (`kernels.kernel_fits`: a
@@ -19,7 +18,6 @@ from torch import Tensor, nn
 from transformers.integrations.sdpa_attention import repeat_kv
 
 from gsm_train.kernels import kernel_fits
-from gsm_train.kernels.decode_selection import top_k_indices
 from gsm_train.modules.errors import GSMError
 from gsm_train.modules.sparse_gate import decode_gate_keys, k_per_query
 
@@ -34,11 +32,6 @@ def forced_count(position: int, sink_tokens: int, recent_tokens: int) -> int:
     return min(sink_tokens, recent_start) + position - recent_start + 1
 
 
-def kept_slots(length: int, k: int, position: int, sink_tokens: int, recent_tokens: int) -> int:
-    """How many positions a selection returns: k, or every forced key when they are more, at most all keys."""
-    return min(length, max(k, forced_count(position, sink_tokens, recent_tokens)))
-
-
 def top_k_positions(scores: Tensor, allowed: Tensor | None, k: int, position: int, sink_tokens: int,
                     recent_tokens: int) -> tuple[Tensor, Tensor | None]:
     """Key positions [B, n, k'] the newest query keeps (same rule as `select_top_k`) and which are valid.
@@ -51,7 +44,7 @@ def top_k_positions(scores: Tensor, allowed: Tensor | None, k: int, position: in
         scores[..., :sink_tokens] = float("inf")
     if recent_tokens:
         scores[..., max(position - recent_tokens + 1, 0):position + 1] = float("inf")
-    k_eff = kept_slots(length, k, position, sink_tokens, recent_tokens)
+    k_eff = min(length, max(k, forced_count(position, sink_tokens, recent_tokens)))
     if allowed is None:  # every forced key is visible: the top k_eff, in any order, are exactly the selection
         return scores.topk(k_eff, dim=-1, sorted=False).indices, None  # attention does not need them sorted
     values, index = scores.masked_fill(~allowed[:, None, :], float("-inf")).topk(k_eff, dim=-1)
@@ -132,11 +125,7 @@ def decode_attention(module: nn.Module, adapter: GSMAttentionAdapter, layer_cach
             scores = kernels.gate_scores(gate_q, keys, key_scales)
         else:
             scores = gate.score_stored(gate_q, decode_gate_keys(keys, key_scales))[:, :, 0]
-        if kernels is not None:
-            k_eff = kept_slots(length, k, position, cfg.sink_tokens, cfg.recent_tokens)
-            index, valid = top_k_indices(scores, allowed, k, k_eff, position, cfg.sink_tokens, cfg.recent_tokens)
-        else:
-            index, valid = top_k_positions(scores, allowed, k, position, cfg.sink_tokens, cfg.recent_tokens)
+        index, valid = top_k_positions(scores, allowed, k, position, cfg.sink_tokens, cfg.recent_tokens)
     else:
         index = torch.arange(length, device=query.device).expand(query.shape[0], 1, length)
         valid = None if allowed is None else allowed[:, None, :]
