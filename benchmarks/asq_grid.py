@@ -25,9 +25,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result  # noqa: E402
+from prose_probe import add_prose_arguments, prose_model_and_windows  # noqa: E402
 
-from gsm_train.data import load_text_dataset, pack_tokens  # noqa: E402
-from gsm_train.model_zoo import load_model_and_tokenizer  # noqa: E402
 from gsm_train.modules.kv_compressor import _split_blocks, fake_quant_per_token  # noqa: E402
 
 BLOCK = 128
@@ -74,13 +73,9 @@ def _symmetric(residual: torch.Tensor, bits: int) -> torch.Tensor:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--train-data", required=True)
-    parser.add_argument("--result", required=True)
-    parser.add_argument("--windows", type=int, default=2)
-    parser.add_argument("--seq-len", type=int, default=2048)
+    add_prose_arguments(parser)
     args = parser.parse_args()
-    model, tokenizer = load_model_and_tokenizer("smollm2-135m")
-    rows = pack_tokens(load_text_dataset(args.train_data), tokenizer, args.seq_len)[: args.windows]
+    model, rows = prose_model_and_windows(args)
     keys, values = _captured_kv(model, rows)
     result: dict = {"windows": len(rows), "seq_len": args.seq_len, "block_size": BLOCK, "errors": {}}
     print(f"{'side':5s} {'c':>3s} {'residual':>9s} {'2b mid-rise':>12s} {'2b symmetric':>13s} {'4b symmetric':>13s}")

@@ -16,14 +16,11 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result  # noqa: E402
+from prose_probe import add_prose_arguments, kv_hooked_loss, prose_model_and_windows  # noqa: E402
 
-from gsm_train.data import load_text_dataset, pack_tokens  # noqa: E402
-from gsm_train.model_zoo import load_model_and_tokenizer  # noqa: E402
 from gsm_train.modules.kv_compressor import _join_blocks, _split_blocks, fake_quant_per_token  # noqa: E402
 from gsm_train.plots import plot_layer_sensitivity  # noqa: E402
 
@@ -39,34 +36,21 @@ def _quantized(x: torch.Tensor, bits: int) -> torch.Tensor:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--train-data", required=True)
-    parser.add_argument("--result", required=True)
+    add_prose_arguments(parser)
     parser.add_argument("--plot", required=True)
     parser.add_argument("--bits", type=int, default=2, choices=(2, 4, 8))
-    parser.add_argument("--windows", type=int, default=2)
-    parser.add_argument("--seq-len", type=int, default=2048)
     args = parser.parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, tokenizer = load_model_and_tokenizer("smollm2-135m")
-    model.to(device)
-    rows = pack_tokens(load_text_dataset(args.train_data), tokenizer, args.seq_len)[: args.windows].to(device)
+    model, rows = prose_model_and_windows(args, "cuda" if torch.cuda.is_available() else "cpu")
     target: dict[str, object] = {"layer": None, "side": "V"}
 
-    def attention(module, query, key, value, *rest, **kwargs):
+    def quantized(module: torch.nn.Module, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if target["layer"] in ("all", module.layer_idx):
             if target["side"] == "K":
-                key = _quantized(key, args.bits)
-            else:
-                value = _quantized(value, args.bits)
-        return sdpa_attention_forward(module, query, key, value, *rest, **kwargs)
+                return _quantized(key, args.bits), value
+            return key, _quantized(value, args.bits)
+        return key, value
 
-    ALL_ATTENTION_FUNCTIONS["gsm_layer_sensitivity"] = attention
-    model.config._attn_implementation = "gsm_layer_sensitivity"
-
-    @torch.no_grad()
-    def loss() -> float:
-        return sum(model(row[None], labels=row[None]).loss.item() for row in rows) / len(rows)
-
+    loss = kv_hooked_loss(model, rows, "gsm_layer_sensitivity", quantized)
     base = loss()
     layers = range(model.config.num_hidden_layers)
     increase: dict[str, list[float]] = {}

@@ -31,15 +31,12 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from asq_grid import _kmeans_prototypes  # noqa: E402
 from common import write_result  # noqa: E402
+from prose_probe import add_prose_arguments, kv_hooked_loss, prose_model_and_windows  # noqa: E402
 
-from gsm_train.data import load_text_dataset, pack_tokens  # noqa: E402
-from gsm_train.model_zoo import load_model_and_tokenizer  # noqa: E402
 from gsm_train.modules.kv_compressor import (  # noqa: E402
     _fake_quant,
     _fake_quant_asymmetric,
@@ -77,30 +74,18 @@ def _quantized(x: torch.Tensor, scheme: str, clusters: int | None, bits: int, is
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--train-data", required=True)
-    parser.add_argument("--result", required=True)
-    parser.add_argument("--windows", type=int, default=2)
-    parser.add_argument("--seq-len", type=int, default=2048)
+    add_prose_arguments(parser)
     args = parser.parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, tokenizer = load_model_and_tokenizer("smollm2-135m")
-    model.to(device)
-    rows = pack_tokens(load_text_dataset(args.train_data), tokenizer, args.seq_len)[: args.windows].to(device)
+    model, rows = prose_model_and_windows(args, "cuda" if torch.cuda.is_available() else "cpu")
     setting: dict[str, object] = {}  # empty: unquantized
 
-    def attention(module, query, key, value, *rest, **kwargs):
-        if setting:
-            key = _quantized(key, setting["scheme"], setting["clusters"], setting["k_bits"], is_key=True)
-            value = _quantized(value, setting["scheme"], setting["clusters"], setting["v_bits"], is_key=False)
-        return sdpa_attention_forward(module, query, key, value, *rest, **kwargs)
+    def quantized(module: torch.nn.Module, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not setting:
+            return key, value
+        return (_quantized(key, setting["scheme"], setting["clusters"], setting["k_bits"], is_key=True),
+                _quantized(value, setting["scheme"], setting["clusters"], setting["v_bits"], is_key=False))
 
-    ALL_ATTENTION_FUNCTIONS["gsm_residual_quantizers"] = attention
-    model.config._attn_implementation = "gsm_residual_quantizers"
-
-    @torch.no_grad()
-    def loss() -> float:
-        return sum(model(row[None], labels=row[None]).loss.item() for row in rows) / len(rows)
-
+    loss = kv_hooked_loss(model, rows, "gsm_residual_quantizers", quantized)
     base = loss()
     print(f"base loss {base:.4f}\n{'scheme':28s} {'clusters':>8s} {'K bits':>6s} {'V bits':>6s} {'loss increase':>13s}",
           flush=True)
