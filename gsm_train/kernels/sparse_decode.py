@@ -21,6 +21,7 @@ import os
 import torch
 from torch import Tensor
 
+from gsm_train.modules.kv_compressor import code_center
 from gsm_train.modules.kv_store import KVStore
 
 try:
@@ -38,18 +39,17 @@ def triton_available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _unpacked_levels(byte, BITS: tl.constexpr):
+    def _unpacked_levels(byte, BITS: tl.constexpr, CENTER: tl.constexpr):
         """Residual levels [N, D] (fp32, in units of the scale) from packed bytes [N, D * BITS / 8] (int32):
-        code j of a row sits in byte j * BITS // 8 at bit (j % (8 // BITS)) * BITS, less
-        `kv_compressor.code_center`, as `kv_compressor` packs them."""
+        code j of a row sits in byte j * BITS // 8 at bit (j % (8 // BITS)) * BITS, as `kv_compressor` packs
+        them, less CENTER (`kv_compressor.code_center(BITS)`)."""
         if BITS == 4:
-            codes = tl.interleave(byte & 15, byte >> 4).to(tl.float32) - 8.0
+            codes = tl.interleave(byte & 15, byte >> 4)
         elif BITS == 2:
             codes = tl.interleave(tl.interleave(byte & 3, (byte >> 4) & 3), tl.interleave((byte >> 2) & 3, byte >> 6))
-            codes = codes.to(tl.float32) - 1.5
         else:
-            codes = byte.to(tl.float32) - 128.0
-        return codes
+            codes = byte
+        return codes.to(tl.float32) - CENTER
 
     @triton.jit
     def _packed_parts(ids_ptr, res_ptr, scale_ptr, proto_ptr, bh, pos, in_packed, packed_len, n_blocks, dims,
@@ -68,12 +68,12 @@ if triton is not None:
 
     @triton.jit
     def _dequant_rows(proto, byte, scale, in_packed, tail_ptr, bh, pos, live, packed_len, tail_len, dims,
-                      D: tl.constexpr, BITS: tl.constexpr, PACKED: tl.constexpr):
+                      D: tl.constexpr, BITS: tl.constexpr, CENTER: tl.constexpr, PACKED: tl.constexpr):
         """Rows [N, D] (fp32) at `pos`: packed rows rebuilt from `_packed_parts`, rows of the raw newest
         block read from the tail (only when the tile holds one)."""
         rows = tl.zeros([pos.shape[0], D], tl.float32)
         if PACKED:
-            levels = _unpacked_levels(byte.to(tl.int32), BITS)
+            levels = _unpacked_levels(byte.to(tl.int32), BITS, CENTER)
             rows = tl.where(in_packed[:, None],
                             proto.to(tl.float32) + levels * scale.to(tl.float32)[:, None], 0.0)
         in_tail = live & (pos >= packed_len)
@@ -97,7 +97,8 @@ if triton is not None:
                               acc_ptr, max_ptr, sum_ptr,
                               packed_len, tail_len, n_blocks, selected, size_class, rows, scaling,
                               KV_HEADS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                              K_BITS: tl.constexpr, V_BITS: tl.constexpr, C: tl.constexpr,
+                              K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_CENTER: tl.constexpr,
+                              V_CENTER: tl.constexpr, C: tl.constexpr,
                               TOKENS_PER_BLOCK: tl.constexpr,
                               PACKED: tl.constexpr, HAS_VALID: tl.constexpr, PRECISION: tl.constexpr,
                               SHARED_SELECTION: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr):
@@ -130,14 +131,14 @@ if triton is not None:
                 k_proto, k_byte, k_scale = pos, pos, pos
                 v_proto, v_byte, v_scale = pos, pos, pos
             keys = _dequant_rows(k_proto, k_byte, k_scale, in_packed, k_tail, bh, pos, live, packed_len, tail_len,
-                                 dims, D, K_BITS, PACKED)
+                                 dims, D, K_BITS, K_CENTER, PACKED)
             logits = tl.dot(keys.to(q.dtype), q_t, input_precision=PRECISION) * scaling  # [BLOCK_N, GP]
             logits = tl.where(live[:, None], logits, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(logits, 0))
             alpha = tl.exp(m_i - m_new)
             p = tl.trans(tl.exp(logits - m_new[None, :]))
             values = _dequant_rows(v_proto, v_byte, v_scale, in_packed, v_tail, bh, pos, live, packed_len, tail_len,
-                                   dims, D, V_BITS, PACKED)
+                                   dims, D, V_BITS, V_CENTER, PACKED)
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), values.to(q.dtype), input_precision=PRECISION)
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
@@ -223,6 +224,7 @@ def fused_decode_attention(query: Tensor, k_store: KVStore, v_store: KVStore, in
     most_splits = math.ceil(selected / SMALLEST_CHUNK)
     packed = k_store.packed_len > 0
     asq = k_store.asq
+    k_bits, v_bits = (asq.quant_bits, v_store.asq.quant_bits) if packed else (8, 8)  # no codes read unpacked
     q = query.reshape(batch, q_heads, dim).contiguous()
     index = index.contiguous()
     valid_arg = valid.to(torch.int8).contiguous() if valid is not None else index
@@ -241,8 +243,8 @@ def fused_decode_attention(query: Tensor, k_store: KVStore, v_store: KVStore, in
         q, index, valid_arg, *_store_args(k_store, index), *_store_args(v_store, index), acc, maxes, sums,
         k_store.packed_len, k_store.tail.shape[2], n_blocks, selected, triton.next_power_of_2(selected),
         batch * kv_heads, scaling,
-        KV_HEADS=kv_heads, G=groups, GP=group_pad, D=dim, K_BITS=asq.quant_bits if packed else 8,
-        V_BITS=v_store.asq.quant_bits if packed else 8,
+        KV_HEADS=kv_heads, G=groups, GP=group_pad, D=dim, K_BITS=k_bits, V_BITS=v_bits,
+        K_CENTER=code_center(k_bits), V_CENTER=code_center(v_bits),
         C=asq.cluster_num if packed else 1, TOKENS_PER_BLOCK=asq.block_size if packed else 1, PACKED=packed,
         HAS_VALID=valid is not None, PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # fp32: exact
         SHARED_SELECTION=index.shape[1] == 1, **fixed)
