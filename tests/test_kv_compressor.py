@@ -197,8 +197,8 @@ def test_forward_with_loss_equals_forward_then_loss() -> None:
 
 
 def test_storage_rounding_is_fp16_and_passes_the_gradient_within_its_range() -> None:
-    """`_to_store` (an operator of its own, so torch.compile cannot fuse the rounding away) gives the
-    fp16 grid exactly, in the input's dtype, and the gradient unchanged wherever fp16 holds the value."""
+    """`_to_store` (integer arithmetic on fp32's bits, which torch.compile cannot fuse away) gives the fp16
+    grid exactly, in the input's dtype, and the gradient unchanged wherever fp16 holds the value."""
     from gsm_train.modules.kv_compressor import _to_store
 
     big = torch.finfo(torch.float16).max
@@ -211,6 +211,24 @@ def test_storage_rounding_is_fp16_and_passes_the_gradient_within_its_range() -> 
         grad = torch.randn_like(x) * 1e-9  # below fp16's smallest step: passed on as it is, not rounded
         stored.backward(grad)
         assert torch.equal(x.grad, torch.where(x.detach().abs() <= big, grad, 0.0))
+
+
+def test_storage_rounding_matches_fp16_at_every_tie_and_subnormal() -> None:
+    """Every finite fp16 value, every midpoint between neighbours (ties go to the even one) and the fp32
+    values either side of it, subnormals, NaN and values past fp16's range round as `.half()` rounds."""
+    from gsm_train.modules.kv_compressor import _to_store
+
+    grid = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+    grid = grid[torch.isfinite(grid)].sort().values
+    ties = ((grid[1:].double() + grid[:-1].double()) / 2).float()  # exact in fp32: 12 significant bits
+    up, down = torch.tensor(float("inf")), torch.tensor(float("-inf"))
+    x = torch.cat([grid, ties, torch.nextafter(ties, up), torch.nextafter(ties, down),
+                   torch.tensor([float("nan"), 1e-40, -1e-40, 65519.0, 65520.0, -1e30])])
+    want = x.clamp(-65504, 65504).half().float().nan_to_num(7.0)
+    assert torch.equal(_to_store(x).nan_to_num(7.0), want)
+    if torch.cuda.is_available():  # compiled, fused with its neighbours as in ASQ's training pass
+        fused = torch.compile(lambda v: -_to_store(-v), fullgraph=True)  # negation: exact, and fused
+        assert torch.equal(fused(x.cuda()).nan_to_num(7.0).cpu(), want)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled training pass runs on the GPU only")

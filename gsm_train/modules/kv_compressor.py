@@ -83,32 +83,31 @@ def compute_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-@torch.library.custom_op("gsm_train::to_store", mutates_args=())
+_FP16_TINY = 2.0**-14  # fp16's smallest normal; below it fp16's values are multiples of 2**-24
+_FP16_SUBNORMAL_STEPS = 2.0**24
+_FP32_LOW_BITS = 13  # fp32 mantissa bits that fp16 lacks
+
+
+def _fp16_grid(x: Tensor) -> Tensor:
+    """fp32 `x` (within fp16's range) rounded to the nearest fp16 value, ties to even, as `.half().float()`
+    rounds, in integer arithmetic on x's bits: Inductor fuses a `.half().float()` chain into its neighbours
+    and drops the rounding (torch 2.11 on the H200, even with `emulate_precision_casts`), and training must see
+    the grid that inference reads. Normal fp16 values keep 10 of fp32's 23 mantissa bits; below fp16's
+    smallest normal the grid is multiples of 2**-24. NaN stays NaN."""
+    bits = x.view(torch.int32)
+    keep_lsb = (bits >> _FP32_LOW_BITS) & 1  # ties to even: round half up, less one when the kept bit is even
+    normal = ((bits + (2 ** (_FP32_LOW_BITS - 1) - 1) + keep_lsb) & -(2**_FP32_LOW_BITS)).view(torch.float32)
+    subnormal = torch.round(x * _FP16_SUBNORMAL_STEPS) / _FP16_SUBNORMAL_STEPS  # exact: powers of two
+    return torch.where(x.abs() < _FP16_TINY, subnormal, torch.where(torch.isnan(x), x, normal))
+
+
 def _to_store(x: Tensor) -> Tensor:
     """Round fp32 (or fp64) values to the float16 storage grid (keeps x's dtype, differentiable: the
-    gradient passes where x is within fp16's range).
-
-    An operator of its own, so that torch.compile calls it as it is: Inductor fuses a plain
-    `.to(float16).to(float32)` into its neighbours and drops the rounding (torch 2.11 on the H200 did so
-    even with `emulate_precision_casts`), and training must see the grid that inference reads."""
-    return x.clamp(-_FP16_MAX, _FP16_MAX).to(_STORE_DTYPE).to(x.dtype)
-
-
-@_to_store.register_fake
-def _(x: Tensor) -> Tensor:
-    return torch.empty_like(x)
-
-
-def _to_store_setup(ctx, inputs: tuple[Tensor], output: Tensor) -> None:
-    ctx.save_for_backward(inputs[0])
-
-
-def _to_store_backward(ctx, grad: Tensor) -> Tensor:
-    (x,) = ctx.saved_tensors
-    return torch.where((x >= -_FP16_MAX) & (x <= _FP16_MAX), grad, torch.zeros_like(grad))
-
-
-_to_store.register_autograd(_to_store_backward, setup_context=_to_store_setup)
+    gradient passes unchanged where x is within fp16's range, and is zero beyond it, where x clamps)."""
+    clamped = x.clamp(-_FP16_MAX, _FP16_MAX)
+    with torch.no_grad():
+        rounded = _fp16_grid(clamped) if x.dtype == torch.float32 else clamped.to(_STORE_DTYPE).to(x.dtype)
+    return clamped + (rounded - clamped).detach()
 
 
 def _divisor(scale: Tensor) -> Tensor:
@@ -464,7 +463,7 @@ class ASQCompressor(nn.Module):
         its own would bypass FSDP2's and ZeRO-3's parameter gathering, which hook ``forward``). In eval
         mode it also records ``last_stats`` (training steps skip that work). A training pass with
         ``with_loss`` runs `_reconstruction_and_distortion`, compiled on the GPU (once per input shape:
-        training steps have one; `_to_store` stays an operator of its own in the graph): its fused
+        training steps have one; `_to_store` rounds in integer arithmetic that the compiler keeps): its fused
         kernels sum in another order, so a token near a tie may take another cluster or code than the
         eager pass (about 0.01% of the elements on the test's data)."""
         if with_loss and self.training and x.shape[2] >= self.block_size:
