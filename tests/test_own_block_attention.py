@@ -89,3 +89,36 @@ def test_tile_lists_are_the_tiles_the_rule_touches(length: int, block_size: int)
         if reference.full_kv_num_blocks is not None:
             theirs |= set(reference.full_kv_indices[0, 0, row, :reference.full_kv_num_blocks[0, 0, row]].tolist())
         assert ours == theirs, row
+
+
+def test_attention_dtype_follows_autocast_as_sdpa_does() -> None:
+    """Under autocast the block-sparse path multiplies in autocast's dtype (FlexAttention is not on
+    autocast's list; SDPA, which the masked path and dense layers use, is cast there); else the query's."""
+    from gsm_train.modules.own_block_attention import attention_dtype
+
+    query = torch.zeros(1, 2, 128, 16)
+    assert attention_dtype(query) == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert attention_dtype(query) == torch.bfloat16
+    assert attention_dtype(query.double()) == torch.float64
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the block-sparse path serves CUDA tensors only")
+def test_under_autocast_fp32_inputs_attend_in_bf16_as_the_masked_sdpa() -> None:
+    """fp32 inputs under bf16 autocast (an fp32 base's queries after RoPE): the output is bf16 and matches
+    the masked SDPA under the same autocast."""
+    torch.manual_seed(0)
+    batch, heads, kv_heads, length, dim, block_size = 2, 6, 2, 1024, 64, 128
+    query = torch.randn(batch, heads, length, dim, device="cuda")
+    stored_k, stored_v, raw_k, raw_v = (torch.randn(batch, kv_heads, length, dim, device="cuda") for _ in range(4))
+    causal = torch.ones(length, length, dtype=torch.bool, device="cuda").tril()
+    selection = ((torch.rand(batch, 1, length, length, device="cuda") > 0.9) & causal) | torch.eye(
+        length, dtype=torch.bool, device="cuda")
+    keys, values, mask = block_causal_kv(stored_k, stored_v, (raw_k, raw_v), selection,
+                                         torch.arange(length, device="cuda"), block_size)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        expected = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=0.125,
+                                                                    enable_gqa=True).transpose(1, 2)
+        got = own_block_attention(query, keys, values, selection, block_size, 0.125, gqa=True)
+    assert got.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)

@@ -51,13 +51,27 @@ def _is_hopper(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] == 9
 
 
-def kernel_options(query: Tensor) -> dict[str, int] | None:
-    """FlexAttention kernel options for `query` [B, H, T, D]: `HOPPER_KERNEL_OPTIONS` on a Hopper GPU with
-    heads of `HOPPER_HEAD_DIM` in bf16 or fp16 (as measured; fp32 tiles need more shared memory), else None
-    (Inductor's defaults)."""
+def kernel_options(query: Tensor, dtype: torch.dtype | None = None) -> dict[str, int] | None:
+    """FlexAttention kernel options for `query` [B, H, T, D] attended in `dtype` (None: the query's):
+    `HOPPER_KERNEL_OPTIONS` on a Hopper GPU with heads of `HOPPER_HEAD_DIM` in bf16 or fp16 (as measured;
+    fp32 tiles need more shared memory), else None (Inductor's defaults)."""
     hopper = query.is_cuda and _is_hopper(query.device)
-    measured = query.shape[-1] == HOPPER_HEAD_DIM and query.dtype in (torch.bfloat16, torch.float16)
+    measured = query.shape[-1] == HOPPER_HEAD_DIM and (dtype or query.dtype) in (torch.bfloat16, torch.float16)
     return HOPPER_KERNEL_OPTIONS if hopper and measured else None
+
+
+def attention_dtype(query: Tensor) -> torch.dtype:
+    """The dtype the attention multiplies in: autocast's where it is on for the query's device, as SDPA's
+    inputs are cast (FlexAttention is not on autocast's list, so fp32 queries would run fp32 tiles),
+    else the query's own."""
+    device = query.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
+
+
+def _flex_attention_in(dtype: torch.dtype, query: Tensor, keys: Tensor, values: Tensor,
+                       **flex_arguments: object) -> Tensor:
+    """`flex_attention` of the inputs cast to `dtype` (inside the compiled graph, so the casts fuse)."""
+    return flex_attention(query.to(dtype), keys.to(dtype), values.to(dtype), **flex_arguments)
 
 
 @functools.cache
@@ -81,8 +95,8 @@ def own_block_attention(query: Tensor, keys: Tensor, values: Tensor, selection: 
     """Attention of query [B, H, T, D] over keys/values [B, Hkv, 2T, D] (stored, then raw) where query t
     sees stored key j when `selection[b, g, t, j]` and j lies in an earlier ASQ block, and raw key j when
     `selection[b, g, t, j]` and j lies in its own block (g: 0, or the query head's KV group when the
-    selection [B|1, n, T, T] has one row per KV head) -> [B, T, H, D]. On CUDA FlexAttention runs
-    compiled, with torch.compile's `compile_mode` and, when `tuned`, the `kernel_options` for the query;
+    selection [B|1, n, T, T] has one row per KV head) -> [B, T, H, D], in `attention_dtype` (under
+    autocast its dtype, as SDPA computes there). On CUDA FlexAttention runs compiled, with torch.compile's `compile_mode` and, when `tuned`, the `kernel_options` for the query;
     `extra_options` go on top (FlexAttention's `kernel_options`, for candidates that
     `benchmarks/asq_attention.py` times)."""
     length = query.shape[2]
@@ -98,7 +112,8 @@ def own_block_attention(query: Tensor, keys: Tensor, values: Tensor, selection: 
     counts, indices = _tile_structure(length, block_size, query.device)
     mask = BlockMask.from_kv_blocks(counts, indices, BLOCK_SIZE=TILE, mask_mod=visible,
                                     seq_lengths=(length, 2 * length))
-    attend = compiled(flex_attention, compile_mode) if query.is_cuda else flex_attention
-    options = {**((kernel_options(query) or {}) if tuned else {}), **(extra_options or {})} or None
-    out = attend(query, keys, values, block_mask=mask, scale=scaling, enable_gqa=gqa, kernel_options=options)
+    dtype = attention_dtype(query)
+    attend = compiled(_flex_attention_in, compile_mode) if query.is_cuda else _flex_attention_in
+    options = {**((kernel_options(query, dtype) or {}) if tuned else {}), **(extra_options or {})} or None
+    out = attend(dtype, query, keys, values, block_mask=mask, scale=scaling, enable_gqa=gqa, kernel_options=options)
     return out.transpose(1, 2).contiguous()
