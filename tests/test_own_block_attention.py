@@ -26,7 +26,7 @@ def test_forward_equals_masked_sdpa_over_both_versions(block_size: int, selector
     expected = torch.nn.functional.scaled_dot_product_attention(
         query, keys.repeat_interleave(heads // kv_heads, 1), values.repeat_interleave(heads // kv_heads, 1),
         attn_mask=mask.repeat_interleave(groups, 1), scale=0.25).transpose(1, 2)
-    got = own_block_attention(query, keys, values, selection, block_size, 0.25, gqa=True)
+    got = own_block_attention(query, (stored_k, stored_v), (raw_k, raw_v), selection, block_size, 0.25, gqa=True)
     torch.testing.assert_close(got, expected, atol=2e-6, rtol=0)
 
 
@@ -57,7 +57,7 @@ def test_gradients_equal_masked_sdpa_on_the_gpu() -> None:
                                          torch.arange(length, device="cuda"), block_size)
     expected = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=0.125,
                                                                 enable_gqa=True).transpose(1, 2)
-    got = own_block_attention(query, keys, values, selection, block_size, 0.125, gqa=True)
+    got = own_block_attention(query, (stored_k, stored_v), (raw_k, raw_v), selection, block_size, 0.125, gqa=True)
     grad = torch.randn_like(expected)
     for a, b in zip(torch.autograd.grad(expected, inputs, grad), torch.autograd.grad(got, inputs, grad)):
         torch.testing.assert_close(b, a, atol=2e-3, rtol=2e-3)
@@ -119,6 +119,7 @@ def test_under_autocast_fp32_inputs_attend_in_bf16_as_the_masked_sdpa() -> None:
     with torch.autocast("cuda", dtype=torch.bfloat16):
         expected = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=0.125,
                                                                     enable_gqa=True).transpose(1, 2)
-        got = own_block_attention(query, keys, values, selection, block_size, 0.125, gqa=True)
+        got = own_block_attention(query, (stored_k, stored_v), (raw_k, raw_v), selection, block_size, 0.125,
+                                  gqa=True)
     assert got.dtype == expected.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)

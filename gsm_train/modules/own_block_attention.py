@@ -68,10 +68,12 @@ def attention_dtype(query: Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
 
 
-def _flex_attention_in(dtype: torch.dtype, query: Tensor, keys: Tensor, values: Tensor,
+def _flex_attention_in(dtype: torch.dtype, query: Tensor, stored: tuple[Tensor, Tensor], raw: tuple[Tensor, Tensor],
                        **flex_arguments: object) -> Tensor:
-    """`flex_attention` of the inputs cast to `dtype` (inside the compiled graph, so the casts fuse)."""
-    return flex_attention(query.to(dtype), keys.to(dtype), values.to(dtype), **flex_arguments)
+    """`flex_attention` over keys and values [stored; raw] cast to `dtype`, with the query: built inside the
+    compiled graph, where the concatenation and the casts fuse into one kernel per tensor."""
+    keys, values = (torch.cat((first.to(dtype), second.to(dtype)), 2) for first, second in zip(stored, raw))
+    return flex_attention(query.to(dtype), keys, values, **flex_arguments)
 
 
 @functools.cache
@@ -89,14 +91,15 @@ def _tile_structure(length: int, block_size: int, device: torch.device) -> tuple
     return counts[None, None], indices[None, None]
 
 
-def own_block_attention(query: Tensor, keys: Tensor, values: Tensor, selection: Tensor, block_size: int,
-                        scaling: float, gqa: bool, compile_mode: str | None = None, tuned: bool = True,
-                        extra_options: dict[str, int | bool] | None = None) -> Tensor:
-    """Attention of query [B, H, T, D] over keys/values [B, Hkv, 2T, D] (stored, then raw) where query t
-    sees stored key j when `selection[b, g, t, j]` and j lies in an earlier ASQ block, and raw key j when
-    `selection[b, g, t, j]` and j lies in its own block (g: 0, or the query head's KV group when the
-    selection [B|1, n, T, T] has one row per KV head) -> [B, T, H, D], in `attention_dtype` (under
-    autocast its dtype, as SDPA computes there). On CUDA FlexAttention runs compiled, with torch.compile's `compile_mode` and, when `tuned`, the `kernel_options` for the query;
+def own_block_attention(query: Tensor, stored: tuple[Tensor, Tensor], raw: tuple[Tensor, Tensor], selection: Tensor,
+                        block_size: int, scaling: float, gqa: bool, compile_mode: str | None = None,
+                        tuned: bool = True, extra_options: dict[str, int | bool] | None = None) -> Tensor:
+    """Attention of query [B, H, T, D] over the `stored` and the `raw` (key, value) pairs [B, Hkv, T, D]
+    (2T keys side by side), where query t sees stored key j when `selection[b, g, t, j]` and j lies in an
+    earlier ASQ block, and raw key j when `selection[b, g, t, j]` and j lies in its own block (g: 0, or the
+    query head's KV group when the selection [B|1, n, T, T] has one row per KV head) -> [B, T, H, D], in
+    `attention_dtype` (under autocast its dtype, as SDPA computes there). On CUDA FlexAttention runs
+    compiled, with torch.compile's `compile_mode` and, when `tuned`, the `kernel_options` for the query;
     `extra_options` go on top (FlexAttention's `kernel_options`, for candidates that
     `benchmarks/asq_attention.py` times)."""
     length = query.shape[2]
@@ -115,5 +118,5 @@ def own_block_attention(query: Tensor, keys: Tensor, values: Tensor, selection: 
     dtype = attention_dtype(query)
     attend = compiled(_flex_attention_in, compile_mode) if query.is_cuda else _flex_attention_in
     options = {**((kernel_options(query, dtype) or {}) if tuned else {}), **(extra_options or {})} or None
-    out = attend(dtype, query, keys, values, block_mask=mask, scale=scaling, enable_gqa=gqa, kernel_options=options)
+    out = attend(dtype, query, stored, raw, block_mask=mask, scale=scaling, enable_gqa=gqa, kernel_options=options)
     return out.transpose(1, 2).contiguous()
