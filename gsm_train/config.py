@@ -82,6 +82,7 @@ class KVCompressionConfig(StrictModel):
     value_quant_bits: Literal[2, 4, 8] | None = None  # V's residual bits when they differ from K's
     block_size: int = Field(128, ge=1, le=65536)
     tau: float = Field(1.0, gt=0.0)
+    rotate_residuals: bool = False  # quantize residuals in a randomized Hadamard basis (head_dim a power of two)
 
     def bits(self) -> tuple[int, int]:
         """(K, V) residual bits: `quant_bits` for both unless `value_quant_bits` sets V's."""

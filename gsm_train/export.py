@@ -30,7 +30,8 @@ from gsm_train.modules import GSMRuntime, gsm_runtime, inject_gsm
 from gsm_train.modules.injection import GSM_PARAM_MARKER
 
 FORMAT = "gsm-train-adapter"
-FORMAT_VERSION = 2  # 2: 2-bit ASQ residuals on the mid-rise grid (kv_compressor.code_center); 1: on the symmetric one
+FORMAT_VERSION = 3  # 3: ASQ residuals in a rotated basis (kv_compression.rotate_residuals); 2: 2-bit ASQ residuals
+#                     on the mid-rise grid (kv_compressor.code_center); 1: on the symmetric one
 ADAPTER_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "gsm_config.json"
 CARD_FILE = "README.md"
@@ -110,9 +111,11 @@ def export_adapter(model: nn.Module, out_dir: str | Path, *, base_name: str, bas
     tensors = {name: t.detach().contiguous() for name, t in state.items() if include_base or is_adapter(name)}
     runtime = gsm_runtime(model)
     settings = runtime.config.model_dump(mode="json")
-    if settings["kv_compression"]["value_quant_bits"] is None:  # added after format 1: written only when set,
-        del settings["kv_compression"]["value_quant_bits"]       # so earlier readers load what they can represent
-    version = FORMAT_VERSION if _two_bit_residuals(settings) else 1  # likewise: format 2 only where it differs
+    kv = settings["kv_compression"]
+    for field, unset in (("value_quant_bits", None), ("rotate_residuals", False)):  # added after format 1: written
+        if kv[field] == unset:                                                    # only when set, so earlier
+            del kv[field]                                                         # readers load what they can
+    version = _format_version(settings)  # likewise: the lowest format that holds what the export needs
     config = {"format": FORMAT, "format_version": version, **settings,
               "base_model": base_description(model, runtime.base_fingerprint, base_name, base_revision),
               "lora": lora, "includes_base_weights": include_base,
@@ -128,6 +131,14 @@ def export_adapter(model: nn.Module, out_dir: str | Path, *, base_name: str, bas
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
     return out_dir
+
+
+def _format_version(settings: dict) -> int:
+    """The lowest format version that represents these (exported) GSM settings."""
+    kv = settings.get("kv_compression") or {}
+    if kv.get("enabled") and kv.get("rotate_residuals"):
+        return 3
+    return 2 if _two_bit_residuals(settings) else 1
 
 
 def _two_bit_residuals(settings: dict) -> bool:
@@ -154,6 +165,9 @@ def validate_export(export_dir: str | Path) -> dict:
         raise ExportError(f"{folder / CONFIG_FILE}: format 1 with 2-bit ASQ residuals, trained on the three-level "
                           "2-bit grid that format 2 replaced with four levels (docs/adapter-format.md); train and "
                           "export it again with this version")
+    if config["format_version"] < 3 and (config.get("kv_compression") or {}).get("rotate_residuals"):
+        raise ExportError(f"{folder / CONFIG_FILE}: format {config['format_version']} with rotated ASQ residuals, "
+                          "which only format 3 holds; re-export the adapter with this version")
     try:
         GSMConfig.model_validate({k: config[k] for k in _GSM_SECTIONS if k in config})
     except ValidationError as err:

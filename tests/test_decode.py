@@ -37,6 +37,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "gate_only_decay": {"sparse_attention": {**SPARSE, "top_k_schedule": "linear_decay", "decay_rate": 0.2}},
     "asq_only": {"sparse_attention": {"enabled": False}, "kv_compression": ASQ},
     "gate_asq_k4_v2": {"sparse_attention": SPARSE, "kv_compression": {**ASQ, "value_quant_bits": 2}},
+    "gate_asq_rotated": {"sparse_attention": SPARSE, "kv_compression": {**ASQ, "rotate_residuals": True}},
 }
 
 

@@ -84,6 +84,26 @@ def test_a_format_1_export_with_two_bit_residuals_is_refused(tmp_path: Path) -> 
         load_gsm(tiny_model("llama"), folder, mode="sparse")
 
 
+def test_rotated_residuals_are_format_3_load_back_rotated_and_older_formats_are_refused(tmp_path: Path) -> None:
+    """`kv_compression.rotate_residuals` came with format 3: written only when true, and an export that
+    claims an earlier format with it is refused (an earlier reader would decode the codes unrotated)."""
+    model = tiny_model("llama")
+    asq = {**ALL_ON["kv_compression"], "rotate_residuals": True}
+    inject_gsm(model, GSMConfig.model_validate({**ALL_ON, "kv_compression": asq}), mode="sparse")
+    folder = export_adapter(model, tmp_path / "export", base_name="tiny-llama")
+    config = json.loads((folder / CONFIG_FILE).read_text())
+    assert config["format_version"] == 3 and config["kv_compression"]["rotate_residuals"] is True
+    loaded = tiny_model("llama")
+    load_gsm(loaded, folder, mode="sparse")
+    assert loaded.model.layers[0].self_attn.gsm.asq_k.rotation is not None
+    ids = torch.randint(0, 256, (2, 40))
+    model.eval(), loaded.eval()
+    assert torch.equal(model(ids).logits, loaded(ids).logits)
+    (folder / CONFIG_FILE).write_text(json.dumps({**config, "format_version": 2}))
+    with pytest.raises(ExportError, match="format 2 with rotated ASQ residuals"):
+        load_gsm(tiny_model("llama"), folder, mode="sparse")
+
+
 @pytest.mark.parametrize("other", [lambda: tiny_model("llama", seed=1), lambda: tiny_model("qwen2"),
                                    lambda: tiny_model("llama", num_layers=3)])
 def test_a_different_base_is_refused(exported: tuple[torch.nn.Module, Path], other) -> None:

@@ -164,6 +164,22 @@ def test_refuses_bridge_beyond_the_model() -> None:
         inject_gsm(tiny_model("llama"), config)
 
 
+def test_refuses_rotated_residuals_for_a_head_size_that_is_no_power_of_two() -> None:
+    """One error naming the field, the model's head size and the fix, before any module is built."""
+    from transformers import AutoModelForCausalLM
+
+    from gsm_train.model_zoo import tiny_config
+
+    config = tiny_config("llama", 2)
+    config.head_dim = 12
+    model = AutoModelForCausalLM.from_config(config)
+    gsm = GSMConfig.model_validate({"kv_compression": {"enabled": True, "rotate_residuals": True}})
+    with pytest.raises(GSMError, match="rotate_residuals=true needs a power-of-two head_dim.* is 12; set "
+                                       "kv_compression.rotate_residuals=false"):
+        inject_gsm(model, gsm)
+    assert not any(hasattr(layer.self_attn, "gsm") for layer in model.model.layers)
+
+
 # --------------------------------------------------------------------------- seed API and dtypes
 
 

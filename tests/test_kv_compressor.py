@@ -133,8 +133,9 @@ def test_nbytes_matches_byte_account(s, block_size, bits, cluster_num, d, dtype)
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_eval_forward_equals_decompress_compress(bits, dtype) -> None:
-    comp = _asq(bits)
+@pytest.mark.parametrize("rotate", [False, True])
+def test_eval_forward_equals_decompress_compress(bits, dtype, rotate) -> None:
+    comp = _asq(bits, rotate_residuals=rotate)
     x = _offset_data(s=200).to(dtype)
     with torch.no_grad():
         out = comp(x)
@@ -232,7 +233,8 @@ def test_storage_rounding_matches_fp16_at_every_tie_and_subnormal() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled training pass runs on the GPU only")
-def test_compiled_training_pass_matches_the_eager_one() -> None:
+@pytest.mark.parametrize("rotate", [False, True])
+def test_compiled_training_pass_matches_the_eager_one(rotate: bool) -> None:
     """On the GPU, forward(x, with_loss=True) in training runs the torch.compile'd pass; forward and
     reconstruction_loss run eagerly. Fused kernels sum in another order, so a token near a tie may take
     another cluster or code (a few rows differ), but prototypes and scales sit on the same fp16 grid
@@ -243,7 +245,7 @@ def test_compiled_training_pass_matches_the_eager_one() -> None:
     counters.clear()
     results = []
     for compiled in (True, False):
-        comp = _asq(4).train().cuda()
+        comp = _asq(4, rotate_residuals=rotate).train().cuda()
         x = _offset_data(s=300).cuda().requires_grad_(True)
         out, loss = comp(x, with_loss=True) if compiled else (comp(x), comp.reconstruction_loss(x))
         (out.pow(2).mean() + loss).backward()
@@ -328,3 +330,34 @@ def test_plain_baselines_quantize_keys_and_values_at_their_own_bits(kind: str) -
     assert torch.equal(mixed[0], plain_kv_quant(key, value, kind, (4, 4), 16)[0])
     assert torch.equal(mixed[1], plain_kv_quant(key, value, kind, (2, 2), 16)[1])
     assert not torch.equal(mixed[1], plain_kv_quant(key, value, kind, (4, 4), 16)[1])
+
+
+def test_hadamard_rotation_is_orthonormal_fixed_and_needs_a_power_of_two() -> None:
+    """Entries +-1/sqrt(D), R R^T = I, the same matrix on every build (a reader rebuilds it from D), signs
+    not all alike; any other size is refused, naming head_dim."""
+    from gsm_train.modules.kv_compressor import hadamard_rotation
+
+    rotation = hadamard_rotation(D)
+    assert torch.equal(rotation.abs(), torch.full((D, D), D ** -0.5))
+    torch.testing.assert_close(rotation @ rotation.T, torch.eye(D), rtol=0, atol=1e-6)
+    assert torch.equal(rotation, hadamard_rotation(D))
+    assert 0 < (rotation[:, 0] > 0).sum() < D
+    with pytest.raises(ValueError, match="head_dim must be a power of two"):
+        hadamard_rotation(48)
+    with pytest.raises(ValueError, match="head_dim must be a power of two"):
+        ASQCompressor(H, 48, rotate_residuals=True)
+    assert "rotation" not in ASQCompressor(H, D, rotate_residuals=True).state_dict()  # rebuilt, never exported
+
+
+def test_rotation_spreads_a_channel_outlier_over_the_grid() -> None:
+    """A residual channel 30x the others sets every token's absmax scale, so per-token codes leave the
+    other channels almost nothing; in the rotated basis the outlier spreads over all channels and the
+    4-bit error falls (QuaRot's argument). Without an outlier both stay close."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, H, 256, D, generator=g)
+    outlier = x.clone()
+    outlier[..., 3] *= 30.0
+    plain, rotated = _asq(4), _asq(4, rotate_residuals=True)
+    with torch.no_grad():
+        assert _rel_err(rotated(outlier), outlier) < 0.5 * _rel_err(plain(outlier), outlier)
+        assert _rel_err(rotated(x), x) < 1.2 * _rel_err(plain(x), x)

@@ -72,6 +72,32 @@ def code_center(bits: int) -> float:
     return 2 ** (bits - 1) - (0.5 if bits == _MIDRISE_BITS else 0.0)
 
 
+_SIGN_HASH = 0x9E3779B1  # Fibonacci hashing's multiplier: channel i's sign is the top bit of i * it (mod 2**32)
+
+
+def hadamard_rotation(dim: int) -> Tensor:
+    """The orthonormal [dim, dim] fp32 rotation applied to residuals with `rotate_residuals`: Sylvester's
+    Hadamard matrix with row i negated where bit 31 of ``(i * 0x9E3779B1) mod 2**32`` is set, over
+    sqrt(dim) (a randomized Hadamard transform, as QuaRot rotates KV caches, with fixed signs that any
+    reader rebuilds from `dim` alone). `dim` must be a power of two."""
+    _check(dim >= 1 and dim & (dim - 1) == 0, "head_dim", f"must be a power of two to rotate residuals, got {dim}")
+    matrix = torch.ones(1, 1)
+    while matrix.shape[0] < dim:
+        matrix = torch.cat((torch.cat((matrix, matrix), 1), torch.cat((matrix, -matrix), 1)), 0)
+    signs = torch.tensor([-1.0 if ((i * _SIGN_HASH) & 0xFFFFFFFF) >> 31 else 1.0 for i in range(dim)])
+    return signs[:, None] * matrix / math.sqrt(dim)
+
+
+def _rotated(residual: Tensor, rotation: Tensor | None) -> Tensor:
+    """Residuals [..., D] in the rotated basis (``residual @ rotation``), or as they are without a rotation."""
+    return residual if rotation is None else residual @ rotation.to(residual.dtype)
+
+
+def _unrotated(residual: Tensor, rotation: Tensor | None) -> Tensor:
+    """Rotated residuals [..., D] back in the channels' basis (``residual @ rotation.T``)."""
+    return residual if rotation is None else residual @ rotation.to(residual.dtype).T
+
+
 def _round_ste(x: Tensor) -> Tensor:
     """Round to nearest with a straight-through (identity) gradient."""
     return x + (torch.round(x) - x).detach()
@@ -262,7 +288,8 @@ class PackedKV:
     """Packed ASQ storage of a [B, H, S, D] tensor.
 
     ``ids`` uint8 [B, H, F]; ``residual`` uint8 [B, H, F, ceil(D*bits/8)] (codes ``level +
-    code_center(bits)``, ``8 // bits`` per byte); ``scales`` float16 [B, H, F]; ``prototypes`` float16
+    code_center(bits)``, ``8 // bits`` per byte; of the rotated residual when ``rotation`` is set);
+    ``scales`` float16 [B, H, F]; ``prototypes`` float16
     [B, H, F // block_size, C, D]; ``tail`` the uncompressed last ``S - F`` tokens in the
     input dtype. ``F`` is the number of tokens in full blocks.
     """
@@ -274,6 +301,7 @@ class PackedKV:
     tail: Tensor
     bits: int
     block_size: int
+    rotation: Tensor | None = None  # the compressor's residual rotation (`hadamard_rotation`), not stored bytes
 
     @property
     def head_dim(self) -> int:
@@ -300,9 +328,10 @@ class _Encoded:
     ids: Tensor  # [B, H, n, bs] int64
     q: Tensor  # [B, H, n, bs, D] levels in units of the scale (see `_quantize`)
     scale: Tensor  # [B, H, n, bs, 1] fp16-rounded
+    rotation: Tensor | None = None  # the residuals' rotation (q and scale are of the rotated residual)
 
     def reconstruct(self) -> Tensor:
-        return _gather_prototypes(self.prototypes, self.ids) + self.q * self.scale
+        return _gather_prototypes(self.prototypes, self.ids) + _unrotated(self.q * self.scale, self.rotation)
 
 
 def _gather_prototypes(prototypes: Tensor, ids: Tensor) -> Tensor:
@@ -329,16 +358,17 @@ def _soft_assignment(blocks: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Ten
 
 
 def _encode_blocks(blocks: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, tau: float,
-                   bits: int) -> _Encoded:
-    """Cluster, build prototypes and quantize residuals of blocks [B, H, n, bs, D] (`compute_dtype`)."""
+                   bits: int, rotation: Tensor | None = None) -> _Encoded:
+    """Cluster, build prototypes and quantize residuals of blocks [B, H, n, bs, D] (`compute_dtype`), the
+    residuals in the basis of `rotation` when there is one."""
     probs = _soft_assignment(blocks, w1, b1, w2, b2, tau)
     weighted = torch.matmul(probs.transpose(-1, -2), blocks)
     mass = probs.sum(dim=3)
     prototypes = _to_store(weighted / (mass.unsqueeze(-1) + _EPS))
     ids = probs.argmax(dim=-1)
-    residual = blocks - _gather_prototypes(prototypes, ids)
+    residual = _rotated(blocks - _gather_prototypes(prototypes, ids), rotation)
     q, scale = _quantize(residual, bits, dim=-1)
-    return _Encoded(probs, weighted, mass, prototypes, ids, q, scale)
+    return _Encoded(probs, weighted, mass, prototypes, ids, q, scale, rotation)
 
 
 def _distortion(enc: _Encoded | None, blocks: Tensor) -> Tensor:
@@ -354,9 +384,9 @@ def _distortion(enc: _Encoded | None, blocks: Tensor) -> Tensor:
 
 
 def _reconstruction_and_distortion(blocks: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, tau: float,
-                                   bits: int) -> tuple[Tensor, Tensor]:
+                                   bits: int, rotation: Tensor | None) -> tuple[Tensor, Tensor]:
     """A training pass over full blocks: the fake-quantized blocks and the distortion loss."""
-    enc = _encode_blocks(blocks, w1, b1, w2, b2, tau, bits)
+    enc = _encode_blocks(blocks, w1, b1, w2, b2, tau, bits, rotation)
     return enc.reconstruct(), _distortion(enc, blocks)
 
 
@@ -377,6 +407,7 @@ class ASQCompressor(nn.Module):
         quant_bits: int = 4,
         block_size: int = 128,
         tau: float = 1.0,
+        rotate_residuals: bool = False,
     ) -> None:
         super().__init__()
         _check(num_kv_heads >= 1, "num_kv_heads", f"must be >= 1, got {num_kv_heads!r}")
@@ -393,6 +424,9 @@ class ASQCompressor(nn.Module):
         self.quant_bits = quant_bits
         self.block_size = block_size
         self.tau = tau
+        self.rotate_residuals = rotate_residuals
+        # rebuilt from head_dim wherever the compressor is built, so not part of its state (or an export's tensors)
+        self.register_buffer("rotation", hadamard_rotation(head_dim) if rotate_residuals else None, persistent=False)
         self.w1 = nn.Parameter(torch.randn(num_kv_heads, head_dim, hidden_dim) / math.sqrt(head_dim))
         self.b1 = nn.Parameter(torch.zeros(num_kv_heads, hidden_dim))
         self.w2 = nn.Parameter(torch.randn(num_kv_heads, hidden_dim, cluster_num) / math.sqrt(hidden_dim))
@@ -403,7 +437,8 @@ class ASQCompressor(nn.Module):
         return (
             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
             f"cluster_num={self.cluster_num}, hidden_dim={self.hidden_dim}, "
-            f"quant_bits={self.quant_bits}, block_size={self.block_size}, tau={self.tau}"
+            f"quant_bits={self.quant_bits}, block_size={self.block_size}, tau={self.tau}, "
+            f"rotate_residuals={self.rotate_residuals}"
         )
 
     # ---------------------------------------------------------------- internals
@@ -425,7 +460,7 @@ class ASQCompressor(nn.Module):
 
     def _encode(self, blocks: Tensor) -> _Encoded:
         """Cluster, build prototypes and quantize residuals of blocks [B, H, n, bs, D] (`compute_dtype`)."""
-        return _encode_blocks(blocks, *self._mlp(blocks.shape[1]), self.tau, self.quant_bits)
+        return _encode_blocks(blocks, *self._mlp(blocks.shape[1]), self.tau, self.quant_bits, self.rotation)
 
     def _split_input(self, x: Tensor, leading_heads: bool = False) -> tuple[Tensor, Tensor]:
         """Validate ``x``; its full blocks in `compute_dtype` and its tail."""
@@ -470,7 +505,8 @@ class ASQCompressor(nn.Module):
             blocks, tail = self._split_input(x)
             training_pass = compiled(_reconstruction_and_distortion) if x.is_cuda else _reconstruction_and_distortion
             with torch.autocast(device_type=x.device.type, enabled=False):
-                x_hat, loss = training_pass(blocks, *self._mlp(x.shape[1]), self.tau, self.quant_bits)
+                x_hat, loss = training_pass(blocks, *self._mlp(x.shape[1]), self.tau, self.quant_bits,
+                                            self.rotation)
             return _join_blocks(x_hat, tail), loss
         enc, blocks, tail = self._encode_input(x)
         x_hat = enc.reconstruct() if enc is not None else blocks
@@ -524,6 +560,7 @@ class ASQCompressor(nn.Module):
             tail=tail.clone(),
             bits=self.quant_bits,
             block_size=self.block_size,
+            rotation=self.rotation,
         )
 
     @staticmethod
@@ -535,7 +572,7 @@ class ASQCompressor(nn.Module):
         dtype = compute_dtype(packed.tail)
         q = _unpack(packed.residual, packed.bits, d, dtype).reshape(b, h, n, packed.block_size, d)
         scale = packed.scales.to(dtype).reshape(b, h, n, packed.block_size, 1)
-        x_hat = _gather_prototypes(packed.prototypes.to(dtype), ids) + q * scale
+        x_hat = _gather_prototypes(packed.prototypes.to(dtype), ids) + _unrotated(q * scale, packed.rotation)
         return _join_blocks(x_hat, packed.tail)
 
     def byte_account(self, seq_len: int, batch_size: int = 1, tail_bytes: int = 2) -> dict[str, float]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from gsm_train.modules.kv_compressor import ASQCompressor, PackedKV, _unpack, compute_dtype, stored_split
+from gsm_train.modules.kv_compressor import ASQCompressor, PackedKV, _unpack, _unrotated, compute_dtype, stored_split
 
 
 class KVStore:
@@ -74,7 +74,7 @@ class KVStore:
         b, h, n_blocks, clusters, _ = self.prototypes.shape
         flat = self.prototypes.reshape(b, h, n_blocks * clusters, dim)
         protos = torch.gather(flat, 2, (block * clusters + ids).unsqueeze(-1).expand(*at.shape, dim)).to(dtype)
-        packed_rows = (protos + codes * scales).to(rows.dtype)
+        packed_rows = (protos + _unrotated(codes * scales, self.asq.rotation)).to(rows.dtype)
         return torch.where((index < packed_len).unsqueeze(-1), packed_rows, rows)
 
     def all_rows(self) -> Tensor:
@@ -82,7 +82,7 @@ class KVStore:
         if self.packed_len == 0:
             return self.tail
         return ASQCompressor.decompress(PackedKV(self.ids, self.residual, self.scales, self.prototypes, self.tail,
-                                                 self.asq.quant_bits, self.asq.block_size))
+                                                 self.asq.quant_bits, self.asq.block_size, self.asq.rotation))
 
     def nbytes(self) -> int:
         """Bytes held."""
