@@ -9,9 +9,12 @@ text) when every layer's keys and values go through a quantizer, at K/V bits (4,
 - `asq_key_channels`: the key residual quantized per channel over the block on ASQ's symmetric grid
   (mid-rise at 2 bits), the value residual per token asymmetric (min-max with a zero point);
 - `asq_key_channels_asymmetric`: the key residual per channel asymmetric, the value residual per token
-  asymmetric.
+  asymmetric;
+- `asq_rotated`: as `asq_per_token`, in the randomized Hadamard basis of `rotate_residuals`
+  (`kv_compressor.hadamard_rotation`; QuaRot's rotation), keys and values.
 
-The ASQ rows use 16 prototypes per block, `asq_per_token` and `asq_key_channels` also 2 (the cheap end).
+The ASQ rows use 16 prototypes per block, `asq_per_token`, `asq_key_channels` and `asq_rotated` also 2 (the
+cheap end).
 Caveats: no training; the prototypes are k-means stand-ins for trained ASQ prototypes (`asq_grid.py`'s
 `_kmeans_prototypes`); every full block is quantized (ASQ keeps a query's own block raw), only the newest
 incomplete block stays raw. The 2-bit rows are chaotic at the level of a few thousandths: rounding the three
@@ -41,24 +44,36 @@ from gsm_train.modules.kv_compressor import (  # noqa: E402
     _fake_quant,
     _fake_quant_asymmetric,
     _join_blocks,
+    _rotated,
     _split_blocks,
+    _unrotated,
     fake_quant_kivi,
     fake_quant_per_token,
+    hadamard_rotation,
 )
 
 BLOCK = 128
 BIT_PAIRS = ((4, 4), (4, 2), (2, 2))
 Quantizer = Callable[[torch.Tensor, int], torch.Tensor]
 _per_token_asymmetric = partial(_fake_quant_asymmetric, dim=-1)
+
+
+def _per_token_rotated(residual: torch.Tensor, bits: int) -> torch.Tensor:
+    """`fake_quant_per_token` of the residual in the randomized Hadamard basis, rotated back (as ASQ with
+    `rotate_residuals` stores and rebuilds it)."""
+    rotation = hadamard_rotation(residual.shape[-1])
+    return _unrotated(fake_quant_per_token(_rotated(residual, rotation), bits), rotation)
+
 # (key residual, value residual) quantizer of each ASQ proxy, on residuals [B, H, blocks, BLOCK, D]
 RESIDUAL_QUANTIZERS: dict[str, tuple[Quantizer, Quantizer]] = {
     "asq_per_token": (fake_quant_per_token, fake_quant_per_token),
     "asq_key_channels": (partial(_fake_quant, dim=-2), _per_token_asymmetric),
     "asq_key_channels_asymmetric": (partial(_fake_quant_asymmetric, dim=-2), _per_token_asymmetric),
+    "asq_rotated": (_per_token_rotated, _per_token_rotated),
 }
 # (scheme, prototypes per block; None for kivi), run at every pair of BIT_PAIRS
 SETTINGS = (("kivi", None), ("asq_per_token", 16), ("asq_key_channels", 16), ("asq_key_channels_asymmetric", 16),
-            ("asq_per_token", 2), ("asq_key_channels", 2))
+            ("asq_rotated", 16), ("asq_per_token", 2), ("asq_key_channels", 2), ("asq_rotated", 2))
 
 
 def _quantized(x: torch.Tensor, scheme: str, clusters: int | None, bits: int, is_key: bool) -> torch.Tensor:

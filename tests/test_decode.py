@@ -183,16 +183,19 @@ def test_refusals() -> None:
                     "interpreter wants numpy<2.3); CI has neither, the GPU benchmark runs it")
 @pytest.mark.parametrize(("bits", "length", "selected"), [(2, 300, 40), (4, 300, 40), (8, 300, 40), (None, 300, 40),
                                                             (4, 2400, 2100),  # 2100: more splits than one merge load
-                                                            ((4, 2), 300, 40)])  # (K, V) bits apart
-def test_fused_kernel_equals_pytorch_path(bits: int | tuple[int, int] | None, length: int, selected: int) -> None:
+                                                            ((4, 2), 300, 40),  # (K, V) bits apart
+                                                            ("rotated", 300, 40)])  # rotated 4-bit residuals
+def test_fused_kernel_equals_pytorch_path(bits: int | tuple[int, int] | str | None, length: int, selected: int) -> None:
     from gsm_train.kernels.sparse_decode import fused_decode_attention
 
     device = KERNEL_DEVICE
     torch.manual_seed(0)
     batch, q_heads, kv_heads, dim = 2, 6, 2, 64
-    side_bits = bits if isinstance(bits, tuple) else (bits, bits)
-    stores = [KVStore(ASQCompressor(kv_heads, dim, cluster_num=8, quant_bits=side, block_size=64).to(device)
-                      if side else None, kv_heads) for side in side_bits]
+    rotate = bits == "rotated"
+    side_bits = (4, 4) if rotate else bits if isinstance(bits, tuple) else (bits, bits)
+    stores = [KVStore(ASQCompressor(kv_heads, dim, cluster_num=8, quant_bits=side, block_size=64,
+                                    rotate_residuals=rotate).to(device) if side else None, kv_heads)
+              for side in side_bits]
     for store in stores:
         rows = torch.randn(batch, kv_heads, length, dim, device=device)
         store.append(rows[:, :, :length - 50])
@@ -222,6 +225,18 @@ def test_fused_cache_leaves_odd_head_sizes_to_pytorch() -> None:
     """A gate head of 12 dimensions (no power of two) decodes through the PyTorch score path, the rest fused."""
     model = _model("llama", {**CONFIGS["everything_share"],
                              "sparse_attention": {**SPARSE, "gate_head_dim": 12}}).to(KERNEL_DEVICE)
+    ids = _ids().to(KERNEL_DEVICE)
+    with torch.no_grad():
+        teacher_forced = model(ids, use_cache=False).logits
+    torch.testing.assert_close(_step_by_step(model, ids, GSMCache(model, fused=True)), teacher_forced, atol=1e-3,
+                               rtol=0)
+
+
+@pytest.mark.skipif(not KERNELS_RUN_HERE, reason="needs Triton with CUDA, or on CPU TRITON_INTERPRET=1")
+def test_fused_cache_decodes_rotated_residuals_as_teacher_forcing() -> None:
+    """With `rotate_residuals` the fused kernel takes the query into the residuals' basis for K's logits and
+    V's weighted residuals back out of it once the splits merge: the same logits as teacher forcing."""
+    model = _model("llama", CONFIGS["gate_asq_rotated"]).to(KERNEL_DEVICE)
     ids = _ids().to(KERNEL_DEVICE)
     with torch.no_grad():
         teacher_forced = model(ids, use_cache=False).logits

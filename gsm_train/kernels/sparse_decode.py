@@ -11,6 +11,11 @@ residual reads and this load order took the kernel from 206 to 160 us per step o
 context 32k, batch 16, k 2048, Llama-8B shapes.) A second small kernel merges the splits. Bytes
 moved per selected token and KV head: about ``2 * (3 + D * bits / 8 + 2 * D)`` (K and V, the
 prototype row counted in full), against ``4 * D`` for a bf16 cache read densely.
+
+With rotated residuals (`kv_compression.rotate_residuals`) the same bytes are read: a key's logit is
+``proto . q + r . (q R)``, with the query rotated once before the kernel, and the values' residuals are
+summed in the rotated basis in a second accumulator, rotated back (``R^T``) once the splits are merged.
+(Checked against the PyTorch path; not yet timed on the GPU.)
 """
 
 from __future__ import annotations
@@ -68,20 +73,28 @@ if triton is not None:
 
     @triton.jit
     def _dequant_rows(proto, byte, scale, in_packed, tail_ptr, bh, pos, live, packed_len, tail_len, dims,
-                      D: tl.constexpr, BITS: tl.constexpr, CENTER: tl.constexpr, PACKED: tl.constexpr):
+                      D: tl.constexpr, BITS: tl.constexpr, CENTER: tl.constexpr, PACKED: tl.constexpr,
+                      ROTATED: tl.constexpr):
         """Rows [N, D] (fp32) at `pos`: packed rows rebuilt from `_packed_parts`, rows of the raw newest
-        block read from the tail (only when the tile holds one)."""
+        block read from the tail (only when the tile holds one). With ROTATED, (prototype or raw rows,
+        residuals in the rotated basis, zero for raw rows), which the caller multiplies apart; else
+        (rows, rows)."""
         rows = tl.zeros([pos.shape[0], D], tl.float32)
+        residual = rows
         if PACKED:
             levels = _unpacked_levels(byte.to(tl.int32), BITS, CENTER)
-            rows = tl.where(in_packed[:, None],
-                            proto.to(tl.float32) + levels * scale.to(tl.float32)[:, None], 0.0)
+            residual = tl.where(in_packed[:, None], levels * scale.to(tl.float32)[:, None], 0.0)
+            rows = tl.where(in_packed[:, None], proto.to(tl.float32), 0.0)
+            if not ROTATED:
+                rows = rows + residual
         in_tail = live & (pos >= packed_len)
         if tl.max(in_tail.to(tl.int32), 0) > 0:
             raw = tl.load(tail_ptr + (bh * tail_len + (pos - packed_len))[:, None] * D + dims[None, :],
                           mask=in_tail[:, None], other=0.0)
             rows = tl.where(in_tail[:, None], raw.to(tl.float32), rows)
-        return rows
+        if ROTATED:
+            return rows, residual
+        return rows, rows
 
     # Gathers of scattered rows are latency-bound: how many rows a program takes (BLOCK_N x TILES) and
     # how many warps it runs trade parallelism against per-program overhead; Triton picks per shape.
@@ -91,16 +104,17 @@ if triton is not None:
                                              (64, 16, 4))],
         key=["size_class", "rows", "D", "G", "PACKED"])
     @triton.jit
-    def _sparse_decode_kernel(q_ptr, index_ptr, valid_ptr,
+    def _sparse_decode_kernel(q_ptr, q_rotated_ptr, index_ptr, valid_ptr,
                               k_ids, k_res, k_scales, k_protos, k_tail,
                               v_ids, v_res, v_scales, v_protos, v_tail,
-                              acc_ptr, max_ptr, sum_ptr,
+                              acc_ptr, acc_rotated_ptr, max_ptr, sum_ptr,
                               packed_len, tail_len, n_blocks, selected, size_class, rows, scaling,
                               KV_HEADS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                               K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_CENTER: tl.constexpr,
                               V_CENTER: tl.constexpr, C: tl.constexpr,
                               TOKENS_PER_BLOCK: tl.constexpr,
-                              PACKED: tl.constexpr, HAS_VALID: tl.constexpr, PRECISION: tl.constexpr,
+                              PACKED: tl.constexpr, ROTATED: tl.constexpr, HAS_VALID: tl.constexpr,
+                              PRECISION: tl.constexpr,
                               SHARED_SELECTION: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr):
         bh = tl.program_id(0)
         split = tl.program_id(1)
@@ -110,9 +124,14 @@ if triton is not None:
         dims = tl.arange(0, D)
         q = tl.load(q_ptr + ((bh * G + heads) * D)[:, None] + dims[None, :], mask=(heads < G)[:, None], other=0.0)
         q_t = tl.trans(q)  # [D, GP]: the tile's rows stay [BLOCK_N, D], as read
+        q_rotated_t = q_t  # with ROTATED: the query in the residuals' rotated basis (q R), for their logits
+        if ROTATED:
+            q_rotated_t = tl.trans(tl.load(q_rotated_ptr + ((bh * G + heads) * D)[:, None] + dims[None, :],
+                                           mask=(heads < G)[:, None], other=0.0))
         m_i = tl.full([GP], -1.0e30, tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
+        acc_rotated = tl.zeros([GP, D], tl.float32)  # with ROTATED: the weighted sum of V's rotated residuals
         lo = split * BLOCK_N * TILES
         hi = tl.minimum(lo + BLOCK_N * TILES, selected)
         for start in range(0, BLOCK_N * TILES, BLOCK_N):
@@ -130,21 +149,29 @@ if triton is not None:
             else:
                 k_proto, k_byte, k_scale = pos, pos, pos
                 v_proto, v_byte, v_scale = pos, pos, pos
-            keys = _dequant_rows(k_proto, k_byte, k_scale, in_packed, k_tail, bh, pos, live, packed_len, tail_len,
-                                 dims, D, K_BITS, K_CENTER, PACKED)
-            logits = tl.dot(keys.to(q.dtype), q_t, input_precision=PRECISION) * scaling  # [BLOCK_N, GP]
+            keys, key_residuals = _dequant_rows(k_proto, k_byte, k_scale, in_packed, k_tail, bh, pos, live,
+                                                packed_len, tail_len, dims, D, K_BITS, K_CENTER, PACKED, ROTATED)
+            logits = tl.dot(keys.to(q.dtype), q_t, input_precision=PRECISION)  # [BLOCK_N, GP]
+            if ROTATED:  # (p + r R^T) . q = p . q + r . (q R)
+                logits += tl.dot(key_residuals.to(q.dtype), q_rotated_t, input_precision=PRECISION)
+            logits = logits * scaling
             logits = tl.where(live[:, None], logits, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(logits, 0))
             alpha = tl.exp(m_i - m_new)
             p = tl.trans(tl.exp(logits - m_new[None, :]))
-            values = _dequant_rows(v_proto, v_byte, v_scale, in_packed, v_tail, bh, pos, live, packed_len, tail_len,
-                                   dims, D, V_BITS, V_CENTER, PACKED)
+            values, value_residuals = _dequant_rows(v_proto, v_byte, v_scale, in_packed, v_tail, bh, pos, live,
+                                                    packed_len, tail_len, dims, D, V_BITS, V_CENTER, PACKED, ROTATED)
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), values.to(q.dtype), input_precision=PRECISION)
+            if ROTATED:  # rotated back once, after the splits merge (the rotation is linear)
+                acc_rotated = acc_rotated * alpha[:, None] + tl.dot(p.to(q.dtype), value_residuals.to(q.dtype),
+                                                                    input_precision=PRECISION)
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
         part = (bh * splits + split) * G + heads  # the group's real heads only, not the dot's padding
         real = heads < G
         tl.store(acc_ptr + (part * D)[:, None] + dims[None, :], acc, mask=real[:, None])
+        if ROTATED:
+            tl.store(acc_rotated_ptr + (part * D)[:, None] + dims[None, :], acc_rotated, mask=real[:, None])
         tl.store(max_ptr + part, m_i, mask=real)
         tl.store(sum_ptr + part, l_i, mask=real)
 
@@ -225,10 +252,13 @@ def fused_decode_attention(query: Tensor, k_store: KVStore, v_store: KVStore, in
     packed = k_store.packed_len > 0
     asq = k_store.asq
     k_bits, v_bits = (asq.quant_bits, v_store.asq.quant_bits) if packed else (8, 8)  # no codes read unpacked
+    rotated = packed and asq.rotate_residuals  # residual codes in the rotated basis (K's and V's alike)
     q = query.reshape(batch, q_heads, dim).contiguous()
+    q_rotated = (q.float() @ asq.rotation).to(q.dtype) if rotated else q  # logits of rotated residuals: r . (q R)
     index = index.contiguous()
     valid_arg = valid.to(torch.int8).contiguous() if valid is not None else index
     acc = torch.empty(batch * kv_heads * most_splits * groups * dim, device=query.device, dtype=torch.float32)
+    acc_rotated = torch.empty_like(acc) if rotated else acc
     maxes = torch.empty(batch * kv_heads * most_splits * groups, device=query.device, dtype=torch.float32)
     sums = torch.empty_like(maxes)
     n_blocks = k_store.prototypes.shape[2] if packed else 0
@@ -240,19 +270,28 @@ def fused_decode_attention(query: Tensor, k_store: KVStore, v_store: KVStore, in
     kernel = _sparse_decode_kernel.fn if interpreted else _sparse_decode_kernel
     fixed = {"BLOCK_N": 16, "TILES": 2} if interpreted else {}
     kernel[grid](
-        q, index, valid_arg, *_store_args(k_store, index), *_store_args(v_store, index), acc, maxes, sums,
+        q, q_rotated, index, valid_arg, *_store_args(k_store, index), *_store_args(v_store, index), acc,
+        acc_rotated, maxes, sums,
         k_store.packed_len, k_store.tail.shape[2], n_blocks, selected, triton.next_power_of_2(selected),
         batch * kv_heads, scaling,
         KV_HEADS=kv_heads, G=groups, GP=group_pad, D=dim, K_BITS=k_bits, V_BITS=v_bits,
         K_CENTER=code_center(k_bits), V_CENTER=code_center(v_bits),
         C=asq.cluster_num if packed else 1, TOKENS_PER_BLOCK=asq.block_size if packed else 1, PACKED=packed,
+        ROTATED=rotated,
         HAS_VALID=valid is not None, PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # fp32: exact
         SHARED_SELECTION=index.shape[1] == 1, **fixed)
     splits = grid(fixed or _sparse_decode_kernel.best_config.kwargs)[1]
-    out = torch.empty(batch, q_heads, dim, device=query.device, dtype=query.dtype)
-    _merge_splits_kernel[(batch * q_heads,)](acc, maxes, sums, out, splits, G=groups, D=dim,
-                                             SPLIT_BLOCK=min(64, triton.next_power_of_2(splits)))
-    return out.reshape(batch, 1, q_heads, dim)
+
+    def merged(parts: Tensor, dtype: torch.dtype) -> Tensor:
+        out = torch.empty(batch, q_heads, dim, device=query.device, dtype=dtype)
+        _merge_splits_kernel[(batch * q_heads,)](parts, maxes, sums, out, splits, G=groups, D=dim,
+                                                 SPLIT_BLOCK=min(64, triton.next_power_of_2(splits)))
+        return out
+
+    if not rotated:
+        return merged(acc, query.dtype).reshape(batch, 1, q_heads, dim)
+    out = merged(acc, torch.float32) + merged(acc_rotated, torch.float32) @ v_store.asq.rotation.T  # back from R
+    return out.to(query.dtype).reshape(batch, 1, q_heads, dim)
 
 
 def gate_scores(gate_q: Tensor, gate_keys: Tensor, key_scales: Tensor | None) -> Tensor:

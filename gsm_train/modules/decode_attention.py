@@ -3,10 +3,9 @@
 Per layer: score the cached gate keys with the new gate query, keep the top-k positions (the same
 rule as training: own position, sinks and recent tokens forced; dense while k covers everything),
 gather and dequantize only those K/V rows (the bridge maps the source layer's rows on the fly), and
-attend. On CUDA with Triton, layers without a bridge or rotated ASQ residuals gather, dequantize and
-attend in one fused kernel (`gsm_train.kernels.sparse_decode`) when their head size suits it
-(`kernels.kernel_fits`: a power of two from 16 to 256), as do the gate scores; everywhere else this
-PyTorch path runs.
+attend. On CUDA with Triton, layers without a bridge gather, dequantize and attend in one fused
+kernel (`gsm_train.kernels.sparse_decode`) when their head size suits it (`kernels.kernel_fits`: a
+power of two from 16 to 256), as do the gate scores; everywhere else this PyTorch path runs.
 """
 
 from __future__ import annotations
@@ -130,8 +129,7 @@ def decode_attention(module: nn.Module, adapter: GSMAttentionAdapter, layer_cach
     else:
         index = torch.arange(length, device=query.device).expand(query.shape[0], 1, length)
         valid = None if allowed is None else allowed[:, None, :]
-    rotated = adapter.asq_k is not None and adapter.asq_k.rotate_residuals  # the kernel reads unrotated codes only
-    if adapter.bridge is None and not rotated and kernels is not None and kernel_fits(module.head_dim):
+    if adapter.bridge is None and kernels is not None and kernel_fits(module.head_dim):
         return kernels.fused_decode_attention(query, layer_cache.k_store, layer_cache.v_store, index, valid, scaling)
     shared = index.shape[1] == 1
     index = _per_kv_head(index, kv_heads)
