@@ -76,9 +76,9 @@ if triton is not None:
                       D: tl.constexpr, BITS: tl.constexpr, CENTER: tl.constexpr, PACKED: tl.constexpr,
                       ROTATED: tl.constexpr):
         """Rows [N, D] (fp32) at `pos`: packed rows rebuilt from `_packed_parts`, rows of the raw newest
-        block read from the tail (only when the tile holds one). With ROTATED, (prototype or raw rows,
-        residuals in the rotated basis, zero for raw rows), which the caller multiplies apart; else
-        (rows, rows)."""
+        block read from the tail (only when the tile holds one), and the packed rows' residuals (zero
+        elsewhere). With ROTATED the rows hold only the prototypes (or raw rows) and the residuals, in the
+        rotated basis, are multiplied apart by the caller; else the rows include them."""
         rows = tl.zeros([pos.shape[0], D], tl.float32)
         residual = rows
         if PACKED:
@@ -92,9 +92,7 @@ if triton is not None:
             raw = tl.load(tail_ptr + (bh * tail_len + (pos - packed_len))[:, None] * D + dims[None, :],
                           mask=in_tail[:, None], other=0.0)
             rows = tl.where(in_tail[:, None], raw.to(tl.float32), rows)
-        if ROTATED:
-            return rows, residual
-        return rows, rows
+        return rows, residual
 
     # Gathers of scattered rows are latency-bound: how many rows a program takes (BLOCK_N x TILES) and
     # how many warps it runs trade parallelism against per-program overhead; Triton picks per shape.
