@@ -112,6 +112,8 @@ def export_adapter(model: nn.Module, out_dir: str | Path, *, base_name: str, bas
     runtime = gsm_runtime(model)
     settings = runtime.config.model_dump(mode="json")
     kv = settings["kv_compression"]
+    if not kv["enabled"]:  # a switched-off compressor rotates nothing
+        kv["rotate_residuals"] = False
     for field, unset in (("value_quant_bits", None), ("rotate_residuals", False)):  # added after format 1: written
         if kv[field] == unset:                                                    # only when set, so earlier
             del kv[field]                                                         # readers load what they can
@@ -165,7 +167,7 @@ def validate_export(export_dir: str | Path) -> dict:
         raise ExportError(f"{folder / CONFIG_FILE}: format 1 with 2-bit ASQ residuals, trained on the three-level "
                           "2-bit grid that format 2 replaced with four levels (docs/adapter-format.md); train and "
                           "export it again with this version")
-    if config["format_version"] < 3 and (config.get("kv_compression") or {}).get("rotate_residuals"):
+    if config["format_version"] < 3 and _format_version(config) == 3:
         raise ExportError(f"{folder / CONFIG_FILE}: format {config['format_version']} with rotated ASQ residuals, "
                           "which only format 3 holds; re-export the adapter with this version")
     try:

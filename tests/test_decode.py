@@ -214,6 +214,19 @@ def test_fused_kernel_equals_pytorch_path(bits: int | tuple[int, int] | str | No
                                rtol=0)
 
 
+def test_fused_kernel_refuses_stores_that_disagree_on_rotation() -> None:
+    """K's and V's compressors both rotate their residuals or neither; a mismatch is one clear error, not a
+    silently wrong output."""
+    sparse_decode = pytest.importorskip("gsm_train.kernels.sparse_decode")
+    if not hasattr(sparse_decode, "fused_decode_attention"):
+        pytest.skip("needs Triton")
+    stores = [KVStore(ASQCompressor(2, 64, cluster_num=4, block_size=8, rotate_residuals=rotate), 2)
+              for rotate in (True, False)]
+    index = torch.zeros(1, 2, 1, dtype=torch.long)
+    with pytest.raises(ValueError, match="must both rotate residuals or neither"):
+        sparse_decode.fused_decode_attention(torch.zeros(1, 4, 1, 64), *stores, index, None, 0.125)
+
+
 def test_kernels_take_only_the_head_sizes_they_fit() -> None:
     from gsm_train.kernels import kernel_fits
 

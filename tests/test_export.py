@@ -104,6 +104,18 @@ def test_rotated_residuals_are_format_3_load_back_rotated_and_older_formats_are_
         load_gsm(tiny_model("llama"), folder, mode="sparse")
 
 
+def test_a_switched_off_compressor_exports_no_rotation(tmp_path: Path) -> None:
+    """`rotate_residuals` with ASQ off rotates nothing: the export leaves the field out (format 1, so
+    earlier readers load it) and loads back."""
+    model = tiny_model("llama")
+    off = {"enabled": False, "rotate_residuals": True}
+    inject_gsm(model, GSMConfig.model_validate({**ALL_ON, "kv_compression": off}), mode="sparse")
+    folder = export_adapter(model, tmp_path / "export", base_name="tiny-llama")
+    config = json.loads((folder / CONFIG_FILE).read_text())
+    assert config["format_version"] == 1 and "rotate_residuals" not in config["kv_compression"]
+    load_gsm(tiny_model("llama"), folder, mode="sparse")
+
+
 @pytest.mark.parametrize("other", [lambda: tiny_model("llama", seed=1), lambda: tiny_model("qwen2"),
                                    lambda: tiny_model("llama", num_layers=3)])
 def test_a_different_base_is_refused(exported: tuple[torch.nn.Module, Path], other) -> None:

@@ -224,9 +224,10 @@ def test_storage_rounding_matches_fp16_at_every_tie_and_subnormal() -> None:
     ties = ((grid[1:].double() + grid[:-1].double()) / 2).float()  # exact in fp32: 12 significant bits
     up, down = torch.tensor(float("inf")), torch.tensor(float("-inf"))
     x = torch.cat([grid, ties, torch.nextafter(ties, up), torch.nextafter(ties, down),
-                   torch.tensor([float("nan"), 1e-40, -1e-40, 65519.0, 65520.0, -1e30])])
+                   torch.tensor([float("nan"), 1e-40, -1e-40, -0.0, -1e-8, 65519.0, 65520.0, -1e30])])
     want = x.clamp(-65504, 65504).half().float().nan_to_num(7.0)
-    assert torch.equal(_to_store(x).nan_to_num(7.0), want)
+    got = _to_store(x).nan_to_num(7.0)
+    assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())  # -0.0 stays -0.0, as fp16 has it
     if torch.cuda.is_available():  # compiled, fused with its neighbours as in ASQ's training pass
         fused = torch.compile(lambda v: -_to_store(-v), fullgraph=True)  # negation: exact, and fused
         assert torch.equal(fused(x.cuda()).nan_to_num(7.0).cpu(), want)
@@ -338,8 +339,8 @@ def test_hadamard_rotation_is_orthonormal_fixed_and_needs_a_power_of_two() -> No
     from gsm_train.modules.kv_compressor import hadamard_rotation
 
     rotation = hadamard_rotation(D)
-    assert torch.equal(rotation.abs(), torch.full((D, D), D ** -0.5))
-    torch.testing.assert_close(rotation @ rotation.T, torch.eye(D), rtol=0, atol=1e-6)
+    assert torch.equal(rotation.abs(), torch.full((D, D), D ** -0.5, dtype=torch.float64))
+    torch.testing.assert_close(rotation @ rotation.T, torch.eye(D, dtype=torch.float64), rtol=0, atol=1e-12)
     assert torch.equal(rotation, hadamard_rotation(D))
     assert 0 < (rotation[:, 0] > 0).sum() < D
     with pytest.raises(ValueError, match="head_dim must be a power of two"):
@@ -347,6 +348,8 @@ def test_hadamard_rotation_is_orthonormal_fixed_and_needs_a_power_of_two() -> No
     with pytest.raises(ValueError, match="head_dim must be a power of two"):
         ASQCompressor(H, 48, rotate_residuals=True)
     assert "rotation" not in ASQCompressor(H, D, rotate_residuals=True).state_dict()  # rebuilt, never exported
+    for cast in (torch.bfloat16, torch.float16, torch.float32):  # a cast of the module leaves it exact
+        assert torch.equal(ASQCompressor(H, 128, rotate_residuals=True).to(cast).rotation, hadamard_rotation(128))
 
 
 def test_rotation_spreads_a_channel_outlier_over_the_grid() -> None:

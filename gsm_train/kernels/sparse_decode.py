@@ -242,6 +242,10 @@ def fused_decode_attention(query: Tensor, k_store: KVStore, v_store: KVStore, in
                            scaling: float) -> Tensor:
     """Attention of query [B, Hq, 1, D] over the rows `index` [B, n, k] of the stores (n = 1: one selection
     for all KV heads; n = Hkv: one per KV head; `valid` alike or None) -> [B, 1, Hq, D]."""
+    k_rotates, v_rotates = (store.asq is not None and store.asq.rotate_residuals for store in (k_store, v_store))
+    if k_rotates != v_rotates:
+        raise ValueError(f"k_store and v_store must both rotate residuals or neither (got {k_rotates} and "
+                         f"{v_rotates}); build both compressors with the same rotate_residuals")
     batch, q_heads, _, dim = query.shape
     kv_heads, selected = k_store.tail.shape[1], index.shape[2]
     groups = q_heads // kv_heads
@@ -250,9 +254,9 @@ def fused_decode_attention(query: Tensor, k_store: KVStore, v_store: KVStore, in
     packed = k_store.packed_len > 0
     asq = k_store.asq
     k_bits, v_bits = (asq.quant_bits, v_store.asq.quant_bits) if packed else (8, 8)  # no codes read unpacked
-    rotated = packed and asq.rotate_residuals  # residual codes in the rotated basis (K's and V's alike)
+    rotated = packed and asq.rotate_residuals  # residual codes in the rotated basis, K's and V's alike
     q = query.reshape(batch, q_heads, dim).contiguous()
-    q_rotated = (q.float() @ asq.rotation).to(q.dtype) if rotated else q  # logits of rotated residuals: r . (q R)
+    q_rotated = (q.float() @ asq.rotation.float()).to(q.dtype) if rotated else q  # rotated residuals' logits: r.(qR)
     index = index.contiguous()
     valid_arg = valid.to(torch.int8).contiguous() if valid is not None else index
     acc = torch.empty(batch * kv_heads * most_splits * groups * dim, device=query.device, dtype=torch.float32)
@@ -288,7 +292,7 @@ def fused_decode_attention(query: Tensor, k_store: KVStore, v_store: KVStore, in
 
     if not rotated:
         return merged(acc, query.dtype).reshape(batch, 1, q_heads, dim)
-    out = merged(acc, torch.float32) + merged(acc_rotated, torch.float32) @ v_store.asq.rotation.T  # back from R
+    out = merged(acc, torch.float32) + merged(acc_rotated, torch.float32) @ v_store.asq.rotation.float().T  # R^T
     return out.to(query.dtype).reshape(batch, 1, q_heads, dim)
 
 

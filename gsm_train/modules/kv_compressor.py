@@ -76,15 +76,17 @@ _SIGN_HASH = 0x9E3779B1  # Fibonacci hashing's multiplier: channel i's sign is t
 
 
 def hadamard_rotation(dim: int) -> Tensor:
-    """The orthonormal [dim, dim] fp32 rotation applied to residuals with `rotate_residuals`: Sylvester's
-    Hadamard matrix with row i negated where bit 31 of ``(i * 0x9E3779B1) mod 2**32`` is set, over
-    sqrt(dim) (a randomized Hadamard transform, as QuaRot rotates KV caches, with fixed signs that any
-    reader rebuilds from `dim` alone). `dim` must be a power of two."""
+    """The orthonormal [dim, dim] rotation applied to residuals with `rotate_residuals`, in fp64 (callers
+    round it to the dtype they compute in): Sylvester's Hadamard matrix with row i negated where bit 31 of
+    ``(i * 0x9E3779B1) mod 2**32`` is set, over sqrt(dim) (a randomized Hadamard transform, as QuaRot
+    rotates KV caches, with fixed signs that any reader rebuilds from `dim` alone). `dim` must be a power
+    of two."""
     _check(dim >= 1 and dim & (dim - 1) == 0, "head_dim", f"must be a power of two to rotate residuals, got {dim}")
-    matrix = torch.ones(1, 1)
+    matrix = torch.ones(1, 1, dtype=torch.float64)
     while matrix.shape[0] < dim:
         matrix = torch.cat((torch.cat((matrix, matrix), 1), torch.cat((matrix, -matrix), 1)), 0)
-    signs = torch.tensor([-1.0 if ((i * _SIGN_HASH) & 0xFFFFFFFF) >> 31 else 1.0 for i in range(dim)])
+    signs = torch.tensor([-1.0 if ((i * _SIGN_HASH) & 0xFFFFFFFF) >> 31 else 1.0 for i in range(dim)],
+                         dtype=torch.float64)
     return signs[:, None] * matrix / math.sqrt(dim)
 
 
@@ -133,7 +135,7 @@ def _to_store(x: Tensor) -> Tensor:
     clamped = x.clamp(-_FP16_MAX, _FP16_MAX)
     with torch.no_grad():
         rounded = _fp16_grid(clamped) if x.dtype == torch.float32 else clamped.to(_STORE_DTYPE).to(x.dtype)
-    return clamped + (rounded - clamped).detach()
+    return rounded - (clamped.detach() - clamped)  # rounded's value (-0.0 included), clamped's gradient
 
 
 def _divisor(scale: Tensor) -> Tensor:
@@ -425,13 +427,22 @@ class ASQCompressor(nn.Module):
         self.block_size = block_size
         self.tau = tau
         self.rotate_residuals = rotate_residuals
-        # rebuilt from head_dim wherever the compressor is built, so not part of its state (or an export's tensors)
+        # rebuilt from head_dim wherever the compressor is built, so not part of its state (or an export's tensors);
+        # kept in fp64 whatever the module is cast to (`_apply`), and rounded where it is used
         self.register_buffer("rotation", hadamard_rotation(head_dim) if rotate_residuals else None, persistent=False)
         self.w1 = nn.Parameter(torch.randn(num_kv_heads, head_dim, hidden_dim) / math.sqrt(head_dim))
         self.b1 = nn.Parameter(torch.zeros(num_kv_heads, hidden_dim))
         self.w2 = nn.Parameter(torch.randn(num_kv_heads, hidden_dim, cluster_num) / math.sqrt(hidden_dim))
         self.b2 = nn.Parameter(torch.zeros(num_kv_heads, cluster_num))
         self.last_stats: dict[str, Tensor] = {}
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202 (nn.Module's signature)
+        """nn.Module's `_apply` (`.to()`, `.cuda()`, `.half()`, ...), then the rotation rebuilt exactly in
+        fp64 on its new device: a cast to bf16 would otherwise round its entries for good."""
+        super()._apply(fn, recurse)
+        if self.rotation is not None and self.rotation.dtype != torch.float64:
+            self.rotation = hadamard_rotation(self.head_dim).to(self.rotation.device)
+        return self
 
     def extra_repr(self) -> str:
         return (
