@@ -111,13 +111,12 @@ def export_adapter(model: nn.Module, out_dir: str | Path, *, base_name: str, bas
     tensors = {name: t.detach().contiguous() for name, t in state.items() if include_base or is_adapter(name)}
     runtime = gsm_runtime(model)
     settings = runtime.config.model_dump(mode="json")
-    kv = settings["kv_compression"]
-    if not kv["enabled"]:  # a switched-off compressor rotates nothing
-        kv["rotate_residuals"] = False
-    for field, unset in (("value_quant_bits", None), ("rotate_residuals", False)):  # added after format 1: written
-        if kv[field] == unset:                                                    # only when set, so earlier
-            del kv[field]                                                         # readers load what they can
-    version = _format_version(settings)  # likewise: the lowest format that holds what the export needs
+    version = _format_version(settings)  # the lowest format that holds what the export needs, so that
+    kv = settings["kv_compression"]      # earlier readers load what they can represent; likewise, fields
+    if kv["value_quant_bits"] is None:   # added after format 1 are written only when they matter
+        del kv["value_quant_bits"]
+    if version < 3:  # nothing rotates (false, or ASQ off)
+        del kv["rotate_residuals"]
     config = {"format": FORMAT, "format_version": version, **settings,
               "base_model": base_description(model, runtime.base_fingerprint, base_name, base_revision),
               "lora": lora, "includes_base_weights": include_base,

@@ -80,13 +80,13 @@ if triton is not None:
         elsewhere). With ROTATED the rows hold only the prototypes (or raw rows) and the residuals, in the
         rotated basis, are multiplied apart by the caller; else the rows include them."""
         rows = tl.zeros([pos.shape[0], D], tl.float32)
-        residual = rows
+        residual = rows  # zero outside packed rows: their scale loads as 0
         if PACKED:
-            levels = _unpacked_levels(byte.to(tl.int32), BITS, CENTER)
-            residual = tl.where(in_packed[:, None], levels * scale.to(tl.float32)[:, None], 0.0)
-            rows = tl.where(in_packed[:, None], proto.to(tl.float32), 0.0)
-            if not ROTATED:
-                rows = rows + residual
+            residual = _unpacked_levels(byte.to(tl.int32), BITS, CENTER) * scale.to(tl.float32)[:, None]
+            if ROTATED:
+                rows = tl.where(in_packed[:, None], proto.to(tl.float32), 0.0)
+            else:
+                rows = tl.where(in_packed[:, None], proto.to(tl.float32) + residual, 0.0)
         in_tail = live & (pos >= packed_len)
         if tl.max(in_tail.to(tl.int32), 0) > 0:
             raw = tl.load(tail_ptr + (bh * tail_len + (pos - packed_len))[:, None] * D + dims[None, :],
