@@ -12,7 +12,7 @@
    cache, same prompts; tokens/s, the KV memory held on the device, and agreement of the generated
    tokens with the teacher-forced GSM model's argmax.
 
-python benchmarks/decode.py --eval-data PATH/wikitext-2/valid.txt [--adapter EXPORT] --result OUT.json
+python benchmarks/decode.py --eval-data PATH/wikitext-2/valid.txt [--adapter EXPORT] [--rotate] --result OUT.json
 """
 
 from __future__ import annotations
@@ -106,11 +106,14 @@ def _gsm_ms(query: torch.Tensor, caches: list[tuple[KVStore, KVStore, torch.Tens
 
 
 @torch.no_grad()
-def attention_rows(contexts: list[int], batches: list[int], ks: list[int], bits: int) -> list[dict]:
-    """Per-step decode attention time per layer, GSM vs dense SDPA, for every shape / context / batch / k."""
+def attention_rows(contexts: list[int], batches: list[int], ks: list[int], bits: int,
+                   rotate: bool = False) -> list[dict]:
+    """Per-step decode attention time per layer, GSM vs dense SDPA, for every shape / context / batch / k
+    (`rotate`: ASQ stores residuals in the randomized Hadamard basis, `rotate_residuals`)."""
     rows = []
     for shape, (q_heads, kv_heads, dim) in SHAPES.items():
-        asq_k, asq_v = (ASQCompressor(kv_heads, dim, cluster_num=16, quant_bits=bits, block_size=128).cuda()
+        asq_k, asq_v = (ASQCompressor(kv_heads, dim, cluster_num=16, quant_bits=bits, block_size=128,
+                                      rotate_residuals=rotate).cuda()
                         for _ in range(2))
         for length in contexts:
             for batch in batches:
@@ -266,6 +269,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--ks", default="64,2048")
     parser.add_argument("--bits", type=int, default=4)
+    parser.add_argument("--rotate", action="store_true", help="time attention over ASQ stores with rotate_residuals")
     parser.add_argument("--prompt", type=int, default=4096)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--result", required=True)
@@ -276,7 +280,7 @@ def main() -> None:
         flash = "installed but not benchmarked"
     except ImportError:
         flash = "not installed on this machine; dense SDPA picks its own backend (flash/cuDNN/efficient)"
-    rows = attention_rows(ints(args.contexts), ints(args.batches), ints(args.ks), args.bits)
+    rows = attention_rows(ints(args.contexts), ints(args.batches), ints(args.ks), args.bits, args.rotate)
     dense, tokenizer = load_model_and_tokenizer("smollm2-135m", dtype=torch.bfloat16)
     prompts = pack_tokens(load_text_dataset(args.eval_data), tokenizer, args.prompt)
     e2e = end_to_end(dense, prompts, args.adapter, args.new_tokens, ints(args.batches))
@@ -307,6 +311,7 @@ def main() -> None:
         "token_agreement_fp32_outside_near_ties": exact["fp32"]["agreement_outside_near_ties"],
         "near_tie_logit_gap": NEAR_TIE,
         "adapter": args.adapter or "recipes/joint.yaml modules, untrained", "asq_bits": args.bits,
+        "asq_rotated_in_attention_rows": args.rotate,
         "flash_attn": flash, "attention": rows, "end_to_end": e2e,
     }
     write_result(Path(args.result), result)
