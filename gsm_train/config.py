@@ -83,9 +83,23 @@ class KVCompressionConfig(StrictModel):
     block_size: int = Field(128, ge=1, le=65536)
     tau: float = Field(1.0, gt=0.0)
     rotate_residuals: bool = False  # quantize residuals in a randomized Hadamard basis (head_dim a power of two)
+    # (K, V) residual bits of the layers named, in place of quant_bits / value_quant_bits there
+    layer_bits: dict[int, tuple[Literal[2, 4, 8], Literal[2, 4, 8]]] = Field(default_factory=dict)
 
-    def bits(self) -> tuple[int, int]:
-        """(K, V) residual bits: `quant_bits` for both unless `value_quant_bits` sets V's."""
+    @field_validator("layer_bits")
+    @classmethod
+    def _layers_from_zero(cls, value: dict[int, tuple[int, int]]) -> dict[int, tuple[int, int]]:
+        negative = sorted(layer for layer in value if layer < 0)
+        if negative:
+            raise _problem(f"layer_bits names layer {negative[0]}, but layers count from 0",
+                           "name layers 0 to the model's layer count - 1")
+        return dict(sorted(value.items()))
+
+    def bits(self, layer: int | None = None) -> tuple[int, int]:
+        """(K, V) residual bits of `layer` (None: of the layers `layer_bits` does not name): `quant_bits`
+        for both unless `value_quant_bits` sets V's, or the pair `layer_bits` gives the layer."""
+        if layer in self.layer_bits:
+            return self.layer_bits[layer]
         return self.quant_bits, self.value_quant_bits or self.quant_bits
 
 
@@ -301,6 +315,11 @@ class RecipeConfig(StrictModel):
                            "K and V, but gsm.kv_compression.value_quant_bits is "
                            f"{self.gsm.kv_compression.value_quant_bits}",
                            "drop one of them: the ratio, or value_quant_bits (then set quant_bits yourself)")
+        if knobs.kv_compression_ratio is not None and self.gsm.kv_compression.layer_bits:
+            raise _problem(f"tuning.kv_compression_ratio ({knobs.kv_compression_ratio}) picks one residual width for "
+                           "every layer, but gsm.kv_compression.layer_bits sets layers "
+                           f"{sorted(self.gsm.kv_compression.layer_bits)} apart",
+                           "drop one of them: the ratio, or layer_bits (then set quant_bits yourself)")
         return self
 
     @model_validator(mode="after")

@@ -30,8 +30,10 @@ from gsm_train.modules import GSMRuntime, gsm_runtime, inject_gsm
 from gsm_train.modules.injection import GSM_PARAM_MARKER
 
 FORMAT = "gsm-train-adapter"
-FORMAT_VERSION = 3  # 3: ASQ residuals in a rotated basis (kv_compression.rotate_residuals); 2: 2-bit ASQ residuals
-#                     on the mid-rise grid (kv_compressor.code_center); 1: on the symmetric one
+# 4: per-layer ASQ residual widths (kv_compression.layer_bits); 3: ASQ residuals in a rotated basis
+# (kv_compression.rotate_residuals); 2: 2-bit ASQ residuals on the mid-rise grid (kv_compressor.code_center);
+# 1: on the symmetric one
+FORMAT_VERSION = 4
 ADAPTER_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "gsm_config.json"
 CARD_FILE = "README.md"
@@ -115,8 +117,10 @@ def export_adapter(model: nn.Module, out_dir: str | Path, *, base_name: str, bas
     kv = settings["kv_compression"]      # earlier readers load what they can represent; likewise, fields
     if kv["value_quant_bits"] is None:   # added after format 1 are written only when they matter
         del kv["value_quant_bits"]
-    if version < 3:  # nothing rotates (false, or ASQ off)
+    if not _asq_setting(settings, "rotate_residuals"):  # nothing rotates (false, or ASQ off)
         del kv["rotate_residuals"]
+    if not _asq_setting(settings, "layer_bits"):  # every layer at quant_bits / value_quant_bits
+        del kv["layer_bits"]
     config = {"format": FORMAT, "format_version": version, **settings,
               "base_model": base_description(model, runtime.base_fingerprint, base_name, base_revision),
               "lora": lora, "includes_base_weights": include_base,
@@ -136,16 +140,24 @@ def export_adapter(model: nn.Module, out_dir: str | Path, *, base_name: str, bas
 
 def _format_version(settings: dict) -> int:
     """The lowest format version that represents these (exported) GSM settings."""
-    kv = settings.get("kv_compression") or {}
-    if kv.get("enabled") and kv.get("rotate_residuals"):
+    if _asq_setting(settings, "layer_bits"):
+        return 4
+    if _asq_setting(settings, "rotate_residuals"):
         return 3
     return 2 if _two_bit_residuals(settings) else 1
+
+
+def _asq_setting(settings: dict, name: str) -> object:
+    """`kv_compression.<name>` of these (exported) GSM settings while ASQ is on; None while it is off."""
+    kv = settings.get("kv_compression") or {}
+    return kv.get(name) if kv.get("enabled") else None
 
 
 def _two_bit_residuals(settings: dict) -> bool:
     """Whether ASQ stores K or V residuals at 2 bits under these (exported) GSM settings."""
     kv = settings.get("kv_compression") or {}
-    return bool(kv.get("enabled")) and 2 in (kv.get("quant_bits"), kv.get("value_quant_bits"))
+    widths = {kv.get("quant_bits"), kv.get("value_quant_bits")}.union(*map(set, (kv.get("layer_bits") or {}).values()))
+    return bool(kv.get("enabled")) and 2 in widths
 
 
 def validate_export(export_dir: str | Path) -> dict:
@@ -166,9 +178,13 @@ def validate_export(export_dir: str | Path) -> dict:
         raise ExportError(f"{folder / CONFIG_FILE}: format 1 with 2-bit ASQ residuals, trained on the three-level "
                           "2-bit grid that format 2 replaced with four levels (docs/adapter-format.md); train and "
                           "export it again with this version")
-    if config["format_version"] < 3 and _format_version(config) == 3:
+    if config["format_version"] < 3 and _asq_setting(config, "rotate_residuals"):
         raise ExportError(f"{folder / CONFIG_FILE}: format {config['format_version']} with rotated ASQ residuals, "
-                          "which only format 3 holds; re-export the adapter with this version")
+                          "which only format 3 on holds; re-export the adapter with this version")
+    if config["format_version"] < 4 and _asq_setting(config, "layer_bits"):
+        raise ExportError(f"{folder / CONFIG_FILE}: format {config['format_version']} with per-layer ASQ residual "
+                          "widths (kv_compression.layer_bits), which only format 4 holds; re-export the adapter "
+                          "with this version")
     try:
         GSMConfig.model_validate({k: config[k] for k in _GSM_SECTIONS if k in config})
     except ValidationError as err:

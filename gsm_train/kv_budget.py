@@ -9,7 +9,8 @@ bridge target does not cache, plus the gate keys.
 The knob sets two fields: `kv_compression.quant_bits` (ASQ's residual bits: 8, 4 or 2) and
 `sparse_attention.gate_key_bits` (16 or 8). It takes the most precise pair whose ratio at
 `data.seq_len` is within the budget, giving up gate key precision before residual bits: from
-(8, 16) through (8, 8), (4, 16), (4, 8), (2, 16) to (2, 8). Everything else
+(8, 16) through (8, 8), (4, 16), (4, 8), (2, 16) to (2, 8). Per-layer widths (`kv_compression.layer_bits`)
+are counted layer by layer; the knob is an error together with them. Everything else
 (bridge sharing, gate dimension, clusters, block size) stays as the recipe says.
 """
 
@@ -36,7 +37,7 @@ def layer_kv_bytes(config: GSMConfig, dims: dict[str, int], layer: int, seq_len:
     base = bf16_layer_kv_bytes(dims)
     asq = config.kv_compression
     per_head = (sum(asq_bytes(seq_len, 1, head_dim, asq.cluster_num, bits, asq.block_size)["bytes_per_token"]
-                    for bits in asq.bits()) if asq.enabled else 2 * BF16_BYTES * head_dim)
+                    for bits in asq.bits(layer)) if asq.enabled else 2 * BF16_BYTES * head_dim)
     sharing = config.cross_layer_sharing
     shared = (min(sharing.shared_kv_heads, kv_heads)
               if sharing.enabled and sharing.mode == "share" and layer >= sharing.bridge_to_start else 0)

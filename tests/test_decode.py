@@ -38,6 +38,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "asq_only": {"sparse_attention": {"enabled": False}, "kv_compression": ASQ},
     "gate_asq_k4_v2": {"sparse_attention": SPARSE, "kv_compression": {**ASQ, "value_quant_bits": 2}},
     "gate_asq_rotated": {"sparse_attention": SPARSE, "kv_compression": {**ASQ, "rotate_residuals": True}},
+    "gate_asq_layer_bits": {"sparse_attention": SPARSE,
+                            "kv_compression": {**ASQ, "layer_bits": {1: (2, 4), 3: (8, 2)}}},
 }
 
 
@@ -125,7 +127,8 @@ def test_generate_matches_teacher_forced_argmax() -> None:
     assert torch.equal(argmax[:, 12:-1], generated[:, 13:])
 
 
-@pytest.mark.parametrize("config", ["everything_share", "everything_mix_kv_gates", "asq_only", "gate_asq_k4_v2"])
+@pytest.mark.parametrize("config", ["everything_share", "everything_mix_kv_gates", "asq_only", "gate_asq_k4_v2",
+                                    "gate_asq_layer_bits"])
 @pytest.mark.parametrize("length", [BLOCK * 4, LENGTH])
 def test_cache_bytes_equal_the_account(config: str, length: int) -> None:
     """bf16 model: the cache's tensors hold exactly what `gsm-train inspect` counts per token."""

@@ -104,6 +104,29 @@ def test_rotated_residuals_are_format_3_load_back_rotated_and_older_formats_are_
         load_gsm(tiny_model("llama"), folder, mode="sparse")
 
 
+def test_layer_bits_are_format_4_load_back_per_layer_and_older_formats_are_refused(tmp_path: Path) -> None:
+    """`kv_compression.layer_bits` came with format 4: written only when set, each layer's compressors load
+    back at their widths, and an export that claims an earlier format with it is refused (an earlier reader
+    would unpack those layers' codes at quant_bits)."""
+    model = tiny_model("llama")
+    asq = {**ALL_ON["kv_compression"], "layer_bits": {2: (2, 8)}}
+    inject_gsm(model, GSMConfig.model_validate({**ALL_ON, "kv_compression": asq}), mode="sparse")
+    folder = export_adapter(model, tmp_path / "export", base_name="tiny-llama")
+    config = json.loads((folder / CONFIG_FILE).read_text())
+    assert config["format_version"] == 4 and config["kv_compression"]["layer_bits"] == {"2": [2, 8]}
+    loaded = tiny_model("llama")
+    load_gsm(loaded, folder, mode="sparse")
+    widths = [(layer.self_attn.gsm.asq_k.quant_bits, layer.self_attn.gsm.asq_v.quant_bits)
+              for layer in loaded.model.layers]
+    assert widths == [(4, 4), (4, 4), (2, 8), (4, 4)]
+    ids = torch.randint(0, 256, (2, 40))
+    model.eval(), loaded.eval()
+    assert torch.equal(model(ids).logits, loaded(ids).logits)
+    (folder / CONFIG_FILE).write_text(json.dumps({**config, "format_version": 3}))
+    with pytest.raises(ExportError, match="format 3 with per-layer ASQ residual widths"):
+        load_gsm(tiny_model("llama"), folder, mode="sparse")
+
+
 def test_a_switched_off_compressor_exports_no_rotation(tmp_path: Path) -> None:
     """`rotate_residuals` with ASQ off rotates nothing: the export leaves the field out (format 1, so
     earlier readers load it) and loads back."""

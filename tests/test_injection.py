@@ -180,6 +180,15 @@ def test_refuses_rotated_residuals_for_a_head_size_that_is_no_power_of_two() -> 
     assert not any(hasattr(layer.self_attn, "gsm") for layer in model.model.layers)
 
 
+def test_refuses_layer_bits_for_a_layer_the_model_lacks() -> None:
+    """`layer_bits` naming layer 4 of a 4-layer model: one error with the model's layer count, nothing built."""
+    model = tiny_model("llama")
+    gsm = GSMConfig.model_validate({"kv_compression": {"enabled": True, "layer_bits": {1: (2, 2), 4: (8, 8)}}})
+    with pytest.raises(GSMError, match=r"layer_bits names layer 4, but the model has 4 layers \(0 to 3\); drop it"):
+        inject_gsm(model, gsm)
+    assert not any(hasattr(layer.self_attn, "gsm") for layer in model.model.layers)
+
+
 # --------------------------------------------------------------------------- seed API and dtypes
 
 

@@ -112,3 +112,24 @@ def test_value_bits_apart_from_key_bits_count_in_the_account() -> None:
     bf16 = DIMS["layers"] * 2 * 2 * DIMS["kv_heads"] * DIMS["head_dim"]
     assert kv_bytes_ratio(config, DIMS, 64) == pytest.approx(same - saved / bf16, rel=1e-12)
     assert "gsm.kv_compression.value_quant_bits = 3" in _problem(["gsm.kv_compression.value_quant_bits=3"])
+
+
+def test_layer_bits_set_the_widths_of_the_layers_named_and_count_there_alone() -> None:
+    """`layer_bits` gives the layers it names their own (K, V) widths: the account changes by exactly those
+    layers' residual bytes, the others keep quant_bits; a width ASQ does not pack, a negative layer and the
+    ratio knob beside it are each one clear error."""
+    config = load_recipe(JOINT, TINY).gsm
+    same = kv_bytes_ratio(config, DIMS, 64)
+    config.kv_compression.layer_bits = {1: (2, 8), 3: (8, 2)}
+    assert [config.kv_compression.bits(layer) for layer in range(4)] == [(4, 4), (2, 8), (4, 4), (8, 2)]
+    packed = (64 - 16) / 64  # at seq_len 64 the newest of the 16-token blocks stays raw
+    heads = {1: DIMS["kv_heads"], 3: DIMS["kv_heads"] - 1}  # share mode: layer 3 caches one head fewer
+    changed = sum(heads[layer] * DIMS["head_dim"] * (k + v - 8) / 8 * packed
+                  for layer, (k, v) in config.kv_compression.layer_bits.items())
+    bf16 = DIMS["layers"] * 2 * 2 * DIMS["kv_heads"] * DIMS["head_dim"]
+    assert kv_bytes_ratio(config, DIMS, 64) == pytest.approx(same + changed / bf16, rel=1e-12)
+    assert "gsm.kv_compression.layer_bits.1.0 = 3" in _problem(["gsm.kv_compression.layer_bits={1: [3, 4]}"])
+    assert "layer_bits names layer -2, but layers count from 0" in _problem(
+        ["gsm.kv_compression.layer_bits={-2: [2, 4]}"])
+    assert "drop one of them: the ratio, or layer_bits" in _problem(
+        ["tuning.kv_compression_ratio=0.5", "gsm.kv_compression.layer_bits={0: [8, 8]}"])

@@ -124,7 +124,7 @@ def _build_adapter(layer_idx: int, attn: nn.Module, config: GSMConfig, dims: dic
     if asq_cfg.enabled:
         asq_k, asq_v = (ASQCompressor(dims["kv_heads"], dims["head_dim"], asq_cfg.cluster_num, asq_cfg.hidden_dim,
                                       bits, asq_cfg.block_size, asq_cfg.tau, asq_cfg.rotate_residuals)
-                        for bits in asq_cfg.bits())
+                        for bits in asq_cfg.bits(layer_idx))
     is_target = bridge_cfg.enabled and layer_idx >= bridge_cfg.bridge_to_start
     if is_target:
         out_heads = dims["kv_heads"] if bridge_cfg.mode == "mix" else min(bridge_cfg.shared_kv_heads, dims["kv_heads"])
@@ -150,6 +150,10 @@ def inject_gsm(model: PreTrainedModel, config: GSMConfig, mode: str = "dense") -
     if config.gsm_enabled and bridge.enabled and bridge.bridge_to_start >= dims["layers"]:
         raise GSMError(f"cross_layer_sharing.bridge_to_start={bridge.bridge_to_start} but the model has "
                        f"{dims['layers']} layers; use a value below {dims['layers']}")
+    beyond = [layer for layer in config.kv_compression.layer_bits if layer >= dims["layers"]]
+    if config.kv_compression.enabled and beyond:
+        raise GSMError(f"kv_compression.layer_bits names layer {beyond[0]}, but the model has {dims['layers']} layers "
+                       f"(0 to {dims['layers'] - 1}); drop it or name a layer below {dims['layers']}")
     head_dim = dims["head_dim"]
     if config.kv_compression.enabled and config.kv_compression.rotate_residuals and head_dim & (head_dim - 1):
         raise GSMError(f"kv_compression.rotate_residuals=true needs a power-of-two head_dim (a Hadamard rotation), "
