@@ -510,6 +510,11 @@ def check_against_model(config: RecipeConfig, num_layers: int) -> None:
             problems.append(Problem(f"gsm.sparse_attention.dense_layers.{index}", layer,
                                     f"layer index outside the model's 0..{num_layers - 1}",
                                     "remove it or use an index inside the model"))
+    asq = config.gsm.kv_compression
+    problems += [Problem(f"gsm.kv_compression.layer_bits.{layer}", list(bits),
+                         f"layer index outside the model's 0..{num_layers - 1}",
+                         "remove it or use an index inside the model")
+                 for layer, bits in asq.layer_bits.items() if asq.enabled and layer >= num_layers]
     if problems:
         raise ConfigError("recipe vs model", problems)
 

@@ -174,17 +174,18 @@ def validate_export(export_dir: str | Path) -> dict:
     if config.get("format") != FORMAT or config.get("format_version") not in range(1, FORMAT_VERSION + 1):
         raise ExportError(f"{folder / CONFIG_FILE}: format {config.get('format')!r} version "
                           f"{config.get('format_version')!r}, expected {FORMAT!r} version 1 to {FORMAT_VERSION}")
-    if config["format_version"] == 1 and _two_bit_residuals(config):
-        raise ExportError(f"{folder / CONFIG_FILE}: format 1 with 2-bit ASQ residuals, trained on the three-level "
-                          "2-bit grid that format 2 replaced with four levels (docs/adapter-format.md); train and "
-                          "export it again with this version")
-    if config["format_version"] < 3 and _asq_setting(config, "rotate_residuals"):
-        raise ExportError(f"{folder / CONFIG_FILE}: format {config['format_version']} with rotated ASQ residuals, "
-                          "which only format 3 on holds; re-export the adapter with this version")
+    # the newest feature an older format cannot hold is named first: it is what the reader must update for
     if config["format_version"] < 4 and _asq_setting(config, "layer_bits"):
         raise ExportError(f"{folder / CONFIG_FILE}: format {config['format_version']} with per-layer ASQ residual "
                           "widths (kv_compression.layer_bits), which only format 4 holds; re-export the adapter "
                           "with this version")
+    if config["format_version"] < 3 and _asq_setting(config, "rotate_residuals"):
+        raise ExportError(f"{folder / CONFIG_FILE}: format {config['format_version']} with rotated ASQ residuals, "
+                          "which only format 3 and later hold; re-export the adapter with this version")
+    if config["format_version"] == 1 and _two_bit_residuals(config):
+        raise ExportError(f"{folder / CONFIG_FILE}: format 1 with 2-bit ASQ residuals, trained on the three-level "
+                          "2-bit grid that format 2 replaced with four levels (docs/adapter-format.md); train and "
+                          "export it again with this version")
     try:
         GSMConfig.model_validate({k: config[k] for k in _GSM_SECTIONS if k in config})
     except ValidationError as err:

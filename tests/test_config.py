@@ -101,12 +101,15 @@ def test_ranges_and_relations(override: str, path: str) -> None:
 
 
 def test_layer_indices_checked_once_the_model_is_known() -> None:
-    config = load_recipe(RECIPES[0], ["gsm.cross_layer_sharing.enabled=true", "gsm.sparse_attention.dense_layers=[0,9]"])
+    config = load_recipe(RECIPES[0], ["gsm.cross_layer_sharing.enabled=true", "gsm.sparse_attention.dense_layers=[0,9]",
+                                      "gsm.kv_compression.enabled=true",
+                                      "gsm.kv_compression.layer_bits={3: [2, 4], 8: [4, 4]}"])
     check_against_model(config, num_layers=30)
     with pytest.raises(ConfigError) as info:
         check_against_model(config, num_layers=8)
     assert sorted(p.path for p in info.value.problems) == [
-        "gsm.cross_layer_sharing.bridge_to_start", "gsm.sparse_attention.dense_layers.1"]
+        "gsm.cross_layer_sharing.bridge_to_start", "gsm.kv_compression.layer_bits.8",
+        "gsm.sparse_attention.dense_layers.1"]
 
 
 def test_gsm_block_follows_the_seed_schema() -> None:

@@ -231,6 +231,8 @@ def test_storage_rounding_matches_fp16_at_every_tie_and_subnormal() -> None:
     if torch.cuda.is_available():  # compiled, fused with its neighbours as in ASQ's training pass
         fused = torch.compile(lambda v: -_to_store(-v), fullgraph=True)  # negation: exact, and fused
         assert torch.equal(fused(x.cuda()).nan_to_num(7.0).cpu(), want)
+        # with a gradient to pass, as in ASQ's training pass: the straight-through sum, the same values
+        assert torch.equal(fused(x.cuda().requires_grad_(True)).detach().nan_to_num(7.0).cpu(), want)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled training pass runs on the GPU only")

@@ -132,7 +132,7 @@ def _fp16_grid(x: Tensor) -> Tensor:
 def _to_store(x: Tensor) -> Tensor:
     """Round fp32 (or fp64) values to the float16 storage grid (keeps x's dtype, differentiable: the
     gradient passes unchanged where x is within fp16's range, and is zero beyond it, where x clamps).
-    Without a gradient to pass (compression, evaluation) it is the rounded value itself, -0.0 included, as
+    Without a gradient to pass (compression; evaluation under no_grad) it is the rounded value itself, -0.0 included, as
     `.half()` stores it; with one, the straight-through sum ``clamped + (rounded - clamped)``, which equals it
     exactly (the difference is exact in floating point) except that a -0.0 comes out as +0.0. Written as
     ``rounded - (clamped.detach() - clamped)`` (-0.0 kept) the compiled training pass made the joint step
