@@ -156,8 +156,8 @@ def _asq_setting(settings: dict, name: str) -> object:
 def _two_bit_residuals(settings: dict) -> bool:
     """Whether ASQ stores K or V residuals at 2 bits under these (exported) GSM settings."""
     kv = settings.get("kv_compression") or {}
-    widths = {kv.get("quant_bits"), kv.get("value_quant_bits")}.union(*map(set, (kv.get("layer_bits") or {}).values()))
-    return bool(kv.get("enabled")) and 2 in widths
+    pairs = [(kv.get("quant_bits"), kv.get("value_quant_bits")), *(kv.get("layer_bits") or {}).values()]
+    return bool(kv.get("enabled")) and any(2 in pair for pair in pairs)
 
 
 def validate_export(export_dir: str | Path) -> dict:

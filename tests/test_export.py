@@ -79,27 +79,38 @@ def test_a_format_1_export_with_two_bit_residuals_is_refused(tmp_path: Path) -> 
     folder = export_adapter(model, tmp_path / "export", base_name="tiny-llama")
     config = json.loads((folder / CONFIG_FILE).read_text())
     assert config["format_version"] == 2
-    (folder / CONFIG_FILE).write_text(json.dumps({**config, "format_version": 1}))
+    _claims_format(folder, config, 1)
     with pytest.raises(ExportError, match="format 1 with 2-bit ASQ residuals"):
         load_gsm(tiny_model("llama"), folder, mode="sparse")
+
+
+def _reloaded_export(tmp_path: Path, asq_fields: dict) -> tuple[Path, dict, torch.nn.Module]:
+    """(export folder, its gsm_config.json, a fresh model loaded from it) of the ALL_ON modules with
+    `asq_fields` added to kv_compression; the loaded model computes the same logits as the exported one."""
+    model = tiny_model("llama")
+    asq = {**ALL_ON["kv_compression"], **asq_fields}
+    inject_gsm(model, GSMConfig.model_validate({**ALL_ON, "kv_compression": asq}), mode="sparse")
+    folder = export_adapter(model, tmp_path / "export", base_name="tiny-llama")
+    loaded = tiny_model("llama")
+    load_gsm(loaded, folder, mode="sparse")
+    ids = torch.randint(0, 256, (2, 40))
+    model.eval(), loaded.eval()
+    assert torch.equal(model(ids).logits, loaded(ids).logits)
+    return folder, json.loads((folder / CONFIG_FILE).read_text()), loaded
+
+
+def _claims_format(folder: Path, config: dict, version: int) -> None:
+    """Rewrite the export's gsm_config.json as if it were format `version`."""
+    (folder / CONFIG_FILE).write_text(json.dumps({**config, "format_version": version}))
 
 
 def test_rotated_residuals_are_format_3_load_back_rotated_and_older_formats_are_refused(tmp_path: Path) -> None:
     """`kv_compression.rotate_residuals` came with format 3: written only when true, and an export that
     claims an earlier format with it is refused (an earlier reader would decode the codes unrotated)."""
-    model = tiny_model("llama")
-    asq = {**ALL_ON["kv_compression"], "rotate_residuals": True}
-    inject_gsm(model, GSMConfig.model_validate({**ALL_ON, "kv_compression": asq}), mode="sparse")
-    folder = export_adapter(model, tmp_path / "export", base_name="tiny-llama")
-    config = json.loads((folder / CONFIG_FILE).read_text())
+    folder, config, loaded = _reloaded_export(tmp_path, {"rotate_residuals": True})
     assert config["format_version"] == 3 and config["kv_compression"]["rotate_residuals"] is True
-    loaded = tiny_model("llama")
-    load_gsm(loaded, folder, mode="sparse")
     assert loaded.model.layers[0].self_attn.gsm.asq_k.rotation is not None
-    ids = torch.randint(0, 256, (2, 40))
-    model.eval(), loaded.eval()
-    assert torch.equal(model(ids).logits, loaded(ids).logits)
-    (folder / CONFIG_FILE).write_text(json.dumps({**config, "format_version": 2}))
+    _claims_format(folder, config, 2)
     with pytest.raises(ExportError, match="format 2 with rotated ASQ residuals"):
         load_gsm(tiny_model("llama"), folder, mode="sparse")
 
@@ -108,21 +119,12 @@ def test_layer_bits_are_format_4_load_back_per_layer_and_older_formats_are_refus
     """`kv_compression.layer_bits` came with format 4: written only when set, each layer's compressors load
     back at their widths, and an export that claims an earlier format with it is refused (an earlier reader
     would unpack those layers' codes at quant_bits)."""
-    model = tiny_model("llama")
-    asq = {**ALL_ON["kv_compression"], "layer_bits": {2: (2, 8)}}
-    inject_gsm(model, GSMConfig.model_validate({**ALL_ON, "kv_compression": asq}), mode="sparse")
-    folder = export_adapter(model, tmp_path / "export", base_name="tiny-llama")
-    config = json.loads((folder / CONFIG_FILE).read_text())
+    folder, config, loaded = _reloaded_export(tmp_path, {"layer_bits": {2: (2, 8)}})
     assert config["format_version"] == 4 and config["kv_compression"]["layer_bits"] == {"2": [2, 8]}
-    loaded = tiny_model("llama")
-    load_gsm(loaded, folder, mode="sparse")
     widths = [(layer.self_attn.gsm.asq_k.quant_bits, layer.self_attn.gsm.asq_v.quant_bits)
               for layer in loaded.model.layers]
     assert widths == [(4, 4), (4, 4), (2, 8), (4, 4)]
-    ids = torch.randint(0, 256, (2, 40))
-    model.eval(), loaded.eval()
-    assert torch.equal(model(ids).logits, loaded(ids).logits)
-    (folder / CONFIG_FILE).write_text(json.dumps({**config, "format_version": 3}))
+    _claims_format(folder, config, 3)
     with pytest.raises(ExportError, match="format 3 with per-layer ASQ residual widths"):
         load_gsm(tiny_model("llama"), folder, mode="sparse")
 

@@ -15,7 +15,8 @@ prototype row counted in full), against ``4 * D`` for a bf16 cache read densely.
 With rotated residuals (`kv_compression.rotate_residuals`) the same bytes are read: a key's logit is
 ``proto . q + r . (q R)``, with the query rotated once before the kernel, and the values' residuals are
 summed in the rotated basis in a second accumulator, rotated back (``R^T``) once the splits are merged.
-(Checked against the PyTorch path; not yet timed on the GPU.)
+The second product and accumulator make it slower: 51 against 16 us at batch 1 and 242 against 158 us at
+batch 16 (32k, k=2048, Llama-8B shapes; `benchmarks/results/decode_rotated.json`).
 """
 
 from __future__ import annotations
@@ -254,7 +255,7 @@ def fused_decode_attention(query: Tensor, k_store: KVStore, v_store: KVStore, in
     packed = k_store.packed_len > 0
     asq = k_store.asq
     k_bits, v_bits = (asq.quant_bits, v_store.asq.quant_bits) if packed else (8, 8)  # no codes read unpacked
-    rotated = packed and asq.rotate_residuals  # residual codes in the rotated basis, K's and V's alike
+    rotated = packed and k_rotates  # residual codes in the rotated basis, K's and V's alike
     q = query.reshape(batch, q_heads, dim).contiguous()
     q_rotated = (q.float() @ asq.rotation.float()).to(q.dtype) if rotated else q  # rotated residuals' logits: r.(qR)
     index = index.contiguous()

@@ -132,11 +132,10 @@ def _fp16_grid(x: Tensor) -> Tensor:
 def _to_store(x: Tensor) -> Tensor:
     """Round fp32 (or fp64) values to the float16 storage grid (keeps x's dtype, differentiable: the
     gradient passes unchanged where x is within fp16's range, and is zero beyond it, where x clamps).
-    Without a gradient to pass (compression; evaluation under no_grad) it is the rounded value itself, -0.0 included, as
-    `.half()` stores it; with one, the straight-through sum ``clamped + (rounded - clamped)``, which equals it
-    exactly (the difference is exact in floating point) except that a -0.0 comes out as +0.0. Written as
-    ``rounded - (clamped.detach() - clamped)`` (-0.0 kept) the compiled training pass made the joint step
-    0.4-0.5 ms slower (101.0 against 100.5 ms on the H200, docs/design-decisions.md)."""
+    Without a gradient to pass it is the rounded value itself, -0.0 included, as `.half()` stores it; with
+    one, the straight-through sum ``clamped + (rounded - clamped)``, equal to it except that -0.0 comes out
+    +0.0 (the difference is exact). A single form that keeps -0.0 cost the compiled training pass 0.4-0.5 ms
+    per joint step (docs/design-decisions.md)."""
     clamped = x.clamp(-_FP16_MAX, _FP16_MAX)
     with torch.no_grad():
         rounded = _fp16_grid(clamped) if x.dtype == torch.float32 else clamped.to(_STORE_DTYPE).to(x.dtype)
