@@ -303,7 +303,7 @@ def test_captured_training_forwards_take_the_block_sparse_path_with_the_same_log
 
     calls = []
     attend = own_block.own_block_attention
-    monkeypatch.setattr(own_block, "fits", lambda query, block_size: True)
+    monkeypatch.setattr(own_block, "fits", lambda query: True)
     monkeypatch.setattr(own_block, "TILE", BLOCK)  # tiles of one ASQ block at these lengths
     own_block._tile_structure.cache_clear()  # cached per length and block size: not across tile sizes
     monkeypatch.setattr(own_block, "own_block_attention", lambda *args: calls.append(1) or attend(*args))

@@ -9,9 +9,10 @@ from gsm_train.modules.gsm_attention import block_causal_kv
 from gsm_train.modules.own_block_attention import fits, own_block_attention
 
 
-@pytest.mark.parametrize(("block_size", "selectors", "mask_batch"), [(128, 1, 2), (256, 1, 2), (128, 2, 2), (128, 1, 1)])
+@pytest.mark.parametrize(("block_size", "selectors", "mask_batch"),
+                         [(128, 1, 2), (256, 1, 2), (64, 1, 2), (128, 2, 2), (128, 1, 1)])
 def test_forward_equals_masked_sdpa_over_both_versions(block_size: int, selectors: int, mask_batch: int) -> None:
-    """Same output for one selection per layer or per KV head, ASQ blocks of one or two tiles, and a
+    """Same output for one selection per layer or per KV head, ASQ blocks of one or two tiles or half a tile, and a
     selection shared by the batch (dense mode: the causal mask)."""
     torch.manual_seed(0)
     batch, heads, kv_heads, length, dim = 2, 4, 2, 512, 16
@@ -34,19 +35,21 @@ def test_forward_equals_masked_sdpa_over_both_versions(block_size: int, selector
 def test_fits_whole_tiles_in_training_dtypes_only() -> None:
     def query(length: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         return torch.zeros(1, 2, length, 16, device="cuda", dtype=dtype)
-    assert fits(query(2048), 128) and fits(query(512), 256) and fits(query(512, torch.float32), 128)
-    assert not fits(query(2000), 128) and not fits(query(2048), 64) and not fits(query(512, torch.float64), 128)
+    assert fits(query(2048)) and fits(query(512)) and fits(query(512, torch.float32))
+    assert not fits(query(2000)) and not fits(query(512, torch.float64))
 
 
 def test_cpu_tensors_take_the_masked_sdpa() -> None:
-    assert not fits(torch.zeros(1, 2, 512, 16), 128)
+    assert not fits(torch.zeros(1, 2, 512, 16))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward runs on GPUs only")
-def test_gradients_equal_masked_sdpa_on_the_gpu() -> None:
-    """Compiled on the GPU, forward and gradients (query, both key and value versions) match the masked SDPA."""
+@pytest.mark.parametrize("block_size", [128, 64])
+def test_gradients_equal_masked_sdpa_on_the_gpu(block_size: int) -> None:
+    """Compiled on the GPU, forward and gradients (query, both key and value versions) match the masked SDPA,
+    for ASQ blocks of one tile and of half a tile."""
     torch.manual_seed(0)
-    batch, heads, kv_heads, length, dim, block_size = 2, 6, 2, 1024, 64, 128
+    batch, heads, kv_heads, length, dim = 2, 6, 2, 1024, 64
     inputs = [torch.randn(batch, heads, length, dim, device="cuda", requires_grad=True)]
     inputs += [torch.randn(batch, kv_heads, length, dim, device="cuda", requires_grad=True) for _ in range(4)]
     query, stored_k, stored_v, raw_k, raw_v = inputs
@@ -64,7 +67,8 @@ def test_gradients_equal_masked_sdpa_on_the_gpu() -> None:
     torch.testing.assert_close(got, expected, atol=2e-3, rtol=2e-3)
 
 
-@pytest.mark.parametrize(("length", "block_size"), [(512, 128), (512, 256), (1024, 512), (256, 256)])
+@pytest.mark.parametrize(("length", "block_size"),
+                         [(512, 128), (512, 256), (1024, 512), (256, 256), (512, 64), (512, 32), (768, 96)])
 def test_tile_lists_are_the_tiles_the_rule_touches(length: int, block_size: int) -> None:
     """The block mask's tile lists (built from the block structure alone) name exactly the tiles where some
     query may see some key, as FlexAttention's own builder finds them from the rule itself. On CPU flex

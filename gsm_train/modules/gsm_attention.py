@@ -330,7 +330,7 @@ def gsm_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
                 selection = torch.cat([pick(a, b) for a, b in _chunks(q_len, chunk)], dim=2)
         # from a CUDA graph, FlexAttention over only the tiles queries see (0.62 vs 1.31 ms of kernels per layer
         # on the H200); eagerly its Python and launches cost more than that (2.66 vs 1.46 ms per layer)
-        if own is not None and runtime.captured_steps and module.training and own_block.fits(query, block_size):
+        if own is not None and runtime.captured_steps and module.training and own_block.fits(query):
             out = own_block.own_block_attention(query, (key, value), own, selection, block_size, scaling,
                                                 module.num_key_value_groups > 1)
         else:

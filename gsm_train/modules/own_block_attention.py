@@ -9,7 +9,7 @@ the selection only inside the tiles it computes.
 
 Used in the training forwards of steps that replay from a CUDA graph (`GSMRuntime.captured_steps`,
 set by the trainer on one GPU; its evaluation forwards run eagerly and keep the masked SDPA), on CUDA (FlexAttention's backward runs on GPUs only), when the sequence is a whole number
-of flex tiles and the ASQ block a whole number of tiles; the masked SDPA serves everywhere else. On the
+of flex tiles; the masked SDPA serves everywhere else. On the
 H200 (`benchmarks/asq_attention.py`, SmolLM2 shapes, T 2048, top-256) its kernels take 0.62 ms per layer
 forward and backward against the masked SDPA's 1.31, but called eagerly it takes 2.66 ms against 1.46:
 the compiled call and the block mask cost more Python and launches than the kernels save.
@@ -37,13 +37,12 @@ HOPPER_KERNEL_OPTIONS = {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "fwd_num_stages":
                          "bwd_num_stages": 3, "bwd_num_warps": 4}
 
 
-def fits(query: Tensor, block_size: int) -> bool:
+def fits(query: Tensor) -> bool:
     """Whether this path serves `query` [B, H, T, D]: on CUDA, in a training dtype, heads of at least 16
-    (Inductor's FlexAttention refuses smaller), T a whole number of tiles and ASQ blocks of `block_size`
-    tokens whole tiles too."""
+    (Inductor's FlexAttention refuses smaller) and T a whole number of tiles. ASQ blocks of any size are
+    served: the tile lists and the rule follow the block each token lies in."""
     length, head_dim = query.shape[2], query.shape[3]
-    return (query.is_cuda and query.dtype in FLEX_DTYPES and head_dim >= 16 and length % TILE == 0
-            and block_size % TILE == 0)
+    return query.is_cuda and query.dtype in FLEX_DTYPES and head_dim >= 16 and length % TILE == 0
 
 
 @functools.cache
@@ -79,12 +78,13 @@ def _flex_attention_in(dtype: torch.dtype, query: Tensor, stored: tuple[Tensor, 
 @functools.cache
 def _tile_structure(length: int, block_size: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """(kv_num_blocks [1, 1, nQ], kv_indices [1, 1, nQ, 2 nQ]) of the tiles some query of a query tile may
-    see among the 2 x length keys [stored; raw]: stored tiles of earlier ASQ blocks, raw tiles of its
-    own ASQ block up to the diagonal."""
+    see among the 2 x length keys [stored; raw]: stored tiles holding a key of an ASQ block earlier than
+    some query's, raw tiles sharing an ASQ block with the query tile, up to the diagonal. A tile spans
+    the ASQ blocks `first` to `last` (one block when blocks are whole tiles, several when they are smaller)."""
     tile = torch.arange(length // TILE, device=device)
-    block = tile * TILE // block_size  # the ASQ block each tile lies in
-    stored = block[None, :] < block[:, None]  # [query tile, key tile]
-    raw = (block[None, :] == block[:, None]) & (tile[None, :] <= tile[:, None])
+    first, last = tile * TILE // block_size, ((tile + 1) * TILE - 1) // block_size
+    stored = first[None, :] < last[:, None]  # [query tile, key tile]
+    raw = (first[None, :] <= last[:, None]) & (last[None, :] >= first[:, None]) & (tile[None, :] <= tile[:, None])
     active = torch.cat((stored, raw), 1)  # [nQ, 2 nQ]
     counts = active.sum(1, dtype=torch.int32)
     indices = torch.argsort((~active).to(torch.int8), dim=1, stable=True).to(torch.int32)  # active tiles first
