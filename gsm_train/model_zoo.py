@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -73,17 +74,36 @@ def _smollm2_converted() -> Path:
     folder = gguf.parent / f"{SMOLLM2_NAME}-hf"
     if (folder / "config.json").exists():
         return folder
-    tmp = folder.with_name(folder.name + ".tmp")
+
+    def convert(tmp: Path) -> None:
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(tmp)
+        state = model.state_dict()
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_file({name: t.contiguous() for name, t in state.items()}, str(tmp / "model.safetensors"))
+        model.config.save_pretrained(tmp)
+
+    return publish_folder(folder, convert)
+
+
+def publish_folder(folder: Path, build: Callable[[Path], None]) -> Path:
+    """`folder`, built by `build` into a folder of this process's own and renamed into place whole, so that
+    processes starting together (ranks of one launch, runs side by side) never see or delete each other's
+    half-written files: when another one publishes first, its folder stands and this one's is dropped.
+    A complete folder has a config.json; one without (left by a crash) is replaced."""
+    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(tmp)
-    state = model.state_dict()
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    save_file({name: t.contiguous() for name, t in state.items()}, str(tmp / "model.safetensors"))
-    model.config.save_pretrained(tmp)
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.replace(folder)
+    tmp.mkdir(parents=True)
+    build(tmp)
+    if folder.exists() and not (folder / "config.json").exists():
+        shutil.rmtree(folder, ignore_errors=True)
+    try:
+        tmp.replace(folder)
+    except OSError:
+        if not (folder / "config.json").exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # another process published first
     return folder
 
 
