@@ -6,7 +6,7 @@ Each step runs as the trainer runs it on one GPU (`train.cuda_graph: auto`: the 
 from a CUDA graph, then clipping and fused AdamW) and eagerly (`train.cuda_graph: false`). The gate
 starts untrained (`init_from=null`): a step's work does not depend on the gate's values.
 
-python benchmarks/joint_step.py --result OUT.json
+python benchmarks/joint_step.py --result OUT.json [--gsm gsm.KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -77,10 +77,15 @@ def main() -> None:
                         help="also record what takes the most GPU time per step, per setting: the N largest "
                              "kernels of captured steps, the N largest ops (with input shapes) of eager ones")
     parser.add_argument("--no-eager", action="store_true", help="time the captured steps only")
+    parser.add_argument("--gsm", nargs="*", default=[], metavar="gsm.KEY=VALUE",
+                        help="GSM settings on top of the shipped recipe for the joint step (the dense step has GSM "
+                             "off), e.g. a KV budget: gsm.kv_compression.value_quant_bits=2")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("this benchmark times GPU training steps; run it on a CUDA device")
-    overrides = [f"data.train.path={args.train_data}", "logging.progress_bar=false"]
+    if any(not item.startswith("gsm.") for item in args.gsm):
+        parser.error(f"--gsm takes gsm.* settings only, got {args.gsm}")
+    overrides = [f"data.train.path={args.train_data}", "logging.progress_bar=false", *args.gsm]
     config = load_recipe(str(REPO / "recipes" / "joint.yaml"), overrides)
     tokens = config.train.batch_size * config.data.seq_len
     rows = {}
@@ -96,6 +101,7 @@ def main() -> None:
                 print(f"    {row['ms_per_step']:8.2f} ms {row['calls_per_step']:6.0f}x  {row.get('kernel') or row['op']} "
                       f"{row.get('input_shapes', '')}")
     result = {"batch_size": config.train.batch_size, "seq_len": config.data.seq_len, "steps_timed": args.steps,
+              **({"gsm_overrides": args.gsm} if args.gsm else {}),
               "joint_over_dense_tokens_per_s": rows["joint_graphed"]["tokens_per_s"] / rows["dense_graphed"]["tokens_per_s"],
               "rows": rows}
     print(f"joint / dense tokens/s: {result['joint_over_dense_tokens_per_s']:.3f} as the trainer runs them (CUDA graph)")
