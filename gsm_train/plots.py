@@ -58,24 +58,37 @@ def plot_decode_speedup(rows: list[dict], path: Path) -> Path:
 def plot_quality_vs_kv(points: list[dict[str, Any]], goal_ppl: float, goal_kv: float, path: Path) -> Path:
     """Perplexity over the dense control's against KV bytes over bf16 for one or more runs, each a dict with
     `label`, `kv_bytes_ratio` and `ppl_over_control`: numbered points (labels in the legend below), the
-    goal region (both at most their goals) shaded."""
+    goal region (both at most their goals) shaded; beside it, enlarged, the runs within 0.01 of the KV goal
+    and 0.1 of the perplexity goal, which crowd there."""
     if not points:
         raise ValueError("plot_quality_vs_kv: no runs to plot")
     low = min(0.9, min(p["ppl_over_control"] for p in points) - 0.05)
-    fig, ax = plt.subplots(figsize=(8.5, 4.2 + 0.22 * len(points)))
-    ax.fill_between([0, goal_kv], low, goal_ppl, color="tab:green", alpha=0.12, label="goal")
+    fig, (ax, zoom) = plt.subplots(1, 2, figsize=(11, 4.2 + 0.22 * len(points)), width_ratios=(2, 1))
+    near = [p for p in points if abs(p["kv_bytes_ratio"] - goal_kv) <= 0.01 and p["ppl_over_control"] <= goal_ppl + 0.1]
+    colours = plt.get_cmap("tab20").colors
+    for panel in (ax, zoom):
+        panel.fill_between([0, goal_kv], low, goal_ppl, color="tab:green", alpha=0.12, label="goal")
+        panel.axhline(1.0, color="grey", lw=0.8)
+        panel.grid(alpha=0.3)
+        panel.set_xlabel("KV bytes per token / bf16")
     for number, point in enumerate(sorted(points, key=lambda p: p["kv_bytes_ratio"]), start=1):
         x, y = point["kv_bytes_ratio"], point["ppl_over_control"]
-        ax.plot(x, y, "o", label=f"{number}: {point['label']}")
+        style = {"color": colours[(number - 1) % len(colours)]}
+        ax.plot(x, y, "o", label=f"{number}: {point['label']}", **style)
         ax.annotate(str(number), (x, y), fontsize=8, xytext=(5, 5), textcoords="offset points")
-    ax.axhline(1.0, color="grey", lw=0.8)
+        if point in near:  # numbers alternate sides: runs at the same budget sit in one column
+            zoom.plot(x, y, "o", **style)
+            zoom.annotate(str(number), (x, y), fontsize=8, xytext=(6 if number % 2 else -14, -3),
+                          textcoords="offset points")
     ax.set_xlim(0, max(1.2, max(p["kv_bytes_ratio"] for p in points) + 0.1))
     ax.set_ylim(low, max(p["ppl_over_control"] for p in points) + 0.1)
-    ax.set_xlabel("KV bytes per token / bf16")
     ax.set_ylabel("perplexity / dense control")
     ax.set_title("stage 2, SmolLM2-135M: quality against KV bytes (WikiText-2, context 2048)", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=1, frameon=False)
+    zoom.set_xlim(goal_kv - 0.01, goal_kv + 0.01)
+    zoom.set_ylim(min([goal_ppl - 0.02] + [p["ppl_over_control"] - 0.01 for p in near]),
+                  max([goal_ppl + 0.02] + [p["ppl_over_control"] + 0.01 for p in near]))
+    zoom.set_title(f"enlarged: within 0.01 of the KV goal, {len(near)} runs", fontsize=10)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(0.0, -0.14), ncol=1, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -17,3 +17,20 @@ def test_layer_sensitivity_plot_is_written(tmp_path: Path) -> None:
 def test_layer_sensitivity_plot_refuses_nothing(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="nothing to plot"):
         plot_layer_sensitivity({}, 2, tmp_path / "s.png")
+
+
+def test_quality_vs_kv_plot_is_written_with_runs_near_the_goal_and_far_from_it(tmp_path: Path) -> None:
+    from gsm_train.plots import plot_quality_vs_kv
+
+    points = [{"label": "far", "kv_bytes_ratio": 0.59, "ppl_over_control": 1.02},
+              {"label": "near a", "kv_bytes_ratio": 0.2999, "ppl_over_control": 1.048},
+              {"label": "near b", "kv_bytes_ratio": 0.2999, "ppl_over_control": 1.051}]
+    assert plot_quality_vs_kv(points, 1.05, 0.30, tmp_path / "q.png").stat().st_size > 1000
+    assert plot_quality_vs_kv(points[:1], 1.05, 0.30, tmp_path / "one.png").stat().st_size > 1000  # none near
+
+
+def test_quality_vs_kv_plot_refuses_nothing(tmp_path: Path) -> None:
+    from gsm_train.plots import plot_quality_vs_kv
+
+    with pytest.raises(ValueError, match="no runs to plot"):
+        plot_quality_vs_kv([], 1.05, 0.30, tmp_path / "q.png")
