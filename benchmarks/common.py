@@ -103,6 +103,17 @@ def kernel_benchmark_args(description: str) -> argparse.Namespace:
     return args
 
 
+def _gsm_setting(item: str) -> str:
+    if not item.startswith("gsm."):
+        raise argparse.ArgumentTypeError(f"--gsm takes gsm.* settings only, got {item!r}")
+    return item
+
+
+def add_gsm_argument(parser: argparse.ArgumentParser, help: str) -> None:
+    """`--gsm gsm.KEY=VALUE ...`: GSM settings on top of the shipped recipes (anything else is refused)."""
+    parser.add_argument("--gsm", nargs="*", default=[], type=_gsm_setting, metavar="gsm.KEY=VALUE", help=help)
+
+
 def write_result(path: Path, result: dict) -> None:
     """Write the JSON result with the command line that produced it."""
     result = {"command": "python " + shlex.join(sys.argv), "device": device_name(), **result}

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
+from common import add_gsm_argument, write_result  # noqa: E402
 
 from gsm_train.evaluate import evaluate_exports  # noqa: E402
 from gsm_train.train import train_recipe  # noqa: E402
@@ -103,12 +103,9 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--result", default=None)
     parser.add_argument("--windows", type=int, default=40)
-    parser.add_argument("--gsm", nargs="*", default=[], metavar="gsm.KEY=VALUE",
-                        help="GSM settings for all three runs on top of the shipped recipes, e.g. a KV budget: "
+    add_gsm_argument(parser, "GSM settings for all three runs on top of the shipped recipes, e.g. a KV budget: "
                              "gsm.sparse_attention.gate_key_bits=8 gsm.kv_compression.quant_bits=2")
     args = parser.parse_args()
-    if any(not item.startswith("gsm.") for item in args.gsm):
-        parser.error(f"--gsm takes gsm.* settings only, got {args.gsm}")
     out = Path(args.out)
     result_path = Path(args.result) if args.result else out / "joint.json"
     data = [f"data.train.path={args.train_data}", f"data.eval.path={args.eval_data}", "logging.progress_bar=false",

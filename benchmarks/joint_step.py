@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import kernel_times, op_times, write_result  # noqa: E402
+from common import add_gsm_argument, kernel_times, op_times, write_result  # noqa: E402
 
 from gsm_train.backend import select_backend  # noqa: E402
 from gsm_train.config import load_recipe  # noqa: E402
@@ -77,14 +77,11 @@ def main() -> None:
                         help="also record what takes the most GPU time per step, per setting: the N largest "
                              "kernels of captured steps, the N largest ops (with input shapes) of eager ones")
     parser.add_argument("--no-eager", action="store_true", help="time the captured steps only")
-    parser.add_argument("--gsm", nargs="*", default=[], metavar="gsm.KEY=VALUE",
-                        help="GSM settings on top of the shipped recipe for the joint step (the dense step has GSM "
+    add_gsm_argument(parser, "GSM settings on top of the shipped recipe for the joint step (the dense step has GSM "
                              "off), e.g. a KV budget: gsm.kv_compression.value_quant_bits=2")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("this benchmark times GPU training steps; run it on a CUDA device")
-    if any(not item.startswith("gsm.") for item in args.gsm):
-        parser.error(f"--gsm takes gsm.* settings only, got {args.gsm}")
     overrides = [f"data.train.path={args.train_data}", "logging.progress_bar=false", *args.gsm]
     config = load_recipe(str(REPO / "recipes" / "joint.yaml"), overrides)
     tokens = config.train.batch_size * config.data.seq_len

