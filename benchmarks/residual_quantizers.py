@@ -61,7 +61,7 @@ _per_token_asymmetric = partial(_fake_quant_asymmetric, dim=-1)
 def _per_token_rotated(residual: torch.Tensor, bits: int) -> torch.Tensor:
     """`fake_quant_per_token` of the residual in the randomized Hadamard basis, rotated back (as ASQ with
     `rotate_residuals` stores and rebuilds it)."""
-    rotation = hadamard_rotation(residual.shape[-1])
+    rotation = hadamard_rotation(residual.shape[-1]).to(residual.device)
     return _unrotated(fake_quant_per_token(_rotated(residual, rotation), bits), rotation)
 
 # (key residual, value residual) quantizer of each ASQ proxy, on residuals [B, H, blocks, BLOCK, D]

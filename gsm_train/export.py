@@ -30,10 +30,10 @@ from gsm_train.modules import GSMRuntime, gsm_runtime, inject_gsm
 from gsm_train.modules.injection import GSM_PARAM_MARKER
 
 FORMAT = "gsm-train-adapter"
+# 5: 4- and 8-bit ASQ residuals on the mid-rise grid (kv_compressor.code_center; before, a symmetric one);
 # 4: per-layer ASQ residual widths (kv_compression.layer_bits); 3: ASQ residuals in a rotated basis
-# (kv_compression.rotate_residuals); 2: 2-bit ASQ residuals on the mid-rise grid (kv_compressor.code_center);
-# 1: on the symmetric one
-FORMAT_VERSION = 4
+# (kv_compression.rotate_residuals); 2: 2-bit ASQ residuals on the mid-rise grid; 1: on the symmetric one
+FORMAT_VERSION = 5
 ADAPTER_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "gsm_config.json"
 CARD_FILE = "README.md"
@@ -140,11 +140,13 @@ def export_adapter(model: nn.Module, out_dir: str | Path, *, base_name: str, bas
 
 def _format_version(settings: dict) -> int:
     """The lowest format version that represents these (exported) GSM settings."""
+    if _residual_widths(settings) - {2}:
+        return 5
     if _asq_setting(settings, "layer_bits"):
         return 4
     if _asq_setting(settings, "rotate_residuals"):
         return 3
-    return 2 if _two_bit_residuals(settings) else 1
+    return 2 if 2 in _residual_widths(settings) else 1
 
 
 def _asq_setting(settings: dict, name: str) -> object:
@@ -153,11 +155,13 @@ def _asq_setting(settings: dict, name: str) -> object:
     return kv.get(name) if kv.get("enabled") else None
 
 
-def _two_bit_residuals(settings: dict) -> bool:
-    """Whether ASQ stores K or V residuals at 2 bits under these (exported) GSM settings."""
+def _residual_widths(settings: dict) -> set[int]:
+    """The K and V residual widths ASQ stores under these (exported) GSM settings; empty while ASQ is off."""
     kv = settings.get("kv_compression") or {}
-    pairs = [(kv.get("quant_bits"), kv.get("value_quant_bits")), *(kv.get("layer_bits") or {}).values()]
-    return bool(kv.get("enabled")) and any(2 in pair for pair in pairs)
+    if not kv.get("enabled"):
+        return set()
+    value_bits = kv.get("value_quant_bits") or kv.get("quant_bits")
+    return {kv.get("quant_bits"), value_bits, *(b for pair in (kv.get("layer_bits") or {}).values() for b in pair)}
 
 
 def validate_export(export_dir: str | Path) -> dict:
@@ -175,6 +179,10 @@ def validate_export(export_dir: str | Path) -> dict:
         raise ExportError(f"{folder / CONFIG_FILE}: format {config.get('format')!r} version "
                           f"{config.get('format_version')!r}, expected {FORMAT!r} version 1 to {FORMAT_VERSION}")
     # the newest feature an older format cannot hold is named first: it is what the reader must update for
+    if config["format_version"] < 5 and _residual_widths(config) - {2}:
+        raise ExportError(f"{folder / CONFIG_FILE}: format {config['format_version']} with 4- or 8-bit ASQ residuals, "
+                          "trained on the symmetric grid that format 5 replaced with the mid-rise one "
+                          "(docs/adapter-format.md); train and export it again with this version")
     if config["format_version"] < 4 and _asq_setting(config, "layer_bits"):
         raise ExportError(f"{folder / CONFIG_FILE}: format {config['format_version']} with per-layer ASQ residual "
                           "widths (kv_compression.layer_bits), which only format 4 holds; re-export the adapter "
@@ -182,7 +190,7 @@ def validate_export(export_dir: str | Path) -> dict:
     if config["format_version"] < 3 and _asq_setting(config, "rotate_residuals"):
         raise ExportError(f"{folder / CONFIG_FILE}: format {config['format_version']} with rotated ASQ residuals, "
                           "which only format 3 and later hold; re-export the adapter with this version")
-    if config["format_version"] == 1 and _two_bit_residuals(config):
+    if config["format_version"] == 1 and 2 in _residual_widths(config):
         raise ExportError(f"{folder / CONFIG_FILE}: format 1 with 2-bit ASQ residuals, trained on the three-level "
                           "2-bit grid that format 2 replaced with four levels (docs/adapter-format.md); train and "
                           "export it again with this version")

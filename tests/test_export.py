@@ -64,7 +64,7 @@ def test_value_bits_are_written_only_when_set_and_load_back(value_bits: int | No
     folder = export_adapter(model, tmp_path / "export", base_name="tiny-llama")
     written = json.loads((folder / CONFIG_FILE).read_text())["kv_compression"]
     assert ("value_quant_bits" in written) == (value_bits is not None)
-    assert json.loads((folder / CONFIG_FILE).read_text())["format_version"] == (2 if value_bits == 2 else 1)
+    assert json.loads((folder / CONFIG_FILE).read_text())["format_version"] == 5  # 4-bit K on the mid-rise grid
     loaded = tiny_model("llama")
     load_gsm(loaded, folder, mode="sparse")
     adapter = loaded.model.layers[0].self_attn.gsm
@@ -107,7 +107,7 @@ def _claims_format(folder: Path, config: dict, version: int) -> None:
 def test_rotated_residuals_are_format_3_load_back_rotated_and_older_formats_are_refused(tmp_path: Path) -> None:
     """`kv_compression.rotate_residuals` came with format 3: written only when true, and an export that
     claims an earlier format with it is refused (an earlier reader would decode the codes unrotated)."""
-    folder, config, loaded = _reloaded_export(tmp_path, {"rotate_residuals": True})
+    folder, config, loaded = _reloaded_export(tmp_path, {"rotate_residuals": True, "quant_bits": 2})
     assert config["format_version"] == 3 and config["kv_compression"]["rotate_residuals"] is True
     assert loaded.model.layers[0].self_attn.gsm.asq_k.rotation is not None
     _claims_format(folder, config, 2)
@@ -118,14 +118,29 @@ def test_rotated_residuals_are_format_3_load_back_rotated_and_older_formats_are_
 def test_layer_bits_are_format_4_load_back_per_layer_and_older_formats_are_refused(tmp_path: Path) -> None:
     """`kv_compression.layer_bits` came with format 4: written only when set, each layer's compressors load
     back at their widths, and an export that claims an earlier format with it is refused (an earlier reader
-    would unpack those layers' codes at quant_bits)."""
-    folder, config, loaded = _reloaded_export(tmp_path, {"layer_bits": {2: (2, 8)}})
-    assert config["format_version"] == 4 and config["kv_compression"]["layer_bits"] == {"2": [2, 8]}
+    would unpack those layers' codes at quant_bits). Its 8-bit layer makes the export format 5."""
+    folder, config, loaded = _reloaded_export(tmp_path, {"layer_bits": {2: (2, 8)}, "quant_bits": 2})
+    assert config["format_version"] == 5 and config["kv_compression"]["layer_bits"] == {"2": [2, 8]}
     widths = [(layer.self_attn.gsm.asq_k.quant_bits, layer.self_attn.gsm.asq_v.quant_bits)
               for layer in loaded.model.layers]
-    assert widths == [(4, 4), (4, 4), (2, 8), (4, 4)]
-    _claims_format(folder, config, 3)
+    assert widths == [(2, 2), (2, 2), (2, 8), (2, 2)]
+    two_bit_folder, two_bit_config, _ = _reloaded_export(tmp_path / "2bit", {"layer_bits": {2: (2, 2)},
+                                                                             "quant_bits": 2})
+    assert two_bit_config["format_version"] == 4
+    _claims_format(two_bit_folder, two_bit_config, 3)
     with pytest.raises(ExportError, match="format 3 with per-layer ASQ residual widths"):
+        load_gsm(tiny_model("llama"), two_bit_folder, mode="sparse")
+
+
+@pytest.mark.parametrize("asq_fields", [{}, {"quant_bits": 2, "value_quant_bits": 8}, {"layer_bits": {1: (2, 2)}}])
+def test_wide_residuals_are_format_5_and_earlier_formats_with_them_are_refused(asq_fields: dict,
+                                                                             tmp_path: Path) -> None:
+    """Format 5 moved 4- and 8-bit residuals to the mid-rise grid: any export that stores some at those
+    widths is format 5, and one that claims an earlier format was trained on the symmetric grid."""
+    folder, config, _ = _reloaded_export(tmp_path, asq_fields)
+    assert config["format_version"] == 5
+    _claims_format(folder, config, 4)
+    with pytest.raises(ExportError, match="format 4 with 4- or 8-bit ASQ residuals, trained on the symmetric grid"):
         load_gsm(tiny_model("llama"), folder, mode="sparse")
 
 

@@ -58,11 +58,12 @@ def test_full_joint_training_lowers_the_lm_loss_and_its_export_reproduces_the_mo
 
 def test_joint_training_at_per_layer_widths_exports_them(tmp_path: Path) -> None:
     """`kv_compression.layer_bits` (with rotated residuals, as the 0.30-budget runs use them): the run trains
-    each layer's compressors at its widths and the export (format 4) rebuilds the same model."""
+    each layer's compressors at its widths and the export (format 5: 4- and 8-bit residuals) rebuilds the same
+    model."""
     result = train_recipe(JOINT, [*TINY, "train.steps=3", "gsm.kv_compression.rotate_residuals=true",
                                   "gsm.kv_compression.layer_bits={1: [2, 8], 3: [8, 2]}", f"output.dir={tmp_path}"])
     config = json.loads((tmp_path / "export" / "gsm_config.json").read_text())
-    assert config["format_version"] == 4 and config["kv_compression"]["layer_bits"] == {"1": [2, 8], "3": [8, 2]}
+    assert config["format_version"] == 5 and config["kv_compression"]["layer_bits"] == {"1": [2, 8], "3": [8, 2]}
     loaded = tiny_model("llama")
     load_gsm(loaded, tmp_path / "export", mode="sparse")
     widths = [(layer.self_attn.gsm.asq_k.quant_bits, layer.self_attn.gsm.asq_v.quant_bits)

@@ -87,14 +87,14 @@ def test_kivi_baseline_is_asymmetric_min_max() -> None:
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_packed_codes_span_their_range(bits: int) -> None:
-    """Stored codes are level + code_center: 0 .. 2**bits - 1 on the 2-bit grid, 1 .. 2**bits - 1 on the
-    symmetric ones (one code unused), and decompress gives back the reconstruction."""
+    """Stored codes are level + code_center and every width uses all of them, 0 .. 2**bits - 1 (mid-rise
+    grids: no code is left unused), and decompress gives back the reconstruction."""
     comp = _asq(bits)
     x = _random(s=512)
     packed = comp.compress_blocks(x)
     per = 8 // bits
     codes = torch.stack([(packed.residual.int() >> (bits * i)) & (2**bits - 1) for i in range(per)], -1).unique()
-    assert codes.tolist() == list(range(0 if bits == 2 else 1, 2**bits))
+    assert codes.tolist() == list(range(2**bits))
     assert torch.equal(comp.decompress(packed), comp(x))
 
 
