@@ -75,9 +75,11 @@ CASES = [(family, "everything_share") for family in TINY_FAMILIES] + [("qwen3", 
 @pytest.mark.parametrize(("family", "config"), CASES)
 @pytest.mark.parametrize("mode", ["sparse", "dense"])
 def test_cached_decoding_equals_teacher_forced(family: str, config: str, mode: str) -> None:
-    """Tolerance 1e-3 (fp32): the two paths sum the same terms in another order. How that rounds depends on
-    the host's BLAS threading, and it can flip an odd ASQ code (1.6e-4 at one position, measured on a
-    16-core host; 2-bit residuals amplify it most). The fp64 test below is the exact check."""
+    """Tolerance 1e-3 (fp32): the two paths sum the same terms in another order, which can flip an odd ASQ
+    code; how often depends on the host's CPU kernels, not on its thread count. On the H200 host's CPU
+    (torch 2.11, 2026-11-30) the rotated configuration misses it, deterministically and with one thread as
+    with 16: up to 0.005 in sparse mode (0.15 on the symmetric 4-bit grid before format 5). The fp64 test
+    below is the exact check on every host."""
     model = _model(family, CONFIGS[config], mode)
     ids = _ids()
     with torch.no_grad():
