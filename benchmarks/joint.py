@@ -50,7 +50,7 @@ LAST_EVAL_KEYS = ("ppl", "recall_ratio_k64", "asq_recon_rel_error", "asq_cluster
                   "bridge_alpha_mean")
 
 
-def _identity(overrides: list[str], gate_only_overrides: list[str]) -> dict:
+def _identity(overrides: list[str], gate_only_overrides: list[str], joint_overrides: list[str]) -> dict:
     """What makes two runs the same: the overrides and the recipes' text (hashed); plus the commit, for the record."""
     digest = hashlib.sha256(b"".join((REPO / "recipes" / name).read_bytes() for name in RECIPES)).hexdigest()
     def git(*command: str) -> str:
@@ -67,8 +67,8 @@ def _identity(overrides: list[str], gate_only_overrides: list[str]) -> dict:
                 commit += " with uncommitted changes"
         except (OSError, subprocess.CalledProcessError):
             commit += " (uncommitted changes unknown)"
-    return {"gsm_overrides": overrides, "gate_only_overrides": gate_only_overrides, "recipes_sha256": digest,
-            "commit": commit}
+    return {"gsm_overrides": overrides, "gate_only_overrides": gate_only_overrides,
+            "joint_overrides": joint_overrides, "recipes_sha256": digest, "commit": commit}
 
 
 def _earlier_result(path: Path, identity: dict) -> dict:
@@ -77,7 +77,7 @@ def _earlier_result(path: Path, identity: dict) -> dict:
         return {}
     earlier = json.loads(path.read_text())
     same = all(earlier.get(key, []) == identity[key]
-               for key in ("gsm_overrides", "gate_only_overrides", "recipes_sha256"))
+               for key in ("gsm_overrides", "gate_only_overrides", "joint_overrides", "recipes_sha256"))
     return earlier if same else {}
 
 
@@ -109,18 +109,20 @@ def main() -> None:
                              "gsm.sparse_attention.gate_key_bits=8 gsm.kv_compression.quant_bits=2")
     parser.add_argument("--gate-only", nargs="*", default=[], metavar="KEY=VALUE",
                         help="recipe settings for the gate_only stage alone, e.g. optim.lr=4e-3 for a smaller gate")
+    parser.add_argument("--joint", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="recipe settings for the joint run and its dense control, e.g. train.fp32_matmul=tf32")
     args = parser.parse_args()
     out = Path(args.out)
     result_path = Path(args.result) if args.result else out / "joint.json"
     data = [f"data.train.path={args.train_data}", f"data.eval.path={args.eval_data}", "logging.progress_bar=false",
             "logging.eval_every=1000", *args.gsm]
-    identity = _identity(args.gsm, args.gate_only)
+    identity = _identity(args.gsm, args.gate_only, args.joint)
     earlier = _earlier_result(result_path, identity)
     result: dict = dict(identity)
     _train("gate_only.yaml", [*data, *args.gate_only], out / "gate_only")
     gate_export = out / "gate_only" / "export"
-    _train("joint.yaml", [*data, f"init_from={gate_export}"], out / "joint")
-    _train("joint.yaml", [*data, f"init_from={gate_export}", "gsm.gsm_enabled=false"], out / "control")
+    _train("joint.yaml", [*data, *args.joint, f"init_from={gate_export}"], out / "joint")
+    _train("joint.yaml", [*data, *args.joint, f"init_from={gate_export}", "gsm.gsm_enabled=false"], out / "control")
     result["joint_over_dense_tokens_per_s"] = _tokens_per_s(out / "joint") / _tokens_per_s(out / "control")
     result["joint_last_eval"] = _last_eval(out / "joint")
     write_result(result_path, result)

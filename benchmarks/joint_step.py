@@ -27,7 +27,14 @@ from gsm_train.backend import select_backend  # noqa: E402
 from gsm_train.config import load_recipe  # noqa: E402
 from gsm_train.distributed import init_distributed  # noqa: E402
 from gsm_train.stages import JointStage  # noqa: E402
-from gsm_train.trainer import _autocast, _dtypes, _graphed_loss, _prepared_model, build_optimizer  # noqa: E402
+from gsm_train.trainer import (  # noqa: E402
+    _autocast,
+    _dtypes,
+    _graphed_loss,
+    _prepared_model,
+    build_optimizer,
+    fp32_matmul_precision,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -57,15 +64,16 @@ def _step_ms(gsm_enabled: bool, graphed: bool, overrides: list[str], steps: int,
         backend.step(optimizer)
         torch.cuda.synchronize()
 
-    for _ in range(3):
-        step()
-    times = []
-    for _ in range(steps):
-        tic = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - tic) * 1e3)
-    profile = kernel_times if graphed else op_times
-    return statistics.median(times), profile(step)[:profile_rows] if profile_rows else []
+    with fp32_matmul_precision(config.train.fp32_matmul, info.device):  # as the trainer runs its steps
+        for _ in range(3):
+            step()
+        times = []
+        for _ in range(steps):
+            tic = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - tic) * 1e3)
+        profile = kernel_times if graphed else op_times
+        return statistics.median(times), profile(step)[:profile_rows] if profile_rows else []
 
 
 def main() -> None:
@@ -79,10 +87,13 @@ def main() -> None:
     parser.add_argument("--no-eager", action="store_true", help="time the captured steps only")
     add_gsm_argument(parser, "GSM settings on top of the shipped recipe for the joint step (the dense step has GSM "
                              "off), e.g. a KV budget: gsm.kv_compression.value_quant_bits=2")
+    parser.add_argument("--fp32-matmul", choices=("default", "tf32"), default=None,
+                        help="train.fp32_matmul for both steps (default: the recipe's)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("this benchmark times GPU training steps; run it on a CUDA device")
-    overrides = [f"data.train.path={args.train_data}", "logging.progress_bar=false", *args.gsm]
+    overrides = [f"data.train.path={args.train_data}", "logging.progress_bar=false", *args.gsm,
+                 *([f"train.fp32_matmul={args.fp32_matmul}"] if args.fp32_matmul else [])]
     config = load_recipe(str(REPO / "recipes" / "joint.yaml"), overrides)
     tokens = config.train.batch_size * config.data.seq_len
     rows = {}
@@ -98,7 +109,7 @@ def main() -> None:
                 print(f"    {row['ms_per_step']:8.2f} ms {row['calls_per_step']:6.0f}x  {row.get('kernel') or row['op']} "
                       f"{row.get('input_shapes', '')}")
     result = {"batch_size": config.train.batch_size, "seq_len": config.data.seq_len, "steps_timed": args.steps,
-              **({"gsm_overrides": args.gsm} if args.gsm else {}),
+              **({"gsm_overrides": args.gsm} if args.gsm else {}), "fp32_matmul": config.train.fp32_matmul,
               "joint_over_dense_tokens_per_s": rows["joint_graphed"]["tokens_per_s"] / rows["dense_graphed"]["tokens_per_s"],
               "rows": rows}
     print(f"joint / dense tokens/s: {result['joint_over_dense_tokens_per_s']:.3f} as the trainer runs them (CUDA graph)")

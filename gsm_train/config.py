@@ -220,7 +220,12 @@ class TrainConfig(StrictModel):
 
     `cuda_graph`: capture the micro-step (loss and backward) in a CUDA graph and replay it (see
     `gsm_train/step_graph.py`). `auto` does so where it can: one CUDA GPU, the FSDP2 backend, a stage
-    whose step never waits on the device (the gate stages); `true` makes anything else an error."""
+    whose step never waits on the device (the gate stages); `true` makes anything else an error.
+
+    `fp32_matmul`: how CUDA runs the fp32 matrix products of training (ASQ computes in fp32; under bf16
+    autocast the base's run in bf16 either way): `default` as PyTorch is set (full fp32 unless the
+    process chose otherwise), `tf32` on tensor cores with inputs rounded to 10 mantissa bits, during
+    training only (evaluation and inference after it are not affected)."""
 
     steps: int = Field(200, ge=1)
     batch_size: int = Field(1, ge=1)
@@ -231,6 +236,7 @@ class TrainConfig(StrictModel):
     distill_queries: int = Field(0, ge=0)
     seed: int = 0
     cuda_graph: Literal["auto"] | bool = "auto"
+    fp32_matmul: Literal["default", "tf32"] = "default"
 
 
 class DistributedConfig(StrictModel):

@@ -13,6 +13,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
@@ -144,9 +145,27 @@ def run_training(config: RecipeConfig, stage: Stage, run_name: str | None = None
     backend = select_backend(config)
     info = init_distributed()
     try:
-        return _run(config, stage, info, backend, run_name or config.stage)
+        with fp32_matmul_precision(config.train.fp32_matmul, info.device):
+            return _run(config, stage, info, backend, run_name or config.stage)
     finally:
         teardown()
+
+
+@contextlib.contextmanager
+def fp32_matmul_precision(precision: str, device: torch.device) -> Iterator[None]:
+    """Run fp32 matrix products on CUDA on TF32 tensor cores inside when `precision` (`train.fp32_matmul`)
+    is "tf32", and restore PyTorch's setting after; "default", or a device other than CUDA, changes
+    nothing. A step captured in a CUDA graph inside keeps the kernels chosen while it was captured."""
+    if precision != "tf32" or device.type != "cuda":
+        yield
+        return
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    matmul.fp32_precision = "tf32"
+    try:
+        yield
+    finally:
+        matmul.fp32_precision = before
 
 
 def export_options(config: RecipeConfig) -> dict[str, Any]:

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from gsm_train.cli import main as cli_main
 from gsm_train.config import ConfigError, GSMConfig, check_against_model, load_recipe
@@ -120,3 +121,22 @@ def test_unreadable_recipe_is_one_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         load_recipe(tmp_path / "missing.yaml")
     assert "cannot read the recipe" in str(info.value)
+
+
+def test_fp32_matmul_takes_tf32_only_inside_training_on_cuda() -> None:
+    """`train.fp32_matmul=tf32` turns TF32 on for CUDA inside the context and gives PyTorch's setting back
+    after (also after an error); `default`, or a CPU device, leaves it alone; another value is refused."""
+    from gsm_train.trainer import fp32_matmul_precision
+
+    assert load_recipe(RECIPES[0], ["train.fp32_matmul=tf32"]).train.fp32_matmul == "tf32"
+    with pytest.raises(ConfigError, match="train.fp32_matmul"):
+        load_recipe(RECIPES[0], ["train.fp32_matmul=fp16"])
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    with pytest.raises(KeyError), fp32_matmul_precision("tf32", torch.device("cuda")):
+        assert matmul.fp32_precision == "tf32"
+        raise KeyError("a failing step")
+    assert matmul.fp32_precision == before
+    for precision, device in (("default", torch.device("cuda")), ("tf32", torch.device("cpu"))):
+        with fp32_matmul_precision(precision, device):
+            assert matmul.fp32_precision == before
