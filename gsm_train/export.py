@@ -140,13 +140,14 @@ def export_adapter(model: nn.Module, out_dir: str | Path, *, base_name: str, bas
 
 def _format_version(settings: dict) -> int:
     """The lowest format version that represents these (exported) GSM settings."""
-    if _residual_widths(settings) - {2}:
+    widths = _residual_widths(settings)
+    if widths - {2}:
         return 5
     if _asq_setting(settings, "layer_bits"):
         return 4
     if _asq_setting(settings, "rotate_residuals"):
         return 3
-    return 2 if 2 in _residual_widths(settings) else 1
+    return 2 if 2 in widths else 1
 
 
 def _asq_setting(settings: dict, name: str) -> object:

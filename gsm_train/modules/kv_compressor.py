@@ -14,8 +14,8 @@ all 2**bits codes are levels and none is zero (see :func:`code_center`). At 4 an
 a Gaussian (Max, 1960): an absmax scale rounds most of a token's channels to the inner levels (on
 SmolLM2's keys and values a symmetric 2-bit grid left 1.9x and 2.1x the error of this one). The 4-bit
 grid was symmetric (``code * absmax / 7``, codes in ``[-7, 7]``, one code unused) up to export format 4;
-the 16-level grid cut ASQ's training-free loss increase on SmolLM2 from +0.029 to +0.017 with rotated
-residuals (docs/design-decisions.md).
+with rotated residuals the 16-level grid costs SmolLM2 +0.023 nats training-free against +0.033 before
+(benchmarks/results/residual_quantizers.json, docs/design-decisions.md).
 
 Prototypes and scales are stored in float16 and the fake-quant path rounds them
 the same way, so eval ``forward(x)`` equals ``decompress(compress(x))``.
@@ -59,20 +59,15 @@ def _check_bits(bits: int, name: str = "quant_bits") -> None:
     _check(bits in _VALID_BITS, name, f"must be one of {_VALID_BITS}, got {bits!r}")
 
 
-def _half_range(bits: int) -> float:
-    """The outermost level of the `bits` grid in units of the scale: 1.5 at 2 bits, 7.5 at 4, 127.5 at 8."""
-    return 2 ** (bits - 1) - 0.5
-
-
 _RMS_SCALED_BITS = 2  # the width whose scale comes from the rms (the others: from the absmax)
 _MIDRISE_STEP = 0.9957  # step / rms of the MSE-optimal uniform 4-level quantizer of a unit Gaussian (Max, 1960)
 
 
 def code_center(bits: int) -> float:
     """The offset from a stored code (0 .. 2**bits - 1) to the multiple of the scale it stands for,
-    ``2**(bits-1) - 1/2`` on every (mid-rise) grid: at 2 bits the levels are -1.5, -0.5, 0.5 and 1.5
-    times the scale."""
-    return _half_range(bits)
+    ``2**(bits-1) - 1/2`` on every (mid-rise) grid, which is also its outermost level: at 2 bits the
+    levels are -1.5, -0.5, 0.5 and 1.5 times the scale, at 4 bits -7.5 .. 7.5."""
+    return 2 ** (bits - 1) - 0.5
 
 
 _SIGN_HASH = 0x9E3779B1  # Fibonacci hashing's multiplier: channel i's sign is the top bit of i * it (mod 2**32)
@@ -165,7 +160,7 @@ def _quantize(x: Tensor, bits: int, dim: int) -> tuple[Tensor, Tensor]:
     scale (half-integers in ``[-2**(bits-1) + 1/2, 2**(bits-1) - 1/2]``) and the fp16-rounded ``scale``
     (keepdim).
     """
-    half = _half_range(bits)
+    half = code_center(bits)  # the outermost level
     if bits == _RMS_SCALED_BITS:  # the clamp keeps sqrt's gradient finite where a residual is exactly zero
         mean_square = x.pow(2).mean(dim=dim, keepdim=True)
         scale = _to_store(mean_square.clamp_min(torch.finfo(x.dtype).tiny).sqrt() * _MIDRISE_STEP)
