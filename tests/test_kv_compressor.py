@@ -10,6 +10,7 @@ from gsm_train.modules.kv_compressor import (
     asq_bytes,
     fake_quant_kivi,
     fake_quant_per_token,
+    paired_training_pass,
 )
 
 H, D = 2, 64
@@ -258,6 +259,75 @@ def test_compiled_training_pass_matches_the_eager_one(rotate: bool) -> None:
     assert ((out - want_out).abs() <= 1e-5).float().mean() > 0.995
     for got, want in zip(rest, want_rest):
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5)
+
+
+def _key_value_pair(bits: tuple[int, int], rotate: bool, **kw) -> tuple[ASQCompressor, ASQCompressor]:
+    torch.manual_seed(0)
+    return tuple(ASQCompressor(H, D, cluster_num=4, quant_bits=width, block_size=64, rotate_residuals=rotate,
+                               **kw).double().train() for width in bits)
+
+
+@pytest.mark.parametrize(("bits", "rotate", "length"),
+                         [((4, 4), False, 256), ((4, 2), True, 300), ((2, 8), False, 200)])
+def test_paired_pass_gives_each_sides_own_pass(bits: tuple[int, int], rotate: bool, length: int) -> None:
+    """K's and V's training passes run as one give each side what its own pass gives, at the same or
+    different widths, with a tail after the last full block: reconstructions, the mean of the two losses,
+    and the gradients of the inputs and of both MLPs (fp64: the fp32 sums' order would move ties)."""
+    results = []
+    for paired in (True, False):
+        asq_k, asq_v = _key_value_pair(bits, rotate)
+        key = _offset_data(s=length).double().requires_grad_(True)
+        value = _random(s=length, seed=1).double().requires_grad_(True)
+        if paired:
+            out_k, out_v, loss = paired_training_pass(asq_k, asq_v, key, value)
+        else:
+            (out_k, loss_k), (out_v, loss_v) = asq_k(key, with_loss=True), asq_v(value, with_loss=True)
+            loss = (loss_k + loss_v) / 2
+        (out_k.pow(2).mean() + out_v.pow(3).mean() + loss).backward()
+        results.append([out_k, out_v, loss, key.grad, value.grad,
+                        *(p.grad for module in (asq_k, asq_v) for p in module.parameters())])
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled training pass runs on the GPU only")
+def test_compiled_paired_pass_matches_the_separate_compiled_passes() -> None:
+    """On the GPU both run compiled, in one graph each; fp32 sums in another order may move a token near a
+    tie to another cluster or code (few elements), the losses and gradients agree closely."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    results = []
+    for paired in (True, False):
+        asq_k, asq_v = (module.float().cuda() for module in _key_value_pair((4, 2), True))
+        key = _offset_data(s=300).cuda().requires_grad_(True)
+        value = _random(s=300, seed=1).cuda().requires_grad_(True)
+        if paired:
+            out_k, out_v, loss = paired_training_pass(asq_k, asq_v, key, value)
+        else:
+            (out_k, loss_k), (out_v, loss_v) = asq_k(key, with_loss=True), asq_v(value, with_loss=True)
+            loss = (loss_k + loss_v) / 2
+        (out_k.pow(2).mean() + out_v.pow(2).mean() + loss).backward()
+        results.append([torch.cat((out_k, out_v)).detach(), loss.detach(),
+                        *(p.grad for module in (asq_k, asq_v) for p in module.parameters())])
+    assert not counters["graph_break"]
+    (out, *rest), (want_out, *want_rest) = results
+    assert ((out - want_out).abs() <= 1e-5).float().mean() > 0.995
+    for got, want in zip(rest, want_rest):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5)
+
+
+def test_paired_pass_declines_what_it_cannot_pair() -> None:
+    """None (each side runs its own pass) outside training, before a first full block and for compressors
+    that differ in more than their bits."""
+    key, value = _random(s=128), _random(s=128, seed=1)
+    asq_k, asq_v = _key_value_pair((4, 2), False)
+    assert paired_training_pass(asq_k.float(), asq_v.float(), key, value) is not None
+    assert paired_training_pass(asq_k, asq_v, key[:, :, :63], value[:, :, :63]) is None
+    assert paired_training_pass(asq_k.eval(), asq_v.eval(), key, value) is None
+    wider_k, narrow_v = _key_value_pair((4, 4), False)[0], _key_value_pair((4, 4), False, hidden_dim=32)[1]
+    assert paired_training_pass(wider_k, narrow_v, key, value) is None
 
 
 def test_forward_alone_gives_mlp_gradient() -> None:

@@ -233,8 +233,21 @@ def test_int8_gate_keys_round_to_half_a_step() -> None:
     assert (gate_key_bytes(64, 8), gate_key_bytes(64, 16)) == (66, 128)
     gate = SparseGateHead(16, 64, 8, key_bits=8)
     gate_q = torch.randn(2, 1, 50, 64)
-    torch.testing.assert_close(gate.score_stored(gate_q, gate.stored_keys(gate_k)),
-                               torch.matmul(gate_q, decode_gate_keys(codes, scales).transpose(-1, -2)) / 8.0)
+    # the keys selection scores are the stored ones bit for bit (one expression, compiled in training), and the
+    # 1/sqrt(64) on the queries gives the logits' bits
+    assert torch.equal(gate.stored_keys(gate_k), decode_gate_keys(codes, scales))
+    assert torch.equal(gate.score_stored(gate_q, gate.stored_keys(gate_k)),
+                       torch.matmul(gate_q, decode_gate_keys(codes, scales).transpose(-1, -2)) / 8.0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled rounding serves CUDA training steps")
+def test_compiled_int8_gate_key_rounding_keeps_the_fp16_scales() -> None:
+    """In training on the GPU the 8-bit round trip runs compiled; the keys equal the stored ones (Inductor
+    would drop a plain fp16 cast of the scales)."""
+    torch.manual_seed(0)
+    gate_k = torch.randn(4, 1, 2048, 16, device="cuda") * torch.logspace(-6, 1, 2048, device="cuda")[:, None]
+    gate = SparseGateHead(16, 16, 8, key_bits=8).cuda().train()
+    assert torch.equal(gate.stored_keys(gate_k), decode_gate_keys(*encode_gate_keys(gate_k, 8)))
 
 
 # --------------------------------------------------------------------------- gate_distill_loss

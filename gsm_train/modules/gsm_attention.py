@@ -24,7 +24,8 @@ from gsm_train.modules.compiled import compiled
 from gsm_train.modules.decode_attention import decode_attention
 from gsm_train.modules.errors import GSMError
 from gsm_train.modules.gate_distill import DistillTarget, reads_weights_directly
-from gsm_train.modules.kv_compressor import ASQCompressor, fake_quant_kivi, fake_quant_per_token
+from gsm_train.modules.kv_compressor import (ASQCompressor, fake_quant_kivi, fake_quant_per_token,
+                                             paired_training_pass)
 from gsm_train.modules.sparse_gate import SparseGateHead, k_per_query, select_top_k
 
 ATTN_IMPLEMENTATION = "gsm"
@@ -168,8 +169,11 @@ class GSMAttentionAdapter(nn.Module):
             key, value = plain_kv_quant(key, value, runtime.kv_baseline, (self.asq_k.quant_bits, self.asq_v.quant_bits),
                                         self.asq_k.block_size)
         elif self.asq_k is not None and self.training:  # one encoding gives the reconstruction and its loss
-            (key, loss_k), (value, loss_v) = self.asq_k(key, with_loss=True), self.asq_v(value, with_loss=True)
-            runtime.asq_losses[self.layer_idx] = (loss_k + loss_v) / 2
+            paired = paired_training_pass(self.asq_k, self.asq_v, key, value)  # K's and V's in one pass
+            if paired is None:
+                (key, loss_k), (value, loss_v) = self.asq_k(key, with_loss=True), self.asq_v(value, with_loss=True)
+                paired = key, value, (loss_k + loss_v) / 2
+            key, value, runtime.asq_losses[self.layer_idx] = paired
         elif self.asq_k is not None:
             key, value = self.asq_k(key), self.asq_v(value)
         own = (raw_key, raw_value) if self.asq_k is not None else None

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 
 from gsm_train.modules.compiled import compiled
 
@@ -43,6 +44,7 @@ __all__ = [
     "asq_bytes",
     "fake_quant_kivi",
     "fake_quant_per_token",
+    "paired_training_pass",
 ]
 
 
@@ -109,12 +111,12 @@ def compute_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-_FP16_TINY = 2.0**-14  # fp16's smallest normal; below it fp16's values are multiples of 2**-24
+FP16_TINY = 2.0**-14  # fp16's smallest normal; below it fp16's values are multiples of 2**-24
 _FP16_SUBNORMAL_STEPS = 2.0**24
 _FP32_LOW_BITS = 13  # fp32 mantissa bits that fp16 lacks
 
 
-def _fp16_grid(x: Tensor) -> Tensor:
+def fp16_grid(x: Tensor) -> Tensor:
     """fp32 `x` (within fp16's range) rounded to the nearest fp16 value, ties to even, as `.half().float()`
     rounds, in integer arithmetic on x's bits: Inductor fuses a `.half().float()` chain into its neighbours
     and drops the rounding (torch 2.11 on the H200, even with `emulate_precision_casts`), and training must see
@@ -124,7 +126,7 @@ def _fp16_grid(x: Tensor) -> Tensor:
     keep_lsb = (bits >> _FP32_LOW_BITS) & 1  # ties to even: round half up, less one when the kept bit is even
     normal = ((bits + (2 ** (_FP32_LOW_BITS - 1) - 1) + keep_lsb) & -(2**_FP32_LOW_BITS)).view(torch.float32)
     subnormal = torch.round(x * _FP16_SUBNORMAL_STEPS) / _FP16_SUBNORMAL_STEPS  # exact: powers of two
-    return torch.where(x.abs() < _FP16_TINY, subnormal, torch.where(torch.isnan(x), x, normal))
+    return torch.where(x.abs() < FP16_TINY, subnormal, torch.where(torch.isnan(x), x, normal))
 
 
 def _to_store(x: Tensor) -> Tensor:
@@ -136,7 +138,7 @@ def _to_store(x: Tensor) -> Tensor:
     per joint step (docs/design-decisions.md)."""
     clamped = x.clamp(-_FP16_MAX, _FP16_MAX)
     with torch.no_grad():
-        rounded = _fp16_grid(clamped) if x.dtype == torch.float32 else clamped.to(_STORE_DTYPE).to(x.dtype)
+        rounded = fp16_grid(clamped) if x.dtype == torch.float32 else clamped.to(_STORE_DTYPE).to(x.dtype)
     if not (torch.is_grad_enabled() and x.requires_grad):
         return rounded
     return clamped + (rounded - clamped).detach()
@@ -363,30 +365,45 @@ def _soft_assignment(blocks: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Ten
     return torch.softmax(logits / tau, dim=-1)
 
 
+def _quantize_groups(x: Tensor, bits: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+    """`_quantize` over the last dim of x [B, G * H, ...], whose heads are G = len(bits) groups side by side
+    (K's and V's), each group at its own width."""
+    if len(set(bits)) == 1:
+        return _quantize(x, bits[0], dim=-1)
+    parts = [_quantize(group, width, dim=-1) for group, width in zip(x.chunk(len(bits), 1), bits)]
+    return torch.cat([q for q, _ in parts], 1), torch.cat([scale for _, scale in parts], 1)
+
+
 def _encode_blocks(blocks: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, tau: float,
-                   bits: int, rotation: Tensor | None = None) -> _Encoded:
+                   bits: int | tuple[int, ...], rotation: Tensor | None = None) -> _Encoded:
     """Cluster, build prototypes and quantize residuals of blocks [B, H, n, bs, D] (`compute_dtype`), the
-    residuals in the basis of `rotation` when there is one."""
+    residuals in the basis of `rotation` when there is one; `bits` a width, or one per group of heads
+    side by side (`_quantize_groups`)."""
     probs = _soft_assignment(blocks, w1, b1, w2, b2, tau)
     weighted = torch.matmul(probs.transpose(-1, -2), blocks)
     mass = probs.sum(dim=3)
     prototypes = _to_store(weighted / (mass.unsqueeze(-1) + _EPS))
     ids = probs.argmax(dim=-1)
     residual = _rotated(blocks - _gather_prototypes(prototypes, ids), rotation)
-    q, scale = _quantize(residual, bits, dim=-1)
+    q, scale = _quantize_groups(residual, (bits,) if isinstance(bits, int) else bits)
     return _Encoded(probs, weighted, mass, prototypes, ids, q, scale, rotation)
 
 
-def _distortion(enc: _Encoded | None, blocks: Tensor) -> Tensor:
-    """Soft k-means distortion of the encoding over the within-block variance (see `reconstruction_loss`)."""
+def _distortion(enc: _Encoded | None, blocks: Tensor, groups: int = 1) -> Tensor:
+    """Soft k-means distortion of the encoding over the within-block variance (see `reconstruction_loss`);
+    with `groups` groups of heads side by side (K's and V's), the mean of the groups' ratios."""
     if enc is None:
         return blocks.new_zeros(())
+
+    def group_sums(x: Tensor) -> Tensor:  # [groups]: over every axis but the heads, then over each group's heads
+        return x.sum(dim=[axis for axis in range(x.dim()) if axis != 1]).view(groups, -1).sum(-1)
+
     # sum_t sum_c p_tc ||x_t - m_c||^2 = sum ||x||^2 - 2 sum_c <sum_t p_tc x_t, m_c> + sum_c (sum_t p_tc) ||m_c||^2
     protos = enc.prototypes
-    energy = blocks.pow(2).sum()
-    distortion = energy - 2 * (enc.weighted * protos).sum() + (enc.mass * protos.pow(2).sum(-1)).sum()
-    variance = (blocks - blocks.mean(dim=3, keepdim=True)).pow(2).sum()  # direct: no cancellation
-    return distortion.clamp_min(0) / variance.clamp_min(_EPS)
+    energy = group_sums(blocks.pow(2))
+    distortion = energy - 2 * group_sums(enc.weighted * protos) + group_sums(enc.mass * protos.pow(2).sum(-1))
+    variance = group_sums((blocks - blocks.mean(dim=3, keepdim=True)).pow(2))  # direct: no cancellation
+    return (distortion.clamp_min(0) / variance.clamp_min(_EPS)).mean()
 
 
 def _reconstruction_and_distortion(blocks: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, tau: float,
@@ -394,6 +411,53 @@ def _reconstruction_and_distortion(blocks: Tensor, w1: Tensor, b1: Tensor, w2: T
     """A training pass over full blocks: the fake-quantized blocks and the distortion loss."""
     enc = _encode_blocks(blocks, w1, b1, w2, b2, tau, bits, rotation)
     return enc.reconstruct(), _distortion(enc, blocks)
+
+
+def _paired_training_pass(key: Tensor, value: Tensor, mlps: tuple[tuple[Tensor, ...], tuple[Tensor, ...]], tau: float,
+                          bits: tuple[int, int], rotation: Tensor | None,
+                          block_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """K's and V's training passes as one: (K's reconstruction, V's, the mean of their losses), for key and
+    value [B, H, S, D] whole and each side's assignment MLP (w1, b1, w2, b2). Their blocks lie side by side
+    on the head axis, so each kernel and matrix product of the pass serves both, and the split into blocks,
+    the casts and the join fuse into the compiled pass."""
+    heads = key.shape[1]
+    full, tail = _split_blocks(torch.cat((key, value), 1), block_size)
+    blocks = full.to(compute_dtype(full))
+    w1, b1, w2, b2 = (torch.cat(pair, 0) for pair in zip(*mlps))
+    enc = _encode_blocks(blocks, w1, b1, w2, b2, tau, bits, rotation)
+    out = _join_blocks(enc.reconstruct(), tail)
+    return out[:, :heads], out[:, heads:], _distortion(enc, blocks, groups=2)
+
+
+def _alike(asq_k: ASQCompressor, asq_v: ASQCompressor) -> bool:
+    """Whether two compressors differ at most in their residual bits."""
+    fields = ("num_kv_heads", "head_dim", "cluster_num", "hidden_dim", "block_size", "tau", "rotate_residuals")
+    return all(getattr(asq_k, name) == getattr(asq_v, name) for name in fields)
+
+
+def _plain_parameters(module: nn.Module) -> bool:
+    """Not an FSDP2 unit or ZeRO-3 partitions: both gather a module's parameters only when it is called."""
+    return not isinstance(module, FSDPModule) and not any(hasattr(p, "ds_id") for p in module.parameters())
+
+
+def paired_training_pass(asq_k: ASQCompressor, asq_v: ASQCompressor, key: Tensor,
+                         value: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
+    """K's and V's training passes as one (`_paired_training_pass`, compiled on the GPU): (K's
+    reconstruction, V's, the mean of their reconstruction losses), what `asq_k(key, with_loss=True)` and
+    `asq_v(value, with_loss=True)` give (fp32 sums in another order); None where the two must run apart:
+    outside training, before a first full block, compressors that differ in more than their bits, or
+    parameters that only the modules' own calls gather. On a captured SmolLM2 joint step on the H200 this
+    halves the number of ASQ's kernels, most of them a few microseconds long (docs/design-decisions.md)."""
+    if not (asq_k.training and key.shape[2] >= asq_k.block_size and _alike(asq_k, asq_v)
+            and _plain_parameters(asq_k) and _plain_parameters(asq_v)):
+        return None
+    asq_k._check_input(key)
+    asq_v._check_input(value)
+    heads = key.shape[1]
+    training_pass = compiled(_paired_training_pass) if key.is_cuda else _paired_training_pass
+    with torch.autocast(device_type=key.device.type, enabled=False):
+        return training_pass(key, value, (asq_k._mlp(heads), asq_v._mlp(heads)), asq_k.tau,
+                             (asq_k.quant_bits, asq_v.quant_bits), asq_k.rotation, asq_k.block_size)
 
 
 class ASQCompressor(nn.Module):
@@ -470,8 +534,10 @@ class ASQCompressor(nn.Module):
 
     def _mlp(self, heads: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The assignment MLP's (w1, b1, w2, b2) for an input of the first `heads` heads (heads are
-        independent)."""
-        return self.w1[:heads], self.b1[:heads], self.w2[:heads], self.b2[:heads]
+        independent): the parameters themselves for all heads, whose gradients then need no slice's
+        backward (a zero fill and a copy per parameter, eight small kernels per layer in a training step)."""
+        params = self.w1, self.b1, self.w2, self.b2
+        return params if heads == self.num_kv_heads else tuple(p[:heads] for p in params)
 
     def _encode(self, blocks: Tensor) -> _Encoded:
         """Cluster, build prototypes and quantize residuals of blocks [B, H, n, bs, D] (`compute_dtype`)."""

@@ -17,7 +17,7 @@ from gsm_train.kernels.selection import top_k_selection
 from gsm_train.modules.gate_distill import DistillTarget, gate_kl_from_hidden
 from gsm_train.modules.compiled import compiled
 from gsm_train.modules.gate_rope import rope_pair
-from gsm_train.modules.kv_compressor import compute_dtype
+from gsm_train.modules.kv_compressor import FP16_TINY, compute_dtype, fp16_grid
 
 GATE_KEY_DTYPE = torch.bfloat16  # how the KV cache stores gate keys at 16 bits (2 bytes per dimension)
 INT8_LEVELS = 127  # gate keys at 8 bits: symmetric int8 codes with one fp16 scale per key
@@ -37,6 +37,15 @@ def encode_gate_keys(gate_k: Tensor, bits: int) -> tuple[Tensor, Tensor | None]:
 def decode_gate_keys(codes: Tensor, scales: Tensor | None) -> Tensor:
     """fp32 gate keys from what `encode_gate_keys` stored."""
     return codes.float() if scales is None else codes.float() * scales.float()
+
+
+def int8_stored_keys(gate_k: Tensor) -> Tensor:
+    """fp32 gate keys [..., dg] as 8-bit storage holds them: `decode_gate_keys(*encode_gate_keys(gate_k, 8))`
+    in one expression that stays exact when compiled, where Inductor would fuse the scale's fp16 cast away:
+    the scale is rounded to the fp16 grid in integer arithmetic (`fp16_grid`)."""
+    x = gate_k.float()
+    scale = fp16_grid((x.abs().amax(-1, keepdim=True) / INT8_LEVELS).clamp_min(FP16_TINY))
+    return torch.round(x / scale).clamp(-INT8_LEVELS, INT8_LEVELS) * scale
 
 
 def gate_key_bytes(gate_head_dim: int, bits: int) -> int:
@@ -86,13 +95,19 @@ class SparseGateHead(nn.Module):
     def stored_keys(self, gate_k: Tensor) -> Tensor:
         """fp32 gate keys as the cache holds them (`key_bits`), for selection: teacher-forced and cached
         selections then agree. Round once per layer and score query chunks with `score_stored`. (The
-        gate's KL loss scores the unrounded keys.)"""
-        return decode_gate_keys(*encode_gate_keys(gate_k.detach(), self.key_bits))
+        gate's KL loss scores the unrounded keys.) At 8 bits a training step on the GPU rounds them in one
+        compiled kernel instead of a dozen small ones per layer."""
+        if self.key_bits == 16:
+            return decode_gate_keys(*encode_gate_keys(gate_k.detach(), self.key_bits))
+        as_stored = compiled(int8_stored_keys) if gate_k.is_cuda and self.training else int8_stored_keys
+        return as_stored(gate_k.detach())
 
     def score_stored(self, gate_q: Tensor, keys: Tensor) -> Tensor:
-        """Gate logits [B, n, T, S] in fp32 (fp64 for an fp64 query) over keys already decoded from the cache."""
+        """Gate logits [B, n, T, S] (fp32 products, fp64 for an fp64 query; under autocast its dtype's) over keys
+        already decoded from the cache. The 1/sqrt(gate_head_dim) scale goes on the queries, not on the T x S
+        logits (one pass over them fewer); for a power-of-two gate_head_dim the logits are the same bits."""
         dtype = compute_dtype(gate_q)
-        return torch.matmul(gate_q.to(dtype), keys.to(dtype).transpose(-1, -2)) / math.sqrt(self.gate_head_dim)
+        return torch.matmul(gate_q.to(dtype) * self.gate_head_dim ** -0.5, keys.to(dtype).transpose(-1, -2))
 
     @torch.no_grad()
     def init_from_attention(self, q_weight: Tensor, k_weight: Tensor, num_heads: int, num_kv_heads: int,
