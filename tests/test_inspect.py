@@ -84,8 +84,14 @@ def test_cli_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_cli_inspects_the_shipped_joint_recipe(capsys: pytest.CaptureFixture[str]) -> None:
-    """With its bridge off, the joint recipe fits even a 4-layer model (its bridge_to_start=24 is not used)."""
-    assert main(["inspect", "--model", "tiny-llama", "--recipe", str(JOINT_RECIPE)]) == 0
+    """The joint recipe names SmolLM2's layers 8 and 18 in its per-layer widths: on a 4-layer model each is
+    one clear problem with its fix; without them the recipe fits (its bridge, off, is not checked)."""
+    assert main(["inspect", "--model", "tiny-llama", "--recipe", str(JOINT_RECIPE)]) == 2
+    err = capsys.readouterr().err
+    assert "gsm.kv_compression.layer_bits.18 = [4, 4]: layer index outside the model's 0..3" in err
+    assert "gsm.kv_compression.layer_bits.8" in err and "gsm.kv_compression.layer_bits.3" not in err
+    assert main(["inspect", "--model", "tiny-llama", "--recipe", str(JOINT_RECIPE),
+                 "gsm.kv_compression.layer_bits={0: [4, 4]}"]) == 0
     assert "KV bytes ratio" in capsys.readouterr().out
 
 

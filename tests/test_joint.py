@@ -25,7 +25,8 @@ TINY = ["model.name_or_path=tiny-llama", "data.seq_len=64", "logging.recall_min_
         "gsm.sparse_attention.top_k=8", "gsm.sparse_attention.k_min=8", "gsm.sparse_attention.dense_layers=[0]",
         "gsm.kv_compression.block_size=16", "gsm.cross_layer_sharing.enabled=true", "gsm.cross_layer_sharing.bridge_from=1",
         "gsm.cross_layer_sharing.bridge_to_start=2", "logging.progress_bar=false", "optim.warmup_steps=1",
-        "init_from=null", "logging.eval_every=100"]
+        "init_from=null", "logging.eval_every=100",
+        "gsm.kv_compression.layer_bits={}"]  # the recipe's per-layer widths name SmolLM2's layers 8 and 18
 ALL_ON = {"sparse_attention": {"top_k": 4, "k_min": 4, "mode": "sparse"},
           "kv_compression": {"enabled": True, "block_size": 8, "cluster_num": 4},
           "cross_layer_sharing": {"enabled": True, "bridge_from": 1, "bridge_to_start": 2, "mode": "share"}}
@@ -57,18 +58,18 @@ def test_full_joint_training_lowers_the_lm_loss_and_its_export_reproduces_the_mo
 
 
 def test_joint_training_at_per_layer_widths_exports_them(tmp_path: Path) -> None:
-    """`kv_compression.layer_bits` (with rotated residuals, as the 0.30-budget runs use them): the run trains
-    each layer's compressors at its widths and the export (format 5: 4- and 8-bit residuals) rebuilds the same
-    model."""
-    result = train_recipe(JOINT, [*TINY, "train.steps=3", "gsm.kv_compression.rotate_residuals=true",
-                                  "gsm.kv_compression.layer_bits={1: [2, 8], 3: [8, 2]}", f"output.dir={tmp_path}"])
+    """`kv_compression.layer_bits` (with the recipe's rotated residuals and 4-bit K / 2-bit V elsewhere): the run
+    trains each layer's compressors at its widths and the export (format 5: 4- and 8-bit residuals) rebuilds the
+    same model."""
+    result = train_recipe(JOINT, [*TINY, "train.steps=3", "gsm.kv_compression.layer_bits={1: [2, 8], 3: [8, 2]}",
+                                  f"output.dir={tmp_path}"])
     config = json.loads((tmp_path / "export" / "gsm_config.json").read_text())
     assert config["format_version"] == 5 and config["kv_compression"]["layer_bits"] == {"1": [2, 8], "3": [8, 2]}
     loaded = tiny_model("llama")
     load_gsm(loaded, tmp_path / "export", mode="sparse")
     widths = [(layer.self_attn.gsm.asq_k.quant_bits, layer.self_attn.gsm.asq_v.quant_bits)
               for layer in loaded.model.layers]
-    assert widths == [(4, 4), (2, 8), (4, 4), (8, 2)]
+    assert widths == [(4, 2), (2, 8), (4, 2), (8, 2)]
     ids = torch.randint(0, 256, (2, 48))
     assert torch.equal(_logits(result.model, ids), _logits(loaded, ids))
 

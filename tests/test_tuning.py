@@ -22,7 +22,9 @@ TINY = ["model.name_or_path=tiny-llama", "data.seq_len=64", "logging.recall_min_
         "gsm.kv_compression.block_size=16", "gsm.kv_compression.cluster_num=4", "gsm.cross_layer_sharing.enabled=true",
         "gsm.cross_layer_sharing.bridge_from=1",
         "gsm.cross_layer_sharing.bridge_to_start=2", "init_from=null", "logging.progress_bar=false",
-        "optim.warmup_steps=1", "logging.eval_every=100"]
+        "optim.warmup_steps=1", "logging.eval_every=100",
+        # one width for K and V everywhere, which the ratio knob sets (the recipe's are for SmolLM2's 30 layers)
+        "gsm.kv_compression.value_quant_bits=null", "gsm.kv_compression.layer_bits={}"]
 DIMS = model_dims(tiny_model("llama"))
 
 
@@ -36,7 +38,7 @@ def test_knobs_set_the_fields_they_name() -> None:
     config = load_recipe(JOINT, [*TINY, "tuning.top_k_base=128", "tuning.bridge_alpha=0.2"])
     assert config.gsm.sparse_attention.top_k == 128 and config.gsm.cross_layer_sharing.alpha_init == 0.2
     plain = load_recipe(JOINT, TINY)
-    assert (plain.gsm.sparse_attention.top_k, plain.gsm.cross_layer_sharing.alpha_init) == (256, 0.3)
+    assert (plain.gsm.sparse_attention.top_k, plain.gsm.cross_layer_sharing.alpha_init) == (512, 0.3)
 
 
 @pytest.mark.parametrize(("override", "words"), [
