@@ -267,26 +267,30 @@ def _key_value_pair(bits: tuple[int, int], rotate: bool, **kw) -> tuple[ASQCompr
                                **kw).double().train() for width in bits)
 
 
+def _training_passes(paired: bool, bits: tuple[int, int], rotate: bool, length: int,
+                     device: str = "cpu", dtype: torch.dtype = torch.float64) -> list[torch.Tensor]:
+    """One training pass of a K/V compressor pair, paired or each side alone, then a backward: K's and V's
+    reconstructions, the mean of their losses, the inputs' gradients and every parameter's gradient."""
+    asq_k, asq_v = (module.to(device, dtype) for module in _key_value_pair(bits, rotate))
+    key = _offset_data(s=length).to(device, dtype).requires_grad_(True)
+    value = _random(s=length, seed=1).to(device, dtype).requires_grad_(True)
+    if paired:
+        out_k, out_v, loss = paired_training_pass(asq_k, asq_v, key, value)
+    else:
+        (out_k, loss_k), (out_v, loss_v) = asq_k(key, with_loss=True), asq_v(value, with_loss=True)
+        loss = (loss_k + loss_v) / 2
+    (out_k.pow(2).mean() + out_v.pow(3).mean() + loss).backward()
+    return [out_k.detach(), out_v.detach(), loss.detach(), key.grad, value.grad,
+            *(p.grad for module in (asq_k, asq_v) for p in module.parameters())]
+
+
 @pytest.mark.parametrize(("bits", "rotate", "length"),
                          [((4, 4), False, 256), ((4, 2), True, 300), ((2, 8), False, 200)])
 def test_paired_pass_gives_each_sides_own_pass(bits: tuple[int, int], rotate: bool, length: int) -> None:
     """K's and V's training passes run as one give each side what its own pass gives, at the same or
     different widths, with a tail after the last full block: reconstructions, the mean of the two losses,
     and the gradients of the inputs and of both MLPs (fp64: the fp32 sums' order would move ties)."""
-    results = []
-    for paired in (True, False):
-        asq_k, asq_v = _key_value_pair(bits, rotate)
-        key = _offset_data(s=length).double().requires_grad_(True)
-        value = _random(s=length, seed=1).double().requires_grad_(True)
-        if paired:
-            out_k, out_v, loss = paired_training_pass(asq_k, asq_v, key, value)
-        else:
-            (out_k, loss_k), (out_v, loss_v) = asq_k(key, with_loss=True), asq_v(value, with_loss=True)
-            loss = (loss_k + loss_v) / 2
-        (out_k.pow(2).mean() + out_v.pow(3).mean() + loss).backward()
-        results.append([out_k, out_v, loss, key.grad, value.grad,
-                        *(p.grad for module in (asq_k, asq_v) for p in module.parameters())])
-    for got, want in zip(*results):
+    for got, want in zip(*(_training_passes(paired, bits, rotate, length) for paired in (True, False))):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
 
 
@@ -298,23 +302,12 @@ def test_compiled_paired_pass_matches_the_separate_compiled_passes() -> None:
 
     torch._dynamo.reset()
     counters.clear()
-    results = []
-    for paired in (True, False):
-        asq_k, asq_v = (module.float().cuda() for module in _key_value_pair((4, 2), True))
-        key = _offset_data(s=300).cuda().requires_grad_(True)
-        value = _random(s=300, seed=1).cuda().requires_grad_(True)
-        if paired:
-            out_k, out_v, loss = paired_training_pass(asq_k, asq_v, key, value)
-        else:
-            (out_k, loss_k), (out_v, loss_v) = asq_k(key, with_loss=True), asq_v(value, with_loss=True)
-            loss = (loss_k + loss_v) / 2
-        (out_k.pow(2).mean() + out_v.pow(2).mean() + loss).backward()
-        results.append([torch.cat((out_k, out_v)).detach(), loss.detach(),
-                        *(p.grad for module in (asq_k, asq_v) for p in module.parameters())])
+    paired, separate = (_training_passes(paired, (4, 2), True, 300, "cuda", torch.float32)
+                        for paired in (True, False))
     assert not counters["graph_break"]
-    (out, *rest), (want_out, *want_rest) = results
+    out, want_out = torch.cat(paired[:2]), torch.cat(separate[:2])  # reconstructions
     assert ((out - want_out).abs() <= 1e-5).float().mean() > 0.995
-    for got, want in zip(rest, want_rest):
+    for got, want in zip([paired[2], *paired[5:]], [separate[2], *separate[5:]]):  # loss, parameters' gradients
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5)
 
 
