@@ -311,16 +311,54 @@ def test_compiled_paired_pass_matches_the_separate_compiled_passes() -> None:
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5)
 
 
-def test_paired_pass_declines_what_it_cannot_pair() -> None:
-    """None (each side runs its own pass) outside training, before a first full block and for compressors
-    that differ in more than their bits."""
-    key, value = _random(s=128), _random(s=128, seed=1)
+@pytest.mark.parametrize("other", [{"hidden_dim": 32}, {"cluster_num": 8}, {"block_size": 32}, {"tau": 0.5},
+                                   {"rotate_residuals": True}])
+def test_paired_pass_declines_what_it_cannot_pair(other: dict) -> None:
+    """None (each side runs its own pass) outside training (either side), before a first full block, for K
+    and V of other shapes or dtypes, and for compressors that differ in more than their bits."""
+    key, value = _random(s=128).double(), _random(s=128, seed=1).double()
     asq_k, asq_v = _key_value_pair((4, 2), False)
-    assert paired_training_pass(asq_k.float(), asq_v.float(), key, value) is not None
+    assert paired_training_pass(asq_k, asq_v, key, value) is not None
     assert paired_training_pass(asq_k, asq_v, key[:, :, :63], value[:, :, :63]) is None
-    assert paired_training_pass(asq_k.eval(), asq_v.eval(), key, value) is None
-    wider_k, narrow_v = _key_value_pair((4, 4), False)[0], _key_value_pair((4, 4), False, hidden_dim=32)[1]
-    assert paired_training_pass(wider_k, narrow_v, key, value) is None
+    assert paired_training_pass(asq_k, asq_v, key, value[:, :, :100]) is None
+    assert paired_training_pass(asq_k, asq_v, key, value.float()) is None
+    assert paired_training_pass(asq_k, asq_v.eval(), key, value) is None
+    assert paired_training_pass(asq_k.eval(), asq_v.train(), key, value) is None
+    settings = {"cluster_num": 4, "block_size": 64, "rotate_residuals": False, **other}
+    torch.manual_seed(0)
+    unlike_v = ASQCompressor(H, D, quant_bits=2, **settings).double().train()
+    assert paired_training_pass(asq_k.train(), unlike_v, key, value) is None
+
+
+def test_paired_pass_declines_fsdp2_units() -> None:
+    """Compressors sharded by FSDP2 (each its own unit, as `shard_model` makes them) gather their parameters
+    only in their own calls, so they run apart (one gloo process, in a child process of its own)."""
+    script = """
+import os, torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from gsm_train.modules.kv_compressor import ASQCompressor, paired_training_pass
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+dist.init_process_group("gloo", rank=0, world_size=1)
+asq_k, asq_v = (ASQCompressor(2, 16, cluster_num=2, quant_bits=4, block_size=16).train() for _ in range(2))
+key, value = torch.randn(1, 2, 32, 16), torch.randn(1, 2, 32, 16)
+assert paired_training_pass(asq_k, asq_v, key, value) is not None
+fully_shard(asq_k)
+fully_shard(asq_v)
+assert paired_training_pass(asq_k, asq_v, key, value) is None
+dist.destroy_process_group()
+print("declined")
+"""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = str(free.getsockname()[1])
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PORT": port})
+    assert done.returncode == 0 and "declined" in done.stdout, done.stderr[-2000:]
 
 
 def test_forward_alone_gives_mlp_gradient() -> None:

@@ -396,6 +396,8 @@ def _distortion(enc: _Encoded | None, blocks: Tensor, groups: int = 1) -> Tensor
         return blocks.new_zeros(())
 
     def group_sums(x: Tensor) -> Tensor:  # [groups]: over every axis but the heads, then over each group's heads
+        if groups == 1:  # one sum over everything, in the order a single compressor always summed
+            return x.sum().reshape(1)
         return x.sum(dim=[axis for axis in range(x.dim()) if axis != 1]).view(groups, -1).sum(-1)
 
     # sum_t sum_c p_tc ||x_t - m_c||^2 = sum ||x||^2 - 2 sum_c <sum_t p_tc x_t, m_c> + sum_c (sum_t p_tc) ||m_c||^2
@@ -445,10 +447,11 @@ def paired_training_pass(asq_k: ASQCompressor, asq_v: ASQCompressor, key: Tensor
     """K's and V's training passes as one (`_paired_training_pass`, compiled on the GPU): (K's
     reconstruction, V's, the mean of their reconstruction losses), what `asq_k(key, with_loss=True)` and
     `asq_v(value, with_loss=True)` give (fp32 sums in another order); None where the two must run apart:
-    outside training, before a first full block, compressors that differ in more than their bits, or
-    parameters that only the modules' own calls gather. On a captured SmolLM2 joint step on the H200 this
+    outside training, before a first full block, K and V of other shapes or dtypes, compressors that differ
+    in more than their bits, or parameters that only the modules' own calls gather. On a captured SmolLM2 joint step on the H200 this
     halves the number of ASQ's kernels, most of them a few microseconds long (docs/design-decisions.md)."""
-    if not (asq_k.training and key.shape[2] >= asq_k.block_size and _alike(asq_k, asq_v)
+    if not (asq_k.training and asq_v.training and key.shape == value.shape and key.dtype == value.dtype
+            and key.shape[2] >= asq_k.block_size and _alike(asq_k, asq_v)
             and _plain_parameters(asq_k) and _plain_parameters(asq_v)):
         return None
     asq_k._check_input(key)

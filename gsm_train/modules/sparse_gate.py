@@ -41,8 +41,11 @@ def decode_gate_keys(codes: Tensor, scales: Tensor | None) -> Tensor:
 
 def int8_stored_keys(gate_k: Tensor) -> Tensor:
     """fp32 gate keys [..., dg] as 8-bit storage holds them: `decode_gate_keys(*encode_gate_keys(gate_k, 8))`
-    in one expression that stays exact when compiled, where Inductor would fuse the scale's fp16 cast away:
-    the scale is rounded to the fp16 grid in integer arithmetic (`fp16_grid`)."""
+    in one expression that a compiled graph keeps, where Inductor would fuse the scale's fp16 cast away: the
+    scale is rounded to the fp16 grid in integer arithmetic (`fp16_grid`). Eagerly the same values (zeros may
+    keep their sign; keys beyond fp16's range times 127, whose stored scale overflows, stay finite here).
+    Compiled on the GPU, Inductor's division may round differently in the last bit, so a rare key can land
+    one code or one scale step from the cache's, as ASQ's compiled pass can (`kv_compressor`)."""
     x = gate_k.float()
     scale = fp16_grid((x.abs().amax(-1, keepdim=True) / INT8_LEVELS).clamp_min(FP16_TINY))
     return torch.round(x / scale).clamp(-INT8_LEVELS, INT8_LEVELS) * scale
@@ -105,7 +108,9 @@ class SparseGateHead(nn.Module):
     def score_stored(self, gate_q: Tensor, keys: Tensor) -> Tensor:
         """Gate logits [B, n, T, S] (fp32 products, fp64 for an fp64 query; under autocast its dtype's) over keys
         already decoded from the cache. The 1/sqrt(gate_head_dim) scale goes on the queries, not on the T x S
-        logits (one pass over them fewer); for a power-of-two gate_head_dim the logits are the same bits."""
+        logits (one pass over them fewer): where sqrt(gate_head_dim) is a power of two (16, 64, 256) the logits
+        are the same bits as scaling them; for other sizes they may differ in the last bit (the fused decode
+        kernel's scores are computed another way again)."""
         dtype = compute_dtype(gate_q)
         return torch.matmul(gate_q.to(dtype) * self.gate_head_dim ** -0.5, keys.to(dtype).transpose(-1, -2))
 
