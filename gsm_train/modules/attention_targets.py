@@ -105,24 +105,26 @@ class _GateKL(GradientsFromForward):
         length = query.shape[2]
         one_chunk = length <= chunk  # several chunks see different key counts: shapes a compile would chase
         kl_of_chunk = compiled(chunk_kl) if gq.is_cuda and want_grad and one_chunk else chunk_kl
-        parts = []
+        total = grad_q = grad_k = None
         for start in range(0, length, chunk):
             stop = min(start + chunk, length)
             keys = int(visible[stop - 1])
             mask, rows = full_batch(allowed[..., start:stop, :keys], counted_rows[..., start:stop], query.shape[0])
             target = head_averaged_probs(query[:, :, start:stop], key[:, :, :keys], mask, scaling, gq.shape[1])
-            parts.append((start, stop, keys, *kl_of_chunk(gq[:, :, start:stop], gk[:, :, :keys], target, mask, rows,
-                                                          want_grad)))
-        total = parts[0][3] if parts else gq.new_zeros(())  # no rows (nothing counted): zero
-        for part in parts[1:]:
-            total = total + part[3]
-        if want_grad and len(parts) == 1 and parts[0][2] == gk.shape[2]:
-            grad_q, grad_k = parts[0][4:]  # one chunk over every key (a step's sampled rows): the whole gradients
-        else:
+            part, part_q, part_k = kl_of_chunk(gq[:, :, start:stop], gk[:, :, :keys], target, mask, rows, want_grad)
+            total = part if total is None else total + part
+            if not want_grad:
+                continue
+            if stop - start == length and keys == gk.shape[2]:  # one chunk over every key (a step's sampled
+                grad_q, grad_k = part_q, part_k  # rows): its gradients are the whole ones, no fill and copy
+                continue
+            if grad_q is None:
+                grad_q, grad_k = torch.zeros_like(gq), torch.zeros_like(gk)
+            grad_q[:, :, start:stop] = part_q
+            grad_k[:, :, :keys] += part_k
+        total = gq.new_zeros(()) if total is None else total  # no rows (nothing counted): zero
+        if grad_q is None:
             grad_q, grad_k = torch.zeros_like(gq), torch.zeros_like(gk)
-            for start, stop, keys, _, part_q, part_k in parts if want_grad else ():
-                grad_q[:, :, start:stop] = part_q
-                grad_k[:, :, :keys] += part_k
         _GateKL.keep_gradients(ctx, grad_q, grad_k, (gate_q.dtype, gate_k.dtype))
         return total
 
