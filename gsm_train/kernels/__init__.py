@@ -1,6 +1,7 @@
-"""Triton kernels: the fused sparse decode (inference) and the stage-1 target (training). Optional:
-each module imports Triton if it can, and callers use them only on a CUDA device (or under Triton's
-interpreter in tests); the PyTorch paths serve everywhere else."""
+"""GPU kernels: in Triton the fused sparse decode (inference) and the stage-1 target (training), in CUDA
+(compiled at run time by NVRTC) the decode top-k. Optional: each module imports Triton if it can, and
+callers use them only on a CUDA device (or, for Triton, under its interpreter in tests); the PyTorch
+paths serve everywhere else."""
 
 
 def kernel_fits(dim: int) -> bool:

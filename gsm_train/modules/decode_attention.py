@@ -5,7 +5,8 @@ rule as training: own position, sinks and recent tokens forced; dense while k co
 gather and dequantize only those K/V rows (the bridge maps the source layer's rows on the fly), and
 attend. On CUDA with Triton, layers without a bridge gather, dequantize and attend in one fused
 kernel (`gsm_train.kernels.sparse_decode`) when their head size suits it (`kernels.kernel_fits`: a
-power of two from 16 to 256), as do the gate scores; everywhere else this PyTorch path runs.
+power of two from 16 to 256), as do the gate scores, and the top-k runs as a CUDA kernel
+(`gsm_train.kernels.decode_topk`); everywhere else this PyTorch path runs.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import Tensor, nn
 from transformers.integrations.sdpa_attention import repeat_kv
 
 from gsm_train.kernels import kernel_fits
+from gsm_train.kernels.decode_topk import unordered_top_k
 from gsm_train.modules.errors import GSMError
 from gsm_train.modules.sparse_gate import decode_gate_keys, k_per_query
 
@@ -33,10 +35,11 @@ def forced_count(position: int, sink_tokens: int, recent_tokens: int) -> int:
 
 
 def top_k_positions(scores: Tensor, allowed: Tensor | None, k: int, position: int, sink_tokens: int,
-                    recent_tokens: int) -> tuple[Tensor, Tensor | None]:
+                    recent_tokens: int, fused: bool = False) -> tuple[Tensor, Tensor | None]:
     """Key positions [B, n, k'] the newest query keeps (same rule as `select_top_k`) and which are valid.
 
-    scores [B, n, S] over all cached keys (overwritten: forced keys get +inf); allowed [B, S] or None.
+    scores [B, n, S] over all cached keys (overwritten: forced keys get +inf); allowed [B, S] or None;
+    `fused`: with no padding, take the top k with the CUDA kernel where it runs (`kernels.decode_topk`).
     """
     length = scores.shape[-1]
     scores[..., position] = float("inf")
@@ -46,6 +49,8 @@ def top_k_positions(scores: Tensor, allowed: Tensor | None, k: int, position: in
         scores[..., max(position - recent_tokens + 1, 0):position + 1] = float("inf")
     k_eff = min(length, max(k, forced_count(position, sink_tokens, recent_tokens)))
     if allowed is None:  # every forced key is visible: the top k_eff, in any order, are exactly the selection
+        if fused:
+            return unordered_top_k(scores, k_eff), None
         return scores.topk(k_eff, dim=-1, sorted=False).indices, None  # attention does not need them sorted
     values, index = scores.masked_fill(~allowed[:, None, :], float("-inf")).topk(k_eff, dim=-1)
     # as select_top_k: the k best visible keys plus every visible forced key (forced keys rank first)
@@ -125,7 +130,8 @@ def decode_attention(module: nn.Module, adapter: GSMAttentionAdapter, layer_cach
             scores = kernels.gate_scores(gate_q, keys, key_scales)
         else:
             scores = gate.score_stored(gate_q, decode_gate_keys(keys, key_scales))[:, :, 0]
-        index, valid = top_k_positions(scores, allowed, k, position, cfg.sink_tokens, cfg.recent_tokens)
+        index, valid = top_k_positions(scores, allowed, k, position, cfg.sink_tokens, cfg.recent_tokens,
+                                       fused=kernels is not None)
     else:
         index = torch.arange(length, device=query.device).expand(query.shape[0], 1, length)
         valid = None if allowed is None else allowed[:, None, :]

@@ -1,0 +1,84 @@
+"""The decode top-k (CUDA kernel, `gsm_train.kernels.decode_topk`): the same set as torch.topk, run after
+run the same positions, one clear error for what it does not take, and torch.topk wherever it cannot run.
+The kernel needs a CUDA device: on CPU (CI) the GPU cases skip, and the GPU run of this file covers them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+from gsm_train.kernels.decode_topk import cuda_topk_available, decode_topk, row_fits, unordered_top_k
+from gsm_train.modules.decode_attention import top_k_positions
+
+on_gpu = pytest.mark.skipif(not cuda_topk_available(), reason="needs a CUDA device (NVRTC); the H200 run covers it")
+
+
+def _assert_top_k(scores: Tensor, index: Tensor, k: int) -> None:
+    """`index` holds k distinct in-range positions whose scores are exactly torch.topk's k values."""
+    assert index.shape == (*scores.shape[:-1], k) and index.dtype == torch.int64
+    ordered = index.sort(dim=-1).values
+    assert bool((ordered[..., 1:] > ordered[..., :-1]).all()) and bool((index >= 0).all())
+    assert bool((index < scores.shape[-1]).all())
+    got = scores.gather(-1, index).sort(dim=-1, descending=True).values
+    torch.testing.assert_close(got, scores.topk(k, dim=-1).values, atol=0, rtol=0, equal_nan=True)
+
+
+@on_gpu
+@pytest.mark.parametrize("length", [1, 5, 1000, 1024, 1025, 4097, 32768, 50000])
+@pytest.mark.parametrize("rows", [1, 3, 128])
+def test_kernel_takes_the_k_largest(length: int, rows: int) -> None:
+    generator = torch.Generator(device="cuda").manual_seed(length * rows)
+    normal = torch.randn(rows, length, device="cuda", generator=generator)
+    forced = normal.clone()  # decode's forced keys (+inf) and scores that cannot win (-inf)
+    forced[:, :min(4, length)] = float("inf")
+    forced[:, -min(3, length):] = float("-inf")
+    cases = {"normal": normal, "ties": torch.randint(0, 7, (rows, length), device="cuda", generator=generator).float(),
+             "forced": forced, "tiny negative": -normal.abs() * 1e-30, "one value": torch.full_like(normal, 0.5)}
+    for name, scores in cases.items():
+        for k in sorted({1, min(64, length), min(2048, length), max(1, length // 2), length}):
+            try:
+                _assert_top_k(scores, decode_topk(scores, k), k)
+            except AssertionError as error:
+                raise AssertionError(f"{name} scores, k={k}") from error
+
+
+@on_gpu
+def test_kernel_is_deterministic_and_shaped_like_its_input() -> None:
+    scores = torch.randint(0, 50, (2, 4, 20000), device="cuda").float()  # many ties at the k-th value
+    first = decode_topk(scores, 2048)
+    assert first.shape == (2, 4, 2048)
+    assert torch.equal(first, decode_topk(scores, 2048))
+    _assert_top_k(scores, first, 2048)
+
+
+@on_gpu
+def test_long_rows_and_other_dtypes_take_torch_topk() -> None:
+    length = 1
+    while row_fits(length * 2, torch.device("cuda")):
+        length *= 2
+    assert 32768 <= length  # the H200 holds 54k scores per block; decode's 32k rows fit
+    long = torch.randn(2, 200000, device="cuda")
+    assert not row_fits(long.shape[-1], long.device)
+    with pytest.raises(ValueError, match="does not fit one block's shared memory; use unordered_top_k"):
+        decode_topk(long, 16)
+    _assert_top_k(long, unordered_top_k(long, 2048), 2048)
+    half = torch.randn(3, 5000, device="cuda", dtype=torch.float16)
+    _assert_top_k(half, unordered_top_k(half, 100), 100)
+
+
+def test_errors_name_what_the_kernel_takes() -> None:
+    with pytest.raises(ValueError, match="fp32 CUDA scores, got torch.float16 on cpu"):
+        decode_topk(torch.zeros(2, 8, dtype=torch.float16), 2)
+    if cuda_topk_available():
+        with pytest.raises(ValueError, match=r"k must be in \[1, 8\] \(the row length\), got 9"):
+            decode_topk(torch.zeros(2, 8, device="cuda"), 9)
+
+
+def test_fused_selection_falls_back_to_torch_topk_off_the_gpu() -> None:
+    """On CPU (or in fp64) `fused=True` selects exactly what the PyTorch path does."""
+    scores = torch.randn(2, 3, 300, dtype=torch.float64)
+    for dtype in (torch.float32, torch.float64):
+        fused, _ = top_k_positions(scores.to(dtype).clone(), None, 40, 299, 2, 8, fused=True)
+        plain, _ = top_k_positions(scores.to(dtype).clone(), None, 40, 299, 2, 8)
+        assert fused.shape == (2, 3, 40) and torch.equal(fused.sort(-1).values, plain.sort(-1).values)
