@@ -1,7 +1,8 @@
 """Sparse decode against dense decode on the GPU, side by side in one run.
 
-1. One layer's decode attention per step: GSM (gate scores over the bf16 gate keys, top-k, then the
-   fused gather + ASQ-dequantize + attend kernel) against dense SDPA over a bf16 cache, for SmolLM2
+1. One layer's decode attention per step: GSM (gate scores over the cached gate keys, the CUDA top-k,
+   then the fused gather + ASQ-dequantize + attend kernel; ASQ and gate keys as recipes/joint.yaml sets
+   them, or `--asq-bits` / `--unrotated` in its place) against dense SDPA over a bf16 cache, for SmolLM2
    shapes (9 q heads, 3 KV heads, head_dim 64) and a Llama-8B-shaped layer (32 / 8 / 128), at contexts
    8k / 32k / 128k, batch 1 and 16, k 64 and 2048. Both paths are captured in CUDA graphs (as a
    serving engine runs decode), timed with CUDA events, median of 50 replays, per layer. Each graph runs
@@ -12,7 +13,7 @@
    cache, same prompts; tokens/s, the KV memory held on the device, and agreement of the generated
    tokens with the teacher-forced GSM model's argmax.
 
-python benchmarks/decode.py --eval-data PATH/wikitext-2/valid.txt [--adapter EXPORT] [--rotate] --result OUT.json
+python benchmarks/decode.py --eval-data PATH/wikitext-2/valid.txt [--adapter EXPORT] --result OUT.json
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import graph_ms, write_result  # noqa: E402
 
-from gsm_train.config import load_recipe  # noqa: E402
+from gsm_train.config import GSMConfig, load_recipe  # noqa: E402
 from gsm_train.data import load_text_dataset, pack_tokens  # noqa: E402
 from gsm_train.export import load_gsm  # noqa: E402
 from gsm_train.kernels.sparse_decode import fused_decode_attention, gate_scores  # noqa: E402
+from gsm_train.modules.sparse_gate import encode_gate_keys  # noqa: E402
 from gsm_train.model_zoo import load_model_and_tokenizer  # noqa: E402
 from gsm_train.modules import inject_gsm  # noqa: E402
 from gsm_train.modules.decode_attention import top_k_positions  # noqa: E402
@@ -86,35 +88,40 @@ def _dense_ms(query: torch.Tensor, kv_heads: int, length: int, layers: int) -> f
     return min(native, repeated)
 
 
-def _gsm_ms(query: torch.Tensor, caches: list[tuple[KVStore, KVStore, torch.Tensor]], k: int) -> dict[str, float]:
+Layer = tuple[KVStore, KVStore, torch.Tensor, torch.Tensor | None]  # K store, V store, gate keys, their scales
+
+
+def _gsm_ms(query: torch.Tensor, caches: list[Layer], k: int) -> dict[str, float]:
     """ms per layer of GSM decode attention (gate scores, top-k, fused gather + dequantize + attend), of its
-    first parts alone (gate scores; gate scores and torch.topk), and of the fused kernel (with its merge) alone:
-    where the time goes."""
+    first parts alone (gate scores; gate scores and the CUDA top-k; gate scores and torch.topk), and of the
+    fused kernel (with its merge) alone: where the time goes."""
     length, dim = caches[0][2].shape[2], query.shape[-1]
     gate_q = torch.randn(query.shape[0], 1, 1, caches[0][2].shape[-1], device="cuda")
 
-    def select(gate_keys: torch.Tensor) -> torch.Tensor:
-        return top_k_positions(gate_scores(gate_q, gate_keys, None), None, k, length - 1, 0, 0)[0]
+    def select(layer: Layer, fused: bool = True) -> torch.Tensor:
+        scores = gate_scores(gate_q, layer[2], layer[3])
+        return top_k_positions(scores, None, k, length - 1, 0, 0, fused=fused)[0]
 
-    index = select(caches[0][2])
-    return {"gsm_ms": _per_layer_ms([lambda c=c: fused_decode_attention(query, c[0], c[1], select(c[2]), None,
+    index = select(caches[0])
+    return {"gsm_ms": _per_layer_ms([lambda c=c: fused_decode_attention(query, c[0], c[1], select(c), None,
                                                                         dim ** -0.5) for c in caches]),
-            "gate_scores_ms": _per_layer_ms([lambda c=c: gate_scores(gate_q, c[2], None) for c in caches]),
-            "gate_scores_topk_ms": _per_layer_ms([lambda c=c: select(c[2]) for c in caches]),
+            "gate_scores_ms": _per_layer_ms([lambda c=c: gate_scores(gate_q, c[2], c[3]) for c in caches]),
+            "gate_scores_topk_ms": _per_layer_ms([lambda c=c: select(c) for c in caches]),
+            "gate_scores_torch_topk_ms": _per_layer_ms([lambda c=c: select(c, fused=False) for c in caches]),
             "attend_ms": _per_layer_ms([lambda c=c: fused_decode_attention(query, c[0], c[1], index, None, dim ** -0.5)
                                         for c in caches])}
 
 
 @torch.no_grad()
-def attention_rows(contexts: list[int], batches: list[int], ks: list[int], bits: int,
-                   rotate: bool = False) -> list[dict]:
-    """Per-step decode attention time per layer, GSM vs dense SDPA, for every shape / context / batch / k
-    (`rotate`: ASQ stores residuals in the randomized Hadamard basis, `rotate_residuals`)."""
+def attention_rows(contexts: list[int], batches: list[int], ks: list[int], gsm: GSMConfig) -> list[dict]:
+    """Per-step decode attention time per layer, GSM vs dense SDPA, for every shape / context / batch / k,
+    ASQ and the gate keys as `gsm` sets them (the bits of the layers `layer_bits` does not name)."""
     rows = []
+    asq, gate = gsm.kv_compression, gsm.sparse_attention
     for shape, (q_heads, kv_heads, dim) in SHAPES.items():
-        asq_k, asq_v = (ASQCompressor(kv_heads, dim, cluster_num=16, quant_bits=bits, block_size=128,
-                                      rotate_residuals=rotate).cuda()
-                        for _ in range(2))
+        asq_k, asq_v = (ASQCompressor(kv_heads, dim, cluster_num=asq.cluster_num, quant_bits=bits,
+                                      block_size=asq.block_size, rotate_residuals=asq.rotate_residuals).cuda()
+                        for bits in asq.bits())
         for length in contexts:
             for batch in batches:
                 query = torch.randn(batch, q_heads, 1, dim, device="cuda", dtype=torch.bfloat16)
@@ -124,7 +131,8 @@ def attention_rows(contexts: list[int], batches: list[int], ks: list[int], bits:
                 torch.cuda.empty_cache()
                 caches = [(_filled_store(asq_k, batch, kv_heads, length, dim),
                            _filled_store(asq_v, batch, kv_heads, length, dim),
-                           torch.randn(batch, 1, length, 64, device="cuda", dtype=torch.bfloat16))
+                           *encode_gate_keys(torch.randn(batch, 1, length, gate.gate_head_dim, device="cuda"),
+                                             gate.gate_key_bits))
                           for _ in range(layers)]
                 for k in ks:
                     times = _gsm_ms(query, caches, k)
@@ -135,7 +143,8 @@ def attention_rows(contexts: list[int], batches: list[int], ks: list[int], bits:
                     rows.append(row)
                     print(f"{shape:>8} {length:>7} {batch:>3} {k:>5} dense {dense * 1e3:9.1f} us  gsm "
                           f"{gsm * 1e3:9.1f} us (scores {times['gate_scores_ms'] * 1e3:.1f}, +top-k "
-                          f"{times['gate_scores_topk_ms'] * 1e3:.1f}, attend {times['attend_ms'] * 1e3:.1f})  "
+                          f"{times['gate_scores_topk_ms'] * 1e3:.1f}, +torch.topk "
+                          f"{times['gate_scores_torch_topk_ms'] * 1e3:.1f}, attend {times['attend_ms'] * 1e3:.1f})  "
                           f"x{dense / gsm:6.2f}  [{layers} layers per graph]", flush=True)
                 del caches
                 torch.cuda.empty_cache()
@@ -171,7 +180,7 @@ def _timed_generate(model: torch.nn.Module, prompts: torch.Tensor, new_tokens: i
         del cache
         return out, seconds, held
 
-    run(2)  # warm-up
+    run(new_tokens)  # warm-up: every step's shapes seen once (compiled parts recompile for new shapes at first)
     _, prefill_s, _ = run(1)
     out, total_s, held = run(new_tokens)
     return out, total_s, prefill_s, held
@@ -268,8 +277,9 @@ def main() -> None:
     parser.add_argument("--contexts", default="8192,32768,131072")
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--ks", default="64,2048")
-    parser.add_argument("--bits", type=int, default=4)
-    parser.add_argument("--rotate", action="store_true", help="time attention over ASQ stores with rotate_residuals")
+    parser.add_argument("--asq-bits", type=int, choices=(2, 4, 8), default=None,
+                        help="attention rows: K's and V's residual bits in place of the joint recipe's")
+    parser.add_argument("--unrotated", action="store_true", help="attention rows: ASQ without rotate_residuals")
     parser.add_argument("--prompt", type=int, default=4096)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--result", required=True)
@@ -280,7 +290,10 @@ def main() -> None:
         flash = "installed but not benchmarked"
     except ImportError:
         flash = "not installed on this machine; dense SDPA picks its own backend (flash/cuDNN/efficient)"
-    rows = attention_rows(ints(args.contexts), ints(args.batches), ints(args.ks), args.bits, args.rotate)
+    overrides = ([f"gsm.kv_compression.quant_bits={args.asq_bits}", "gsm.kv_compression.value_quant_bits=null"]
+                 if args.asq_bits else []) + (["gsm.kv_compression.rotate_residuals=false"] if args.unrotated else [])
+    gsm = load_recipe(str(REPO / "recipes" / "joint.yaml"), overrides).gsm
+    rows = attention_rows(ints(args.contexts), ints(args.batches), ints(args.ks), gsm)
     dense, tokenizer = load_model_and_tokenizer("smollm2-135m", dtype=torch.bfloat16)
     prompts = pack_tokens(load_text_dataset(args.eval_data), tokenizer, args.prompt)
     e2e = end_to_end(dense, prompts, args.adapter, args.new_tokens, ints(args.batches))
@@ -310,8 +323,13 @@ def main() -> None:
         "token_agreement_outside_near_ties": min(r["token_agreement_outside_near_ties"] for r in e2e),
         "token_agreement_fp32_outside_near_ties": exact["fp32"]["agreement_outside_near_ties"],
         "near_tie_logit_gap": NEAR_TIE,
-        "adapter": args.adapter or "recipes/joint.yaml modules, untrained", "asq_bits": args.bits,
-        "asq_rotated_in_attention_rows": args.rotate,
+        "adapter": args.adapter or "recipes/joint.yaml modules, untrained",
+        "attention_rows_asq": {"bits_k_v": list(gsm.kv_compression.bits()),
+                               "cluster_num": gsm.kv_compression.cluster_num,
+                               "block_size": gsm.kv_compression.block_size,
+                               "rotate_residuals": gsm.kv_compression.rotate_residuals,
+                               "gate_head_dim": gsm.sparse_attention.gate_head_dim,
+                               "gate_key_bits": gsm.sparse_attention.gate_key_bits},
         "flash_attn": flash, "attention": rows, "end_to_end": e2e,
     }
     write_result(Path(args.result), result)
