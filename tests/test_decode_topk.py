@@ -4,6 +4,8 @@ The kernel needs a CUDA device: on CPU (CI) the GPU cases skip, and the GPU run 
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import Tensor
@@ -82,3 +84,23 @@ def test_fused_selection_falls_back_to_torch_topk_off_the_gpu() -> None:
         fused, _ = top_k_positions(scores.to(dtype).clone(), None, 40, 299, 2, 8, fused=True)
         plain, _ = top_k_positions(scores.to(dtype).clone(), None, 40, 299, 2, 8)
         assert fused.shape == (2, 3, 40) and torch.equal(fused.sort(-1).values, plain.sort(-1).values)
+
+
+@on_gpu
+def test_a_kernel_that_cannot_be_built_leaves_torch_topk_in_charge(monkeypatch: pytest.MonkeyPatch) -> None:
+    """If NVRTC or the driver refuses the kernel, decoding warns once and goes on with torch.topk."""
+    from gsm_train.kernels import decode_topk as module
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("NVRTC compilation failed (test)")
+
+    monkeypatch.setattr(module, "_launchers", {})
+    monkeypatch.setattr(module, "_compile_failure", [])
+    monkeypatch.setattr(torch.cuda, "_compile_kernel", refuse)
+    scores = torch.randn(2, 1000, device="cuda")
+    with pytest.warns(UserWarning, match=r"decode top-k kernel unavailable \(NVRTC compilation failed \(test\)\)"):
+        _assert_top_k(scores, unordered_top_k(scores, 64), 64)
+    assert not cuda_topk_available()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second attempt, no second warning
+        _assert_top_k(scores, unordered_top_k(scores, 64), 64)

@@ -24,6 +24,7 @@ On the H200, in CUDA graphs, at k=2048: 17.1 against 46.1 us for ``torch.topk`` 
 from __future__ import annotations
 
 import ctypes
+import warnings
 
 import torch
 from torch import Tensor
@@ -186,18 +187,21 @@ class _Launcher:
         args = (ctypes.c_void_p(rows.data_ptr()), ctypes.c_void_p(out.data_ptr()), ctypes.c_int(length),
                 ctypes.c_int(k))
         params = (ctypes.c_void_p * 4)(*(ctypes.addressof(arg) for arg in args))
-        error = self._launch(self._compiled.func, rows.shape[0], 1, 1, THREADS, 1, 1, SMEM_FIXED + 4 * length,
-                             torch.cuda.current_stream(rows.device).cuda_stream, params, None)
+        with torch.cuda.device(rows.device):  # the function belongs to its device's context
+            error = self._launch(self._compiled.func, rows.shape[0], 1, 1, THREADS, 1, 1, SMEM_FIXED + 4 * length,
+                                 torch.cuda.current_stream(rows.device).cuda_stream, params, None)
         if error:
             raise RuntimeError(f"decode_topk: cuLaunchKernel failed with CUDA error {error}")
 
 
 _launchers: dict[int, _Launcher] = {}
+_compile_failure: list[str] = []  # why the kernel could not be built here (then torch.topk serves)
 
 
 def cuda_topk_available() -> bool:
-    """Whether the kernel can run here: a CUDA device and PyTorch's NVRTC wrapper (`torch.cuda._compile_kernel`)."""
-    return torch.cuda.is_available() and hasattr(torch.cuda, "_compile_kernel")
+    """Whether the kernel can run here: a CUDA device and PyTorch's NVRTC wrapper (`torch.cuda._compile_kernel`),
+    and no earlier attempt to build it failed."""
+    return torch.cuda.is_available() and hasattr(torch.cuda, "_compile_kernel") and not _compile_failure
 
 
 def _launcher(device: torch.device) -> _Launcher:
@@ -235,7 +239,13 @@ def unordered_top_k(scores: Tensor, k: int) -> Tensor:
     """Positions [..., k] of the k largest `scores` [..., S], in no particular order: this kernel where it runs
     (fp32 on CUDA, rows within `row_fits`), ``torch.topk`` elsewhere (faster than the kernel would be on
     rows read again from global memory in every pass: 68 against 120 us at 128k, batch 1, on the H200)."""
-    if scores.is_cuda and scores.dtype == torch.float32 and cuda_topk_available() and \
-            row_fits(scores.shape[-1], scores.device):
-        return decode_topk(scores, k)
+    if scores.is_cuda and scores.dtype == torch.float32 and cuda_topk_available():
+        try:
+            fits = row_fits(scores.shape[-1], scores.device)  # builds the kernel on first use
+        except RuntimeError as error:  # NVRTC or the driver refused it: say so once, then torch.topk
+            _compile_failure.append(str(error))
+            warnings.warn(f"decode top-k kernel unavailable ({error}); decoding with torch.topk", stacklevel=2)
+            fits = False
+        if fits:
+            return decode_topk(scores, k)
     return scores.topk(k, dim=-1, sorted=False).indices
