@@ -35,12 +35,15 @@ def test_kernel_takes_the_k_largest(length: int, rows: int) -> None:
     forced = normal.clone()  # decode's forced keys (+inf) and scores that cannot win (-inf)
     forced[:, :min(4, length)] = float("inf")
     forced[:, -min(3, length):] = float("-inf")
+    forced[:, length // 2] = float("nan")  # NaN ranks first, as in torch.topk, whatever its sign bit
+    forced[:, length // 3] = -float("nan")
     cases = {"normal": normal, "ties": torch.randint(0, 7, (rows, length), device="cuda", generator=generator).float(),
              "forced": forced, "tiny negative": -normal.abs() * 1e-30, "one value": torch.full_like(normal, 0.5)}
     for name, scores in cases.items():
         for k in sorted({1, min(64, length), min(2048, length), max(1, length // 2), length}):
+            poisoned = torch.full((rows, k), -1, dtype=torch.int64, device="cuda")  # every position must be written
             try:
-                _assert_top_k(scores, decode_topk(scores, k), k)
+                _assert_top_k(scores, decode_topk(scores, k, out=poisoned), k)
             except AssertionError as error:
                 raise AssertionError(f"{name} scores, k={k}") from error
 
@@ -67,6 +70,13 @@ def test_long_rows_and_other_dtypes_take_torch_topk() -> None:
     _assert_top_k(long, unordered_top_k(long, 2048), 2048)
     half = torch.randn(3, 5000, device="cuda", dtype=torch.float16)
     _assert_top_k(half, unordered_top_k(half, 100), 100)
+
+
+@on_gpu
+def test_no_rows_and_a_wrong_out_tensor() -> None:
+    assert decode_topk(torch.randn(0, 3, 100, device="cuda"), 5).shape == (0, 3, 5)
+    with pytest.raises(ValueError, match=r"out must be a contiguous int64 tensor of shape \(2, 5\)"):
+        decode_topk(torch.randn(2, 100, device="cuda"), 5, out=torch.empty(2, 5, dtype=torch.int32, device="cuda"))
 
 
 def test_errors_name_what_the_kernel_takes() -> None:

@@ -39,6 +39,7 @@ _SOURCE = r"""
 #define UNROLL 8
 
 __device__ __forceinline__ unsigned ordered_key(float value) {
+    if (value != value) return 0xffffffffu;  // every NaN ranks first, whatever its sign bit, as in torch.topk
     unsigned bits = __float_as_uint(value);
     return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
 }
@@ -217,10 +218,11 @@ def row_fits(length: int, device: torch.device) -> bool:
     return SMEM_FIXED + 4 * length <= _launcher(device).shared_limit
 
 
-def decode_topk(scores: Tensor, k: int) -> Tensor:
+def decode_topk(scores: Tensor, k: int, out: Tensor | None = None) -> Tensor:
     """Positions [..., k] (int64, unordered) of the k largest of `scores` [..., S] (fp32, CUDA, S within
     `row_fits`) along the last dimension, 1 <= k <= S: the same set as ``scores.topk(k, sorted=False).indices``
-    up to the choice among keys tied with the k-th."""
+    up to the choice among keys tied with the k-th. `out`: a contiguous int64 tensor of that shape to write
+    them into (else a new one)."""
     length = scores.shape[-1]
     if scores.dtype != torch.float32 or not scores.is_cuda:
         raise ValueError(f"decode_topk takes fp32 CUDA scores, got {scores.dtype} on {scores.device}")
@@ -230,22 +232,36 @@ def decode_topk(scores: Tensor, k: int) -> Tensor:
         raise ValueError(f"decode_topk: a row of {length} scores does not fit one block's shared memory; "
                          "use unordered_top_k, which takes torch.topk for such rows")
     rows = scores.reshape(-1, length).contiguous()
-    out = torch.empty(rows.shape[0], k, dtype=torch.int64, device=scores.device)
-    _launcher(scores.device)(rows, out, length, k)
-    return out.reshape(*scores.shape[:-1], k)
+    shape = (*scores.shape[:-1], k)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.int64, device=scores.device)
+    elif out.shape != shape or out.dtype != torch.int64 or out.device != scores.device or not out.is_contiguous():
+        raise ValueError(f"decode_topk: out must be a contiguous int64 tensor of shape {shape} on {scores.device}, "
+                         f"got {out.dtype} {tuple(out.shape)} on {out.device}")
+    if rows.shape[0]:  # no launch for no rows (a grid of 0 blocks is a CUDA error)
+        _launcher(scores.device)(rows, out, length, k)
+    return out
+
+
+def kernel_ready(device: torch.device) -> bool:
+    """Build the kernel for `device` now (e.g. before a CUDA graph is captured, which cannot load a module)
+    and say whether it runs there; where NVRTC, the driver or this PyTorch refuse it, warn once and say no,
+    and `unordered_top_k` takes torch.topk from then on."""
+    if not cuda_topk_available() or device.type != "cuda":
+        return False
+    try:
+        _launcher(device)
+    except (RuntimeError, OSError, AttributeError) as error:  # no NVRTC, no CUDA headers' path, an older wrapper
+        _compile_failure.append(str(error))
+        warnings.warn(f"decode top-k kernel unavailable ({error}); decoding with torch.topk", stacklevel=2)
+        return False
+    return True
 
 
 def unordered_top_k(scores: Tensor, k: int) -> Tensor:
     """Positions [..., k] of the k largest `scores` [..., S], in no particular order: this kernel where it runs
     (fp32 on CUDA, rows within `row_fits`), ``torch.topk`` elsewhere (faster than the kernel would be on
     rows read again from global memory in every pass: 68 against 120 us at 128k, batch 1, on the H200)."""
-    if scores.is_cuda and scores.dtype == torch.float32 and cuda_topk_available():
-        try:
-            fits = row_fits(scores.shape[-1], scores.device)  # builds the kernel on first use
-        except RuntimeError as error:  # NVRTC or the driver refused it: say so once, then torch.topk
-            _compile_failure.append(str(error))
-            warnings.warn(f"decode top-k kernel unavailable ({error}); decoding with torch.topk", stacklevel=2)
-            fits = False
-        if fits:
-            return decode_topk(scores, k)
+    if scores.dtype == torch.float32 and kernel_ready(scores.device) and row_fits(scores.shape[-1], scores.device):
+        return decode_topk(scores, k)
     return scores.topk(k, dim=-1, sorted=False).indices

@@ -141,4 +141,8 @@ def _fused_kernels(model: nn.Module, fused: bool | None) -> ModuleType | None:
         if fused:
             raise GSMError("fused=True needs Triton and a CUDA device; install triton or pass fused=False")
         return None
+    if parameter.device.type == "cuda":  # the top-k kernel built now, before any CUDA graph captures a step
+        from gsm_train.kernels.decode_topk import kernel_ready
+
+        kernel_ready(parameter.device)
     return sparse_decode
