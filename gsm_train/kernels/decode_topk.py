@@ -33,9 +33,7 @@ THREADS = 1024
 BINS = 4096
 SMEM_FIXED = (BINS + 64) * 4  # the histogram, the scan's warp sums and the shared search state
 
-_SOURCE = r"""
-#define THREADS 1024
-#define BINS 4096
+_SOURCE = f"#define THREADS {THREADS}\n#define BINS {BINS}\n" + r"""
 #define UNROLL 8
 
 __device__ __forceinline__ unsigned ordered_key(float value) {
@@ -184,7 +182,18 @@ class _Launcher:
                                                                             ctypes.POINTER(ctypes.c_void_p),
                                                                             ctypes.c_void_p]
 
-    def __call__(self, rows: Tensor, out: Tensor, length: int, k: int) -> None:
+    def fits(self, length: int) -> bool:
+        """Whether a row of `length` scores fits one block's shared memory (~54k on the H200)."""
+        return SMEM_FIXED + 4 * length <= self.shared_limit
+
+    def __call__(self, scores: Tensor, k: int, out: Tensor | None = None) -> Tensor:
+        """The positions [..., k] for checked `scores` [..., S] (written into `out` when given)."""
+        length = scores.shape[-1]
+        rows = scores.reshape(-1, length).contiguous()
+        if out is None:
+            out = torch.empty(*scores.shape[:-1], k, dtype=torch.int64, device=scores.device)
+        if not rows.shape[0]:  # no launch for no rows (a grid of 0 blocks is a CUDA error)
+            return out
         args = (ctypes.c_void_p(rows.data_ptr()), ctypes.c_void_p(out.data_ptr()), ctypes.c_int(length),
                 ctypes.c_int(k))
         params = (ctypes.c_void_p * 4)(*(ctypes.addressof(arg) for arg in args))
@@ -193,6 +202,7 @@ class _Launcher:
                                  torch.cuda.current_stream(rows.device).cuda_stream, params, None)
         if error:
             raise RuntimeError(f"decode_topk: cuLaunchKernel failed with CUDA error {error}")
+        return out
 
 
 _launchers: dict[int, _Launcher] = {}
@@ -213,9 +223,33 @@ def _launcher(device: torch.device) -> _Launcher:
     return _launchers[index]
 
 
+def _ready_launcher(device: torch.device) -> _Launcher | None:
+    """The kernel for `device`, built on first use; None where it cannot run: off CUDA, or where NVRTC, the
+    driver or this PyTorch refused it (said once in a warning; torch.topk serves from then on)."""
+    if device.type != "cuda" or _compile_failure:
+        return None
+    launcher = _launchers.get(device.index if device.index is not None else torch.cuda.current_device())
+    if launcher is not None:
+        return launcher
+    if not cuda_topk_available():
+        return None
+    try:
+        return _launcher(device)
+    except (RuntimeError, OSError, AttributeError) as error:  # no NVRTC, no CUDA headers' path, an older wrapper
+        _compile_failure.append(str(error))
+        warnings.warn(f"decode top-k kernel unavailable ({error}); decoding with torch.topk", stacklevel=3)
+        return None
+
+
+def kernel_ready(device: torch.device) -> bool:
+    """Build the kernel for `device` now (e.g. before a CUDA graph is captured, which cannot load a module)
+    and say whether it runs there (`_ready_launcher`)."""
+    return _ready_launcher(device) is not None
+
+
 def row_fits(length: int, device: torch.device) -> bool:
     """Whether a row of `length` scores fits the kernel: held in one block's shared memory (~54k on the H200)."""
-    return SMEM_FIXED + 4 * length <= _launcher(device).shared_limit
+    return _launcher(device).fits(length)
 
 
 def decode_topk(scores: Tensor, k: int, out: Tensor | None = None) -> Tensor:
@@ -228,40 +262,24 @@ def decode_topk(scores: Tensor, k: int, out: Tensor | None = None) -> Tensor:
         raise ValueError(f"decode_topk takes fp32 CUDA scores, got {scores.dtype} on {scores.device}")
     if not 1 <= k <= length:
         raise ValueError(f"decode_topk: k must be in [1, {length}] (the row length), got {k}")
-    if not row_fits(length, scores.device):
+    launcher = _launcher(scores.device)
+    if not launcher.fits(length):
         raise ValueError(f"decode_topk: a row of {length} scores does not fit one block's shared memory; "
                          "use unordered_top_k, which takes torch.topk for such rows")
-    rows = scores.reshape(-1, length).contiguous()
     shape = (*scores.shape[:-1], k)
-    if out is None:
-        out = torch.empty(shape, dtype=torch.int64, device=scores.device)
-    elif out.shape != shape or out.dtype != torch.int64 or out.device != scores.device or not out.is_contiguous():
+    if out is not None and (out.shape != shape or out.dtype != torch.int64 or out.device != scores.device
+                            or not out.is_contiguous()):
         raise ValueError(f"decode_topk: out must be a contiguous int64 tensor of shape {shape} on {scores.device}, "
                          f"got {out.dtype} {tuple(out.shape)} on {out.device}")
-    if rows.shape[0]:  # no launch for no rows (a grid of 0 blocks is a CUDA error)
-        _launcher(scores.device)(rows, out, length, k)
-    return out
-
-
-def kernel_ready(device: torch.device) -> bool:
-    """Build the kernel for `device` now (e.g. before a CUDA graph is captured, which cannot load a module)
-    and say whether it runs there; where NVRTC, the driver or this PyTorch refuse it, warn once and say no,
-    and `unordered_top_k` takes torch.topk from then on."""
-    if not cuda_topk_available() or device.type != "cuda":
-        return False
-    try:
-        _launcher(device)
-    except (RuntimeError, OSError, AttributeError) as error:  # no NVRTC, no CUDA headers' path, an older wrapper
-        _compile_failure.append(str(error))
-        warnings.warn(f"decode top-k kernel unavailable ({error}); decoding with torch.topk", stacklevel=2)
-        return False
-    return True
+    return launcher(scores, k, out)
 
 
 def unordered_top_k(scores: Tensor, k: int) -> Tensor:
-    """Positions [..., k] of the k largest `scores` [..., S], in no particular order: this kernel where it runs
-    (fp32 on CUDA, rows within `row_fits`), ``torch.topk`` elsewhere (faster than the kernel would be on
-    rows read again from global memory in every pass: 68 against 120 us at 128k, batch 1, on the H200)."""
-    if scores.dtype == torch.float32 and kernel_ready(scores.device) and row_fits(scores.shape[-1], scores.device):
-        return decode_topk(scores, k)
+    """Positions [..., k] of the k largest `scores` [..., S], in no particular order: this kernel
+    where it runs (fp32 on CUDA, rows within `row_fits`), ``torch.topk`` elsewhere (faster than the kernel
+    would be on rows read again from global memory in every pass: 68 against 120 us at 128k, batch 1, on the
+    H200)."""
+    launcher = _ready_launcher(scores.device) if scores.dtype == torch.float32 else None
+    if launcher is not None and 1 <= k <= scores.shape[-1] and launcher.fits(scores.shape[-1]):
+        return launcher(scores, k)  # (torch.topk below names a k out of range)
     return scores.topk(k, dim=-1, sorted=False).indices
