@@ -455,6 +455,21 @@ def test_hadamard_rotation_is_orthonormal_fixed_and_needs_a_power_of_two() -> No
         assert torch.equal(ASQCompressor(H, 128, rotate_residuals=True).to(cast).rotation, hadamard_rotation(128))
 
 
+def test_rotation_signs_are_the_rows_signs_of_a_sylvester_hadamard() -> None:
+    """The fused decode kernel rotates with `rotation_signs` and a Walsh-Hadamard butterfly instead of the
+    matrix: that holds only where rotation = diag(signs) H / sqrt(D) with Sylvester's H, whose first
+    column is ones and whose H[i, j] is (-1)^popcount(i & j); the buffer stays exactly +-1 under casts."""
+    from gsm_train.modules.kv_compressor import hadamard_rotation
+
+    dim = 128
+    sylvester = torch.tensor([[(-1.0) ** bin(i & j).count("1") for j in range(dim)] for i in range(dim)],
+                             dtype=torch.float64)
+    for cast in (torch.bfloat16, torch.float32):
+        signs = ASQCompressor(H, dim, rotate_residuals=True).to(cast).rotation_signs
+        assert torch.equal(signs.double()[:, None] * sylvester / dim ** 0.5, hadamard_rotation(dim))
+    assert ASQCompressor(H, dim).rotation_signs is None  # nothing to rotate with
+
+
 def test_rotation_spreads_a_channel_outlier_over_the_grid() -> None:
     """A residual channel 30x the others sets every token's absmax scale, so per-token codes leave the
     other channels almost nothing; in the rotated basis the outlier spreads over all channels and the

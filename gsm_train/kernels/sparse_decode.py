@@ -13,10 +13,12 @@ moved per selected token and KV head: about ``2 * (3 + D * bits / 8 + 2 * D)`` (
 prototype row counted in full), against ``4 * D`` for a bf16 cache read densely.
 
 With rotated residuals (`kv_compression.rotate_residuals`) the same bytes are read: a key's logit is
-``proto . q + r . (q R)``, with the query rotated once before the kernel, and the values' residuals are
-summed in the rotated basis in a second accumulator, rotated back (``R^T``) once the splits are merged.
-The second product and accumulator make it slower: 51 against 16 us at batch 1 and 242 against 158 us at
-batch 16 (32k, k=2048, Llama-8B shapes; `benchmarks/results/decode_rotated.json`).
+``proto . q + r . (q R)`` and the values' residuals are summed in the rotated basis in a second
+accumulator, rotated back (``R^T``) at the end of each program. Both rotations happen inside the kernel
+as a fast Walsh-Hadamard transform with the rotation's signs (``R = diag(signs) H / sqrt(D)``,
+`hadamard_rotation`): no matrix is read and no kernel is launched for them. (Rotating with PyTorch
+matmuls around the kernel, with a second merge, took 45 us at batch 1 against 17 us now; 32k, k=2048,
+Llama-8B shapes, on the H200.)
 """
 
 from __future__ import annotations
@@ -95,20 +97,34 @@ if triton is not None:
             rows = tl.where(in_tail[:, None], raw.to(tl.float32), rows)
         return rows, residual
 
-    # Gathers of scattered rows are latency-bound: how many rows a program takes (BLOCK_N x TILES) and
-    # how many warps it runs trade parallelism against per-program overhead; Triton picks per shape.
-    @triton.autotune(
-        configs=[triton.Config({"BLOCK_N": block, "TILES": tiles}, num_warps=warps)
-                 for block, tiles, warps in ((16, 2, 2), (32, 1, 2), (32, 2, 4), (32, 4, 4), (64, 1, 4), (64, 4, 4),
-                                             (64, 16, 4))],
-        key=["size_class", "rows", "D", "G", "PACKED"])
     @triton.jit
-    def _sparse_decode_kernel(q_ptr, q_rotated_ptr, index_ptr, valid_ptr,
+    def _walsh_hadamard(x, ROWS: tl.constexpr, D: tl.constexpr, LOG_D: tl.constexpr):
+        """x [ROWS, D] @ H / sqrt(D), H Sylvester's (symmetric) Hadamard matrix of order D = 2**LOG_D, by
+        LOG_D butterfly stages on pairs (1 << stage) apart: fp32 sums, and no matrix read."""
+        for stage in tl.static_range(LOG_D):
+            pairs = tl.permute(tl.reshape(x, [ROWS, D >> (stage + 1), 2, 1 << stage]), (0, 1, 3, 2))
+            low, high = tl.split(pairs)
+            x = tl.reshape(tl.permute(tl.join(low + high, low - high), (0, 1, 3, 2)), [ROWS, D])
+        return x * tl.rsqrt(tl.full([1, 1], D, tl.float32))
+
+    # Gathers of scattered rows are latency-bound: how many rows a program takes (BLOCK_N x TILES), how many
+    # warps it runs and how deep Triton pipelines its loop trade parallelism against per-program overhead;
+    # Triton picks per shape. (Long programs without pipelining, 64 x 16 rows in 1 stage, took the rotated
+    # kernel from 185 to 163 us at 32k, batch 16, k 2048, Llama-8B shapes on the H200.)
+    @triton.autotune(
+        configs=[triton.Config({"BLOCK_N": block, "TILES": tiles}, num_warps=warps, num_stages=stages)
+                 for block, tiles, warps, stages in ((16, 2, 2, 3), (32, 1, 2, 3), (32, 2, 4, 3), (32, 4, 4, 3),
+                                                     (64, 1, 4, 3), (64, 4, 4, 3), (64, 16, 4, 3), (64, 8, 4, 1),
+                                                     (64, 16, 4, 1), (32, 16, 4, 1))],
+        key=["size_class", "rows", "D", "G", "PACKED", "ROTATED"])
+    @triton.jit
+    def _sparse_decode_kernel(q_ptr, signs_ptr, index_ptr, valid_ptr,
                               k_ids, k_res, k_scales, k_protos, k_tail,
                               v_ids, v_res, v_scales, v_protos, v_tail,
-                              acc_ptr, acc_rotated_ptr, max_ptr, sum_ptr,
+                              acc_ptr, max_ptr, sum_ptr,
                               packed_len, tail_len, n_blocks, selected, size_class, rows, scaling,
                               KV_HEADS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                              LOG_D: tl.constexpr,
                               K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_CENTER: tl.constexpr,
                               V_CENTER: tl.constexpr, C: tl.constexpr,
                               TOKENS_PER_BLOCK: tl.constexpr,
@@ -124,9 +140,10 @@ if triton is not None:
         q = tl.load(q_ptr + ((bh * G + heads) * D)[:, None] + dims[None, :], mask=(heads < G)[:, None], other=0.0)
         q_t = tl.trans(q)  # [D, GP]: the tile's rows stay [BLOCK_N, D], as read
         q_rotated_t = q_t  # with ROTATED: the query in the residuals' rotated basis (q R), for their logits
-        if ROTATED:
-            q_rotated_t = tl.trans(tl.load(q_rotated_ptr + ((bh * G + heads) * D)[:, None] + dims[None, :],
-                                           mask=(heads < G)[:, None], other=0.0))
+        if ROTATED:  # R = diag(signs) H / sqrt(D) (`hadamard_rotation`): q R = ((q * signs) H) / sqrt(D)
+            signs = tl.load(signs_ptr + dims).to(tl.float32)
+            q_rotated = _walsh_hadamard(q.to(tl.float32) * signs[None, :], GP, D, LOG_D)
+            q_rotated_t = tl.trans(q_rotated.to(q.dtype))
         m_i = tl.full([GP], -1.0e30, tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
@@ -161,16 +178,16 @@ if triton is not None:
             values, value_residuals = _dequant_rows(v_proto, v_byte, v_scale, in_packed, v_tail, bh, pos, live,
                                                     packed_len, tail_len, dims, D, V_BITS, V_CENTER, PACKED, ROTATED)
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), values.to(q.dtype), input_precision=PRECISION)
-            if ROTATED:  # rotated back once, after the splits merge (the rotation is linear)
+            if ROTATED:  # rotated back once, after the tiles
                 acc_rotated = acc_rotated * alpha[:, None] + tl.dot(p.to(q.dtype), value_residuals.to(q.dtype),
                                                                     input_precision=PRECISION)
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
+        if ROTATED:  # acc_rotated R^T = signs * (acc_rotated H) / sqrt(D), in fp32
+            acc += signs[None, :] * _walsh_hadamard(acc_rotated, GP, D, LOG_D)
         part = (bh * splits + split) * G + heads  # the group's real heads only, not the dot's padding
         real = heads < G
         tl.store(acc_ptr + (part * D)[:, None] + dims[None, :], acc, mask=real[:, None])
-        if ROTATED:
-            tl.store(acc_rotated_ptr + (part * D)[:, None] + dims[None, :], acc_rotated, mask=real[:, None])
         tl.store(max_ptr + part, m_i, mask=real)
         tl.store(sum_ptr + part, l_i, mask=real)
 
@@ -257,11 +274,9 @@ def fused_decode_attention(query: Tensor, k_store: KVStore, v_store: KVStore, in
     k_bits, v_bits = (asq.quant_bits, v_store.asq.quant_bits) if packed else (8, 8)  # no codes read unpacked
     rotated = packed and k_rotates  # residual codes in the rotated basis, K's and V's alike
     q = query.reshape(batch, q_heads, dim).contiguous()
-    q_rotated = (q.float() @ asq.rotation.float()).to(q.dtype) if rotated else q  # rotated residuals' logits: r.(qR)
     index = index.contiguous()
     valid_arg = valid.to(torch.int8).contiguous() if valid is not None else index
     acc = torch.empty(batch * kv_heads * most_splits * groups * dim, device=query.device, dtype=torch.float32)
-    acc_rotated = torch.empty_like(acc) if rotated else acc
     maxes = torch.empty(batch * kv_heads * most_splits * groups, device=query.device, dtype=torch.float32)
     sums = torch.empty_like(maxes)
     n_blocks = k_store.prototypes.shape[2] if packed else 0
@@ -273,28 +288,21 @@ def fused_decode_attention(query: Tensor, k_store: KVStore, v_store: KVStore, in
     kernel = _sparse_decode_kernel.fn if interpreted else _sparse_decode_kernel
     fixed = {"BLOCK_N": 16, "TILES": 2} if interpreted else {}
     kernel[grid](
-        q, q_rotated, index, valid_arg, *_store_args(k_store, index), *_store_args(v_store, index), acc,
-        acc_rotated, maxes, sums,
+        q, asq.rotation_signs if rotated else q, index, valid_arg, *_store_args(k_store, index),
+        *_store_args(v_store, index), acc, maxes, sums,
         k_store.packed_len, k_store.tail.shape[2], n_blocks, selected, triton.next_power_of_2(selected),
         batch * kv_heads, scaling,
-        KV_HEADS=kv_heads, G=groups, GP=group_pad, D=dim, K_BITS=k_bits, V_BITS=v_bits,
+        KV_HEADS=kv_heads, G=groups, GP=group_pad, D=dim, LOG_D=dim.bit_length() - 1, K_BITS=k_bits, V_BITS=v_bits,
         K_CENTER=code_center(k_bits), V_CENTER=code_center(v_bits),
         C=asq.cluster_num if packed else 1, TOKENS_PER_BLOCK=asq.block_size if packed else 1, PACKED=packed,
         ROTATED=rotated,
         HAS_VALID=valid is not None, PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # fp32: exact
         SHARED_SELECTION=index.shape[1] == 1, **fixed)
     splits = grid(fixed or _sparse_decode_kernel.best_config.kwargs)[1]
-
-    def merged(parts: Tensor, dtype: torch.dtype) -> Tensor:
-        out = torch.empty(batch, q_heads, dim, device=query.device, dtype=dtype)
-        _merge_splits_kernel[(batch * q_heads,)](parts, maxes, sums, out, splits, G=groups, D=dim,
-                                                 SPLIT_BLOCK=min(64, triton.next_power_of_2(splits)))
-        return out
-
-    if not rotated:
-        return merged(acc, query.dtype).reshape(batch, 1, q_heads, dim)
-    out = merged(acc, torch.float32) + merged(acc_rotated, torch.float32) @ v_store.asq.rotation.float().T  # R^T
-    return out.to(query.dtype).reshape(batch, 1, q_heads, dim)
+    out = torch.empty(batch, q_heads, dim, device=query.device, dtype=query.dtype)
+    _merge_splits_kernel[(batch * q_heads,)](acc, maxes, sums, out, splits, G=groups, D=dim,
+                                             SPLIT_BLOCK=min(64, triton.next_power_of_2(splits)))
+    return out.reshape(batch, 1, q_heads, dim)
 
 
 def gate_scores(gate_q: Tensor, gate_keys: Tensor, key_scales: Tensor | None) -> Tensor:

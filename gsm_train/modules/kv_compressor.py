@@ -85,9 +85,14 @@ def hadamard_rotation(dim: int) -> Tensor:
     matrix = torch.ones(1, 1, dtype=torch.float64)
     while matrix.shape[0] < dim:
         matrix = torch.cat((torch.cat((matrix, matrix), 1), torch.cat((matrix, -matrix), 1)), 0)
-    signs = torch.tensor([-1.0 if ((i * _SIGN_HASH) & 0xFFFFFFFF) >> 31 else 1.0 for i in range(dim)],
-                         dtype=torch.float64)
-    return signs[:, None] * matrix / math.sqrt(dim)
+    return hadamard_signs(dim)[:, None] * matrix / math.sqrt(dim)
+
+
+def hadamard_signs(dim: int) -> Tensor:
+    """The row signs [dim] (fp64, +-1) of `hadamard_rotation(dim)`: with them and a fast Walsh-Hadamard
+    transform a kernel applies the rotation without reading the matrix."""
+    return torch.tensor([-1.0 if ((i * _SIGN_HASH) & 0xFFFFFFFF) >> 31 else 1.0 for i in range(dim)],
+                        dtype=torch.float64)
 
 
 def _rotated(residual: Tensor, rotation: Tensor | None) -> Tensor:
@@ -501,6 +506,9 @@ class ASQCompressor(nn.Module):
         # rebuilt from head_dim wherever the compressor is built, so not part of its state (or an export's tensors);
         # kept in fp64 whatever the module is cast to (`_apply`), and rounded where it is used
         self.register_buffer("rotation", hadamard_rotation(head_dim) if rotate_residuals else None, persistent=False)
+        # its row signs (+-1, exact in any dtype), for the fused decode kernel's Walsh-Hadamard transform
+        self.register_buffer("rotation_signs", hadamard_signs(head_dim).float() if rotate_residuals else None,
+                             persistent=False)
         self.w1 = nn.Parameter(torch.randn(num_kv_heads, head_dim, hidden_dim) / math.sqrt(head_dim))
         self.b1 = nn.Parameter(torch.zeros(num_kv_heads, hidden_dim))
         self.w2 = nn.Parameter(torch.randn(num_kv_heads, hidden_dim, cluster_num) / math.sqrt(hidden_dim))
