@@ -47,6 +47,7 @@ from gsm_train.plots import plot_decode_speedup  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 SHAPES = {"smollm2": (9, 3, 64), "llama8b": (32, 8, 128)}
 H200_BYTES_PER_S = 4.8e12
+MODULE_SEED = 0  # seeds the untrained GSM modules of the end-to-end and agreement parts (no --adapter)
 
 
 def _filled_store(asq: ASQCompressor, batch: int, kv_heads: int, length: int, dim: int) -> KVStore:
@@ -156,7 +157,8 @@ def _gsm_model(adapter: str | None, device: torch.device, dtype: torch.dtype = t
     model.to(device)
     if adapter:
         load_gsm(model, adapter, mode="sparse")
-    else:
+    else:  # untrained modules: the same draw in every run and for every dtype, so agreement repeats
+        torch.manual_seed(MODULE_SEED)
         inject_gsm(model, load_recipe(str(REPO / "recipes" / "joint.yaml")).gsm, mode="sparse")
     return model.eval()  # the GSM modules are built on the model's device
 
