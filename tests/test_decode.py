@@ -253,7 +253,7 @@ def test_fused_cache_leaves_odd_head_sizes_to_pytorch() -> None:
 @pytest.mark.skipif(not KERNELS_RUN_HERE, reason="needs Triton with CUDA, or on CPU TRITON_INTERPRET=1")
 def test_fused_cache_decodes_rotated_residuals_as_teacher_forcing() -> None:
     """With `rotate_residuals` the fused kernel takes the query into the residuals' basis for K's logits and
-    V's weighted residuals back out of it once the splits merge: the same logits as teacher forcing."""
+    V's weighted residuals back out of it at the end of each split: the same logits as teacher forcing."""
     model = _model("llama", CONFIGS["gate_asq_rotated"]).to(KERNEL_DEVICE)
     ids = _ids().to(KERNEL_DEVICE)
     with torch.no_grad():

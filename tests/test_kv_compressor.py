@@ -461,13 +461,15 @@ def test_rotation_signs_are_the_rows_signs_of_a_sylvester_hadamard() -> None:
     column is ones and whose H[i, j] is (-1)^popcount(i & j); the buffer stays exactly +-1 under casts."""
     from gsm_train.modules.kv_compressor import hadamard_rotation
 
-    dim = 128
-    sylvester = torch.tensor([[(-1.0) ** bin(i & j).count("1") for j in range(dim)] for i in range(dim)],
-                             dtype=torch.float64)
-    for cast in (torch.bfloat16, torch.float32):
-        signs = ASQCompressor(H, dim, rotate_residuals=True).to(cast).rotation_signs
-        assert torch.equal(signs.double()[:, None] * sylvester / dim ** 0.5, hadamard_rotation(dim))
-    assert ASQCompressor(H, dim).rotation_signs is None  # nothing to rotate with
+    for dim in (64, 128):
+        sylvester = torch.tensor([[(-1.0) ** bin(i & j).count("1") for j in range(dim)] for i in range(dim)],
+                                 dtype=torch.float64)
+        for cast in (torch.bfloat16, torch.float32):
+            compressor = ASQCompressor(H, dim, rotate_residuals=True).to(cast)
+            assert torch.equal(compressor.rotation_signs.double()[:, None] * sylvester / dim ** 0.5,
+                               hadamard_rotation(dim))
+            assert "rotation_signs" not in compressor.state_dict()  # rebuilt from head_dim, never exported
+    assert ASQCompressor(H, D).rotation_signs is None  # nothing to rotate with
 
 
 def test_rotation_spreads_a_channel_outlier_over_the_grid() -> None:

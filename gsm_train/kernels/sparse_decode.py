@@ -288,6 +288,7 @@ def fused_decode_attention(query: Tensor, k_store: KVStore, v_store: KVStore, in
     kernel = _sparse_decode_kernel.fn if interpreted else _sparse_decode_kernel
     fixed = {"BLOCK_N": 16, "TILES": 2} if interpreted else {}
     kernel[grid](
+        # V's rotation signs are K's: both are hadamard_signs(D), D the one head size both stores are read at
         q, asq.rotation_signs if rotated else q, index, valid_arg, *_store_args(k_store, index),
         *_store_args(v_store, index), acc, maxes, sums,
         k_store.packed_len, k_store.tail.shape[2], n_blocks, selected, triton.next_power_of_2(selected),
