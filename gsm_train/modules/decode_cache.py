@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from gsm_train.kernels.decode_topk import kernel_ready
 from gsm_train.modules.errors import GSMError
 from gsm_train.modules.gsm_attention import GSMAttentionAdapter
 from gsm_train.modules.injection import decoder_layers, gsm_runtime
@@ -142,7 +143,5 @@ def _fused_kernels(model: nn.Module, fused: bool | None) -> ModuleType | None:
             raise GSMError("fused=True needs Triton and a CUDA device; install triton or pass fused=False")
         return None
     if parameter.device.type == "cuda":  # the top-k kernel built now, before any CUDA graph captures a step
-        from gsm_train.kernels.decode_topk import kernel_ready
-
         kernel_ready(parameter.device)
     return sparse_decode
