@@ -49,6 +49,31 @@ def test_kernel_takes_the_k_largest(length: int, rows: int) -> None:
 
 
 @on_gpu
+@pytest.mark.parametrize("length", [1, 5, 1000, 4097, 32768, 50000, 131072])
+def test_every_cluster_size_takes_the_k_largest(length: int) -> None:
+    """Rows split over 2, 4 or 8 blocks of a cluster (Hopper on; one block elsewhere) select as one block does."""
+    from gsm_train.kernels.decode_topk import _launcher
+
+    launcher = _launcher(torch.device("cuda"))
+    generator = torch.Generator(device="cuda").manual_seed(length)
+    normal = torch.randn(3, length, device="cuda", generator=generator)
+    cases = {"normal": normal, "ties": torch.randint(0, 7, (3, length), device="cuda", generator=generator).float(),
+             "one value": torch.full_like(normal, 0.5)}
+    for cluster in (size for size in launcher.cluster_sizes if launcher.holds(size, length)):
+        for name, scores in cases.items():
+            for k in sorted({1, min(2048, length), max(1, length // 2), length}):
+                poisoned = torch.full((3, k), -1, dtype=torch.int64, device="cuda")
+                try:
+                    got = decode_topk(scores, k, out=poisoned, blocks_per_row=cluster)
+                    _assert_top_k(scores, got, k)
+                    assert torch.equal(got, decode_topk(scores, k, blocks_per_row=cluster))  # the same run after run
+                except AssertionError as error:
+                    raise AssertionError(f"{cluster} blocks per row, {name} scores, k={k}") from error
+    with pytest.raises(ValueError, match=r"blocks_per_row must be one of .* got 3"):
+        decode_topk(normal, 1, blocks_per_row=3)
+
+
+@on_gpu
 def test_kernel_is_deterministic_and_shaped_like_its_input() -> None:
     scores = torch.randint(0, 50, (2, 4, 20000), device="cuda").float()  # many ties at the k-th value
     first = decode_topk(scores, 2048)
@@ -62,10 +87,10 @@ def test_long_rows_and_other_dtypes_take_torch_topk() -> None:
     length = 1
     while row_fits(length * 2, torch.device("cuda")):
         length *= 2
-    assert 32768 <= length  # the H200 holds 54k scores per block; decode's 32k rows fit
-    long = torch.randn(2, 200000, device="cuda")
+    assert 32768 <= length  # the H200 holds 54k scores per block (430k in a cluster of 8); decode's 32k rows fit
+    long = torch.randn(2, 1_000_000, device="cuda")
     assert not row_fits(long.shape[-1], long.device)
-    with pytest.raises(ValueError, match="does not fit one block's shared memory; use unordered_top_k"):
+    with pytest.raises(ValueError, match="does not fit the shared memory of .* blocks; use unordered_top_k"):
         decode_topk(long, 16)
     _assert_top_k(long, unordered_top_k(long, 2048), 2048)
     half = torch.randn(3, 5000, device="cuda", dtype=torch.float16)
