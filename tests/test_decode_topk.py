@@ -48,17 +48,27 @@ def test_kernel_takes_the_k_largest(length: int, rows: int) -> None:
                 raise AssertionError(f"{name} scores, k={k}") from error
 
 
+def _launcher_here():  # noqa: ANN202
+    from gsm_train.kernels.decode_topk import _launcher
+
+    return _launcher(torch.device("cuda"))
+
+
 @on_gpu
 @pytest.mark.parametrize("length", [1, 5, 1000, 4097, 32768, 50000, 131072])
 def test_every_cluster_size_takes_the_k_largest(length: int) -> None:
     """Rows split over 2, 4 or 8 blocks of a cluster (Hopper on; one block elsewhere) select as one block does."""
-    from gsm_train.kernels.decode_topk import _launcher
-
-    launcher = _launcher(torch.device("cuda"))
+    launcher = _launcher_here()
+    if torch.cuda.get_device_capability() >= (9, 0):  # no size may drop out silently where clusters exist
+        assert launcher.cluster_sizes == (1, 2, 4, 8)
     generator = torch.Generator(device="cuda").manual_seed(length)
     normal = torch.randn(3, length, device="cuda", generator=generator)
+    forced = normal.clone()
+    forced[:, :min(4, length)] = float("inf")
+    forced[:, -min(3, length):] = float("-inf")
+    forced[:, length // 2] = float("nan")
     cases = {"normal": normal, "ties": torch.randint(0, 7, (3, length), device="cuda", generator=generator).float(),
-             "one value": torch.full_like(normal, 0.5)}
+             "forced": forced, "one value": torch.full_like(normal, 0.5)}
     for cluster in (size for size in launcher.cluster_sizes if launcher.holds(size, length)):
         for name, scores in cases.items():
             for k in sorted({1, min(2048, length), max(1, length // 2), length}):
@@ -69,8 +79,21 @@ def test_every_cluster_size_takes_the_k_largest(length: int) -> None:
                     assert torch.equal(got, decode_topk(scores, k, blocks_per_row=cluster))  # the same run after run
                 except AssertionError as error:
                     raise AssertionError(f"{cluster} blocks per row, {name} scores, k={k}") from error
+
+
+@on_gpu
+def test_clusters_repeat_under_many_launches_and_refuse_other_sizes() -> None:
+    """A race between a cluster's blocks would show as a launch that differs from the first: 300 launches
+    per size on tied scores (the write order of tied keys is the most sensitive part)."""
+    launcher = _launcher_here()
+    scores = torch.randint(0, 50, (5, 40000), device="cuda").float()
+    for cluster in launcher.cluster_sizes:
+        first = decode_topk(scores, 2048, blocks_per_row=cluster)
+        _assert_top_k(scores, first, 2048)
+        runs = torch.stack([decode_topk(scores, 2048, blocks_per_row=cluster) for _ in range(300)])
+        assert bool((runs == first).all()), f"{cluster} blocks per row"
     with pytest.raises(ValueError, match=r"blocks_per_row must be one of .* got 3"):
-        decode_topk(normal, 1, blocks_per_row=3)
+        decode_topk(scores, 1, blocks_per_row=3)
 
 
 @on_gpu
@@ -87,7 +110,7 @@ def test_long_rows_and_other_dtypes_take_torch_topk() -> None:
     length = 1
     while row_fits(length * 2, torch.device("cuda")):
         length *= 2
-    assert 32768 <= length  # the H200 holds 54k scores per block (430k in a cluster of 8); decode's 32k rows fit
+    assert 32768 <= length  # the H200 holds 53,952 scores in a block (398,848 in a cluster of 8); 32k rows fit
     long = torch.randn(2, 1_000_000, device="cuda")
     assert not row_fits(long.shape[-1], long.device)
     with pytest.raises(ValueError, match="does not fit the shared memory of .* blocks; use unordered_top_k"):

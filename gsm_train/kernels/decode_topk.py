@@ -1,9 +1,9 @@
 """Top-k at decode (CUDA, compiled at run time with NVRTC): the positions of the k largest gate scores of
 each row, the row held in shared memory by one thread block of 1,024 threads, or on Hopper and later by
-a thread-block cluster of 2, 4 or 8 such blocks (up to ~54k scores per block on the H200, so ~430k per
-row; `unordered_top_k` takes ``torch.topk`` for longer rows). Few rows (decode at small batch) take
-clusters, as many blocks per row as keep one block per SM: one block per row left 131 of the H200's
-132 SMs idle at batch 1.
+a thread-block cluster of 2, 4 or 8 such blocks (on the H200 53,952 scores in one block, 398,848 in a
+cluster of 8; `unordered_top_k` takes ``torch.topk`` for longer rows). Few rows (decode at small
+batch) take clusters, as many blocks per row as still run every row at once: one block per row left
+131 of the H200's 132 SMs idle at batch 1.
 
 A radix select on the scores' order-preserving 32-bit keys. The first pass reads the row from global
 memory once (8 loads in flight per thread), keeps its keys in shared memory and counts their top 12 bits
@@ -18,7 +18,8 @@ writes the positions.
 
 Exact: the k largest scores, in no particular order, like ``torch.topk(sorted=False)``. Among keys equal
 to the k-th one the kernel takes them in a fixed order (by block, thread, then position), so a selection
-is the same run after run. NaN ranks above +inf, as in ``torch.topk``; -0.0 ranks below +0.0.
+is the same run after run for the same shape (the number of rows sets the blocks per row, and with it
+which of the tied keys are taken). NaN ranks above +inf, as in ``torch.topk``; -0.0 ranks below +0.0.
 
 Why CUDA and not Triton: a radix select wants blocks with shared-memory atomics and block-wide scans
 over a row held on chip; five Triton designs were slower than ``torch.topk`` (docs/design-decisions.md).
@@ -256,26 +257,59 @@ gsm_decode_topk(const float* __restrict__ scores, long long* __restrict__ out, i
 }
 """
 
+class _LaunchConfig(ctypes.Structure):
+    """The driver's ``CUlaunchConfig`` (for ``cuOccupancyMaxActiveClusters``)."""
+    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
+                ("shared_bytes", ctypes.c_uint), ("stream", ctypes.c_void_p), ("attributes", ctypes.c_void_p),
+                ("attribute_count", ctypes.c_uint)]
+
+
 class _Launcher:
-    """The compiled kernel of one device and a lean launch of it: the driver's ``cuLaunchKernel`` looked up
-    once with its argument types (PyTorch's `_CudaKernel.__call__` loads libcuda and converts its arguments
-    on every call: 66 us of host time per eager call on the H200 host, against 11 us for ``torch.topk``)."""
+    """The compiled kernels of one device (one per cluster size it runs) and a lean launch of them: the
+    driver's ``cuLaunchKernel`` looked up once with its argument types (PyTorch's `_CudaKernel.__call__`
+    loads libcuda and converts its arguments on every call: 66 us of host time per eager call on the H200
+    host, against 11 us for ``torch.topk``)."""
 
     def __init__(self, device: int) -> None:
         properties = torch.cuda.get_device_properties(device)
         self.shared_limit = properties.shared_memory_per_block_optin
-        self.sms = properties.multi_processor_count
-        sizes = CLUSTER_SIZES if (properties.major, properties.minor) >= (9, 0) else (1,)  # clusters: Hopper on
-        self._compiled = {}  # blocks per row -> the compiled kernel (which holds the module it lives in)
-        self.cluster_sizes = sizes
-        with torch.cuda.device(device):
-            for cluster in sizes:
-                self._compiled[cluster] = torch.cuda._compile_kernel(_source(cluster), "gsm_decode_topk")
-                self._compiled[cluster].set_shared_memory_config(self.shared_limit)
-        self._launch = torch.cuda._utils._get_gpu_runtime_library().cuLaunchKernel
+        self._driver = torch.cuda._utils._get_gpu_runtime_library()
+        self._launch = self._driver.cuLaunchKernel
         self._launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p,
                                                                             ctypes.POINTER(ctypes.c_void_p),
                                                                             ctypes.c_void_p]
+        self._compiled = {}  # blocks per row -> the compiled kernel (which holds the module it lives in)
+        self._capacity = {1: properties.multi_processor_count}  # blocks per row -> rows in flight at once
+        self._choice: dict[tuple[int, int], int] = {}  # (rows, length) -> blocks per row
+        with torch.cuda.device(device):
+            self._compiled[1] = self._build(1)
+            if (properties.major, properties.minor) >= (9, 0):  # thread-block clusters: Hopper on
+                try:
+                    for cluster in CLUSTER_SIZES[1:]:
+                        kernel = self._build(cluster)
+                        capacity = self._clusters_at_once(kernel, cluster)
+                        if capacity:  # none where a MIG or MPS slice cannot place a whole cluster
+                            self._compiled[cluster], self._capacity[cluster] = kernel, capacity
+                except (RuntimeError, OSError, AttributeError) as error:
+                    warnings.warn(f"decode top-k: clusters unavailable ({error}); one block per row", stacklevel=4)
+        self.cluster_sizes = tuple(sorted(self._compiled))
+
+    def _build(self, cluster: int):  # noqa: ANN202 (PyTorch's private kernel wrapper)
+        kernel = torch.cuda._compile_kernel(_source(cluster), "gsm_decode_topk")
+        kernel.set_shared_memory_config(self.shared_limit)
+        return kernel
+
+    def _clusters_at_once(self, kernel: object, cluster: int) -> int:
+        """How many clusters of `cluster` blocks, each block with all the shared memory it may take, run at
+        once: a cluster's blocks share one GPC, so this is not simply SMs / cluster."""
+        config = _LaunchConfig(cluster, 1, 1, THREADS, 1, 1, self.shared_limit, None, None, 0)
+        count = ctypes.c_int()
+        error = self._driver.cuOccupancyMaxActiveClusters(ctypes.byref(count), kernel.func,
+                                                          ctypes.byref(config))
+        if error:
+            raise RuntimeError(f"cuOccupancyMaxActiveClusters failed with CUDA error {error}")
+        return count.value
 
     @staticmethod
     def _shared_bytes(cluster: int, length: int) -> int:
@@ -283,22 +317,26 @@ class _Launcher:
 
     def holds(self, cluster: int, length: int) -> bool:
         """Whether `cluster` blocks (a size this GPU runs) hold a row of `length` scores in shared memory."""
-        return cluster in self.cluster_sizes and self._shared_bytes(cluster, length) <= self.shared_limit
+        return cluster in self._compiled and self._shared_bytes(cluster, length) <= self.shared_limit
 
     def fits(self, length: int) -> bool:
-        """Whether a row of `length` scores fits the shared memory of the most blocks a row may take (~54k
-        scores per block on the H200, ~430k for a cluster of 8)."""
-        return self.holds(max(self.cluster_sizes), length)
+        """Whether a row of `length` scores fits the shared memory of the most blocks a row may take (on the
+        H200 53,952 scores in one block, 398,848 in a cluster of 8)."""
+        return self.holds(max(self._compiled), length)
 
     def blocks_per_row(self, rows: int, length: int) -> int:
-        """The most blocks per row that keep every block on its own SM, but at least as many as hold the row."""
-        holding = [cluster for cluster in self.cluster_sizes if self.holds(cluster, length)]
-        spread = [cluster for cluster in holding if rows * cluster <= self.sms]
-        return max(spread) if spread else min(holding)
+        """The most blocks per row that still run every row at once (cuOccupancyMaxActiveClusters), but at
+        least as many as hold the row."""
+        choice = self._choice.get((rows, length))
+        if choice is None:
+            holding = [cluster for cluster in self._compiled if self.holds(cluster, length)]
+            at_once = [cluster for cluster in holding if rows <= self._capacity[cluster]]
+            choice = self._choice[rows, length] = max(at_once) if at_once else min(holding)
+        return choice
 
     def __call__(self, scores: Tensor, k: int, out: Tensor | None = None, cluster: int | None = None) -> Tensor:
         """The positions [..., k] for checked `scores` [..., S] (written into `out` when given), with
-        `cluster` blocks per row (a compiled size that holds the row) or as `blocks_per_row` chooses."""
+        `cluster` blocks per row (a size that holds the row) or as `blocks_per_row` chooses."""
         length = scores.shape[-1]
         rows = scores.reshape(-1, length).contiguous()
         if out is None:
@@ -314,7 +352,8 @@ class _Launcher:
             error = self._launch(self._compiled[cluster].func, rows.shape[0] * cluster, 1, 1, THREADS, 1, 1,
                                  self._shared_bytes(cluster, length), stream, params, None)
         if error:
-            raise RuntimeError(f"decode_topk: cuLaunchKernel failed with CUDA error {error}")
+            raise RuntimeError(f"decode_topk: cuLaunchKernel failed with CUDA error {error} ({cluster} blocks "
+                               "per row)")
         return out
 
 
@@ -361,8 +400,8 @@ def kernel_ready(device: torch.device) -> bool:
 
 
 def row_fits(length: int, device: torch.device) -> bool:
-    """Whether a row of `length` scores fits the kernel: held in the shared memory of its blocks (~430k
-    scores in a cluster of 8 on the H200, ~54k in one block before Hopper's clusters)."""
+    """Whether a row of `length` scores fits the kernel: held in the shared memory of its blocks (on the
+    H200 398,848 scores in a cluster of 8; 53,952 in one block, all a GPU before Hopper's clusters has)."""
     return _launcher(device).fits(length)
 
 
@@ -378,13 +417,13 @@ def decode_topk(scores: Tensor, k: int, out: Tensor | None = None, blocks_per_ro
     if not 1 <= k <= length:
         raise ValueError(f"decode_topk: k must be in [1, {length}] (the row length), got {k}")
     launcher = _launcher(scores.device)
+    if blocks_per_row is not None and not launcher.holds(blocks_per_row, length):
+        raise ValueError(f"decode_topk: blocks_per_row must be one of {launcher.cluster_sizes} (this GPU's) "
+                         f"whose blocks hold a row of {length} scores, got {blocks_per_row}")
     if not launcher.fits(length):
         raise ValueError(f"decode_topk: a row of {length} scores does not fit the shared memory of "
                          f"{max(launcher.cluster_sizes)} blocks; "
                          "use unordered_top_k, which takes torch.topk for such rows")
-    if blocks_per_row is not None and not launcher.holds(blocks_per_row, length):
-        raise ValueError(f"decode_topk: blocks_per_row must be one of {launcher.cluster_sizes} (this GPU's) "
-                         f"whose blocks hold a row of {length} scores, got {blocks_per_row}")
     shape = (*scores.shape[:-1], k)
     if out is not None and (out.shape != shape or out.dtype != torch.int64 or out.device != scores.device
                             or not out.is_contiguous()):
