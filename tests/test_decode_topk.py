@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from gsm_train.kernels.decode_topk import cuda_topk_available, decode_topk, row_fits, unordered_top_k
+from gsm_train.kernels.decode_topk import (cuda_topk_available, decode_topk, fastest_blocks_per_row, row_fits,
+                                          unordered_top_k)
 from gsm_train.modules.decode_attention import top_k_positions
 
 on_gpu = pytest.mark.skipif(not cuda_topk_available(), reason="needs a CUDA device (NVRTC); the H200 run covers it")
@@ -52,6 +53,24 @@ def _launcher_here():  # noqa: ANN202
     from gsm_train.kernels.decode_topk import _launcher
 
     return _launcher(torch.device("cuda"))
+
+
+H200_CAPACITY = {1: 132, 2: 66, 4: 30, 8: 15}  # rows at once per blocks-per-row size (cuOccupancyMaxActiveClusters)
+
+
+@pytest.mark.parametrize(("rows", "length", "expected"), [
+    (1, 8192, 1), (64, 8192, 1),  # short rows: a cluster's barriers cost more than its blocks save
+    (1, 32768, 8), (16, 32768, 4), (64, 32768, 2), (128, 32768, 1),  # the H200's fastest, or within 0.4 us of it
+    (1, 131072, 8), (16, 131072, 4)])
+def test_blocks_per_row_follow_the_cost_model(rows: int, length: int, expected: int) -> None:
+    """Clusters go to few long rows, one block to short or many rows, as the H200's timings ranked them."""
+    assert fastest_blocks_per_row(rows, length, H200_CAPACITY) == expected
+
+
+def test_blocks_per_row_only_from_the_sizes_given() -> None:
+    """A size missing from the capacities (it does not hold the row, or this GPU has no clusters) is never chosen."""
+    assert fastest_blocks_per_row(1, 131072, {4: 30}) == 4
+    assert fastest_blocks_per_row(1, 32768, {1: 132}) == 1
 
 
 @on_gpu

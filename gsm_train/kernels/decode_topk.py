@@ -1,9 +1,9 @@
 """Top-k at decode (CUDA, compiled at run time with NVRTC): the positions of the k largest gate scores of
 each row, the row held in shared memory by one thread block of 1,024 threads, or on Hopper and later by
 a thread-block cluster of 2, 4 or 8 such blocks (on the H200 53,952 scores in one block, 398,848 in a
-cluster of 8; `unordered_top_k` takes ``torch.topk`` for longer rows). Few rows (decode at small
-batch) take clusters, as many blocks per row as still run every row at once: one block per row left
-131 of the H200's 132 SMs idle at batch 1.
+cluster of 8; `unordered_top_k` takes ``torch.topk`` for longer rows). A cost model fitted on the H200
+(`fastest_blocks_per_row`) picks the blocks per row: a cluster for few long rows (one block per row left
+131 of the 132 SMs idle at batch 1), one block for short rows or many rows.
 
 A radix select on the scores' order-preserving 32-bit keys. The first pass reads the row from global
 memory once (8 loads in flight per thread), keeps its keys in shared memory and counts their top 12 bits
@@ -18,14 +18,15 @@ writes the positions.
 
 Exact: the k largest scores, in no particular order, like ``torch.topk(sorted=False)``. Among keys equal
 to the k-th one the kernel takes them in a fixed order (by block, thread, then position), so a selection
-is the same run after run for the same shape (the number of rows sets the blocks per row, and with it
-which of the tied keys are taken). NaN ranks above +inf, as in ``torch.topk``; -0.0 ranks below +0.0.
+is the same run after run for the same shape (the rows and their length set the blocks per row, and
+with them which of the tied keys are taken). NaN ranks above +inf, as in ``torch.topk``; -0.0 ranks below +0.0.
 
 Why CUDA and not Triton: a radix select wants blocks with shared-memory atomics and block-wide scans
 over a row held on chip; five Triton designs were slower than ``torch.topk`` (docs/design-decisions.md).
 NVRTC ships with PyTorch's CUDA wheels (``torch.cuda._compile_kernel``), so no compiler is needed.
-On the H200, in CUDA graphs, at k=2048, one block per row: 17.1 against 46.1 us for ``torch.topk`` on 8
-rows of 32k scores, 24.6 against 103.8 us on 128 rows.
+On the H200, in CUDA graphs (one launch per graph), rows of 32k scores, k=2048: 1 row 13.7 us (4 blocks
+per row; 18.9 in one block) against 45.8 for ``torch.topk``; 16 rows 16.2 (4 blocks; 22.5) against 52.5;
+128 rows 23.2 (one block) against 100.6 (the full table: docs/design-decisions.md).
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ from torch import Tensor
 THREADS = 1024
 BINS = 4096
 CLUSTER_SIZES = (1, 2, 4, 8)  # blocks per row; 8 is a Hopper thread-block cluster's portable maximum
+# What a wave of rows costs on the H200 (CUDA graphs, one launch per graph; fitted to the timings of
+# 1-128 rows of 8k-128k scores, docs/design-decisions.md): a fixed part that grows with the cluster (its
+# barriers and distributed-shared-memory sums) and a part per score one block reads.
+FIXED_US = {1: 8.2, 2: 10.8, 4: 11.5, 8: 12.4}
+US_PER_SCORE = 0.29e-3
 
 
 def _smem_fixed(cluster: int) -> int:
@@ -257,6 +263,16 @@ gsm_decode_topk(const float* __restrict__ scores, long long* __restrict__ out, i
 }
 """
 
+def fastest_blocks_per_row(rows: int, length: int, capacity: dict[int, int]) -> int:
+    """Of the blocks-per-row sizes in `capacity` (size -> rows it runs at once), the one with the least
+    estimated time for `rows` rows of `length` scores, the fewer blocks on a tie: as many waves as the rows
+    need, each the size's fixed cost plus the scores one of its blocks reads (`FIXED_US`, `US_PER_SCORE`)."""
+    def estimated_us(size: int) -> float:
+        return -(-rows // capacity[size]) * (FIXED_US[size] + US_PER_SCORE * length / size)
+
+    return min(capacity, key=lambda size: (estimated_us(size), size))
+
+
 class _LaunchConfig(ctypes.Structure):
     """The driver's ``CUlaunchConfig`` (for ``cuOccupancyMaxActiveClusters``)."""
     _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
@@ -325,13 +341,11 @@ class _Launcher:
         return self.holds(max(self._compiled), length)
 
     def blocks_per_row(self, rows: int, length: int) -> int:
-        """The most blocks per row that still run every row at once (cuOccupancyMaxActiveClusters), but at
-        least as many as hold the row."""
+        """`fastest_blocks_per_row` among the sizes whose blocks hold the row, for this GPU's capacities."""
         choice = self._choice.get((rows, length))
         if choice is None:
-            holding = [cluster for cluster in self._compiled if self.holds(cluster, length)]
-            at_once = [cluster for cluster in holding if rows <= self._capacity[cluster]]
-            choice = self._choice[rows, length] = max(at_once) if at_once else min(holding)
+            capacity = {size: self._capacity[size] for size in self.cluster_sizes if self.holds(size, length)}
+            choice = self._choice[rows, length] = fastest_blocks_per_row(rows, length, capacity)
         return choice
 
     def __call__(self, scores: Tensor, k: int, out: Tensor | None = None, cluster: int | None = None) -> Tensor:
@@ -410,7 +424,7 @@ def decode_topk(scores: Tensor, k: int, out: Tensor | None = None, blocks_per_ro
     `row_fits`) along the last dimension, 1 <= k <= S: the same set as ``scores.topk(k, sorted=False).indices``
     up to the choice among keys tied with the k-th. `out`: a contiguous int64 tensor of that shape to write
     them into (else a new one). `blocks_per_row`: one of `CLUSTER_SIZES` that this GPU runs and whose
-    blocks hold the row (else the kernel chooses by the number of rows)."""
+    blocks hold the row (else `fastest_blocks_per_row` chooses)."""
     length = scores.shape[-1]
     if scores.dtype != torch.float32 or not scores.is_cuda:
         raise ValueError(f"decode_topk takes fp32 CUDA scores, got {scores.dtype} on {scores.device}")
