@@ -1,24 +1,32 @@
 """Top-k at decode (CUDA, compiled at run time with NVRTC): the positions of the k largest gate scores of
-each row, one thread block of 1,024 threads per row, the row held in shared memory (up to ~54k scores
-on the H200; `unordered_top_k` takes ``torch.topk`` for longer rows).
+each row, the row held in shared memory by one thread block of 1,024 threads, or on Hopper and later by
+a thread-block cluster of 2, 4 or 8 such blocks (on the H200 53,952 scores in one block, 398,848 in a
+cluster of 8; `unordered_top_k` takes ``torch.topk`` for longer rows). A cost model fitted on the H200
+(`fastest_blocks_per_row`) picks the blocks per row: a cluster for few long rows (one block per row left
+131 of the 132 SMs idle at batch 1), one block for short rows or many rows.
 
 A radix select on the scores' order-preserving 32-bit keys. The first pass reads the row from global
 memory once (8 loads in flight per thread), keeps its keys in shared memory and counts their top 12 bits
 into a shared-memory histogram; the next passes (12 and 8 bits) count only the keys that still match the
-chosen prefix. After each pass one block-wide scan over the bins, from the top, finds the bin holding
-the k-th key; a pass ends the search early when that bin is taken whole. Then one pass counts, per
-thread, the keys above the threshold and those equal to it, one block-wide scan gives every thread its
-write offsets, and a last pass writes the positions.
+chosen prefix. In a cluster every block counts its share of the row, and the blocks sum the counts into
+every block's shared memory through the cluster's distributed shared memory, so each runs the same
+search on the same counts. After each pass one block-wide scan over the bins, from the top, finds the
+bin holding the k-th key; a pass ends the search early when that bin is taken whole. Then one pass
+counts, per thread, the keys above the threshold and those equal to it, one block-wide scan (plus the
+counts of the cluster's lower-ranked blocks) gives every thread its write offsets, and a last pass
+writes the positions.
 
 Exact: the k largest scores, in no particular order, like ``torch.topk(sorted=False)``. Among keys equal
-to the k-th one the kernel takes them in a fixed order (by thread, then position), so a selection is the
-same run after run. NaN ranks above +inf, as in ``torch.topk``; -0.0 ranks below +0.0.
+to the k-th one the kernel takes them in a fixed order (by block, thread, then position), so a selection
+is the same run after run for the same shape (the rows and their length set the blocks per row, and
+with them which of the tied keys are taken). NaN ranks above +inf, as in ``torch.topk``; -0.0 ranks below +0.0.
 
-Why CUDA and not Triton: a radix select wants one block with shared-memory atomics and block-wide scans
+Why CUDA and not Triton: a radix select wants blocks with shared-memory atomics and block-wide scans
 over a row held on chip; five Triton designs were slower than ``torch.topk`` (docs/design-decisions.md).
 NVRTC ships with PyTorch's CUDA wheels (``torch.cuda._compile_kernel``), so no compiler is needed.
-On the H200, in CUDA graphs, at k=2048: 17.1 against 46.1 us for ``torch.topk`` on 8 rows of 32k scores,
-24.6 against 103.8 us on 128 rows (decode's batch 1 and 16 with a Llama-8B layer's 8 KV heads).
+On the H200, in CUDA graphs (one launch per graph), rows of 32k scores, k=2048: 1 row 13.7 us (4 blocks
+per row; 18.9 in one block) against 45.8 for ``torch.topk``; 16 rows 16.2 (4 blocks; 22.5) against 52.5;
+128 rows 23.2 (one block) against 100.6 (the full table: docs/design-decisions.md).
 """
 
 from __future__ import annotations
@@ -31,9 +39,28 @@ from torch import Tensor
 
 THREADS = 1024
 BINS = 4096
-SMEM_FIXED = (BINS + 64) * 4  # the histogram, the scan's warp sums and the shared search state
+CLUSTER_SIZES = (1, 2, 4, 8)  # blocks per row; 8 is a Hopper thread-block cluster's portable maximum
+# What a wave of rows costs on the H200 (CUDA graphs, one launch per graph; fitted to the timings of
+# 1-128 rows of 8k-128k scores, docs/design-decisions.md): a fixed part that grows with the cluster (its
+# barriers and distributed-shared-memory sums) and a part per score one block reads.
+FIXED_US = {1: 8.2, 2: 10.8, 4: 11.5, 8: 12.4}
+US_PER_SCORE = 0.29e-3
 
-_SOURCE = f"#define THREADS {THREADS}\n#define BINS {BINS}\n" + r"""
+
+def _smem_fixed(cluster: int) -> int:
+    """Shared bytes besides the row: the histogram (and with a cluster the cluster's summed one), the
+    scan's warp sums and the shared search state."""
+    return (BINS * (2 if cluster > 1 else 1) + 64) * 4
+
+
+def _source(cluster: int) -> str:
+    """The kernel for `cluster` blocks per row (a thread-block cluster, sm_90 and later, where above 1)."""
+    dims = f"__cluster_dims__({cluster}, 1, 1)" if cluster > 1 else ""
+    defines = {"THREADS": THREADS, "BINS": BINS, "CLUSTER": cluster, "CLUSTER_DIMS": dims}
+    return "".join(f"#define {name} {value}\n" for name, value in defines.items()) + _KERNEL
+
+
+_KERNEL = r"""
 #define UNROLL 8
 
 __device__ __forceinline__ unsigned ordered_key(float value) {
@@ -45,6 +72,35 @@ __device__ __forceinline__ unsigned ordered_key(float value) {
 __device__ __forceinline__ void count_bin(unsigned* hist, int bin) {
     if (bin >= 0) atomicAdd(&hist[bin], 1u);
 }
+
+#if CLUSTER > 1
+// A thread-block cluster's blocks reach each other's shared memory (PTX: no headers needed under NVRTC).
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned rank;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+    return rank;
+}
+
+__device__ __forceinline__ void cluster_sync() {  // every thread of every block of the cluster
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ unsigned in_block(const void* local, unsigned rank) {  // the same variable in block `rank`
+    unsigned address = (unsigned)__cvta_generic_to_shared(local), remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(address), "r"(rank));
+    return remote;
+}
+
+__device__ __forceinline__ unsigned load_from(unsigned remote) {
+    unsigned value;
+    asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(value) : "r"(remote) : "memory");
+    return value;
+}
+
+__device__ __forceinline__ void store_to(unsigned remote, unsigned value) {
+    asm volatile("st.shared::cluster.u32 [%0], %1;" :: "r"(remote), "r"(value) : "memory");
+}
+#endif
 
 // Exclusive prefix sum of one int per thread over the block (32 warps); *total gets the sum.
 __device__ __forceinline__ int block_exclusive_scan(int value, int* warp_sums, int* total) {
@@ -71,15 +127,30 @@ __device__ __forceinline__ int block_exclusive_scan(int value, int* warp_sums, i
     return before;
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS)
+// One row per CLUSTER blocks: block `rank` holds positions [rank * chunk, (rank + 1) * chunk) of it. Each
+// pass counts every block's keys apart, then (CLUSTER > 1) block r sums slice r of the bins over the
+// cluster and writes the sums into every block's `counted`, so every block runs the same search on the
+// same counts and reaches the same threshold; the write offsets add the lower-ranked blocks' counts.
+extern "C" __global__ void __launch_bounds__(THREADS) CLUSTER_DIMS
 gsm_decode_topk(const float* __restrict__ scores, long long* __restrict__ out, int length, int k) {
     extern __shared__ unsigned smem[];
     unsigned* hist = smem;
-    int* warp_sums = (int*)(smem + BINS);
-    int* state = (int*)(smem + BINS + 32);  // [0] chosen bin, [1] keys still wanted, [2] search finished
-    unsigned* row = smem + BINS + 64;
-    const float* src = scores + (size_t)blockIdx.x * length;
-    long long* dst = out + (size_t)blockIdx.x * k;
+#if CLUSTER > 1
+    unsigned* counted = smem + BINS;  // the cluster's counts
+    const unsigned rank = cluster_rank();
+#else
+    unsigned* counted = hist;
+    const unsigned rank = 0;
+#endif
+    int* warp_sums = (int*)(counted + BINS);
+    int* state = (int*)(counted + BINS + 32);  // [0] chosen bin, [1] keys still wanted, [2] search finished,
+                                               // [4 + 2r], [5 + 2r]: block r's keys above and equal
+    unsigned* row = counted + BINS + 64;
+    const int chunk = (length + CLUSTER - 1) / CLUSTER;
+    const int first = (int)rank * chunk;
+    const int mine = max(0, min(chunk, length - first));  // this block's share of the row
+    const float* src = scores + (size_t)(blockIdx.x / CLUSTER) * length + first;
+    long long* dst = out + (size_t)(blockIdx.x / CLUSTER) * k;
     const int tid = threadIdx.x;
     unsigned prefix = 0u, mask = 0u;
     int wanted = k;
@@ -91,39 +162,49 @@ gsm_decode_topk(const float* __restrict__ scores, long long* __restrict__ out, i
         for (int b = tid; b < BINS; b += THREADS) hist[b] = 0u;
         __syncthreads();
         if (pass == 0) {  // the one read of the row from global memory: UNROLL loads in flight per thread
-            for (int base = 0; base < length; base += THREADS * UNROLL) {
+            for (int base = 0; base < mine; base += THREADS * UNROLL) {
                 unsigned keys[UNROLL];
 #pragma unroll
                 for (int j = 0; j < UNROLL; ++j) {
                     const int i = base + j * THREADS + tid;
-                    keys[j] = i < length ? ordered_key(src[i]) : 0u;
+                    keys[j] = i < mine ? ordered_key(src[i]) : 0u;
                 }
 #pragma unroll
                 for (int j = 0; j < UNROLL; ++j) {
                     const int i = base + j * THREADS + tid;
-                    if (i < length) row[i] = keys[j];
-                    count_bin(hist, i < length ? (int)(keys[j] >> shift) : -1);
+                    if (i < mine) row[i] = keys[j];
+                    count_bin(hist, i < mine ? (int)(keys[j] >> shift) : -1);
                 }
             }
         } else {
 #pragma unroll 8
-            for (int base = 0; base < length; base += THREADS) {
+            for (int base = 0; base < mine; base += THREADS) {
                 const int i = base + tid;
                 int bin = -1;
-                if (i < length) {
+                if (i < mine) {
                     const unsigned key = row[i];
                     if ((key & mask) == prefix) bin = (int)((key >> shift) & (unsigned)(bins - 1));
                 }
                 count_bin(hist, bin);
             }
         }
+#if CLUSTER > 1
+        cluster_sync();  // every block's counts are in
+        for (int b = (int)rank * (bins / CLUSTER) + tid; b < ((int)rank + 1) * (bins / CLUSTER); b += THREADS) {
+            unsigned sum = 0u;
+            for (unsigned q = 0; q < CLUSTER; ++q) sum += load_from(in_block(&hist[b], q));
+            for (unsigned q = 0; q < CLUSTER; ++q) store_to(in_block(&counted[b], q), sum);
+        }
+        cluster_sync();  // every block holds the cluster's counts (and no block reads another's hist again this pass)
+#else
         __syncthreads();
+#endif
         // thread t owns bins bins-1-4t .. bins-4-4t, counted from the top: the bin where the k-th key falls
         int counts[4], sum = 0;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const int bin = bins - 1 - 4 * tid - j;
-            counts[j] = bin >= 0 ? (int)hist[bin] : 0;
+            counts[j] = bin >= 0 ? (int)counted[bin] : 0;
             sum += counts[j];
         }
         int total;
@@ -143,10 +224,11 @@ gsm_decode_topk(const float* __restrict__ scores, long long* __restrict__ out, i
         __syncthreads();
         if (finished) break;
     }
-    // keys with (key & mask) > prefix are taken; of those equal to it, the first `wanted` in (thread, position) order
+    // keys with (key & mask) > prefix are taken; of those equal to it, the first `wanted` in (block, thread,
+    // position) order
     int n_above = 0, n_equal = 0;
 #pragma unroll 8
-    for (int i = tid; i < length; i += THREADS) {
+    for (int i = tid; i < mine; i += THREADS) {
         const unsigned top = row[i] & mask;
         n_above += top > prefix;
         n_equal += top == prefix;
@@ -154,40 +236,121 @@ gsm_decode_topk(const float* __restrict__ scores, long long* __restrict__ out, i
     int total_above, total_equal;
     int at_above = block_exclusive_scan(n_above, warp_sums, &total_above);
     int at_equal = block_exclusive_scan(n_equal, warp_sums, &total_equal);
-    for (int i = tid; i < length; i += THREADS) {
+#if CLUSTER > 1
+    if (tid < CLUSTER) {  // this block's counts to every block, then each adds those of the blocks before it
+        store_to(in_block(&state[4 + 2 * rank], tid), (unsigned)total_above);
+        store_to(in_block(&state[5 + 2 * rank], tid), (unsigned)total_equal);
+    }
+    cluster_sync();
+    total_above = 0;
+    for (int q = 0; q < CLUSTER; ++q) {
+        if (q < (int)rank) {
+            at_above += state[4 + 2 * q];
+            at_equal += state[5 + 2 * q];
+        }
+        total_above += state[4 + 2 * q];
+    }
+#endif
+    for (int i = tid; i < mine; i += THREADS) {
         const unsigned top = row[i] & mask;
         if (top > prefix) {
-            dst[at_above++] = i;
+            dst[at_above++] = first + i;
         } else if (top == prefix) {
-            if (at_equal < wanted) dst[total_above + at_equal] = i;
+            if (at_equal < wanted) dst[total_above + at_equal] = first + i;
             ++at_equal;
         }
     }
 }
 """
 
+def fastest_blocks_per_row(rows: int, length: int, capacity: dict[int, int]) -> int:
+    """Of the blocks-per-row sizes in `capacity` (size -> rows it runs at once), the one with the least
+    estimated time for `rows` rows of `length` scores, the fewer blocks on a tie: as many waves as the rows
+    need, each the size's fixed cost plus the scores one of its blocks reads (`FIXED_US`, `US_PER_SCORE`)."""
+    def estimated_us(size: int) -> float:
+        return -(-rows // capacity[size]) * (FIXED_US[size] + US_PER_SCORE * length / size)
+
+    return min(capacity, key=lambda size: (estimated_us(size), size))
+
+
+class _LaunchConfig(ctypes.Structure):
+    """The driver's ``CUlaunchConfig`` (for ``cuOccupancyMaxActiveClusters``)."""
+    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
+                ("shared_bytes", ctypes.c_uint), ("stream", ctypes.c_void_p), ("attributes", ctypes.c_void_p),
+                ("attribute_count", ctypes.c_uint)]
+
+
 class _Launcher:
-    """The compiled kernel of one device and a lean launch of it: the driver's ``cuLaunchKernel`` looked up
-    once with its argument types (PyTorch's `_CudaKernel.__call__` loads libcuda and converts its arguments
-    on every call: 66 us of host time per eager call on the H200 host, against 11 us for ``torch.topk``)."""
+    """The compiled kernels of one device (one per cluster size it runs) and a lean launch of them: the
+    driver's ``cuLaunchKernel`` looked up once with its argument types (PyTorch's `_CudaKernel.__call__`
+    loads libcuda and converts its arguments on every call: 66 us of host time per eager call on the H200
+    host, against 11 us for ``torch.topk``)."""
 
     def __init__(self, device: int) -> None:
-        with torch.cuda.device(device):
-            compiled = torch.cuda._compile_kernel(_SOURCE, "gsm_decode_topk")
-            self.shared_limit = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
-            compiled.set_shared_memory_config(self.shared_limit)
-        self._compiled = compiled  # holds the module the function lives in
-        self._launch = torch.cuda._utils._get_gpu_runtime_library().cuLaunchKernel
+        properties = torch.cuda.get_device_properties(device)
+        self.shared_limit = properties.shared_memory_per_block_optin
+        self._driver = torch.cuda._utils._get_gpu_runtime_library()
+        self._launch = self._driver.cuLaunchKernel
         self._launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p,
                                                                             ctypes.POINTER(ctypes.c_void_p),
                                                                             ctypes.c_void_p]
+        self._compiled = {}  # blocks per row -> the compiled kernel (which holds the module it lives in)
+        self._capacity = {1: properties.multi_processor_count}  # blocks per row -> rows in flight at once
+        self._choice: dict[tuple[int, int], int] = {}  # (rows, length) -> blocks per row
+        with torch.cuda.device(device):
+            self._compiled[1] = self._build(1)
+            if (properties.major, properties.minor) >= (9, 0):  # thread-block clusters: Hopper on
+                try:
+                    for cluster in CLUSTER_SIZES[1:]:
+                        kernel = self._build(cluster)
+                        capacity = self._clusters_at_once(kernel, cluster)
+                        if capacity:  # none where a MIG or MPS slice cannot place a whole cluster
+                            self._compiled[cluster], self._capacity[cluster] = kernel, capacity
+                except (RuntimeError, OSError, AttributeError) as error:
+                    warnings.warn(f"decode top-k: clusters unavailable ({error}); one block per row", stacklevel=4)
+        self.cluster_sizes = tuple(sorted(self._compiled))
+
+    def _build(self, cluster: int):  # noqa: ANN202 (PyTorch's private kernel wrapper)
+        kernel = torch.cuda._compile_kernel(_source(cluster), "gsm_decode_topk")
+        kernel.set_shared_memory_config(self.shared_limit)
+        return kernel
+
+    def _clusters_at_once(self, kernel: object, cluster: int) -> int:
+        """How many clusters of `cluster` blocks, each block with all the shared memory it may take, run at
+        once: a cluster's blocks share one GPC, so this is not simply SMs / cluster."""
+        config = _LaunchConfig(cluster, 1, 1, THREADS, 1, 1, self.shared_limit, None, None, 0)
+        count = ctypes.c_int()
+        error = self._driver.cuOccupancyMaxActiveClusters(ctypes.byref(count), kernel.func,
+                                                          ctypes.byref(config))
+        if error:
+            raise RuntimeError(f"cuOccupancyMaxActiveClusters failed with CUDA error {error}")
+        return count.value
+
+    @staticmethod
+    def _shared_bytes(cluster: int, length: int) -> int:
+        return _smem_fixed(cluster) + 4 * -(-length // cluster)
+
+    def holds(self, cluster: int, length: int) -> bool:
+        """Whether `cluster` blocks (a size this GPU runs) hold a row of `length` scores in shared memory."""
+        return cluster in self._compiled and self._shared_bytes(cluster, length) <= self.shared_limit
 
     def fits(self, length: int) -> bool:
-        """Whether a row of `length` scores fits one block's shared memory (~54k on the H200)."""
-        return SMEM_FIXED + 4 * length <= self.shared_limit
+        """Whether a row of `length` scores fits the shared memory of the most blocks a row may take (on the
+        H200 53,952 scores in one block, 398,848 in a cluster of 8)."""
+        return self.holds(max(self._compiled), length)
 
-    def __call__(self, scores: Tensor, k: int, out: Tensor | None = None) -> Tensor:
-        """The positions [..., k] for checked `scores` [..., S] (written into `out` when given)."""
+    def blocks_per_row(self, rows: int, length: int) -> int:
+        """`fastest_blocks_per_row` among the sizes whose blocks hold the row, for this GPU's capacities."""
+        choice = self._choice.get((rows, length))
+        if choice is None:
+            capacity = {size: self._capacity[size] for size in self.cluster_sizes if self.holds(size, length)}
+            choice = self._choice[rows, length] = fastest_blocks_per_row(rows, length, capacity)
+        return choice
+
+    def __call__(self, scores: Tensor, k: int, out: Tensor | None = None, cluster: int | None = None) -> Tensor:
+        """The positions [..., k] for checked `scores` [..., S] (written into `out` when given), with
+        `cluster` blocks per row (a size that holds the row) or as `blocks_per_row` chooses."""
         length = scores.shape[-1]
         rows = scores.reshape(-1, length).contiguous()
         if out is None:
@@ -197,11 +360,14 @@ class _Launcher:
         args = (ctypes.c_void_p(rows.data_ptr()), ctypes.c_void_p(out.data_ptr()), ctypes.c_int(length),
                 ctypes.c_int(k))
         params = (ctypes.c_void_p * 4)(*(ctypes.addressof(arg) for arg in args))
+        cluster = cluster or self.blocks_per_row(rows.shape[0], length)
         with torch.cuda.device(rows.device):  # the function belongs to its device's context
-            error = self._launch(self._compiled.func, rows.shape[0], 1, 1, THREADS, 1, 1, SMEM_FIXED + 4 * length,
-                                 torch.cuda.current_stream(rows.device).cuda_stream, params, None)
+            stream = torch.cuda.current_stream(rows.device).cuda_stream
+            error = self._launch(self._compiled[cluster].func, rows.shape[0] * cluster, 1, 1, THREADS, 1, 1,
+                                 self._shared_bytes(cluster, length), stream, params, None)
         if error:
-            raise RuntimeError(f"decode_topk: cuLaunchKernel failed with CUDA error {error}")
+            raise RuntimeError(f"decode_topk: cuLaunchKernel failed with CUDA error {error} ({cluster} blocks "
+                               "per row)")
         return out
 
 
@@ -248,37 +414,43 @@ def kernel_ready(device: torch.device) -> bool:
 
 
 def row_fits(length: int, device: torch.device) -> bool:
-    """Whether a row of `length` scores fits the kernel: held in one block's shared memory (~54k on the H200)."""
+    """Whether a row of `length` scores fits the kernel: held in the shared memory of its blocks (on the
+    H200 398,848 scores in a cluster of 8; 53,952 in one block, all a GPU before Hopper's clusters has)."""
     return _launcher(device).fits(length)
 
 
-def decode_topk(scores: Tensor, k: int, out: Tensor | None = None) -> Tensor:
+def decode_topk(scores: Tensor, k: int, out: Tensor | None = None, blocks_per_row: int | None = None) -> Tensor:
     """Positions [..., k] (int64, unordered) of the k largest of `scores` [..., S] (fp32, CUDA, S within
     `row_fits`) along the last dimension, 1 <= k <= S: the same set as ``scores.topk(k, sorted=False).indices``
     up to the choice among keys tied with the k-th. `out`: a contiguous int64 tensor of that shape to write
-    them into (else a new one)."""
+    them into (else a new one). `blocks_per_row`: one of `CLUSTER_SIZES` that this GPU runs and whose
+    blocks hold the row (else `fastest_blocks_per_row` chooses)."""
     length = scores.shape[-1]
     if scores.dtype != torch.float32 or not scores.is_cuda:
         raise ValueError(f"decode_topk takes fp32 CUDA scores, got {scores.dtype} on {scores.device}")
     if not 1 <= k <= length:
         raise ValueError(f"decode_topk: k must be in [1, {length}] (the row length), got {k}")
     launcher = _launcher(scores.device)
+    if blocks_per_row is not None and not launcher.holds(blocks_per_row, length):
+        raise ValueError(f"decode_topk: blocks_per_row must be one of {launcher.cluster_sizes} (this GPU's) "
+                         f"whose blocks hold a row of {length} scores, got {blocks_per_row}")
     if not launcher.fits(length):
-        raise ValueError(f"decode_topk: a row of {length} scores does not fit one block's shared memory; "
+        raise ValueError(f"decode_topk: a row of {length} scores does not fit the shared memory of "
+                         f"{max(launcher.cluster_sizes)} blocks; "
                          "use unordered_top_k, which takes torch.topk for such rows")
     shape = (*scores.shape[:-1], k)
     if out is not None and (out.shape != shape or out.dtype != torch.int64 or out.device != scores.device
                             or not out.is_contiguous()):
         raise ValueError(f"decode_topk: out must be a contiguous int64 tensor of shape {shape} on {scores.device}, "
                          f"got {out.dtype} {tuple(out.shape)} on {out.device}")
-    return launcher(scores, k, out)
+    return launcher(scores, k, out, blocks_per_row)
 
 
 def unordered_top_k(scores: Tensor, k: int) -> Tensor:
     """Positions [..., k] of the k largest `scores` [..., S], in no particular order: this kernel
-    where it runs (fp32 on CUDA, rows within `row_fits`), ``torch.topk`` elsewhere (faster than the kernel
-    would be on rows read again from global memory in every pass: 68 against 120 us at 128k, batch 1, on the
-    H200)."""
+    where it runs (fp32 on CUDA, rows within `row_fits`), ``torch.topk`` elsewhere (a kernel reading rows
+    too long for shared memory from global memory in every pass was slower: 120 against 68 us at 128k,
+    batch 1, on the H200)."""
     launcher = _ready_launcher(scores.device) if scores.dtype == torch.float32 else None
     if launcher is not None and 1 <= k <= scores.shape[-1] and launcher.fits(scores.shape[-1]):
         return launcher(scores, k)  # (torch.topk below names a k out of range)
