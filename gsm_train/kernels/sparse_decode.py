@@ -60,12 +60,27 @@ if triton is not None:
         return codes.to(tl.float32) - CENTER
 
     @triton.jit
-    def _packed_parts(ids_ptr, res_ptr, scale_ptr, proto_ptr, bh, pos, in_packed, packed_len, n_blocks, dims,
+    def _tile_positions(index_ptr, valid_ptr, row_start, offs, hi, HAS_VALID: tl.constexpr):
+        """The selected positions at `offs` of a selection row (from `row_start`) and which are live: within
+        the program's share (below `hi`) and, with HAS_VALID, marked valid."""
+        live = offs < hi
+        pos = tl.load(index_ptr + row_start + offs, mask=live, other=0)
+        if HAS_VALID:
+            live = live & (tl.load(valid_ptr + row_start + offs, mask=live, other=0) != 0)
+        return pos, live
+
+    @triton.jit
+    def _cluster_ids(ids_ptr, bh, pos, live, packed_len):
+        """The prototype ids (int32) of the packed rows at `pos` (0 elsewhere)."""
+        in_packed = live & (pos < packed_len)
+        return tl.load(ids_ptr + bh * packed_len + pos, mask=in_packed, other=0).to(tl.int32)
+
+    @triton.jit
+    def _packed_parts(cluster, res_ptr, scale_ptr, proto_ptr, bh, pos, in_packed, packed_len, n_blocks, dims,
                       D: tl.constexpr, BITS: tl.constexpr, C: tl.constexpr, TOKENS_PER_BLOCK: tl.constexpr):
-        """What the store holds for the packed rows at `pos` (zeros elsewhere): prototype rows [N, D],
-        residual bytes [N, D * BITS / 8] (read whole) and scales [N]."""
+        """What the store holds for the packed rows at `pos` with prototype ids `cluster` (zeros elsewhere):
+        prototype rows [N, D], residual bytes [N, D * BITS / 8] (read whole) and scales [N]."""
         flat = bh * packed_len + pos
-        cluster = tl.load(ids_ptr + flat, mask=in_packed, other=0).to(tl.int32)
         NBYTES: tl.constexpr = D * BITS // 8
         byte = tl.load(res_ptr + flat[:, None] * NBYTES + tl.arange(0, NBYTES)[None, :], mask=in_packed[:, None],
                        other=0)
@@ -77,24 +92,25 @@ if triton is not None:
     @triton.jit
     def _dequant_rows(proto, byte, scale, in_packed, tail_ptr, bh, pos, live, packed_len, tail_len, dims,
                       D: tl.constexpr, BITS: tl.constexpr, CENTER: tl.constexpr, PACKED: tl.constexpr,
-                      ROTATED: tl.constexpr):
+                      ROTATED: tl.constexpr, DTYPE: tl.constexpr):
         """Rows [N, D] (fp32) at `pos`: packed rows rebuilt from `_packed_parts`, rows of the raw newest
         block read from the tail (only when the tile holds one), and the packed rows' residuals (zero
         elsewhere). With ROTATED the rows hold only the prototypes (or raw rows) and the residuals, in the
         rotated basis, are multiplied apart by the caller; else the rows include them."""
-        rows = tl.zeros([pos.shape[0], D], tl.float32)
+        rows = tl.zeros([pos.shape[0], D], DTYPE)
         residual = rows  # zero outside packed rows: their scale loads as 0
         if PACKED:
             residual = _unpacked_levels(byte.to(tl.int32), BITS, CENTER) * scale.to(tl.float32)[:, None]
             if ROTATED:
-                rows = tl.where(in_packed[:, None], proto.to(tl.float32), 0.0)
+                rows = tl.where(in_packed[:, None], proto.to(DTYPE), 0.0).to(DTYPE)
             else:
-                rows = tl.where(in_packed[:, None], proto.to(tl.float32) + residual, 0.0)
+                rows = tl.where(in_packed[:, None], proto.to(tl.float32) + residual, 0.0).to(DTYPE)
+            residual = residual.to(DTYPE)
         in_tail = live & (pos >= packed_len)
         if tl.max(in_tail.to(tl.int32), 0) > 0:
             raw = tl.load(tail_ptr + (bh * tail_len + (pos - packed_len))[:, None] * D + dims[None, :],
                           mask=in_tail[:, None], other=0.0)
-            rows = tl.where(in_tail[:, None], raw.to(tl.float32), rows)
+            rows = tl.where(in_tail[:, None], raw.to(DTYPE), rows)
         return rows, residual
 
     @triton.jit
@@ -150,39 +166,53 @@ if triton is not None:
         acc_rotated = tl.zeros([GP, D], tl.float32)  # with ROTATED: the weighted sum of V's rotated residuals
         lo = split * BLOCK_N * TILES
         hi = tl.minimum(lo + BLOCK_N * TILES, selected)
+        # Each tile's reads depend on its positions, and its prototype rows on its ids: positions are read two
+        # tiles ahead and ids one, so a tile waits for one round trip to memory, not three.
+        row_start = selection_row * selected
+        offs = lo + tl.arange(0, BLOCK_N)
+        pos, live = _tile_positions(index_ptr, valid_ptr, row_start, offs, hi, HAS_VALID)
+        next_pos, next_live = _tile_positions(index_ptr, valid_ptr, row_start, offs + BLOCK_N, hi, HAS_VALID)
+        k_cluster, v_cluster = pos, pos
+        if PACKED:
+            k_cluster = _cluster_ids(k_ids, bh, pos, live, packed_len)
+            v_cluster = _cluster_ids(v_ids, bh, pos, live, packed_len)
         for start in range(0, BLOCK_N * TILES, BLOCK_N):
-            offs = lo + start + tl.arange(0, BLOCK_N)
-            live = offs < hi
-            pos = tl.load(index_ptr + selection_row * selected + offs, mask=live, other=0)
-            if HAS_VALID:
-                live = live & (tl.load(valid_ptr + selection_row * selected + offs, mask=live, other=0) != 0)
             in_packed = live & (pos < packed_len)
             if PACKED:  # every load of the tile is issued before any of it is used
-                k_proto, k_byte, k_scale = _packed_parts(k_ids, k_res, k_scales, k_protos, bh, pos, in_packed,
+                k_proto, k_byte, k_scale = _packed_parts(k_cluster, k_res, k_scales, k_protos, bh, pos, in_packed,
                                                          packed_len, n_blocks, dims, D, K_BITS, C, TOKENS_PER_BLOCK)
-                v_proto, v_byte, v_scale = _packed_parts(v_ids, v_res, v_scales, v_protos, bh, pos, in_packed,
+                v_proto, v_byte, v_scale = _packed_parts(v_cluster, v_res, v_scales, v_protos, bh, pos, in_packed,
                                                          packed_len, n_blocks, dims, D, V_BITS, C, TOKENS_PER_BLOCK)
+                next_k_cluster = _cluster_ids(k_ids, bh, next_pos, next_live, packed_len)
+                next_v_cluster = _cluster_ids(v_ids, bh, next_pos, next_live, packed_len)
             else:
                 k_proto, k_byte, k_scale = pos, pos, pos
                 v_proto, v_byte, v_scale = pos, pos, pos
+                next_k_cluster, next_v_cluster = pos, pos
+            after_pos, after_live = _tile_positions(index_ptr, valid_ptr, row_start, offs + start + 2 * BLOCK_N, hi,
+                                                    HAS_VALID)
             keys, key_residuals = _dequant_rows(k_proto, k_byte, k_scale, in_packed, k_tail, bh, pos, live,
-                                                packed_len, tail_len, dims, D, K_BITS, K_CENTER, PACKED, ROTATED)
-            logits = tl.dot(keys.to(q.dtype), q_t, input_precision=PRECISION)  # [BLOCK_N, GP]
+                                                packed_len, tail_len, dims, D, K_BITS, K_CENTER, PACKED, ROTATED,
+                                                q.dtype)
+            logits = tl.dot(keys, q_t, input_precision=PRECISION)  # [BLOCK_N, GP]
             if ROTATED:  # (p + r R^T) . q = p . q + r . (q R)
-                logits += tl.dot(key_residuals.to(q.dtype), q_rotated_t, input_precision=PRECISION)
+                logits += tl.dot(key_residuals, q_rotated_t, input_precision=PRECISION)
             logits = logits * scaling
             logits = tl.where(live[:, None], logits, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(logits, 0))
             alpha = tl.exp(m_i - m_new)
             p = tl.trans(tl.exp(logits - m_new[None, :]))
             values, value_residuals = _dequant_rows(v_proto, v_byte, v_scale, in_packed, v_tail, bh, pos, live,
-                                                    packed_len, tail_len, dims, D, V_BITS, V_CENTER, PACKED, ROTATED)
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), values.to(q.dtype), input_precision=PRECISION)
+                                                    packed_len, tail_len, dims, D, V_BITS, V_CENTER, PACKED, ROTATED,
+                                                    q.dtype)
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), values, input_precision=PRECISION)
             if ROTATED:  # rotated back once, after the tiles
-                acc_rotated = acc_rotated * alpha[:, None] + tl.dot(p.to(q.dtype), value_residuals.to(q.dtype),
+                acc_rotated = acc_rotated * alpha[:, None] + tl.dot(p.to(q.dtype), value_residuals,
                                                                     input_precision=PRECISION)
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
+            pos, live, next_pos, next_live = next_pos, next_live, after_pos, after_live
+            k_cluster, v_cluster = next_k_cluster, next_v_cluster
         if ROTATED:  # acc_rotated R^T = signs * (acc_rotated H) / sqrt(D), in fp32
             acc += signs[None, :] * _walsh_hadamard(acc_rotated, GP, D, LOG_D)
         part = (bh * splits + split) * G + heads  # the group's real heads only, not the dot's padding
