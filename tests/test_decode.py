@@ -230,7 +230,8 @@ def test_every_autotuned_configuration_attends_alike() -> None:
     torch.manual_seed(0)
     batch, q_heads, kv_heads, dim, length, selected = 2, 8, 2, 128, 3000, 2100
     index = torch.stack([torch.randperm(length)[:selected] for _ in range(batch)]).view(batch, 1, -1).cuda()
-    for rotate, dtype, atol in ((False, torch.float32, 2e-6), (True, torch.float32, 2e-6), (True, torch.bfloat16, 2e-2)):
+    for rotate, dtype, atol in ((False, torch.float32, 2e-6), (True, torch.float32, 2e-6),
+                                (True, torch.bfloat16, 2e-2)):
         stores = [KVStore(ASQCompressor(kv_heads, dim, cluster_num=2, quant_bits=bits, block_size=64,
                                         rotate_residuals=rotate).cuda(), kv_heads) for bits in (4, 2)]
         for store in stores:
