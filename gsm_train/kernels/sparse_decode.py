@@ -17,13 +17,15 @@ the rotated rows (``k R``), so the kernel rotates the query once (``(k R) . (q R
 values in the rotated basis and rotates the sum back (``R^T``) at the end of each program; raw rows of
 the newest block are rotated into that basis in the tiles that hold them. Each rotation is a fast
 Walsh-Hadamard transform with the rotation's signs (``R = diag(signs) H / sqrt(D)``, `hadamard_rotation`):
-no matrix is read and no kernel is launched for them. (Rotating with PyTorch matmuls around the kernel, with
-a second merge, took 45 us at batch 1 against 17 us in the kernel; prototypes kept unrotated, a second
-product per row against ``q R`` for the residuals, 161 us at batch 16 against 118 now. 32k, k=2048,
-Llama-8B shapes, on the H200.)
+no matrix is read and no kernel is launched for them. (32k, k=2048, Llama-8B shapes, on the H200:
+rotating with PyTorch matmuls around the kernel took 45 us at batch 1 against 17 in the kernel; with the
+prototypes unrotated and a second product per row against ``q R``, 157 us at batch 16 against 125 now, and
+at batch 1 16.8 against 20.6 now: the one program whose tile holds the newest block also transforms
+that tile, which may be what batch 1 waits for; not measured apart.)
 
 Loads that decide other loads' addresses run ahead: each tile's positions are read two tiles before it and
-its cluster ids one tile before, so a tile waits for one round trip to memory, not three.
+its cluster ids one tile before, so a tile waits for one round trip to memory, not three (161 against 146
+us at batch 16 with the unrotated prototypes, in a scratch comparison on the H200).
 """
 
 from __future__ import annotations
