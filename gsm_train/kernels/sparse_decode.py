@@ -18,7 +18,7 @@ values in the rotated basis and rotates the sum back (``R^T``) at the end of eac
 the newest block are rotated into that basis in the tiles that hold them. Each rotation is a fast
 Walsh-Hadamard transform with the rotation's signs (``R = diag(signs) H / sqrt(D)``, `hadamard_rotation`):
 no matrix is read and no kernel is launched for them. (32k, k=2048, Llama-8B shapes, on the H200:
-rotating with PyTorch matmuls around the kernel took 45 us at batch 1 against 17 in the kernel; with the
+rotating with PyTorch matmuls around the kernel took 45 us at batch 1 against 17 in the kernel (875c8bf); with the
 prototypes unrotated and a second product per row against ``q R``, 157 us at batch 16 against 125 now, and
 at batch 1 16.8 against 20.6 now: the one program whose tile holds the newest block also transforms
 that tile, which may be what batch 1 waits for; not measured apart.)
@@ -298,7 +298,7 @@ def fused_decode_attention(query: Tensor, k_store: KVStore, v_store: KVStore, in
     packed = k_store.packed_len > 0
     asq = k_store.asq
     k_bits, v_bits = (asq.quant_bits, v_store.asq.quant_bits) if packed else (8, 8)  # no codes read unpacked
-    rotated = packed and k_rotates  # residual codes in the rotated basis, K's and V's alike
+    rotated = packed and k_rotates  # prototypes and residual codes in the rotated basis, K's and V's alike
     q = query.reshape(batch, q_heads, dim).contiguous()
     index = index.contiguous()
     valid_arg = valid.to(torch.int8).contiguous() if valid is not None else index
@@ -311,9 +311,13 @@ def fused_decode_attention(query: Tensor, k_store: KVStore, v_store: KVStore, in
         return batch * kv_heads, math.ceil(selected / (meta["BLOCK_N"] * meta["TILES"]))
 
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # no device to time configurations on
-    kernel = _sparse_decode_kernel.fn if interpreted or config else _sparse_decode_kernel
+    kernel = _sparse_decode_kernel.fn if interpreted or config is not None else _sparse_decode_kernel
     fixed = {"BLOCK_N": 16, "TILES": 2} if interpreted else {}
     if config is not None:
+        rows = config.kwargs.get("BLOCK_N", 0) * config.kwargs.get("TILES", 0)
+        if rows < SMALLEST_CHUNK:  # the partial results are sized for programs of at least this many rows
+            raise ValueError(f"fused_decode_attention: config must take at least {SMALLEST_CHUNK} rows per program "
+                             f"(BLOCK_N x TILES), got {config}; pick one of decode_configs()")
         fixed = {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
     kernel[grid](
         # V's rotation signs are K's: both are hadamard_signs(D), D the one head size both stores are read at

@@ -4,8 +4,8 @@ Tokens are compressed causally in blocks of ``block_size`` along the sequence ax
 For each full block and KV head a small MLP softly assigns every token to one of
 ``cluster_num`` clusters; the prototypes are the assignment-weighted means of the
 block's own tokens. Each token stores its cluster id (uint8), its residual
-``x - prototype[id]`` quantized to 2/4/8 bits, and a per-token fp16 scale. The newest,
-incomplete block is kept uncompressed.
+``x - prototype[id]`` (of the rotated rows with ``rotate_residuals``, below) quantized to 2/4/8 bits,
+and a per-token fp16 scale. The newest, incomplete block is kept uncompressed.
 
 Every width uses a mid-rise grid, ``(code + 1/2) * scale`` with codes in ``[-2**(bits-1), 2**(bits-1) - 1]``:
 all 2**bits codes are levels and none is zero (see :func:`code_center`). At 4 and 8 bits
@@ -83,7 +83,7 @@ _SIGN_HASH = 0x9E3779B1  # Fibonacci hashing's multiplier: channel i's sign is t
 
 
 def hadamard_rotation(dim: int) -> Tensor:
-    """The orthonormal [dim, dim] rotation applied to residuals with `rotate_residuals`, in fp64 (callers
+    """The orthonormal [dim, dim] rotation applied to the rows with `rotate_residuals`, in fp64 (callers
     round it to the dtype they compute in): Sylvester's Hadamard matrix with row i negated where bit 31 of
     ``(i * 0x9E3779B1) mod 2**32`` is set, over sqrt(dim) (a randomized Hadamard transform, as QuaRot
     rotates KV caches, with fixed signs that any reader rebuilds from `dim` alone). `dim` must be a power
@@ -321,7 +321,7 @@ class PackedKV:
     tail: Tensor
     bits: int
     block_size: int
-    rotation: Tensor | None = None  # the compressor's residual rotation (`hadamard_rotation`), not stored bytes
+    rotation: Tensor | None = None  # the compressor's rotation (`hadamard_rotation`), not stored bytes
 
     @property
     def head_dim(self) -> int:
