@@ -82,7 +82,7 @@ class KVCompressionConfig(StrictModel):
     value_quant_bits: Literal[2, 4, 8] | None = None  # V's residual bits when they differ from K's
     block_size: int = Field(128, ge=1, le=65536)
     tau: float = Field(1.0, gt=0.0)
-    rotate_residuals: bool = False  # quantize residuals in a randomized Hadamard basis (head_dim a power of two)
+    rotate_residuals: bool = False  # prototypes and residuals in a randomized Hadamard basis (head_dim a power of two)
     # (K, V) residual bits of the layers named, in place of quant_bits / value_quant_bits there
     layer_bits: dict[int, tuple[Literal[2, 4, 8], Literal[2, 4, 8]]] = Field(default_factory=dict)
 

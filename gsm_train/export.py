@@ -31,8 +31,9 @@ from gsm_train.modules.injection import GSM_PARAM_MARKER
 
 FORMAT = "gsm-train-adapter"
 # 5: 4- and 8-bit ASQ residuals on the mid-rise grid (kv_compressor.code_center; before, a symmetric one);
-# 4: per-layer ASQ residual widths (kv_compression.layer_bits); 3: ASQ residuals in a rotated basis
-# (kv_compression.rotate_residuals); 2: 2-bit ASQ residuals on the mid-rise grid; 1: on the symmetric one
+# 4: per-layer ASQ residual widths (kv_compression.layer_bits); 3: ASQ residuals (and, since 0b1b96f, the
+# prototypes; the same up to fp16 rounding) in a rotated basis (kv_compression.rotate_residuals);
+# 2: 2-bit ASQ residuals on the mid-rise grid; 1: on the symmetric one
 FORMAT_VERSION = 5
 ADAPTER_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "gsm_config.json"

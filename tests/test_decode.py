@@ -219,6 +219,70 @@ def test_fused_kernel_equals_pytorch_path(bits: int | tuple[int, int] | str | No
                                rtol=0)
 
 
+def _attend_case(rotate: bool, dtype: torch.dtype, dim: int, groups: int, per_head: bool,
+                 with_valid: bool) -> tuple[tuple, Tensor]:
+    """Arguments of `fused_decode_attention` on CUDA (query, stores, index, valid, scaling) over 2,100 of
+    3,000 cached rows (rotated 4-bit K / 2-bit V ASQ, 2 clusters, blocks of 64, or plain 4-bit), and the
+    PyTorch path's output on the same rows in fp32."""
+    torch.manual_seed(0)
+    batch, kv_heads, length, selected = 2, 2, 3000, 2100
+    selections = kv_heads if per_head else 1
+    index = torch.stack([torch.randperm(length)[:selected] for _ in range(batch * selections)])
+    index = index.view(batch, selections, -1).cuda()
+    valid = torch.rand(batch, selections, selected, device="cuda") > 0.2 if with_valid else None
+    stores = [KVStore(ASQCompressor(kv_heads, dim, cluster_num=2, quant_bits=bits, block_size=64,
+                                    rotate_residuals=rotate).cuda(), kv_heads) for bits in (4, 2)]
+    for store in stores:
+        store.append(torch.randn(batch, kv_heads, length, dim, device="cuda", dtype=dtype))
+    query = torch.randn(batch, kv_heads * groups, 1, dim, device="cuda", dtype=dtype)
+    rows = index.expand(-1, kv_heads, -1)
+    expected = attend(query.float(), *(store.gather(rows).float() for store in stores),
+                      None if valid is None else valid.expand(-1, kv_heads, -1), 0.1)
+    return (query, *stores, index, valid, 0.1), expected
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs Triton with CUDA (each compiled configuration)")
+def test_every_autotuned_configuration_attends_alike() -> None:
+    """Every configuration the autotuner may pick gives the PyTorch path's output, over enough rows that each
+    takes several tiles and splits: the tests above check only the configuration picked for their shapes
+    (a 16 x 16-row, 2-warp configuration, tried on the H200 and not kept, gave errors of 0.3 in bf16). All
+    of them on the shipped recipe's path (bf16, rotated, one selection per layer, head_dim 128, 4 query
+    heads per KV head) and in fp32, rotated or not; each also on one of the other paths in turn (a valid
+    mask, a selection per KV head, SmolLM2's 64-dim heads in groups of 3, bf16 unrotated). bf16's bound is
+    about 5x the error of a PyTorch emulation of the kernel's roundings (6e-4 on outputs of mean size 0.03)."""
+    from gsm_train.kernels.sparse_decode import decode_configs, fused_decode_attention
+
+    cases = {"bf16 rotated": ((True, torch.bfloat16, 128, 4, False, False), 3e-3),
+             "fp32 unrotated": ((False, torch.float32, 128, 4, False, False), 2e-6),
+             "fp32 rotated": ((True, torch.float32, 128, 4, False, False), 2e-6)}
+    others = {"bf16 rotated, valid mask": ((True, torch.bfloat16, 128, 4, False, True), 3e-3),
+              "bf16 rotated, a selection per KV head": ((True, torch.bfloat16, 128, 4, True, False), 3e-3),
+              "fp32 rotated, 64-dim heads in groups of 3": ((True, torch.float32, 64, 3, False, False), 2e-6),
+              "bf16 unrotated": ((False, torch.bfloat16, 128, 4, False, False), 3e-3)}
+    built = {name: (_attend_case(*args), atol) for name, (args, atol) in {**cases, **others}.items()}
+    for number, config in enumerate(decode_configs()):
+        other = list(others)[number % len(others)]
+        for name in (*cases, other):
+            (args, expected), atol = built[name]
+            got = fused_decode_attention(*args, config=config)
+            torch.testing.assert_close(got.float(), expected, atol=atol, rtol=0,
+                                       msg=lambda m, c=config, n=name: f"{c} on {n}: {m}")
+
+
+def test_fused_kernel_refuses_a_configuration_its_buffers_do_not_hold() -> None:
+    """A configuration of fewer rows per program than the partial results are sized for is one clear error,
+    not writes past them."""
+    triton = pytest.importorskip("triton")
+    sparse_decode = pytest.importorskip("gsm_train.kernels.sparse_decode")
+    stores = [KVStore(ASQCompressor(2, 64, cluster_num=4, block_size=8), 2) for _ in range(2)]
+    for store in stores:
+        store.append(torch.randn(1, 2, 20, 64))
+    index = torch.zeros(1, 1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"at least 32 rows per program .* pick one of decode_configs"):
+        sparse_decode.fused_decode_attention(torch.zeros(1, 4, 1, 64), *stores, index, None, 0.125,
+                                             config=triton.Config({"BLOCK_N": 16, "TILES": 1}))
+
+
 def test_fused_kernel_refuses_stores_that_disagree_on_rotation() -> None:
     """K's and V's compressors both rotate their residuals or neither; a mismatch is one clear error, not a
     silently wrong output."""
@@ -252,8 +316,9 @@ def test_fused_cache_leaves_odd_head_sizes_to_pytorch() -> None:
 
 @pytest.mark.skipif(not KERNELS_RUN_HERE, reason="needs Triton with CUDA, or on CPU TRITON_INTERPRET=1")
 def test_fused_cache_decodes_rotated_residuals_as_teacher_forcing() -> None:
-    """With `rotate_residuals` the fused kernel takes the query into the residuals' basis for K's logits and
-    V's weighted residuals back out of it at the end of each split: the same logits as teacher forcing."""
+    """With `rotate_residuals` the store holds prototypes and residuals of the rotated rows, and the fused
+    kernel takes the query into that basis, the newest block's raw rows too, and V's weighted sum back out
+    of it at the end of each split: the same logits as teacher forcing."""
     model = _model("llama", CONFIGS["gate_asq_rotated"]).to(KERNEL_DEVICE)
     ids = _ids().to(KERNEL_DEVICE)
     with torch.no_grad():

@@ -12,13 +12,20 @@ context 32k, batch 16, k 2048, Llama-8B shapes.) A second small kernel merges th
 moved per selected token and KV head: about ``2 * (3 + D * bits / 8 + 2 * D)`` (K and V, the
 prototype row counted in full), against ``4 * D`` for a bf16 cache read densely.
 
-With rotated residuals (`kv_compression.rotate_residuals`) the same bytes are read: a key's logit is
-``proto . q + r . (q R)`` and the values' residuals are summed in the rotated basis in a second
-accumulator, rotated back (``R^T``) at the end of each program. Both rotations happen inside the kernel
-as a fast Walsh-Hadamard transform with the rotation's signs (``R = diag(signs) H / sqrt(D)``,
-`hadamard_rotation`): no matrix is read and no kernel is launched for them. (Rotating with PyTorch
-matmuls around the kernel, with a second merge, took 45 us at batch 1 against 17 us now; 32k, k=2048,
-Llama-8B shapes, on the H200.)
+With rotated residuals (`kv_compression.rotate_residuals`) the store holds prototypes and residuals of
+the rotated rows (``k R``), so the kernel rotates the query once (``(k R) . (q R) = k . q``), sums the
+values in the rotated basis and rotates the sum back (``R^T``) at the end of each program; raw rows of
+the newest block are rotated into that basis in the tiles that hold them. Each rotation is a fast
+Walsh-Hadamard transform with the rotation's signs (``R = diag(signs) H / sqrt(D)``, `hadamard_rotation`):
+no matrix is read and no kernel is launched for them. (32k, k=2048, Llama-8B shapes, on the H200:
+rotating with PyTorch matmuls around the kernel took 45 us at batch 1 against 17 in the kernel (875c8bf); with the
+prototypes unrotated and a second product per row against ``q R``, 157 us at batch 16 against 125 now, and
+at batch 1 16.8 against 20.6 now: the one program whose tile holds the newest block also transforms
+that tile, which may be what batch 1 waits for; not measured apart.)
+
+Loads that decide other loads' addresses run ahead: each tile's positions are read two tiles before it and
+its cluster ids one tile before, so a tile waits for one round trip to memory, not three (161 against 146
+us at batch 16 with the unrotated prototypes, in a scratch comparison on the H200).
 """
 
 from __future__ import annotations
@@ -60,12 +67,27 @@ if triton is not None:
         return codes.to(tl.float32) - CENTER
 
     @triton.jit
-    def _packed_parts(ids_ptr, res_ptr, scale_ptr, proto_ptr, bh, pos, in_packed, packed_len, n_blocks, dims,
+    def _tile_positions(index_ptr, valid_ptr, row_start, offs, hi, HAS_VALID: tl.constexpr):
+        """The selected positions at `offs` of a selection row (from `row_start`) and which are live: within
+        the program's share (below `hi`) and, with HAS_VALID, marked valid."""
+        live = offs < hi
+        pos = tl.load(index_ptr + row_start + offs, mask=live, other=0)
+        if HAS_VALID:
+            live = live & (tl.load(valid_ptr + row_start + offs, mask=live, other=0) != 0)
+        return pos, live
+
+    @triton.jit
+    def _cluster_ids(ids_ptr, bh, pos, live, packed_len):
+        """The prototype ids (int32) of the packed rows at `pos` (0 elsewhere)."""
+        in_packed = live & (pos < packed_len)
+        return tl.load(ids_ptr + bh * packed_len + pos, mask=in_packed, other=0).to(tl.int32)
+
+    @triton.jit
+    def _packed_parts(cluster, res_ptr, scale_ptr, proto_ptr, bh, pos, in_packed, packed_len, n_blocks, dims,
                       D: tl.constexpr, BITS: tl.constexpr, C: tl.constexpr, TOKENS_PER_BLOCK: tl.constexpr):
-        """What the store holds for the packed rows at `pos` (zeros elsewhere): prototype rows [N, D],
-        residual bytes [N, D * BITS / 8] (read whole) and scales [N]."""
+        """What the store holds for the packed rows at `pos` with prototype ids `cluster` (zeros elsewhere):
+        prototype rows [N, D], residual bytes [N, D * BITS / 8] (read whole) and scales [N]."""
         flat = bh * packed_len + pos
-        cluster = tl.load(ids_ptr + flat, mask=in_packed, other=0).to(tl.int32)
         NBYTES: tl.constexpr = D * BITS // 8
         byte = tl.load(res_ptr + flat[:, None] * NBYTES + tl.arange(0, NBYTES)[None, :], mask=in_packed[:, None],
                        other=0)
@@ -73,29 +95,6 @@ if triton is not None:
         proto_row = (bh * n_blocks + pos // TOKENS_PER_BLOCK) * C + cluster
         proto = tl.load(proto_ptr + proto_row[:, None] * D + dims[None, :], mask=in_packed[:, None], other=0.0)
         return proto, byte, scale
-
-    @triton.jit
-    def _dequant_rows(proto, byte, scale, in_packed, tail_ptr, bh, pos, live, packed_len, tail_len, dims,
-                      D: tl.constexpr, BITS: tl.constexpr, CENTER: tl.constexpr, PACKED: tl.constexpr,
-                      ROTATED: tl.constexpr):
-        """Rows [N, D] (fp32) at `pos`: packed rows rebuilt from `_packed_parts`, rows of the raw newest
-        block read from the tail (only when the tile holds one), and the packed rows' residuals (zero
-        elsewhere). With ROTATED the rows hold only the prototypes (or raw rows) and the residuals, in the
-        rotated basis, are multiplied apart by the caller; else the rows include them."""
-        rows = tl.zeros([pos.shape[0], D], tl.float32)
-        residual = rows  # zero outside packed rows: their scale loads as 0
-        if PACKED:
-            residual = _unpacked_levels(byte.to(tl.int32), BITS, CENTER) * scale.to(tl.float32)[:, None]
-            if ROTATED:
-                rows = tl.where(in_packed[:, None], proto.to(tl.float32), 0.0)
-            else:
-                rows = tl.where(in_packed[:, None], proto.to(tl.float32) + residual, 0.0)
-        in_tail = live & (pos >= packed_len)
-        if tl.max(in_tail.to(tl.int32), 0) > 0:
-            raw = tl.load(tail_ptr + (bh * tail_len + (pos - packed_len))[:, None] * D + dims[None, :],
-                          mask=in_tail[:, None], other=0.0)
-            rows = tl.where(in_tail[:, None], raw.to(tl.float32), rows)
-        return rows, residual
 
     @triton.jit
     def _walsh_hadamard(x, ROWS: tl.constexpr, D: tl.constexpr, LOG_D: tl.constexpr):
@@ -106,6 +105,27 @@ if triton is not None:
             low, high = tl.split(pairs)
             x = tl.reshape(tl.permute(tl.join(low + high, low - high), (0, 1, 3, 2)), [ROWS, D])
         return x * tl.rsqrt(tl.full([1, 1], D, tl.float32))
+
+    @triton.jit
+    def _dequant_rows(proto, byte, scale, in_packed, tail_ptr, bh, pos, live, packed_len, tail_len, dims, signs,
+                      D: tl.constexpr, LOG_D: tl.constexpr, BITS: tl.constexpr, CENTER: tl.constexpr,
+                      PACKED: tl.constexpr, ROTATED: tl.constexpr, DTYPE: tl.constexpr):
+        """Rows [N, D] (DTYPE) at `pos`: packed rows rebuilt from `_packed_parts` (prototype + residual), rows
+        of the raw newest block read from the tail (only when the tile holds one), zeros elsewhere. With
+        ROTATED the packed rows are in the rotated basis and the raw ones are rotated into it here
+        (``raw R``, a Walsh-Hadamard transform of ``raw * signs``)."""
+        rows = tl.zeros([pos.shape[0], D], DTYPE)
+        if PACKED:
+            residual = _unpacked_levels(byte.to(tl.int32), BITS, CENTER) * scale.to(tl.float32)[:, None]
+            rows = tl.where(in_packed[:, None], proto.to(tl.float32) + residual, 0.0).to(DTYPE)
+        in_tail = live & (pos >= packed_len)
+        if tl.max(in_tail.to(tl.int32), 0) > 0:
+            raw = tl.load(tail_ptr + (bh * tail_len + (pos - packed_len))[:, None] * D + dims[None, :],
+                          mask=in_tail[:, None], other=0.0).to(tl.float32)
+            if ROTATED:
+                raw = _walsh_hadamard(raw * signs[None, :], pos.shape[0], D, LOG_D)
+            rows = tl.where(in_tail[:, None], raw.to(DTYPE), rows)
+        return rows
 
     # Gathers of scattered rows are latency-bound: how many rows a program takes (BLOCK_N x TILES), how many
     # warps it runs and how deep Triton pipelines its loop trade parallelism against per-program overhead;
@@ -138,53 +158,58 @@ if triton is not None:
         heads = tl.arange(0, GP)
         dims = tl.arange(0, D)
         q = tl.load(q_ptr + ((bh * G + heads) * D)[:, None] + dims[None, :], mask=(heads < G)[:, None], other=0.0)
+        signs = tl.full([D], 1.0, tl.float32)
+        if ROTATED:  # rows in the rotated basis: the query too. R = diag(signs) H / sqrt(D) (`hadamard_rotation`),
+            signs = tl.load(signs_ptr + dims).to(tl.float32)  # so q R = ((q * signs) H) / sqrt(D)
+            q = _walsh_hadamard(q.to(tl.float32) * signs[None, :], GP, D, LOG_D).to(q_ptr.dtype.element_ty)
         q_t = tl.trans(q)  # [D, GP]: the tile's rows stay [BLOCK_N, D], as read
-        q_rotated_t = q_t  # with ROTATED: the query in the residuals' rotated basis (q R), for their logits
-        if ROTATED:  # R = diag(signs) H / sqrt(D) (`hadamard_rotation`): q R = ((q * signs) H) / sqrt(D)
-            signs = tl.load(signs_ptr + dims).to(tl.float32)
-            q_rotated = _walsh_hadamard(q.to(tl.float32) * signs[None, :], GP, D, LOG_D)
-            q_rotated_t = tl.trans(q_rotated.to(q.dtype))
         m_i = tl.full([GP], -1.0e30, tl.float32)
         l_i = tl.zeros([GP], tl.float32)
-        acc = tl.zeros([GP, D], tl.float32)
-        acc_rotated = tl.zeros([GP, D], tl.float32)  # with ROTATED: the weighted sum of V's rotated residuals
+        acc = tl.zeros([GP, D], tl.float32)  # with ROTATED, in the rotated basis until the end
         lo = split * BLOCK_N * TILES
         hi = tl.minimum(lo + BLOCK_N * TILES, selected)
+        # Each tile's reads depend on its positions, and its prototype rows on its ids: positions are read two
+        # tiles ahead and ids one, so a tile waits for one round trip to memory, not three.
+        row_start = selection_row * selected
+        offs = lo + tl.arange(0, BLOCK_N)
+        pos, live = _tile_positions(index_ptr, valid_ptr, row_start, offs, hi, HAS_VALID)
+        next_pos, next_live = _tile_positions(index_ptr, valid_ptr, row_start, offs + BLOCK_N, hi, HAS_VALID)
+        k_cluster, v_cluster = pos, pos
+        if PACKED:
+            k_cluster = _cluster_ids(k_ids, bh, pos, live, packed_len)
+            v_cluster = _cluster_ids(v_ids, bh, pos, live, packed_len)
         for start in range(0, BLOCK_N * TILES, BLOCK_N):
-            offs = lo + start + tl.arange(0, BLOCK_N)
-            live = offs < hi
-            pos = tl.load(index_ptr + selection_row * selected + offs, mask=live, other=0)
-            if HAS_VALID:
-                live = live & (tl.load(valid_ptr + selection_row * selected + offs, mask=live, other=0) != 0)
             in_packed = live & (pos < packed_len)
             if PACKED:  # every load of the tile is issued before any of it is used
-                k_proto, k_byte, k_scale = _packed_parts(k_ids, k_res, k_scales, k_protos, bh, pos, in_packed,
+                k_proto, k_byte, k_scale = _packed_parts(k_cluster, k_res, k_scales, k_protos, bh, pos, in_packed,
                                                          packed_len, n_blocks, dims, D, K_BITS, C, TOKENS_PER_BLOCK)
-                v_proto, v_byte, v_scale = _packed_parts(v_ids, v_res, v_scales, v_protos, bh, pos, in_packed,
+                v_proto, v_byte, v_scale = _packed_parts(v_cluster, v_res, v_scales, v_protos, bh, pos, in_packed,
                                                          packed_len, n_blocks, dims, D, V_BITS, C, TOKENS_PER_BLOCK)
+                next_k_cluster = _cluster_ids(k_ids, bh, next_pos, next_live, packed_len)
+                next_v_cluster = _cluster_ids(v_ids, bh, next_pos, next_live, packed_len)
             else:
                 k_proto, k_byte, k_scale = pos, pos, pos
                 v_proto, v_byte, v_scale = pos, pos, pos
-            keys, key_residuals = _dequant_rows(k_proto, k_byte, k_scale, in_packed, k_tail, bh, pos, live,
-                                                packed_len, tail_len, dims, D, K_BITS, K_CENTER, PACKED, ROTATED)
-            logits = tl.dot(keys.to(q.dtype), q_t, input_precision=PRECISION)  # [BLOCK_N, GP]
-            if ROTATED:  # (p + r R^T) . q = p . q + r . (q R)
-                logits += tl.dot(key_residuals.to(q.dtype), q_rotated_t, input_precision=PRECISION)
+                next_k_cluster, next_v_cluster = pos, pos
+            after_pos, after_live = _tile_positions(index_ptr, valid_ptr, row_start, offs + start + 2 * BLOCK_N, hi,
+                                                    HAS_VALID)
+            keys = _dequant_rows(k_proto, k_byte, k_scale, in_packed, k_tail, bh, pos, live, packed_len, tail_len,
+                                 dims, signs, D, LOG_D, K_BITS, K_CENTER, PACKED, ROTATED, q.dtype)
+            logits = tl.dot(keys, q_t, input_precision=PRECISION)  # [BLOCK_N, GP]; (k R) . (q R) = k . q
             logits = logits * scaling
             logits = tl.where(live[:, None], logits, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(logits, 0))
             alpha = tl.exp(m_i - m_new)
             p = tl.trans(tl.exp(logits - m_new[None, :]))
-            values, value_residuals = _dequant_rows(v_proto, v_byte, v_scale, in_packed, v_tail, bh, pos, live,
-                                                    packed_len, tail_len, dims, D, V_BITS, V_CENTER, PACKED, ROTATED)
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), values.to(q.dtype), input_precision=PRECISION)
-            if ROTATED:  # rotated back once, after the tiles
-                acc_rotated = acc_rotated * alpha[:, None] + tl.dot(p.to(q.dtype), value_residuals.to(q.dtype),
-                                                                    input_precision=PRECISION)
+            values = _dequant_rows(v_proto, v_byte, v_scale, in_packed, v_tail, bh, pos, live, packed_len, tail_len,
+                                   dims, signs, D, LOG_D, V_BITS, V_CENTER, PACKED, ROTATED, q.dtype)
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), values, input_precision=PRECISION)
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
-        if ROTATED:  # acc_rotated R^T = signs * (acc_rotated H) / sqrt(D), in fp32
-            acc += signs[None, :] * _walsh_hadamard(acc_rotated, GP, D, LOG_D)
+            pos, live, next_pos, next_live = next_pos, next_live, after_pos, after_live
+            k_cluster, v_cluster = next_k_cluster, next_v_cluster
+        if ROTATED:  # back from the rotated basis: acc R^T = signs * (acc H) / sqrt(D), in fp32
+            acc = signs[None, :] * _walsh_hadamard(acc, GP, D, LOG_D)
         part = (bh * splits + split) * G + heads  # the group's real heads only, not the dot's padding
         real = heads < G
         tl.store(acc_ptr + (part * D)[:, None] + dims[None, :], acc, mask=real[:, None])
@@ -257,9 +282,10 @@ def _store_args(store: KVStore, like: Tensor) -> tuple[Tensor, ...]:
 
 
 def fused_decode_attention(query: Tensor, k_store: KVStore, v_store: KVStore, index: Tensor, valid: Tensor | None,
-                           scaling: float) -> Tensor:
+                           scaling: float, config: triton.Config | None = None) -> Tensor:
     """Attention of query [B, Hq, 1, D] over the rows `index` [B, n, k] of the stores (n = 1: one selection
-    for all KV heads; n = Hkv: one per KV head; `valid` alike or None) -> [B, 1, Hq, D]."""
+    for all KV heads; n = Hkv: one per KV head; `valid` alike or None) -> [B, 1, Hq, D]. `config`: one of
+    the kernel's autotuned configurations (`decode_configs()`) to run instead of the autotuner's pick."""
     k_rotates, v_rotates = (store.asq is not None and store.asq.rotate_residuals for store in (k_store, v_store))
     if k_rotates != v_rotates:
         raise ValueError(f"k_store and v_store must both rotate residuals or neither (got {k_rotates} and "
@@ -272,7 +298,7 @@ def fused_decode_attention(query: Tensor, k_store: KVStore, v_store: KVStore, in
     packed = k_store.packed_len > 0
     asq = k_store.asq
     k_bits, v_bits = (asq.quant_bits, v_store.asq.quant_bits) if packed else (8, 8)  # no codes read unpacked
-    rotated = packed and k_rotates  # residual codes in the rotated basis, K's and V's alike
+    rotated = packed and k_rotates  # prototypes and residual codes in the rotated basis, K's and V's alike
     q = query.reshape(batch, q_heads, dim).contiguous()
     index = index.contiguous()
     valid_arg = valid.to(torch.int8).contiguous() if valid is not None else index
@@ -285,8 +311,14 @@ def fused_decode_attention(query: Tensor, k_store: KVStore, v_store: KVStore, in
         return batch * kv_heads, math.ceil(selected / (meta["BLOCK_N"] * meta["TILES"]))
 
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # no device to time configurations on
-    kernel = _sparse_decode_kernel.fn if interpreted else _sparse_decode_kernel
+    kernel = _sparse_decode_kernel.fn if interpreted or config is not None else _sparse_decode_kernel
     fixed = {"BLOCK_N": 16, "TILES": 2} if interpreted else {}
+    if config is not None:
+        rows = config.kwargs.get("BLOCK_N", 0) * config.kwargs.get("TILES", 0)
+        if rows < SMALLEST_CHUNK:  # the partial results are sized for programs of at least this many rows
+            raise ValueError(f"fused_decode_attention: config must take at least {SMALLEST_CHUNK} rows per program "
+                             f"(BLOCK_N x TILES), got {config}; pick one of decode_configs()")
+        fixed = {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
     kernel[grid](
         # V's rotation signs are K's: both are hadamard_signs(D), D the one head size both stores are read at
         q, asq.rotation_signs if rotated else q, index, valid_arg, *_store_args(k_store, index),
@@ -304,6 +336,12 @@ def fused_decode_attention(query: Tensor, k_store: KVStore, v_store: KVStore, in
     _merge_splits_kernel[(batch * q_heads,)](acc, maxes, sums, out, splits, G=groups, D=dim,
                                              SPLIT_BLOCK=min(64, triton.next_power_of_2(splits)))
     return out.reshape(batch, 1, q_heads, dim)
+
+
+def decode_configs() -> list[triton.Config]:
+    """The fused decode kernel's autotuned configurations (rows per tile and tiles per program, warps,
+    pipeline stages)."""
+    return list(_sparse_decode_kernel.configs)
 
 
 def gate_scores(gate_q: Tensor, gate_keys: Tensor, key_scales: Tensor | None) -> Tensor:

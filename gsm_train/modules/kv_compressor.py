@@ -4,8 +4,8 @@ Tokens are compressed causally in blocks of ``block_size`` along the sequence ax
 For each full block and KV head a small MLP softly assigns every token to one of
 ``cluster_num`` clusters; the prototypes are the assignment-weighted means of the
 block's own tokens. Each token stores its cluster id (uint8), its residual
-``x - prototype[id]`` quantized to 2/4/8 bits, and a per-token fp16 scale. The newest,
-incomplete block is kept uncompressed.
+``x - prototype[id]`` (of the rotated rows with ``rotate_residuals``, below) quantized to 2/4/8 bits,
+and a per-token fp16 scale. The newest, incomplete block is kept uncompressed.
 
 Every width uses a mid-rise grid, ``(code + 1/2) * scale`` with codes in ``[-2**(bits-1), 2**(bits-1) - 1]``:
 all 2**bits codes are levels and none is zero (see :func:`code_center`). At 4 and 8 bits
@@ -16,6 +16,13 @@ SmolLM2's keys and values a symmetric 2-bit grid left 1.9x and 2.1x the error of
 grid was symmetric (``code * absmax / 7``, codes in ``[-7, 7]``, one code unused) up to export format 4;
 with rotated residuals the 16-level grid costs SmolLM2 +0.023 nats training-free against +0.033 before
 (benchmarks/results/residual_quantizers.json, docs/design-decisions.md).
+
+With ``rotate_residuals`` the block's rows are rotated (``x @ R``, a randomized Hadamard
+`hadamard_rotation`) before the prototypes are averaged and the residuals taken: prototypes and residual
+codes are both of the rotated rows and a reader adds them in that basis, rotating the sum back once
+(``x_hat = (prototype[id] + residual) @ R.T``). The assignment MLP still reads the rows unrotated; since R
+is orthogonal, the rotated prototypes are the plain ones rotated, up to their float16 rounding. A decode
+kernel then needs one product per row, against the rotated query (docs/design-decisions.md).
 
 Prototypes and scales are stored in float16 and the fake-quant path rounds them
 the same way, so eval ``forward(x)`` equals ``decompress(compress(x))``.
@@ -76,7 +83,7 @@ _SIGN_HASH = 0x9E3779B1  # Fibonacci hashing's multiplier: channel i's sign is t
 
 
 def hadamard_rotation(dim: int) -> Tensor:
-    """The orthonormal [dim, dim] rotation applied to residuals with `rotate_residuals`, in fp64 (callers
+    """The orthonormal [dim, dim] rotation applied to the rows with `rotate_residuals`, in fp64 (callers
     round it to the dtype they compute in): Sylvester's Hadamard matrix with row i negated where bit 31 of
     ``(i * 0x9E3779B1) mod 2**32`` is set, over sqrt(dim) (a randomized Hadamard transform, as QuaRot
     rotates KV caches, with fixed signs that any reader rebuilds from `dim` alone). `dim` must be a power
@@ -95,14 +102,14 @@ def hadamard_signs(dim: int) -> Tensor:
                         dtype=torch.float64)
 
 
-def _rotated(residual: Tensor, rotation: Tensor | None) -> Tensor:
-    """Residuals [..., D] in the rotated basis (``residual @ rotation``), or as they are without a rotation."""
-    return residual if rotation is None else residual @ rotation.to(residual.dtype)
+def _rotated(rows: Tensor, rotation: Tensor | None) -> Tensor:
+    """Rows [..., D] in the rotated basis (``rows @ rotation``), or as they are without a rotation."""
+    return rows if rotation is None else rows @ rotation.to(rows.dtype)
 
 
-def _unrotated(residual: Tensor, rotation: Tensor | None) -> Tensor:
-    """Rotated residuals [..., D] back in the channels' basis (``residual @ rotation.T``)."""
-    return residual if rotation is None else residual @ rotation.to(residual.dtype).T
+def _unrotated(rows: Tensor, rotation: Tensor | None) -> Tensor:
+    """Rotated rows [..., D] back in the channels' basis (``rows @ rotation.T``)."""
+    return rows if rotation is None else rows @ rotation.to(rows.dtype).T
 
 
 def _round_ste(x: Tensor) -> Tensor:
@@ -301,10 +308,10 @@ class PackedKV:
     """Packed ASQ storage of a [B, H, S, D] tensor.
 
     ``ids`` uint8 [B, H, F]; ``residual`` uint8 [B, H, F, ceil(D*bits/8)] (codes ``level +
-    code_center(bits)``, ``8 // bits`` per byte; of the rotated residual when ``rotation`` is set);
-    ``scales`` float16 [B, H, F]; ``prototypes`` float16
+    code_center(bits)``, ``8 // bits`` per byte); ``scales`` float16 [B, H, F]; ``prototypes`` float16
     [B, H, F // block_size, C, D]; ``tail`` the uncompressed last ``S - F`` tokens in the
-    input dtype. ``F`` is the number of tokens in full blocks.
+    input dtype. ``F`` is the number of tokens in full blocks. With ``rotation`` set, prototypes and
+    residuals are of the rotated rows: a row is ``(prototype + residual) @ rotation.T``.
     """
 
     ids: Tensor
@@ -314,7 +321,7 @@ class PackedKV:
     tail: Tensor
     bits: int
     block_size: int
-    rotation: Tensor | None = None  # the compressor's residual rotation (`hadamard_rotation`), not stored bytes
+    rotation: Tensor | None = None  # the compressor's rotation (`hadamard_rotation`), not stored bytes
 
     @property
     def head_dim(self) -> int:
@@ -335,16 +342,16 @@ class _Encoded:
     """Intermediate results of encoding the full blocks (all fp32, [B, H, n, bs, ...])."""
 
     probs: Tensor  # [B, H, n, bs, C]
-    weighted: Tensor  # [B, H, n, C, D]: sum over the block of probs * x
+    weighted: Tensor  # [B, H, n, C, D]: sum over the block of probs * x (x @ rotation with a rotation)
     mass: Tensor  # [B, H, n, C]: sum over the block of probs
     prototypes: Tensor  # [B, H, n, C, D], fp16-rounded weighted / mass
     ids: Tensor  # [B, H, n, bs] int64
     q: Tensor  # [B, H, n, bs, D] levels in units of the scale (see `_quantize`)
     scale: Tensor  # [B, H, n, bs, 1] fp16-rounded
-    rotation: Tensor | None = None  # the residuals' rotation (q and scale are of the rotated residual)
+    rotation: Tensor | None = None  # the rows' rotation (prototypes, q and scale are of the rotated rows)
 
     def reconstruct(self) -> Tensor:
-        return _gather_prototypes(self.prototypes, self.ids) + _unrotated(self.q * self.scale, self.rotation)
+        return _unrotated(_gather_prototypes(self.prototypes, self.ids) + self.q * self.scale, self.rotation)
 
 
 def _gather_prototypes(prototypes: Tensor, ids: Tensor) -> Tensor:
@@ -381,15 +388,16 @@ def _quantize_groups(x: Tensor, bits: tuple[int, ...]) -> tuple[Tensor, Tensor]:
 
 def _encode_blocks(blocks: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, tau: float,
                    bits: int | tuple[int, ...], rotation: Tensor | None = None) -> _Encoded:
-    """Cluster, build prototypes and quantize residuals of blocks [B, H, n, bs, D] (`compute_dtype`), the
-    residuals in the basis of `rotation` when there is one; `bits` a width, or one per group of heads
-    side by side (`_quantize_groups`)."""
+    """Cluster, build prototypes and quantize residuals of blocks [B, H, n, bs, D] (`compute_dtype`), both
+    of the rotated blocks (``blocks @ rotation``) when there is a rotation (the assignment reads the blocks
+    as they are); `bits` a width, or one per group of heads side by side (`_quantize_groups`)."""
     probs = _soft_assignment(blocks, w1, b1, w2, b2, tau)
-    weighted = torch.matmul(probs.transpose(-1, -2), blocks)
+    rows = _rotated(blocks, rotation)
+    weighted = torch.matmul(probs.transpose(-1, -2), rows)
     mass = probs.sum(dim=3)
     prototypes = _to_store(weighted / (mass.unsqueeze(-1) + _EPS))
     ids = probs.argmax(dim=-1)
-    residual = _rotated(blocks - _gather_prototypes(prototypes, ids), rotation)
+    residual = rows - _gather_prototypes(prototypes, ids)
     q, scale = _quantize_groups(residual, (bits,) if isinstance(bits, int) else bits)
     return _Encoded(probs, weighted, mass, prototypes, ids, q, scale, rotation)
 
@@ -406,6 +414,7 @@ def _distortion(enc: _Encoded | None, blocks: Tensor, groups: int = 1) -> Tensor
         return x.sum(dim=[axis for axis in range(x.dim()) if axis != 1]).view(groups, -1).sum(-1)
 
     # sum_t sum_c p_tc ||x_t - m_c||^2 = sum ||x||^2 - 2 sum_c <sum_t p_tc x_t, m_c> + sum_c (sum_t p_tc) ||m_c||^2
+    # (with a rotation x_t and m_c are rotated; ||x||^2 and the variance below are the same in either basis)
     protos = enc.prototypes
     energy = group_sums(blocks.pow(2))
     distortion = energy - 2 * group_sums(enc.weighted * protos) + group_sums(enc.mass * protos.pow(2).sum(-1))
@@ -664,7 +673,7 @@ class ASQCompressor(nn.Module):
         dtype = compute_dtype(packed.tail)
         q = _unpack(packed.residual, packed.bits, d, dtype).reshape(b, h, n, packed.block_size, d)
         scale = packed.scales.to(dtype).reshape(b, h, n, packed.block_size, 1)
-        x_hat = _gather_prototypes(packed.prototypes.to(dtype), ids) + _unrotated(q * scale, packed.rotation)
+        x_hat = _unrotated(_gather_prototypes(packed.prototypes.to(dtype), ids) + q * scale, packed.rotation)
         return _join_blocks(x_hat, packed.tail)
 
     def byte_account(self, seq_len: int, batch_size: int = 1, tail_bytes: int = 2) -> dict[str, float]:

@@ -74,7 +74,7 @@ class KVStore:
         b, h, n_blocks, clusters, _ = self.prototypes.shape
         flat = self.prototypes.reshape(b, h, n_blocks * clusters, dim)
         protos = torch.gather(flat, 2, (block * clusters + ids).unsqueeze(-1).expand(*at.shape, dim)).to(dtype)
-        packed_rows = (protos + _unrotated(codes * scales, self.asq.rotation)).to(rows.dtype)
+        packed_rows = _unrotated(protos + codes * scales, self.asq.rotation).to(rows.dtype)
         return torch.where((index < packed_len).unsqueeze(-1), packed_rows, rows)
 
     def all_rows(self) -> Tensor:
