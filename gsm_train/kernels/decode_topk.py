@@ -24,9 +24,9 @@ with them which of the tied keys are taken). NaN ranks above +inf, as in ``torch
 Why CUDA and not Triton: a radix select wants blocks with shared-memory atomics and block-wide scans
 over a row held on chip; five Triton designs were slower than ``torch.topk`` (docs/design-decisions.md).
 NVRTC ships with PyTorch's CUDA wheels (``torch.cuda._compile_kernel``), so no compiler is needed.
-On the H200, in CUDA graphs (one launch per graph), rows of 32k scores, k=2048: 1 row 13.7 us (4 blocks
-per row; 18.9 in one block) against 45.8 for ``torch.topk``; 16 rows 16.2 (4 blocks; 22.5) against 52.5;
-128 rows 23.2 (one block) against 100.6 (the full table: docs/design-decisions.md).
+On the H200, in CUDA graphs (one launch per graph), rows of 32k scores, k=2048: 1 row 13.7 us (8 blocks
+per row as chosen, 4 as fast; 18.9 in one block) against 45.8 for ``torch.topk``; 16 rows 16.2 (4 blocks;
+22.5) against 52.5; 128 rows 23.2 (one block) against 100.6 (the full table: docs/design-decisions.md).
 """
 
 from __future__ import annotations
