@@ -419,6 +419,17 @@ def row_fits(length: int, device: torch.device) -> bool:
     return _launcher(device).fits(length)
 
 
+def blocks_per_row_options(length: int, device: torch.device) -> tuple[int, ...]:
+    """The blocks-per-row sizes (`CLUSTER_SIZES`) this GPU runs whose blocks hold a row of `length` scores."""
+    launcher = _launcher(device)
+    return tuple(size for size in launcher.cluster_sizes if launcher.holds(size, length))
+
+
+def chosen_blocks_per_row(rows: int, length: int, device: torch.device) -> int:
+    """The blocks per row `decode_topk` takes for `rows` rows of `length` scores when not told."""
+    return _launcher(device).blocks_per_row(rows, length)
+
+
 def decode_topk(scores: Tensor, k: int, out: Tensor | None = None, blocks_per_row: int | None = None) -> Tensor:
     """Positions [..., k] (int64, unordered) of the k largest of `scores` [..., S] (fp32, CUDA, S within
     `row_fits`) along the last dimension, 1 <= k <= S: the same set as ``scores.topk(k, sorted=False).indices``
