@@ -335,6 +335,10 @@ class _Launcher:
         """Whether `cluster` blocks (a size this GPU runs) hold a row of `length` scores in shared memory."""
         return cluster in self._compiled and self._shared_bytes(cluster, length) <= self.shared_limit
 
+    def sizes_holding(self, length: int) -> tuple[int, ...]:
+        """The sizes this GPU runs whose blocks hold a row of `length` scores."""
+        return tuple(size for size in self.cluster_sizes if self.holds(size, length))
+
     def fits(self, length: int) -> bool:
         """Whether a row of `length` scores fits the shared memory of the most blocks a row may take (on the
         H200 53,952 scores in one block, 398,848 in a cluster of 8)."""
@@ -344,7 +348,7 @@ class _Launcher:
         """`fastest_blocks_per_row` among the sizes whose blocks hold the row, for this GPU's capacities."""
         choice = self._choice.get((rows, length))
         if choice is None:
-            capacity = {size: self._capacity[size] for size in self.cluster_sizes if self.holds(size, length)}
+            capacity = {size: self._capacity[size] for size in self.sizes_holding(length)}
             choice = self._choice[rows, length] = fastest_blocks_per_row(rows, length, capacity)
         return choice
 
@@ -381,9 +385,13 @@ def cuda_topk_available() -> bool:
     return torch.cuda.is_available() and hasattr(torch.cuda, "_compile_kernel") and not _compile_failure
 
 
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _launcher(device: torch.device) -> _Launcher:
     """The kernel for `device`, compiled on first use."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _device_index(device)
     if index not in _launchers:
         _launchers[index] = _Launcher(index)
     return _launchers[index]
@@ -394,7 +402,7 @@ def _ready_launcher(device: torch.device) -> _Launcher | None:
     driver or this PyTorch refused it (said once in a warning; torch.topk serves from then on)."""
     if device.type != "cuda" or _compile_failure:
         return None
-    launcher = _launchers.get(device.index if device.index is not None else torch.cuda.current_device())
+    launcher = _launchers.get(_device_index(device))
     if launcher is not None:
         return launcher
     if not cuda_topk_available():
@@ -421,8 +429,7 @@ def row_fits(length: int, device: torch.device) -> bool:
 
 def blocks_per_row_options(length: int, device: torch.device) -> tuple[int, ...]:
     """The blocks-per-row sizes (`CLUSTER_SIZES`) this GPU runs whose blocks hold a row of `length` scores."""
-    launcher = _launcher(device)
-    return tuple(size for size in launcher.cluster_sizes if launcher.holds(size, length))
+    return _launcher(device).sizes_holding(length)
 
 
 def chosen_blocks_per_row(rows: int, length: int, device: torch.device) -> int:

@@ -310,15 +310,16 @@ def fused_decode_attention(query: Tensor, k_store: KVStore, v_store: KVStore, in
     def grid(meta: dict) -> tuple[int, int]:
         return batch * kv_heads, math.ceil(selected / (meta["BLOCK_N"] * meta["TILES"]))
 
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # no device to time configurations on
-    kernel = _sparse_decode_kernel.fn if interpreted or config is not None else _sparse_decode_kernel
-    fixed = {"BLOCK_N": 16, "TILES": 2} if interpreted else {}
+    if config is None and os.environ.get("TRITON_INTERPRET") == "1":  # no device to time configurations on
+        config = triton.Config({"BLOCK_N": 16, "TILES": 2})
+    kernel, fixed = _sparse_decode_kernel, {}
     if config is not None:
         rows = config.kwargs.get("BLOCK_N", 0) * config.kwargs.get("TILES", 0)
         if rows < SMALLEST_CHUNK:  # the partial results are sized for programs of at least this many rows
             raise ValueError(f"fused_decode_attention: config must take at least {SMALLEST_CHUNK} rows per program "
                              f"(BLOCK_N x TILES), got {config}; pick one of decode_configs()")
-        fixed = {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+        kernel, fixed = _sparse_decode_kernel.fn, {**config.kwargs, "num_warps": config.num_warps,
+                                                   "num_stages": config.num_stages}
     kernel[grid](
         # V's rotation signs are K's: both are hadamard_signs(D), D the one head size both stores are read at
         q, asq.rotation_signs if rotated else q, index, valid_arg, *_store_args(k_store, index),
