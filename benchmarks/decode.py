@@ -50,7 +50,7 @@ H200_BYTES_PER_S = 4.8e12
 MODULE_SEED = 0  # seeds the untrained GSM modules of the end-to-end and agreement parts (no --adapter)
 
 
-def _filled_store(asq: ASQCompressor, batch: int, kv_heads: int, length: int, dim: int) -> KVStore:
+def filled_store(asq: ASQCompressor, batch: int, kv_heads: int, length: int, dim: int) -> KVStore:
     """A store holding `length` random tokens, packed block by block in slices (bounded memory)."""
     store = KVStore(asq, kv_heads)
     slice_len = max(asq.block_size, (1 << 24) // (batch * kv_heads * dim) // asq.block_size * asq.block_size)
@@ -60,17 +60,25 @@ def _filled_store(asq: ASQCompressor, batch: int, kv_heads: int, length: int, di
     return store
 
 
+def compressors(gsm: GSMConfig, kv_heads: int, dim: int) -> tuple[ASQCompressor, ASQCompressor]:
+    """K's and V's ASQ compressors on the GPU as `gsm` sets them (the bits of the layers `layer_bits` does
+    not name)."""
+    asq = gsm.kv_compression
+    return tuple(ASQCompressor(kv_heads, dim, cluster_num=asq.cluster_num, quant_bits=bits, block_size=asq.block_size,
+                               rotate_residuals=asq.rotate_residuals).cuda() for bits in asq.bits())
+
+
 LAYER_BYTES = 1 << 31  # a step's layers together hold at least this much dense cache (or 16 layers)
 
 
-def _layers(cache_bytes: int) -> int:
+def layers_per_graph(cache_bytes: int) -> int:
     """How many layers, each with its own cache, one timed step runs: as in a model's decode step, one
     graph launch serves them all and no layer finds its cache in L2 from the previous replay (their
     dense caches together hold LAYER_BYTES, 40x the H200's L2, or there are 16 of them)."""
     return max(1, min(16, -(-LAYER_BYTES // cache_bytes)))
 
 
-def _per_layer_ms(steps: list[Callable[[], object]]) -> float:
+def per_layer_ms(steps: list[Callable[[], object]]) -> float:
     """ms per layer of one CUDA graph replaying every layer's step once (CUDA events, median of 50 replays)."""
     return graph_ms(lambda: [step() for step in steps]) / len(steps)
 
@@ -81,35 +89,52 @@ def _dense_ms(query: torch.Tensor, kv_heads: int, length: int, layers: int) -> f
     batch, q_heads, _, dim = query.shape
     caches = [(torch.randn(batch, kv_heads, length, dim, device="cuda", dtype=torch.bfloat16),
                torch.randn(batch, kv_heads, length, dim, device="cuda", dtype=torch.bfloat16)) for _ in range(layers)]
-    native = _per_layer_ms([lambda k=k, v=v: F.scaled_dot_product_attention(query, k, v, enable_gqa=True)
+    native = per_layer_ms([lambda k=k, v=v: F.scaled_dot_product_attention(query, k, v, enable_gqa=True)
                             for k, v in caches])
     wide = [tuple(t.repeat_interleave(q_heads // kv_heads, dim=1) for t in cache) for cache in caches]
     del caches
-    repeated = _per_layer_ms([lambda k=k, v=v: F.scaled_dot_product_attention(query, k, v) for k, v in wide])
+    repeated = per_layer_ms([lambda k=k, v=v: F.scaled_dot_product_attention(query, k, v) for k, v in wide])
     return min(native, repeated)
 
 
 Layer = tuple[KVStore, KVStore, torch.Tensor, torch.Tensor | None]  # K store, V store, gate keys, their scales
 
 
+def layer_caches(gsm: GSMConfig, stores_asq: tuple[ASQCompressor, ASQCompressor], batch: int, length: int,
+                 layers: int) -> list[Layer]:
+    """`layers` layers' caches of `length` random tokens: K and V stores packed by `stores_asq`, and gate keys
+    encoded as `gsm` sets them."""
+    gate = gsm.sparse_attention
+    kv_heads, dim = stores_asq[0].num_kv_heads, stores_asq[0].head_dim
+    return [(*(filled_store(asq, batch, kv_heads, length, dim) for asq in stores_asq),
+             *encode_gate_keys(torch.randn(batch, 1, length, gate.gate_head_dim, device="cuda"), gate.gate_key_bits))
+            for _ in range(layers)]
+
+
+def selection(gate_q: torch.Tensor, layer: Layer, k: int, fused: bool = True) -> torch.Tensor:
+    """The k positions [B, 1, k] the gate query [B, 1, 1, dg] picks from `layer`'s gate keys (gate scores,
+    then the CUDA top-k, or torch.topk without `fused`; no positions forced in)."""
+    length = layer[2].shape[2]
+    return top_k_positions(gate_scores(gate_q, layer[2], layer[3]), None, k, length - 1, 0, 0, fused=fused)[0]
+
+
 def _gsm_ms(query: torch.Tensor, caches: list[Layer], k: int) -> dict[str, float]:
     """ms per layer of GSM decode attention (gate scores, top-k, fused gather + dequantize + attend), of its
     first parts alone (gate scores; gate scores and the CUDA top-k; gate scores and torch.topk), and of the
     fused kernel (with its merge) alone: where the time goes."""
-    length, dim = caches[0][2].shape[2], query.shape[-1]
+    dim = query.shape[-1]
     gate_q = torch.randn(query.shape[0], 1, 1, caches[0][2].shape[-1], device="cuda")
 
     def select(layer: Layer, fused: bool = True) -> torch.Tensor:
-        scores = gate_scores(gate_q, layer[2], layer[3])
-        return top_k_positions(scores, None, k, length - 1, 0, 0, fused=fused)[0]
+        return selection(gate_q, layer, k, fused)
 
     index = select(caches[0])
-    return {"gsm_ms": _per_layer_ms([lambda c=c: fused_decode_attention(query, c[0], c[1], select(c), None,
+    return {"gsm_ms": per_layer_ms([lambda c=c: fused_decode_attention(query, c[0], c[1], select(c), None,
                                                                         dim ** -0.5) for c in caches]),
-            "gate_scores_ms": _per_layer_ms([lambda c=c: gate_scores(gate_q, c[2], c[3]) for c in caches]),
-            "gate_scores_topk_ms": _per_layer_ms([lambda c=c: select(c) for c in caches]),
-            "gate_scores_torch_topk_ms": _per_layer_ms([lambda c=c: select(c, fused=False) for c in caches]),
-            "attend_ms": _per_layer_ms([lambda c=c: fused_decode_attention(query, c[0], c[1], index, None, dim ** -0.5)
+            "gate_scores_ms": per_layer_ms([lambda c=c: gate_scores(gate_q, c[2], c[3]) for c in caches]),
+            "gate_scores_topk_ms": per_layer_ms([lambda c=c: select(c) for c in caches]),
+            "gate_scores_torch_topk_ms": per_layer_ms([lambda c=c: select(c, fused=False) for c in caches]),
+            "attend_ms": per_layer_ms([lambda c=c: fused_decode_attention(query, c[0], c[1], index, None, dim ** -0.5)
                                         for c in caches])}
 
 
@@ -118,35 +143,28 @@ def attention_rows(contexts: list[int], batches: list[int], ks: list[int], gsm: 
     """Per-step decode attention time per layer, GSM vs dense SDPA, for every shape / context / batch / k,
     ASQ and the gate keys as `gsm` sets them (the bits of the layers `layer_bits` does not name)."""
     rows = []
-    asq, gate = gsm.kv_compression, gsm.sparse_attention
     for shape, (q_heads, kv_heads, dim) in SHAPES.items():
-        asq_k, asq_v = (ASQCompressor(kv_heads, dim, cluster_num=asq.cluster_num, quant_bits=bits,
-                                      block_size=asq.block_size, rotate_residuals=asq.rotate_residuals).cuda()
-                        for bits in asq.bits())
+        asq_k, asq_v = compressors(gsm, kv_heads, dim)
         for length in contexts:
             for batch in batches:
                 query = torch.randn(batch, q_heads, 1, dim, device="cuda", dtype=torch.bfloat16)
                 dense_bytes = 2 * batch * kv_heads * length * dim * 2
-                layers = _layers(dense_bytes)
+                layers = layers_per_graph(dense_bytes)
                 dense = _dense_ms(query, kv_heads, length, layers)
                 torch.cuda.empty_cache()
-                caches = [(_filled_store(asq_k, batch, kv_heads, length, dim),
-                           _filled_store(asq_v, batch, kv_heads, length, dim),
-                           *encode_gate_keys(torch.randn(batch, 1, length, gate.gate_head_dim, device="cuda"),
-                                             gate.gate_key_bits))
-                          for _ in range(layers)]
+                caches = layer_caches(gsm, (asq_k, asq_v), batch, length, layers)
                 for k in ks:
                     times = _gsm_ms(query, caches, k)
-                    gsm = times["gsm_ms"]
+                    sparse = times["gsm_ms"]
                     row = {"shape": shape, "context": length, "batch": batch, "k": k, "layers_per_graph": layers,
-                           "dense_ms": dense, **times, "speedup": dense / gsm,
+                           "dense_ms": dense, **times, "speedup": dense / sparse,
                            "dense_bandwidth_TBps": dense_bytes / dense / 1e9}
                     rows.append(row)
                     print(f"{shape:>8} {length:>7} {batch:>3} {k:>5} dense {dense * 1e3:9.1f} us  gsm "
-                          f"{gsm * 1e3:9.1f} us (scores {times['gate_scores_ms'] * 1e3:.1f}, +top-k "
+                          f"{sparse * 1e3:9.1f} us (scores {times['gate_scores_ms'] * 1e3:.1f}, +top-k "
                           f"{times['gate_scores_topk_ms'] * 1e3:.1f}, +torch.topk "
                           f"{times['gate_scores_torch_topk_ms'] * 1e3:.1f}, attend {times['attend_ms'] * 1e3:.1f})  "
-                          f"x{dense / gsm:6.2f}  [{layers} layers per graph]", flush=True)
+                          f"x{dense / sparse:6.2f}  [{layers} layers per graph]", flush=True)
                 del caches
                 torch.cuda.empty_cache()
     return rows

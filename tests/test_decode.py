@@ -245,8 +245,8 @@ def _attend_case(rotate: bool, dtype: torch.dtype, dim: int, groups: int, per_he
 def test_every_autotuned_configuration_attends_alike() -> None:
     """Every configuration the autotuner may pick gives the PyTorch path's output, over enough rows that each
     takes several tiles and splits: the tests above check only the configuration picked for their shapes
-    (a 16 x 16-row, 2-warp configuration, tried on the H200 and not kept, gave errors of 0.3 in bf16). All
-    of them on the shipped recipe's path (bf16, rotated, one selection per layer, head_dim 128, 4 query
+    (16-row tiles with 2 warps, 16 x 16 and later 16 x 2, tried on the H200 and not kept, gave errors
+    of 0.3 in bf16). All of them on the shipped recipe's path (bf16, rotated, one selection per layer, head_dim 128, 4 query
     heads per KV head) and in fp32, rotated or not; each also on one of the other paths in turn (a valid
     mask, a selection per KV head, SmolLM2's 64-dim heads in groups of 3, bf16 unrotated). bf16's bound is
     about 5x the error of a PyTorch emulation of the kernel's roundings (6e-4 on outputs of mean size 0.03)."""

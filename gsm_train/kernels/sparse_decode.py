@@ -14,14 +14,16 @@ prototype row counted in full), against ``4 * D`` for a bf16 cache read densely.
 
 With rotated residuals (`kv_compression.rotate_residuals`) the store holds prototypes and residuals of
 the rotated rows (``k R``), so the kernel rotates the query once (``(k R) . (q R) = k . q``), sums the
-values in the rotated basis and rotates the sum back (``R^T``) at the end of each program; raw rows of
-the newest block are rotated into that basis in the tiles that hold them. Each rotation is a fast
+packed rows' values in the rotated basis and rotates that sum back (``R^T``) at the end of each program.
+The newest block's raw rows are never rotated: a tile holding some takes their products against the
+unrotated query and adds their values to a second sum, in the rows' own basis. Each rotation is a fast
 Walsh-Hadamard transform with the rotation's signs (``R = diag(signs) H / sqrt(D)``, `hadamard_rotation`):
 no matrix is read and no kernel is launched for them. (32k, k=2048, Llama-8B shapes, on the H200:
-rotating with PyTorch matmuls around the kernel took 45 us at batch 1 against 17 in the kernel (875c8bf); with the
-prototypes unrotated and a second product per row against ``q R``, 157 us at batch 16 against 125 now, and
-at batch 1 16.8 against 20.6 now: the one program whose tile holds the newest block also transforms
-that tile, which may be what batch 1 waits for; not measured apart.)
+rotating with PyTorch matmuls around the kernel took 45 us at batch 1 against 17 in the kernel (875c8bf);
+with the prototypes unrotated and a second product per row against ``q R``, 157 us at batch 16 against
+125 (0b1b96f). Rotating the raw rows into the rotated basis in the tiles holding them, instead of the
+second sum, took 18.6 against 16.8 us at batch 1 and 126.5 against 115.8 at batch 16, each kernel in its
+fastest configuration: `benchmarks/results/decode_variants/attend_tail_sweep_2026-12-01.json`.)
 
 Loads that decide other loads' addresses run ahead: each tile's positions are read two tiles before it and
 its cluster ids one tile before, so a tile waits for one round trip to memory, not three (161 against 146
@@ -107,35 +109,34 @@ if triton is not None:
         return x * tl.rsqrt(tl.full([1, 1], D, tl.float32))
 
     @triton.jit
-    def _dequant_rows(proto, byte, scale, in_packed, tail_ptr, bh, pos, live, packed_len, tail_len, dims, signs,
-                      D: tl.constexpr, LOG_D: tl.constexpr, BITS: tl.constexpr, CENTER: tl.constexpr,
-                      PACKED: tl.constexpr, ROTATED: tl.constexpr, DTYPE: tl.constexpr):
-        """Rows [N, D] (DTYPE) at `pos`: packed rows rebuilt from `_packed_parts` (prototype + residual), rows
-        of the raw newest block read from the tail (only when the tile holds one), zeros elsewhere. With
-        ROTATED the packed rows are in the rotated basis and the raw ones are rotated into it here
-        (``raw R``, a Walsh-Hadamard transform of ``raw * signs``)."""
-        rows = tl.zeros([pos.shape[0], D], DTYPE)
+    def _packed_rows(proto, byte, scale, in_packed, D: tl.constexpr, BITS: tl.constexpr, CENTER: tl.constexpr,
+                     PACKED: tl.constexpr, DTYPE: tl.constexpr):
+        """Rows [N, D] (DTYPE) rebuilt from `_packed_parts` (prototype + residual) where `in_packed`, zeros
+        elsewhere (in the rotated basis when the store rotates its residuals)."""
+        rows = tl.zeros([in_packed.shape[0], D], DTYPE)
         if PACKED:
             residual = _unpacked_levels(byte.to(tl.int32), BITS, CENTER) * scale.to(tl.float32)[:, None]
             rows = tl.where(in_packed[:, None], proto.to(tl.float32) + residual, 0.0).to(DTYPE)
-        in_tail = live & (pos >= packed_len)
-        if tl.max(in_tail.to(tl.int32), 0) > 0:
-            raw = tl.load(tail_ptr + (bh * tail_len + (pos - packed_len))[:, None] * D + dims[None, :],
-                          mask=in_tail[:, None], other=0.0).to(tl.float32)
-            if ROTATED:
-                raw = _walsh_hadamard(raw * signs[None, :], pos.shape[0], D, LOG_D)
-            rows = tl.where(in_tail[:, None], raw.to(DTYPE), rows)
         return rows
+
+    @triton.jit
+    def _tail_rows(tail_ptr, bh, pos, in_tail, packed_len, tail_len, dims, D: tl.constexpr, DTYPE: tl.constexpr):
+        """The raw rows [N, D] (DTYPE, never rotated) of the newest block at `pos` where `in_tail`, zeros
+        elsewhere."""
+        return tl.load(tail_ptr + (bh * tail_len + (pos - packed_len))[:, None] * D + dims[None, :],
+                       mask=in_tail[:, None], other=0.0).to(DTYPE)
 
     # Gathers of scattered rows are latency-bound: how many rows a program takes (BLOCK_N x TILES), how many
     # warps it runs and how deep Triton pipelines its loop trade parallelism against per-program overhead;
     # Triton picks per shape. (Long programs without pipelining, 64 x 16 rows in 1 stage, took the rotated
-    # kernel from 185 to 163 us at 32k, batch 16, k 2048, Llama-8B shapes on the H200.)
+    # kernel from 185 to 163 us at 32k, batch 16, k 2048, Llama-8B shapes on the H200.) Tiles of 16 rows with
+    # 2 warps compile to wrong bf16 outputs on the H200 (16 x 16 rows, and 16 x 2 once the newest block's
+    # rows had their own products); tests/test_decode.py runs every configuration here on the GPU.
     @triton.autotune(
         configs=[triton.Config({"BLOCK_N": block, "TILES": tiles}, num_warps=warps, num_stages=stages)
-                 for block, tiles, warps, stages in ((16, 2, 2, 3), (32, 1, 2, 3), (32, 2, 4, 3), (32, 4, 4, 3),
-                                                     (64, 1, 4, 3), (64, 4, 4, 3), (64, 16, 4, 3), (64, 8, 4, 1),
-                                                     (64, 16, 4, 1), (32, 16, 4, 1))],
+                 for block, tiles, warps, stages in ((32, 1, 2, 3), (32, 2, 4, 3), (32, 4, 4, 3), (64, 1, 4, 3),
+                                                     (64, 4, 4, 3), (64, 16, 4, 3), (64, 8, 4, 1), (64, 16, 4, 1),
+                                                     (32, 16, 4, 1))],
         key=["size_class", "rows", "D", "G", "PACKED", "ROTATED"])
     @triton.jit
     def _sparse_decode_kernel(q_ptr, signs_ptr, index_ptr, valid_ptr,
@@ -158,6 +159,7 @@ if triton is not None:
         heads = tl.arange(0, GP)
         dims = tl.arange(0, D)
         q = tl.load(q_ptr + ((bh * G + heads) * D)[:, None] + dims[None, :], mask=(heads < G)[:, None], other=0.0)
+        q_raw_t = tl.trans(q)  # [D, GP], for the newest block's raw rows, which are never rotated
         signs = tl.full([D], 1.0, tl.float32)
         if ROTATED:  # rows in the rotated basis: the query too. R = diag(signs) H / sqrt(D) (`hadamard_rotation`),
             signs = tl.load(signs_ptr + dims).to(tl.float32)  # so q R = ((q * signs) H) / sqrt(D)
@@ -165,7 +167,8 @@ if triton is not None:
         q_t = tl.trans(q)  # [D, GP]: the tile's rows stay [BLOCK_N, D], as read
         m_i = tl.full([GP], -1.0e30, tl.float32)
         l_i = tl.zeros([GP], tl.float32)
-        acc = tl.zeros([GP, D], tl.float32)  # with ROTATED, in the rotated basis until the end
+        acc = tl.zeros([GP, D], tl.float32)  # the packed rows' sum: with ROTATED, in the rotated basis until the end
+        acc_raw = tl.zeros([GP, D], tl.float32)  # the raw rows' sum, in the rows' own basis
         lo = split * BLOCK_N * TILES
         hi = tl.minimum(lo + BLOCK_N * TILES, selected)
         # Each tile's reads depend on its positions, and its prototype rows on its ids: positions are read two
@@ -193,23 +196,31 @@ if triton is not None:
                 next_k_cluster, next_v_cluster = pos, pos
             after_pos, after_live = _tile_positions(index_ptr, valid_ptr, row_start, offs + start + 2 * BLOCK_N, hi,
                                                     HAS_VALID)
-            keys = _dequant_rows(k_proto, k_byte, k_scale, in_packed, k_tail, bh, pos, live, packed_len, tail_len,
-                                 dims, signs, D, LOG_D, K_BITS, K_CENTER, PACKED, ROTATED, q.dtype)
+            in_tail = live & (pos >= packed_len)
+            has_tail = tl.max(in_tail.to(tl.int32), 0) > 0  # only the tiles holding newest rows read the tail
+            keys = _packed_rows(k_proto, k_byte, k_scale, in_packed, D, K_BITS, K_CENTER, PACKED, q.dtype)
             logits = tl.dot(keys, q_t, input_precision=PRECISION)  # [BLOCK_N, GP]; (k R) . (q R) = k . q
+            if has_tail:  # raw rows against the unrotated query; zero rows on either side add nothing
+                raw_keys = _tail_rows(k_tail, bh, pos, in_tail, packed_len, tail_len, dims, D, q.dtype)
+                logits += tl.dot(raw_keys, q_raw_t, input_precision=PRECISION)
             logits = logits * scaling
             logits = tl.where(live[:, None], logits, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(logits, 0))
             alpha = tl.exp(m_i - m_new)
             p = tl.trans(tl.exp(logits - m_new[None, :]))
-            values = _dequant_rows(v_proto, v_byte, v_scale, in_packed, v_tail, bh, pos, live, packed_len, tail_len,
-                                   dims, signs, D, LOG_D, V_BITS, V_CENTER, PACKED, ROTATED, q.dtype)
+            values = _packed_rows(v_proto, v_byte, v_scale, in_packed, D, V_BITS, V_CENTER, PACKED, q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), values, input_precision=PRECISION)
+            acc_raw = acc_raw * alpha[:, None]
+            if has_tail:
+                raw_values = _tail_rows(v_tail, bh, pos, in_tail, packed_len, tail_len, dims, D, q.dtype)
+                acc_raw += tl.dot(p.to(q.dtype), raw_values, input_precision=PRECISION)
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
             pos, live, next_pos, next_live = next_pos, next_live, after_pos, after_live
             k_cluster, v_cluster = next_k_cluster, next_v_cluster
         if ROTATED:  # back from the rotated basis: acc R^T = signs * (acc H) / sqrt(D), in fp32
             acc = signs[None, :] * _walsh_hadamard(acc, GP, D, LOG_D)
+        acc += acc_raw
         part = (bh * splits + split) * G + heads  # the group's real heads only, not the dot's padding
         real = heads < G
         tl.store(acc_ptr + (part * D)[:, None] + dims[None, :], acc, mask=real[:, None])
@@ -271,7 +282,7 @@ def _score_block(rows: int, length: int) -> int:
     return max(64, min(1024, triton.next_power_of_2(rows * length // SCORE_PROGRAMS + 1) // 2))
 
 
-SMALLEST_CHUNK = 32  # the fewest rows a program of the autotuned decode kernel takes (16 x 2)
+SMALLEST_CHUNK = 32  # the fewest rows a program of the decode kernel takes (32 x 1; 16 x 2 under the interpreter)
 
 
 def _store_args(store: KVStore, like: Tensor) -> tuple[Tensor, ...]:
@@ -343,6 +354,11 @@ def decode_configs() -> list[triton.Config]:
     """The fused decode kernel's autotuned configurations (rows per tile and tiles per program, warps,
     pipeline stages)."""
     return list(_sparse_decode_kernel.configs)
+
+
+def autotuned_config() -> triton.Config:
+    """The configuration the autotuner picked for the fused decode kernel's latest launch."""
+    return _sparse_decode_kernel.best_config
 
 
 def gate_scores(gate_q: Tensor, gate_keys: Tensor, key_scales: Tensor | None) -> Tensor:

@@ -1,0 +1,83 @@
+"""Every autotune configuration of the fused decode kernel (`gsm_train.kernels.sparse_decode`) against the one
+Triton's autotuner picks, side by side in one run: how much time the pick leaves, and which configuration
+each shape wants. SmolLM2 and Llama-8B layer shapes, 32k context, batch 1 and 16, k 64 and 2048, ASQ and gate
+keys as recipes/joint.yaml sets them, each time per layer in CUDA graphs of up to 16 layers as
+benchmarks/decode.py times them. Every configuration's largest error against the PyTorch path is recorded,
+and those past bf16's bound are listed (the GPU tests are the gate: this only reports).
+
+python benchmarks/decode_configs.py --result OUT.json
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import kernel_benchmark_args, write_result  # noqa: E402
+from decode import REPO, SHAPES, compressors, layer_caches, layers_per_graph, per_layer_ms, selection  # noqa: E402
+
+from gsm_train.config import load_recipe  # noqa: E402
+from gsm_train.kernels.sparse_decode import autotuned_config, decode_configs, fused_decode_attention  # noqa: E402
+from gsm_train.modules.decode_attention import attend  # noqa: E402
+
+CONTEXT = 32768
+BATCHES = (1, 16)
+KS = (64, 2048)
+BF16_ATOL, BF16_RTOL = 3e-3, 1e-2  # the per-configuration test's bound, and bf16 rounding of larger outputs
+
+
+def _name(config: object) -> str:
+    return f"{config.kwargs['BLOCK_N']}x{config.kwargs['TILES']} w{config.num_warps} s{config.num_stages}"
+
+
+@torch.no_grad()
+def main() -> None:
+    args = kernel_benchmark_args(__doc__)
+    gsm = load_recipe(str(REPO / "recipes" / "joint.yaml")).gsm
+    configs = decode_configs()
+    results, off_bound = [], []
+    for shape, (q_heads, kv_heads, dim) in SHAPES.items():
+        stores_asq = compressors(gsm, kv_heads, dim)
+        for batch in BATCHES:
+            layers = layers_per_graph(2 * batch * kv_heads * CONTEXT * dim * 2)
+            caches = layer_caches(gsm, stores_asq, batch, CONTEXT, layers)
+            query = torch.randn(batch, q_heads, 1, dim, device="cuda", dtype=torch.bfloat16)
+            gate_q = torch.randn(batch, 1, 1, caches[0][2].shape[-1], device="cuda")
+            for k in KS:
+                index = selection(gate_q, caches[0], k)
+                rows = index.expand(-1, kv_heads, -1)
+                expected = attend(query.float(), *(store.gather(rows).float() for store in caches[0][:2]), None,
+                                  dim ** -0.5)
+                row = {"shape": shape, "context": CONTEXT, "batch": batch, "k": k, "layers_per_graph": layers}
+                for config in (*configs, None):
+                    got = fused_decode_attention(query, caches[0][0], caches[0][1], index, None, dim ** -0.5,
+                                                 config=config)
+                    name = "autotuned" if config is None else _name(config)
+                    row[name + "_max_error"] = (got.float() - expected).abs().max().item()
+                    if not torch.allclose(got.float(), expected, atol=BF16_ATOL, rtol=BF16_RTOL):
+                        off_bound.append(f"{name} ({shape}, batch {batch}, k={k}): {row[name + '_max_error']:.2g}")
+                    us = per_layer_ms([lambda c=c, config=config: fused_decode_attention(
+                        query, c[0], c[1], index, None, dim ** -0.5, config=config) for c in caches]) * 1e3
+                    row[name + "_us"] = us
+                row["autotuned_config"] = _name(autotuned_config())
+                row["fastest_config"] = _name(min(configs, key=lambda c: row[_name(c) + "_us"]))
+                row["fastest_us"] = min(row[_name(c) + "_us"] for c in configs)
+                results.append(row)
+                times = " ".join(f"{_name(c)}:{row[_name(c) + '_us']:.1f}" for c in configs)
+                print(f"{shape:>8} bs {batch:>2} k {k:>4}  autotuned {row['autotuned_config']} "
+                      f"{row['autotuned_us']:.1f} us, fastest {row['fastest_us']:.1f}  |  {times}", flush=True)
+            del caches
+            torch.cuda.empty_cache()
+    lost = sum(row["autotuned_us"] - row["fastest_us"] for row in results)
+    print(f"the autotuner's picks lose {lost:.1f} us in all against the fastest configurations, over "
+          f"{len(results)} shapes")
+    print("outputs off the PyTorch path by more than bf16's bound:", ", ".join(off_bound) or "none")
+    write_result(Path(args.result), {"rows": results, "autotuned_loss_us": lost, "off_bound": off_bound,
+                                     "bound": {"atol": BF16_ATOL, "rtol": BF16_RTOL}})
+
+
+if __name__ == "__main__":
+    main()
