@@ -26,7 +26,7 @@ from gsm_train.modules.decode_attention import attend  # noqa: E402
 CONTEXT = 32768
 BATCHES = (1, 16)
 KS = (64, 2048)
-BF16_ATOL, BF16_RTOL = 3e-3, 1e-2  # the per-configuration test's bound, and bf16 rounding of larger outputs
+BF16_ATOL, BF16_RTOL = 3e-3, 1e-2  # the per-configuration test's atol, plus 1% for bf16 rounding of larger outputs
 
 
 def _name(config: object) -> str:
@@ -71,8 +71,8 @@ def main() -> None:
                       f"{row['autotuned_us']:.1f} us, fastest {row['fastest_us']:.1f}  |  {times}", flush=True)
             del caches
             torch.cuda.empty_cache()
-    lost = sum(row["autotuned_us"] - row["fastest_us"] for row in results)
-    print(f"the autotuner's picks lose {lost:.1f} us in all against the fastest configurations, over "
+    lost = sum(row["autotuned_us"] - row["fastest_us"] for row in results)  # net: a pick may time below by noise
+    print(f"the autotuner's picks lose {lost:.1f} us net against the fastest configurations, over "
           f"{len(results)} shapes")
     print("outputs off the PyTorch path by more than bf16's bound:", ", ".join(off_bound) or "none")
     write_result(Path(args.result), {"rows": results, "autotuned_loss_us": lost, "off_bound": off_bound,

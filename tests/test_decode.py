@@ -246,10 +246,11 @@ def test_every_autotuned_configuration_attends_alike() -> None:
     """Every configuration the autotuner may pick gives the PyTorch path's output, over enough rows that each
     takes several tiles and splits: the tests above check only the configuration picked for their shapes
     (16-row tiles with 2 warps, 16 x 16 and later 16 x 2, tried on the H200 and not kept, gave errors
-    of 0.3 in bf16). All of them on the shipped recipe's path (bf16, rotated, one selection per layer, head_dim 128, 4 query
-    heads per KV head) and in fp32, rotated or not; each also on one of the other paths in turn (a valid
-    mask, a selection per KV head, SmolLM2's 64-dim heads in groups of 3, bf16 unrotated). bf16's bound is
-    about 5x the error of a PyTorch emulation of the kernel's roundings (6e-4 on outputs of mean size 0.03)."""
+    of 0.3 in bf16). All of them on the shipped recipe's path (bf16, rotated, one selection per layer,
+    head_dim 128, 4 query heads per KV head) and in fp32, rotated or not; each also on one of the other
+    paths in turn (a valid mask, a selection per KV head, SmolLM2's 64-dim heads in groups of 3, bf16
+    unrotated). bf16's bound is about 5x the error of a PyTorch emulation of the kernel's roundings (6e-4
+    on outputs of mean size 0.03)."""
     from gsm_train.kernels.sparse_decode import decode_configs, fused_decode_attention
 
     cases = {"bf16 rotated": ((True, torch.bfloat16, 128, 4, False, False), 3e-3),
@@ -317,8 +318,9 @@ def test_fused_cache_leaves_odd_head_sizes_to_pytorch() -> None:
 @pytest.mark.skipif(not KERNELS_RUN_HERE, reason="needs Triton with CUDA, or on CPU TRITON_INTERPRET=1")
 def test_fused_cache_decodes_rotated_residuals_as_teacher_forcing() -> None:
     """With `rotate_residuals` the store holds prototypes and residuals of the rotated rows, and the fused
-    kernel takes the query into that basis, the newest block's raw rows too, and V's weighted sum back out
-    of it at the end of each split: the same logits as teacher forcing."""
+    kernel takes the query into that basis and the packed rows' weighted sum of V back out of it at the end
+    of each split, while the newest block's raw rows meet the query as given: the same logits as teacher
+    forcing."""
     model = _model("llama", CONFIGS["gate_asq_rotated"]).to(KERNEL_DEVICE)
     ids = _ids().to(KERNEL_DEVICE)
     with torch.no_grad():

@@ -282,7 +282,7 @@ def _score_block(rows: int, length: int) -> int:
     return max(64, min(1024, triton.next_power_of_2(rows * length // SCORE_PROGRAMS + 1) // 2))
 
 
-SMALLEST_CHUNK = 32  # the fewest rows a program of the decode kernel takes (32 x 1; 16 x 2 under the interpreter)
+SMALLEST_CHUNK = 32  # the fewest rows a program of the autotuned decode kernel takes (32 x 1)
 
 
 def _store_args(store: KVStore, like: Tensor) -> tuple[Tensor, ...]:
@@ -322,7 +322,7 @@ def fused_decode_attention(query: Tensor, k_store: KVStore, v_store: KVStore, in
         return batch * kv_heads, math.ceil(selected / (meta["BLOCK_N"] * meta["TILES"]))
 
     if config is None and os.environ.get("TRITON_INTERPRET") == "1":  # no device to time configurations on
-        config = triton.Config({"BLOCK_N": 16, "TILES": 2})
+        config = triton.Config({"BLOCK_N": 32, "TILES": 2})
     kernel, fixed = _sparse_decode_kernel, {}
     if config is not None:
         rows = config.kwargs.get("BLOCK_N", 0) * config.kwargs.get("TILES", 0)
@@ -357,7 +357,8 @@ def decode_configs() -> list[triton.Config]:
 
 
 def autotuned_config() -> triton.Config:
-    """The configuration the autotuner picked for the fused decode kernel's latest launch."""
+    """The configuration the autotuner picked for the fused decode kernel's latest autotuned launch (one
+    given `config=` does not change it)."""
     return _sparse_decode_kernel.best_config
 
 
