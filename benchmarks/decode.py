@@ -50,8 +50,10 @@ H200_BYTES_PER_S = 4.8e12
 MODULE_SEED = 0  # seeds the untrained GSM modules of the end-to-end and agreement parts (no --adapter)
 
 
-def filled_store(asq: ASQCompressor, batch: int, kv_heads: int, length: int, dim: int) -> KVStore:
-    """A store holding `length` random tokens, packed block by block in slices (bounded memory)."""
+def filled_store(asq: ASQCompressor, batch: int, length: int) -> KVStore:
+    """A store holding `length` random tokens of `asq`'s heads, packed block by block in slices (bounded
+    memory)."""
+    kv_heads, dim = asq.num_kv_heads, asq.head_dim
     store = KVStore(asq, kv_heads)
     slice_len = max(asq.block_size, (1 << 24) // (batch * kv_heads * dim) // asq.block_size * asq.block_size)
     for start in range(0, length, slice_len):
@@ -105,8 +107,7 @@ def layer_caches(gsm: GSMConfig, stores_asq: tuple[ASQCompressor, ASQCompressor]
     """`layers` layers' caches of `length` random tokens: K and V stores packed by `stores_asq`, and gate keys
     encoded as `gsm` sets them."""
     gate = gsm.sparse_attention
-    kv_heads, dim = stores_asq[0].num_kv_heads, stores_asq[0].head_dim
-    return [(*(filled_store(asq, batch, kv_heads, length, dim) for asq in stores_asq),
+    return [(*(filled_store(asq, batch, length) for asq in stores_asq),
              *encode_gate_keys(torch.randn(batch, 1, length, gate.gate_head_dim, device="cuda"), gate.gate_key_bits))
             for _ in range(layers)]
 
@@ -124,16 +125,13 @@ def _gsm_ms(query: torch.Tensor, caches: list[Layer], k: int) -> dict[str, float
     fused kernel (with its merge) alone: where the time goes."""
     dim = query.shape[-1]
     gate_q = torch.randn(query.shape[0], 1, 1, caches[0][2].shape[-1], device="cuda")
-
-    def select(layer: Layer, fused: bool = True) -> torch.Tensor:
-        return selection(gate_q, layer, k, fused)
-
-    index = select(caches[0])
-    return {"gsm_ms": per_layer_ms([lambda c=c: fused_decode_attention(query, c[0], c[1], select(c), None,
-                                                                        dim ** -0.5) for c in caches]),
+    index = selection(gate_q, caches[0], k)
+    return {"gsm_ms": per_layer_ms([lambda c=c: fused_decode_attention(query, c[0], c[1], selection(gate_q, c, k),
+                                                                        None, dim ** -0.5) for c in caches]),
             "gate_scores_ms": per_layer_ms([lambda c=c: gate_scores(gate_q, c[2], c[3]) for c in caches]),
-            "gate_scores_topk_ms": per_layer_ms([lambda c=c: select(c) for c in caches]),
-            "gate_scores_torch_topk_ms": per_layer_ms([lambda c=c: select(c, fused=False) for c in caches]),
+            "gate_scores_topk_ms": per_layer_ms([lambda c=c: selection(gate_q, c, k) for c in caches]),
+            "gate_scores_torch_topk_ms": per_layer_ms([lambda c=c: selection(gate_q, c, k, fused=False)
+                                                       for c in caches]),
             "attend_ms": per_layer_ms([lambda c=c: fused_decode_attention(query, c[0], c[1], index, None, dim ** -0.5)
                                         for c in caches])}
 

@@ -62,9 +62,9 @@ def main() -> None:
                     us = per_layer_ms([lambda c=c, config=config: fused_decode_attention(
                         query, c[0], c[1], index, None, dim ** -0.5, config=config) for c in caches]) * 1e3
                     row[name + "_us"] = us
-                row["autotuned_config"] = _name(autotuned_config())
-                row["fastest_config"] = _name(min(configs, key=lambda c: row[_name(c) + "_us"]))
-                row["fastest_us"] = min(row[_name(c) + "_us"] for c in configs)
+                fastest = _name(min(configs, key=lambda c: row[_name(c) + "_us"]))
+                row.update(autotuned_config=_name(autotuned_config()), fastest_config=fastest,
+                           fastest_us=row[fastest + "_us"])
                 results.append(row)
                 times = " ".join(f"{_name(c)}:{row[_name(c) + '_us']:.1f}" for c in configs)
                 print(f"{shape:>8} bs {batch:>2} k {k:>4}  autotuned {row['autotuned_config']} "
