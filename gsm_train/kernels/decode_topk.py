@@ -102,29 +102,27 @@ __device__ __forceinline__ void store_to(unsigned remote, unsigned value) {
 }
 #endif
 
-// Exclusive prefix sum of one int per thread over the block (32 warps); *total gets the sum.
-__device__ __forceinline__ int block_exclusive_scan(int value, int* warp_sums, int* total) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int inclusive = value;
+__device__ __forceinline__ unsigned warp_inclusive_scan(unsigned value) {
+    const int lane = threadIdx.x & 31;
     for (int offset = 1; offset < 32; offset <<= 1) {
-        int other = __shfl_up_sync(0xffffffffu, inclusive, offset);
-        if (lane >= offset) inclusive += other;
+        const unsigned other = __shfl_up_sync(0xffffffffu, value, offset);
+        if (lane >= offset) value += other;
     }
+    return value;
+}
+
+// Exclusive prefix sum of one unsigned per thread over the block (32 warps, modulo 2^32); *total gets the
+// sum. One barrier: every warp scans the 32 warp totals itself. The caller syncs before `warp_sums` is
+// written again.
+__device__ __forceinline__ unsigned block_exclusive_scan(unsigned value, unsigned* warp_sums, unsigned* total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const unsigned inclusive = warp_inclusive_scan(value);
     if (lane == 31) warp_sums[warp] = inclusive;
     __syncthreads();
-    if (warp == 0) {
-        int sum = warp_sums[lane];
-        for (int offset = 1; offset < 32; offset <<= 1) {
-            int other = __shfl_up_sync(0xffffffffu, sum, offset);
-            if (lane >= offset) sum += other;
-        }
-        warp_sums[lane] = sum;
-    }
-    __syncthreads();
-    int before = (warp ? warp_sums[warp - 1] : 0) + inclusive - value;
-    *total = warp_sums[31];
-    __syncthreads();
-    return before;
+    const unsigned warp_total = warp_sums[lane];
+    const unsigned through = warp_inclusive_scan(warp_total);  // warps 0..lane
+    *total = __shfl_sync(0xffffffffu, through, 31);
+    return __shfl_sync(0xffffffffu, through - warp_total, warp) + inclusive - value;
 }
 
 // One row per CLUSTER blocks: block `rank` holds positions [rank * chunk, (rank + 1) * chunk) of it. Each
@@ -142,7 +140,7 @@ gsm_decode_topk(const float* __restrict__ scores, long long* __restrict__ out, i
     unsigned* counted = hist;
     const unsigned rank = 0;
 #endif
-    int* warp_sums = (int*)(counted + BINS);
+    unsigned* warp_sums = counted + BINS;
     int* state = (int*)(counted + BINS + 32);  // [0] chosen bin, [1] keys still wanted, [2] search finished,
                                                // [4 + 2r], [5 + 2r]: block r's keys above and equal
     unsigned* row = counted + BINS + 64;
@@ -207,8 +205,8 @@ gsm_decode_topk(const float* __restrict__ scores, long long* __restrict__ out, i
             counts[j] = bin >= 0 ? (int)counted[bin] : 0;
             sum += counts[j];
         }
-        int total;
-        int above = block_exclusive_scan(sum, warp_sums, &total);
+        unsigned total;
+        int above = (int)block_exclusive_scan((unsigned)sum, warp_sums, &total);
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             if (counts[j] > 0 && above < wanted && above + counts[j] >= wanted) {
@@ -233,9 +231,12 @@ gsm_decode_topk(const float* __restrict__ scores, long long* __restrict__ out, i
         n_above += top > prefix;
         n_equal += top == prefix;
     }
-    int total_above, total_equal;
-    int at_above = block_exclusive_scan(n_above, warp_sums, &total_above);
-    int at_equal = block_exclusive_scan(n_equal, warp_sums, &total_equal);
+    // one scan for both counts, above in the low 16 bits and equal in the high: a block holds fewer than
+    // 65,536 keys (its shared memory), so neither half carries into the other or past 32 bits
+    unsigned total;
+    const unsigned at = block_exclusive_scan((unsigned)n_above | ((unsigned)n_equal << 16), warp_sums, &total);
+    int at_above = (int)(at & 0xffffu), at_equal = (int)(at >> 16);
+    int total_above = (int)(total & 0xffffu), total_equal = (int)(total >> 16);
 #if CLUSTER > 1
     if (tid < CLUSTER) {  // this block's counts to every block, then each adds those of the blocks before it
         store_to(in_block(&state[4 + 2 * rank], tid), (unsigned)total_above);
@@ -333,7 +334,9 @@ class _Launcher:
 
     def holds(self, cluster: int, length: int) -> bool:
         """Whether `cluster` blocks (a size this GPU runs) hold a row of `length` scores in shared memory."""
-        return cluster in self._compiled and self._shared_bytes(cluster, length) <= self.shared_limit
+        share = -(-length // cluster)  # below 65,536: the kernel's write offsets pack two counts in 32 bits
+        fits_shared = self._shared_bytes(cluster, length) <= self.shared_limit
+        return cluster in self._compiled and share < 1 << 16 and fits_shared
 
     def sizes_holding(self, length: int) -> tuple[int, ...]:
         """The sizes this GPU runs whose blocks hold a row of `length` scores."""

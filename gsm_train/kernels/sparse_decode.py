@@ -129,14 +129,18 @@ if triton is not None:
     # Gathers of scattered rows are latency-bound: how many rows a program takes (BLOCK_N x TILES), how many
     # warps it runs and how deep Triton pipelines its loop trade parallelism against per-program overhead;
     # Triton picks per shape. (Long programs without pipelining, 64 x 16 rows in 1 stage, took the rotated
-    # kernel from 185 to 163 us at 32k, batch 16, k 2048, Llama-8B shapes on the H200.) Tiles of 16 rows with
-    # 2 warps compile to wrong bf16 outputs on the H200 (16 x 16 rows, and 16 x 2 once the newest block's
-    # rows had their own products); tests/test_decode.py runs every configuration here on the GPU.
+    # kernel from 185 to 163 us at 32k, batch 16, k 2048, Llama-8B shapes on the H200.) With few programs
+    # (batch 1, or k=64) a tile's instructions, not its loads, set the time: one program's tile of 64 rows took
+    # about 4.4 us even with every row masked off, so there 8 warps per program, each with half the
+    # instructions of 4, are faster (Llama-8B shapes at 32k, batch 1, k=64: 8.0 against 11.3 us; batch 16:
+    # 14.4 against 17.8). Tiles of 16 rows with 2 warps compile to wrong bf16 outputs on the H200 (16 x 16
+    # rows, and 16 x 2 once the newest block's rows had their own products); tests/test_decode.py runs
+    # every configuration here on the GPU. Each one here was the fastest, or within 0.4 us of it, at one of
+    # the shapes `benchmarks/decode_configs.py` times.
     @triton.autotune(
         configs=[triton.Config({"BLOCK_N": block, "TILES": tiles}, num_warps=warps, num_stages=stages)
-                 for block, tiles, warps, stages in ((32, 1, 2, 3), (32, 2, 4, 3), (32, 4, 4, 3), (64, 1, 4, 3),
-                                                     (64, 4, 4, 3), (64, 16, 4, 3), (64, 8, 4, 1), (64, 16, 4, 1),
-                                                     (32, 16, 4, 1))],
+                 for block, tiles, warps, stages in ((32, 1, 8, 3), (64, 1, 8, 3), (32, 2, 4, 3), (64, 1, 4, 3),
+                                                     (64, 16, 4, 3), (64, 16, 4, 1))],
         key=["size_class", "rows", "D", "G", "PACKED", "ROTATED"])
     @triton.jit
     def _sparse_decode_kernel(q_ptr, signs_ptr, index_ptr, valid_ptr,
