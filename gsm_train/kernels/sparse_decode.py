@@ -132,10 +132,10 @@ if triton is not None:
     # kernel from 185 to 163 us at 32k, batch 16, k 2048, Llama-8B shapes on the H200.) With few programs
     # (batch 1, or k=64) a tile's instructions, not its loads, set the time: one program's tile of 64 rows took
     # about 4.4 us even with every row masked off, so there 8 warps per program, each with half the
-    # instructions of 4, are faster (Llama-8B shapes at 32k, batch 1, k=64: 8.0 against 11.3 us; batch 16:
-    # 14.4 against 17.8). Tiles of 16 rows with 2 warps compile to wrong bf16 outputs on the H200 (16 x 16
+    # instructions of 4, are faster (Llama-8B shapes at 32k, batch 1, k=64: 8.0 against 11.3 us in one
+    # sweep). Tiles of 16 rows with 2 warps compile to wrong bf16 outputs on the H200 (16 x 16
     # rows, and 16 x 2 once the newest block's rows had their own products); tests/test_decode.py runs
-    # every configuration here on the GPU. Each one here was the fastest, or within 0.4 us of it, at one of
+    # every configuration here on the GPU. Each one here was the fastest, or within 0.5 us of it, at one of
     # the shapes `benchmarks/decode_configs.py` times.
     @triton.autotune(
         configs=[triton.Config({"BLOCK_N": block, "TILES": tiles}, num_warps=warps, num_stages=stages)
