@@ -38,7 +38,7 @@ from gsm_train.kernels.sparse_decode import fused_decode_attention, gate_scores 
 from gsm_train.modules.sparse_gate import encode_gate_keys  # noqa: E402
 from gsm_train.model_zoo import load_model_and_tokenizer  # noqa: E402
 from gsm_train.modules import inject_gsm  # noqa: E402
-from gsm_train.modules.decode_attention import top_k_positions  # noqa: E402
+from gsm_train.modules.decode_attention import forced_spans, top_k_positions  # noqa: E402
 from gsm_train.modules.decode_cache import GSMCache  # noqa: E402
 from gsm_train.modules.kv_compressor import ASQCompressor  # noqa: E402
 from gsm_train.modules.kv_store import KVStore  # noqa: E402
@@ -113,10 +113,12 @@ def layer_caches(gsm: GSMConfig, stores_asq: tuple[ASQCompressor, ASQCompressor]
 
 
 def selection(gate_q: torch.Tensor, layer: Layer, k: int, fused: bool = True) -> torch.Tensor:
-    """The k positions [B, 1, k] the gate query [B, 1, 1, dg] picks from `layer`'s gate keys (gate scores,
-    then the CUDA top-k, or torch.topk without `fused`; no positions forced in)."""
-    length = layer[2].shape[2]
-    return top_k_positions(gate_scores(gate_q, layer[2], layer[3]), None, k, length - 1, 0, 0, fused=fused)[0]
+    """The k positions [B, 1, k] the gate query [B, 1, 1, dg] picks from `layer`'s gate keys as a decode step
+    does: gate scores with the newest position forced in (no sinks or recent window), then the CUDA top-k,
+    or torch.topk without `fused`."""
+    position = layer[2].shape[2] - 1
+    scores = gate_scores(gate_q, layer[2], layer[3], forced_spans(position, 0, 0))
+    return top_k_positions(scores, None, k, position, 0, 0, fused=fused, forced_marked=True)[0]
 
 
 def _gsm_ms(query: torch.Tensor, caches: list[Layer], k: int) -> dict[str, float]:

@@ -17,7 +17,7 @@ from gsm_train.export import export_adapter
 from gsm_train.inspect_model import layer_reports
 from gsm_train.model_zoo import TINY_FAMILIES, tiny_model
 from gsm_train.modules import GSMError, inject_gsm
-from gsm_train.modules.decode_attention import attend, forced_count
+from gsm_train.modules.decode_attention import attend, forced_count, forced_spans
 from gsm_train.modules.decode_cache import GSMCache
 from gsm_train.modules.kv_compressor import ASQCompressor
 from gsm_train.modules.kv_store import KVStore
@@ -158,13 +158,15 @@ def test_store_packs_every_block_but_the_newest() -> None:
     assert torch.equal(store.gather(index), torch.gather(store.all_rows(), 2, index[..., None].expand(-1, -1, -1, 16)))
 
 
-def test_forced_count_matches_the_rule() -> None:
+def test_forced_count_and_spans_match_the_rule() -> None:
     for position in range(12):
         for sinks in (0, 2, 5):
             for recent in (0, 1, 3):
                 keys = torch.arange(position + 1)
                 forced = (keys == position) | (keys < sinks) | ((position - keys) < recent)
                 assert forced_count(position, sinks, recent) == int(forced.sum()), (position, sinks, recent)
+                sink_end, start, end = forced_spans(position, sinks, recent)
+                assert torch.equal((keys < sink_end) | ((keys >= start) & (keys < end)), forced)
 
 
 def test_refusals() -> None:
@@ -316,6 +318,18 @@ def test_fused_cache_leaves_odd_head_sizes_to_pytorch() -> None:
 
 
 @pytest.mark.skipif(not KERNELS_RUN_HERE, reason="needs Triton with CUDA, or on CPU TRITON_INTERPRET=1")
+def test_fused_cache_forces_sinks_and_recent_tokens_as_teacher_forcing() -> None:
+    """Sinks, recent tokens and the newest position are forced into every selection: on the fused path the
+    gate-score kernel writes their +inf with the scores (one selection per KV head, int8 gate keys here)."""
+    model = _model("llama", CONFIGS["everything_mix_kv_gates"]).to(KERNEL_DEVICE)
+    ids = _ids().to(KERNEL_DEVICE)
+    with torch.no_grad():
+        teacher_forced = model(ids, use_cache=False).logits
+    torch.testing.assert_close(_step_by_step(model, ids, GSMCache(model, fused=True)), teacher_forced, atol=1e-3,
+                               rtol=0)
+
+
+@pytest.mark.skipif(not KERNELS_RUN_HERE, reason="needs Triton with CUDA, or on CPU TRITON_INTERPRET=1")
 def test_fused_cache_decodes_rotated_residuals_as_teacher_forcing() -> None:
     """With `rotate_residuals` the store holds prototypes and residuals of the rotated rows, and the fused
     kernel takes the query into that basis and the packed rows' weighted sum of V back out of it at the end
@@ -346,6 +360,10 @@ def test_gate_score_kernel_equals_pytorch_path(bits: int) -> None:
     keys, scales = encode_gate_keys(gate_k, bits)
     expected = gate.score_stored(gate_q, decode_gate_keys(keys, scales))[:, :, 0]
     torch.testing.assert_close(gate_scores(gate_q, keys, scales), expected, atol=1e-5, rtol=1e-5)
+    forced = expected.clone()  # sinks and the recent span as top_k_positions marks them, written by the kernel
+    forced[..., :2] = float("inf")
+    forced[..., 290:300] = float("inf")
+    torch.testing.assert_close(gate_scores(gate_q, keys, scales, (2, 290, 300)), forced, atol=1e-5, rtol=1e-5)
 
 
 def test_generate_command(exported_tiny: Path, capsys: pytest.CaptureFixture) -> None:

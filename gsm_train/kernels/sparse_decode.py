@@ -260,8 +260,8 @@ if triton is not None:
 
 
     @triton.jit
-    def _gate_scores_kernel(q_ptr, k_ptr, scale_ptr, out_ptr, length, scale, DG: tl.constexpr, BLOCK_S: tl.constexpr,
-                            SCALED: tl.constexpr):
+    def _gate_scores_kernel(q_ptr, k_ptr, scale_ptr, out_ptr, length, scale, sink_end, forced_start, forced_end,
+                            DG: tl.constexpr, BLOCK_S: tl.constexpr, SCALED: tl.constexpr):
         row = tl.program_id(0)  # one (batch, selector)
         tile = tl.program_id(1)
         dims = tl.arange(0, DG)
@@ -273,7 +273,8 @@ if triton is not None:
         logits = tl.sum(keys * q[None, :], 1) * scale
         if SCALED:  # int8 codes: one fp16 scale per key
             logits = logits * tl.load(scale_ptr + row * length + keys_at, mask=live, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * length + keys_at, logits, mask=live)
+        forced = (keys_at < sink_end) | ((keys_at >= forced_start) & (keys_at < forced_end))
+        tl.store(out_ptr + row * length + keys_at, tl.where(forced, float("inf"), logits), mask=live)
 
 
 SCORE_PROGRAMS = 512  # the score kernel takes as few keys per program (64..1024) as keep about this many busy
@@ -366,15 +367,18 @@ def autotuned_config() -> triton.Config:
     return _sparse_decode_kernel.best_config
 
 
-def gate_scores(gate_q: Tensor, gate_keys: Tensor, key_scales: Tensor | None) -> Tensor:
+def gate_scores(gate_q: Tensor, gate_keys: Tensor, key_scales: Tensor | None,
+                forced: tuple[int, int, int] = (0, 0, 0)) -> Tensor:
     """fp32 gate logits [B, n, S] of one query per row, gate_q [B, n, 1, dg], over the cached gate keys
     [B, n, S, dg] (bf16, or int8 codes with fp16 `key_scales` [B, n, S, 1]): the same products as
-    `SparseGateHead.score_stored`, reading the keys once as stored."""
+    `SparseGateHead.score_stored`, reading the keys once as stored. `forced` (sink_end, start, end): keys
+    below sink_end and in [start, end) get +inf instead, as `decode_attention.top_k_positions` marks the
+    keys a selection always keeps (`decode_attention.forced_spans`), so no kernel of their own writes them."""
     batch, selectors, length, dim = gate_keys.shape
     out = torch.empty(batch, selectors, length, device=gate_keys.device, dtype=torch.float32)
     scales = key_scales.contiguous() if key_scales is not None else out
     block = _score_block(batch * selectors, length)
     _gate_scores_kernel[(batch * selectors, triton.cdiv(length, block))](
-        gate_q.float().contiguous(), gate_keys.contiguous(), scales, out, length, dim ** -0.5, DG=dim, BLOCK_S=block,
-        SCALED=key_scales is not None)
+        gate_q.float().contiguous(), gate_keys.contiguous(), scales, out, length, dim ** -0.5, *forced, DG=dim,
+        BLOCK_S=block, SCALED=key_scales is not None)
     return out

@@ -28,25 +28,34 @@ if TYPE_CHECKING:
     from gsm_train.modules.gsm_attention import GSMAttentionAdapter
 
 
+def forced_spans(position: int, sink_tokens: int, recent_tokens: int) -> tuple[int, int, int]:
+    """The keys the query at `position` always keeps, as (sink_end, start, end): the sinks [0, sink_end) and
+    the recent tokens with itself [start, end)."""
+    recent_start = max(position - recent_tokens + 1, 0) if recent_tokens else position
+    return sink_tokens, recent_start, position + 1
+
+
 def forced_count(position: int, sink_tokens: int, recent_tokens: int) -> int:
     """How many keys the rule always keeps for the query at `position`: itself, sinks and recent tokens."""
-    recent_start = max(position - recent_tokens + 1, 0) if recent_tokens else position
-    return min(sink_tokens, recent_start) + position - recent_start + 1
+    sink_end, start, end = forced_spans(position, sink_tokens, recent_tokens)
+    return min(sink_end, start) + end - start
 
 
 def top_k_positions(scores: Tensor, allowed: Tensor | None, k: int, position: int, sink_tokens: int,
-                    recent_tokens: int, fused: bool = False) -> tuple[Tensor, Tensor | None]:
+                    recent_tokens: int, fused: bool = False,
+                    forced_marked: bool = False) -> tuple[Tensor, Tensor | None]:
     """Key positions [B, n, k'] the newest query keeps (same rule as `select_top_k`) and which are valid.
 
-    scores [B, n, S] over all cached keys (overwritten: forced keys get +inf); allowed [B, S] or None;
-    `fused`: with no padding, take the top k with the CUDA kernel where it runs (`kernels.decode_topk`).
+    scores [B, n, S] over all cached keys (overwritten: forced keys get +inf; with `forced_marked` the
+    caller has set them, e.g. `kernels.sparse_decode.gate_scores` given `forced_spans`); allowed [B, S] or
+    None; `fused`: with no padding, take the top k with the CUDA kernel where it runs (`kernels.decode_topk`).
     """
     length = scores.shape[-1]
-    scores[..., position] = float("inf")
-    if sink_tokens:
-        scores[..., :sink_tokens] = float("inf")
-    if recent_tokens:
-        scores[..., max(position - recent_tokens + 1, 0):position + 1] = float("inf")
+    if not forced_marked:
+        sink_end, start, end = forced_spans(position, sink_tokens, recent_tokens)
+        scores[..., start:end] = float("inf")
+        if sink_end:
+            scores[..., :sink_end] = float("inf")
     k_eff = min(length, max(k, forced_count(position, sink_tokens, recent_tokens)))
     if allowed is None:  # every forced key is visible: the top k_eff, in any order, are exactly the selection
         if fused:
@@ -126,12 +135,14 @@ def decode_attention(module: nn.Module, adapter: GSMAttentionAdapter, layer_cach
     if mode == "sparse" and gate is not None:
         k = int(k_per_query(torch.tensor([position]), cfg.top_k_schedule, cfg.top_k, cfg.k_min, cfg.decay_rate))
         keys, key_scales = layer_cache.gate_keys, layer_cache.gate_key_scales
-        if kernels is not None and kernel_fits(gate.gate_head_dim):
-            scores = kernels.gate_scores(gate_q, keys, key_scales)
+        forced_marked = kernels is not None and kernel_fits(gate.gate_head_dim)
+        if forced_marked:  # the kernel writes the forced keys' +inf with the scores: no launches of their own
+            scores = kernels.gate_scores(gate_q, keys, key_scales,
+                                         forced_spans(position, cfg.sink_tokens, cfg.recent_tokens))
         else:
             scores = gate.score_stored(gate_q, decode_gate_keys(keys, key_scales))[:, :, 0]
         index, valid = top_k_positions(scores, allowed, k, position, cfg.sink_tokens, cfg.recent_tokens,
-                                       fused=kernels is not None)
+                                       fused=kernels is not None, forced_marked=forced_marked)
     else:
         index = torch.arange(length, device=query.device).expand(query.shape[0], 1, length)
         valid = None if allowed is None else allowed[:, None, :]
