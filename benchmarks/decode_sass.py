@@ -3,7 +3,8 @@
 shapes, ASQ as recipes/joint.yaml sets it, with the integer and pointer hints a launch at 32k, k=2048 gives
 (multiples of 16). Per configuration: registers and stack per thread (spills), shared memory, SASS
 instructions per thread (a static count: prologue, one tile's body and epilogue, each once) and the most
-frequent opcodes. Needs Triton's NVIDIA backend (its bundled ptxas and cuobjdump), not a device.
+frequent opcodes. Needs Triton's NVIDIA backend (its bundled ptxas and cuobjdump), not a device: on a
+CPU machine, Triton installed beside the project (`pip install triton==3.6.0`, the GPU image's version).
 
 python benchmarks/decode_sass.py --result OUT.json
 """

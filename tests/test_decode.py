@@ -17,7 +17,7 @@ from gsm_train.export import export_adapter
 from gsm_train.inspect_model import layer_reports
 from gsm_train.model_zoo import TINY_FAMILIES, tiny_model
 from gsm_train.modules import GSMError, inject_gsm
-from gsm_train.modules.decode_attention import attend, forced_count, forced_spans
+from gsm_train.modules.decode_attention import attend, forced_count, forced_spans, top_k_positions
 from gsm_train.modules.decode_cache import GSMCache
 from gsm_train.modules.kv_compressor import ASQCompressor
 from gsm_train.modules.kv_store import KVStore
@@ -320,8 +320,11 @@ def test_fused_cache_leaves_odd_head_sizes_to_pytorch() -> None:
 @pytest.mark.skipif(not KERNELS_RUN_HERE, reason="needs Triton with CUDA, or on CPU TRITON_INTERPRET=1")
 def test_fused_cache_forces_sinks_and_recent_tokens_as_teacher_forcing() -> None:
     """Sinks, recent tokens and the newest position are forced into every selection: on the fused path the
-    gate-score kernel writes their +inf with the scores (one selection per KV head, int8 gate keys here)."""
-    model = _model("llama", CONFIGS["everything_mix_kv_gates"]).to(KERNEL_DEVICE)
+    gate-score kernel writes their +inf with the scores (one selection per KV head, int8 gate keys here).
+    k=9 leaves room beside the 6 forced keys, so the scores pick some keys too."""
+    config = CONFIGS["everything_mix_kv_gates"]
+    sections = {**config, "sparse_attention": {**config["sparse_attention"], "top_k": 9}}
+    model = _model("llama", sections).to(KERNEL_DEVICE)
     ids = _ids().to(KERNEL_DEVICE)
     with torch.no_grad():
         teacher_forced = model(ids, use_cache=False).logits
@@ -360,10 +363,11 @@ def test_gate_score_kernel_equals_pytorch_path(bits: int) -> None:
     keys, scales = encode_gate_keys(gate_k, bits)
     expected = gate.score_stored(gate_q, decode_gate_keys(keys, scales))[:, :, 0]
     torch.testing.assert_close(gate_scores(gate_q, keys, scales), expected, atol=1e-5, rtol=1e-5)
-    forced = expected.clone()  # sinks and the recent span as top_k_positions marks them, written by the kernel
-    forced[..., :2] = float("inf")
-    forced[..., 290:300] = float("inf")
-    torch.testing.assert_close(gate_scores(gate_q, keys, scales, (2, 290, 300)), forced, atol=1e-5, rtol=1e-5)
+    for position, sinks, recent in ((299, 0, 0), (299, 2, 8), (250, 3, 0), (120, 0, 5), (40, 50, 4)):
+        marked = expected.clone()  # the forced keys as top_k_positions marks them on the PyTorch path
+        top_k_positions(marked, None, 1, position, sinks, recent)
+        torch.testing.assert_close(gate_scores(gate_q, keys, scales, forced_spans(position, sinks, recent)), marked,
+                                   atol=1e-5, rtol=1e-5, msg=lambda m, c=(position, sinks, recent): f"{c}: {m}")
 
 
 def test_generate_command(exported_tiny: Path, capsys: pytest.CaptureFixture) -> None:

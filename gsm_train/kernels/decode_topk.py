@@ -24,9 +24,11 @@ with them which of the tied keys are taken). NaN ranks above +inf, as in ``torch
 Why CUDA and not Triton: a radix select wants blocks with shared-memory atomics and block-wide scans
 over a row held on chip; five Triton designs were slower than ``torch.topk`` (docs/design-decisions.md).
 NVRTC ships with PyTorch's CUDA wheels (``torch.cuda._compile_kernel``), so no compiler is needed.
-On the H200, in CUDA graphs (one launch per graph), rows of 32k scores, k=2048: 1 row 13.7 us (8 blocks
-per row as chosen, 4 as fast; 18.9 in one block) against 45.8 for ``torch.topk``; 16 rows 16.2 (4 blocks;
-22.5) against 52.5; 128 rows 23.2 (one block) against 100.6 (the full table: docs/design-decisions.md).
+On the H200, in CUDA graphs (one launch per graph), rows of 32k scores, k=2048, in the table of
+docs/design-decisions.md: 1 row 13.7 us (8 blocks per row as chosen, 4 as fast; 18.9 in one block)
+against 45.8 for ``torch.topk``; 16 rows 16.2 (4 blocks; 22.5) against 52.5; 128 rows 23.2 (one block)
+against 100.6. Single-launch timings move by several us between runs: `benchmarks/results/decode_topk.json`
+(ff0b17f) has 17.1 / 20.6 / 48.6, 16.3 / 20.7 / 56.4 and 22.7 / 103.6 for the same cases.
 """
 
 from __future__ import annotations
@@ -335,6 +337,7 @@ class _Launcher:
     def holds(self, cluster: int, length: int) -> bool:
         """Whether `cluster` blocks (a size this GPU runs) hold a row of `length` scores in shared memory."""
         share = -(-length // cluster)  # below 65,536: the kernel's write offsets pack two counts in 32 bits
+        # (a guard: shared memory holds fewer keys per block on the H200, 53,952)
         fits_shared = self._shared_bytes(cluster, length) <= self.shared_limit
         return cluster in self._compiled and share < 1 << 16 and fits_shared
 
