@@ -54,20 +54,22 @@ def filled_store(asq: ASQCompressor, batch: int, length: int) -> KVStore:
     """A store holding `length` random tokens of `asq`'s heads, packed block by block in slices (bounded
     memory)."""
     kv_heads, dim = asq.num_kv_heads, asq.head_dim
+    device = next(asq.parameters()).device
     store = KVStore(asq, kv_heads)
     slice_len = max(asq.block_size, (1 << 24) // (batch * kv_heads * dim) // asq.block_size * asq.block_size)
     for start in range(0, length, slice_len):
-        store.append(torch.randn(batch, kv_heads, min(slice_len, length - start), dim, device="cuda",
+        store.append(torch.randn(batch, kv_heads, min(slice_len, length - start), dim, device=device,
                                  dtype=torch.bfloat16))
     return store
 
 
-def compressors(gsm: GSMConfig, kv_heads: int, dim: int) -> tuple[ASQCompressor, ASQCompressor]:
-    """K's and V's ASQ compressors on the GPU as `gsm` sets them (the bits of the layers `layer_bits` does
+def compressors(gsm: GSMConfig, kv_heads: int, dim: int,
+                device: str = "cuda") -> tuple[ASQCompressor, ASQCompressor]:
+    """K's and V's ASQ compressors on `device` as `gsm` sets them (the bits of the layers `layer_bits` does
     not name)."""
     asq = gsm.kv_compression
     return tuple(ASQCompressor(kv_heads, dim, cluster_num=asq.cluster_num, quant_bits=bits, block_size=asq.block_size,
-                               rotate_residuals=asq.rotate_residuals).cuda() for bits in asq.bits())
+                               rotate_residuals=asq.rotate_residuals).to(device) for bits in asq.bits())
 
 
 LAYER_BYTES = 1 << 31  # a step's layers together hold at least this much dense cache (or 16 layers)

@@ -29,7 +29,8 @@ KS = (64, 2048)
 BF16_ATOL, BF16_RTOL = 3e-3, 1e-2  # the per-configuration test's atol, plus 1% for bf16 rounding of larger outputs
 
 
-def _name(config: object) -> str:
+def config_name(config: object) -> str:
+    """A configuration as its tables name it: rows per tile x tiles, warps, stages."""
     return f"{config.kwargs['BLOCK_N']}x{config.kwargs['TILES']} w{config.num_warps} s{config.num_stages}"
 
 
@@ -55,18 +56,18 @@ def main() -> None:
                 for config in (*configs, None):
                     got = fused_decode_attention(query, caches[0][0], caches[0][1], index, None, dim ** -0.5,
                                                  config=config)
-                    name = "autotuned" if config is None else _name(config)
+                    name = "autotuned" if config is None else config_name(config)
                     row[name + "_max_error"] = (got.float() - expected).abs().max().item()
                     if not torch.allclose(got.float(), expected, atol=BF16_ATOL, rtol=BF16_RTOL):
                         off_bound.append(f"{name} ({shape}, batch {batch}, k={k}): {row[name + '_max_error']:.2g}")
                     us = per_layer_ms([lambda c=c, config=config: fused_decode_attention(
                         query, c[0], c[1], index, None, dim ** -0.5, config=config) for c in caches]) * 1e3
                     row[name + "_us"] = us
-                fastest = _name(min(configs, key=lambda c: row[_name(c) + "_us"]))
-                row.update(autotuned_config=_name(autotuned_config()), fastest_config=fastest,
+                fastest = config_name(min(configs, key=lambda c: row[config_name(c) + "_us"]))
+                row.update(autotuned_config=config_name(autotuned_config()), fastest_config=fastest,
                            fastest_us=row[fastest + "_us"])
                 results.append(row)
-                times = " ".join(f"{_name(c)}:{row[_name(c) + '_us']:.1f}" for c in configs)
+                times = " ".join(f"{config_name(c)}:{row[config_name(c) + '_us']:.1f}" for c in configs)
                 print(f"{shape:>8} bs {batch:>2} k {k:>4}  autotuned {row['autotuned_config']} "
                       f"{row['autotuned_us']:.1f} us, fastest {row['fastest_us']:.1f}  |  {times}", flush=True)
             del caches

@@ -19,19 +19,19 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result  # noqa: E402
+from decode import REPO, SHAPES, compressors, filled_store  # noqa: E402
+from decode_configs import config_name  # noqa: E402
 
 from gsm_train.config import load_recipe  # noqa: E402
-from gsm_train.kernels.sparse_decode import _sparse_decode_kernel, decode_configs  # noqa: E402
-from gsm_train.modules.kv_compressor import code_center  # noqa: E402
+from gsm_train.kernels.sparse_decode import _sparse_decode_kernel, decode_configs, kernel_constants  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-SHAPES = {"smollm2": (9, 3, 64), "llama8b": (32, 8, 128)}  # q heads, KV heads, head_dim (as decode.py)
 TARGET = GPUTarget("cuda", 90, 32)
 POINTER_TYPES = {"q_ptr": "*bf16", "signs_ptr": "*fp32", "index_ptr": "*i64", "valid_ptr": "*i64",
                  "k_ids": "*u8", "k_res": "*u8", "k_scales": "*fp16", "k_protos": "*fp16", "k_tail": "*bf16",
@@ -44,14 +44,12 @@ SASS_INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,6}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-
 
 
 def _constants(q_heads: int, kv_heads: int, dim: int) -> dict[str, object]:
-    """The kernel's constexpr arguments for one layer shape, ASQ as recipes/joint.yaml sets it."""
-    asq = load_recipe(str(REPO / "recipes" / "joint.yaml")).gsm.kv_compression
-    k_bits, v_bits = asq.bits()
-    groups = q_heads // kv_heads
-    return dict(KV_HEADS=kv_heads, G=groups, GP=max(16, triton.next_power_of_2(groups)), D=dim,
-                LOG_D=dim.bit_length() - 1, K_BITS=k_bits, V_BITS=v_bits, K_CENTER=code_center(k_bits),
-                V_CENTER=code_center(v_bits), C=asq.cluster_num, TOKENS_PER_BLOCK=asq.block_size, PACKED=True,
-                ROTATED=asq.rotate_residuals, HAS_VALID=False, PRECISION="tf32", SHARED_SELECTION=True)
+    """The kernel's constexpr arguments as a launch computes them for one layer shape (bf16, one selection
+    for all KV heads, no valid mask) over stores holding a packed block, ASQ as recipes/joint.yaml sets it."""
+    gsm = load_recipe(str(REPO / "recipes" / "joint.yaml")).gsm
+    stores = [filled_store(asq, 1, asq.block_size + 1) for asq in compressors(gsm, kv_heads, dim, device="cpu")]
+    query = torch.empty(1, q_heads, 1, dim, dtype=torch.bfloat16)
+    return kernel_constants(query, *stores, shared_selection=True, has_valid=False)
 
 
 def _tool(name: str) -> str:
@@ -85,10 +83,6 @@ def compiled_stats(constants: dict[str, object], config: triton.Config) -> dict[
             "top_opcodes": dict(opcodes.most_common(12))}
 
 
-def _name(config: triton.Config) -> str:
-    return f"{config.kwargs['BLOCK_N']}x{config.kwargs['TILES']} w{config.num_warps} s{config.num_stages}"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--result", required=True)
@@ -98,8 +92,8 @@ def main() -> None:
         constants = _constants(*dims)
         for config in decode_configs():
             stats = compiled_stats(constants, config)
-            rows.append({"shape": shape, "config": _name(config), **stats})
-            print(f"{shape:>8} {_name(config):>14}  registers {stats['registers']:>3}  stack "
+            rows.append({"shape": shape, "config": config_name(config), **stats})
+            print(f"{shape:>8} {config_name(config):>14}  registers {stats['registers']:>3}  stack "
                   f"{stats['stack_bytes']:>4} B  shared {stats['shared_bytes']:>6} B  instructions "
                   f"{stats['instructions']:>5}", flush=True)
     write_result(Path(args.result), {"target": "sm_90 (cuda 9.0, warp 32)", "triton": triton.__version__,

@@ -297,6 +297,27 @@ def _store_args(store: KVStore, like: Tensor) -> tuple[Tensor, ...]:
     return store.ids, store.residual, store.scales, store.prototypes, store.tail
 
 
+def kernel_constants(query: Tensor, k_store: KVStore, v_store: KVStore, shared_selection: bool,
+                     has_valid: bool) -> dict[str, object]:
+    """The fused decode kernel's compile-time arguments for a query [B, Hq, 1, D] over these stores, with
+    one selection for all KV heads or not and with a valid mask or not: what a launch specializes on
+    (`benchmarks/decode_sass.py` compiles the same)."""
+    _, q_heads, _, dim = query.shape
+    kv_heads = k_store.tail.shape[1]
+    groups = q_heads // kv_heads
+    packed = k_store.packed_len > 0
+    asq = k_store.asq
+    k_bits, v_bits = (asq.quant_bits, v_store.asq.quant_bits) if packed else (8, 8)  # no codes read unpacked
+    return dict(KV_HEADS=kv_heads, G=groups, GP=max(16, triton.next_power_of_2(groups)), D=dim,
+                LOG_D=dim.bit_length() - 1, K_BITS=k_bits, V_BITS=v_bits, K_CENTER=code_center(k_bits),
+                V_CENTER=code_center(v_bits), C=asq.cluster_num if packed else 1,
+                TOKENS_PER_BLOCK=asq.block_size if packed else 1, PACKED=packed,
+                # prototypes and residual codes in the rotated basis, K's and V's alike
+                ROTATED=packed and asq.rotate_residuals, HAS_VALID=has_valid,
+                PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # fp32: exact
+                SHARED_SELECTION=shared_selection)
+
+
 def fused_decode_attention(query: Tensor, k_store: KVStore, v_store: KVStore, index: Tensor, valid: Tensor | None,
                            scaling: float, config: triton.Config | None = None) -> Tensor:
     """Attention of query [B, Hq, 1, D] over the rows `index` [B, n, k] of the stores (n = 1: one selection
@@ -307,14 +328,10 @@ def fused_decode_attention(query: Tensor, k_store: KVStore, v_store: KVStore, in
         raise ValueError(f"k_store and v_store must both rotate residuals or neither (got {k_rotates} and "
                          f"{v_rotates}); build both compressors with the same rotate_residuals")
     batch, q_heads, _, dim = query.shape
-    kv_heads, selected = k_store.tail.shape[1], index.shape[2]
-    groups = q_heads // kv_heads
-    group_pad = max(16, triton.next_power_of_2(groups))
+    constants = kernel_constants(query, k_store, v_store, index.shape[1] == 1, valid is not None)
+    kv_heads, groups, packed = constants["KV_HEADS"], constants["G"], constants["PACKED"]
+    selected = index.shape[2]
     most_splits = math.ceil(selected / SMALLEST_CHUNK)
-    packed = k_store.packed_len > 0
-    asq = k_store.asq
-    k_bits, v_bits = (asq.quant_bits, v_store.asq.quant_bits) if packed else (8, 8)  # no codes read unpacked
-    rotated = packed and k_rotates  # prototypes and residual codes in the rotated basis, K's and V's alike
     q = query.reshape(batch, q_heads, dim).contiguous()
     index = index.contiguous()
     valid_arg = valid.to(torch.int8).contiguous() if valid is not None else index
@@ -338,16 +355,10 @@ def fused_decode_attention(query: Tensor, k_store: KVStore, v_store: KVStore, in
                                                    "num_stages": config.num_stages}
     kernel[grid](
         # V's rotation signs are K's: both are hadamard_signs(D), D the one head size both stores are read at
-        q, asq.rotation_signs if rotated else q, index, valid_arg, *_store_args(k_store, index),
+        q, k_store.asq.rotation_signs if constants["ROTATED"] else q, index, valid_arg, *_store_args(k_store, index),
         *_store_args(v_store, index), acc, maxes, sums,
         k_store.packed_len, k_store.tail.shape[2], n_blocks, selected, triton.next_power_of_2(selected),
-        batch * kv_heads, scaling,
-        KV_HEADS=kv_heads, G=groups, GP=group_pad, D=dim, LOG_D=dim.bit_length() - 1, K_BITS=k_bits, V_BITS=v_bits,
-        K_CENTER=code_center(k_bits), V_CENTER=code_center(v_bits),
-        C=asq.cluster_num if packed else 1, TOKENS_PER_BLOCK=asq.block_size if packed else 1, PACKED=packed,
-        ROTATED=rotated,
-        HAS_VALID=valid is not None, PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # fp32: exact
-        SHARED_SELECTION=index.shape[1] == 1, **fixed)
+        batch * kv_heads, scaling, **constants, **fixed)
     splits = grid(fixed or _sparse_decode_kernel.best_config.kwargs)[1]
     out = torch.empty(batch, q_heads, dim, device=query.device, dtype=query.dtype)
     _merge_splits_kernel[(batch * q_heads,)](acc, maxes, sums, out, splits, G=groups, D=dim,
