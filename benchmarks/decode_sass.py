@@ -36,7 +36,7 @@ TARGET = GPUTarget("cuda", 90, 32)
 POINTER_TYPES = {"q_ptr": "*bf16", "signs_ptr": "*fp32", "index_ptr": "*i64", "valid_ptr": "*i64",
                  "k_ids": "*u8", "k_res": "*u8", "k_scales": "*fp16", "k_protos": "*fp16", "k_tail": "*bf16",
                  "v_ids": "*u8", "v_res": "*u8", "v_scales": "*fp16", "v_protos": "*fp16", "v_tail": "*bf16",
-                 "acc_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32"}
+                 "acc_ptr": "*fp32", "raw_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32"}
 INT_TYPES = {"packed_len": "i32", "tail_len": "i32", "n_blocks": "i32", "selected": "i32", "size_class": "i32",
              "rows": "i32", "scaling": "fp32"}
 MULTIPLES_OF_16 = ("packed_len", "tail_len", "selected", "size_class")  # at 32k (32,704 packed), k=2048

@@ -4,7 +4,8 @@ over the selection, flash-decoding style).
 
 Per (batch, KV head, split) one program loads the GQA group's queries once, then for each tile of
 selected positions reads only what the cache stores for them: cluster id (1 byte), packed residual
-codes (D * bits / 8 bytes at K's or V's width, read as whole rows and unpacked in registers), scale
+codes (D * bits / 8 bytes at K's or V's width, read as whole rows of 32-bit words and unpacked in
+registers, each code turned into a float by its bits: `_unpacked_levels`), scale
 (2 bytes) and the id's prototype row, or the raw row for positions in the newest block (read only by
 tiles holding one). All of a tile's K and V loads are issued before any of them is used. (Whole-row
 residual reads and this load order took the kernel from 206 to 160 us per step on the H200 at
@@ -13,10 +14,15 @@ moved per selected token and KV head: about ``2 * (3 + D * bits / 8 + 2 * D)`` (
 prototype row counted in full), against ``4 * D`` for a bf16 cache read densely.
 
 With rotated residuals (`kv_compression.rotate_residuals`) the store holds prototypes and residuals of
-the rotated rows (``k R``), so the kernel rotates the query once (``(k R) . (q R) = k . q``), sums the
-packed rows' values in the rotated basis and rotates that sum back (``R^T``) at the end of each program.
+the rotated rows (``k R``), so the kernel rotates the query once (``(k R) . (q R) = k . q``; the
+group's real heads only, not the dot's padding to 16 rows) and sums the packed rows' values in the rotated
+basis; the merge, being linear, sums the splits there and rotates the sum back (``R^T``) once per head.
 The newest block's raw rows are never rotated: a tile holding some takes their products against the
-unrotated query and adds their values to a second sum, in the rows' own basis. Each rotation is a fast
+unrotated query and adds their values to a second sum, in the rows' own basis, which the merge sums apart.
+(The word reads with codes made floats by their bits, no select on the packed rows, the query rotated
+at its real heads only and the sum rotated back in the merge took the kernel's SASS from 3,344 to 2,552
+instructions per thread for 64-row tiles of 4 warps at Llama-8B shapes (`benchmarks/decode_sass.py`) and
+its time at 32k, batch 16, k=2048 from 114.5 to 99.0 us on the H200.) Each rotation is a fast
 Walsh-Hadamard transform with the rotation's signs (``R = diag(signs) H / sqrt(D)``, `hadamard_rotation`):
 no matrix is read and no kernel is launched for them. (32k, k=2048, Llama-8B shapes, on the H200:
 rotating with PyTorch matmuls around the kernel took 45 us at batch 1 against 17 in the kernel (875c8bf);
@@ -56,17 +62,17 @@ def triton_available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _unpacked_levels(byte, BITS: tl.constexpr, CENTER: tl.constexpr):
-        """Residual levels [N, D] (fp32, in units of the scale) from packed bytes [N, D * BITS / 8] (int32):
-        code j of a row sits in byte j * BITS // 8 at bit (j % (8 // BITS)) * BITS, as `kv_compressor` packs
-        them, less CENTER (`kv_compressor.code_center(BITS)`)."""
-        if BITS == 4:
-            codes = tl.interleave(byte & 15, byte >> 4)
-        elif BITS == 2:
-            codes = tl.interleave(tl.interleave(byte & 3, (byte >> 4) & 3), tl.interleave((byte >> 2) & 3, byte >> 6))
-        else:
-            codes = byte
-        return codes.to(tl.float32) - CENTER
+    def _unpacked_levels(word, BITS: tl.constexpr, CENTER: tl.constexpr):
+        """Residual levels [N, D] (fp32, in units of the scale) from packed words [N, D * BITS / 32] (int32):
+        code j of a row sits at bit j * BITS of the row's bytes read little-endian, as `kv_compressor` packs
+        them, less CENTER. A code c becomes the float 2**22 + c by its bits (0x4A800000 | c << 1; floats in
+        [2**22, 2**23) step by 1/2, so 2**22 + CENTER is one too), so a level costs integer shifts and masks
+        and one exact subtraction, no integer-to-float conversion."""
+        PER_WORD: tl.constexpr = 32 // BITS
+        shifts = tl.arange(0, PER_WORD) * BITS
+        codes = (word[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
+        codes = tl.reshape(codes, [word.shape[0], word.shape[1] * PER_WORD])
+        return ((codes << 1) | 0x4A800000).to(tl.float32, bitcast=True) - (4194304.0 + CENTER)
 
     @triton.jit
     def _tile_positions(index_ptr, valid_ptr, row_start, offs, hi, HAS_VALID: tl.constexpr):
@@ -88,15 +94,16 @@ if triton is not None:
     def _packed_parts(cluster, res_ptr, scale_ptr, proto_ptr, bh, pos, in_packed, packed_len, n_blocks, dims,
                       D: tl.constexpr, BITS: tl.constexpr, C: tl.constexpr, TOKENS_PER_BLOCK: tl.constexpr):
         """What the store holds for the packed rows at `pos` with prototype ids `cluster` (zeros elsewhere):
-        prototype rows [N, D], residual bytes [N, D * BITS / 8] (read whole) and scales [N]."""
+        prototype rows [N, D], residual codes as words [N, D * BITS / 32] (int32, read whole) and scales [N]."""
         flat = bh * packed_len + pos
-        NBYTES: tl.constexpr = D * BITS // 8
-        byte = tl.load(res_ptr + flat[:, None] * NBYTES + tl.arange(0, NBYTES)[None, :], mask=in_packed[:, None],
-                       other=0)
+        NWORDS: tl.constexpr = D * BITS // 32
+        # one expression: naming the word pointers made Triton 3.6's layout pass fail on the ids' load
+        word = tl.load(res_ptr.to(tl.pointer_type(tl.int32)) + flat[:, None] * NWORDS
+                       + tl.arange(0, NWORDS)[None, :], mask=in_packed[:, None], other=0)
         scale = tl.load(scale_ptr + flat, mask=in_packed, other=0.0)
         proto_row = (bh * n_blocks + pos // TOKENS_PER_BLOCK) * C + cluster
         proto = tl.load(proto_ptr + proto_row[:, None] * D + dims[None, :], mask=in_packed[:, None], other=0.0)
-        return proto, byte, scale
+        return proto, word, scale
 
     @triton.jit
     def _walsh_hadamard(x, ROWS: tl.constexpr, D: tl.constexpr, LOG_D: tl.constexpr):
@@ -109,14 +116,15 @@ if triton is not None:
         return x * tl.rsqrt(tl.full([1, 1], D, tl.float32))
 
     @triton.jit
-    def _packed_rows(proto, byte, scale, in_packed, D: tl.constexpr, BITS: tl.constexpr, CENTER: tl.constexpr,
+    def _packed_rows(proto, word, scale, in_packed, D: tl.constexpr, BITS: tl.constexpr, CENTER: tl.constexpr,
                      PACKED: tl.constexpr, DTYPE: tl.constexpr):
         """Rows [N, D] (DTYPE) rebuilt from `_packed_parts` (prototype + residual) where `in_packed`, zeros
-        elsewhere (in the rotated basis when the store rotates its residuals)."""
+        elsewhere (in the rotated basis when the store rotates its residuals): the parts' masked loads give
+        zero prototypes and scales there, so no select is spent on it."""
         rows = tl.zeros([in_packed.shape[0], D], DTYPE)
         if PACKED:
-            residual = _unpacked_levels(byte.to(tl.int32), BITS, CENTER) * scale.to(tl.float32)[:, None]
-            rows = tl.where(in_packed[:, None], proto.to(tl.float32) + residual, 0.0).to(DTYPE)
+            residual = _unpacked_levels(word, BITS, CENTER) * scale.to(tl.float32)[:, None]
+            rows = (proto.to(tl.float32) + residual).to(DTYPE)
         return rows
 
     @triton.jit
@@ -146,10 +154,10 @@ if triton is not None:
     def _sparse_decode_kernel(q_ptr, signs_ptr, index_ptr, valid_ptr,
                               k_ids, k_res, k_scales, k_protos, k_tail,
                               v_ids, v_res, v_scales, v_protos, v_tail,
-                              acc_ptr, max_ptr, sum_ptr,
+                              acc_ptr, raw_ptr, max_ptr, sum_ptr,
                               packed_len, tail_len, n_blocks, selected, size_class, rows, scaling,
-                              KV_HEADS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                              LOG_D: tl.constexpr,
+                              KV_HEADS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, GQ: tl.constexpr,
+                              D: tl.constexpr, LOG_D: tl.constexpr,
                               K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_CENTER: tl.constexpr,
                               V_CENTER: tl.constexpr, C: tl.constexpr,
                               TOKENS_PER_BLOCK: tl.constexpr,
@@ -167,7 +175,12 @@ if triton is not None:
         signs = tl.full([D], 1.0, tl.float32)
         if ROTATED:  # rows in the rotated basis: the query too. R = diag(signs) H / sqrt(D) (`hadamard_rotation`),
             signs = tl.load(signs_ptr + dims).to(tl.float32)  # so q R = ((q * signs) H) / sqrt(D)
-            q = _walsh_hadamard(q.to(tl.float32) * signs[None, :], GP, D, LOG_D).to(q_ptr.dtype.element_ty)
+            group = tl.arange(0, GQ)  # the group's heads without the dot's padding: 4x fewer rows to rotate at G 4
+            q_group = tl.load(q_ptr + ((bh * G + group) * D)[:, None] + dims[None, :], mask=(group < G)[:, None],
+                              other=0.0)
+            q_group = _walsh_hadamard(q_group.to(tl.float32) * signs[None, :], GQ, D, LOG_D)
+            q = tl.reshape(tl.broadcast_to(q_group[None, :, :], [GP // GQ, GQ, D]), [GP, D])
+            q = tl.where((heads < G)[:, None], q, 0.0).to(q_ptr.dtype.element_ty)
         q_t = tl.trans(q)  # [D, GP]: the tile's rows stay [BLOCK_N, D], as read
         m_i = tl.full([GP], -1.0e30, tl.float32)
         l_i = tl.zeros([GP], tl.float32)
@@ -188,21 +201,21 @@ if triton is not None:
         for start in range(0, BLOCK_N * TILES, BLOCK_N):
             in_packed = live & (pos < packed_len)
             if PACKED:  # every load of the tile is issued before any of it is used
-                k_proto, k_byte, k_scale = _packed_parts(k_cluster, k_res, k_scales, k_protos, bh, pos, in_packed,
+                k_proto, k_word, k_scale = _packed_parts(k_cluster, k_res, k_scales, k_protos, bh, pos, in_packed,
                                                          packed_len, n_blocks, dims, D, K_BITS, C, TOKENS_PER_BLOCK)
-                v_proto, v_byte, v_scale = _packed_parts(v_cluster, v_res, v_scales, v_protos, bh, pos, in_packed,
+                v_proto, v_word, v_scale = _packed_parts(v_cluster, v_res, v_scales, v_protos, bh, pos, in_packed,
                                                          packed_len, n_blocks, dims, D, V_BITS, C, TOKENS_PER_BLOCK)
                 next_k_cluster = _cluster_ids(k_ids, bh, next_pos, next_live, packed_len)
                 next_v_cluster = _cluster_ids(v_ids, bh, next_pos, next_live, packed_len)
             else:
-                k_proto, k_byte, k_scale = pos, pos, pos
-                v_proto, v_byte, v_scale = pos, pos, pos
+                k_proto, k_word, k_scale = pos, pos, pos
+                v_proto, v_word, v_scale = pos, pos, pos
                 next_k_cluster, next_v_cluster = pos, pos
             after_pos, after_live = _tile_positions(index_ptr, valid_ptr, row_start, offs + start + 2 * BLOCK_N, hi,
                                                     HAS_VALID)
             in_tail = live & (pos >= packed_len)
             has_tail = tl.max(in_tail.to(tl.int32), 0) > 0  # only the tiles holding newest rows read the tail
-            keys = _packed_rows(k_proto, k_byte, k_scale, in_packed, D, K_BITS, K_CENTER, PACKED, q.dtype)
+            keys = _packed_rows(k_proto, k_word, k_scale, in_packed, D, K_BITS, K_CENTER, PACKED, q.dtype)
             logits = tl.dot(keys, q_t, input_precision=PRECISION)  # [BLOCK_N, GP]; (k R) . (q R) = k . q
             if has_tail:  # raw rows against the unrotated query; zero rows on either side add nothing
                 raw_keys = _tail_rows(k_tail, bh, pos, in_tail, packed_len, tail_len, dims, D, q.dtype)
@@ -212,7 +225,7 @@ if triton is not None:
             m_new = tl.maximum(m_i, tl.max(logits, 0))
             alpha = tl.exp(m_i - m_new)
             p = tl.trans(tl.exp(logits - m_new[None, :]))
-            values = _packed_rows(v_proto, v_byte, v_scale, in_packed, D, V_BITS, V_CENTER, PACKED, q.dtype)
+            values = _packed_rows(v_proto, v_word, v_scale, in_packed, D, V_BITS, V_CENTER, PACKED, q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), values, input_precision=PRECISION)
             acc_raw = acc_raw * alpha[:, None]
             if has_tail:
@@ -222,27 +235,32 @@ if triton is not None:
             m_i = m_new
             pos, live, next_pos, next_live = next_pos, next_live, after_pos, after_live
             k_cluster, v_cluster = next_k_cluster, next_v_cluster
-        if ROTATED:  # back from the rotated basis: acc R^T = signs * (acc H) / sqrt(D), in fp32
-            acc = signs[None, :] * _walsh_hadamard(acc, GP, D, LOG_D)
-        acc += acc_raw
         part = (bh * splits + split) * G + heads  # the group's real heads only, not the dot's padding
         real = heads < G
-        tl.store(acc_ptr + (part * D)[:, None] + dims[None, :], acc, mask=real[:, None])
+        if ROTATED:  # the merge sums the splits in the rotated basis and rotates the sum back, once per head
+            tl.store(acc_ptr + (part * D)[:, None] + dims[None, :], acc, mask=real[:, None])
+            tl.store(raw_ptr + (part * D)[:, None] + dims[None, :], acc_raw, mask=real[:, None])
+        else:
+            tl.store(acc_ptr + (part * D)[:, None] + dims[None, :], acc + acc_raw, mask=real[:, None])
         tl.store(max_ptr + part, m_i, mask=real)
         tl.store(sum_ptr + part, l_i, mask=real)
 
     @triton.jit
-    def _merge_splits_kernel(acc_ptr, max_ptr, sum_ptr, out_ptr, splits,
-                             G: tl.constexpr, D: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
+    def _merge_splits_kernel(acc_ptr, raw_ptr, max_ptr, sum_ptr, signs_ptr, out_ptr, splits,
+                             G: tl.constexpr, D: tl.constexpr, LOG_D: tl.constexpr, ROTATED: tl.constexpr,
+                             SPLIT_BLOCK: tl.constexpr):
         """One query head: the softmax-weighted sum of its splits' partial results, SPLIT_BLOCK splits
-        per load (one round trip to memory for up to SPLIT_BLOCK splits, not one per split)."""
+        per load (one round trip to memory for up to SPLIT_BLOCK splits, not one per split). With ROTATED
+        the packed rows' partial sums are in the rotated basis: their sum is rotated back here, once per
+        head (acc R^T = signs * (acc H) / sqrt(D), in fp32), and the raw rows' sums added after."""
         row = tl.program_id(0)  # (batch, KV head, head of the group)
         bh = row // G
         head = row % G
         dims = tl.arange(0, D)
         m_all = tl.full([1], -1.0e30, tl.float32)
         total = tl.zeros([1], tl.float32)
-        out = tl.zeros([D], tl.float32)
+        out = tl.zeros([1, D], tl.float32)
+        out_raw = tl.zeros([1, D], tl.float32)
         for first in range(0, splits, SPLIT_BLOCK):
             split = first + tl.arange(0, SPLIT_BLOCK)
             live = split < splits
@@ -252,12 +270,17 @@ if triton is not None:
             weight = tl.where(live, tl.exp(maxes - m_new), 0.0)
             rescale = tl.exp(m_all - m_new)
             total = total * rescale + tl.sum(tl.load(sum_ptr + part, mask=live, other=0.0) * weight, 0)
-            partial = tl.load(acc_ptr + (part * D)[:, None] + dims[None, :], mask=live[:, None], other=0.0)
-            out = out * rescale + tl.sum(partial * weight[:, None], 0)
+            at = (part * D)[:, None] + dims[None, :]
+            partial = tl.load(acc_ptr + at, mask=live[:, None], other=0.0)
+            out = out * rescale[:, None] + tl.sum(partial * weight[:, None], 0, keep_dims=True)
+            if ROTATED:
+                partial_raw = tl.load(raw_ptr + at, mask=live[:, None], other=0.0)
+                out_raw = out_raw * rescale[:, None] + tl.sum(partial_raw * weight[:, None], 0, keep_dims=True)
             m_all = m_new
-        out = out / tl.maximum(total, 1e-30)
-        tl.store(out_ptr + row * D + dims, out.to(out_ptr.dtype.element_ty))
-
+        if ROTATED:
+            out = tl.load(signs_ptr + dims).to(tl.float32)[None, :] * _walsh_hadamard(out, 1, D, LOG_D) + out_raw
+        out = out / tl.maximum(total, 1e-30)[:, None]
+        tl.store(out_ptr + row * D + dims[None, :], out.to(out_ptr.dtype.element_ty))
 
     @triton.jit
     def _gate_scores_kernel(q_ptr, k_ptr, scale_ptr, out_ptr, length, scale, sink_end, forced_start, forced_end,
@@ -308,7 +331,8 @@ def kernel_constants(query: Tensor, k_store: KVStore, v_store: KVStore, shared_s
     packed = k_store.packed_len > 0
     asq = k_store.asq
     k_bits, v_bits = (asq.quant_bits, v_store.asq.quant_bits) if packed else (8, 8)  # no codes read unpacked
-    return dict(KV_HEADS=kv_heads, G=groups, GP=max(16, triton.next_power_of_2(groups)), D=dim,
+    return dict(KV_HEADS=kv_heads, G=groups, GP=max(16, triton.next_power_of_2(groups)),
+                GQ=triton.next_power_of_2(groups), D=dim,
                 LOG_D=dim.bit_length() - 1, K_BITS=k_bits, V_BITS=v_bits, K_CENTER=code_center(k_bits),
                 V_CENTER=code_center(v_bits), C=asq.cluster_num if packed else 1,
                 TOKENS_PER_BLOCK=asq.block_size if packed else 1, PACKED=packed,
@@ -338,7 +362,10 @@ def fused_decode_attention(query: Tensor, k_store: KVStore, v_store: KVStore, in
     acc = torch.empty(batch * kv_heads * most_splits * groups * dim, device=query.device, dtype=torch.float32)
     maxes = torch.empty(batch * kv_heads * most_splits * groups, device=query.device, dtype=torch.float32)
     sums = torch.empty_like(maxes)
+    raw = torch.empty_like(acc) if constants["ROTATED"] else acc  # the raw rows' partial sums, when kept apart
     n_blocks = k_store.prototypes.shape[2] if packed else 0
+    # V's rotation signs are K's: both are hadamard_signs(D), D the one head size both stores are read at
+    signs = k_store.asq.rotation_signs if constants["ROTATED"] else q
 
     def grid(meta: dict) -> tuple[int, int]:
         return batch * kv_heads, math.ceil(selected / (meta["BLOCK_N"] * meta["TILES"]))
@@ -354,14 +381,14 @@ def fused_decode_attention(query: Tensor, k_store: KVStore, v_store: KVStore, in
         kernel, fixed = _sparse_decode_kernel.fn, {**config.kwargs, "num_warps": config.num_warps,
                                                    "num_stages": config.num_stages}
     kernel[grid](
-        # V's rotation signs are K's: both are hadamard_signs(D), D the one head size both stores are read at
-        q, k_store.asq.rotation_signs if constants["ROTATED"] else q, index, valid_arg, *_store_args(k_store, index),
-        *_store_args(v_store, index), acc, maxes, sums,
+        q, signs, index, valid_arg, *_store_args(k_store, index),
+        *_store_args(v_store, index), acc, raw, maxes, sums,
         k_store.packed_len, k_store.tail.shape[2], n_blocks, selected, triton.next_power_of_2(selected),
         batch * kv_heads, scaling, **constants, **fixed)
     splits = grid(fixed or _sparse_decode_kernel.best_config.kwargs)[1]
     out = torch.empty(batch, q_heads, dim, device=query.device, dtype=query.dtype)
-    _merge_splits_kernel[(batch * q_heads,)](acc, maxes, sums, out, splits, G=groups, D=dim,
+    _merge_splits_kernel[(batch * q_heads,)](acc, raw, maxes, sums, signs, out, splits, G=groups, D=dim,
+                                             LOG_D=constants["LOG_D"], ROTATED=constants["ROTATED"],
                                              SPLIT_BLOCK=min(64, triton.next_power_of_2(splits)))
     return out.reshape(batch, 1, q_heads, dim)
 
