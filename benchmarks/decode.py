@@ -39,7 +39,7 @@ from gsm_train.modules.sparse_gate import encode_gate_keys  # noqa: E402
 from gsm_train.model_zoo import load_model_and_tokenizer  # noqa: E402
 from gsm_train.modules import inject_gsm  # noqa: E402
 from gsm_train.modules.decode_attention import forced_spans, top_k_positions  # noqa: E402
-from gsm_train.modules.decode_cache import GSMCache  # noqa: E402
+from gsm_train.modules.decode_cache import GSMCache, cache_kwargs  # noqa: E402
 from gsm_train.modules.kv_compressor import ASQCompressor  # noqa: E402
 from gsm_train.modules.kv_store import KVStore  # noqa: E402
 from gsm_train.plots import plot_decode_speedup  # noqa: E402
@@ -191,7 +191,7 @@ def _timed_generate(model: torch.nn.Module, prompts: torch.Tensor, new_tokens: i
         base = torch.cuda.memory_allocated()
         cache = cache_factory()
         tic = time.perf_counter()
-        kwargs = {"past_key_values": cache} if cache is not None else {"return_dict_in_generate": True}
+        kwargs = cache_kwargs(model, cache) if cache is not None else {"return_dict_in_generate": True}
         out = model.generate(prompts, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
                              pad_token_id=0, **kwargs)
         torch.cuda.synchronize()
@@ -248,7 +248,7 @@ def exact_agreement(prompt: torch.Tensor, adapter: str | None, new_tokens: int, 
     if dtype == torch.float64:
         gsm.double()
     cache = GSMCache(gsm)  # fp64: the PyTorch decode path
-    out = gsm.generate(prompt.cuda(), past_key_values=cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+    out = gsm.generate(prompt.cuda(), **cache_kwargs(gsm, cache), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                        do_sample=False, pad_token_id=0)
     return _agreement(gsm, out, new_tokens)
 

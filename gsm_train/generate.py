@@ -11,7 +11,7 @@ import torch
 from gsm_train.export import load_gsm
 from gsm_train.kv_budget import bf16_layer_kv_bytes
 from gsm_train.model_zoo import load_model_and_tokenizer
-from gsm_train.modules.decode_cache import GSMCache
+from gsm_train.modules.decode_cache import GSMCache, cache_kwargs
 from gsm_train.modules.injection import model_dims
 
 
@@ -46,7 +46,7 @@ def generate(model_name: str, adapter: str | Path | None, prompt: str, max_new_t
         cache = GSMCache(model)
     ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)
     tic = time.perf_counter()
-    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, past_key_values=cache,
+    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, **cache_kwargs(model, cache),
                          pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id or 0)
     seconds = time.perf_counter() - tic
     new = out[0, ids.shape[1]:]

@@ -3,6 +3,7 @@ GSM pass, the cache holds exactly the byte account, and the fused kernel equals 
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from gsm_train.inspect_model import layer_reports
 from gsm_train.model_zoo import TINY_FAMILIES, tiny_model
 from gsm_train.modules import GSMError, inject_gsm
 from gsm_train.modules.decode_attention import attend, forced_count, forced_spans, top_k_positions
-from gsm_train.modules.decode_cache import GSMCache
+from gsm_train.modules.decode_cache import GSMCache, cache_kwargs
 from gsm_train.modules.kv_compressor import ASQCompressor
 from gsm_train.modules.kv_store import KVStore
 
@@ -62,9 +63,9 @@ def _ids(length: int = LENGTH, batch: int = 2) -> Tensor:
 @torch.no_grad()
 def _step_by_step(model: torch.nn.Module, ids: Tensor, cache: GSMCache) -> Tensor:
     """Logits of `ids` from a prompt pass, then one token per call through the cache."""
-    logits = [model(ids[:, :PROMPT], past_key_values=cache, use_cache=True).logits]
+    logits = [model(ids[:, :PROMPT], **cache_kwargs(model, cache), use_cache=True).logits]
     for position in range(PROMPT, ids.shape[1]):
-        logits.append(model(ids[:, position:position + 1], past_key_values=cache, use_cache=True).logits)
+        logits.append(model(ids[:, position:position + 1], **cache_kwargs(model, cache), use_cache=True).logits)
     return torch.cat(logits, dim=1)
 
 
@@ -109,10 +110,11 @@ def test_left_padded_batch_decodes_as_teacher_forced() -> None:
     cache = GSMCache(model)
     with torch.no_grad():
         teacher_forced = model(ids, attention_mask=mask, use_cache=False).logits
-        logits = [model(ids[:, :PROMPT], attention_mask=mask[:, :PROMPT], past_key_values=cache, use_cache=True).logits]
+        logits = [model(ids[:, :PROMPT], attention_mask=mask[:, :PROMPT], **cache_kwargs(model, cache),
+                        use_cache=True).logits]
         for position in range(PROMPT, LENGTH):
             logits.append(model(ids[:, position:position + 1], attention_mask=mask[:, :position + 1],
-                                past_key_values=cache, use_cache=True).logits)
+                                **cache_kwargs(model, cache), use_cache=True).logits)
     decoded = torch.cat(logits, dim=1)
     torch.testing.assert_close(decoded[0], teacher_forced[0], atol=1e-4, rtol=0)
     torch.testing.assert_close(decoded[1, 3:], teacher_forced[1, 3:], atol=1e-4, rtol=0)
@@ -122,11 +124,26 @@ def test_generate_matches_teacher_forced_argmax() -> None:
     model = _model("llama", CONFIGS["everything_share"])
     prompt = _ids(13)
     with torch.no_grad():
-        generated = model.generate(prompt, past_key_values=GSMCache(model), max_new_tokens=24, do_sample=False,
-                                   pad_token_id=0)
+        generated = model.generate(prompt, **cache_kwargs(model, GSMCache(model)), max_new_tokens=24,
+                                   do_sample=False, pad_token_id=0)
         argmax = model(generated, use_cache=False).logits.argmax(-1)
     assert generated.shape == (2, 13 + 24)
     assert torch.equal(argmax[:, 12:-1], generated[:, 13:])
+
+
+def test_the_cache_goes_in_under_the_name_transformers_takes() -> None:
+    """`cache_kwargs` hands the cache over as the installed transformers' forward and generate name it, so
+    the model fills it (a name it ignored would leave it empty) and no deprecated name is used (transformers
+    5.24 warns on `past_key_values`; its models' forward drop it in 5.40)."""
+    model = _model("llama", CONFIGS["everything_share"])
+    cache, generation_cache = GSMCache(model), GSMCache(model)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*past_key_values.*")
+        model(_ids(), **cache_kwargs(model, cache), use_cache=True)
+        model.generate(_ids(6), **cache_kwargs(model, generation_cache), max_new_tokens=3, do_sample=False,
+                       pad_token_id=0)
+    assert cache.get_seq_length() == LENGTH
+    assert generation_cache.get_seq_length() == 6 + 3 - 1  # the last token is never fed back
 
 
 @pytest.mark.parametrize("config", ["everything_share", "everything_mix_kv_gates", "asq_only", "gate_asq_k4_v2",
@@ -137,7 +154,7 @@ def test_cache_bytes_equal_the_account(config: str, length: int) -> None:
     model = _model("llama", CONFIGS[config]).to(torch.bfloat16)
     cache = GSMCache(model)
     with torch.no_grad():
-        model(_ids(length), past_key_values=cache, use_cache=True)
+        model(_ids(length), **cache_kwargs(model, cache), use_cache=True)
     account = sum(row.gsm_bytes for row in layer_reports(model, GSMConfig.model_validate(CONFIGS[config]), length))
     assert cache.get_seq_length() == length
     assert cache.nbytes() == pytest.approx(account * length * 2, rel=1e-12)
@@ -174,11 +191,12 @@ def test_refusals() -> None:
     cache = GSMCache(model)
     ids = _ids()
     with torch.no_grad():
-        model(ids[:, :PROMPT], past_key_values=cache, use_cache=True)
+        model(ids[:, :PROMPT], **cache_kwargs(model, cache), use_cache=True)
         with pytest.raises(GSMError, match="one new token per step"):
-            model(ids[:, PROMPT:PROMPT + 2], past_key_values=cache, use_cache=True)
+            model(ids[:, PROMPT:PROMPT + 2], **cache_kwargs(model, cache), use_cache=True)
     with pytest.raises(GSMError, match="num_beams=1"):
-        model.generate(_ids(6), past_key_values=GSMCache(model), max_new_tokens=2, num_beams=2, do_sample=False)
+        model.generate(_ids(6), **cache_kwargs(model, GSMCache(model)), max_new_tokens=2, num_beams=2,
+                       do_sample=False)
     with pytest.raises(GSMError, match="fused=False"):
         GSMCache(_model("llama", CONFIGS["everything_share"]).double(), fused=True)
     model.gsm_runtime.enabled = False

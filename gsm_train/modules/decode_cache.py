@@ -6,7 +6,10 @@ ASQ), the gate keys (bf16, or int8 with an fp16 scale per key: `gate_key_bits`),
 layer's store through the bridge). Works with `generate()`:
 
     cache = GSMCache(model)
-    model.generate(ids, past_key_values=cache, max_new_tokens=64)
+    model.generate(ids, **cache_kwargs(model, cache), max_new_tokens=64)
+
+(`cache_kwargs` names the argument as the installed transformers does: `cache`, or `past_key_values`
+before it was renamed.)
 
 The prompt runs through the training-time attention (so prefill equals the teacher-forced pass),
 then each new token attends over the cache (`decode_attention`).
@@ -14,6 +17,7 @@ then each new token attends over the cache (`decode_attention`).
 
 from __future__ import annotations
 
+import inspect
 from types import ModuleType
 from typing import Any
 
@@ -145,3 +149,11 @@ def _fused_kernels(model: nn.Module, fused: bool | None) -> ModuleType | None:
     if parameter.device.type == "cuda":  # the top-k kernel built now, before any CUDA graph captures a step
         kernel_ready(parameter.device)
     return sparse_decode
+
+
+def cache_kwargs(model: nn.Module, cache: Cache) -> dict[str, Cache]:
+    """`cache` as the keyword argument this model's `forward` and `generate` take: `cache` where the
+    installed transformers names it so (5.24 does, deprecating `past_key_values`, which its models'
+    `forward` drop in 5.40), else `past_key_values`."""
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: cache}
