@@ -34,7 +34,7 @@ from common import graph_ms, write_result  # noqa: E402
 from gsm_train.config import GSMConfig, load_recipe  # noqa: E402
 from gsm_train.data import load_text_dataset, pack_tokens  # noqa: E402
 from gsm_train.export import load_gsm  # noqa: E402
-from gsm_train.kernels.sparse_decode import fused_decode_attention, gate_scores  # noqa: E402
+from gsm_train.kernels.sparse_decode import autotuned_config, fused_decode_attention, gate_scores  # noqa: E402
 from gsm_train.modules.sparse_gate import encode_gate_keys  # noqa: E402
 from gsm_train.model_zoo import load_model_and_tokenizer  # noqa: E402
 from gsm_train.modules import inject_gsm  # noqa: E402
@@ -48,6 +48,11 @@ REPO = Path(__file__).resolve().parents[1]
 SHAPES = {"smollm2": (9, 3, 64), "llama8b": (32, 8, 128)}
 H200_BYTES_PER_S = 4.8e12
 MODULE_SEED = 0  # seeds the untrained GSM modules of the end-to-end and agreement parts (no --adapter)
+
+
+def config_name(config: object) -> str:
+    """A configuration of the fused decode kernel as the tables name it: rows per tile x tiles, warps, stages."""
+    return f"{config.kwargs['BLOCK_N']}x{config.kwargs['TILES']} w{config.num_warps} s{config.num_stages}"
 
 
 def filled_store(asq: ASQCompressor, batch: int, length: int) -> KVStore:
@@ -123,10 +128,11 @@ def selection(gate_q: torch.Tensor, layer: Layer, k: int, fused: bool = True) ->
     return top_k_positions(scores, None, k, position, 0, 0, fused=fused, forced_marked=True)[0]
 
 
-def _gsm_ms(query: torch.Tensor, caches: list[Layer], k: int) -> dict[str, float]:
+def _gsm_ms(query: torch.Tensor, caches: list[Layer], k: int) -> dict[str, float | str]:
     """ms per layer of GSM decode attention (gate scores, top-k, fused gather + dequantize + attend), of its
     first parts alone (gate scores; gate scores and the CUDA top-k; gate scores and torch.topk), and of the
-    fused kernel (with its merge) alone: where the time goes."""
+    fused kernel (with its merge) alone: where the time goes; and the configuration the autotuner picked for
+    the fused kernel at this shape (its pick moves between runs at small grids)."""
     dim = query.shape[-1]
     gate_q = torch.randn(query.shape[0], 1, 1, caches[0][2].shape[-1], device="cuda")
     index = selection(gate_q, caches[0], k)
@@ -137,7 +143,8 @@ def _gsm_ms(query: torch.Tensor, caches: list[Layer], k: int) -> dict[str, float
             "gate_scores_torch_topk_ms": per_layer_ms([lambda c=c: selection(gate_q, c, k, fused=False)
                                                        for c in caches]),
             "attend_ms": per_layer_ms([lambda c=c: fused_decode_attention(query, c[0], c[1], index, None, dim ** -0.5)
-                                        for c in caches])}
+                                        for c in caches]),
+            "autotuned_config": config_name(autotuned_config())}  # the latest launch's: this shape's pick
 
 
 @torch.no_grad()
@@ -165,7 +172,8 @@ def attention_rows(contexts: list[int], batches: list[int], ks: list[int], gsm: 
                     print(f"{shape:>8} {length:>7} {batch:>3} {k:>5} dense {dense * 1e3:9.1f} us  gsm "
                           f"{sparse * 1e3:9.1f} us (scores {times['gate_scores_ms'] * 1e3:.1f}, +top-k "
                           f"{times['gate_scores_topk_ms'] * 1e3:.1f}, +torch.topk "
-                          f"{times['gate_scores_torch_topk_ms'] * 1e3:.1f}, attend {times['attend_ms'] * 1e3:.1f})  "
+                          f"{times['gate_scores_torch_topk_ms'] * 1e3:.1f}, attend {times['attend_ms'] * 1e3:.1f} "
+                          f"[{times['autotuned_config']}])  "
                           f"x{dense / sparse:6.2f}  [{layers} layers per graph]", flush=True)
                 del caches
                 torch.cuda.empty_cache()

@@ -17,7 +17,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import kernel_benchmark_args, write_result  # noqa: E402
-from decode import REPO, SHAPES, compressors, layer_caches, layers_per_graph, per_layer_ms, selection  # noqa: E402
+from decode import (REPO, SHAPES, compressors, config_name, layer_caches, layers_per_graph,  # noqa: E402
+                    per_layer_ms, selection)
 
 from gsm_train.config import load_recipe  # noqa: E402
 from gsm_train.kernels.sparse_decode import autotuned_config, decode_configs, fused_decode_attention  # noqa: E402
@@ -27,11 +28,6 @@ CONTEXT = 32768
 BATCHES = (1, 16)
 KS = (64, 2048)
 BF16_ATOL, BF16_RTOL = 3e-3, 1e-2  # the per-configuration test's atol, plus 1% for bf16 rounding of larger outputs
-
-
-def config_name(config: object) -> str:
-    """A configuration as its tables name it: rows per tile x tiles, warps, stages."""
-    return f"{config.kwargs['BLOCK_N']}x{config.kwargs['TILES']} w{config.num_warps} s{config.num_stages}"
 
 
 @torch.no_grad()

@@ -26,8 +26,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result  # noqa: E402
-from decode import REPO, SHAPES, compressors, filled_store  # noqa: E402
-from decode_configs import config_name  # noqa: E402
+from decode import REPO, SHAPES, compressors, config_name, filled_store  # noqa: E402
 
 from gsm_train.config import load_recipe  # noqa: E402
 from gsm_train.kernels.sparse_decode import _sparse_decode_kernel, decode_configs, kernel_constants  # noqa: E402
