@@ -10,8 +10,10 @@ import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 
 from gsm_train.train import train_recipe
@@ -21,6 +23,18 @@ from gsm_train.trainer import TrainResult
 KERNELS_RUN_HERE = importlib.util.find_spec("triton") is not None and (
     torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# the marks of a Triton kernel's test: skipped where the kernels cannot run; tests/run_tests.sh runs them
+# again (-m triton_kernels) under Triton's interpreter once the suite has passed
+TRITON_KERNEL_MARKS = [pytest.mark.triton_kernels, pytest.mark.skipif(
+    not KERNELS_RUN_HERE, reason="needs Triton with CUDA, or on CPU TRITON_INTERPRET=1 (tests/run_tests.sh runs "
+    "these under Triton's interpreter after the suite)")]
+
+
+def triton_kernel_test(test: Callable) -> Callable:
+    """Mark a test of the Triton kernels (`TRITON_KERNEL_MARKS`)."""
+    for mark in TRITON_KERNEL_MARKS:
+        test = mark(test)
+    return test
 
 
 def records(run_dir: Path) -> list[dict]:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from run_helpers import KERNEL_DEVICE, KERNELS_RUN_HERE
+from run_helpers import KERNEL_DEVICE, triton_kernel_test
 from torch import Tensor
 
 from gsm_train.cli import main as cli_main
@@ -204,8 +204,7 @@ def test_refusals() -> None:
         GSMCache(model)
 
 
-@pytest.mark.skipif(not KERNELS_RUN_HERE, reason="needs Triton with CUDA, or on CPU TRITON_INTERPRET=1 (Triton's "
-                    "interpreter wants numpy<2.3); CI has neither, the GPU benchmark runs it")
+@triton_kernel_test
 @pytest.mark.parametrize(("bits", "length", "selected"), [(2, 300, 40), (4, 300, 40), (8, 300, 40), (None, 300, 40),
                                                             (4, 2400, 2100),  # 2100: more splits than one merge load
                                                             ((4, 2), 300, 40),  # (K, V) bits apart
@@ -323,7 +322,7 @@ def test_kernels_take_only_the_head_sizes_they_fit() -> None:
     assert [dim for dim in (8, 12, 16, 48, 64, 96, 128, 256, 512) if kernel_fits(dim)] == [16, 64, 128, 256]
 
 
-@pytest.mark.skipif(not KERNELS_RUN_HERE, reason="needs Triton with CUDA, or on CPU TRITON_INTERPRET=1")
+@triton_kernel_test
 def test_fused_cache_leaves_odd_head_sizes_to_pytorch() -> None:
     """A gate head of 12 dimensions (no power of two) decodes through the PyTorch score path, the rest fused."""
     model = _model("llama", {**CONFIGS["everything_share"],
@@ -335,7 +334,7 @@ def test_fused_cache_leaves_odd_head_sizes_to_pytorch() -> None:
                                rtol=0)
 
 
-@pytest.mark.skipif(not KERNELS_RUN_HERE, reason="needs Triton with CUDA, or on CPU TRITON_INTERPRET=1")
+@triton_kernel_test
 def test_fused_cache_forces_sinks_and_recent_tokens_as_teacher_forcing() -> None:
     """Sinks, recent tokens and the newest position are forced into every selection: on the fused path the
     gate-score kernel writes their +inf with the scores (one selection per KV head, int8 gate keys here).
@@ -350,7 +349,7 @@ def test_fused_cache_forces_sinks_and_recent_tokens_as_teacher_forcing() -> None
                                rtol=0)
 
 
-@pytest.mark.skipif(not KERNELS_RUN_HERE, reason="needs Triton with CUDA, or on CPU TRITON_INTERPRET=1")
+@triton_kernel_test
 def test_fused_cache_decodes_rotated_residuals_as_teacher_forcing() -> None:
     """With `rotate_residuals` the store holds prototypes and residuals of the rotated rows, and the fused
     kernel takes the query into that basis and the packed rows' weighted sum of V back out of it at the end
@@ -364,7 +363,7 @@ def test_fused_cache_decodes_rotated_residuals_as_teacher_forcing() -> None:
                                rtol=0)
 
 
-@pytest.mark.skipif(not KERNELS_RUN_HERE, reason="needs Triton with CUDA, or on CPU TRITON_INTERPRET=1")
+@triton_kernel_test
 @pytest.mark.parametrize("bits", [16, 8])
 def test_gate_score_kernel_equals_pytorch_path(bits: int) -> None:
     from gsm_train.kernels.sparse_decode import gate_scores

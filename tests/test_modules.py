@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from run_helpers import KERNEL_DEVICE, KERNELS_RUN_HERE
+from run_helpers import KERNEL_DEVICE, KERNELS_RUN_HERE, triton_kernel_test
 from torch import Tensor
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -390,8 +390,7 @@ def test_target_products_take_autocasts_dtype_as_main_attention_does() -> None:
         assert torch.equal(got, attention_target.head_averaged_probs(query.bfloat16(), key.bfloat16(), allowed, 0.5, 1))
 
 
-@pytest.mark.skipif(not KERNELS_RUN_HERE,
-                    reason="needs Triton with CUDA, or on CPU TRITON_INTERPRET=1 (Triton's interpreter)")
+@triton_kernel_test
 @pytest.mark.parametrize("selectors", [1, 2, 4])
 def test_attention_target_kernel_matches_the_dense_softmax(selectors: int) -> None:
     from gsm_train.kernels import attention_target

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from run_helpers import KERNEL_DEVICE, KERNELS_RUN_HERE
+from run_helpers import KERNEL_DEVICE, TRITON_KERNEL_MARKS
 
 from gsm_train.modules.sparse_gate import select_top_k
 
-pytestmark = pytest.mark.skipif(not KERNELS_RUN_HERE, reason="needs Triton with CUDA, or on CPU TRITON_INTERPRET=1")
+pytestmark = TRITON_KERNEL_MARKS
 
 
 def _torch_selection(scores, allowed, k, positions, start, sinks=0, recent=0):
