@@ -12,6 +12,6 @@ from gsm_train.modules.sparse_gate import SparseGateHead
 
 __all__ = [
     "ASQCompressor", "CacheBridge", "GSMCache", "GSMError", "GSMRuntime", "SparseGateHead", "cache_kwargs",
-    "gsm_disabled", "gsm_parameters", "gsm_runtime", "gsm_state_dict", "inject_cache_bridge", "inject_gsm", "inject_kv_compressor",
-    "inject_sparse_gate", "set_gsm_mode",
+    "gsm_disabled", "gsm_parameters", "gsm_runtime", "gsm_state_dict", "inject_cache_bridge", "inject_gsm",
+    "inject_kv_compressor", "inject_sparse_gate", "set_gsm_mode",
 ]
