@@ -25,19 +25,21 @@ python benchmarks/asq_attention.py --result OUT.json
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import kernel_benchmark_args, kernel_times, median_ms, write_result  # noqa: E402
-
-from gsm_train.modules import own_block_attention as own_block  # noqa: E402
-from gsm_train.modules.gsm_attention import block_causal_kv  # noqa: E402
-from gsm_train.modules.sparse_gate import select_top_k  # noqa: E402
+from benchmarks.common import (
+    kernel_benchmark_args,
+    kernel_times,
+    median_ms,
+    write_result,
+)
+from gsm_train.modules import own_block_attention as own_block
+from gsm_train.modules.layout import block_causal_kv
+from gsm_train.modules.sparse_gate import select_top_k
 
 BATCH, HEADS, KV_HEADS, LENGTH, DIM, BLOCK, TOP_K = 4, 9, 3, 2048, 64, 128, 256
 

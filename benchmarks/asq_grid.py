@@ -16,18 +16,15 @@ python benchmarks/asq_grid.py --train-data PATH/prose --result OUT.json
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
-from prose_probe import add_prose_arguments, prose_model_and_windows  # noqa: E402
-
-from gsm_train.modules.kv_compressor import _split_blocks, fake_quant_per_token  # noqa: E402
+from benchmarks.common import write_result
+from benchmarks.prose_probe import add_prose_arguments, prose_model_and_windows
+from gsm_train.quant import fake_quant_per_token, split_blocks
 
 BLOCK = 128
 CLUSTERS = (1, 2, 4, 16)
@@ -80,7 +77,7 @@ def main() -> None:
     result: dict = {"windows": len(rows), "seq_len": args.seq_len, "block_size": BLOCK, "errors": {}}
     print(f"{'side':5s} {'c':>3s} {'residual':>9s} {'2b mid-rise':>12s} {'2b symmetric':>13s} {'4b symmetric':>13s}")
     for side, x in (("K", keys), ("V", values)):
-        blocks = _split_blocks(x, BLOCK)[0]
+        blocks = split_blocks(x, BLOCK)[0]
         norm = blocks.norm()
         for clusters in CLUSTERS:
             residual = blocks - _kmeans_prototypes(blocks, clusters)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,21 +27,23 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import graph_ms, write_result  # noqa: E402
-
-from gsm_train.config import GSMConfig, load_recipe  # noqa: E402
-from gsm_train.data import load_text_dataset, pack_tokens  # noqa: E402
-from gsm_train.export import load_gsm  # noqa: E402
-from gsm_train.kernels.sparse_decode import autotuned_config, fused_decode_attention, gate_scores  # noqa: E402
-from gsm_train.modules.sparse_gate import encode_gate_keys  # noqa: E402
-from gsm_train.model_zoo import load_model_and_tokenizer  # noqa: E402
-from gsm_train.modules import inject_gsm  # noqa: E402
-from gsm_train.modules.decode_attention import forced_spans, top_k_positions  # noqa: E402
-from gsm_train.modules.decode_cache import GSMCache, cache_kwargs  # noqa: E402
-from gsm_train.modules.kv_compressor import ASQCompressor  # noqa: E402
-from gsm_train.modules.kv_store import KVStore  # noqa: E402
-from gsm_train.plots import plot_decode_speedup  # noqa: E402
+from benchmarks.common import graph_ms, write_result
+from gsm_train.config import GSMConfig, load_recipe
+from gsm_train.data import load_text_dataset, pack_tokens
+from gsm_train.export import load_gsm
+from gsm_train.inference.cache import GSMCache, cache_kwargs
+from gsm_train.inference.decode_attention import forced_spans, top_k_positions
+from gsm_train.inference.kv_store import KVStore
+from gsm_train.kernels.sparse_decode import (
+    autotuned_config,
+    fused_decode_attention,
+    gate_scores,
+)
+from gsm_train.model_zoo import load_model_and_tokenizer
+from gsm_train.modules import inject_gsm
+from gsm_train.modules.kv_compressor import ASQCompressor
+from gsm_train.modules.sparse_gate import encode_gate_keys
+from gsm_train.plots import plot_decode_speedup
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPES = {"smollm2": (9, 3, 64), "llama8b": (32, 8, 128)}

@@ -10,19 +10,28 @@ python benchmarks/decode_configs.py --result OUT.json
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import kernel_benchmark_args, write_result  # noqa: E402
-from decode import (REPO, SHAPES, compressors, config_name, layer_caches, layers_per_graph,  # noqa: E402
-                    per_layer_ms, selection)
-
-from gsm_train.config import load_recipe  # noqa: E402
-from gsm_train.kernels.sparse_decode import autotuned_config, decode_configs, fused_decode_attention  # noqa: E402
-from gsm_train.modules.decode_attention import attend  # noqa: E402
+from benchmarks.common import kernel_benchmark_args, write_result
+from benchmarks.decode import (
+    REPO,
+    SHAPES,
+    compressors,
+    config_name,
+    layer_caches,
+    layers_per_graph,
+    per_layer_ms,
+    selection,
+)
+from gsm_train.config import load_recipe
+from gsm_train.inference.decode_attention import attend
+from gsm_train.kernels.sparse_decode import (
+    autotuned_config,
+    decode_configs,
+    fused_decode_attention,
+)
 
 CONTEXT = 32768
 BATCHES = (1, 16)

@@ -15,7 +15,6 @@ import argparse
 import collections
 import re
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -24,12 +23,14 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
-from decode import REPO, SHAPES, compressors, config_name, filled_store  # noqa: E402
-
-from gsm_train.config import load_recipe  # noqa: E402
-from gsm_train.kernels.sparse_decode import _sparse_decode_kernel, decode_configs, kernel_constants  # noqa: E402
+from benchmarks.common import write_result
+from benchmarks.decode import REPO, SHAPES, compressors, config_name, filled_store
+from gsm_train.config import load_recipe
+from gsm_train.kernels.sparse_decode import (
+    _sparse_decode_kernel,
+    decode_configs,
+    kernel_constants,
+)
 
 TARGET = GPUTarget("cuda", 90, 32)
 POINTER_TYPES = {"q_ptr": "*bf16", "signs_ptr": "*fp32", "index_ptr": "*i64", "valid_ptr": "*i64",

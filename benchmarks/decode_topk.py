@@ -10,15 +10,16 @@ python benchmarks/decode_topk.py --result OUT.json
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import graph_ms, kernel_benchmark_args, write_result  # noqa: E402
-
-from gsm_train.kernels.decode_topk import blocks_per_row_options, chosen_blocks_per_row, decode_topk  # noqa: E402
+from benchmarks.common import graph_ms, kernel_benchmark_args, write_result
+from gsm_train.kernels.decode_topk import (
+    blocks_per_row_options,
+    chosen_blocks_per_row,
+    decode_topk,
+)
 
 LENGTHS = (8192, 32768, 131072)
 ROWS = (1, 8, 16, 17, 32, 64, 128)

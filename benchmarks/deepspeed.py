@@ -17,9 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result
-
+from benchmarks.common import write_result
 from gsm_train.data import load_text_dataset
 from gsm_train.evaluate import evaluate_exports
 from gsm_train.model_zoo import load_model_and_tokenizer

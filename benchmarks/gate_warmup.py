@@ -11,22 +11,19 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import graph_ms, median_ms, write_result  # noqa: E402
-
-from gsm_train.backend import FSDP2Backend  # noqa: E402
-from gsm_train.config import RecipeConfig, load_recipe  # noqa: E402
-from gsm_train.modules import gsm_disabled, gsm_runtime  # noqa: E402
-from gsm_train.modules.injection import rows_not_packed  # noqa: E402
-from gsm_train.stages import GateWarmupStage  # noqa: E402
-from gsm_train.step_graph import GraphedLoss  # noqa: E402
-from gsm_train.train import train_recipe  # noqa: E402
-from gsm_train.trainer import build_optimizer, lr_lambda  # noqa: E402
+from benchmarks.common import graph_ms, median_ms, write_result
+from gsm_train.backend import FSDP2Backend
+from gsm_train.config import RecipeConfig, load_recipe
+from gsm_train.modules import gsm_disabled
+from gsm_train.modules.injection import rows_not_packed
+from gsm_train.stages import GateWarmupStage
+from gsm_train.step_graph import GraphedLoss
+from gsm_train.train import train_recipe
+from gsm_train.trainer import build_optimizer, lr_lambda
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -50,8 +47,7 @@ def _time_step_vs_forward(model: torch.nn.Module, batch: torch.Tensor, config: R
     optimizer = build_optimizer(model, config)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
     model.train()
-    captured = GraphedLoss(lambda b: stage.loss(model, b), backend.params, batch, torch.bfloat16,
-                           keep_alive=gsm_runtime(model).layouts_in_use)
+    captured = GraphedLoss(lambda b: stage.loss(model, b), backend.params, batch, torch.bfloat16)
 
     def update(loss: torch.Tensor) -> None:
         backend.step(optimizer)

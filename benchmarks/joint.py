@@ -20,16 +20,13 @@ import hashlib
 import json
 import statistics
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_gsm_argument, write_result  # noqa: E402
-
-from gsm_train.evaluate import evaluate_exports  # noqa: E402
-from gsm_train.train import train_recipe  # noqa: E402
+from benchmarks.common import add_gsm_argument, write_result
+from gsm_train.evaluate import evaluate_exports
+from gsm_train.train import train_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -14,20 +14,17 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_gsm_argument, kernel_times, op_times, write_result  # noqa: E402
-
-from gsm_train.backend import select_backend  # noqa: E402
-from gsm_train.config import load_recipe  # noqa: E402
-from gsm_train.distributed import init_distributed  # noqa: E402
-from gsm_train.stages import JointStage  # noqa: E402
-from gsm_train.trainer import (  # noqa: E402
+from benchmarks.common import add_gsm_argument, kernel_times, op_times, write_result
+from gsm_train.backend import select_backend
+from gsm_train.config import load_recipe
+from gsm_train.distributed import init_distributed
+from gsm_train.stages import JointStage
+from gsm_train.trainer import (
     _autocast,
     _dtypes,
     _graphed_loss,

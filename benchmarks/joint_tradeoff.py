@@ -14,10 +14,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
-
-from gsm_train.plots import plot_quality_vs_kv  # noqa: E402
+from benchmarks.common import write_result
+from gsm_train.plots import plot_quality_vs_kv
 
 GOAL_PPL, GOAL_KV = 1.05, 0.30
 SHORT = {"gsm.sparse_attention.": "", "gsm.kv_compression.": "asq.", "gsm.cross_layer_sharing.": "bridge."}

@@ -20,17 +20,18 @@ python benchmarks/layer_bits.py --train-data ../shared/data/prose --result bench
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
-from prose_probe import add_prose_arguments, kv_hooked_loss, prose_model_and_windows  # noqa: E402
-from residual_quantizers import _quantized  # noqa: E402
-
-from gsm_train.config import load_recipe  # noqa: E402
-from gsm_train.kv_budget import kv_bytes_ratio  # noqa: E402
-from gsm_train.modules.injection import model_dims  # noqa: E402
+from benchmarks.common import write_result
+from benchmarks.prose_probe import (
+    add_prose_arguments,
+    kv_hooked_loss,
+    prose_model_and_windows,
+)
+from benchmarks.residual_quantizers import _quantized
+from gsm_train.config import load_recipe
+from gsm_train.families import model_dims
+from gsm_train.kv_budget import kv_bytes_ratio
 
 REPO = Path(__file__).resolve().parents[1]
 CLUSTERS = 2

@@ -12,26 +12,27 @@ python benchmarks/layer_sensitivity.py --train-data PATH/prose --result OUT.json
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
-from prose_probe import add_prose_arguments, kv_hooked_loss, prose_model_and_windows  # noqa: E402
-
-from gsm_train.modules.kv_compressor import _join_blocks, _split_blocks, fake_quant_per_token  # noqa: E402
-from gsm_train.plots import plot_layer_sensitivity  # noqa: E402
+from benchmarks.common import write_result
+from benchmarks.prose_probe import (
+    add_prose_arguments,
+    kv_hooked_loss,
+    prose_model_and_windows,
+)
+from gsm_train.plots import plot_layer_sensitivity
+from gsm_train.quant import fake_quant_per_token, join_blocks, split_blocks
 
 BLOCK = 128
 
 
 def _quantized(x: torch.Tensor, bits: int) -> torch.Tensor:
     """[B, H, S, D] with every full block's tokens as block mean + per-token fake-quantized residual."""
-    blocks, tail = _split_blocks(x, BLOCK)
+    blocks, tail = split_blocks(x, BLOCK)
     mean = blocks.float().mean(dim=3, keepdim=True)
-    return _join_blocks(fake_quant_per_token(blocks.float() - mean, bits) + mean, tail)
+    return join_blocks(fake_quant_per_token(blocks.float() - mean, bits) + mean, tail)
 
 
 def main() -> None:

@@ -8,16 +8,13 @@ python benchmarks/math_gate.py --init-from RUN/export --gsm8k PATH/gsm8k/train.j
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
-
-from gsm_train.config import load_recipe  # noqa: E402
-from gsm_train.stages import MathGateStage  # noqa: E402
-from gsm_train.trainer import evaluate_recipe  # noqa: E402
-from gsm_train.train import train_recipe  # noqa: E402
+from benchmarks.common import write_result
+from gsm_train.config import load_recipe
+from gsm_train.stages import MathGateStage
+from gsm_train.train import train_recipe
+from gsm_train.trainer import evaluate_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 RECALL = "recall_ratio_k64"

@@ -7,18 +7,15 @@ python benchmarks/oracle_mass.py --eval-data PATH/wikitext-2/valid.txt --out DIR
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
-
-from gsm_train.config import GSMConfig  # noqa: E402
-from gsm_train.data import load_text_dataset, pack_tokens  # noqa: E402
-from gsm_train.model_zoo import load_model_and_tokenizer  # noqa: E402
-from gsm_train.modules import gsm_runtime, inject_gsm  # noqa: E402
+from benchmarks.common import write_result
+from gsm_train.config import GSMConfig
+from gsm_train.data import load_text_dataset, pack_tokens
+from gsm_train.model_zoo import load_model_and_tokenizer
+from gsm_train.modules import gsm_collect, inject_gsm
 
 
 @torch.no_grad()
@@ -37,15 +34,14 @@ def main() -> None:
     model, tokenizer = load_model_and_tokenizer(args.model, dtype=dtype)
     model.to(device)
     inject_gsm(model, GSMConfig.model_validate({"sparse_attention": {"top_k": args.k, "k_min": min(32, args.k)}}))
-    runtime = gsm_runtime(model)
-    runtime.recall = (args.k, args.min_keys)
     rows = pack_tokens(load_text_dataset(args.eval_data), tokenizer, args.seq_len)[: args.windows]
     layers = model.config.num_hidden_layers
     sums = torch.zeros(layers, 3, dtype=torch.float64)
     for row in rows:
-        runtime.clear()
-        model(input_ids=row[None].to(device), use_cache=False, logits_to_keep=1)
-        for layer, s in runtime.recall_sums.items():
+        with gsm_collect(model, recall=(args.k, args.min_keys)) as records:
+            model(input_ids=row[None].to(device), use_cache=False, logits_to_keep=1)
+        for layer, record in records.layers.items():
+            s = record.captured_mass
             sums[layer] += torch.stack([s["oracle"], s["gate"], s["queries"]]).cpu()
     oracle = (sums[:, 0] / sums[:, 2]).tolist()
     gate = (sums[:, 1] / sums[:, 2]).tolist()

@@ -28,47 +28,48 @@ python benchmarks/residual_quantizers.py --train-data ../shared/data/prose \
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from asq_grid import _kmeans_prototypes  # noqa: E402
-from common import write_result  # noqa: E402
-from prose_probe import add_prose_arguments, kv_hooked_loss, prose_model_and_windows  # noqa: E402
-
-from gsm_train.modules.kv_compressor import (  # noqa: E402
-    _fake_quant,
-    _fake_quant_asymmetric,
-    _join_blocks,
-    _rotated,
-    _split_blocks,
-    _unrotated,
+from benchmarks.asq_grid import _kmeans_prototypes
+from benchmarks.common import write_result
+from benchmarks.prose_probe import (
+    add_prose_arguments,
+    kv_hooked_loss,
+    prose_model_and_windows,
+)
+from gsm_train.quant import (
+    fake_quant,
+    fake_quant_asymmetric,
     fake_quant_kivi,
     fake_quant_per_token,
     hadamard_rotation,
+    join_blocks,
+    rotated,
+    split_blocks,
+    unrotated,
 )
 
 BLOCK = 128
 BIT_PAIRS = ((4, 4), (4, 2), (2, 2))
 Quantizer = Callable[[torch.Tensor, int], torch.Tensor]
-_per_token_asymmetric = partial(_fake_quant_asymmetric, dim=-1)
+_per_token_asymmetric = partial(fake_quant_asymmetric, dim=-1)
 
 
 def _per_token_rotated(residual: torch.Tensor, bits: int) -> torch.Tensor:
     """`fake_quant_per_token` of the residual in the randomized Hadamard basis, rotated back (as ASQ with
     `rotate_residuals` stores and rebuilds it)."""
     rotation = hadamard_rotation(residual.shape[-1]).to(residual.device)
-    return _unrotated(fake_quant_per_token(_rotated(residual, rotation), bits), rotation)
+    return unrotated(fake_quant_per_token(rotated(residual, rotation), bits), rotation)
 
 # (key residual, value residual) quantizer of each ASQ proxy, on residuals [B, H, blocks, BLOCK, D]
 RESIDUAL_QUANTIZERS: dict[str, tuple[Quantizer, Quantizer]] = {
     "asq_per_token": (fake_quant_per_token, fake_quant_per_token),
-    "asq_key_channels": (partial(_fake_quant, dim=-2), _per_token_asymmetric),
-    "asq_key_channels_asymmetric": (partial(_fake_quant_asymmetric, dim=-2), _per_token_asymmetric),
+    "asq_key_channels": (partial(fake_quant, dim=-2), _per_token_asymmetric),
+    "asq_key_channels_asymmetric": (partial(fake_quant_asymmetric, dim=-2), _per_token_asymmetric),
     "asq_rotated": (_per_token_rotated, _per_token_rotated),
 }
 # (scheme, prototypes per block; None for kivi), run at every pair of BIT_PAIRS
@@ -80,11 +81,11 @@ def _quantized(x: torch.Tensor, scheme: str, clusters: int | None, bits: int, is
     """Keys (`is_key`) or values [B, H, S, D] through `scheme` at `bits`, the newest incomplete block raw."""
     if scheme == "kivi":
         return fake_quant_kivi(x, bits, BLOCK, per_channel=is_key)
-    blocks, tail = _split_blocks(x, BLOCK)
+    blocks, tail = split_blocks(x, BLOCK)
     blocks = blocks.float()
     prototypes = _kmeans_prototypes(blocks, clusters)
     quantizer = RESIDUAL_QUANTIZERS[scheme][0 if is_key else 1]
-    return _join_blocks(quantizer(blocks - prototypes, bits) + prototypes, tail)
+    return join_blocks(quantizer(blocks - prototypes, bits) + prototypes, tail)
 
 
 def main() -> None:

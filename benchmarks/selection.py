@@ -10,15 +10,12 @@ python benchmarks/selection.py --result OUT.json
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import kernel_benchmark_args, kernel_times, write_result  # noqa: E402
-
-from gsm_train.kernels.selection import top_k_selection  # noqa: E402
+from benchmarks.common import kernel_benchmark_args, kernel_times, write_result
+from gsm_train.kernels.selection import top_k_selection
 
 BATCH, QUERIES, KEYS, TOP_K = 4, 1024, 2048, 256
 

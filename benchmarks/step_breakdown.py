@@ -12,13 +12,10 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
-
-from gsm_train.plots import plot_step_breakdown  # noqa: E402
+from benchmarks.common import write_result
+from gsm_train.plots import plot_step_breakdown
 
 PARTS = (  # (part, kernel name pattern), first match wins
     ("FlexAttention (ASQ layers)", r"flex_attention"),

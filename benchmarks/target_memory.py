@@ -7,15 +7,12 @@ python benchmarks/target_memory.py --out DIR
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
-
-from gsm_train.modules.attention_targets import gate_distill_loss  # noqa: E402
+from benchmarks.common import write_result
+from gsm_train.functional.attention_targets import gate_distill_loss
 
 
 def peak_bytes(length: int, chunk: int, device: torch.device) -> int:

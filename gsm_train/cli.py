@@ -12,7 +12,7 @@ from gsm_train.config import ConfigError, load_recipe, resolved_yaml
 from gsm_train.data import DataError
 from gsm_train.evaluate import evaluate_exports, write_report
 from gsm_train.export import ExportError
-from gsm_train.generate import generate
+from gsm_train.inference.generate import generate
 from gsm_train.hub import PublishError, publish_export
 from gsm_train.inspect_model import inspect_model
 from gsm_train.modules.errors import GSMError

@@ -39,10 +39,10 @@ from accelerate.utils import DeepSpeedPlugin
 from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
 from torch import Tensor, nn
 
-from gsm_train.backend import OptimizerFactory
+from gsm_train.backend_protocol import OptimizerFactory
 from gsm_train.config import RecipeConfig
 from gsm_train.distributed import DistInfo
-from gsm_train.export import is_adapter
+from gsm_train.lora import adapter_tensor_names
 
 CHECKPOINT_TAG = "deepspeed"
 
@@ -80,8 +80,9 @@ class DeepSpeedBackend:
     def prepare(self, model: nn.Module, make_optimizer: OptimizerFactory, info: DistInfo,
                 compute_dtype: torch.dtype | None) -> tuple[nn.Module, torch.optim.Optimizer]:
         self.is_main = info.is_main
+        adapter_names = adapter_tensor_names(model)
         self.kept = {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters()
-                     if not p.requires_grad and is_adapter(name)}
+                     if not p.requires_grad and name in adapter_names}
         masters = {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters()
                    if p.requires_grad and p.dtype == torch.float32}
         optimizer = make_optimizer(model)

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from gsm_train.modules.injection import decoder_layers
+from gsm_train.families import decoder_layers
 
 
 @dataclass(frozen=True)

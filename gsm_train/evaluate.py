@@ -18,7 +18,7 @@ from gsm_train.data import load_text_dataset, pack_tokens
 from gsm_train.export import load_gsm
 from gsm_train.inspect_model import layer_reports
 from gsm_train.model_zoo import load_model_and_tokenizer
-from gsm_train.modules import GSMRuntime
+from gsm_train.modules import GSMSettings, configure_gsm, gsm_collect
 
 BASE = "base"
 
@@ -30,40 +30,36 @@ def _device_and_dtype() -> tuple[torch.device, torch.dtype]:
 
 
 @torch.no_grad()
-def perplexity_and_recall(model: nn.Module, rows: Tensor, batch_size: int, runtime: GSMRuntime | None,
-                          recall: tuple[int, int]) -> dict[str, float]:
-    """Perplexity over all predicted tokens of `rows`; with a runtime, the gate/oracle captured mass too."""
+def perplexity_and_recall(model: nn.Module, rows: Tensor, batch_size: int,
+                          recall: tuple[int, int] | None) -> dict[str, float]:
+    """Perplexity over all predicted tokens of `rows`; with `recall` (k, min_keys) on a GSM model, the
+    gate's and the oracle's captured attention mass too."""
     device = next(model.parameters()).device
     nll, tokens = 0.0, 0
     sums = torch.zeros(3, dtype=torch.float64)
-    if runtime is not None:
-        runtime.recall = recall
+    collect = (lambda: gsm_collect(model, recall=recall)) if recall is not None else contextlib.nullcontext
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
     for start in range(0, len(rows), batch_size):
         batch = rows[start: start + batch_size].to(device)
-        if runtime is not None:
-            runtime.clear()
-        with autocast:
+        with autocast, collect() as records:
             loss = model(input_ids=batch, labels=batch, use_cache=False).loss
         predicted = batch.shape[0] * (batch.shape[1] - 1)
         nll += float(loss) * predicted
         tokens += predicted
-        if runtime is not None:
-            for layer_sums in runtime.recall_sums.values():
-                sums += torch.stack([layer_sums[k] for k in ("gate", "oracle", "queries")]).cpu()
+        mass = records.captured_mass_total() if records is not None else None
+        if mass is not None:
+            sums += torch.stack([mass[k] for k in ("gate", "oracle", "queries")]).cpu()
     result = {"ppl": math.exp(nll / tokens), "tokens": tokens}
-    if runtime is not None:
-        runtime.recall = None
-        runtime.clear()
+    if recall is not None:
         if sums[2] > 0:
             result |= {"gate_mass": float(sums[0] / sums[2]), "oracle_mass": float(sums[1] / sums[2]),
                        "recall_ratio": float(sums[0] / sums[1])}
     return result
 
 
-def kv_bytes_ratio(model: nn.Module, runtime: GSMRuntime, seq_len: int) -> dict[str, float]:
+def kv_bytes_ratio(model: nn.Module, settings: GSMSettings, seq_len: int) -> dict[str, float]:
     """KV cache bytes per token with GSM, bf16 without, and their ratio (gate keys included)."""
-    rows = layer_reports(model, runtime.config, seq_len)
+    rows = layer_reports(model, settings.config, seq_len)
     base, gsm = sum(r.base_bytes for r in rows), sum(r.gsm_bytes for r in rows)
     return {"kv_bytes_per_token": gsm, "kv_bytes_per_token_bf16": base, "kv_bytes_ratio": gsm / base}
 
@@ -77,18 +73,18 @@ def evaluate_exports(model_name: str, exports: dict[str, str], data: str, seq_le
     device, dtype = _device_and_dtype()
     model, tokenizer = load_model_and_tokenizer(model_name, dtype=dtype)
     rows = pack_tokens(load_text_dataset(data), tokenizer, seq_len)[:windows]
-    results = {BASE: perplexity_and_recall(model.to(device), rows, batch_size, None, (0, 0))}
+    results = {BASE: perplexity_and_recall(model.to(device), rows, batch_size, None)}
     for name, folder in exports.items():
         model, _ = load_model_and_tokenizer(model_name, dtype=dtype)
-        runtime = load_gsm(model, folder, mode=mode)
-        runtime.kv_baseline = kv_baseline
+        load_gsm(model, folder, mode=mode)
+        settings = configure_gsm(model, kv_baseline=kv_baseline)
         model.to(device).eval()
-        if not runtime.enabled:  # e.g. the dense control: the base model with its own weights
-            results[name] = perplexity_and_recall(model, rows, batch_size, None, (0, 0)) | {"export": folder}
+        if not settings.enabled:  # e.g. the dense control: the base model with its own weights
+            results[name] = perplexity_and_recall(model, rows, batch_size, None) | {"export": folder}
             continue
-        k = runtime.config.sparse_attention.top_k
-        results[name] = (perplexity_and_recall(model, rows, batch_size, runtime, (k, min(min_keys, seq_len)))
-                         | kv_bytes_ratio(model, runtime, seq_len) | {"export": folder, "k": k})
+        k = settings.config.sparse_attention.top_k
+        results[name] = (perplexity_and_recall(model, rows, batch_size, (k, min(min_keys, seq_len)))
+                         | kv_bytes_ratio(model, settings, seq_len) | {"export": folder, "k": k})
     for name, result in results.items():
         result["ppl_vs_base"] = result["ppl"] / results[BASE]["ppl"]
     return {"model": model_name, "data": data, "seq_len": seq_len, "windows": len(rows), "mode": mode,

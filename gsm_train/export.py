@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -25,9 +24,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 from gsm_train.config import GSMConfig, LoraSettings
 from gsm_train.fingerprint import base_fingerprint
-from gsm_train.lora import inject_lora
-from gsm_train.modules import GSMRuntime, gsm_runtime, inject_gsm
-from gsm_train.modules.injection import GSM_PARAM_MARKER
+from gsm_train.lora import adapter_tensor_names, inject_lora
+from gsm_train.modules import GSMSettings, configure_gsm, gsm_settings, inject_gsm
 
 FORMAT = "gsm-train-adapter"
 # 5: 4- and 8-bit ASQ residuals on the mid-rise grid (kv_compressor.code_center; before, a symmetric one);
@@ -40,20 +38,10 @@ CONFIG_FILE = "gsm_config.json"
 CARD_FILE = "README.md"
 ARGS_FILE = "training_args.json"
 _GSM_SECTIONS = ("gsm_enabled", "sparse_attention", "kv_compression", "cross_layer_sharing")
-LORA_MARKER = ".lora_"
 
 
 class ExportError(ValueError):
     """An export that cannot be written, read or applied; the message names the problem and the fix."""
-
-
-def _is_gsm(name: str) -> bool:
-    return GSM_PARAM_MARKER in f".{name}"
-
-
-def is_adapter(name: str) -> bool:
-    """GSM tensors and LoRA deltas: what an export always holds."""
-    return _is_gsm(name) or LORA_MARKER in f".{name}"
 
 
 def base_description(model: nn.Module, fingerprint: str, name: str, revision: str | None) -> dict:
@@ -111,9 +99,10 @@ def export_adapter(model: nn.Module, out_dir: str | Path, *, base_name: str, bas
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not is_main:
         return out_dir
-    tensors = {name: t.detach().contiguous() for name, t in state.items() if include_base or is_adapter(name)}
-    runtime = gsm_runtime(model)
-    settings = runtime.config.model_dump(mode="json")
+    adapter_names = adapter_tensor_names(model)
+    tensors = {name: t.detach().contiguous() for name, t in state.items() if include_base or name in adapter_names}
+    gsm = gsm_settings(model)
+    settings = gsm.config.model_dump(mode="json")
     version = _format_version(settings)  # the lowest format that holds what the export needs, so that
     kv = settings["kv_compression"]      # earlier readers load what they can represent; likewise, fields
     if kv["value_quant_bits"] is None:   # added after format 1 are written only when they matter
@@ -123,7 +112,7 @@ def export_adapter(model: nn.Module, out_dir: str | Path, *, base_name: str, bas
     if not _asq_setting(settings, "layer_bits"):  # every layer at quant_bits / value_quant_bits
         del kv["layer_bits"]
     config = {"format": FORMAT, "format_version": version, **settings,
-              "base_model": base_description(model, runtime.base_fingerprint, base_name, base_revision),
+              "base_model": base_description(model, gsm.base_fingerprint, base_name, base_revision),
               "lora": lora, "includes_base_weights": include_base,
               "tensors": {name: list(t.shape) for name, t in sorted(tensors.items())}}
     tmp = out_dir.with_name(out_dir.name + ".tmp")
@@ -223,20 +212,20 @@ def check_base(config: dict, model: nn.Module, adapter_dir: str | Path) -> None:
                           f"from this model: {'; '.join(mismatches)}. Load the adapter onto that base model")
 
 
-def load_tensors(model: nn.Module, adapter_dir: str | Path, required: Callable[[str], bool],
+def load_tensors(model: nn.Module, adapter_dir: str | Path, required: set[str],
                  allow_unexpected: bool = False) -> list[str]:
-    """Load the export's tensors into `model`; every model tensor `required` accepts must be in the
+    """Load the export's tensors into `model`; every model tensor named in `required` must be in the
     export, and (unless `allow_unexpected`) every export tensor must exist in the model. Returns the
     export tensors the model has no place for."""
     result = model.load_state_dict(load_file(str(Path(adapter_dir) / ADAPTER_FILE)), strict=False)
-    missing = [name for name in result.missing_keys if required(name)]
+    missing = [name for name in result.missing_keys if name in required]
     if missing or (result.unexpected_keys and not allow_unexpected):
         raise ExportError(f"{adapter_dir}: tensors do not fit the modules built from its gsm_config.json "
                           f"(missing {missing[:3]}, unexpected {result.unexpected_keys[:3]}); re-export the adapter")
     return list(result.unexpected_keys)
 
 
-def load_gsm(model: nn.Module, adapter_dir: str | Path, mode: str = "sparse") -> GSMRuntime:
+def load_gsm(model: nn.Module, adapter_dir: str | Path, mode: str = "sparse") -> GSMSettings:
     """Attach the exported GSM modules (and LoRA deltas, and base weights if exported) to `model`, a
     fresh base, and load their tensors exactly.
 
@@ -247,9 +236,9 @@ def load_gsm(model: nn.Module, adapter_dir: str | Path, mode: str = "sparse") ->
     check_base(config, model, adapter_dir)
     gsm = GSMConfig.model_validate({k: config[k] for k in _GSM_SECTIONS})
     build = gsm.model_copy(update={"sparse_attention": gsm.sparse_attention.model_copy(update={"gate_init": "random"})})
-    runtime = inject_gsm(model, build, mode=mode)
-    runtime.config = gsm
+    inject_gsm(model, build, mode=mode)
+    settings = configure_gsm(model, config=gsm)
     if config.get("lora"):
         inject_lora(model, LoraSettings.model_validate(config["lora"]))
-    load_tensors(model, adapter_dir, is_adapter)
-    return runtime
+    load_tensors(model, adapter_dir, adapter_tensor_names(model))
+    return settings

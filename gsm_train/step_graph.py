@@ -62,14 +62,11 @@ class GraphedLoss:
     Calling it copies the batch into the captured input, replays, and returns the loss and the scalars
     (tensors that the next call overwrites). Gradients of `params` are added into their `.grad`
     buffers, scaled by `grad_scale` (1 / gradient accumulation steps). The warm-up passes and the capture leave the
-    parameters, their gradients (zero) and the CPU and CUDA random states as they found them. Anything
-    else the step reads that was allocated before the capture (cached masks, for instance) must stay
-    alive as long as the graph: `keep_alive()`, called after the capture, returns it.
+    parameters, their gradients (zero) and the CPU and CUDA random states as they found them.
     """
 
     def __init__(self, loss_fn: Callable[[Tensor], tuple[Tensor, dict[str, Tensor]]], params: list[nn.Parameter],
-                 example: Tensor, autocast_dtype: torch.dtype | None, grad_scale: float = 1.0,
-                 keep_alive: Callable[[], object] | None = None):
+                 example: Tensor, autocast_dtype: torch.dtype | None, grad_scale: float = 1.0):
         self.loss_fn, self.grad_scale = loss_fn, grad_scale
         self.autocast_dtype = autocast_dtype
         self.batch = torch.zeros_like(example)
@@ -89,7 +86,6 @@ class GraphedLoss:
             param.grad.zero_()
         torch.set_rng_state(cpu_rng)
         torch.cuda.set_rng_state(cuda_rng)
-        self.kept = keep_alive() if keep_alive is not None else None  # read by the replays, owned elsewhere
 
     def _loss_and_backward(self) -> tuple[Tensor, dict[str, Tensor]]:
         autocast = (torch.autocast("cuda", dtype=self.autocast_dtype, cache_enabled=False)  # no cached casts in a graph

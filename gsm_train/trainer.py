@@ -33,7 +33,8 @@ from gsm_train.distributed import DistInfo, all_reduce_sum, init_distributed, te
 from gsm_train.export import export_adapter
 from gsm_train.kv_budget import apply_kv_budget, kv_bytes_ratio
 from gsm_train.model_zoo import load_model_and_tokenizer
-from gsm_train.modules.injection import GSM_PARAM_MARKER, gsm_runtime, model_dims
+from gsm_train.families import model_dims
+from gsm_train.modules import configure_gsm, gsm_parameters, gsm_settings
 from gsm_train.run_log import RunLogger
 from gsm_train.step_graph import GraphedLoss, cuda_graph_blockers, use_cuda_graph
 
@@ -121,10 +122,11 @@ def _eval_batches(rows: Tensor, config: RecipeConfig, info: DistInfo) -> list[Te
 
 def _param_groups(model: nn.Module, config: RecipeConfig) -> list[dict[str, Any]]:
     """Trainable parameters in two groups: GSM modules (at `optim.gsm_lr`, if set) and the rest."""
+    gsm_ids = {id(param) for _, param in gsm_parameters(model)}
     gsm, rest = [], []
-    for name, param in model.named_parameters():
+    for param in model.parameters():
         if param.requires_grad:
-            (gsm if GSM_PARAM_MARKER in f".{name}" else rest).append(param)
+            (gsm if id(param) in gsm_ids else rest).append(param)
     gsm_lr = config.optim.gsm_lr or config.optim.lr
     return [group for group in ({"params": gsm, "lr": gsm_lr}, {"params": rest, "lr": config.optim.lr})
             if group["params"]]
@@ -207,13 +209,11 @@ def _graphed_loss(config: RecipeConfig, stage: Stage, model: nn.Module, backend:
     restored trainables)."""
     backend.grads_in_place = True
     model.train()  # the replays run as captured
-    runtime = gsm_runtime(model)
-    runtime.captured_steps = True  # paths that pay off only without per-call Python and launches
+    configure_gsm(model, captured_steps=True)  # paths that pay off only without per-call Python and launches
     example = torch.zeros(config.train.batch_size, config.data.seq_len, dtype=token_dtype, device=info.device)
     trainables = [p for p in model.parameters() if p.requires_grad]
-    # the runtime's cached layouts are read by the graph but allocated outside it: keep them alive
     return GraphedLoss(lambda batch: stage.loss(model, batch), trainables, example, compute_dtype,
-                       grad_scale=1 / config.train.grad_accum, keep_alive=runtime.layouts_in_use)
+                       grad_scale=1 / config.train.grad_accum)
 
 
 def _run(config: RecipeConfig, stage: Stage, info: DistInfo, backend: Backend, run_name: str) -> TrainResult:
@@ -223,7 +223,7 @@ def _run(config: RecipeConfig, stage: Stage, info: DistInfo, backend: Backend, r
     run_dir = Path(config.output.dir)
     _, compute_dtype = _dtypes(config, info)
     model, train_rows, eval_rows = _prepared_model(config, stage, info)
-    kv_ratio = kv_bytes_ratio(gsm_runtime(model).config, model_dims(model), config.data.seq_len)  # as built
+    kv_ratio = kv_bytes_ratio(gsm_settings(model).config, model_dims(model), config.data.seq_len)  # as built
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     # counted before wrapping: ZeRO-3 leaves partitioned parameters empty
     counts = {"trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),

@@ -17,11 +17,11 @@ from gsm_train.config import GSMConfig
 from gsm_train.export import export_adapter
 from gsm_train.inspect_model import layer_reports
 from gsm_train.model_zoo import TINY_FAMILIES, tiny_model
-from gsm_train.modules import GSMError, inject_gsm
-from gsm_train.modules.decode_attention import attend, forced_count, forced_spans, top_k_positions
-from gsm_train.modules.decode_cache import GSMCache, cache_kwargs
+from gsm_train.modules import GSMError, gsm_disabled, inject_gsm
+from gsm_train.inference.decode_attention import attend, forced_count, forced_spans, top_k_positions
+from gsm_train.inference.cache import GSMCache, cache_kwargs
 from gsm_train.modules.kv_compressor import ASQCompressor
-from gsm_train.modules.kv_store import KVStore
+from gsm_train.inference.kv_store import KVStore
 
 BLOCK = 8
 LENGTH = 37  # four full blocks and a partial one
@@ -199,8 +199,7 @@ def test_refusals() -> None:
                        do_sample=False)
     with pytest.raises(GSMError, match="fused=False"):
         GSMCache(_model("llama", CONFIGS["everything_share"]).double(), fused=True)
-    model.gsm_runtime.enabled = False
-    with pytest.raises(GSMError, match="default cache"):
+    with gsm_disabled(model), pytest.raises(GSMError, match="default cache"):
         GSMCache(model)
 
 
@@ -229,12 +228,12 @@ def test_fused_kernel_equals_pytorch_path(bits: int | tuple[int, int] | str | No
     index = index.to(device)
     for valid in (torch.rand(batch, kv_heads, selected, device=device) > 0.2, None):
         expected = attend(query, stores[0].gather(index), stores[1].gather(index), valid, 0.125)
-        got = fused_decode_attention(query, *stores, index, valid, 0.125)
+        got = fused_decode_attention(query, *(s.packed_rows() for s in stores), index, valid, 0.125)
         torch.testing.assert_close(got, expected, atol=2e-6, rtol=0)
     shared = index[:, :1]  # one selection for all KV heads, as a layer-wide gate gives
     expected = attend(query, stores[0].gather(shared.expand_as(index)), stores[1].gather(shared.expand_as(index)),
                       None, 0.125)
-    torch.testing.assert_close(fused_decode_attention(query, *stores, shared, None, 0.125), expected, atol=2e-6,
+    torch.testing.assert_close(fused_decode_attention(query, *(s.packed_rows() for s in stores), shared, None, 0.125), expected, atol=2e-6,
                                rtol=0)
 
 
@@ -257,7 +256,7 @@ def _attend_case(rotate: bool, dtype: torch.dtype, dim: int, groups: int, per_he
     rows = index.expand(-1, kv_heads, -1)
     expected = attend(query.float(), *(store.gather(rows).float() for store in stores),
                       None if valid is None else valid.expand(-1, kv_heads, -1), 0.1)
-    return (query, *stores, index, valid, 0.1), expected
+    return (query, *(s.packed_rows() for s in stores), index, valid, 0.1), expected
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs Triton with CUDA (each compiled configuration)")
@@ -299,7 +298,7 @@ def test_fused_kernel_refuses_a_configuration_its_buffers_do_not_hold() -> None:
         store.append(torch.randn(1, 2, 20, 64))
     index = torch.zeros(1, 1, 4, dtype=torch.long)
     with pytest.raises(ValueError, match=r"at least 32 rows per program .* pick one of decode_configs"):
-        sparse_decode.fused_decode_attention(torch.zeros(1, 4, 1, 64), *stores, index, None, 0.125,
+        sparse_decode.fused_decode_attention(torch.zeros(1, 4, 1, 64), *(s.packed_rows() for s in stores), index, None, 0.125,
                                              config=triton.Config({"BLOCK_N": 16, "TILES": 1}))
 
 
@@ -313,7 +312,7 @@ def test_fused_kernel_refuses_stores_that_disagree_on_rotation() -> None:
               for rotate in (True, False)]
     index = torch.zeros(1, 2, 1, dtype=torch.long)
     with pytest.raises(ValueError, match="must both rotate residuals or neither"):
-        sparse_decode.fused_decode_attention(torch.zeros(1, 4, 1, 64), *stores, index, None, 0.125)
+        sparse_decode.fused_decode_attention(torch.zeros(1, 4, 1, 64), *(s.packed_rows() for s in stores), index, None, 0.125)
 
 
 def test_kernels_take_only_the_head_sizes_they_fit() -> None:

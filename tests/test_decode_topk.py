@@ -12,7 +12,7 @@ from torch import Tensor
 
 from gsm_train.kernels.decode_topk import (cuda_topk_available, decode_topk, fastest_blocks_per_row, row_fits,
                                           unordered_top_k)
-from gsm_train.modules.decode_attention import top_k_positions
+from gsm_train.inference.decode_attention import top_k_positions
 
 on_gpu = pytest.mark.skipif(not cuda_topk_available(), reason="needs a CUDA device (NVRTC); the H200 run covers it")
 

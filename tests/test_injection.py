@@ -13,8 +13,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedModel
 from gsm_train.config import GSMConfig
 from gsm_train.model_zoo import TINY_FAMILIES, tiny_model
 from gsm_train.modules import (
-    ASQCompressor, CacheBridge, GSMError, SparseGateHead, gsm_disabled, gsm_parameters, gsm_runtime,
-    inject_cache_bridge, inject_gsm, inject_kv_compressor, inject_sparse_gate,
+    ASQCompressor, CacheBridge, GSMError, SparseGateHead, configure_gsm, gsm_collect, gsm_disabled, gsm_parameters,
+    gsm_settings, inject_cache_bridge, inject_gsm, inject_kv_compressor, inject_sparse_gate,
 )
 
 LENGTH = 32
@@ -63,7 +63,7 @@ def test_gsm_off_equals_base_exactly(family: str, sections: dict, mode: str, dis
     model = _injected(family, sections, mode)
     with gsm_disabled(model) if disabled else nullcontext():
         assert torch.equal(_logits(model), base_logits[family])
-    assert gsm_runtime(model).enabled == (sections.get("gsm_enabled", True))
+    assert gsm_settings(model).enabled == (sections.get("gsm_enabled", True))
 
 
 @families
@@ -78,12 +78,11 @@ def test_top_k_covering_the_sequence_equals_dense(family: str, mode: str, base_l
 @pytest.mark.parametrize("gate_init", ["random", "qk_svd"])
 def test_oracle_captures_at_least_the_gate_mass(family: str, heads: str, gate_init: str) -> None:
     model = _injected(family, {"sparse_attention": {**SPARSE, "heads": heads, "gate_init": gate_init}})
-    runtime = gsm_runtime(model)
-    runtime.recall = (4, 8)
-    _logits(model)
-    assert sorted(runtime.recall_sums) == list(range(4))
+    with gsm_collect(model, recall=(4, 8)) as records:
+        _logits(model)
+    assert sorted(records.layers) == list(range(4))
     selectors = 1 if heads == "layer" else 2
-    for sums in runtime.recall_sums.values():
+    for sums in (record.captured_mass for record in records.layers.values()):
         assert int(sums["queries"]) == 2 * selectors * (LENGTH - 7)
         assert 0 < float(sums["gate"]) <= float(sums["oracle"]) + 1e-9
         assert float(sums["oracle"]) <= float(sums["queries"]) + 1e-9
@@ -194,7 +193,7 @@ def test_refuses_layer_bits_for_a_layer_the_model_lacks() -> None:
 
 def _expect_gate(model: PreTrainedModel, layer: int, attn: nn.Module) -> None:
     assert isinstance(attn.gsm.gate, SparseGateHead) and attn.gsm.asq_k is None and attn.gsm.bridge is None
-    sparse = gsm_runtime(model).config.sparse_attention
+    sparse = gsm_settings(model).config.sparse_attention
     assert (sparse.top_k_schedule, sparse.top_k) == ("exp_decay", 128)
 
 
@@ -269,7 +268,7 @@ def test_a_pass_that_cannot_read_position_ids_keeps_the_causal_path_only_inside_
         monkeypatch: pytest.MonkeyPatch) -> None:
     from transformers import masking_utils
 
-    from gsm_train.modules import gsm_attention
+    from gsm_train.modules import attention as gsm_attention
     from gsm_train.modules.injection import rows_not_packed
 
     model = _injected("llama", {"sparse_attention": SPARSE})
@@ -312,8 +311,7 @@ def test_captured_training_forwards_take_the_block_sparse_path_with_the_same_log
                       mode="sparse").double()  # fp64: no fp32 rounding for ASQ's codes to amplify
     model.train()
     masked = _logits(model)
-    runtime = gsm_runtime(model)
-    runtime.captured_steps = True
+    configure_gsm(model, captured_steps=True)
     torch.testing.assert_close(_logits(model), masked, atol=1e-10, rtol=0)
     assert calls  # the block-sparse path ran
     calls.clear()
@@ -327,12 +325,13 @@ def test_captured_training_forwards_take_the_block_sparse_path_with_the_same_log
 def test_plain_quantization_baselines_take_each_side_at_its_width(baseline: str) -> None:
     """With `value_quant_bits`, an evaluation's plain-quantization baseline rounds K at quant_bits and V at
     value_quant_bits, as ASQ stores them."""
-    from gsm_train.modules.gsm_attention import plain_kv_quant
+    from gsm_train.modules.adapter import plain_kv_quant
+    from gsm_train.modules.forward_state import ForwardState
 
     model = _injected("llama", {"kv_compression": {**ASQ, "value_quant_bits": 2}})
     adapter = model.model.layers[1].self_attn.gsm
-    gsm_runtime(model).kv_baseline = baseline
+    state = ForwardState(configure_gsm(model, kv_baseline=baseline))
     key, value = torch.randn(2, 2, LENGTH, 16), torch.randn(2, 2, LENGTH, 16)
-    got_k, got_v, _ = adapter.transform_kv(key, value)
+    got_k, got_v, _ = adapter.transform_kv(key, value, state)
     assert torch.equal(got_k, plain_kv_quant(key, value, baseline, (4, 4), BLOCK)[0])
     assert torch.equal(got_v, plain_kv_quant(key, value, baseline, (2, 2), BLOCK)[1])

@@ -5,13 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gsm_train.modules.kv_compressor import (
-    ASQCompressor,
-    asq_bytes,
-    fake_quant_kivi,
-    fake_quant_per_token,
-    paired_training_pass,
-)
+from gsm_train.modules.kv_compressor import ASQCompressor, paired_training_pass
+from gsm_train.quant import asq_bytes, fake_quant_kivi, fake_quant_per_token
 
 H, D = 2, 64
 
@@ -201,7 +196,7 @@ def test_forward_with_loss_equals_forward_then_loss() -> None:
 def test_storage_rounding_is_fp16_and_passes_the_gradient_within_its_range() -> None:
     """`_to_store` (integer arithmetic on fp32's bits, which torch.compile cannot fuse away) gives the fp16
     grid exactly, in the input's dtype, and the gradient unchanged wherever fp16 holds the value."""
-    from gsm_train.modules.kv_compressor import _to_store
+    from gsm_train.quant import to_store as _to_store
 
     big = torch.finfo(torch.float16).max
     for dtype in (torch.float32, torch.float64):
@@ -218,7 +213,7 @@ def test_storage_rounding_is_fp16_and_passes_the_gradient_within_its_range() -> 
 def test_storage_rounding_matches_fp16_at_every_tie_and_subnormal() -> None:
     """Every finite fp16 value, every midpoint between neighbours (ties go to the even one) and the fp32
     values either side of it, subnormals, NaN and values past fp16's range round as `.half()` rounds."""
-    from gsm_train.modules.kv_compressor import _to_store
+    from gsm_train.quant import to_store as _to_store
 
     grid = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
     grid = grid[torch.isfinite(grid)].sort().values
@@ -426,7 +421,7 @@ def test_bad_inputs_raise() -> None:
 @pytest.mark.parametrize("kind", ["per_token", "kivi"])
 def test_plain_baselines_quantize_keys_and_values_at_their_own_bits(kind: str) -> None:
     """With ASQ's (K, V) bits apart, each baseline rounds K and V to the same grids as alone at those bits."""
-    from gsm_train.modules.gsm_attention import plain_kv_quant
+    from gsm_train.modules.adapter import plain_kv_quant
 
     torch.manual_seed(0)
     key, value = torch.randn(2, 3, 40, 16), torch.randn(2, 3, 40, 16)
@@ -439,7 +434,7 @@ def test_plain_baselines_quantize_keys_and_values_at_their_own_bits(kind: str) -
 def test_hadamard_rotation_is_orthonormal_fixed_and_needs_a_power_of_two() -> None:
     """Entries +-1/sqrt(D), R R^T = I, the same matrix on every build (a reader rebuilds it from D), signs
     not all alike; any other size is refused, naming head_dim."""
-    from gsm_train.modules.kv_compressor import hadamard_rotation
+    from gsm_train.quant import hadamard_rotation
 
     rotation = hadamard_rotation(D)
     assert torch.equal(rotation.abs(), torch.full((D, D), D ** -0.5, dtype=torch.float64))
@@ -459,7 +454,7 @@ def test_rotation_signs_are_the_rows_signs_of_a_sylvester_hadamard() -> None:
     """The fused decode kernel rotates with `rotation_signs` and a Walsh-Hadamard butterfly instead of the
     matrix: that holds only where rotation = diag(signs) H / sqrt(D) with Sylvester's H, whose first
     column is ones and whose H[i, j] is (-1)^popcount(i & j); the buffer stays exactly +-1 under casts."""
-    from gsm_train.modules.kv_compressor import hadamard_rotation
+    from gsm_train.quant import hadamard_rotation
 
     for dim in (64, 128):
         sylvester = torch.tensor([[(-1.0) ** bin(i & j).count("1") for j in range(dim)] for i in range(dim)],

@@ -13,7 +13,7 @@ from torch import Tensor
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from gsm_train.modules import CacheBridge, SparseGateHead
-from gsm_train.modules.attention_targets import (
+from gsm_train.functional.attention_targets import (
     captured_mass,
     gate_distill_loss,
     head_averaged_probs,
@@ -374,7 +374,7 @@ def test_head_averaged_probs_matches_reference() -> None:
 def test_target_products_take_autocasts_dtype_as_main_attention_does() -> None:
     """An fp32 base under autocast gives fp32 queries after RoPE; SDPA (main attention) and the PyTorch
     target multiply them in bf16, and so must the Triton target (its exact fp32 path is 30x slower)."""
-    from gsm_train.modules.attention_targets import _product_dtype
+    from gsm_train.functional.attention_targets import _product_dtype
 
     fp32, bf16 = torch.zeros(1), torch.zeros(1, dtype=torch.bfloat16)
     assert _product_dtype(fp32) == torch.float32 and _product_dtype(bf16) == torch.bfloat16
@@ -461,10 +461,10 @@ def test_bridge_rejects_unknown_mode() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled training paths run on the GPU only")
 def test_compiled_gate_paths_match_the_written_ones() -> None:
-    from gsm_train.modules.attention_targets import chunk_kl
-    from gsm_train.modules.compiled import compiled
-    from gsm_train.modules.gate_distill import _gate_kl_from_hidden
-    from gsm_train.modules.gate_rope import rope_pair
+    from gsm_train.functional.attention_targets import chunk_kl
+    from gsm_train.compiled import compiled
+    from gsm_train.functional.gate_distill import _gate_kl_from_hidden
+    from gsm_train.functional.gate_rope import rope_pair
 
     gen = torch.Generator().manual_seed(0)
     cuda = torch.device("cuda")
@@ -499,8 +499,8 @@ def test_compiled_gate_paths_match_the_written_ones() -> None:
 
 @pytest.mark.parametrize("selectors", [1, 2])
 def test_gate_loss_from_hidden_equals_the_gate_head_and_autograd(selectors: int) -> None:
-    from gsm_train.modules.attention_targets import gate_distill_loss
-    from gsm_train.modules.gate_distill import DistillTarget
+    from gsm_train.functional.attention_targets import gate_distill_loss
+    from gsm_train.functional.gate_distill import DistillTarget
 
     gen = torch.Generator().manual_seed(3)
     gate = SparseGateHead(32, 8, 16, num_selectors=selectors)
@@ -529,8 +529,8 @@ def test_gate_loss_from_hidden_equals_the_gate_head_and_autograd(selectors: int)
 
 
 def test_gate_loss_from_hidden_hands_bf16_weights_bf16_gradients() -> None:
-    from gsm_train.modules.attention_targets import gate_distill_loss
-    from gsm_train.modules.gate_distill import DistillTarget
+    from gsm_train.functional.attention_targets import gate_distill_loss
+    from gsm_train.functional.gate_distill import DistillTarget
 
     gen = torch.Generator().manual_seed(4)
     gate = SparseGateHead(32, 8, 16).to(torch.bfloat16)

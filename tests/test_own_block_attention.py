@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gsm_train.modules.gsm_attention import block_causal_kv
+from gsm_train.modules.layout import block_causal_kv
 from gsm_train.modules.own_block_attention import fits, own_block_attention
 
 

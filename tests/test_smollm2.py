@@ -15,7 +15,7 @@ from transformers import PreTrainedModel
 from gsm_train.assets import embedded_asset_path
 from gsm_train.config import GSMConfig
 from gsm_train.model_zoo import load_model_and_tokenizer
-from gsm_train.modules import GSMRuntime, gsm_disabled, inject_gsm, set_gsm_mode
+from gsm_train.modules import gsm_collect, gsm_disabled, inject_gsm, set_gsm_mode
 
 WINDOW = 256
 RECALL_K, RECALL_MIN_KEYS = 32, 128
@@ -24,7 +24,6 @@ RECALL_K, RECALL_MIN_KEYS = 32, 128
 @dataclass
 class SmolLM2:
     model: PreTrainedModel
-    runtime: GSMRuntime
     ids: Tensor
     base_logits: Tensor
 
@@ -44,7 +43,8 @@ def smollm2() -> SmolLM2:
     assert ids.shape == (1, WINDOW)
     base_logits = _logits(model, ids)
     config = GSMConfig.model_validate({"sparse_attention": {"top_k": WINDOW, "gate_init": "qk_svd"}})
-    return SmolLM2(model, inject_gsm(model, config), ids, base_logits)
+    inject_gsm(model, config)
+    return SmolLM2(model, ids, base_logits)
 
 
 def test_gsm_off_equals_base_exactly(smollm2: SmolLM2) -> None:
@@ -60,15 +60,11 @@ def test_sparse_with_top_k_covering_the_window_equals_dense(smollm2: SmolLM2) ->
 
 @torch.no_grad()
 def test_qk_svd_gate_recall_on_real_text(smollm2: SmolLM2) -> None:
-    model, runtime = smollm2.model, smollm2.runtime
+    model = smollm2.model
     set_gsm_mode(model, "dense")
-    runtime.clear()
-    runtime.recall = (RECALL_K, RECALL_MIN_KEYS)
-    try:
+    with gsm_collect(model, recall=(RECALL_K, RECALL_MIN_KEYS)) as records:
         model(smollm2.ids, use_cache=False, logits_to_keep=1)
-    finally:
-        runtime.recall = None
-    sums = runtime.recall_sums
+    sums = {layer: record.captured_mass for layer, record in records.layers.items()}
     assert sorted(sums) == list(range(model.config.num_hidden_layers))
     for layer, layer_sums in sums.items():
         assert float(layer_sums["gate"]) <= float(layer_sums["oracle"]) + 1e-9, f"layer {layer}"

@@ -4,13 +4,11 @@ counted outside them, one stacked bar per setting."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import step_breakdown  # noqa: E402
+from benchmarks import step_breakdown
 
 PROFILE = {"rows": {
     "dense_graphed": {"step_ms": 10.0, "kernels": [

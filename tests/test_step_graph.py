@@ -10,7 +10,9 @@ import torch
 
 from gsm_train.config import ConfigError, GSMConfig, load_recipe
 from gsm_train.modules import GSMError
-from gsm_train.modules.gsm_attention import GSMRuntime
+from gsm_train.modules.forward_state import CollectRequest, ForwardState
+from gsm_train.modules.layout import sampled_rows
+from gsm_train.modules.settings import GSMSettings
 from gsm_train.stages import GateWarmupStage, JointStage
 from gsm_train.stages.math_gate import MathGateStage
 from gsm_train.step_graph import cuda_graph_blockers, use_cuda_graph
@@ -54,18 +56,23 @@ def test_cuda_graph_true_on_cpu_fails_before_anything_is_written(tmp_path: Path)
     assert not (tmp_path / "run").exists()
 
 
+def _forward_state(distill_queries: int) -> ForwardState:
+    settings = GSMSettings(config=GSMConfig(), base_fingerprint="", gate_layers=())
+    return ForwardState(settings, CollectRequest(distill=True, distill_queries=distill_queries))
+
+
 def test_gate_kl_rows_are_drawn_once_per_forward_among_counted_queries() -> None:
-    runtime = GSMRuntime(config=GSMConfig(), distill_queries=5)
+    torch.manual_seed(0)
+    state = _forward_state(5)
     counted = torch.arange(40) >= 12
-    rows = runtime.sampled_rows(counted, torch.device("cpu"))
-    assert runtime.sampled_rows(counted, torch.device("cpu")) is rows  # shared by all layers of the forward
+    rows = sampled_rows(state, counted, torch.device("cpu"))
+    assert sampled_rows(state, counted, torch.device("cpu")) is rows  # shared by all layers of the forward
     assert len(rows) == 5 and len(set(rows.tolist())) == 5 and bool((rows >= 12).all() and (rows < 40).all())
     assert torch.equal(rows, rows.sort().values)
-    runtime.clear()
-    assert torch.equal(GSMRuntime(config=GSMConfig(), distill_queries=50).sampled_rows(counted, torch.device("cpu")),
-                       torch.arange(12, 40))
+    assert not torch.equal(sampled_rows(_forward_state(5), counted, torch.device("cpu")), rows)  # a new forward
+    assert torch.equal(sampled_rows(_forward_state(50), counted, torch.device("cpu")), torch.arange(12, 40))
     with pytest.raises(GSMError, match="not a suffix"):
-        GSMRuntime(config=GSMConfig(), distill_queries=5).sampled_rows(torch.arange(40) % 2 == 0, torch.device("cpu"))
+        sampled_rows(_forward_state(5), torch.arange(40) % 2 == 0, torch.device("cpu"))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

@@ -12,7 +12,7 @@ from run_helpers import records
 from gsm_train.config import ConfigError, load_recipe
 from gsm_train.kv_budget import BUDGET_LADDER, apply_kv_budget, kv_bytes_ratio
 from gsm_train.model_zoo import tiny_model
-from gsm_train.modules.injection import model_dims
+from gsm_train.families import model_dims
 from gsm_train.train import train_recipe
 
 REPO = Path(__file__).resolve().parents[1]

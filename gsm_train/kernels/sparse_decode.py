@@ -44,8 +44,8 @@ import os
 import torch
 from torch import Tensor
 
-from gsm_train.modules.kv_compressor import code_center
-from gsm_train.modules.kv_store import KVStore
+from gsm_train.kernels.packed_rows import PackedRows
+from gsm_train.quant import code_center
 
 try:
     import triton
@@ -313,14 +313,14 @@ def _score_block(rows: int, length: int) -> int:
 SMALLEST_CHUNK = 32  # the fewest rows a program of the autotuned decode kernel takes (32 x 1)
 
 
-def _store_args(store: KVStore, like: Tensor) -> tuple[Tensor, ...]:
-    """(ids, residual, scales, prototypes, tail) pointers; placeholders where the store has no packed part."""
-    if store.packed_len == 0:
-        return like, like, like, like, store.tail
-    return store.ids, store.residual, store.scales, store.prototypes, store.tail
+def _store_args(rows: PackedRows, like: Tensor) -> tuple[Tensor, ...]:
+    """(ids, residual, scales, prototypes, tail) pointers; placeholders where nothing is packed."""
+    if rows.packed_len == 0:
+        return like, like, like, like, rows.tail
+    return rows.ids, rows.residual, rows.scales, rows.prototypes, rows.tail
 
 
-def kernel_constants(query: Tensor, k_store: KVStore, v_store: KVStore, shared_selection: bool,
+def kernel_constants(query: Tensor, k_store: PackedRows, v_store: PackedRows, shared_selection: bool,
                      has_valid: bool) -> dict[str, object]:
     """The fused decode kernel's compile-time arguments for a query [B, Hq, 1, D] over these stores, with
     one selection for all KV heads or not and with a valid mask or not: what a launch specializes on
@@ -329,25 +329,24 @@ def kernel_constants(query: Tensor, k_store: KVStore, v_store: KVStore, shared_s
     kv_heads = k_store.tail.shape[1]
     groups = q_heads // kv_heads
     packed = k_store.packed_len > 0
-    asq = k_store.asq
-    k_bits, v_bits = (asq.quant_bits, v_store.asq.quant_bits) if packed else (8, 8)  # no codes read unpacked
+    k_bits, v_bits = (k_store.bits, v_store.bits) if packed else (8, 8)  # no codes read unpacked
     return dict(KV_HEADS=kv_heads, G=groups, GP=max(16, triton.next_power_of_2(groups)),
                 GQ=triton.next_power_of_2(groups), D=dim,
                 LOG_D=dim.bit_length() - 1, K_BITS=k_bits, V_BITS=v_bits, K_CENTER=code_center(k_bits),
-                V_CENTER=code_center(v_bits), C=asq.cluster_num if packed else 1,
-                TOKENS_PER_BLOCK=asq.block_size if packed else 1, PACKED=packed,
+                V_CENTER=code_center(v_bits), C=k_store.cluster_num if packed else 1,
+                TOKENS_PER_BLOCK=k_store.block_size if packed else 1, PACKED=packed,
                 # prototypes and residual codes in the rotated basis, K's and V's alike
-                ROTATED=packed and asq.rotate_residuals, HAS_VALID=has_valid,
+                ROTATED=packed and k_store.rotation_signs is not None, HAS_VALID=has_valid,
                 PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # fp32: exact
                 SHARED_SELECTION=shared_selection)
 
 
-def fused_decode_attention(query: Tensor, k_store: KVStore, v_store: KVStore, index: Tensor, valid: Tensor | None,
+def fused_decode_attention(query: Tensor, k_store: PackedRows, v_store: PackedRows, index: Tensor, valid: Tensor | None,
                            scaling: float, config: triton.Config | None = None) -> Tensor:
     """Attention of query [B, Hq, 1, D] over the rows `index` [B, n, k] of the stores (n = 1: one selection
     for all KV heads; n = Hkv: one per KV head; `valid` alike or None) -> [B, 1, Hq, D]. `config`: one of
     the kernel's autotuned configurations (`decode_configs()`) to run instead of the autotuner's pick."""
-    k_rotates, v_rotates = (store.asq is not None and store.asq.rotate_residuals for store in (k_store, v_store))
+    k_rotates, v_rotates = (store.rotation_signs is not None for store in (k_store, v_store))
     if k_rotates != v_rotates:
         raise ValueError(f"k_store and v_store must both rotate residuals or neither (got {k_rotates} and "
                          f"{v_rotates}); build both compressors with the same rotate_residuals")
@@ -365,7 +364,7 @@ def fused_decode_attention(query: Tensor, k_store: KVStore, v_store: KVStore, in
     raw = torch.empty_like(acc) if constants["ROTATED"] else acc  # the raw rows' partial sums, when kept apart
     n_blocks = k_store.prototypes.shape[2] if packed else 0
     # V's rotation signs are K's: both are hadamard_signs(D), D the one head size both stores are read at
-    signs = k_store.asq.rotation_signs if constants["ROTATED"] else q
+    signs = k_store.rotation_signs if constants["ROTATED"] else q
 
     def grid(meta: dict) -> tuple[int, int]:
         return batch * kv_heads, math.ceil(selected / (meta["BLOCK_N"] * meta["TILES"]))

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from gsm_train.modules.compiled import compiled
+from gsm_train.compiled import compiled
 
 TILE = 128  # FlexAttention's default tile: queries and keys per block of the block mask
 FLEX_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # others (fp64 checks) take the masked SDPA

@@ -14,10 +14,10 @@ from torch import Tensor, nn
 
 from gsm_train.kernels.selection import kernel_runs as selection_kernel_runs
 from gsm_train.kernels.selection import top_k_selection
-from gsm_train.modules.gate_distill import DistillTarget, gate_kl_from_hidden
-from gsm_train.modules.compiled import compiled
-from gsm_train.modules.gate_rope import rope_pair
-from gsm_train.modules.kv_compressor import FP16_TINY, compute_dtype, fp16_grid
+from gsm_train.functional.gate_distill import DistillTarget, gate_kl_from_hidden
+from gsm_train.compiled import compiled
+from gsm_train.functional.gate_rope import rope_pair
+from gsm_train.quant import FP16_TINY, compute_dtype, fp16_grid
 
 GATE_KEY_DTYPE = torch.bfloat16  # how the KV cache stores gate keys at 16 bits (2 bytes per dimension)
 INT8_LEVELS = 127  # gate keys at 8 bits: symmetric int8 codes with one fp16 scale per key

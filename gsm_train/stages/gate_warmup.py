@@ -13,15 +13,10 @@ from torch import Tensor, nn
 
 from gsm_train.config import RecipeConfig
 from gsm_train.distributed import all_reduce_sum
-from gsm_train.modules import GSMError, gsm_parameters, gsm_runtime, inject_gsm
+from gsm_train.modules import GSMError, gsm_collect, gsm_parameters, gsm_settings, inject_gsm
 from gsm_train.plots import plot_recall_per_layer
 
 _RECALL_KEYS = ("gate", "oracle", "queries")
-
-
-def _gate_layers(model: nn.Module) -> list[int]:
-    runtime = gsm_runtime(model)
-    return sorted(runtime.layers_with_gate)
 
 
 class GateWarmupStage:
@@ -39,8 +34,8 @@ class GateWarmupStage:
         self.distill_queries = config.train.distill_queries
         self.attach(model, config)
         model.requires_grad_(False)
-        for name, param in gsm_parameters(model):
-            param.requires_grad_(".gate." in f".{name}")
+        for _, param in gsm_parameters(model, ("gate",)):
+            param.requires_grad_(True)
 
     def attach(self, model: nn.Module, config: RecipeConfig) -> None:
         """Fresh gate heads as the recipe's gsm block says."""
@@ -50,35 +45,26 @@ class GateWarmupStage:
         model(input_ids=batch, use_cache=False, logits_to_keep=1)
 
     def loss(self, model: nn.Module, batch: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        runtime = gsm_runtime(model)
-        runtime.clear()
-        runtime.distill, runtime.recall, runtime.distill_queries = True, None, self.distill_queries
-        self._forward(model, batch)
-        runtime.distill = False
-        per_layer = [total / count.clamp_min(1) for total, count in runtime.distill_losses.values()]
-        runtime.clear()
+        with gsm_collect(model, distill=True, distill_queries=self.distill_queries) as records:
+            self._forward(model, batch)
+        per_layer = records.gate_kl_means()
         if not per_layer:
             raise GSMError("no layer produced a gate loss: every layer is dense or has no gate")
         return torch.stack(per_layer).mean(), {}
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, batches: list[Tensor]) -> dict[str, Any]:
-        runtime = gsm_runtime(model)
         was_training = model.training
         model.eval()
-        layers = _gate_layers(model)
+        layers = list(gsm_settings(model).gate_layers)
         sums = torch.zeros(len(layers), len(_RECALL_KEYS) + 2, dtype=torch.float64,
                            device=next(model.parameters()).device)
-        runtime.distill, runtime.recall, runtime.distill_queries = True, self.recall, 0
         for batch in batches:
-            runtime.clear()
-            self._forward(model, batch)
+            with gsm_collect(model, distill=True, recall=self.recall) as records:
+                self._forward(model, batch)
             for row, layer in enumerate(layers):
-                recall = runtime.recall_sums[layer]
-                total, count = runtime.distill_losses[layer]
+                recall, (total, count) = records.layers[layer].captured_mass, records.layers[layer].gate_kl
                 sums[row] += torch.stack([*(recall[k] for k in _RECALL_KEYS), total.double(), count.double()])
-        runtime.distill, runtime.recall = False, None
-        runtime.clear()
         model.train(was_training)
         sums = all_reduce_sum(sums).cpu()
         queries = sums[:, 2].clamp_min(1)

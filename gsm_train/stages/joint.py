@@ -20,9 +20,8 @@ from torch import Tensor, nn
 from gsm_train.config import RecipeConfig
 from gsm_train.distributed import all_reduce_sum
 from gsm_train.export import check_base, load_tensors, validate_export
-from gsm_train.lora import inject_lora
-from gsm_train.modules import GSMError, gsm_parameters, gsm_runtime, inject_gsm
-from gsm_train.modules.injection import decoder_layers
+from gsm_train.lora import inject_lora, lora_parameters
+from gsm_train.modules import GSMError, configure_gsm, gsm_adapters, gsm_collect, gsm_parameters, inject_gsm
 
 
 ASQ_STATS = ("recon_rel_error", "cluster_usage", "dead_clusters")  # logged as asq_<name> at each evaluation
@@ -45,42 +44,37 @@ class JointStage:
             check_base(export, model, config.init_from)
         inject_gsm(model, config.gsm, mode=config.gsm.sparse_attention.mode)
         if config.init_from:  # e.g. the gate_only export; gates of layers kept dense here have no place
-            load_tensors(model, config.init_from, lambda name: False, allow_unexpected=True)
+            load_tensors(model, config.init_from, set(), allow_unexpected=True)
         if config.train.base == "lora":
             inject_lora(model, config.train.lora)
 
     def prepare(self, model: nn.Module, config: RecipeConfig) -> None:
         self.config = config
         self.attach(model, config)
-        runtime = gsm_runtime(model)
-        runtime.detach_gate_input = True
+        configure_gsm(model, detach_gate_input=True)
         model.requires_grad_(False)
-        base = config.train.base
-        gsm_names = {name for name, _ in gsm_parameters(model)}
         # the gate learns from its KL alone (its input is detached, its selection has no gradient)
-        gate_learns = config.train.loss_weights.gate_kl > 0
-        for name, param in model.named_parameters():
-            if name in gsm_names:
-                param.requires_grad_(config.gsm.gsm_enabled and (gate_learns or ".gate." not in f".{name}"))
-            elif base == "full" or (base == "lora" and ".lora_" in f".{name}"):
-                param.requires_grad_(True)
+        parts = ("compressor", "bridge") + (("gate",) if config.train.loss_weights.gate_kl > 0 else ())
+        trained = [param for _, param in gsm_parameters(model, parts)] if config.gsm.gsm_enabled else []
+        if config.train.base == "full":
+            gsm_ids = {id(param) for _, param in gsm_parameters(model)}
+            trained += [param for param in model.parameters() if id(param) not in gsm_ids]
+        elif config.train.base == "lora":
+            trained += [param for _, param in lora_parameters(model)]
+        for param in trained:
+            param.requires_grad_(True)
         if not any(p.requires_grad for p in model.parameters()):
             raise GSMError("stage joint has nothing to train: train.base is frozen and no GSM module trains "
                            "(GSM is off, or only the gate is on and train.loss_weights.gate_kl is 0); set train.base "
                            "to full or lora, turn GSM on, or give the gate a KL weight")
 
     def loss(self, model: nn.Module, batch: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        runtime = gsm_runtime(model)
         weights = self.config.train.loss_weights
-        runtime.clear()
-        runtime.distill = weights.gate_kl > 0
-        runtime.distill_on_selection = True
-        runtime.distill_queries = self.config.train.distill_queries
-        lm = model(input_ids=batch, labels=batch, use_cache=False).loss
-        runtime.distill = False
-        kl = _mean([total / count.clamp_min(1) for total, count in runtime.distill_losses.values()])
-        asq = _mean(list(runtime.asq_losses.values()))
-        runtime.clear()
+        with gsm_collect(model, distill=weights.gate_kl > 0, distill_on_selection=True,
+                         distill_queries=self.config.train.distill_queries) as records:
+            lm = model(input_ids=batch, labels=batch, use_cache=False).loss
+        kl = _mean(records.gate_kl_means())
+        asq = _mean(records.asq_losses())
         loss = weights.lm * lm
         scalars = {"lm_loss": lm.detach()}
         for name, term, weight in (("gate_kl", kl, weights.gate_kl), ("asq_loss", asq, weights.asq)):
@@ -92,24 +86,22 @@ class JointStage:
     @torch.no_grad()
     def evaluate(self, model: nn.Module, batches: list[Tensor]) -> dict[str, Any]:
         """Perplexity with GSM as inference runs it, gate captured mass, ASQ error and bridge alphas."""
-        runtime = gsm_runtime(model)
         was_training = model.training
         model.eval()
         k, min_keys = self.config.logging.recall_k, self.config.logging.recall_min_keys
-        runtime.recall = (k, min_keys) if self.config.gsm.gsm_enabled else None
+        recall = (k, min_keys) if self.config.gsm.gsm_enabled else None
         device = next(model.parameters()).device
         sums = torch.zeros(8, dtype=torch.float64, device=device)  # nll, tokens, gate, oracle, queries, ASQ x3
         for batch in batches:
-            runtime.clear()
-            loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+            with gsm_collect(model, recall=recall) as records:
+                loss = model(input_ids=batch, labels=batch, use_cache=False).loss
             tokens = batch.shape[0] * (batch.shape[1] - 1)
             sums[0] += loss.double() * tokens
             sums[1] += tokens
-            for recall in runtime.recall_sums.values():
-                sums[2:5] += torch.stack([recall[key] for key in ("gate", "oracle", "queries")])
+            mass = records.captured_mass_total()
+            if mass is not None:
+                sums[2:5] += torch.stack([mass[key] for key in ("gate", "oracle", "queries")])
             sums[5:8] += torch.tensor(self._asq_stats(model), dtype=torch.float64, device=device)
-        runtime.recall = None
-        runtime.clear()
         model.train(was_training)
         sums = all_reduce_sum(sums).cpu()
         metrics = {"ppl": math.exp(sums[0] / sums[1]), "eval_tokens": int(sums[1])}
@@ -127,14 +119,13 @@ class JointStage:
     @staticmethod
     def _asq_stats(model: nn.Module) -> list[float]:
         """Mean over the ASQ compressors of the last forward's ASQ_STATS (zeros without a full block)."""
-        stats = [asq.last_stats for layer in decoder_layers(model)
-                 for asq in (layer.self_attn.gsm.asq_k, layer.self_attn.gsm.asq_v)
+        stats = [asq.last_stats for _, adapter in gsm_adapters(model) for asq in (adapter.asq_k, adapter.asq_v)
                  if asq is not None and asq.last_stats and math.isfinite(float(asq.last_stats["recon_rel_error"]))]
         return [sum(float(s[key]) for s in stats) / len(stats) if stats else 0.0 for key in ASQ_STATS]
 
     @staticmethod
     def _bridge_alphas(model: nn.Module) -> list[float]:
-        bridges = [layer.self_attn.gsm.bridge for layer in decoder_layers(model)]
+        bridges = [adapter.bridge for _, adapter in gsm_adapters(model)]
         return [float(b.alpha.full_tensor() if hasattr(b.alpha, "full_tensor") else b.alpha)
                 for b in bridges if b is not None]
 

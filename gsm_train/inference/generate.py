@@ -9,10 +9,10 @@ from pathlib import Path
 import torch
 
 from gsm_train.export import load_gsm
+from gsm_train.families import model_dims
+from gsm_train.inference.cache import GSMCache, cache_kwargs
 from gsm_train.kv_budget import bf16_layer_kv_bytes
 from gsm_train.model_zoo import load_model_and_tokenizer
-from gsm_train.modules.decode_cache import GSMCache, cache_kwargs
-from gsm_train.modules.injection import model_dims
 
 
 @dataclass

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from gsm_train.kernels import attention_target
-from gsm_train.modules.compiled import compiled
+from gsm_train.compiled import compiled
 
 
 def _product_dtype(query: Tensor) -> torch.dtype:

@@ -1,18 +1,17 @@
 """A transformers `Cache` that stores what GSM inference needs, and nothing more.
 
-Per layer: K and V in a `KVStore` (ASQ-packed blocks plus the raw newest block, or raw without
-ASQ), the gate keys (bf16, or int8 with an fp16 scale per key: `gate_key_bits`), and, for a
-`share`-mode bridge target, only the KV heads it keeps (the shared heads are read from the source
-layer's store through the bridge). Works with `generate()`:
+Per layer: K and V in a `KVStore` (ASQ-packed blocks plus the raw newest block, or raw without ASQ),
+the gate keys (bf16, or int8 with an fp16 scale per key: `gate_key_bits`), and, for a `share`-mode
+bridge target, only the KV heads it keeps (the shared heads are read from the source layer's store
+through the bridge). Works with `generate()`:
 
     cache = GSMCache(model)
     model.generate(ids, **cache_kwargs(model, cache), max_new_tokens=64)
 
 (`cache_kwargs` names the argument as the installed transformers does: `cache`, or `past_key_values`
-before it was renamed.)
-
-The prompt runs through the training-time attention (so prefill equals the teacher-forced pass),
-then each new token attends over the cache (`decode_attention`).
+before it was renamed.) The prompt runs through the training-time attention (so prefill equals the
+teacher-forced pass); each new token attends over the cache (`decode_attention`). GSM's attention
+reaches a layer's cache through `GSMCache.gsm_layer` (the protocol in `modules.forward_state`).
 """
 
 from __future__ import annotations
@@ -25,11 +24,14 @@ import torch
 from torch import Tensor, nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from gsm_train.families import attention_modules
+from gsm_train.inference.decode_attention import decode_attention
+from gsm_train.inference.kv_store import KVStore
 from gsm_train.kernels.decode_topk import kernel_ready
+from gsm_train.modules.adapter import GSMAttentionAdapter
 from gsm_train.modules.errors import GSMError
-from gsm_train.modules.gsm_attention import GSMAttentionAdapter
-from gsm_train.modules.injection import decoder_layers, gsm_runtime
-from gsm_train.modules.kv_store import KVStore
+from gsm_train.modules.forward_state import DecodeStep
+from gsm_train.modules.settings import gsm_settings
 from gsm_train.modules.sparse_gate import encode_gate_keys
 
 
@@ -40,7 +42,8 @@ class GSMLayerCache(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, adapter: GSMAttentionAdapter, kv_heads: int, bridge_mode: str) -> None:
+    def __init__(self, adapter: GSMAttentionAdapter, kv_heads: int, bridge_mode: str,
+                 kernels: ModuleType | None) -> None:
         super().__init__()
         shared = adapter.bridge.out_heads if adapter.bridge is not None and bridge_mode == "share" else 0
         self.k_store = KVStore(adapter.asq_k, kv_heads - shared)
@@ -48,6 +51,7 @@ class GSMLayerCache(CacheLayerMixin):
         self.gate_keys: Tensor | None = None  # bf16, or int8 codes, [B, n, S, gate_head_dim]
         self.gate_key_scales: Tensor | None = None  # fp16 [B, n, S, 1] for int8 gate keys
         self.source: GSMLayerCache | None = None  # the bridge source's cache, for a bridge target
+        self.kernels = kernels  # gsm_train.kernels.sparse_decode where the fused kernels run, else None
         self.cached_before_update = 0
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
@@ -63,15 +67,21 @@ class GSMLayerCache(CacheLayerMixin):
         self.v_store.append(value_states)
         return key_states, value_states
 
-    def append_gate_keys(self, gate_k: Tensor, bits: int) -> None:
+    def decoding(self) -> bool:
+        return self.cached_before_update > 0
+
+    def keep_gate_keys(self, gate_keys: Tensor, bits: int) -> None:
         """Add gate keys [B, n, t, gate_head_dim], stored as `encode_gate_keys` gives them at `bits`."""
-        codes, scales = encode_gate_keys(gate_k.detach(), bits)
+        codes, scales = encode_gate_keys(gate_keys.detach(), bits)
         if self.gate_keys is None:
             self.gate_keys, self.gate_key_scales = codes, scales
             return
         self.gate_keys = torch.cat((self.gate_keys, codes), dim=2)
         if scales is not None:
             self.gate_key_scales = torch.cat((self.gate_key_scales, scales), dim=2)
+
+    def decode_attention(self, step: DecodeStep) -> Tensor:
+        return decode_attention(step, self)
 
     def get_seq_length(self) -> int:
         return self.k_store.seq_len
@@ -101,35 +111,27 @@ class GSMCache(Cache):
     """Generation cache of a GSM-injected model (one `GSMLayerCache` per decoder layer)."""
 
     def __init__(self, model: nn.Module, fused: bool | None = None) -> None:
-        self.runtime = gsm_runtime(model)
-        if not self.runtime.enabled:
+        settings = gsm_settings(model)
+        if not settings.enabled:
             raise GSMError("GSM is switched off on this model; generate with the default cache instead")
-        config = self.runtime.config
-        layers = []
-        for layer in decoder_layers(model):
-            attn = layer.self_attn
-            kv_heads = attn.k_proj.out_features // attn.head_dim
-            layers.append(GSMLayerCache(attn.gsm, kv_heads, config.cross_layer_sharing.mode))
-        for layer_cache, layer in zip(layers, decoder_layers(model), strict=True):
-            if layer.self_attn.gsm.bridge is not None:
+        config = settings.config
+        kernels = fused_kernels(model, fused)
+        layers = [GSMLayerCache(attn.gsm, attn.k_proj.out_features // attn.head_dim, config.cross_layer_sharing.mode,
+                                kernels) for attn in attention_modules(model)]
+        for layer_cache, attn in zip(layers, attention_modules(model), strict=True):
+            if attn.gsm.bridge is not None:
                 layer_cache.source = layers[config.cross_layer_sharing.bridge_from]
         super().__init__(layers=layers)
-        self.runtime.decode_kernels = _fused_kernels(model, fused)
 
-    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args: Any,
-               **kwargs: Any) -> tuple[Tensor, Tensor]:
-        """Store the new tokens of `layer_idx` and hand the layer's cache to its attention call."""
-        layer_cache = self.layers[layer_idx]
-        out = layer_cache.update(key_states, value_states)
-        self.runtime.cache_layer = layer_cache
-        return out
+    def gsm_layer(self, layer_idx: int) -> GSMLayerCache:
+        return self.layers[layer_idx]
 
     def nbytes(self) -> int:
         """Bytes held by all layers."""
         return sum(layer.nbytes() for layer in self.layers)
 
 
-def _fused_kernels(model: nn.Module, fused: bool | None) -> ModuleType | None:
+def fused_kernels(model: nn.Module, fused: bool | None) -> ModuleType | None:
     """The fused Triton decode kernels when asked for (or, with `fused=None`, when on CUDA with Triton and
     not in fp64: the kernels compute in fp32, an fp64 model decodes on the PyTorch path)."""
     parameter = next(model.parameters())
@@ -151,9 +153,8 @@ def _fused_kernels(model: nn.Module, fused: bool | None) -> ModuleType | None:
     return sparse_decode
 
 
-def cache_kwargs(model: nn.Module, cache: Cache) -> dict[str, Cache]:
+def cache_kwargs(model: nn.Module, cache: Cache | None) -> dict[str, Cache | None]:
     """`cache` as the keyword argument this model's `forward` and `generate` take: `cache` where the
-    installed transformers names it so (5.24 does, deprecating `past_key_values`, which its models'
-    `forward` drop in 5.40), else `past_key_values`."""
+    installed transformers names it so (5.24 does, deprecating `past_key_values`), else `past_key_values`."""
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     return {name: cache}

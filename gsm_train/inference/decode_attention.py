@@ -1,4 +1,4 @@
-"""Attention for one generated token over a GSM cache (see `decode_cache.GSMCache`).
+"""Attention for one generated token over a GSM cache (see `inference.cache.GSMCache`).
 
 Per layer: score the cached gate keys with the new gate query, keep the top-k positions (the same
 rule as training: own position, sinks and recent tokens forced; dense while k covers everything),
@@ -11,21 +11,39 @@ power of two from 16 to 256), as do the gate scores, and the top-k runs as a CUD
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from types import ModuleType
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 from transformers.integrations.sdpa_attention import repeat_kv
 
 from gsm_train.kernels import kernel_fits
 from gsm_train.kernels.decode_topk import unordered_top_k
+from gsm_train.modules.adapter import GSMAttentionAdapter
 from gsm_train.modules.errors import GSMError
+from gsm_train.modules.forward_state import DecodeStep
+from gsm_train.modules.layout import allowed_keys
 from gsm_train.modules.sparse_gate import decode_gate_keys, k_per_query
+from gsm_train.inference.kv_store import KVStore
 
-if TYPE_CHECKING:
-    from gsm_train.modules.decode_cache import GSMLayerCache
-    from gsm_train.modules.gsm_attention import GSMAttentionAdapter
+
+class CachedLayer(Protocol):
+    """What decode attention reads of one layer's cache (`inference.cache.CachedLayer`): the K and V
+    stores, the gate keys as stored (codes [B, n, S, dg] and, for int8, fp16 scales [B, n, S, 1]), the fused
+    kernels' module (None: the PyTorch path) and, for a bridge target, the source layer's cache."""
+
+    k_store: KVStore
+    v_store: KVStore
+    gate_keys: Tensor | None
+    gate_key_scales: Tensor | None
+    kernels: ModuleType | None
+    source: CachedLayer | None
+
+    def get_seq_length(self) -> int: ...
+
+    def keep_gate_keys(self, gate_keys: Tensor, bits: int) -> None: ...
 
 
 def forced_spans(position: int, sink_tokens: int, recent_tokens: int) -> tuple[int, int, int]:
@@ -73,7 +91,7 @@ def _per_kv_head(index: Tensor, kv_heads: int) -> Tensor:
     return index.expand(-1, kv_heads, -1) if index.shape[1] == 1 else index
 
 
-def _bridged_rows(adapter: GSMAttentionAdapter, layer_cache: GSMLayerCache, index: Tensor,
+def _bridged_rows(adapter: GSMAttentionAdapter, layer_cache: CachedLayer, index: Tensor,
                   shared: bool) -> tuple[Tensor, Tensor]:
     """The bridge's K/V rows [B, out_heads, k, D] at the target heads' positions `index` [B, Hkv, k]
     (`shared`: every head has the same positions, so the source rows are mapped once)."""
@@ -87,9 +105,10 @@ def _bridged_rows(adapter: GSMAttentionAdapter, layer_cache: GSMLayerCache, inde
     return torch.cat([k for k, _ in parts], 1), torch.cat([v for _, v in parts], 1)
 
 
-def gather_kv(adapter: GSMAttentionAdapter, layer_cache: GSMLayerCache, index: Tensor,
-              shared: bool) -> tuple[Tensor, Tensor]:
-    """K/V rows [B, Hkv, k, D] at `index` [B, Hkv, k]: the layer's own heads dequantized, the bridge applied."""
+def gather_kv(adapter: GSMAttentionAdapter, layer_cache: CachedLayer, index: Tensor, shared: bool,
+              mode: str) -> tuple[Tensor, Tensor]:
+    """K/V rows [B, Hkv, k, D] at `index` [B, Hkv, k]: the layer's own heads dequantized, the bridge applied
+    (`mode`: the bridge's, mix or share)."""
     own = layer_cache.k_store.heads
     keys = layer_cache.k_store.gather(index[:, :own])
     values = layer_cache.v_store.gather(index[:, :own])
@@ -97,7 +116,7 @@ def gather_kv(adapter: GSMAttentionAdapter, layer_cache: GSMLayerCache, index: T
         return keys, values
     bridged_k, bridged_v = _bridged_rows(adapter, layer_cache, index, shared)
     bridged_k, bridged_v = bridged_k.to(keys.dtype), bridged_v.to(values.dtype)
-    if adapter.runtime.config.cross_layer_sharing.mode == "mix":
+    if mode == "mix":
         return keys + bridged_k, values + bridged_v
     return torch.cat((keys, bridged_k), 1), torch.cat((values, bridged_v), 1)
 
@@ -111,45 +130,54 @@ def attend(query: Tensor, keys: Tensor, values: Tensor, valid: Tensor | None, sc
     return out.transpose(1, 2).contiguous()
 
 
-def decode_attention(module: nn.Module, adapter: GSMAttentionAdapter, layer_cache: GSMLayerCache, query: Tensor,
-                     allowed: Tensor | None, scaling: float) -> Tensor:
-    """Attention output [B, 1, Hq, D] of the newest token, read from the GSM cache (already holding it);
-    `allowed` [B, S]: the keys it may see (padding), or None for all."""
-    runtime = adapter.runtime
-    cfg = runtime.config.sparse_attention
-    hidden, cos, sin = adapter.pop_inputs()
+def decode_attention(step: DecodeStep, layer_cache: CachedLayer) -> Tensor:
+    """Attention output [B, 1, Hq, D] of the newest token, read from the layer's GSM cache (already holding
+    its K/V): select the keys (`select_keys`), then gather, dequantize and attend over them."""
+    module, adapter, query = step.module, step.adapter, step.query
     if query.shape[2] != 1:
         raise GSMError(f"layer {adapter.layer_idx}: a GSM cache takes one new token per step after the prompt "
                        f"(got {query.shape[2]}); pass the whole prompt in the first call")
     length = layer_cache.get_seq_length()
+    allowed = None if step.attention_mask is None else \
+        allowed_keys(step.attention_mask, 1, length, query.device)[:, 0, -1]
+    index, valid = select_keys(step, layer_cache, allowed, length)
+    kernels = layer_cache.kernels
+    if adapter.bridge is None and kernels is not None and kernel_fits(module.head_dim):
+        return kernels.fused_decode_attention(query, layer_cache.k_store.packed_rows(),
+                                              layer_cache.v_store.packed_rows(), index, valid, step.scaling)
+    kv_heads = module.k_proj.out_features // module.head_dim
+    shared = index.shape[1] == 1
+    index = _per_kv_head(index, kv_heads)
+    valid = None if valid is None else _per_kv_head(valid, kv_heads)
+    keys, values = gather_kv(adapter, layer_cache, index, shared, step.settings.config.cross_layer_sharing.mode)
+    return attend(query, keys, values, valid, step.scaling)
+
+
+def select_keys(step: DecodeStep, layer_cache: CachedLayer, allowed: Tensor | None,
+                length: int) -> tuple[Tensor, Tensor | None]:
+    """The cached positions [B, n, k] the newest token attends to and which are valid ([B, n, k] or None):
+    the gate's top-k in sparse mode (its key joins the cache first), every position in dense mode."""
+    adapter, settings, query = step.adapter, step.settings, step.query
+    cfg = settings.config.sparse_attention
     position = length - 1
-    mode = "dense" if adapter.dense_layer or not cfg.enabled else runtime.mode
+    mode = "dense" if adapter.dense_layer or not cfg.enabled else settings.mode
     if mode == "oracle":
         raise GSMError("oracle mode needs the whole sequence; generate in sparse or dense mode")
     gate = adapter.gate
     if gate is not None:
-        gate_q, gate_k = gate(hidden, cos, sin)
-        layer_cache.append_gate_keys(gate_k, gate.key_bits)
-    kv_heads = module.k_proj.out_features // module.head_dim
-    kernels = runtime.decode_kernels
-    if mode == "sparse" and gate is not None:
-        k = int(k_per_query(torch.tensor([position]), cfg.top_k_schedule, cfg.top_k, cfg.k_min, cfg.decay_rate))
-        keys, key_scales = layer_cache.gate_keys, layer_cache.gate_key_scales
-        forced_marked = kernels is not None and kernel_fits(gate.gate_head_dim)
-        if forced_marked:  # the kernel writes the forced keys' +inf with the scores: no launches of their own
-            scores = kernels.gate_scores(gate_q, keys, key_scales,
-                                         forced_spans(position, cfg.sink_tokens, cfg.recent_tokens))
-        else:
-            scores = gate.score_stored(gate_q, decode_gate_keys(keys, key_scales))[:, :, 0]
-        index, valid = top_k_positions(scores, allowed, k, position, cfg.sink_tokens, cfg.recent_tokens,
-                                       fused=kernels is not None, forced_marked=forced_marked)
-    else:
+        gate_q, gate_k = gate(step.hidden, step.cos, step.sin)
+        layer_cache.keep_gate_keys(gate_k, gate.key_bits)
+    if mode != "sparse" or gate is None:
         index = torch.arange(length, device=query.device).expand(query.shape[0], 1, length)
-        valid = None if allowed is None else allowed[:, None, :]
-    if adapter.bridge is None and kernels is not None and kernel_fits(module.head_dim):
-        return kernels.fused_decode_attention(query, layer_cache.k_store, layer_cache.v_store, index, valid, scaling)
-    shared = index.shape[1] == 1
-    index = _per_kv_head(index, kv_heads)
-    valid = None if valid is None else _per_kv_head(valid, kv_heads)
-    keys, values = gather_kv(adapter, layer_cache, index, shared)
-    return attend(query, keys, values, valid, scaling)
+        return index, None if allowed is None else allowed[:, None, :]
+    k = int(k_per_query(torch.tensor([position]), cfg.top_k_schedule, cfg.top_k, cfg.k_min, cfg.decay_rate))
+    keys, key_scales = layer_cache.gate_keys, layer_cache.gate_key_scales
+    kernels = layer_cache.kernels
+    forced_marked = kernels is not None and kernel_fits(gate.gate_head_dim)
+    if forced_marked:  # the kernel writes the forced keys' +inf with the scores: no launches of their own
+        scores = kernels.gate_scores(gate_q, keys, key_scales, forced_spans(position, cfg.sink_tokens,
+                                                                             cfg.recent_tokens))
+    else:
+        scores = gate.score_stored(gate_q, decode_gate_keys(keys, key_scales))[:, :, 0]
+    return top_k_positions(scores, allowed, k, position, cfg.sink_tokens, cfg.recent_tokens,
+                           fused=kernels is not None, forced_marked=forced_marked)

@@ -1,6 +1,6 @@
 """Append-only storage of one layer's K or V for generation: ASQ-packed blocks plus a raw tail.
 
-A store holds exactly what the byte account (`kv_compressor.asq_bytes`) counts: for a cache of S
+A store holds exactly what the byte account (`quant.asq_bytes`) counts: for a cache of S
 tokens, every block but the newest is packed (cluster ids, residual codes, fp16 scales, fp16
 prototypes) and the newest block (1..block_size tokens) stays raw. A block is packed when the
 first token after it arrives, so a query always sees its own block exactly, as training does.
@@ -12,7 +12,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from gsm_train.modules.kv_compressor import ASQCompressor, PackedKV, _unpack, _unrotated, compute_dtype, stored_split
+from gsm_train.kernels.packed_rows import PackedRows
+from gsm_train.functional.asq import PackedKV
+from gsm_train.modules.kv_compressor import ASQCompressor
+from gsm_train.quant import compute_dtype, stored_split, unpack_codes, unrotated
 
 
 class KVStore:
@@ -67,15 +70,24 @@ class KVStore:
         ids = torch.gather(self.ids, 2, at).long()
         nbytes = self.residual.shape[-1]
         dtype = compute_dtype(rows)
-        codes = _unpack(torch.gather(self.residual, 2, at.unsqueeze(-1).expand(*at.shape, nbytes)),
+        codes = unpack_codes(torch.gather(self.residual, 2, at.unsqueeze(-1).expand(*at.shape, nbytes)),
                         self.asq.quant_bits, dim, dtype)
         scales = torch.gather(self.scales, 2, at).to(dtype).unsqueeze(-1)
         block = at // self.asq.block_size
         b, h, n_blocks, clusters, _ = self.prototypes.shape
         flat = self.prototypes.reshape(b, h, n_blocks * clusters, dim)
         protos = torch.gather(flat, 2, (block * clusters + ids).unsqueeze(-1).expand(*at.shape, dim)).to(dtype)
-        packed_rows = _unrotated(protos + codes * scales, self.asq.rotation).to(rows.dtype)
+        packed_rows = unrotated(protos + codes * scales, self.asq.rotation).to(rows.dtype)
         return torch.where((index < packed_len).unsqueeze(-1), packed_rows, rows)
+
+    def packed_rows(self) -> PackedRows:
+        """What the fused decode kernel reads (`kernels.sparse_decode.PackedRows`)."""
+        asq = self.asq
+        signs = asq.rotation_signs if asq is not None and asq.rotate_residuals else None
+        if self.packed_len == 0:
+            return PackedRows(self.tail, rotation_signs=signs)
+        return PackedRows(self.tail, self.ids, self.residual, self.scales, self.prototypes, asq.quant_bits,
+                          asq.cluster_num, asq.block_size, signs)
 
     def all_rows(self) -> Tensor:
         """Every token [B, H, S, D], dequantized."""

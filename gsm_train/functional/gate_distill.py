@@ -18,9 +18,9 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from gsm_train.modules.attention_targets import GradientsFromForward, chunk_kl, full_batch, head_averaged_probs
-from gsm_train.modules.compiled import compiled
-from gsm_train.modules.gate_rope import rope_tables, rotate
+from gsm_train.functional.attention_targets import GradientsFromForward, chunk_kl, full_batch, head_averaged_probs
+from gsm_train.compiled import compiled
+from gsm_train.functional.gate_rope import rope_tables, rotate
 
 
 def _gate_kl_from_hidden(q_weight: Tensor, k_weight: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor,

@@ -1,0 +1,153 @@
+"""The attention function registered with transformers: one dispatcher for every GSM layer.
+
+Per call it takes one of three paths:
+- the base path (transformers' SDPA): GSM switched off, or a dense layer with nothing to record;
+- a decode step over a generation cache: the cache computes it (`GSMLayerCache.decode_attention`);
+- a teacher-forced pass (training, evaluation, a prompt): the K/V path (ASQ, bridge), main attention
+  `dense`, `sparse` (the gate's top-k) or `oracle` (the true top-k), then the training-time records the
+  forward was asked for (gate KL, captured mass).
+With every GSM feature off, the output is the base SDPA's, bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from gsm_train.modules import own_block_attention as own_block
+from gsm_train.modules.adapter import GSMAttentionAdapter
+from gsm_train.modules.errors import GSMError
+from gsm_train.modules.forward_state import FORWARD_KWARG, DecodeStep, ForwardState
+from gsm_train.modules.layer_pass import LayerPass
+from gsm_train.modules.layout import Layout, block_causal_kv, forward_layout, sampled_rows
+from gsm_train.modules.records import kl_from_hidden, record_captured_mass, record_gate_kl
+from gsm_train.modules.selection import GateSelector, chunks, oracle_selection
+
+ATTN_IMPLEMENTATION = "gsm"
+
+
+def gsm_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                          attention_mask: Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                          **kwargs: Any) -> tuple[Tensor, None]:
+    """The registered attention function (signature of transformers' attention interface)."""
+    state: ForwardState | None = kwargs.pop(FORWARD_KWARG, None)
+    adapter: GSMAttentionAdapter | None = getattr(module, "gsm", None)
+    if adapter is not None and state is None:
+        raise GSMError(f"layer {module.layer_idx} of a GSM model was called outside the model's forward; "
+                       "call the model (or its decoder stack), not a layer")
+    inputs = state.layer_inputs.pop(module.layer_idx, None) if state is not None else None
+    if adapter is None or not state.settings.enabled:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if inputs is None:
+        raise GSMError(f"layer {module.layer_idx}: the gate's input was not kept; was the model injected?")
+    scale = module.scaling if scaling is None else scaling
+    layer_cache = state.layer_cache(module.layer_idx)
+    if layer_cache is not None and layer_cache.decoding():
+        step = DecodeStep(module, adapter, query, *inputs, attention_mask, scale, state.settings)
+        return layer_cache.decode_attention(step), None
+    key, value, own = adapter.transform_kv(key, value, state)
+    sparse_cfg = state.settings.config.sparse_attention
+    mode = "dense" if adapter.dense_layer or not sparse_cfg.enabled else state.settings.mode
+    layer = LayerPass(module, adapter, state, query, key, value, own, inputs, scale, mode)
+    if mode == "dense" and own is None and not _gate_runs_in_dense(layer):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    return teacher_forced_attention(layer, attention_mask, dropout, kwargs), None
+
+
+def _gate_runs_in_dense(layer: LayerPass) -> bool:
+    """Whether a dense layer's gate must run: to record its KL or recall, or to fill a generation cache."""
+    request = layer.state.request
+    return layer.adapter.gate is not None and (request.distill or request.recall is not None
+                                               or layer.state.cache is not None)
+
+
+def teacher_forced_attention(layer: LayerPass, attention_mask: Tensor | None, dropout: float,
+                             sdpa_kwargs: dict[str, Any]) -> Tensor:
+    """Main attention of a whole-sequence pass [B, T, Hq, D], and the records asked for."""
+    query, key, request = layer.query, layer.key, layer.state.request
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if q_len != kv_len:
+        raise GSMError(f"layer {layer.adapter.layer_idx}: {layer.mode} attention, distillation and recall need the "
+                       f"whole sequence (got {q_len} queries over {kv_len} cached keys); call the model with "
+                       "use_cache=False for teacher-forced passes")
+    layout = forward_layout(layer.state, attention_mask, q_len, kv_len, query.device)
+    gate = layer.adapter.gate
+    index = sampled_rows(layer.state, layout.visible >= layout.k_host, query.device) \
+        if request.distill and gate is not None else None
+    selector = _gate_selector(layer, layout, index)
+    if layer.mode == "dense" and layer.own is None:
+        out = sdpa_attention_forward(layer.module, query, key, layer.value, attention_mask, dropout=dropout,
+                                     scaling=layer.scaling, **sdpa_kwargs)[0]
+        selection = layout.allowed
+    else:
+        selection = _selection(layer, layout, selector)
+        out = attend_selected(layer, selection, layout)
+    if request.distill and gate is not None:
+        record_gate_kl(layer, layout, index, selector, selection)
+    if request.recall is not None:
+        record_captured_mass(layer, layout, selector)
+    return out
+
+
+def _gate_selector(layer: LayerPass, layout: Layout, index: Tensor | None) -> GateSelector | None:
+    """The gate's scores for this pass (None where nothing needs them: no gate, or stage 1's KL taken
+    straight from the hidden states, `records.kl_from_hidden`). A prompt's gate keys go into the cache."""
+    gate, state = layer.adapter.gate, layer.state
+    if gate is None or kl_from_hidden(layer, index):
+        return None
+    if layer.mode != "sparse" and not _gate_runs_in_dense(layer):
+        return None
+    hidden, cos, sin = layer.inputs
+    gate_q, gate_k = gate(hidden.detach() if state.settings.detach_gate_input else hidden, cos, sin)
+    layer_cache = state.layer_cache(layer.adapter.layer_idx)
+    if layer_cache is not None:  # the prompt of a generation: the cache keeps its gate keys
+        layer_cache.keep_gate_keys(gate_k, gate.key_bits)
+    stored_k = gate.stored_keys(gate_k) if layer.mode == "sparse" or state.request.recall is not None else None
+    training_shapes = layer.query.is_cuda and layer.module.training
+    return GateSelector(gate, gate_q, gate_k, stored_k, layout, state.settings.config.sparse_attention,
+                        training_shapes)
+
+
+def _selection(layer: LayerPass, layout: Layout, selector: GateSelector | None) -> Tensor:
+    """The keys each query keeps [B|1, n, T, S]: all allowed ones (dense), the gate's or the oracle's top-k."""
+    if layer.mode == "dense":
+        return layout.allowed
+    config = layer.state.settings.config.sparse_attention
+    num_selectors = layer.adapter.gate.num_selectors if layer.adapter.gate is not None else 1
+    if layer.mode == "sparse":
+        pick = selector.select
+    else:
+        def pick(start: int, stop: int) -> Tensor:
+            return oracle_selection(layer.query, layer.key, layer.own, layout, config, layer.block_size,
+                                    layer.scaling, num_selectors, start, stop)
+    with torch.no_grad():
+        return torch.cat([pick(a, b) for a, b in chunks(layer.query.shape[2], config.query_chunk)], dim=2)
+
+
+def attend_selected(layer: LayerPass, selection: Tensor, layout: Layout) -> Tensor:
+    """Attention [B, T, Hq, D] over the selected keys: earlier blocks as stored, the own block raw. From a
+    captured training step on CUDA, FlexAttention over only the tiles queries see; else a masked SDPA."""
+    module, query, own = layer.module, layer.query, layer.own
+    gqa = module.num_key_value_groups > 1
+    if own is not None and layer.state.settings.captured_steps and module.training and own_block.fits(query):
+        return own_block.own_block_attention(query, (layer.key, layer.value), own, selection, layer.block_size,
+                                             layer.scaling, gqa)
+    keys, values, mask = block_causal_kv(layer.key, layer.value, own, selection, layout.positions, layer.block_size)
+    return masked_sdpa(query, keys, values, mask, layer.scaling, gqa)
+
+
+def masked_sdpa(query: Tensor, key: Tensor, value: Tensor, selection: Tensor, scaling: float,
+                gqa: bool) -> Tensor:
+    """SDPA restricted to the selected keys -> [B, T, Hq, D]; selection [B|1, n, T, S] is shared by the n
+    head groups. One selection for all heads (n = 1) goes in as a broadcast mask with the KV heads as they
+    are (`enable_gqa`), which needs no copy of K/V per head; one per KV group needs the mask per head."""
+    heads = query.shape[1]
+    mask = selection if selection.shape[1] == 1 else selection.repeat_interleave(heads // selection.shape[1], dim=1)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
+                                                           enable_gqa=gqa)
+    return out.transpose(1, 2).contiguous()

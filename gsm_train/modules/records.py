@@ -1,0 +1,62 @@
+"""The training-time records of a teacher-forced pass: the gate's KL and the captured attention mass.
+
+Both are recorded only when the forward was asked for them (`forward_state.gsm_collect`) and go into
+its records, per layer. The KL's target is the head-averaged main attention (`attention_targets`),
+over all allowed keys, or in sparse training over the keys selected (as DSA trains its indexer).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from gsm_train.functional.attention_targets import captured_mass, gate_distill_loss
+from gsm_train.functional.gate_distill import DistillTarget, reads_weights_directly
+from gsm_train.modules.layer_pass import LayerPass
+from gsm_train.modules.layout import Layout, kl_rows
+from gsm_train.modules.selection import GateSelector
+
+
+def kl_from_hidden(layer: LayerPass, index: Tensor | None) -> bool:
+    """Whether the gate's KL is taken straight from the hidden states (`gate_distill`): stage 1, where the
+    gate only feeds its KL (dense, no ASQ, no recall, no cache) on sampled rows that fit one chunk, and
+    the hidden states need no gradient from it."""
+    state, gate = layer.state, layer.adapter.gate
+    hidden = layer.inputs[0]
+    return (layer.mode == "dense" and layer.own is None and state.request.recall is None and state.cache is None
+            and index is not None and len(index) <= state.settings.config.sparse_attention.query_chunk
+            and reads_weights_directly(gate) and (state.settings.detach_gate_input or not hidden.requires_grad))
+
+
+def record_gate_kl(layer: LayerPass, layout: Layout, index: Tensor | None, selector: GateSelector | None,
+                   selection: Tensor) -> None:
+    """Record the layer's KL(main attention || gate) sum over its counted query rows and the rows counted
+    (`index`: the sampled rows, or None for all)."""
+    state, gate, query, key = layer.state, layer.adapter.gate, layer.query, layer.key
+    rows_allowed, rows_counted = kl_rows(state, layout.allowed, layout.k, index, query.shape[0])
+    if state.request.distill_on_selection and layer.mode == "sparse" and gate.num_selectors == 1:
+        rows_allowed = selection if index is None else selection[..., index, :]
+    rows_q = query if index is None else query[:, :, index]
+    if selector is None:  # kl_from_hidden
+        hidden, cos, sin = layer.inputs
+        target = DistillTarget(rows_q.detach(), key.detach(), rows_allowed, rows_counted, index, layer.scaling)
+        total, count = gate(hidden, cos, sin, target)
+    else:  # sampled rows were drawn on the device: every key is in bounds (the mask holds each row to its own)
+        rows_gq, rows_visible = (selector.gate_q, layout.visible) if index is None else (
+            selector.gate_q[:, :, index], torch.full((len(index),), key.shape[2]))
+        total, count = gate_distill_loss(rows_q.detach(), key.detach(), rows_gq, selector.gate_k, rows_allowed,
+                                         rows_counted, layer.scaling, state.settings.config.sparse_attention.query_chunk,
+                                         rows_visible)
+    state.records.add_gate_kl(layer.adapter.layer_idx, total, count)
+
+
+def record_captured_mass(layer: LayerPass, layout: Layout, selector: GateSelector | None) -> None:
+    """Record the gate's and the oracle's captured target mass at the requested k (`CollectRequest.recall`)."""
+    k, min_keys = layer.state.request.recall
+    constant_k = torch.full_like(layout.k, k)
+    gate = layer.adapter.gate
+    pick = None if selector is None else (lambda a, b: selector.select(a, b, constant_k, k, uniform=True))
+    sums = captured_mass(layer.query.detach(), layer.key.detach(), layout.allowed, layer.scaling, k, min_keys,
+                         layer.state.settings.config.sparse_attention.query_chunk,
+                         gate.num_selectors if gate is not None else 1, pick, layout.visible)
+    layer.state.records.add_captured_mass(layer.adapter.layer_idx, sums)
