@@ -10,10 +10,11 @@ from __future__ import annotations
 import glob
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator,
+                      model_validator)
 
 from gsm_train.assets import EMBEDDED_PREFIX, embedded_asset_path
 
@@ -73,8 +74,9 @@ class SparseAttentionConfig(StrictModel):
 
 
 class KVCompressionConfig(StrictModel):
-    """ASQ clustering compressor on the K/V path."""
+    """ASQ clustering compressor on the K/V path (`method: asq`, the default)."""
 
+    method: Literal["asq"] = "asq"
     enabled: bool = False
     cluster_num: int = Field(32, ge=2, le=256)
     hidden_dim: int = Field(64, ge=1, le=65536)
@@ -103,6 +105,38 @@ class KVCompressionConfig(StrictModel):
         return self.quant_bits, self.value_quant_bits or self.quant_bits
 
 
+class PerTokenKVConfig(StrictModel):
+    """Plain per-token quantization of K and V (`method: per_token`): every block but the newest stored as
+    codes on the mid-rise grid with one fp16 scale per token, no clustering and nothing to train. The
+    worked example of docs/extending.md, and a baseline that runs through the whole pipeline."""
+
+    method: Literal["per_token"]
+    enabled: bool = False
+    quant_bits: Literal[2, 4, 8] = 4
+    value_quant_bits: Literal[2, 4, 8] | None = None  # V's bits when they differ from K's
+    block_size: int = Field(128, ge=1, le=65536)
+
+    def bits(self, layer: int | None = None) -> tuple[int, int]:
+        """(K, V) bits: `quant_bits` for both unless `value_quant_bits` sets V's."""
+        return self.quant_bits, self.value_quant_bits or self.quant_bits
+
+
+# the K/V compressor configurations by `kv_compression.method` (a variant adds its class here and its module
+# to gsm_train.modules.kv_registry; docs/extending.md)
+KV_METHOD_CONFIGS: dict[str, type[StrictModel]] = {"asq": KVCompressionConfig, "per_token": PerTokenKVConfig}
+
+
+def _kv_method(value: Any) -> str:
+    """The method a kv_compression block names (`asq` where it names none, as recipes and exports before
+    the field existed)."""
+    return value.get("method", "asq") if isinstance(value, dict) else getattr(value, "method", "asq")
+
+
+KVCompressionSettings = Annotated[
+    Union[tuple(Annotated[config, Tag(name)] for name, config in KV_METHOD_CONFIGS.items())],  # noqa: UP007
+    Discriminator(_kv_method)]
+
+
 class CrossLayerSharingConfig(StrictModel):
     """Cache bridge from a lower layer's K/V into the upper layers."""
 
@@ -128,7 +162,7 @@ class GSMConfig(StrictModel):
 
     gsm_enabled: bool = True
     sparse_attention: SparseAttentionConfig = Field(default_factory=SparseAttentionConfig)
-    kv_compression: KVCompressionConfig = Field(default_factory=KVCompressionConfig)
+    kv_compression: KVCompressionSettings = Field(default_factory=KVCompressionConfig)
     cross_layer_sharing: CrossLayerSharingConfig = Field(default_factory=CrossLayerSharingConfig)
 
 
@@ -323,7 +357,7 @@ class RecipeConfig(StrictModel):
                            "K and V, but gsm.kv_compression.value_quant_bits is "
                            f"{self.gsm.kv_compression.value_quant_bits}",
                            "drop one of them: the ratio, or value_quant_bits (then set quant_bits yourself)")
-        if knobs.kv_compression_ratio is not None and self.gsm.kv_compression.layer_bits:
+        if knobs.kv_compression_ratio is not None and getattr(self.gsm.kv_compression, "layer_bits", None):
             raise _problem(f"tuning.kv_compression_ratio ({knobs.kv_compression_ratio}) picks one residual width for "
                            "every layer, but gsm.kv_compression.layer_bits sets layers "
                            f"{sorted(self.gsm.kv_compression.layer_bits)} apart",
@@ -434,14 +468,19 @@ def apply_overrides(data: dict, overrides: list[str]) -> list[Problem]:
 def _allowed_keys(loc: tuple) -> list[str]:
     """The keys a config block at `loc` accepts, to suggest in 'unknown key' errors."""
     model: Any = RecipeConfig
+    previous = None
     for part in loc[:-1]:
+        if previous == "kv_compression" and part in KV_METHOD_CONFIGS:  # the union's tag: that method's block
+            model, previous = KV_METHOD_CONFIGS[part], part
+            continue
+        previous = part
         field = getattr(model, "model_fields", {}).get(part)
         if field is None:
             return []
         annotation = field.annotation
         candidates = [annotation, *getattr(annotation, "__args__", ())]
         model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
-        if model is None:
+        if model is None and part != "kv_compression":  # kv_compression: its tag follows
             return []
     return sorted(getattr(model, "model_fields", {}))
 
@@ -457,6 +496,8 @@ def _fix_for(error: dict) -> tuple[str, str]:
     if kind == "value_error" and "; fix: " in msg:
         message, fix = msg.removeprefix("Value error, ").split("; fix: ", 1)
         return message, fix
+    if kind == "union_tag_invalid":
+        return f"unknown value {ctx.get('tag')!r}", f"use one of {ctx.get('expected_tags', '')}"
     if kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
         return msg, f"use a value that is {msg.removeprefix('Input should be ')}"
     if kind == "literal_error":
@@ -466,11 +507,22 @@ def _fix_for(error: dict) -> tuple[str, str]:
     return msg, "see the recipe reference in README.md"
 
 
+def _user_path(loc: tuple) -> tuple:
+    """A pydantic error location as the recipe spells it: without validator-function parts and without the
+    union tag pydantic inserts after `kv_compression` (`kv_compression.asq.quant_bits` -> `kv_compression.quant_bits`)."""
+    path: list = []
+    for part in loc:
+        if str(part).startswith("function-") or (path and path[-1] == "kv_compression" and part in KV_METHOD_CONFIGS):
+            continue
+        path.append(part)
+    return tuple(path)
+
+
 def format_problems(err: ValidationError) -> list[Problem]:
     """Turn a pydantic ValidationError into our dotted-path problems."""
     problems = []
     for error in err.errors():
-        loc = tuple(part for part in error["loc"] if not str(part).startswith("function-"))
+        loc = _user_path(error["loc"])
         message, fix = _fix_for(error)
         value = error.get("input", _MISSING) if error["type"] != "missing" else _MISSING
         if isinstance(value, dict):
@@ -522,7 +574,7 @@ def check_against_model(config: RecipeConfig, num_layers: int) -> None:
     problems += [Problem(f"gsm.kv_compression.layer_bits.{layer}", list(bits),
                          f"layer index outside the model's 0..{num_layers - 1}",
                          "remove it or use an index inside the model")
-                 for layer, bits in asq.layer_bits.items() if asq.enabled and layer >= num_layers]
+                 for layer, bits in getattr(asq, "layer_bits", {}).items() if asq.enabled and layer >= num_layers]
     if problems:
         raise ConfigError("recipe vs model", problems)
 

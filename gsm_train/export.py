@@ -28,11 +28,11 @@ from gsm_train.lora import adapter_tensor_names, inject_lora
 from gsm_train.modules import GSMSettings, configure_gsm, gsm_settings, inject_gsm
 
 FORMAT = "gsm-train-adapter"
-# 5: 4- and 8-bit ASQ residuals on the mid-rise grid (kv_compressor.code_center; before, a symmetric one);
+# 6: a K/V compressor other than ASQ (kv_compression.method); 5: 4- and 8-bit ASQ residuals on the mid-rise grid (kv_compressor.code_center; before, a symmetric one);
 # 4: per-layer ASQ residual widths (kv_compression.layer_bits); 3: ASQ residuals (and, since 0b1b96f, the
 # prototypes; the same up to fp16 rounding) in a rotated basis (kv_compression.rotate_residuals);
 # 2: 2-bit ASQ residuals on the mid-rise grid; 1: on the symmetric one
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 ADAPTER_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "gsm_config.json"
 CARD_FILE = "README.md"
@@ -105,12 +105,14 @@ def export_adapter(model: nn.Module, out_dir: str | Path, *, base_name: str, bas
     settings = gsm.config.model_dump(mode="json")
     version = _format_version(settings)  # the lowest format that holds what the export needs, so that
     kv = settings["kv_compression"]      # earlier readers load what they can represent; likewise, fields
-    if kv["value_quant_bits"] is None:   # added after format 1 are written only when they matter
+    if kv.get("method") == "asq":        # added after format 1 are written only when they matter
+        del kv["method"]
+    if kv["value_quant_bits"] is None:
         del kv["value_quant_bits"]
     if not _asq_setting(settings, "rotate_residuals"):  # nothing rotates (false, or ASQ off)
-        del kv["rotate_residuals"]
+        kv.pop("rotate_residuals", None)
     if not _asq_setting(settings, "layer_bits"):  # every layer at quant_bits / value_quant_bits
-        del kv["layer_bits"]
+        kv.pop("layer_bits", None)
     config = {"format": FORMAT, "format_version": version, **settings,
               "base_model": base_description(model, gsm.base_fingerprint, base_name, base_revision),
               "lora": lora, "includes_base_weights": include_base,
@@ -130,6 +132,8 @@ def export_adapter(model: nn.Module, out_dir: str | Path, *, base_name: str, bas
 
 def _format_version(settings: dict) -> int:
     """The lowest format version that represents these (exported) GSM settings."""
+    if _kv_method(settings) != "asq":
+        return 6
     widths = _residual_widths(settings)
     if widths - {2}:
         return 5
@@ -138,6 +142,11 @@ def _format_version(settings: dict) -> int:
     if _asq_setting(settings, "rotate_residuals"):
         return 3
     return 2 if 2 in widths else 1
+
+
+def _kv_method(settings: dict) -> str:
+    """The K/V compressor of these (exported) GSM settings (`asq` where the field is absent)."""
+    return (settings.get("kv_compression") or {}).get("method", "asq")
 
 
 def _asq_setting(settings: dict, name: str) -> object:
@@ -170,6 +179,9 @@ def validate_export(export_dir: str | Path) -> dict:
         raise ExportError(f"{folder / CONFIG_FILE}: format {config.get('format')!r} version "
                           f"{config.get('format_version')!r}, expected {FORMAT!r} version 1 to {FORMAT_VERSION}")
     # the newest feature an older format cannot hold is named first: it is what the reader must update for
+    if config["format_version"] < 6 and _kv_method(config) != "asq":
+        raise ExportError(f"{folder / CONFIG_FILE}: format {config['format_version']} names kv_compression.method "
+                          f"{_kv_method(config)!r}, which only format 6 holds; re-export the adapter with this version")
     if config["format_version"] < 5 and _residual_widths(config) - {2}:
         raise ExportError(f"{folder / CONFIG_FILE}: format {config['format_version']} with 4- or 8-bit ASQ residuals, "
                           "trained on the symmetric grid that format 5 replaced with the mid-rise one "

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 
 from gsm_train.config import ConfigError, GSMConfig, Problem
-from gsm_train.quant import asq_bytes
+from gsm_train.modules.kv_registry import kv_bytes_per_token
 from gsm_train.modules.sparse_gate import gate_key_bytes
 
 BF16_BYTES = 2
@@ -35,9 +35,8 @@ def layer_kv_bytes(config: GSMConfig, dims: dict[str, int], layer: int, seq_len:
     """(bf16 bytes without GSM, bytes with GSM) one layer caches per token at `seq_len`."""
     head_dim, kv_heads = dims["head_dim"], dims["kv_heads"]
     base = bf16_layer_kv_bytes(dims)
-    asq = config.kv_compression
-    per_head = (sum(asq_bytes(seq_len, 1, head_dim, asq.cluster_num, bits, asq.block_size)["bytes_per_token"]
-                    for bits in asq.bits(layer)) if asq.enabled else 2 * BF16_BYTES * head_dim)
+    kv = config.kv_compression
+    per_head = kv_bytes_per_token(kv, layer, seq_len, head_dim) if kv.enabled else 2 * BF16_BYTES * head_dim
     sharing = config.cross_layer_sharing
     shared = (min(sharing.shared_kv_heads, kv_heads)
               if sharing.enabled and sharing.mode == "share" and layer >= sharing.bridge_to_start else 0)

@@ -41,6 +41,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "gate_asq_rotated": {"sparse_attention": SPARSE, "kv_compression": {**ASQ, "rotate_residuals": True}},
     "gate_asq_layer_bits": {"sparse_attention": SPARSE,
                             "kv_compression": {**ASQ, "layer_bits": {1: (2, 4), 3: (8, 2)}}},
+    # the worked example of docs/extending.md: a K/V compressor variant through the same checks
+    "gate_per_token_share": {"sparse_attention": SPARSE, "cross_layer_sharing": SHARE,
+                             "kv_compression": {"method": "per_token", "enabled": True, "block_size": BLOCK,
+                                                "quant_bits": 4, "value_quant_bits": 2}},
 }
 
 
@@ -147,7 +151,7 @@ def test_the_cache_goes_in_under_the_name_transformers_takes() -> None:
 
 
 @pytest.mark.parametrize("config", ["everything_share", "everything_mix_kv_gates", "asq_only", "gate_asq_k4_v2",
-                                    "gate_asq_layer_bits"])
+                                    "gate_asq_layer_bits", "gate_per_token_share"])
 @pytest.mark.parametrize("length", [BLOCK * 4, LENGTH])
 def test_cache_bytes_equal_the_account(config: str, length: int) -> None:
     """bf16 model: the cache's tensors hold exactly what `gsm-train inspect` counts per token."""
@@ -169,7 +173,7 @@ def test_store_packs_every_block_but_the_newest() -> None:
         store.append(states[:, :, position:position + 1])
         assert store.packed_len == (position // BLOCK) * BLOCK  # the newest block, full or not, stays raw
     bulk = asq.compress(states)
-    assert torch.equal(store.ids, bulk.ids) and torch.equal(store.residual, bulk.residual)
+    assert torch.equal(store.packed["ids"], bulk.ids) and torch.equal(store.packed["residual"], bulk.residual)
     assert torch.equal(store.all_rows(), asq.decompress(bulk))
     index = torch.tensor([[[0, 23, 9, 16], [5, 17, 2, 20]]])
     assert torch.equal(store.gather(index), torch.gather(store.all_rows(), 2, index[..., None].expand(-1, -1, -1, 16)))

@@ -121,7 +121,7 @@ def test_nbytes_matches_byte_account(s, block_size, bits, cluster_num, d, dtype)
     assert packed.nbytes() == account["total"]
     assert comp.byte_account(s, batch_size=2, tail_bytes=tail_bytes) == account
     assert account["bf16"] == 2 * 2 * 3 * s * d
-    assert comp.bytes_per_token(s, tail_bytes) == pytest.approx(account["total"] / (2 * 3 * s))
+    assert comp.byte_account(s, tail_bytes=tail_bytes)["bytes_per_token"] == pytest.approx(account["total"] / (2 * 3 * s))
     assert packed.ids.dtype == packed.residual.dtype == torch.uint8
     assert packed.scales.dtype == packed.prototypes.dtype == torch.float16
     assert comp.decompress(packed).shape == x.shape

@@ -143,8 +143,9 @@ def decode_attention(step: DecodeStep, layer_cache: CachedLayer) -> Tensor:
     index, valid = select_keys(step, layer_cache, allowed, length)
     kernels = layer_cache.kernels
     if adapter.bridge is None and kernels is not None and kernel_fits(module.head_dim):
-        return kernels.fused_decode_attention(query, layer_cache.k_store.packed_rows(),
-                                              layer_cache.v_store.packed_rows(), index, valid, step.scaling)
+        stores = (layer_cache.k_store.packed_rows(), layer_cache.v_store.packed_rows())
+        if None not in stores:  # stores the kernel reads (ASQ-packed or raw)
+            return kernels.fused_decode_attention(query, *stores, index, valid, step.scaling)
     kv_heads = module.k_proj.out_features // module.head_dim
     shared = index.shape[1] == 1
     index = _per_kv_head(index, kv_heads)

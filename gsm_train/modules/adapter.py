@@ -15,7 +15,8 @@ from torch import Tensor, nn
 from gsm_train.modules.cache_bridge import CacheBridge
 from gsm_train.modules.errors import GSMError
 from gsm_train.modules.forward_state import ForwardState
-from gsm_train.modules.kv_compressor import ASQCompressor, paired_training_pass
+from gsm_train.modules.kv_compressor import paired_training_pass
+from gsm_train.modules.kv_registry import KVCompressor
 from gsm_train.modules.sparse_gate import SparseGateHead
 from gsm_train.quant import fake_quant_kivi, fake_quant_per_token
 
@@ -23,10 +24,12 @@ KVPair = tuple[Tensor, Tensor]
 
 
 class GSMAttentionAdapter(nn.Module):
-    """The GSM modules of one attention layer; any of gate, ASQ and bridge may be None."""
+    """The GSM modules of one attention layer; any of gate, K/V compressors and bridge may be None.
+    `asq_k` / `asq_v` hold K's and V's compressors of any `kv_compression.method` (named for ASQ, the
+    first, since exports name their tensors so)."""
 
-    def __init__(self, layer_idx: int, gate: SparseGateHead | None, asq_k: ASQCompressor | None,
-                 asq_v: ASQCompressor | None, bridge: CacheBridge | None, is_bridge_source: bool,
+    def __init__(self, layer_idx: int, gate: SparseGateHead | None, asq_k: KVCompressor | None,
+                 asq_v: KVCompressor | None, bridge: CacheBridge | None, is_bridge_source: bool,
                  dense_layer: bool):
         super().__init__()
         self.layer_idx = layer_idx

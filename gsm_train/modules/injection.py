@@ -26,7 +26,7 @@ from gsm_train.modules.attention import ATTN_IMPLEMENTATION, gsm_attention_forwa
 from gsm_train.modules.cache_bridge import CacheBridge
 from gsm_train.modules.errors import GSMError
 from gsm_train.modules.forward_state import install_forward_hooks
-from gsm_train.modules.kv_compressor import ASQCompressor
+from gsm_train.modules.kv_registry import build_compressors
 from gsm_train.modules.settings import GSMSettings, has_gsm, put_settings
 from gsm_train.modules.sparse_gate import SparseGateHead
 
@@ -87,12 +87,13 @@ def _check_against(model: PreTrainedModel, config: GSMConfig, dims: dict[str, in
     if config.gsm_enabled and bridge.enabled and bridge.bridge_to_start >= dims["layers"]:
         raise GSMError(f"cross_layer_sharing.bridge_to_start={bridge.bridge_to_start} but the model has "
                        f"{dims['layers']} layers; use a value below {dims['layers']}")
-    beyond = [layer for layer in config.kv_compression.layer_bits if layer >= dims["layers"]]
+    beyond = [layer for layer in getattr(config.kv_compression, "layer_bits", {}) if layer >= dims["layers"]]
     if config.kv_compression.enabled and beyond:
         raise GSMError(f"kv_compression.layer_bits names layer {beyond[0]}, but the model has {dims['layers']} layers "
                        f"(0 to {dims['layers'] - 1}); drop it or name a layer below {dims['layers']}")
     head_dim = dims["head_dim"]
-    if config.kv_compression.enabled and config.kv_compression.rotate_residuals and head_dim & (head_dim - 1):
+    rotates = getattr(config.kv_compression, "rotate_residuals", False)
+    if config.kv_compression.enabled and rotates and head_dim & (head_dim - 1):
         raise GSMError(f"kv_compression.rotate_residuals=true needs a power-of-two head_dim (a Hadamard rotation), "
                        f"but this model's is {head_dim}; set kv_compression.rotate_residuals=false")
 
@@ -108,9 +109,7 @@ def _build_adapter(layer_idx: int, attn: nn.Module, config: GSMConfig, dims: dic
             gate.init_from_attention(attn.q_proj.weight, attn.k_proj.weight, dims["heads"], dims["kv_heads"],
                                      dims["head_dim"])
     if asq_cfg.enabled:
-        asq_k, asq_v = (ASQCompressor(dims["kv_heads"], dims["head_dim"], asq_cfg.cluster_num, asq_cfg.hidden_dim,
-                                      bits, asq_cfg.block_size, asq_cfg.tau, asq_cfg.rotate_residuals)
-                        for bits in asq_cfg.bits(layer_idx))
+        asq_k, asq_v = build_compressors(asq_cfg, layer_idx, dims["kv_heads"], dims["head_dim"])
     if bridge_cfg.enabled and layer_idx >= bridge_cfg.bridge_to_start:
         out_heads = dims["kv_heads"] if bridge_cfg.mode == "mix" else min(bridge_cfg.shared_kv_heads, dims["kv_heads"])
         bridge = CacheBridge(dims["kv_heads"], dims["head_dim"], out_heads, bridge_cfg.alpha_init)

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
 from gsm_train.compiled import compiled
+from gsm_train.config import KVCompressionConfig
 from gsm_train.functional.asq import (Encoded, PackedKV, distortion, encode_blocks, gather_prototypes,
                                       paired_reconstruction, reconstruction_and_distortion)
 from gsm_train.quant import (EPS, STORE_DTYPE, asq_bytes, check_bits, compute_dtype, hadamard_rotation, hadamard_signs,
@@ -58,7 +59,8 @@ def paired_training_pass(asq_k: ASQCompressor, asq_v: ASQCompressor, key: Tensor
     outside training, before a first full block, K and V of other shapes or dtypes, compressors that differ
     in more than their bits, or parameters that only the modules' own calls gather. One pass serves
     both, which halves ASQ's kernels in a training step (docs/design-decisions.md)."""
-    if not (asq_k.training and asq_v.training and key.shape == value.shape and key.dtype == value.dtype
+    if not (isinstance(asq_k, ASQCompressor) and isinstance(asq_v, ASQCompressor)
+            and asq_k.training and asq_v.training and key.shape == value.shape and key.dtype == value.dtype
             and key.shape[2] >= asq_k.block_size and _alike(asq_k, asq_v)
             and _plain_parameters(asq_k) and _plain_parameters(asq_v)):
         return None
@@ -270,6 +272,42 @@ class ASQCompressor(nn.Module):
         x_hat = unrotated(gather_prototypes(packed.prototypes.to(dtype), ids) + q * scale, packed.rotation)
         return join_blocks(x_hat, packed.tail)
 
+    # ---------------------------------------------------------------- the compressor interface (kv_registry)
+
+    @classmethod
+    def build(cls, config: KVCompressionConfig, layer: int, num_kv_heads: int,
+              head_dim: int) -> tuple[ASQCompressor, ASQCompressor]:
+        """K's and V's compressors of `layer` as `config` sets them (each side at its own bits)."""
+        return tuple(cls(num_kv_heads, head_dim, config.cluster_num, config.hidden_dim, bits, config.block_size,
+                         config.tau, config.rotate_residuals) for bits in config.bits(layer))
+
+    @staticmethod
+    def bytes_per_token(config: KVCompressionConfig, layer: int, seq_len: int, head_dim: int) -> float:
+        """Bytes K and V of one KV head of `layer` take per token in a cache of `seq_len` (amortised)."""
+        return sum(asq_bytes(seq_len, 1, head_dim, config.cluster_num, bits, config.block_size)["bytes_per_token"]
+                   for bits in config.bits(layer))
+
+    def pack_blocks(self, x: Tensor) -> dict[str, Tensor]:
+        """Whole blocks x [B, H, n * block_size, D] as the cache stores them: `ids` uint8 [B, H, F], `residual`
+        uint8 [B, H, F, ceil(D * bits / 8)], `scales` fp16 [B, H, F], `prototypes` fp16 [B, H, n, C, D]."""
+        packed = self.compress_blocks(x)
+        return {"ids": packed.ids, "residual": packed.residual, "scales": packed.scales,
+                "prototypes": packed.prototypes}
+
+    def gather_packed(self, fields: dict[str, Tensor], at: Tensor, dtype: torch.dtype) -> Tensor:
+        """Rows [B, H, k, D] in `dtype` at packed positions `at` [B, H, k] of `pack_blocks` fields (joined
+        along dim 2): prototype plus residual, rotated back (exact but for `dtype`'s rounding)."""
+        ids = torch.gather(fields["ids"], 2, at).long()
+        residual = fields["residual"]
+        codes = unpack_codes(torch.gather(residual, 2, at.unsqueeze(-1).expand(*at.shape, residual.shape[-1])),
+                             self.quant_bits, self.head_dim, dtype)
+        scales = torch.gather(fields["scales"], 2, at).to(dtype).unsqueeze(-1)
+        prototypes = fields["prototypes"]
+        b, h, n_blocks, clusters, dim = prototypes.shape
+        flat = prototypes.reshape(b, h, n_blocks * clusters, dim)
+        index = (at // self.block_size * clusters + ids).unsqueeze(-1).expand(*at.shape, dim)
+        return unrotated(torch.gather(flat, 2, index).to(dtype) + codes * scales, self.rotation)
+
     def byte_account(self, seq_len: int, batch_size: int = 1, tail_bytes: int = 2) -> dict[str, float]:
         """:func:`asq_bytes` for this compressor's configuration."""
         return asq_bytes(
@@ -282,7 +320,3 @@ class ASQCompressor(nn.Module):
             batch_size,
             tail_bytes,
         )
-
-    def bytes_per_token(self, seq_len: int, tail_bytes: int = 2) -> float:
-        """Amortized stored bytes per token per KV head at ``seq_len`` (bf16 is ``2 * head_dim``)."""
-        return self.byte_account(seq_len, tail_bytes=tail_bytes)["bytes_per_token"]
