@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from huggingface_hub import ModelCard
+
 from gsm_train.model_zoo import SMOLLM2_NAME, TINY_PREFIX
 
 # built-in names with a Hub original: (Hub id, license). smollm2-135m is the Q4_1 GGUF of this
@@ -79,8 +81,6 @@ def _card_license(folder: Path) -> str | None:
     card = folder / "README.md"
     if not card.is_file():
         return None
-    from huggingface_hub import ModelCard
-
     try:
         license_id = ModelCard.load(card).data.license
     except (ValueError, OSError, UnicodeDecodeError):

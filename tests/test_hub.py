@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 from hub_stand_in import Request, StandInHub, serve_stand_in
-from huggingface_hub import ModelCard, ModelCardData, constants
+from huggingface_hub import HfApi, ModelCard, ModelCardData, constants, snapshot_download
 from huggingface_hub.utils import validate_repo_id
 
 from gsm_train import GSMModel, cli
@@ -33,7 +33,7 @@ from gsm_train.adapter_format import CARD_FILE, CONFIG_FILE, GSM_FILE, ExportErr
 from gsm_train.config import GSMConfig
 from gsm_train.export import export_adapter, load_gsm
 from gsm_train.hub import DEFAULT_COMMIT_MESSAGE, PublishError, publish_export
-from gsm_train.model_zoo import tiny_model
+from gsm_train.model_zoo import byte_tokenizer, tiny_model
 from gsm_train.modules import gsm_state_dict, inject_gsm
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -563,3 +563,34 @@ def test_loading_from_an_unreachable_hub_is_one_clear_error(
         ExportError, match=f"Hub repo {REPO}: could not be fetched.*ConnectError.*HF_ENDPOINT"
     ):
         GSMModel.from_pretrained(REPO)
+
+
+def test_a_base_from_the_hub_cache_is_recorded_and_loaded_back_by_id(hub: StandInHub, endpoint: str,
+                                                                      tmp_path: Path) -> None:
+    """A base loaded from a folder of the Hub cache records its repo, commit and card license; once
+    that folder is gone, from_pretrained fetches the base by that id at that commit."""
+    base_repo = "my-org/local-base"
+    staged = tmp_path / "staged"
+    tiny_model("llama").save_pretrained(staged)
+    byte_tokenizer().save_pretrained(staged)
+    (staged / CARD_FILE).write_text("---\nlicense: mit\n---\n# a tiny base\n")
+    HfApi(endpoint=hub.url, token=TOKEN).create_repo(base_repo)
+    HfApi(endpoint=hub.url, token=TOKEN).upload_folder(folder_path=staged, repo_id=base_repo)
+    commit = hub.repos[base_repo].branches["main"]
+    cached = Path(snapshot_download(base_repo))
+    assert cached.name == commit and "models--my-org--local-base" in cached.as_posix()
+
+    folder = export_adapter(_trained(3), tmp_path / "export", base_name=str(cached))
+    base = json.loads((folder / CONFIG_FILE).read_text())["base_model"]
+    assert (base["hub_id"], base["revision"], base["license"]) == (base_repo, commit, "mit")
+    publish_export(folder, REPO, token=TOKEN)  # no --base-model-id needed
+    card = _committed(hub.requests[-1])[1][CARD_FILE].decode()
+    assert f"base_model: {base_repo}" in card and "license: mit" in card
+
+    shutil.rmtree(constants.HF_HUB_CACHE)  # the base folder the export names is gone
+    gsm = GSMModel.from_pretrained(REPO)
+    fetched = {path.rsplit("/", 1)[1] for method, path in hub.routes
+               if method == "GET" and path.startswith(f"/{base_repo}/resolve/{commit}/")}
+    assert {"config.json", "model.safetensors"} <= fetched
+    local = GSMModel.from_pretrained(folder, base="tiny-llama")
+    assert torch.equal(_logits(gsm.model), _logits(local.model))
