@@ -32,6 +32,7 @@ from gsm_train.distributed import DistInfo, shard_model
 
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 _SOURCE = "accelerate config (ACCELERATE_USE_DEEPSPEED=true)"
+_LAUNCH_SOURCE = "accelerate config (as accelerate launch exported it)"
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> Tensor:
@@ -111,10 +112,39 @@ def _plugin_problems(plugin: DeepSpeedPlugin, config: RecipeConfig) -> list[Prob
     return problems
 
 
+def _fsdp2_launch_problems(config: RecipeConfig) -> list[Problem]:
+    """Settings of the accelerate config (as `accelerate launch` exports them) that gsm-train's own
+    FSDP2 would not follow: accelerate's FSDP plugin (`distributed_type: FSDP`, whose `fsdp_config`
+    then arrives as FSDP_* variables) and a mixed precision other than the recipe's."""
+    problems = []
+    if parse_flag_from_env("ACCELERATE_USE_FSDP"):
+        problems.append(Problem(
+            "distributed_type", "FSDP", "gsm-train shards with its own FSDP2 (fully_shard per GSM "
+            "module, per decoder layer, then the root) whenever several processes run, so "
+            "accelerate's FSDP plugin and its fsdp_config would be ignored",
+            "launch with launch/multi_gpu.yaml (distributed_type: MULTI_GPU, no fsdp_config); the "
+            "recipe's distributed.fsdp switches sharding"))
+    precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    recipe_precision = config.distributed.mixed_precision
+    if precision not in ("no", "bf16") or (precision == "bf16" and recipe_precision == "no"):
+        problems.append(Problem(
+            "mixed_precision", precision, "gsm-train applies mixed precision itself, as the "
+            f"recipe's distributed.mixed_precision ({recipe_precision!r}) says: bf16 compute, fp32 "
+            "trainables",
+            "set mixed_precision: 'no' in the accelerate config, and distributed.mixed_precision: "
+            "bf16 (or auto: bf16 on GPUs) in the recipe for bf16"))
+    return problems
+
+
 def select_backend(config: RecipeConfig) -> Backend:
     """FSDP2, or DeepSpeed when the accelerate config asks for it. Checked before anything is written:
-    a missing `deepspeed` package or settings that contradict the recipe raise one ConfigError."""
+    a missing `deepspeed` package, or accelerate settings that contradict the recipe or that the
+    backend would ignore (an FSDP plugin config, a mixed precision the recipe does not ask for),
+    raise one ConfigError."""
     if not uses_deepspeed():
+        problems = _fsdp2_launch_problems(config)
+        if problems:
+            raise ConfigError(_LAUNCH_SOURCE, problems)
         return FSDP2Backend(config)
     plugin = DeepSpeedPlugin()  # reads the settings `accelerate launch` exported
     problems = _plugin_problems(plugin, config)

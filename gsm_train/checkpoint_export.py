@@ -6,28 +6,37 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from gsm_train.config import load_recipe
-from gsm_train.export import ExportError, export_adapter
+from gsm_train.export import ExportError, export_adapter, export_destination
 from gsm_train.model_zoo import load_model_and_tokenizer
 from gsm_train.stages import STAGES
 from gsm_train.trainer import export_options
 
 
 def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path) -> Path:
-    """Export the GSM tensors of `RUN/checkpoints/step_N` (the run's recipe.resolved.yaml says how to rebuild)."""
-    checkpoint = Path(checkpoint_dir)
+    """Export the GSM tensors of `RUN/checkpoints/step_N` (the run's recipe.resolved.yaml says how
+    to rebuild) into `out_dir`: a new or empty folder, or a previous export, which is replaced once
+    the new one is complete."""
+    checkpoint = Path(checkpoint_dir).resolve()
     recipe = checkpoint.parents[1] / "recipe.resolved.yaml"
     weights_file = checkpoint / "trainable.safetensors"
     if not weights_file.is_file() or not recipe.is_file():
         raise ExportError(f"{checkpoint}: not a checkpoint of a gsm-train run (need {weights_file.name} here and "
                           f"{recipe.name} two folders up); give RUN/checkpoints/step_N")
+    export_destination(out_dir)  # refused before the model loads when it holds anything else
     config = load_recipe(recipe)
     torch.manual_seed(config.train.seed)  # as the run did: frozen modules initialised at random are not in checkpoints
     model, _ = load_model_and_tokenizer(config.model.name_or_path, config.model.gguf_file, config.model.revision)
     STAGES[config.stage]().attach(model, config)
-    result = model.load_state_dict(load_file(str(weights_file)), strict=False)
+    try:
+        weights = load_file(str(weights_file))
+    except SafetensorError as err:
+        raise ExportError(f"{weights_file}: not a readable safetensors file ({err}); export an "
+                          "earlier checkpoint of the run") from None
+    result = model.load_state_dict(weights, strict=False)
     if result.unexpected_keys:
         raise ExportError(f"{checkpoint}: tensors {result.unexpected_keys[:3]} do not fit the recipe's model")
     return export_adapter(model, out_dir, **export_options(config))

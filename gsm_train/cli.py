@@ -7,6 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from gsm_train import __version__
 from gsm_train.checkpoint_export import export_checkpoint
 from gsm_train.config import ConfigError, load_recipe, resolved_yaml
 from gsm_train.data import DataError
@@ -67,18 +68,30 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _prompt_text(args: argparse.Namespace) -> str:
-    """The prompt: --prompt as given, or the text of --prompt-file."""
+    """The prompt: --prompt as given, or the text of --prompt-file; refused when empty or not
+    UTF-8."""
     if args.prompt is not None:
-        return args.prompt
-    path = Path(args.prompt_file)
-    if not path.is_file():
-        raise DataError(f"--prompt-file {args.prompt_file}", "no such file",
-                        "give a UTF-8 text file, or the text itself with --prompt")
-    return path.read_text(encoding="utf-8")
+        source, text = "--prompt", args.prompt
+    else:
+        source = f"--prompt-file {args.prompt_file}"
+        path = Path(args.prompt_file)
+        if not path.is_file():
+            raise DataError(source, "no such file",
+                            "give a UTF-8 text file, or the text itself with --prompt")
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise DataError(source, f"not UTF-8 text ({err.reason} at byte {err.start})",
+                            "save the prompt as UTF-8, or give the text itself with --prompt"
+                            ) from None
+    if not text.strip():
+        raise DataError(source, "the prompt is empty", "give some text to continue")
+    return text
 
 
 def _generate(args: argparse.Namespace) -> int:
-    result = generate(args.model, args.adapter, _prompt_text(args), args.max_new_tokens, args.mode)
+    result = generate(args.model, args.adapter, _prompt_text(args), args.max_new_tokens, args.mode,
+                      revision=args.revision)
     print(result.text)
     what = "GSM cache" if args.adapter else "dense cache"
     print(f"--- {result.new_tokens} tokens in {result.seconds:.2f} s ({result.new_tokens / result.seconds:.1f} tokens/s); "
@@ -88,13 +101,14 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _publish(args: argparse.Namespace) -> int:
     where = publish_export(args.export, args.repo_id, private=args.private, revision=args.revision,
-                           endpoint=args.endpoint)
+                           endpoint=args.endpoint, base_model_id=args.base_model_id)
     print(f"published {args.export} to {args.repo_id}: {where}")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gsm-train", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"gsm-train {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     validate = commands.add_parser("validate", help="check a recipe and print it fully resolved")
     validate.add_argument("recipe")
@@ -112,9 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("overrides", nargs="*", help="key.sub=value applied to the recipe")
     inspect.set_defaults(run=_inspect)
     evaluate = commands.add_parser("eval", help="perplexity, KV bytes and gate recall of the base and exports")
-    evaluate.add_argument("--model", default="smollm2-135m", help="the base model the exports were trained on")
+    evaluate.add_argument("--model", default=None,
+                          help="the base model (default: the one the first export names)")
     evaluate.add_argument("--data", required=True, help="evaluation text (file, folder, glob, embedded:NAME, hf://...)")
-    evaluate.add_argument("--export", action="append", default=[], help="NAME=FOLDER, repeatable")
+    evaluate.add_argument("--export", action="append", default=[],
+                          help="NAME=FOLDER or NAME=ORG/REPO (a Hub repo id), repeatable")
     evaluate.add_argument("--seq-len", type=_positive_int, default=2048)
     evaluate.add_argument("--windows", type=_positive_int, default=40, help="non-overlapping windows to evaluate")
     evaluate.add_argument("--batch-size", type=_positive_int, default=1)
@@ -124,8 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--out", default="runs/eval")
     evaluate.set_defaults(run=_eval)
     gen = commands.add_parser("generate", help="greedy generation with an adapter over the GSM cache")
-    gen.add_argument("--model", default="smollm2-135m", help="the base model the adapter was trained on")
-    gen.add_argument("--adapter", default=None, help="an export folder (without it: the dense base)")
+    gen.add_argument("--model", default=None,
+                     help="the base model (default: the one the adapter names; needed without "
+                          "--adapter)")
+    gen.add_argument("--adapter", default=None,
+                     help="an export folder or Hub repo id (without it: the dense base)")
+    gen.add_argument("--revision", default=None,
+                     help="branch, tag or commit of a Hub repo --adapter")
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", default=None)
     source.add_argument("--prompt-file", default=None)
@@ -134,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(run=_generate)
     export = commands.add_parser("export", help="write the adapter export of a checkpoint")
     export.add_argument("checkpoint", help="RUN/checkpoints/step_N")
-    export.add_argument("out", help="folder to write (replaced atomically)")
+    export.add_argument("out", help="folder to write: new, empty, or a previous export (replaced "
+                                    "once the new one is complete)")
     export.set_defaults(run=_export)
     publish = commands.add_parser("publish", help="upload an export to the Hugging Face Hub (one commit)")
     publish.add_argument("export", help="an export folder")
@@ -142,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     publish.add_argument("--private", action="store_true")
     publish.add_argument("--revision", default=None, help="branch to commit to (created if missing)")
     publish.add_argument("--endpoint", default=None, help="Hub URL (default: huggingface.co or HF_ENDPOINT)")
+    publish.add_argument("--base-model-id", default=None,
+                         help="the base's Hub id (ORG/NAME), for an export whose base was a "
+                              "local folder")
     publish.set_defaults(run=_publish)
     return parser
 

@@ -15,7 +15,10 @@ import torch
 from torch import Tensor, nn
 
 from gsm_train.data import load_text_dataset, pack_tokens
+from gsm_train.adapter_format import ExportError, read_config
 from gsm_train.export import load_gsm
+from gsm_train.hub_download import resolve_export
+from gsm_train.hub_ids import base_to_load
 from gsm_train.inspect_model import layer_reports
 from gsm_train.model_zoo import load_model_and_tokenizer
 from gsm_train.modules import GSMSettings, configure_gsm, gsm_collect
@@ -64,27 +67,37 @@ def kv_bytes_ratio(model: nn.Module, settings: GSMSettings, seq_len: int) -> dic
     return {"kv_bytes_per_token": gsm, "kv_bytes_per_token_bf16": base, "kv_bytes_ratio": gsm / base}
 
 
-def evaluate_exports(model_name: str, exports: dict[str, str], data: str, seq_len: int, windows: int,
-                     batch_size: int, mode: str, min_keys: int, kv_baseline: str | None = None) -> dict[str, Any]:
-    """Evaluate the base model and every export (name -> folder) on the same windows.
+def evaluate_exports(model_name: str | None, exports: dict[str, str], data: str, seq_len: int,
+                     windows: int, batch_size: int, mode: str, min_keys: int,
+                     kv_baseline: str | None = None) -> dict[str, Any]:
+    """Evaluate the base model and every export (name -> folder or Hub repo id) on the same windows.
 
-    `kv_baseline` (`per_token` or `kivi`) replaces ASQ by plain quantization at ASQ's bits, with the
-    same sparsity and bridge: the baseline ASQ must beat."""
+    `model_name` None: the base the first export names (gsm_train/hub_ids.py, `base_to_load`); every
+    export must have been trained on it. `kv_baseline` (`per_token` or `kivi`) replaces ASQ by plain
+    quantization at ASQ's bits, with the same sparsity and bridge: the baseline ASQ must beat."""
+    folders = {name: resolve_export(adapter) for name, adapter in exports.items()}
+    configs = [read_config(folder) for folder in folders.values()]  # checked before a model loads
+    revision = None
+    if model_name is None:
+        if not configs:
+            raise ExportError("eval needs a model: give --export NAME=FOLDER (whose base it loads) "
+                              "or --model")
+        model_name, revision = base_to_load(configs[0]["base_model"])
     device, dtype = _device_and_dtype()
-    model, tokenizer = load_model_and_tokenizer(model_name, dtype=dtype)
+    model, tokenizer = load_model_and_tokenizer(model_name, revision=revision, dtype=dtype)
     rows = pack_tokens(load_text_dataset(data), tokenizer, seq_len)[:windows]
     results = {BASE: perplexity_and_recall(model.to(device), rows, batch_size, None)}
-    for name, folder in exports.items():
-        model, _ = load_model_and_tokenizer(model_name, dtype=dtype)
+    for name, folder in folders.items():
+        model, _ = load_model_and_tokenizer(model_name, revision=revision, dtype=dtype)
         load_gsm(model, folder, mode=mode)
         settings = configure_gsm(model, kv_baseline=kv_baseline)
         model.to(device).eval()
         if not settings.enabled:  # e.g. the dense control: the base model with its own weights
-            results[name] = perplexity_and_recall(model, rows, batch_size, None) | {"export": folder}
+            results[name] = perplexity_and_recall(model, rows, batch_size, None) | {"export": exports[name]}
             continue
         k = settings.config.sparse_attention.top_k
         results[name] = (perplexity_and_recall(model, rows, batch_size, (k, min(min_keys, seq_len)))
-                         | kv_bytes_ratio(model, settings, seq_len) | {"export": folder, "k": k})
+                         | kv_bytes_ratio(model, settings, seq_len) | {"export": exports[name], "k": k})
     for name, result in results.items():
         result["ppl_vs_base"] = result["ppl"] / results[BASE]["ppl"]
     return {"model": model_name, "data": data, "seq_len": seq_len, "windows": len(rows), "mode": mode,

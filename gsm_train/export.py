@@ -1,256 +1,327 @@
 """Adapter export and loading: what users take away from a run (see docs/adapter-format.md).
 
-An export folder holds `adapter_model.safetensors` (GSM tensors only, full tensors gathered from
-FSDP shards), `gsm_config.json` (the seed's schema plus the base model's identity and every tensor's
-shape), a `README.md` model card and `training_args.json`. It is written to a temporary folder and
-renamed into place, by rank 0 only. Loading refuses a base model that does not match.
+An export folder holds `gsm_modules.safetensors` (the GSM tensors, full tensors gathered from FSDP
+shards), the LoRA deltas (if any) as a PEFT adapter (`adapter_config.json` and
+`adapter_model.safetensors`), the base weights (only for a base trained in full) in
+`base_weights.safetensors`, `gsm_config.json` (the GSM settings, the base model's identity and every
+file's tensors), a `README.md` model card and `training_args.json`. Rank 0 writes it beside the
+destination and renames it into place (gsm_train/export_folder.py); nothing but a previous export is
+ever replaced.
+
+`load_gsm` is atomic: it reads and checks the whole export (config, tensors, finite values, the base
+model, every tensor's name and shape against the modules the config builds on a meta-device
+skeleton) before it changes the model; a refused export leaves the model as it was.
 """
 
 from __future__ import annotations
 
+import copy
 import json
-import os
-import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import ValidationError
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+import torch
+from safetensors.torch import save_file
 from torch import Tensor, nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from transformers import AutoModelForCausalLM
+
+from gsm_train.adapter_format import (
+    ARGS_FILE,
+    BASE_CHECKED,
+    BASE_FILE,
+    CARD_FILE,
+    CONFIG_FILE,
+    FORMAT,
+    FORMAT_VERSION,
+    GSM_FILE,
+    GSM_SECTIONS,
+    PEFT_FILE,
+    ExportError,
+    ExportTensors,
+    read_config,
+    read_tensors,
+    validate_export,
 )
-
 from gsm_train.config import GSMConfig, LoraSettings
-from gsm_train.fingerprint import base_fingerprint
-from gsm_train.lora import adapter_tensor_names, inject_lora
-from gsm_train.modules import GSMSettings, configure_gsm, gsm_settings, inject_gsm
+from gsm_train.export_folder import export_destination, write_export_folder
+from gsm_train.fingerprint import FINGERPRINT_RULE, base_fingerprint
+from gsm_train.hub_download import resolve_export
+from gsm_train.hub_ids import base_identity
+from gsm_train.lora import inject_lora, lora_parameters, peft_name, write_peft_config
+from gsm_train.model_card import build_card
+from gsm_train.modules import GSMError, GSMSettings, configure_gsm, gsm_settings, gsm_state_dict, has_gsm, inject_gsm
 
-FORMAT = "gsm-train-adapter"
-# 6: a K/V compressor other than ASQ (kv_compression.method); 5: 4- and 8-bit ASQ residuals on the mid-rise grid (kv_compressor.code_center; before, a symmetric one);
-# 4: per-layer ASQ residual widths (kv_compression.layer_bits); 3: ASQ residuals (and, since 0b1b96f, the
-# prototypes; the same up to fp16 rounding) in a rotated basis (kv_compression.rotate_residuals);
-# 2: 2-bit ASQ residuals on the mid-rise grid; 1: on the symmetric one
-FORMAT_VERSION = 6
-ADAPTER_FILE = "adapter_model.safetensors"
-CONFIG_FILE = "gsm_config.json"
-CARD_FILE = "README.md"
-ARGS_FILE = "training_args.json"
-_GSM_SECTIONS = ("gsm_enabled", "sparse_attention", "kv_compression", "cross_layer_sharing")
+__all__ = [
+    "ExportError",
+    "check_base",
+    "export_adapter",
+    "export_destination",
+    "load_gsm",
+    "load_tensors",
+    "validate_export",
+]
 
 
-class ExportError(ValueError):
-    """An export that cannot be written, read or applied; the message names the problem and the fix."""
+@dataclass(frozen=True)
+class AdapterNames:
+    """The names (as the model's state dict has them) of a model's GSM tensors and LoRA deltas, found
+    by module type (`modules.gsm_state_dict`, `lora.lora_parameters`)."""
+
+    gsm: frozenset[str]
+    lora: frozenset[str]
+
+    @classmethod
+    def of(cls, model: nn.Module) -> AdapterNames:
+        return cls(frozenset(gsm_state_dict(model)), frozenset(name for name, _ in lora_parameters(model)))
+
+    def __contains__(self, name: str) -> bool:
+        """Whether `name` is an adapter tensor (GSM or LoRA): what an export always holds."""
+        return name in self.gsm or name in self.lora
 
 
 def base_description(model: nn.Module, fingerprint: str, name: str, revision: str | None) -> dict:
-    """What a loader checks the base model against."""
+    """What a loader checks the base model against, and where the base comes from (its Hub id and
+    license where they can be known: gsm_train/hub_ids.py)."""
     cfg = model.config
     heads = cfg.num_attention_heads
+    identity = (
+        base_identity(name, revision)
+        if name
+        else {"hub_id": None, "revision": revision, "license": None}
+    )
     return {
-        "name_or_path": name, "revision": revision, "model_type": cfg.model_type,
+        "name_or_path": name,
+        "revision": identity["revision"] or revision,
+        "hub_id": identity["hub_id"],
+        "license": identity["license"],
+        "model_type": cfg.model_type,
         "architectures": list(getattr(cfg, "architectures", None) or [type(model).__name__]),
-        "num_hidden_layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size,
-        "num_attention_heads": heads, "num_key_value_heads": getattr(cfg, "num_key_value_heads", None) or heads,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "hidden_size": cfg.hidden_size,
+        "num_attention_heads": heads,
+        "num_key_value_heads": getattr(cfg, "num_key_value_heads", None) or heads,
         "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
-        "vocab_size": cfg.vocab_size, "fingerprint": fingerprint,
+        "vocab_size": cfg.vocab_size,
+        "fingerprint": fingerprint,
+        "fingerprint_rule": FINGERPRINT_RULE,
     }
 
 
-def _model_card(config: dict, recipe: dict | None, metrics: dict | None) -> str:
-    base = config["base_model"]
-    lines = [
-        "---", "library_name: gsm-train", f"base_model: {base['name_or_path']}", "tags: [gsm, sparse-attention]",
-        "---", "", f"# GSM adapter for {base['name_or_path']}", "",
-        "Trained with gsm-train. Modules: "
-        + ", ".join(s for s in ("sparse_attention", "kv_compression", "cross_layer_sharing")
-                    if config[s].get("enabled")) + ".", "",
-        (f"- base: `{base['name_or_path']}` ({base['model_type']}, {base['num_hidden_layers']} layers), "
-         f"fingerprint `{base['fingerprint'][:16]}`"),
-        f"- tensors: {len(config['tensors'])}",
-    ]
-    if recipe:
-        lines += [f"- stage: `{recipe.get('stage')}`, steps: {recipe.get('train', {}).get('steps')}",
-                  f"- data: `{recipe.get('data', {}).get('train', {}).get('path')}`"]
-    if metrics:
-        scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
-        lines += ["", "## Metrics", "", "| metric | value |", "|---|---|"]
-        lines += [f"| {k} | {v:.4g} |" for k, v in sorted(scalars.items())]
-    lines += ["", "## Load", "", "```python", "from gsm_train.export import load_gsm",
-              "from gsm_train.model_zoo import load_model_and_tokenizer",
-              f"model, tokenizer = load_model_and_tokenizer({base['name_or_path']!r})",
-              "load_gsm(model, 'PATH/TO/THIS/FOLDER')", "```", ""]
-    return "\n".join(lines)
+def _split_files(tensors: dict[str, Tensor], names: AdapterNames) -> dict[str, dict[str, Tensor]]:
+    """The export's tensor files and their tensors under the names each file uses (PEFT's for
+    LoRA)."""
+    files = {
+        GSM_FILE: {n: t for n, t in tensors.items() if n in names.gsm},
+        PEFT_FILE: {peft_name(n): t for n, t in tensors.items() if n in names.lora},
+        BASE_FILE: {n: t for n, t in tensors.items() if n not in names},
+    }
+    return {file: content for file, content in files.items() if content or file == GSM_FILE}
 
 
-def export_adapter(model: nn.Module, out_dir: str | Path, *, base_name: str, base_revision: str | None = None,
-                   recipe: dict | None = None, metrics: dict | None = None, lora: dict | None = None,
-                   include_base: bool = False, is_main: bool = True, state: dict[str, Tensor] | None = None) -> Path:
-    """Write the export (collective under FSDP: every rank calls it; rank 0 writes). Returns the folder.
+def _refuse_non_finite(tensors: dict[str, Tensor], out_dir: Path) -> None:
+    bad = sorted(
+        n for n, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())
+    )
+    if bad:
+        raise ExportError(
+            f"{out_dir}: refusing to export {len(bad)} tensors holding NaN or infinite values "
+            f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}); the run diverged: export an "
+            "earlier checkpoint, or train again with a lower lr"
+        )
+
+
+def export_adapter(
+    model: nn.Module,
+    out_dir: str | Path,
+    *,
+    base_name: str,
+    base_revision: str | None = None,
+    recipe: dict | None = None,
+    metrics: dict | None = None,
+    lora: dict | None = None,
+    include_base: bool = False,
+    is_main: bool = True,
+    state: dict[str, Tensor] | None = None,
+) -> Path:
+    """Write the export (collective under FSDP: every rank calls it; rank 0 writes). Returns the
+    folder (resolved, on rank 0).
 
     The export holds the GSM tensors and LoRA deltas (`lora`: the LoRA settings, if the base was
     trained with LoRA); the base weights only with `include_base` (a base trained in full). `state`:
     the model's full state dict on rank 0 when the caller gathered it (the training backend);
-    otherwise it is gathered here from FSDP2 shards.
+    otherwise it is gathered here from FSDP2 shards. Refuses (ExportError, nothing written) a
+    destination that holds anything but a previous export, and tensors that are not finite.
     """
-    out_dir = Path(out_dir)
     if state is None:
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = get_model_state_dict(
+            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
     if not is_main:
-        return out_dir
-    adapter_names = adapter_tensor_names(model)
-    tensors = {name: t.detach().contiguous() for name, t in state.items() if include_base or name in adapter_names}
-    gsm = gsm_settings(model)
-    settings = gsm.config.model_dump(mode="json")
-    version = _format_version(settings)  # the lowest format that holds what the export needs, so that
-    kv = settings["kv_compression"]      # earlier readers load what they can represent; likewise, fields
-    if kv.get("method") == "asq":        # added after format 1 are written only when they matter
-        del kv["method"]
-    if kv["value_quant_bits"] is None:
-        del kv["value_quant_bits"]
-    if not _asq_setting(settings, "rotate_residuals"):  # nothing rotates (false, or ASQ off)
-        kv.pop("rotate_residuals", None)
-    if not _asq_setting(settings, "layer_bits"):  # every layer at quant_bits / value_quant_bits
-        kv.pop("layer_bits", None)
-    config = {"format": FORMAT, "format_version": version, **settings,
-              "base_model": base_description(model, gsm.base_fingerprint, base_name, base_revision),
-              "lora": lora, "includes_base_weights": include_base,
-              "tensors": {name: list(t.shape) for name, t in sorted(tensors.items())}}
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(tensors, str(tmp / ADAPTER_FILE), metadata={"format": FORMAT, "format_version": str(version)})
-    (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True))
-    (tmp / ARGS_FILE).write_text(json.dumps({"recipe": recipe, "metrics": metrics}, indent=2, sort_keys=True,
-                                            default=float))
-    (tmp / CARD_FILE).write_text(_model_card(config, recipe, metrics))
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)
-    return out_dir
+        return Path(out_dir)
+    destination = export_destination(out_dir)
+    names = AdapterNames.of(model)
+    tensors = {
+        name: t.detach().contiguous()
+        for name, t in state.items()
+        if include_base or name in names
+    }
+    _refuse_non_finite(tensors, destination)
+    settings = gsm_settings(model)
+    files = _split_files(tensors, names)
+    base = base_description(model, settings.base_fingerprint, base_name, base_revision)
+    config = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        **settings.config.model_dump(mode="json"),
+        "base_model": base,
+        "lora": lora,
+        "includes_base_weights": include_base,
+        "files": {
+            file: {
+                "names": "peft" if file == PEFT_FILE else "model",
+                "tensors": {n: list(t.shape) for n, t in sorted(content.items())},
+            }
+            for file, content in files.items()
+        },
+    }
+    training_args = json.loads(json.dumps({"recipe": recipe, "metrics": metrics}, default=float))
 
+    def write(folder: Path) -> None:
+        metadata = {"format": FORMAT, "format_version": str(FORMAT_VERSION)}
+        for file, content in files.items():
+            save_file(content, str(folder / file), metadata=metadata)
+        if lora:
+            write_peft_config(
+                folder,
+                LoraSettings.model_validate(lora),
+                base["hub_id"] or base_name,
+                base["revision"],
+            )
+        (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True))
+        (folder / ARGS_FILE).write_text(json.dumps(training_args, indent=2, sort_keys=True))
+        (folder / CARD_FILE).write_text(build_card(config, training_args))
 
-def _format_version(settings: dict) -> int:
-    """The lowest format version that represents these (exported) GSM settings."""
-    if _kv_method(settings) != "asq":
-        return 6
-    widths = _residual_widths(settings)
-    if widths - {2}:
-        return 5
-    if _asq_setting(settings, "layer_bits"):
-        return 4
-    if _asq_setting(settings, "rotate_residuals"):
-        return 3
-    return 2 if 2 in widths else 1
-
-
-def _kv_method(settings: dict) -> str:
-    """The K/V compressor of these (exported) GSM settings (`asq` where the field is absent)."""
-    return (settings.get("kv_compression") or {}).get("method", "asq")
-
-
-def _asq_setting(settings: dict, name: str) -> object:
-    """`kv_compression.<name>` of these (exported) GSM settings while ASQ is on; None while it is off."""
-    kv = settings.get("kv_compression") or {}
-    return kv.get(name) if kv.get("enabled") else None
-
-
-def _residual_widths(settings: dict) -> set[int]:
-    """The K and V residual widths ASQ stores under these (exported) GSM settings; empty while ASQ is off."""
-    kv = settings.get("kv_compression") or {}
-    if not kv.get("enabled"):
-        return set()
-    value_bits = kv.get("value_quant_bits") or kv.get("quant_bits")
-    return {kv.get("quant_bits"), value_bits, *(b for pair in (kv.get("layer_bits") or {}).values() for b in pair)}
-
-
-def validate_export(export_dir: str | Path) -> dict:
-    """Check an export folder; return its parsed gsm_config.json or raise ExportError."""
-    folder = Path(export_dir)
-    missing = [f for f in (ADAPTER_FILE, CONFIG_FILE) if not (folder / f).is_file()]
-    if missing:
-        raise ExportError(f"{folder}: not a GSM export, missing {', '.join(missing)}; "
-                          "give the folder written at the end of a stage (OUTPUT_DIR/export) or by gsm-train export")
-    try:
-        config = json.loads((folder / CONFIG_FILE).read_text())
-    except json.JSONDecodeError as err:
-        raise ExportError(f"{folder / CONFIG_FILE}: not valid JSON ({err}); re-export the adapter") from None
-    if config.get("format") != FORMAT or config.get("format_version") not in range(1, FORMAT_VERSION + 1):
-        raise ExportError(f"{folder / CONFIG_FILE}: format {config.get('format')!r} version "
-                          f"{config.get('format_version')!r}, expected {FORMAT!r} version 1 to {FORMAT_VERSION}")
-    # the newest feature an older format cannot hold is named first: it is what the reader must update for
-    if config["format_version"] < 6 and _kv_method(config) != "asq":
-        raise ExportError(f"{folder / CONFIG_FILE}: format {config['format_version']} names kv_compression.method "
-                          f"{_kv_method(config)!r}, which only format 6 holds; re-export the adapter with this version")
-    if config["format_version"] < 5 and _residual_widths(config) - {2}:
-        raise ExportError(f"{folder / CONFIG_FILE}: format {config['format_version']} with 4- or 8-bit ASQ residuals, "
-                          "trained on the symmetric grid that format 5 replaced with the mid-rise one "
-                          "(docs/adapter-format.md); train and export it again with this version")
-    if config["format_version"] < 4 and _asq_setting(config, "layer_bits"):
-        raise ExportError(f"{folder / CONFIG_FILE}: format {config['format_version']} with per-layer ASQ residual "
-                          "widths (kv_compression.layer_bits), which only format 4 holds; re-export the adapter "
-                          "with this version")
-    if config["format_version"] < 3 and _asq_setting(config, "rotate_residuals"):
-        raise ExportError(f"{folder / CONFIG_FILE}: format {config['format_version']} with rotated ASQ residuals, "
-                          "which only format 3 and later hold; re-export the adapter with this version")
-    if config["format_version"] == 1 and 2 in _residual_widths(config):
-        raise ExportError(f"{folder / CONFIG_FILE}: format 1 with 2-bit ASQ residuals, trained on the three-level "
-                          "2-bit grid that format 2 replaced with four levels (docs/adapter-format.md); train and "
-                          "export it again with this version")
-    try:
-        GSMConfig.model_validate({k: config[k] for k in _GSM_SECTIONS if k in config})
-    except ValidationError as err:
-        raise ExportError(f"{folder / CONFIG_FILE}: invalid GSM settings: {err}") from None
-    with safe_open(str(folder / ADAPTER_FILE), framework="pt") as handle:
-        shapes = {name: list(handle.get_slice(name).get_shape()) for name in handle.keys()}  # noqa: SIM118 (not a dict)
-    if shapes != config.get("tensors"):
-        raise ExportError(f"{folder}: the tensors in {ADAPTER_FILE} do not match the list in {CONFIG_FILE}; "
-                          "the export is damaged, re-export it")
-    return config
-
-
-def _base_mismatches(expected: dict, actual: dict) -> list[str]:
-    keys = ("model_type", "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
-            "head_dim", "vocab_size", "fingerprint")
-    return [f"{k}: adapter {expected.get(k)!r}, model {actual.get(k)!r}" for k in keys if expected.get(k) != actual.get(k)]
+    return write_export_folder(destination, write)
 
 
 def check_base(config: dict, model: nn.Module, adapter_dir: str | Path) -> None:
-    """Refuse a fresh base model that differs from the one the export was trained on."""
-    actual = base_description(model, base_fingerprint(model.state_dict()), "", None)
-    mismatches = _base_mismatches(config["base_model"], actual)
+    """Refuse a fresh base model that differs from the one the export was trained on (by the
+    fingerprint rule the export records)."""
+    expected = config["base_model"]
+    rule = expected.get("fingerprint_rule", FINGERPRINT_RULE)
+    actual = base_description(model, base_fingerprint(model.state_dict(), rule), "", None)
+    mismatches = [
+        f"{k}: adapter {expected.get(k)!r}, model {actual.get(k)!r}"
+        for k in BASE_CHECKED
+        if expected.get(k) != actual.get(k)
+    ]
     if mismatches:
-        raise ExportError(f"{adapter_dir} was trained on {config['base_model']['name_or_path']!r}, which differs "
-                          f"from this model: {'; '.join(mismatches)}. Load the adapter onto that base model")
+        raise ExportError(
+            f"{adapter_dir} was trained on {expected['name_or_path']!r}, which differs from this "
+            f"model: {'; '.join(mismatches)}. Load the adapter onto that base model"
+        )
 
 
-def load_tensors(model: nn.Module, adapter_dir: str | Path, required: set[str],
-                 allow_unexpected: bool = False) -> list[str]:
-    """Load the export's tensors into `model`; every model tensor named in `required` must be in the
-    export, and (unless `allow_unexpected`) every export tensor must exist in the model. Returns the
-    export tensors the model has no place for."""
-    result = model.load_state_dict(load_file(str(Path(adapter_dir) / ADAPTER_FILE)), strict=False)
-    missing = [name for name in result.missing_keys if name in required]
-    if missing or (result.unexpected_keys and not allow_unexpected):
-        raise ExportError(f"{adapter_dir}: tensors do not fit the modules built from its gsm_config.json "
-                          f"(missing {missing[:3]}, unexpected {result.unexpected_keys[:3]}); re-export the adapter")
-    return list(result.unexpected_keys)
+def _build_settings(config: dict) -> tuple[GSMConfig, GSMConfig]:
+    """(the GSM settings as trained, the same with gates built at random: their tensors come from
+    the export)."""
+    gsm = GSMConfig.model_validate({k: config[k] for k in GSM_SECTIONS if k in config})
+    sparse = gsm.sparse_attention.model_copy(update={"gate_init": "random"})
+    return gsm, gsm.model_copy(update={"sparse_attention": sparse})
 
 
-def load_gsm(model: nn.Module, adapter_dir: str | Path, mode: str = "sparse") -> GSMSettings:
-    """Attach the exported GSM modules (and LoRA deltas, and base weights if exported) to `model`, a
-    fresh base, and load their tensors exactly.
+def _skeleton_state(
+    model: nn.Module, build: GSMConfig, lora: LoraSettings | None
+) -> tuple[dict[str, Tensor], AdapterNames]:
+    """The state dict (meta tensors: names, shapes, dtypes) `model` would have after `build` and
+    `lora` were attached, and its adapter tensors' names, computed on a skeleton of its architecture;
+    `model` itself is not touched."""
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(copy.deepcopy(model.config))
+    inject_gsm(skeleton, build)
+    if lora is not None:
+        inject_lora(skeleton, lora)
+    return skeleton.state_dict(), AdapterNames.of(skeleton)
 
-    Refuses a base that differs from the one the adapter was trained on (architecture, dims,
-    weights fingerprint). `mode` sets how main attention runs (dense / sparse / oracle).
+
+def _check_fit(
+    loaded: ExportTensors,
+    planned: dict[str, Tensor],
+    required: Callable[[str], bool],
+    allow_unexpected: bool,
+    folder: Path,
+) -> None:
+    """Every planned tensor `required` accepts is in the export, and every export tensor fits its
+    planned place (shape and kind); unless `allow_unexpected`, every export tensor has one."""
+    missing = [name for name in planned if required(name) and name not in loaded.tensors]
+    if missing:
+        raise ExportError(
+            f"{folder}: lacks {len(missing)} tensors that the modules built from {CONFIG_FILE} "
+            f"need ({', '.join(missing[:3])}); the export is damaged, re-export it"
+        )
+    for name, tensor in loaded.tensors.items():
+        place = planned.get(name)
+        if place is None:
+            if allow_unexpected:
+                continue
+            raise ExportError(
+                f"{loaded.files[name]}: tensor {name} has no place in the modules built from "
+                f"{CONFIG_FILE}; the export is damaged, re-export it"
+            )
+        if tensor.shape != place.shape or tensor.is_floating_point() != place.is_floating_point():
+            raise ExportError(
+                f"{loaded.files[name]}: tensor {name} is {list(tensor.shape)} {tensor.dtype}, but "
+                f"the modules built from {CONFIG_FILE} need {list(place.shape)} {place.dtype}; the "
+                "export is damaged, re-export it"
+            )
+
+
+def load_tensors(
+    model: nn.Module,
+    adapter_dir: str | Path,
+    required: Callable[[str], bool],
+    allow_unexpected: bool = False,
+) -> list[str]:
+    """Load the export's tensors into `model`, which already has its modules; every model tensor
+    `required` accepts must be in the export, every export tensor must fit the model's (and, unless
+    `allow_unexpected`, exist in it). Checked before anything is copied. Returns the export tensors
+    the model has no place for."""
+    folder = Path(adapter_dir)
+    loaded = read_tensors(folder, read_config(folder))
+    state = model.state_dict()
+    _check_fit(loaded, state, required, allow_unexpected, folder)
+    model.load_state_dict({n: t for n, t in loaded.tensors.items() if n in state}, strict=False)
+    return [name for name in loaded.tensors if name not in state]
+
+
+def load_gsm(
+    model: nn.Module, adapter: str | Path, mode: str = "sparse", revision: str | None = None
+) -> GSMSettings:
+    """Attach an export's GSM modules (and LoRA deltas, and base weights if exported) to `model`, a
+    fresh base, and load their tensors exactly. `adapter`: an export folder, or a Hub repo id
+    (fetched at `revision`, see gsm_train/hub_download.py).
+
+    Refuses a base that differs from the one the adapter was trained on (architecture, dims, weights
+    fingerprint), and any damaged export, before changing `model`. `mode` sets how main attention
+    runs (dense / sparse / oracle).
     """
-    config = validate_export(adapter_dir)
-    check_base(config, model, adapter_dir)
-    gsm = GSMConfig.model_validate({k: config[k] for k in _GSM_SECTIONS})
-    build = gsm.model_copy(update={"sparse_attention": gsm.sparse_attention.model_copy(update={"gate_init": "random"})})
+    if has_gsm(model):
+        raise GSMError(
+            "this model already has GSM modules; load the adapter onto a fresh base model"
+        )
+    folder = resolve_export(adapter, revision)
+    config = read_config(folder)
+    loaded = read_tensors(folder, config)
+    check_base(config, model, folder)
+    gsm, build = _build_settings(config)
+    lora = LoraSettings.model_validate(config["lora"]) if config.get("lora") else None
+    planned, names = _skeleton_state(model, build, lora)
+    _check_fit(loaded, planned, names.__contains__, False, folder)
     inject_gsm(model, build, mode=mode)
     settings = configure_gsm(model, config=gsm)
-    if config.get("lora"):
-        inject_lora(model, LoraSettings.model_validate(config["lora"]))
-    load_tensors(model, adapter_dir, adapter_tensor_names(model))
+    if lora is not None:
+        inject_lora(model, lora)
+    model.load_state_dict(loaded.tensors, strict=False)
     return settings

@@ -1,32 +1,42 @@
 """Publish a validated adapter export to the Hugging Face Hub as one commit.
 
 `publish_export(export_dir, repo_id)` checks everything it can locally first (the export, the repo
-id, that a token exists) and only then talks to the Hub: it creates the model repo if needed (and
-the branch, for a `revision` other than `main`) and uploads the export folder in a single commit.
-Every failure is a `PublishError` whose text never contains the token.
+id, the base's Hub id, that a token exists, that no export file is a link) and only then talks to
+the Hub: it creates the model repo if needed (and the branch, for a `revision` other than `main`)
+and commits the export's own files (the allow-list adapter_format.EXPORT_FILES; nothing else in the
+folder) in a single commit. The model card is written again with the repo id in its loading snippet
+unless it was edited after the export. Every failure is a `PublishError` whose text never contains
+the token.
 """
 
 from __future__ import annotations
 
+import importlib
+import json
 import os
-import re
 from pathlib import Path
+from typing import Any
 
-from huggingface_hub import HfApi, get_token
+from huggingface_hub import CommitOperationAdd, HfApi, constants, get_token
 from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
-from gsm_train.export import ExportError, validate_export
+from gsm_train.adapter_format import (
+    ARGS_FILE,
+    CARD_FILE,
+    CONFIG_FILE,
+    EXPORT_FILES,
+    FORMAT_VERSION,
+    ExportError,
+    validate_export,
+)
+from gsm_train.hub_ids import REPO_ID_FIX, is_builtin, repo_id_problem
+from gsm_train.model_card import build_card
 
 DEFAULT_COMMIT_MESSAGE = "Upload GSM adapter (gsm-train)"
-_REPO_PART = re.compile(r"[A-Za-z0-9._-]+")
-_MAX_PART = 96
-_REPO_ID_FIX = (
-    "give ORG/NAME or NAME, each part made of letters, digits, '-', '_' and '.' (no '--' or '..', "
-    f"not starting or ending with '-' or '.', at most {_MAX_PART} characters), e.g. my-org/gsm-adapter"
-)
 _LOGIN_FIX = "run `hf auth login`, set the HF_TOKEN environment variable, or pass a token"
 _HTTP_FIXES = {
-    401: "the token was refused; log in again with `hf auth login` or set HF_TOKEN to a valid token",
+    401: "the token was refused; log in again with `hf auth login` or set HF_TOKEN to a valid "
+    "token",
     403: "use a token with write access to the repo's namespace (a 'write' or fine-grained token)",
     404: "check the repo id and revision, and that the token can see the repo",
 }
@@ -36,23 +46,16 @@ class PublishError(RuntimeError):
     """Publishing failed; the message names the problem and the fix, and never holds the token."""
 
 
-def _repo_id_problem(repo_id: str) -> str | None:
-    """Why `repo_id` is not a valid Hub model id, or None when it is."""
-    parts = repo_id.split("/")
-    if len(parts) > 2:
-        return "has more than one '/'"
-    for part in parts:
-        if not part:
-            return "has an empty part"
-        if not _REPO_PART.fullmatch(part):
-            return f"part {part!r} has characters the Hub does not allow"
-        if "--" in part or ".." in part:
-            return f"part {part!r} contains '--' or '..'"
-        if part[0] in "-." or part[-1] in "-.":
-            return f"part {part!r} starts or ends with '-' or '.'"
-        if len(part) > _MAX_PART:
-            return f"part {part[:12]!r}... is longer than {_MAX_PART} characters"
-    return None
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """The HTTP client's connection and timeout errors (huggingface_hub 1.x uses httpx, 2.x
+    httpx2)."""
+    found = []
+    for name in ("httpx2", "httpx"):
+        try:
+            found.append(importlib.import_module(name).TransportError)
+        except (ImportError, AttributeError):
+            continue
+    return tuple(found)
 
 
 def _resolve_token(token: str | None) -> str:
@@ -61,6 +64,83 @@ def _resolve_token(token: str | None) -> str:
     if not resolved:
         raise PublishError(f"no Hugging Face token found. Fix: {_LOGIN_FIX}.")
     return resolved
+
+
+def _with_base_id(
+    config: dict[str, Any], base_model_id: str | None, folder: Path
+) -> dict[str, Any]:
+    """`config` with the base's Hub id set from `base_model_id`; refuses a base that is neither a
+    built-in nor known by a Hub id (the card's base_model must be one)."""
+    base = config["base_model"]
+    if base_model_id is not None:
+        problem = repo_id_problem(base_model_id)
+        if problem:
+            raise PublishError(f"--base-model-id {base_model_id!r} {problem}. Fix: {REPO_ID_FIX}.")
+        return {**config, "base_model": {**base, "hub_id": base_model_id}}
+    if not base.get("hub_id") and not is_builtin(base["name_or_path"]):
+        raise PublishError(
+            f"{folder}: its base was loaded from {base['name_or_path']!r}, whose Hub id is not "
+            "known, and a model card's base_model must be one. Fix: pass --base-model-id ORG/NAME, "
+            "the Hub "
+            "repo that base came from."
+        )
+    return config
+
+
+def _export_files(folder: Path) -> list[Path]:
+    """The export's own files present in `folder` (never anything else it holds); refuses links."""
+    files = [
+        folder / name
+        for name in EXPORT_FILES
+        if (folder / name).is_file() or (folder / name).is_symlink()
+    ]
+    links = [file.name for file in files if file.is_symlink()]
+    if links:
+        raise PublishError(
+            f"{folder}: {', '.join(links)} {'is a link' if len(links) == 1 else 'are links'}; "
+            "publish "
+            "uploads only the export's own regular files. Fix: replace the link with the file."
+        )
+    return files
+
+
+def _training_args(folder: Path) -> dict[str, Any]:
+    path = folder / ARGS_FILE
+    if not path.is_file():
+        return {}
+    try:
+        args = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise PublishError(f"{path}: not UTF-8 JSON ({err}). Fix: re-export the adapter.") from None
+    return args if isinstance(args, dict) else {}
+
+
+def _operations(
+    folder: Path, exported: dict[str, Any], published: dict[str, Any], repo_id: str
+) -> list[CommitOperationAdd]:
+    """One upload per export file. gsm_config.json carries the base's Hub id when publishing set it;
+    README.md is written again (with the repo id in its snippet) unless it was edited after a
+    format-6 export wrote it."""
+    contents: dict[str, str | bytes] = {file.name: str(file) for file in _export_files(folder)}
+    stored = json.loads((folder / CONFIG_FILE).read_text())
+    if published is not exported:
+        base = {**stored["base_model"], "hub_id": published["base_model"]["hub_id"]}
+        contents[CONFIG_FILE] = json.dumps(
+            {**stored, "base_model": base}, indent=2, sort_keys=True
+        ).encode()
+    args = _training_args(folder)
+    card = folder / CARD_FILE
+    as_written = (
+        stored["format_version"] < FORMAT_VERSION
+        or not card.is_file()
+        or card.read_bytes() == build_card(exported, args).encode()
+    )
+    if as_written:
+        contents[CARD_FILE] = build_card(published, args, repo_id).encode()
+    return [
+        CommitOperationAdd(path_in_repo=name, path_or_fileobj=content)
+        for name, content in contents.items()
+    ]
 
 
 def publish_export(
@@ -72,40 +152,60 @@ def publish_export(
     token: str | None = None,
     endpoint: str | None = None,
     commit_message: str | None = None,
+    base_model_id: str | None = None,
 ) -> str:
-    """Upload a validated export folder to model repo `repo_id` in one commit; return the commit URL."""
-    export_dir = Path(export_dir)
+    """Upload a validated export folder to model repo `repo_id` in one commit; return the commit
+    URL. `base_model_id`: the base's Hub id, for an export whose base was a local folder."""
+    folder = Path(export_dir)
     try:
-        validate_export(export_dir)
+        config = validate_export(folder)
     except ExportError as err:
         raise PublishError(f"refusing to publish an export that does not validate: {err}") from err
-    problem = _repo_id_problem(repo_id)
+    problem = repo_id_problem(repo_id)
     if problem:
-        raise PublishError(f"repo id {repo_id!r} {problem}. Fix: {_REPO_ID_FIX}.")
+        raise PublishError(f"repo id {repo_id!r} {problem}. Fix: {REPO_ID_FIX}.")
+    published = _with_base_id(config, base_model_id, folder)
+    operations = _operations(folder, config, published, repo_id)
     token = _resolve_token(token)
+    where = endpoint or constants.ENDPOINT
 
     api = HfApi(endpoint=endpoint, token=token)
     try:
         api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
         if revision and revision != "main":
             api.create_branch(repo_id, branch=revision, exist_ok=True, repo_type="model")
-        info = api.upload_folder(
-            folder_path=export_dir,
-            repo_id=repo_id,
+        info = api.create_commit(
+            repo_id,
+            operations,
+            commit_message=commit_message or DEFAULT_COMMIT_MESSAGE,
             repo_type="model",
             revision=revision,
-            commit_message=commit_message or DEFAULT_COMMIT_MESSAGE,
         )
     except OfflineModeIsEnabled:
-        raise PublishError("the Hub is in offline mode (HF_HUB_OFFLINE is set). Fix: unset HF_HUB_OFFLINE.") from None
+        raise PublishError(
+            "the Hub is in offline mode (HF_HUB_OFFLINE is set). Fix: unset HF_HUB_OFFLINE."
+        ) from None
     except HfHubHTTPError as err:
         status = err.response.status_code
         detail = err.server_message or str(err).splitlines()[0]
         fix = _HTTP_FIXES.get(status, "check the endpoint, then retry later")
-        message = f"publishing {export_dir} to {repo_id} failed: the Hub answered HTTP {status}: {detail}. Fix: {fix}."
+        message = (
+            f"publishing {folder} to {repo_id} failed: the Hub answered HTTP {status}: {detail}. "
+            f"Fix: {fix}."
+        )
+        raise PublishError(message.replace(token, "<token>")) from None
+    except _transport_errors() as err:
+        message = (
+            f"publishing {folder} to {repo_id} failed: could not reach the Hub at {where} "
+            f"({type(err).__name__}: {err}). Fix: check --endpoint / HF_ENDPOINT and the network, "
+            "then retry."
+        )
         raise PublishError(message.replace(token, "<token>")) from None
     except ValueError as err:  # the Hub rejected the model card's metadata (README.md front matter)
         detail = " ".join(str(err).split()).rstrip(".")
-        message = f"publishing {export_dir} to {repo_id} failed: {detail}. Fix: correct README.md's YAML header."
+        message = (
+            f"publishing {folder} to {repo_id} failed: {detail}. "
+            "Fix: correct README.md's YAML header."
+        )
         raise PublishError(message.replace(token, "<token>")) from None
     return str(info.commit_url)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -59,3 +60,33 @@ def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The export's tensors of `model` by name (GSM tensors and LoRA deltas)."""
     names = adapter_tensor_names(model)
     return {name: tensor for name, tensor in model.state_dict().items() if name in names}
+
+
+PEFT_PREFIX = "base_model.model."
+_MODEL_LORA = re.compile(r"(\.lora_[A-Za-z_]+)\.default\.")
+_PEFT_LORA = re.compile(r"(\.lora_[A-Za-z_]+)\.(?!default\.)")
+
+
+def peft_name(name: str) -> str:
+    """The name PEFT's adapter file gives a LoRA tensor of the model
+    (`...q_proj.lora_A.default.weight` -> `base_model.model....q_proj.lora_A.weight`), as
+    `PeftModel.save_pretrained` writes it."""
+    return PEFT_PREFIX + _MODEL_LORA.sub(r"\1.", name)
+
+
+def model_name(name: str) -> str:
+    """Inverse of `peft_name`: the model's own name of a tensor in PEFT's adapter file."""
+    return _PEFT_LORA.sub(r"\1.default.", name.removeprefix(PEFT_PREFIX))
+
+
+def write_peft_config(folder: Path, settings: LoraSettings, base_model: str | None,
+                      revision: str | None) -> None:
+    """`adapter_config.json` for `settings`, so that `PeftModel.from_pretrained(base, folder)`
+    rebuilds the same LoRA layers on a base without GSM modules."""
+    from peft import LoraConfig
+
+    config = LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+                        target_modules=base_modules_pattern(settings.target_modules),
+                        task_type="CAUSAL_LM", base_model_name_or_path=base_model,
+                        revision=revision, inference_mode=True)
+    config.save_pretrained(str(folder))

@@ -1,6 +1,8 @@
 """Choosing the distributed backend from the accelerate config (CI has no deepspeed): the settings
 `accelerate launch` exports for launch/deepspeed_zero{2,3}.yaml select DeepSpeed with their ZeRO
-stage; without the deepspeed package that is one clear error before any output; FSDP2 otherwise."""
+stage; without the deepspeed package that is one clear error before any output; FSDP2 otherwise. An
+accelerate FSDP config, or a mixed precision the recipe does not ask for, is refused before any
+output (gsm-train runs its own FSDP2 and precision)."""
 
 from __future__ import annotations
 
@@ -28,8 +30,8 @@ TINY = ["model.name_or_path=tiny-llama", "data.seq_len=64", "logging.recall_min_
 
 
 def _launch_env(config_file: str) -> dict[str, str]:
-    """The ACCELERATE_* variables `accelerate launch --config_file FILE` gives each process, computed by
-    accelerate's own launcher code (nothing is started)."""
+    """The ACCELERATE_* and FSDP_* variables `accelerate launch --config_file FILE` (in launch/, or
+    a path) gives each process, computed by accelerate's own launcher code (nothing is started)."""
     argv = ["--config_file", str(REPO / "launch" / config_file), "-m", "gsm_train.train", "--recipe", RECIPE]
     args, defaults, _ = _validate_launch_command(launch_command_parser().parse_args(argv))
     if args.use_deepspeed:
@@ -37,7 +39,7 @@ def _launch_env(config_file: str) -> dict[str, str]:
         env = prepare_deepspeed_cmd_env(args)[1]
     else:
         env = prepare_multi_gpu_env(args)
-    return {key: value for key, value in env.items() if key.startswith("ACCELERATE_")}
+    return {key: value for key, value in env.items() if key.startswith(("ACCELERATE_", "FSDP_"))}
 
 
 @pytest.fixture
@@ -208,3 +210,51 @@ def test_zero3_master_partitions_take_their_slice_padding_included(monkeypatch: 
         module._set_fp32_master(param, value)
         gathered.append(param._z3_optimizer.partition)
     assert torch.equal(torch.cat(gathered), torch.cat([value, torch.zeros(size * world - numel)]))
+
+
+FSDP_PLUGIN_CONFIG = """compute_environment: LOCAL_MACHINE
+distributed_type: FSDP
+num_processes: 2
+num_machines: 1
+mixed_precision: 'no'
+use_cpu: false
+fsdp_config:
+  fsdp_version: 2
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_reshard_after_forward: true
+  fsdp_state_dict_type: FULL_STATE_DICT
+"""
+
+
+def test_an_accelerate_fsdp_config_is_refused_before_any_output(
+        launched, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    config_file = tmp_path / "fsdp.yaml"
+    config_file.write_text(FSDP_PLUGIN_CONFIG)
+    env = launched(str(config_file))
+    assert env["ACCELERATE_USE_FSDP"] == "true" and env["FSDP_VERSION"] == "2"
+    status = train_main(["--recipe", RECIPE, *TINY, f"output.dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert status == 2 and "Traceback" not in err and "1 problem" in err
+    assert "distributed_type = 'FSDP'" in err and "its own FSDP2" in err
+    assert "launch/multi_gpu.yaml" in err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(("precision", "recipe_precision", "refused"), [
+    ("fp16", "auto", True), ("fp16", "bf16", True), ("bf16", "no", True),
+    ("bf16", "auto", False), ("bf16", "bf16", False), ("no", "no", False),
+])
+def test_accelerate_mixed_precision_follows_the_recipe_or_is_refused(
+        launched, tmp_path: Path, precision: str, recipe_precision: str, refused: bool) -> None:
+    config_file = tmp_path / "multi_gpu.yaml"
+    text = (REPO / "launch" / "multi_gpu.yaml").read_text()
+    config_file.write_text(text.replace('mixed_precision: "no"', f'mixed_precision: "{precision}"'))
+    assert launched(str(config_file))["ACCELERATE_MIXED_PRECISION"] == precision
+    config = load_recipe(RECIPE, [*TINY, f"distributed.mixed_precision='{recipe_precision}'"])
+    if not refused:
+        assert isinstance(backend.select_backend(config), backend.FSDP2Backend)
+        return
+    with pytest.raises(ConfigError) as caught:
+        backend.select_backend(config)
+    assert [(p.path, p.value) for p in caught.value.problems] == [("mixed_precision", precision)]
+    assert "distributed.mixed_precision" in caught.value.problems[0].fix

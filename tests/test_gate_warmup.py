@@ -60,8 +60,8 @@ def test_two_process_fsdp2_matches_one_process(tmp_path: Path) -> None:
     assert losses(tmp_path / "two") == pytest.approx(single.losses, abs=1e-4)
     evals = [r for r in two if r["kind"] == "eval"]
     assert evals[-1]["gate_mass_k8"] == pytest.approx(single.final_metrics["gate_mass_k8"], abs=1e-4)
-    one_export = load_file(str(tmp_path / "one" / "export" / "adapter_model.safetensors"))
-    two_export = load_file(str(tmp_path / "two" / "export" / "adapter_model.safetensors"))
+    one_export = load_file(str(tmp_path / "one" / "export" / "gsm_modules.safetensors"))
+    two_export = load_file(str(tmp_path / "two" / "export" / "gsm_modules.safetensors"))
     assert one_export.keys() == two_export.keys()
     assert all(torch.allclose(one_export[n], two_export[n], atol=1e-6) for n in one_export)
 

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from peft import PeftModel
 
 from gsm_train.config import GSMConfig, load_recipe
 from gsm_train.export import load_gsm
 from gsm_train.model_zoo import tiny_model
-from gsm_train.modules import inject_gsm
+from gsm_train.modules import gsm_disabled, inject_gsm
 from gsm_train.train import main as train_main
 from gsm_train.stages import JointStage
 from gsm_train.train import train_recipe
@@ -46,8 +47,10 @@ def test_full_joint_training_lowers_the_lm_loss_and_its_export_reproduces_the_mo
     assert sum(result.losses[-5:]) < sum(result.losses[:5])
     final = result.final_metrics
     assert "ppl" in final and (final["bridge_alpha_mean"] > 0 if bridge else "bridge_alpha_mean" not in final)
-    exported = json.loads((tmp_path / "export" / "gsm_config.json").read_text())["tensors"]
-    assert any(".bridge." in name for name in exported) == bridge
+    exported = json.loads((tmp_path / "export" / "gsm_config.json").read_text())["files"]
+    gsm_tensors = exported["gsm_modules.safetensors"]["tensors"]
+    assert any(".bridge." in name for name in gsm_tensors) == bridge
+    assert "base_weights.safetensors" in exported  # output.export_base_weights
     assert 0 < final["asq_recon_rel_error"] < 1 and 0 < final["asq_cluster_usage"] <= 1
     clusters = load_recipe(JOINT, TINY).gsm.kv_compression.cluster_num  # dead = unused share of the clusters
     assert final["asq_dead_clusters"] == pytest.approx((1 - final["asq_cluster_usage"]) * clusters, abs=1e-6)
@@ -59,12 +62,11 @@ def test_full_joint_training_lowers_the_lm_loss_and_its_export_reproduces_the_mo
 
 def test_joint_training_at_per_layer_widths_exports_them(tmp_path: Path) -> None:
     """`kv_compression.layer_bits` (with the recipe's rotated residuals and 4-bit K / 2-bit V elsewhere): the run
-    trains each layer's compressors at its widths and the export (format 5: 4- and 8-bit residuals) rebuilds the
-    same model."""
+    trains each layer's compressors at its widths and the export rebuilds the same model."""
     result = train_recipe(JOINT, [*TINY, "train.steps=3", "gsm.kv_compression.layer_bits={1: [2, 8], 3: [8, 2]}",
                                   f"output.dir={tmp_path}"])
     config = json.loads((tmp_path / "export" / "gsm_config.json").read_text())
-    assert config["format_version"] == 5 and config["kv_compression"]["layer_bits"] == {"1": [2, 8], "3": [8, 2]}
+    assert config["kv_compression"]["layer_bits"] == {"1": [2, 8], "3": [8, 2]}
     loaded = tiny_model("llama")
     load_gsm(loaded, tmp_path / "export", mode="sparse")
     widths = [(layer.self_attn.gsm.asq_k.quant_bits, layer.self_attn.gsm.asq_v.quant_bits)
@@ -84,11 +86,17 @@ def test_lora_trains_only_deltas_and_gsm_and_exports_them(tmp_path: Path) -> Non
     assert any(".lora_B." in n and t.abs().sum() > 0 for n, t in trained.items()), "LoRA B moved off zero"
     assert not any(".lora_" in n and ".gsm." in n for n in trained), "LoRA is for the base, not the gate's q/k_proj"
     config = json.loads((tmp_path / "export" / "gsm_config.json").read_text())
-    assert config["lora"]["r"] == 4 and any(".lora_A." in n for n in config["tensors"])
+    lora_tensors = config["files"]["adapter_model.safetensors"]["tensors"]
+    assert config["lora"]["r"] == 4 and any(".lora_A." in n for n in lora_tensors)
     loaded = tiny_model("llama")
     load_gsm(loaded, tmp_path / "export", mode="sparse")
     ids = torch.randint(0, 256, (2, 48))
     assert torch.equal(_logits(result.model, ids), _logits(loaded, ids))
+    # the LoRA part alone is a PEFT adapter: on the plain base it gives the trained model, GSM off
+    with gsm_disabled(result.model):
+        lora_only = _logits(result.model, ids)
+    peft_model = PeftModel.from_pretrained(tiny_model("llama"), str(tmp_path / "export"))
+    assert torch.equal(_logits(peft_model, ids), lora_only)
 
 
 def test_causal_in_training_mode() -> None:

@@ -1,0 +1,112 @@
+"""Where an export is written, without ever deleting what gsm-train did not write.
+
+`export_destination` resolves the folder (`..` and symlinks first) and accepts it only when it is
+new, empty, or a previous gsm-train export holding nothing but export files. `write_export_folder`
+writes the new export into a temporary folder beside it, syncs it to disk, moves the previous export
+aside, renames the new one into place, and only then deletes the previous one's files (by name).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+from gsm_train.adapter_format import CONFIG_FILE, EXPORT_FILES, FORMAT, ExportError
+
+_REFUSED_FIX = (
+    "gsm-train replaces only its own exports: give a new or empty folder, or move those files "
+    "away first"
+)
+
+
+def _is_export_config(path: Path) -> bool:
+    """Whether `path` is a gsm_config.json that gsm-train wrote (any format version, even if damaged
+    elsewhere)."""
+    try:
+        config = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(config, dict) and config.get("format") == FORMAT
+
+
+def export_destination(out_dir: str | Path) -> Path:
+    """`out_dir` resolved, when an export may be written there: it does not exist, is empty, or is a
+    previous export (a gsm_config.json of this format and only export files, no links). Else
+    ExportError."""
+    given = Path(out_dir).expanduser()
+    path = given.resolve()
+    shown = f"{given}" if str(given) == str(path) else f"{given} (that is {path})"
+    if path.parent == path:
+        raise ExportError(f"{shown}: the root folder; give a new folder for the export")
+    if path.exists() and not path.is_dir():
+        raise ExportError(f"{shown}: exists and is not a folder; {_REFUSED_FIX}")
+    if not path.is_dir():
+        return path
+    entries = sorted(path.iterdir())
+    if not entries:
+        return path
+    foreign = [
+        e.name for e in entries if e.name not in EXPORT_FILES or e.is_symlink() or not e.is_file()
+    ]
+    if foreign or not _is_export_config(path / CONFIG_FILE):
+        held = foreign or [e.name for e in entries]
+        raise ExportError(
+            f"{shown}: not empty and not a previous gsm-train export (it holds "
+            f"{', '.join(held[:5])}{', ...' if len(held) > 5 else ''}); {_REFUSED_FIX}"
+        )
+    return path
+
+
+def _sync(path: Path) -> None:
+    """fsync a file or a folder (its entries)."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def write_export_folder(out_dir: str | Path, write: Callable[[Path], None]) -> Path:
+    """Write an export with `write(folder)` and put it at `out_dir` (checked by
+    `export_destination`), replacing a previous export only once the new one is complete on disk.
+    Returns the resolved folder.
+
+    A crash leaves either the previous export in place, or both exports beside it: the new one in
+    `.NAME.tmp-*` or at NAME, the previous one in `.NAME.old-*`."""
+    destination = export_destination(out_dir)
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{destination.name}.tmp-", dir=destination.parent))
+    try:
+        write(tmp)
+        for file in tmp.iterdir():
+            _sync(file)
+        _sync(tmp)
+    except BaseException:
+        for file in tmp.iterdir():  # only what this call wrote into its own temporary folder
+            file.unlink()
+        tmp.rmdir()
+        raise
+    previous = None
+    if destination.is_dir() and any(destination.iterdir()):
+        export_destination(destination)  # still only a previous export
+        previous = destination.with_name(f".{destination.name}.old-{uuid.uuid4().hex[:8]}")
+        os.rename(destination, previous)
+    try:
+        os.replace(tmp, destination)  # onto nothing, or onto an empty folder
+    except OSError:
+        if previous is not None:
+            os.rename(previous, destination)
+        raise
+    _sync(destination.parent)
+    if previous is not None:
+        for name in EXPORT_FILES:
+            (previous / name).unlink(missing_ok=True)
+        try:
+            previous.rmdir()
+        except OSError:  # something not written by gsm-train appeared there meanwhile: leave it
+            pass
+    return destination
