@@ -28,10 +28,11 @@ from gsm_train.lora import adapter_tensor_names, inject_lora
 from gsm_train.modules import GSMSettings, configure_gsm, gsm_settings, inject_gsm
 
 FORMAT = "gsm-train-adapter"
-# 5: 4- and 8-bit ASQ residuals on the mid-rise grid (kv_compressor.code_center; before, a symmetric one);
-# 4: per-layer ASQ residual widths (kv_compression.layer_bits); 3: ASQ residuals (and, since 0b1b96f, the
-# prototypes; the same up to fp16 rounding) in a rotated basis (kv_compression.rotate_residuals);
-# 2: 2-bit ASQ residuals on the mid-rise grid; 1: on the symmetric one
+# 5: 4- and 8-bit ASQ residuals on the mid-rise grid (quant.code_center; before, a symmetric one);
+# 4: per-layer ASQ residual widths (kv_compression.layer_bits); 3: ASQ residuals, and in later
+# version-3 exports the prototypes too (the same up to fp16 rounding), in a rotated basis
+# (kv_compression.rotate_residuals; docs/design-decisions.md, 'Rotated ASQ keeps its prototypes in
+# the rotated basis'); 2: 2-bit ASQ residuals on the mid-rise grid; 1: on the symmetric one
 FORMAT_VERSION = 5
 ADAPTER_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "gsm_config.json"
