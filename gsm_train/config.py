@@ -256,12 +256,13 @@ class TrainConfig(StrictModel):
     `gsm_train/step_graph.py`). `auto` does so where it can: one CUDA GPU, the FSDP2 backend, a stage
     whose step never waits on the device (the gate stages); `true` makes anything else an error.
 
-    `fp32_matmul`: how CUDA runs the fp32 matrix products of training (ASQ computes in fp32; under bf16
-    autocast the base's run in bf16 either way): `default` as PyTorch is set (full fp32 unless the
-    process chose otherwise), `tf32` on tensor cores with inputs rounded to 10 mantissa bits, during
-    training only (evaluation and inference after it are not affected). Measured on an H200 (SmolLM2
-    joint step, 2026-11-30): ASQ's compiled training pass still ran cuBLAS's fp32 FFMA kernels with it, and
-    the step took the same time, so the shipped recipes leave it at `default`."""
+    `fp32_matmul`: how CUDA runs the fp32 matrix products of training (ASQ computes in fp32; under
+    bf16 autocast the base's run in bf16 either way): `default` as PyTorch is set (full fp32 unless
+    the process chose otherwise), `tf32` on tensor cores with inputs rounded to 10 mantissa bits,
+    during training only (evaluation and inference after it are not affected). The shipped recipes
+    leave it at `default`: it did not reach ASQ's compiled fp32 products, and the joint step took
+    the same time (docs/design-decisions.md, 'The joint step at the 0.30 budget is 0.579x the dense
+    one')."""
 
     steps: int = Field(200, ge=1)
     batch_size: int = Field(1, ge=1)

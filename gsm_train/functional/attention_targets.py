@@ -23,8 +23,8 @@ from gsm_train.compiled import compiled
 def _product_dtype(query: Tensor) -> torch.dtype:
     """The dtype the target's products take: autocast's where it is on (as main attention's SDPA and the
     PyTorch path below compute them; an fp32 base under autocast gives fp32 queries after RoPE, whose
-    exact fp32 products took the kernels 3.2 ms instead of 0.1 ms per layer of the joint step on the H200),
-    else the query's own."""
+    exact fp32 products would make the kernels many times slower: docs/design-decisions.md, 'The
+    gate KL's target multiplies in autocast's dtype'), else the query's own."""
     device = query.device.type
     if query.dtype == torch.float32 and torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)

@@ -25,6 +25,8 @@ try:
 except ImportError:  # the PyTorch path in attention_targets serves
     triton = None
 
+# The fastest of 27 tile and warp settings timed on the H200 (docs/design-decisions.md, 'The stage-1
+# target comes from Triton kernels on the GPU').
 BLOCK_ROWS = 32
 BLOCK_KEYS = 128
 NUM_WARPS = 4
@@ -33,7 +35,8 @@ NUM_WARPS = 4
 def kernel_runs(query: Tensor, key: Tensor) -> bool:
     """Whether the kernels can take these queries and keys: Triton with a CUDA device (or its
     interpreter on the CPU), a head dimension that `tl.dot` takes (a power of two from 16 to 256), and
-    offsets that fit 32 bits (64-bit ones cost the kernels 15%; larger problems take the PyTorch path)."""
+    offsets that fit 32 bits (64-bit ones would slow the kernels; larger problems take the PyTorch
+    path)."""
     batch, heads, rows, head_dim = query.shape
     on_device = query.is_cuda or (query.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
     fits = batch * heads * rows * max(key.shape[2], head_dim) < 2**31 and key.numel() < 2**31

@@ -1,9 +1,10 @@
-"""Top-k at decode (CUDA, compiled at run time with NVRTC): the positions of the k largest gate scores of
-each row, the row held in shared memory by one thread block of 1,024 threads, or on Hopper and later by
-a thread-block cluster of 2, 4 or 8 such blocks (on the H200 53,952 scores in one block, 398,848 in a
-cluster of 8; `unordered_top_k` takes ``torch.topk`` for longer rows). A cost model fitted on the H200
-(`fastest_blocks_per_row`) picks the blocks per row: a cluster for few long rows (one block per row left
-131 of the 132 SMs idle at batch 1), one block for short rows or many rows.
+"""Top-k at decode (CUDA, compiled at run time with NVRTC): the positions of the k largest gate
+scores of each row, the row held in shared memory by one thread block of 1,024 threads, or on Hopper
+and later by a thread-block cluster of 2, 4 or 8 such blocks (with Hopper's 227 KiB of shared memory
+per block, 53,952 scores in one block, 398,848 in a cluster of 8; `unordered_top_k` takes
+``torch.topk`` for longer rows). A cost model (`fastest_blocks_per_row`, constants at `FIXED_US`)
+picks the blocks per row: a cluster for few long rows (at batch 1 one block per row would leave all
+SMs but one idle), one block for short rows or many rows.
 
 A radix select on the scores' order-preserving 32-bit keys. The first pass reads the row from global
 memory once (8 loads in flight per thread), keeps its keys in shared memory and counts their top 12 bits
@@ -22,13 +23,10 @@ is the same run after run for the same shape (the rows and their length set the 
 with them which of the tied keys are taken). NaN ranks above +inf, as in ``torch.topk``; -0.0 ranks below +0.0.
 
 Why CUDA and not Triton: a radix select wants blocks with shared-memory atomics and block-wide scans
-over a row held on chip; five Triton designs were slower than ``torch.topk`` (docs/design-decisions.md).
-NVRTC ships with PyTorch's CUDA wheels (``torch.cuda._compile_kernel``), so no compiler is needed.
-On the H200, in CUDA graphs (one launch per graph), rows of 32k scores, k=2048, in the table of
-docs/design-decisions.md: 1 row 13.7 us (8 blocks per row as chosen, 4 as fast; 18.9 in one block)
-against 45.8 for ``torch.topk``; 16 rows 16.2 (4 blocks; 22.5) against 52.5; 128 rows 23.2 (one block)
-against 100.6. Single-launch timings move by several us between runs: `benchmarks/results/decode_topk.json`
-(ff0b17f) has 17.1 / 20.6 / 48.6, 16.3 / 20.7 / 56.4 and 22.7 / 103.6 for the same cases.
+over a row held on chip; five Triton designs were slower than ``torch.topk``. NVRTC ships with
+PyTorch's CUDA wheels (``torch.cuda._compile_kernel``), so no compiler is needed. Timings against
+``torch.topk`` and the Triton designs: docs/design-decisions.md, 'Top-k at decode is a CUDA kernel
+compiled by NVRTC'.
 """
 
 from __future__ import annotations
@@ -42,9 +40,10 @@ from torch import Tensor
 THREADS = 1024
 BINS = 4096
 CLUSTER_SIZES = (1, 2, 4, 8)  # blocks per row; 8 is a Hopper thread-block cluster's portable maximum
-# What a wave of rows costs on the H200 (CUDA graphs, one launch per graph; fitted to the timings of
-# 1-128 rows of 8k-128k scores, docs/design-decisions.md): a fixed part that grows with the cluster (its
-# barriers and distributed-shared-memory sums) and a part per score one block reads.
+# What a wave of rows costs, in us: a fixed part that grows with the cluster (its barriers and
+# distributed-shared-memory sums) and a part per score one block reads. Fitted on the H200 (CUDA
+# graphs, one launch per graph, 1-128 rows of 8k-128k scores): docs/design-decisions.md, 'Top-k at
+# decode is a CUDA kernel compiled by NVRTC', its 'Clusters' paragraph.
 FIXED_US = {1: 8.2, 2: 10.8, 4: 11.5, 8: 12.4}
 US_PER_SCORE = 0.29e-3
 
@@ -287,8 +286,8 @@ class _LaunchConfig(ctypes.Structure):
 class _Launcher:
     """The compiled kernels of one device (one per cluster size it runs) and a lean launch of them: the
     driver's ``cuLaunchKernel`` looked up once with its argument types (PyTorch's `_CudaKernel.__call__`
-    loads libcuda and converts its arguments on every call: 66 us of host time per eager call on the H200
-    host, against 11 us for ``torch.topk``)."""
+    loads libcuda and converts its arguments on every call, several times ``torch.topk``'s host
+    time, which matters in eager `generate()`)."""
 
     def __init__(self, device: int) -> None:
         properties = torch.cuda.get_device_properties(device)
@@ -337,7 +336,7 @@ class _Launcher:
     def holds(self, cluster: int, length: int) -> bool:
         """Whether `cluster` blocks (a size this GPU runs) hold a row of `length` scores in shared memory."""
         share = -(-length // cluster)  # below 65,536: the kernel's write offsets pack two counts in 32 bits
-        # (a guard: shared memory holds fewer keys per block on the H200, 53,952)
+        # (a guard: Hopper's shared memory holds fewer keys per block, 53,952)
         fits_shared = self._shared_bytes(cluster, length) <= self.shared_limit
         return cluster in self._compiled and share < 1 << 16 and fits_shared
 
@@ -346,8 +345,8 @@ class _Launcher:
         return tuple(size for size in self.cluster_sizes if self.holds(size, length))
 
     def fits(self, length: int) -> bool:
-        """Whether a row of `length` scores fits the shared memory of the most blocks a row may take (on the
-        H200 53,952 scores in one block, 398,848 in a cluster of 8)."""
+        """Whether a row of `length` scores fits the shared memory of the most blocks a row may take
+        (on Hopper 53,952 scores in one block, 398,848 in a cluster of 8)."""
         return self.holds(max(self._compiled), length)
 
     def blocks_per_row(self, rows: int, length: int) -> int:
@@ -428,8 +427,9 @@ def kernel_ready(device: torch.device) -> bool:
 
 
 def row_fits(length: int, device: torch.device) -> bool:
-    """Whether a row of `length` scores fits the kernel: held in the shared memory of its blocks (on the
-    H200 398,848 scores in a cluster of 8; 53,952 in one block, all a GPU before Hopper's clusters has)."""
+    """Whether a row of `length` scores fits the kernel: held in the shared memory of its blocks (on
+    Hopper 398,848 scores in a cluster of 8, 53,952 in one block; a GPU without clusters holds what
+    one block's shared memory holds)."""
     return _launcher(device).fits(length)
 
 
@@ -473,8 +473,8 @@ def decode_topk(scores: Tensor, k: int, out: Tensor | None = None, blocks_per_ro
 def unordered_top_k(scores: Tensor, k: int) -> Tensor:
     """Positions [..., k] of the k largest `scores` [..., S], in no particular order: this kernel
     where it runs (fp32 on CUDA, rows within `row_fits`), ``torch.topk`` elsewhere (a kernel reading rows
-    too long for shared memory from global memory in every pass was slower: 120 against 68 us at 128k,
-    batch 1, on the H200)."""
+    too long for shared memory from global memory in every pass was slower than ``torch.topk``:
+    docs/design-decisions.md, 'Top-k at decode is a CUDA kernel compiled by NVRTC')."""
     launcher = _ready_launcher(scores.device) if scores.dtype == torch.float32 else None
     if launcher is not None and 1 <= k <= scores.shape[-1] and launcher.fits(scores.shape[-1]):
         return launcher(scores, k)  # (torch.topk below names a k out of range)

@@ -1,14 +1,16 @@
 """Top-k selection masks for training (Triton): one program per query row.
 
 The joint step selects the k best-scored keys of every query row (4 x 1,024 rows of 2,048 gate
-scores per chunk at SmolLM2's shapes); `torch.topk` over them took 4.8 ms of a 112.5 ms captured
-joint step on the H200, in several radix passes across blocks, the mask was then scattered from its
-indices, and the ranking (forced keys first, hidden ones last) and the final masking took two more
-passes over the scores. Here each program holds one row in registers, ranks it as `select_top_k` does,
-finds the row's k-th largest score by a bitwise search over an order-preserving integer form of the
-scores (16 steps for bf16, whose top 16 bits as fp32 tell every value apart; 32 otherwise), and writes
-the selection directly: the scores above it, then the ties at it in position order until k are marked
-(the lowest positions win a tie; `torch.topk` leaves that order open), with the forced keys, where allowed.
+scores per chunk at SmolLM2's shapes). The PyTorch path runs `torch.topk` in several radix passes
+across blocks, scatters the mask from its indices, and ranks (forced keys first, hidden ones last)
+and masks in two more passes over the scores. Here each program holds one row in registers, ranks it
+as `select_top_k` does, finds the row's k-th largest score by a bitwise search over an
+order-preserving integer form of the scores (16 steps for bf16, whose top 16 bits as fp32 tell every
+value apart; 32 otherwise), and writes the selection directly: the scores above it, then the ties at
+it in position order until k are marked (the lowest positions win a tie; `torch.topk` leaves that
+order open), with the forced keys, where allowed: one pass over the scores instead of several
+(timings: docs/design-decisions.md, 'Selection with one k for every query takes the top-k
+unsorted').
 """
 
 from __future__ import annotations

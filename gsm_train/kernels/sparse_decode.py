@@ -5,35 +5,34 @@ over the selection, flash-decoding style).
 Per (batch, KV head, split) one program loads the GQA group's queries once, then for each tile of
 selected positions reads only what the cache stores for them: cluster id (1 byte), packed residual
 codes (D * bits / 8 bytes at K's or V's width, read as whole rows of 32-bit words and unpacked in
-registers, each code turned into a float by its bits: `_unpacked_levels`), scale
-(2 bytes) and the id's prototype row, or the raw row for positions in the newest block (read only by
-tiles holding one). All of a tile's K and V loads are issued before any of them is used. (Whole-row
-residual reads and this load order took the kernel from 206 to 160 us per step on the H200 at
-context 32k, batch 16, k 2048, Llama-8B shapes.) A second small kernel merges the splits. Bytes
-moved per selected token and KV head: about ``2 * (3 + D * bits / 8 + 2 * D)`` (K and V, the
-prototype row counted in full), against ``4 * D`` for a bf16 cache read densely.
+registers, each code turned into a float by its bits: `_unpacked_levels`), scale (2 bytes) and the
+id's prototype row, or the raw row for positions in the newest block (read only by tiles holding
+one). All of a tile's K and V loads are issued before any of them is used, so their latencies
+overlap. A second small kernel merges the splits. Bytes moved per selected token and KV head: about
+``2 * (3 + D * bits / 8 + 2 * D)`` (K and V, the prototype row counted in full), against ``4 * D``
+for a bf16 cache read densely.
 
-With rotated residuals (`kv_compression.rotate_residuals`) the store holds prototypes and residuals of
-the rotated rows (``k R``), so the kernel rotates the query once (``(k R) . (q R) = k . q``; the
-group's real heads only, not the dot's padding to 16 rows) and sums the packed rows' values in the rotated
-basis; the merge, being linear, sums the splits there and rotates the sum back (``R^T``) once per head.
-The newest block's raw rows are never rotated: a tile holding some takes their products against the
-unrotated query and adds their values to a second sum, in the rows' own basis, which the merge sums apart.
-(The word reads with codes made floats by their bits, no select on the packed rows, the query rotated
-at its real heads only and the sum rotated back in the merge took the kernel's SASS from 3,344 to 2,552
-instructions per thread for 64-row tiles of 4 warps at Llama-8B shapes (`benchmarks/decode_sass.py`) and
-its time at 32k, batch 16, k=2048 from 114.5 to 99.0 us on the H200.) Each rotation is a fast
-Walsh-Hadamard transform with the rotation's signs (``R = diag(signs) H / sqrt(D)``, `hadamard_rotation`):
-no matrix is read and no kernel is launched for them. (32k, k=2048, Llama-8B shapes, on the H200:
-rotating with PyTorch matmuls around the kernel took 45 us at batch 1 against 17 in the kernel (875c8bf);
-with the prototypes unrotated and a second product per row against ``q R``, 157 us at batch 16 against
-125 (0b1b96f). Rotating the raw rows into the rotated basis in the tiles holding them, instead of the
-second sum, took 18.6 against 16.8 us at batch 1 and 126.5 against 115.8 at batch 16, each kernel in its
-fastest configuration: `benchmarks/results/decode_variants/attend_tail_sweep_2026-12-01.json`.)
+With rotated residuals (`kv_compression.rotate_residuals`) the store holds prototypes and residuals
+of the rotated rows (``k R``), so the kernel rotates the query once (``(k R) . (q R) = k . q``; the
+group's real heads only, not the dot's padding to 16 rows) and sums the packed rows' values in the
+rotated basis; the merge, being linear, sums the splits there and rotates the sum back (``R^T``)
+once per head. The newest block's raw rows are never rotated (faster than rotating them in each tile
+that holds them, and they meet the query as stored): a tile holding some takes their products
+against the unrotated query and adds their values to a second sum, in the rows' own basis, which the
+merge sums apart. Each rotation is a fast Walsh-Hadamard transform with the rotation's signs
+(``R = diag(signs) H / sqrt(D)``, `hadamard_rotation`): no matrix is read and no kernel is launched
+for them. Why: the kernel is latency-bound, so rotations inside it beat launches around it; and at
+small grids its instructions per de-quantized element set the time, which the word reads, the codes
+made floats by their bits, the missing select and the rotations at the real heads and in the merge
+each cut.
 
-Loads that decide other loads' addresses run ahead: each tile's positions are read two tiles before it and
-its cluster ids one tile before, so a tile waits for one round trip to memory, not three (161 against 146
-us at batch 16 with the unrotated prototypes, in a scratch comparison on the H200).
+Loads that decide other loads' addresses run ahead: each tile's positions are read two tiles before
+it and its cluster ids one tile before, so a tile waits for one round trip to memory, not three.
+
+Timings behind each choice: docs/design-decisions.md, 'The fused decode kernel splits the selection
+across programs' and the entries after it ('Rotated ASQ keeps its prototypes in the rotated basis',
+'At batch 1 the fused decode kernel is bound by its instructions', 'Fewer instructions per
+de-quantized element').
 """
 
 from __future__ import annotations
@@ -134,17 +133,16 @@ if triton is not None:
         return tl.load(tail_ptr + (bh * tail_len + (pos - packed_len))[:, None] * D + dims[None, :],
                        mask=in_tail[:, None], other=0.0).to(DTYPE)
 
-    # Gathers of scattered rows are latency-bound: how many rows a program takes (BLOCK_N x TILES), how many
-    # warps it runs and how deep Triton pipelines its loop trade parallelism against per-program overhead;
-    # Triton picks per shape. (Long programs without pipelining, 64 x 16 rows in 1 stage, took the rotated
-    # kernel from 185 to 163 us at 32k, batch 16, k 2048, Llama-8B shapes on the H200.) With few programs
-    # (batch 1, or k=64) a tile's instructions, not its loads, set the time: one program's tile of 64 rows took
-    # about 4.4 us even with every row masked off, so there 8 warps per program, each with half the
-    # instructions of 4, are faster (Llama-8B shapes at 32k, batch 1, k=64: 8.0 against 11.3 us in one
-    # sweep). Tiles of 16 rows with 2 warps compile to wrong bf16 outputs on the H200 (16 x 16
-    # rows, and 16 x 2 once the newest block's rows had their own products); tests/test_decode.py runs
-    # every configuration here on the GPU. Each one here was the fastest, or within 0.5 us of it, at one of
-    # the shapes `benchmarks/decode_configs.py` times.
+    # Gathers of scattered rows are latency-bound: how many rows a program takes (BLOCK_N x TILES),
+    # how many warps it runs and how deep Triton pipelines its loop trade parallelism against
+    # per-program overhead; Triton picks per shape. Long programs without pipelining (64 x 16 rows
+    # in 1 stage) suit full grids; with few programs (batch 1, or k=64) a tile's instructions, not
+    # its loads, set the time, so there 8 warps per program, each with half the instructions of 4,
+    # are faster. Tiles of 16 rows with 2 warps compiled to wrong bf16 outputs, so none is listed;
+    # tests/test_decode.py runs every configuration here on the GPU. The list was tuned on the H200:
+    # each entry was the fastest, or within 0.5 us of it, at one of the shapes
+    # `benchmarks/decode_configs.py` times (docs/design-decisions.md, 'At batch 1 the fused decode
+    # kernel is bound by its instructions').
     @triton.autotune(
         configs=[triton.Config({"BLOCK_N": block, "TILES": tiles}, num_warps=warps, num_stages=stages)
                  for block, tiles, warps, stages in ((32, 1, 8, 3), (64, 1, 8, 3), (32, 2, 4, 3), (64, 1, 4, 3),
@@ -304,9 +302,10 @@ SCORE_PROGRAMS = 512  # the score kernel takes as few keys per program (64..1024
 
 
 def _score_block(rows: int, length: int) -> int:
-    """Gate keys per program of the score kernel: 1,024 (the fastest at batch 16 on the H200) while that
-    still gives SCORE_PROGRAMS programs, fewer for fewer rows (at batch 1 and 32k keys, 1,024 per
-    program kept 32 of the 132 SMs busy)."""
+    """Gate keys per program of the score kernel for `rows` rows of `length` keys: 1,024 (tuned at
+    batch 16 on the H200) while that still gives SCORE_PROGRAMS programs, fewer (down to 64) for
+    fewer rows, so that short grids at batch 1 still fill the SMs (docs/design-decisions.md, 'Decode
+    attention is timed per layer in graphs of many layers')."""
     return max(64, min(1024, triton.next_power_of_2(rows * length // SCORE_PROGRAMS + 1) // 2))
 
 

@@ -1,18 +1,19 @@
 """Block-sparse attention for ASQ layers in training: earlier blocks as stored, the own block raw.
 
-The masked SDPA in `gsm_attention` runs over both versions of the keys side by side (stored and
-uncompressed, 2S keys) with a boolean mask, so it computes all T x 2S products although a query
+The masked SDPA (`attention.masked_sdpa`) runs over both versions of the keys side by side (stored
+and uncompressed, 2S keys) with a boolean mask, so it computes all T x 2S products although a query
 can see only earlier blocks' stored keys and its own block's raw ones: about a quarter of them at
 T = 2048 and blocks of 128. FlexAttention skips the tiles no query of a tile can see, known from the
 block structure alone (the stored half below the block diagonal, the raw half on it), and reads
 the selection only inside the tiles it computes.
 
-Used in the training forwards of steps that replay from a CUDA graph (`GSMRuntime.captured_steps`,
-set by the trainer on one GPU; its evaluation forwards run eagerly and keep the masked SDPA), on CUDA (FlexAttention's backward runs on GPUs only), when the sequence is a whole number
-of flex tiles; the masked SDPA serves everywhere else. On the
-H200 (`benchmarks/asq_attention.py`, SmolLM2 shapes, T 2048, top-256) its kernels take 0.62 ms per layer
-forward and backward against the masked SDPA's 1.31, but called eagerly it takes 2.66 ms against 1.46:
-the compiled call and the block mask cost more Python and launches than the kernels save.
+Used in the training forwards of steps that replay from a CUDA graph (`GSMSettings.captured_steps`,
+set by the trainer on one GPU; its evaluation forwards run eagerly and keep the masked SDPA), on
+CUDA (FlexAttention's backward runs on GPUs only), when the sequence is a whole number of flex
+tiles; the masked SDPA serves everywhere else. Only there: its kernels are faster than the masked
+SDPA's, but called eagerly the compiled call and the block mask cost more Python and launches than
+the kernels save (docs/design-decisions.md, 'From a CUDA graph, ASQ layers attend block-sparsely
+with FlexAttention').
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ from gsm_train.compiled import compiled
 
 TILE = 128  # FlexAttention's default tile: queries and keys per block of the block mask
 FLEX_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # others (fp64 checks) take the masked SDPA
-# Inductor's max-autotune choice for this attention on the H200 at SmolLM2's shapes (heads of 64, T 2048;
-# `benchmarks/asq_attention.py`): 64 x 64 tiles, 3 stages, 4 warps, forward and backward. Passed on Hopper
-# GPUs for bf16/fp16 heads of 64, it gives the autotuned kernels' speed without their ~20 s of autotuning per run;
-# other GPUs and head sizes keep Inductor's default configuration.
+# Inductor's max-autotune choice for this attention, measured on the H200 at SmolLM2's shapes (heads
+# of 64, T 2048; `benchmarks/asq_attention.py`): 64 x 64 tiles, 3 stages, 4 warps, forward and
+# backward. Passed on Hopper GPUs for bf16/fp16 heads of 64, it gives the autotuned kernels' speed
+# without their ~20 s of autotuning per run; other GPUs and head sizes keep Inductor's default
+# configuration (docs/design-decisions.md, 'FlexAttention takes fixed kernel options on Hopper').
 HOPPER_HEAD_DIM = 64
 HOPPER_KERNEL_OPTIONS = {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "fwd_num_stages": 3, "fwd_num_warps": 4,
                          "bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64,

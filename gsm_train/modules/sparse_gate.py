@@ -189,9 +189,9 @@ def select_top_k(scores: Tensor, allowed: Tensor, k: Tensor, query_positions: Te
     `sink_tokens` positions) and the `recent_tokens` latest keys are always kept too. `k_max`: max(k)
     when the caller knows it on the host (else it is read from the device, which waits for it).
     `uniform_k`: every k[t] equals k_max (the caller knows), so the top-k set needs no ranking and
-    is taken unsorted (the sort of the k winners took 3.4 ms of GPU time in a 116 ms joint step on the H200),
-    on CUDA by one kernel that ranks, finds each row's k-th score and writes the selection
-    (`gsm_train.kernels.selection`).
+    is taken unsorted (sorting the k winners is a kernel of its own: docs/design-decisions.md,
+    'Selection with one k for every query takes the top-k unsorted'), on CUDA by one kernel that
+    ranks, finds each row's k-th score and writes the selection (`gsm_train.kernels.selection`).
     """
     k_top = min(int(k.max()) if k_max is None else k_max, scores.shape[-1])
     if uniform_k and selection_kernel_runs(scores):  # one pass: ranking, k-th score, mask
