@@ -27,10 +27,11 @@ from gsm_train.lora import model_name
 FORMAT = "gsm-train-adapter"
 # 6: the GSM tensors in gsm_modules.safetensors, LoRA as a PEFT adapter (adapter_config.json +
 # adapter_model.safetensors), base weights in base_weights.safetensors, fingerprint rule 2, the
-# base's Hub id; 5: 4- and 8-bit ASQ residuals on the mid-rise grid (before, a symmetric one); 4:
-# per-layer ASQ residual widths (kv_compression.layer_bits); 3: ASQ residuals (and, since 0b1b96f,
-# the prototypes) in a rotated basis (kv_compression.rotate_residuals); 2: 2-bit ASQ residuals on
-# the mid-rise grid; 1: on the symmetric one
+# base's Hub id, K/V compressors other than ASQ (kv_compression.method); 5: 4- and 8-bit ASQ
+# residuals on the mid-rise grid (before, a symmetric one); 4: per-layer ASQ residual widths
+# (kv_compression.layer_bits); 3: ASQ residuals and prototypes in a rotated basis
+# (kv_compression.rotate_residuals); 2: 2-bit ASQ residuals on the mid-rise grid; 1: on the
+# symmetric one
 FORMAT_VERSION = 6
 CONFIG_FILE = "gsm_config.json"
 GSM_FILE = "gsm_modules.safetensors"

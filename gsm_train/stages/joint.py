@@ -108,7 +108,7 @@ class JointStage:
         if sums[4] > 0:
             metrics |= {f"gate_mass_k{k}": float(sums[2] / sums[4]), f"oracle_mass_k{k}": float(sums[3] / sums[4]),
                         f"recall_ratio_k{k}": float(sums[2] / sums[3])}
-        if self.config.gsm.kv_compression.enabled:
+        if self.config.gsm.kv_compression.enabled and self.config.gsm.kv_compression.method == "asq":
             for index, key in enumerate(ASQ_STATS):
                 metrics[f"asq_{key}"] = float(sums[5 + index] / len(batches)) if batches else float("nan")
         alphas = self._bridge_alphas(model)
@@ -119,8 +119,9 @@ class JointStage:
     @staticmethod
     def _asq_stats(model: nn.Module) -> list[float]:
         """Mean over the ASQ compressors of the last forward's ASQ_STATS (zeros without a full block)."""
-        stats = [asq.last_stats for _, adapter in gsm_adapters(model) for asq in (adapter.asq_k, adapter.asq_v)
-                 if asq is not None and asq.last_stats and math.isfinite(float(asq.last_stats["recon_rel_error"]))]
+        compressors = [asq for _, adapter in gsm_adapters(model) for asq in (adapter.asq_k, adapter.asq_v)]
+        stats = [c.last_stats for c in compressors if getattr(c, "last_stats", None)
+                 and math.isfinite(float(c.last_stats["recon_rel_error"]))]
         return [sum(float(s[key]) for s in stats) / len(stats) if stats else 0.0 for key in ASQ_STATS]
 
     @staticmethod
