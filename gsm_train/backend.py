@@ -47,9 +47,12 @@ class Backend(Protocol):
     def backward(self, loss: Tensor, boundary: bool) -> None:
         """Backward of one micro-batch; `boundary` marks the last one of the step."""
 
-    def step(self, optimizer: torch.optim.Optimizer) -> Tensor | float:
+    def step(self, optimizer: torch.optim.Optimizer,
+             update_if: Callable[[Tensor], bool] | None = None) -> Tensor | float:
         """Clip the global gradient norm, update, zero the gradients; return the norm before clipping (a
-        tensor stays on the device, so the host queues the update before it waits to read the norm)."""
+        tensor stays on the device, so the host queues the update before it waits to read the norm).
+        With `update_if`, the update runs only if it returns True for the norm (the gradients are
+        dropped either way)."""
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The Hugging Face model inside the wrapper."""
@@ -96,9 +99,11 @@ class FSDP2Backend:
     def backward(self, loss: Tensor, boundary: bool) -> None:
         loss.backward()
 
-    def step(self, optimizer: torch.optim.Optimizer) -> Tensor:
+    def step(self, optimizer: torch.optim.Optimizer,
+             update_if: Callable[[Tensor], bool] | None = None) -> Tensor:
         norm = clip_grad_norm(self.params, self.config.optim.max_grad_norm)
-        optimizer.step()
+        if update_if is None or update_if(norm):
+            optimizer.step()
         optimizer.zero_grad(set_to_none=not self.grads_in_place)
         return norm
 
@@ -159,6 +164,12 @@ def select_backend(config: RecipeConfig) -> Backend:
                                    f"the accelerate config asks for DeepSpeed, but `import deepspeed` failed ({err})",
                                    "pip install 'gsm-train[deepspeed]', or launch with an FSDP2 config such as "
                                    "launch/multi_gpu.yaml"))
+    if config.train.max_skipped_steps:
+        problems.append(Problem("train.max_skipped_steps", config.train.max_skipped_steps,
+                                "skipping a step needs its gradient norm before the update, which "
+                                "the DeepSpeed engine does not give",
+                                "set train.max_skipped_steps: 0 (a non-finite step stops the run), "
+                                "or launch with an FSDP2 config"))
     if problems:
         raise ConfigError(_SOURCE, problems)
     from gsm_train.deepspeed_backend import DeepSpeedBackend

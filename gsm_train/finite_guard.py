@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gsm_train.distributed import DistInfo, raise_on_any_rank
+
 # exit status of a run the guard stopped (2 is a refused input: nothing ran, nothing was written)
 NONFINITE_EXIT = 3
 
@@ -64,6 +66,18 @@ def check_finite_tensors(tensors: Mapping[str, Tensor], what: str) -> None:
         shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
         raise NonFiniteError(f"{what} not written: {len(bad)} of {len(tensors)} tensors hold NaN "
                              f"or infinite values ({shown}); the previous checkpoints are kept")
+
+
+def refuse_non_finite(tensors: Mapping[str, Tensor], what: str, info: DistInfo) -> None:
+    """Collective: `check_finite_tensors` on rank 0 (which holds the full tensors; the others pass
+    what they have, usually nothing), its refusal raised on every rank."""
+    error = None
+    if info.is_main:
+        try:
+            check_finite_tensors(tensors, what)
+        except NonFiniteError as err:
+            error = err
+    raise_on_any_rank(info, error)
 
 
 class NonFiniteGuard:
