@@ -51,6 +51,11 @@ def step_folder_name(step: int) -> str:
     return f"{STEP_PREFIX}{step:08d}"
 
 
+def checkpoint_step(folder: Path) -> int:
+    """50 for a folder `step_00000050`."""
+    return int(folder.name.removeprefix(STEP_PREFIX))
+
+
 def _rng_state() -> dict[str, Any]:
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
@@ -162,8 +167,9 @@ def read_state(folder: Path) -> dict[str, Any]:
 def checkpoint_folders(run_dir: Path) -> list[Path]:
     """The run's checkpoint folders (complete or not; temporary ones excluded), newest first."""
     folder = run_dir / "checkpoints"
-    found = [p for p in folder.glob(f"{STEP_PREFIX}*") if p.is_dir() and p.name[5:].isdigit()]
-    return sorted(found, key=lambda p: int(p.name[5:]), reverse=True)
+    found = [p for p in folder.glob(f"{STEP_PREFIX}*")
+             if p.is_dir() and p.name.removeprefix(STEP_PREFIX).isdigit()]
+    return sorted(found, key=checkpoint_step, reverse=True)
 
 
 def newest_good_checkpoint(run_dir: Path) -> tuple[Path | None, list[str]]:
@@ -251,7 +257,7 @@ def _prune(run_dir: Path, keep: int, run_id: str, newest: Path) -> None:
     run's older ones. Other runs' checkpoints, damaged ones and any of a later step stay."""
     older = []
     for folder in checkpoint_folders(run_dir):
-        if int(folder.name[5:]) >= int(newest.name[5:]):
+        if checkpoint_step(folder) >= checkpoint_step(newest):
             continue
         try:
             owner = read_state(folder).get("run_id")

@@ -31,7 +31,7 @@ from typing import Any
 
 import yaml
 
-from gsm_train.checkpoint import checkpoint_folders, verify_checkpoint
+from gsm_train.checkpoint import checkpoint_folders, checkpoint_step, verify_checkpoint
 from gsm_train.distributed import DistInfo, raise_on_any_rank
 
 LOCK = "run.lock"
@@ -132,7 +132,7 @@ def check_not_locked(run_dir: Path) -> None:
 def _newer_good(run_dir: Path, step: int) -> list[str]:
     """Names of the checkpoints in `run_dir` after `step` that verify."""
     return [folder.name for folder in checkpoint_folders(run_dir)
-            if int(folder.name[5:]) > step and verify_checkpoint(folder) is None]
+            if checkpoint_step(folder) > step and verify_checkpoint(folder) is None]
 
 
 def check_run_folder(run_dir: Path, resume_from: str | None, resume: Path | None,

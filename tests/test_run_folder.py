@@ -62,11 +62,13 @@ def test_overwrite_starts_over_removing_only_what_a_run_writes(finished_run: Pat
     (reused / "notes.txt").write_text("mine\n")
     (reused / "data").mkdir()
     (reused / "data" / "corpus.txt").write_text("mine too\n")
+    (tmp_path / "canary.txt").write_text("beside the run\n")
     assert cli.main(["train", GATE_RECIPE, *OTHER_RUN, f"output.dir={reused}", "--overwrite"]) == 0
     fresh = tmp_path / "fresh"
     train_recipe(GATE_RECIPE, [*OTHER_RUN, f"output.dir={fresh}"])
     assert (reused / "notes.txt").read_text() == "mine\n"
     assert (reused / "data" / "corpus.txt").read_text() == "mine too\n"
+    assert (tmp_path / "canary.txt").read_text() == "beside the run\n"
     checkpoints = reused / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_00000002"]
     assert (checkpoints / "latest").read_text() == "step_00000002"
