@@ -12,6 +12,7 @@ checkpoints and exports) and the optimizer's part of a checkpoint.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +27,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from gsm_train.config import ConfigError, Problem, RecipeConfig
 from gsm_train.backend_protocol import Backend, OptimizerFactory
+from gsm_train.config import ConfigError, Problem, RecipeConfig
 from gsm_train.distributed import DistInfo, shard_model
 
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -63,9 +64,11 @@ class FSDP2Backend:
     def backward(self, loss: Tensor, boundary: bool) -> None:
         loss.backward()
 
-    def step(self, optimizer: torch.optim.Optimizer) -> Tensor:
+    def step(self, optimizer: torch.optim.Optimizer,
+             update_if: Callable[[Tensor], bool] | None = None) -> Tensor:
         norm = clip_grad_norm(self.params, self.config.optim.max_grad_norm)
-        optimizer.step()
+        if update_if is None or update_if(norm):
+            optimizer.step()
         optimizer.zero_grad(set_to_none=not self.grads_in_place)
         return norm
 
@@ -155,6 +158,12 @@ def select_backend(config: RecipeConfig) -> Backend:
                                    f"the accelerate config asks for DeepSpeed, but `import deepspeed` failed ({err})",
                                    "pip install 'gsm-train[deepspeed]', or launch with an FSDP2 config such as "
                                    "launch/multi_gpu.yaml"))
+    if config.train.max_skipped_steps:
+        problems.append(Problem("train.max_skipped_steps", config.train.max_skipped_steps,
+                                "skipping a step needs its gradient norm before the update, which "
+                                "the DeepSpeed engine does not give",
+                                "set train.max_skipped_steps: 0 (a non-finite step stops the run), "
+                                "or launch with an FSDP2 config"))
     if problems:
         raise ConfigError(_SOURCE, problems)
     from gsm_train.deepspeed_backend import DeepSpeedBackend

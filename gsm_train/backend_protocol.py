@@ -27,9 +27,12 @@ class Backend(Protocol):
     def backward(self, loss: Tensor, boundary: bool) -> None:
         """Backward of one micro-batch; `boundary` marks the last one of the step."""
 
-    def step(self, optimizer: torch.optim.Optimizer) -> Tensor | float:
+    def step(self, optimizer: torch.optim.Optimizer,
+             update_if: Callable[[Tensor], bool] | None = None) -> Tensor | float:
         """Clip the global gradient norm, update, zero the gradients; return the norm before clipping (a
-        tensor stays on the device, so the host queues the update before it waits to read the norm)."""
+        tensor stays on the device, so the host queues the update before it waits to read the norm).
+        With `update_if`, the update runs only if it returns True for the norm (the gradients are
+        dropped either way)."""
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The Hugging Face model inside the wrapper."""

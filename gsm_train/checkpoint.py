@@ -1,18 +1,29 @@
-"""Resumable checkpoints written atomically: a temporary folder renamed into place when complete.
+"""Resumable checkpoints, written atomically and verified when a run resumes.
 
 A checkpoint `step_00000050/` holds the trainable weights (`trainable.safetensors`, full fp32
-tensors), the optimizer (FSDP2: `optimizer.pt`, full state, tensors only; DeepSpeed: the engine's own
-checkpoint in `deepspeed/`, one optimizer partition per rank), `state.json` (step, backend, world
-size, scheduler, data position) and one `rng_rank{R}.pt` per rank. `latest` names the newest complete
-checkpoint. Resuming needs the same backend and number of processes.
+tensors), the optimizer (FSDP2: `optimizer.pt`, full state, tensors only; DeepSpeed: the engine's
+own checkpoint in `deepspeed/`, one optimizer partition per rank), `state.json` (step, run id,
+backend, world size, scheduler, data position, the recipe as given), one `rng_rank{R}.pt` per rank,
+and `manifest.json`, written last: the size and sha256 of every other file. It is built in
+`step_00000050.tmp/`; every file and folder in it is fsync'ed, the folder is renamed into place
+and its parent fsync'ed; then `latest` (the newest checkpoint's name) is replaced the same way. A
+crash at any point leaves every earlier checkpoint whole; weights holding NaN or infinities are
+never written (`finite_guard`).
+
+Resuming verifies a checkpoint against its manifest: `auto` takes the newest one that verifies and
+warns about each newer one that does not; a checkpoint named explicitly must verify. Resuming
+needs the same backend and number of processes. Pruning (`output.keep_checkpoints`) removes only
+older checkpoints of the same run (same run id), never the one `latest` names.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +33,27 @@ from torch import nn
 
 from gsm_train.backend import Backend
 from gsm_train.distributed import DistInfo, barrier
+from gsm_train.finite_guard import refuse_non_finite
 
 LATEST = "latest"
+MANIFEST = "manifest.json"
+STATE = "state.json"
+STEP_PREFIX = "step_"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed from; the message names the folder or file, and the
+    fix."""
+
+
+def step_folder_name(step: int) -> str:
+    """`step_00000050` for step 50."""
+    return f"{STEP_PREFIX}{step:08d}"
+
+
+def checkpoint_step(folder: Path) -> int:
+    """50 for a folder `step_00000050`."""
+    return int(folder.name.removeprefix(STEP_PREFIX))
 
 
 def _rng_state() -> dict[str, Any]:
@@ -40,18 +70,166 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def fsync_path(path: Path) -> None:
+    """Flush a file's or a folder's entries to the disk (a folder: the names in it)."""
+    handle = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(handle)
+    finally:
+        os.close(handle)
+
+
+def write_durable(path: Path, text: str) -> None:
+    """Replace `path` with `text` atomically and durably: written beside, fsync'ed, renamed, and the
+    folder fsync'ed (a crash leaves the old content or the new, never a mix)."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
+    with tmp.open("w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
     os.replace(tmp, path)
+    fsync_path(path.parent)
 
 
-def save_checkpoint(run_dir: Path, step: int, backend: Backend, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    scheduler: Any, data_state: dict, trainable: set[str], info: DistInfo, keep: int) -> Path:
-    """Write a complete checkpoint (collective: every rank calls it); return its folder."""
-    final = run_dir / "checkpoints" / f"step_{step:08d}"
+def _digest(path: Path) -> dict[str, Any]:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return {"size": path.stat().st_size, "sha256": digest.hexdigest()}
+
+
+def write_manifest(folder: Path) -> None:
+    """fsync every file under `folder`, then write `manifest.json` (relative path -> size and sha256
+    of every other file) and fsync it and every folder under `folder`."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+    entries = {}
+    for path in files:
+        fsync_path(path)
+        entries[path.relative_to(folder).as_posix()] = _digest(path)
+    write_durable(folder / MANIFEST, json.dumps({"files": entries}, indent=2, sort_keys=True))
+    for sub in sorted((p for p in folder.rglob("*") if p.is_dir()), reverse=True):
+        fsync_path(sub)
+    fsync_path(folder)
+
+
+def verify_checkpoint(folder: Path) -> str | None:
+    """What is wrong with the checkpoint `folder` (naming the file), or None if every file its
+    manifest lists is there with the recorded size and sha256. A checkpoint written before manifests
+    existed (its state.json has no run id) is accepted as it is, unverified."""
+    if not folder.is_dir():
+        return f"{folder} does not exist"
+    manifest = folder / MANIFEST
+    if not manifest.is_file():
+        if _legacy_state(folder):
+            return None
+        return f"{manifest} is missing (the checkpoint was not completed, or was altered)"
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"{manifest} is unreadable ({err})"
+    if STATE not in files:
+        return f"{manifest} does not list {STATE}"
+    for name, expected in sorted(files.items()):
+        path = folder / name
+        if not path.is_file():
+            return f"{path} is missing"
+        size = path.stat().st_size
+        if size != expected["size"]:
+            return (f"{path} has {size} bytes, the manifest says {expected['size']} (truncated or "
+                    "altered)")
+        if _digest(path)["sha256"] != expected["sha256"]:
+            return f"{path} does not match its sha256 in the manifest (altered or damaged)"
+    return None
+
+
+def _legacy_state(folder: Path) -> bool:
+    """Whether `folder` holds a readable state.json without a run id (a checkpoint from before the
+    manifests)."""
+    try:
+        state = json.loads((folder / STATE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(state, dict) and "run_id" not in state
+
+
+def read_state(folder: Path) -> dict[str, Any]:
+    """The checkpoint's state.json (CheckpointError if it cannot be read)."""
+    try:
+        state = json.loads((folder / STATE).read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{folder / STATE}: cannot be read ({err})") from None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise CheckpointError(f"{folder / STATE}: not a checkpoint state (no step)")
+    return state
+
+
+def checkpoint_folders(run_dir: Path) -> list[Path]:
+    """The run's checkpoint folders (complete or not; temporary ones excluded), newest first."""
+    folder = run_dir / "checkpoints"
+    found = [p for p in folder.glob(f"{STEP_PREFIX}*")
+             if p.is_dir() and p.name.removeprefix(STEP_PREFIX).isdigit()]
+    return sorted(found, key=checkpoint_step, reverse=True)
+
+
+def newest_good_checkpoint(run_dir: Path) -> tuple[Path | None, list[str]]:
+    """(the newest checkpoint of `run_dir` that verifies, or None; what is wrong with each newer
+    one)."""
+    problems = []
+    for folder in checkpoint_folders(run_dir):
+        problem = verify_checkpoint(folder)
+        if problem is None:
+            return folder, problems
+        problems.append(problem)
+    return None, problems
+
+
+def resolve_resume(resume_from: str | None, run_dir: Path) -> Path | None:
+    """`auto` -> the run's newest checkpoint that verifies (a warning on stderr for each newer one
+    skipped; None if there is none); a path -> that checkpoint, which must verify (else
+    CheckpointError)."""
+    if resume_from is None:
+        return None
+    if resume_from == "auto":
+        found, problems = newest_good_checkpoint(run_dir)
+        for problem in problems:
+            fallback = f"resuming from {found.name}" if found else "no checkpoint verifies"
+            print(f"warning: skipping a damaged checkpoint: {problem}; {fallback}", file=sys.stderr)
+        return found
+    path = Path(resume_from)
+    if not (path / STATE).is_file() and not (path / MANIFEST).is_file():
+        raise CheckpointError(f"output.resume_from={resume_from!r} is not a checkpoint (no "
+                              f"{STATE}); give a RUN/checkpoints/step_N folder, or --resume auto")
+    problem = verify_checkpoint(path)
+    if problem is not None:
+        good, _ = newest_good_checkpoint(path.parent.parent)
+        other = f"; {good} verifies" if good is not None else ""
+        raise CheckpointError(f"output.resume_from={resume_from!r} is damaged: {problem}{other}; "
+                              "resume from a checkpoint that verifies, or --resume auto")
+    return path
+
+
+def check_resumable(state: dict[str, Any], folder: Path, backend: str, world_size: int) -> None:
+    """Refuse a checkpoint written by another backend or number of processes."""
+    written_by = state.get("backend", "fsdp2")
+    if (written_by, state.get("world_size")) != (backend, world_size):
+        raise CheckpointError(f"checkpoint {folder} was written by {state.get('world_size')} "
+                              f"processes with {written_by}, this run has {world_size} with "
+                              f"{backend}; resume with the same number of processes and the same "
+                              "backend (accelerate config)")
+
+
+def save_checkpoint(run_dir: Path, step: int, backend: Backend, model: nn.Module,
+                    optimizer: torch.optim.Optimizer, scheduler: Any, data_state: dict,
+                    trainable: set[str], info: DistInfo, keep: int, run: dict[str, Any]) -> Path:
+    """Write a complete checkpoint (collective: every rank calls it); return its folder. `run`: the
+    run's identity stored in state.json (`run_id`, `recipe`). Raises NonFiniteError, writing
+    nothing, if a trainable tensor holds NaN or an infinity."""
+    final = run_dir / "checkpoints" / step_folder_name(step)
     tmp = final.with_name(final.name + ".tmp")
-    weights = {name: t.contiguous() for name, t in backend.full_state_dict(model).items() if name in trainable}
+    weights = {name: t.contiguous() for name, t in backend.full_state_dict(model).items()
+               if name in trainable}
+    refuse_non_finite(weights, f"checkpoint {final.name}", info)
     if info.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -61,56 +239,42 @@ def save_checkpoint(run_dir: Path, step: int, backend: Backend, model: nn.Module
     barrier()
     if info.is_main:
         save_file(weights, str(tmp / "trainable.safetensors"))
-        meta = {"step": step, "backend": backend.name, "world_size": info.world_size,
+        meta = {"step": step, **run, "backend": backend.name, "world_size": info.world_size,
                 "scheduler": scheduler.state_dict(), "data": data_state}
-        (tmp / "state.json").write_text(json.dumps(meta, indent=2))
-        shutil.rmtree(final, ignore_errors=True)
+        (tmp / STATE).write_text(json.dumps(meta, indent=2))
+        write_manifest(tmp)
+        shutil.rmtree(final, ignore_errors=True)  # a damaged one of the same step, resumed past
         os.replace(tmp, final)
-        _write_atomic(run_dir / "checkpoints" / LATEST, final.name)
-        _prune(run_dir / "checkpoints", keep)
+        fsync_path(final.parent)
+        write_durable(final.parent / LATEST, final.name)
+        _prune(run_dir, keep, run["run_id"], final)
     barrier()
     return final
 
 
-def _prune(folder: Path, keep: int) -> None:
-    done = sorted(p for p in folder.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
-    for old in done[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+def _prune(run_dir: Path, keep: int, run_id: str, newest: Path) -> None:
+    """Keep `newest` and the keep - 1 checkpoints of run `run_id` just before it; remove this
+    run's older ones. Other runs' checkpoints, damaged ones and any of a later step stay."""
+    older = []
+    for folder in checkpoint_folders(run_dir):
+        if checkpoint_step(folder) >= checkpoint_step(newest):
+            continue
+        try:
+            owner = read_state(folder).get("run_id")
+        except CheckpointError:
+            continue
+        if owner == run_id:
+            older.append(folder)
+    for folder in older[keep - 1:]:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
-def find_latest(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint of a run folder, or None."""
-    pointer = run_dir / "checkpoints" / LATEST
-    if pointer.exists():
-        candidate = pointer.parent / pointer.read_text().strip()
-        if (candidate / "state.json").exists():
-            return candidate
-    done = sorted(p for p in (run_dir / "checkpoints").glob("step_*") if (p / "state.json").exists())
-    return done[-1] if done else None
-
-
-def resolve_resume(resume_from: str | None, run_dir: Path) -> Path | None:
-    """`auto` -> the run's latest checkpoint (or None); a path -> that checkpoint, which must be complete."""
-    if resume_from is None:
-        return None
-    if resume_from == "auto":
-        return find_latest(run_dir)
-    path = Path(resume_from)
-    if not (path / "state.json").exists():
-        raise FileNotFoundError(f"output.resume_from={resume_from!r} is not a complete checkpoint (no state.json); "
-                                "give a checkpoints/step_* folder or 'auto'")
-    return path
-
-
-def load_checkpoint(path: Path, backend: Backend, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    scheduler: Any, info: DistInfo) -> dict:
-    """Restore weights, optimizer, scheduler and RNG; return the saved state (step, data position)."""
-    meta = json.loads((path / "state.json").read_text())
-    written_by = meta.get("backend", "fsdp2")
-    if (written_by, meta["world_size"]) != (backend.name, info.world_size):
-        raise RuntimeError(f"checkpoint {path} was written by {meta['world_size']} processes with {written_by}, "
-                           f"this run has {info.world_size} with {backend.name}; resume with the same number of "
-                           "processes and the same backend (accelerate config)")
+def load_checkpoint(path: Path, backend: Backend, model: nn.Module,
+                    optimizer: torch.optim.Optimizer, scheduler: Any, info: DistInfo) -> dict:
+    """Restore weights, optimizer, scheduler and RNG; return the saved state (step, data
+    position)."""
+    meta = read_state(path)
+    check_resumable(meta, path, backend.name, info.world_size)
     backend.load_state(model, optimizer, path, load_file(str(path / "trainable.safetensors")))
     scheduler.load_state_dict(meta["scheduler"])
     _set_rng_state(torch.load(path / f"rng_rank{info.rank}.pt", weights_only=True))

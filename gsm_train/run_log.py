@@ -11,10 +11,13 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from gsm_train.config import LoggingConfig
+from gsm_train.finite_guard import json_safe
 
 
 class RunLogger:
-    """Writes one JSON line per record to `metrics.jsonl` (rank 0 only) and mirrors scalars."""
+    """Writes one JSON line per record to `metrics.jsonl` (rank 0 only) and mirrors finite scalars.
+    A NaN or infinite value is written as the string "nan", "inf" or "-inf"
+    (`finite_guard.json_safe`)."""
 
     def __init__(self, run_dir: Path, config: LoggingConfig, total_steps: int, start_step: int, enabled: bool,
                  run_name: str, recipe: dict[str, Any]):
@@ -48,8 +51,8 @@ class RunLogger:
         if not self.enabled:
             return
         record = {"kind": kind, "step": step, "time": round(time.time() - self._start, 3), **values}
-        with self.path.open("a") as handle:
-            handle.write(json.dumps(record, default=float) + "\n")
+        with self.path.open("a") as handle:  # NaN and infinities as strings: the line stays JSON
+            handle.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
         scalars = {k: v for k, v in values.items() if isinstance(v, (int, float)) and math.isfinite(v)}
         if self._tb is not None:
             for name, value in scalars.items():

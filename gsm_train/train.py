@@ -1,44 +1,80 @@
-"""Entry point for `accelerate launch -m gsm_train.train --recipe RECIPE [key=value ...]`."""
+"""Entry point for `accelerate launch -m gsm_train.train --recipe RECIPE [key=value ...]`.
+
+Exit status: 0 done; 2 refused (a bad recipe, override, checkpoint or run folder: nothing ran,
+nothing was written); 3 stopped by the NaN guard (a non-finite loss or gradient norm; earlier
+checkpoints are intact)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from gsm_train.checkpoint import CheckpointError
 from gsm_train.config import ConfigError, Problem, load_recipe
 from gsm_train.data import DataError
+from gsm_train.distributed import OtherRankFailed
 from gsm_train.export import ExportError
+from gsm_train.finite_guard import NONFINITE_EXIT, NonFiniteError
 from gsm_train.modules import GSMError
+from gsm_train.preflight import StartOptions
+from gsm_train.run_folder import RunFolderError
 from gsm_train.stages import STAGES
 from gsm_train.trainer import TrainResult, run_training
 
+REFUSED_EXIT = 2
+# errors that refuse the input with a message of their own (no traceback)
+REFUSALS = (ConfigError, DataError, GSMError, ExportError, CheckpointError, RunFolderError,
+            OtherRankFailed)
 
-def train_recipe(recipe: str, overrides: list[str], resume: str | None = None) -> TrainResult:
-    """Validate the recipe and run its stage (raises ConfigError before anything is written)."""
+
+def train_recipe(recipe: str, overrides: list[str], resume: str | None = None,
+                 options: StartOptions | None = None) -> TrainResult:
+    """Validate the recipe and run its stage (raises ConfigError before anything is written);
+    `options`: --overwrite and --allow-recipe-change (default: neither)."""
     if resume is not None:
         overrides = [*overrides, f"output.resume_from={resume}"]
     config = load_recipe(recipe, overrides)
     if config.stage not in STAGES:
         raise ConfigError(recipe, [Problem("stage", config.stage, "this stage is not implemented in this version",
                                            f"use one of {', '.join(STAGES)}")])
-    return run_training(config, STAGES[config.stage]())
+    return run_training(config, STAGES[config.stage](), options=options)
+
+
+def add_start_flags(parser: argparse.ArgumentParser) -> None:
+    """--resume, --overwrite and --allow-recipe-change (shared with `gsm-train train`)."""
+    parser.add_argument("--resume", default=None,
+                        help="'auto' (the newest checkpoint of output.dir that verifies) or a "
+                        "checkpoint folder")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start over in an output.dir that holds a run: removes only the files "
+                        "a run writes")
+    parser.add_argument("--allow-recipe-change", action="store_true",
+                        help="resume with a recipe that changes more than steps, logging and "
+                        "checkpointing")
+
+
+def start_options(args: argparse.Namespace) -> StartOptions:
+    return StartOptions(overwrite=args.overwrite, allow_recipe_change=args.allow_recipe_change)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="gsm_train.train", description=__doc__)
     parser.add_argument("--recipe", required=True, help="recipe YAML, e.g. recipes/gate_only.yaml")
-    parser.add_argument("--resume", default=None, help="'auto' (latest checkpoint of the run) or a checkpoint folder")
+    add_start_flags(parser)
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, validated like the recipe")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # overrides may follow --resume
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        result = train_recipe(args.recipe, args.overrides, args.resume)
-    except (ConfigError, DataError, GSMError, ExportError) as err:
+        result = train_recipe(args.recipe, args.overrides, args.resume, start_options(args))
+    except REFUSALS as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return REFUSED_EXIT
+    except NonFiniteError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return NONFINITE_EXIT
     if result.summary:
         for key, value in result.summary.items():
             print(f"{key}: {value}")

@@ -21,20 +21,30 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from gsm_train.backend import Backend, FSDP2Backend, select_backend
-from gsm_train.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from gsm_train.checkpoint import load_checkpoint, save_checkpoint
 from gsm_train.config import (
+    ConfigError,
     DataSourceConfig,
     RecipeConfig,
     check_against_model,
     resolved_yaml,
 )
 from gsm_train.data import PackedBatches, load_text_dataset, pack_tokens, split_eval
-from gsm_train.distributed import DistInfo, all_reduce_sum, init_distributed, teardown
-from gsm_train.export import export_adapter
+from gsm_train.distributed import (
+    DistInfo,
+    all_reduce_sum,
+    init_distributed,
+    raise_on_any_rank,
+    teardown,
+)
+from gsm_train.export import AdapterNames, export_adapter
+from gsm_train.finite_guard import NonFiniteError, NonFiniteGuard, refuse_non_finite
 from gsm_train.kv_budget import apply_kv_budget, kv_bytes_ratio
 from gsm_train.model_zoo import load_model_and_tokenizer
 from gsm_train.families import model_dims
 from gsm_train.modules import configure_gsm, gsm_parameters, gsm_settings
+from gsm_train.preflight import RunPlan, StartOptions, plan_run
+from gsm_train.run_folder import hold_run_folder, record_run
 from gsm_train.run_log import RunLogger
 from gsm_train.step_graph import GraphedLoss, cuda_graph_blockers, use_cuda_graph
 
@@ -142,15 +152,33 @@ def build_optimizer(model: nn.Module, config: RecipeConfig, fused: bool = True) 
                              weight_decay=optim.weight_decay, fused=(fused and on_cuda) or None)
 
 
-def run_training(config: RecipeConfig, stage: Stage, run_name: str | None = None) -> TrainResult:
-    """Run `stage` as the recipe says, resuming if asked; return losses, final metrics and summary."""
+def run_training(config: RecipeConfig, stage: Stage, run_name: str | None = None,
+                 options: StartOptions | None = None) -> TrainResult:
+    """Run `stage` as the recipe says, resuming if asked; return losses, final metrics and summary.
+    Bad input raises before the model loads (`preflight`), with nothing written; the run holds its
+    folder's lock throughout (`run_folder`). `options`: --overwrite and --allow-recipe-change
+    (default: neither)."""
     backend = select_backend(config)
     info = init_distributed()
     try:
-        with fp32_matmul_precision(config.train.fp32_matmul, info.device):
-            return _run(config, stage, info, backend, run_name or config.stage)
+        plan = _plan(config, backend, info, options or StartOptions())
+        with hold_run_folder(plan.run_dir, info), \
+                fp32_matmul_precision(config.train.fp32_matmul, info.device):
+            return _run(config, stage, info, backend, run_name or config.stage, plan)
     finally:
         teardown()
+
+
+def _plan(config: RecipeConfig, backend: Backend, info: DistInfo, options: StartOptions) -> RunPlan:
+    """`plan_run` on every rank; a rank's refusal raised on all of them (collective)."""
+    plan, error = None, None
+    try:
+        plan = plan_run(config, backend.name, info.world_size, options)
+    except (ConfigError, ValueError) as err:  # ValueError: CheckpointError, RunFolderError
+        error = err
+    raise_on_any_rank(info, error)
+    assert plan is not None
+    return plan
 
 
 @contextlib.contextmanager
@@ -188,7 +216,8 @@ def _prepared_model(config: RecipeConfig, stage: Stage, info: DistInfo) -> tuple
     load_dtype, _ = _dtypes(config, info)
     model, tokenizer = load_model_and_tokenizer(config.model.name_or_path, config.model.gguf_file,
                                                 config.model.revision, load_dtype)
-    check_against_model(config, model.config.num_hidden_layers)
+    check_against_model(config, model.config.num_hidden_layers,
+                        getattr(model.config, "max_position_embeddings", None))
     apply_kv_budget(config.gsm, config.tuning.kv_compression_ratio, model_dims(model), config.data.seq_len)
     stage.prepare(model, config)
     model.to(info.device)
@@ -216,7 +245,8 @@ def _graphed_loss(config: RecipeConfig, stage: Stage, model: nn.Module, backend:
                        grad_scale=1 / config.train.grad_accum)
 
 
-def _run(config: RecipeConfig, stage: Stage, info: DistInfo, backend: Backend, run_name: str) -> TrainResult:
+def _run(config: RecipeConfig, stage: Stage, info: DistInfo, backend: Backend, run_name: str,
+         plan: RunPlan) -> TrainResult:
     capture_step = use_cuda_graph(config.train.cuda_graph,  # checked before anything loads or is written
                                   cuda_graph_blockers(info.device, info.world_size, backend.name, stage))
     torch.manual_seed(config.train.seed)
@@ -234,14 +264,14 @@ def _run(config: RecipeConfig, stage: Stage, info: DistInfo, backend: Backend, r
     loader = PackedBatches(train_rows, config.train.batch_size, seed=config.data.seed, rank=info.rank,
                            world_size=info.world_size)
     start = 0
-    resume = resolve_resume(config.output.resume_from, run_dir)
+    resume = plan.resume
     if resume is not None:
         meta = load_checkpoint(resume, backend, model, optimizer, scheduler, info)
         loader.load_state_dict(meta["data"])
         start = meta["step"]
     if info.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "recipe.resolved.yaml").write_text(resolved_yaml(config))
+        record_run(run_dir, plan.run_id, resolved_yaml(config), start, plan.overwrite)
+    guard = NonFiniteGuard(config.train.max_skipped_steps)
     logger = RunLogger(run_dir, config.logging, config.train.steps, start, info.is_main, run_name,
                        config.model_dump(mode="json"))
     logger.log("setup", start, {
@@ -270,18 +300,27 @@ def _run(config: RecipeConfig, stage: Stage, info: DistInfo, backend: Backend, r
                 backend.backward(loss / config.train.grad_accum, boundary=micro == config.train.grad_accum - 1)
             for name, value in {"loss": loss, **terms}.items():  # added up before the next replay overwrites it
                 sums[name] = sums.get(name, 0.0) + value.detach().float() / config.train.grad_accum
-        grad_norm = backend.step(optimizer)
-        scheduler.step()
         means = all_reduce_sum(torch.stack(list(sums.values()))) / info.world_size  # one reduction, one read
+        grad_norm = backend.step(optimizer, guard.update_check(means))
+        scheduler.step()
         step_means = dict(zip(sums, means.tolist()))
         mean_loss = step_means.pop("loss")
-        result.losses.append(mean_loss)
         elapsed = time.perf_counter() - tic
         record = {"loss": mean_loss, "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0],
                   "tokens_per_s": tokens_per_step / elapsed, **step_means}
         done = step + 1
-        if done % config.logging.log_every == 0:
-            logger.log("train", done, record)
+        try:
+            skipped = guard.observe(done, record)
+        except NonFiniteError:
+            logger.log("stopped", done, record)  # the values that stopped it
+            logger.close()
+            raise
+        if skipped:
+            logger.log("skipped", done, record)
+        else:
+            result.losses.append(mean_loss)
+            if done % config.logging.log_every == 0:
+                logger.log("train", done, record)
         logger.progress(done, {"loss": mean_loss, "tok/s": record["tokens_per_s"]})
         if done % config.logging.eval_every == 0 or done == config.train.steps:
             with autocast:
@@ -290,14 +329,18 @@ def _run(config: RecipeConfig, stage: Stage, info: DistInfo, backend: Backend, r
             logger.log("eval", done, metrics)
             result.final_metrics = metrics
         if done % config.output.checkpoint_every == 0 or done == config.train.steps:
-            save_checkpoint(run_dir, done, backend, model, optimizer, scheduler, loader.state_dict(), trainable,
-                            info, config.output.keep_checkpoints)
+            save_checkpoint(run_dir, done, backend, model, optimizer, scheduler,
+                            loader.state_dict(), trainable, info, config.output.keep_checkpoints,
+                            {"run_id": plan.run_id, "recipe": plan.recipe})
     if not result.final_metrics:
         with autocast:
             result.final_metrics = stage.evaluate(model, eval_batches)
     scalars = {k: v for k, v in result.final_metrics.items() if isinstance(v, (int, float))}
+    state = backend.full_state_dict(model)
+    adapter_names = AdapterNames.of(backend.unwrap(model))
+    refuse_non_finite({name: t for name, t in state.items() if name in adapter_names}, "export", info)
     export_dir = export_adapter(backend.unwrap(model), run_dir / "export", metrics=scalars, is_main=info.is_main,
-                                state=backend.full_state_dict(model), **export_options(config))
+                                state=state, **export_options(config))
     if info.is_main:
         result.summary = stage.report(run_dir, result.final_metrics, history) | {"export": str(export_dir)}
         logger.log("report", config.train.steps, {"summary": result.summary})

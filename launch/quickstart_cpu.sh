@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 gsm=${GSM_TRAIN:-gsm-train}
-$gsm train recipes/quickstart_cpu.yaml
-$gsm train recipes/quickstart_joint_cpu.yaml
+$gsm train recipes/quickstart_cpu.yaml --overwrite  # a second run starts over (see README, Reliability)
+$gsm train recipes/quickstart_joint_cpu.yaml --overwrite
 $gsm eval --model smollm2-135m --data embedded:sample_prose --seq-len 256 --windows 8 --min-keys 128 \
   --export gate_only=runs/quickstart/export --export joint=runs/quickstart_joint/export --out runs/quickstart_eval

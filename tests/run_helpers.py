@@ -3,6 +3,7 @@ running a recipe in two processes (gloo, FSDP2); where the Triton kernels can ru
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -35,6 +36,23 @@ def triton_kernel_test(test: Callable) -> Callable:
     for mark in TRITON_KERNEL_MARKS:
         test = mark(test)
     return test
+
+
+REPO = Path(__file__).resolve().parents[1]
+GATE_RECIPE = str(REPO / "recipes" / "gate_only.yaml")
+# the gate stage on the tiny Llama at one row a step: about a second a run on a CPU
+TINY_GATE = ["model.name_or_path=tiny-llama", "data.seq_len=64", "logging.recall_min_keys=16",
+             "logging.recall_k=8", "gsm.sparse_attention.top_k=8", "gsm.sparse_attention.k_min=8",
+             "logging.progress_bar=false", "optim.warmup_steps=1",
+             "gsm.sparse_attention.gate_init=random", "optim.lr=0.01", "train.batch_size=1",
+             "logging.eval_batches=1"]
+
+
+def file_digests(folder: Path) -> dict[str, str]:
+    """Relative path -> sha256 of every file under `folder` (to show a folder was left as it
+    was)."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def records(run_dir: Path) -> list[dict]:

@@ -1,0 +1,144 @@
+"""Checks that run before a training run loads its model: each failure is one clear error (exit
+status 2) naming the field, file or folder, and nothing has been written yet.
+
+In order: the optional packages the recipe needs; the base model's config (read without weights: a
+Hub id is first accessed here) against `data.seq_len` and the layer indices; the checkpoint to
+resume from (it must verify against its manifest; its backend, number of processes and recipe must
+match this run's); the run folder (no live lock, no other run's files unless told). The result says
+where the run starts and under which run id.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gsm_train.checkpoint import check_resumable, read_state, resolve_resume
+from gsm_train.config import ConfigError, Problem, RecipeConfig, check_against_model
+from gsm_train.model_zoo import read_model_config
+from gsm_train.run_folder import check_run_folder, read_run_id
+
+# recipe fields a resumed run may change without --allow-recipe-change: they do not alter the
+# trained weights (how long it runs, what it logs, how often it saves, where)
+RESUMABLE_CHANGES = ("train.steps", "output.checkpoint_every", "output.keep_checkpoints",
+                     "output.resume_from", "output.dir")
+RESUMABLE_PREFIXES = ("logging.",)
+# (recipe field, the module it needs, how to install it)
+_OPTIONAL = (
+    ("logging.wandb", "wandb", "pip install 'gsm-train[wandb]' (WANDB_MODE=offline: no network)"),
+    ("logging.tensorboard", "tensorboard", "pip install 'gsm-train[tensorboard]'"),
+    ("train.base", "peft", "pip install 'gsm-train[lora]'"),
+)
+
+
+@dataclass(frozen=True)
+class StartOptions:
+    """What the command line says about the run folder: `overwrite` starts a folder that holds a
+    run over; `allow_recipe_change` lets a resumed run change fields that alter training."""
+
+    overwrite: bool = False
+    allow_recipe_change: bool = False
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Where and how a run starts, once the checks have passed."""
+
+    run_dir: Path
+    run_id: str
+    recipe: dict[str, Any]  # the recipe as given, stored in every checkpoint
+    resume: Path | None  # the verified checkpoint to resume from
+    overwrite: bool
+
+
+def _field(config: RecipeConfig, dotted: str) -> Any:
+    block, name = dotted.split(".")
+    return getattr(getattr(config, block), name)
+
+
+def check_optional_packages(config: RecipeConfig) -> None:
+    """ConfigError naming each recipe field whose package is not installed."""
+    wanted = {"logging.wandb": config.logging.wandb,
+              "logging.tensorboard": config.logging.tensorboard,
+              "train.base": config.train.base == "lora"}
+    problems = [Problem(field, _field(config, field), f"needs the package {module!r}, which is not "
+                        "installed", fix)
+                for field, module, fix in _OPTIONAL
+                if wanted[field] and importlib.util.find_spec(module) is None]
+    if problems:
+        raise ConfigError("recipe vs installed packages", problems)
+
+
+def check_model_config(config: RecipeConfig) -> None:
+    """Read the base model's config (not its weights) and check the recipe against it; a config
+    that cannot be read (a wrong Hub id or revision, no network, a damaged folder) is a
+    ConfigError."""
+    model = config.model
+    try:
+        model_config = read_model_config(model.name_or_path, model.gguf_file, model.revision)
+    except (OSError, ValueError) as err:
+        reason = " ".join(str(err).split())[:400]
+        fix = ("check the Hub id, model.revision and the network (or HF_HUB_OFFLINE=1 with the "
+               "model in the cache), or give a local folder")
+        raise ConfigError("recipe vs model", [Problem("model.name_or_path", model.name_or_path,
+                                                      f"its config cannot be read ({reason})",
+                                                      fix)]) from None
+    if model_config is not None:
+        check_against_model(config, model_config.num_hidden_layers,
+                            getattr(model_config, "max_position_embeddings", None))
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            flat |= _flatten(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def recipe_changes(stored: dict[str, Any], given: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(field, stored value, given value) for each field that differs and alters training."""
+    old, new = _flatten(stored), _flatten(given)
+    changed = sorted(key for key in old.keys() | new.keys() if old.get(key) != new.get(key))
+    return [(key, old.get(key), new.get(key)) for key in changed
+            if key not in RESUMABLE_CHANGES and not key.startswith(RESUMABLE_PREFIXES)]
+
+
+def check_recipe_unchanged(state: dict[str, Any], given: dict[str, Any], checkpoint: Path,
+                           allow: bool) -> None:
+    """Refuse to resume with a recipe that alters training (ConfigError listing each field), unless
+    `allow`. A checkpoint from before recipes were stored in it is not compared."""
+    stored = state.get("recipe")
+    if not isinstance(stored, dict) or allow:
+        return
+    fix = ("resume with the recipe the run started with, start a new run, or pass "
+           "--allow-recipe-change")
+    problems = [Problem(key, now, f"differs from the run being resumed ({was!r})", fix)
+                for key, was, now in recipe_changes(stored, given)]
+    if problems:
+        raise ConfigError(f"resume from {checkpoint}", problems)
+
+
+def plan_run(config: RecipeConfig, backend: str, world_size: int, options: StartOptions) -> RunPlan:
+    """Every check that can run before the model loads (read only: nothing is written); the plan."""
+    recipe = config.model_dump(mode="json")
+    check_optional_packages(config)
+    check_model_config(config)
+    run_dir = Path(config.output.dir)
+    resume_from = config.output.resume_from
+    resume = resolve_resume(resume_from, run_dir)
+    state = read_state(resume) if resume is not None else None
+    if resume is not None and state is not None:
+        check_resumable(state, resume, backend, world_size)
+        check_recipe_unchanged(state, recipe, resume, options.allow_recipe_change)
+    check_run_folder(run_dir, resume_from, resume, state, options.overwrite)
+    run_id = (state or {}).get("run_id")
+    if run_id is None and resume_from == "auto":
+        run_id = read_run_id(run_dir)
+    return RunPlan(run_dir=run_dir, run_id=run_id or uuid.uuid4().hex, recipe=recipe, resume=resume,
+                   overwrite=options.overwrite)
