@@ -18,6 +18,7 @@ from typing import Any
 
 from gsm_train.checkpoint import check_resumable, read_state, resolve_resume
 from gsm_train.config import ConfigError, Problem, RecipeConfig, check_against_model
+from gsm_train.export_folder import export_destination
 from gsm_train.model_zoo import read_model_config
 from gsm_train.run_folder import check_run_folder, read_run_id
 
@@ -137,6 +138,8 @@ def plan_run(config: RecipeConfig, backend: str, world_size: int, options: Start
         check_resumable(state, resume, backend, world_size)
         check_recipe_unchanged(state, recipe, resume, options.allow_recipe_change)
     check_run_folder(run_dir, resume_from, resume, state, options.overwrite)
+    if not options.overwrite:  # the run's own export goes there at the end: refused now, not after training
+        export_destination(run_dir / "export")
     run_id = (state or {}).get("run_id")
     if run_id is None and resume_from == "auto":
         run_id = read_run_id(run_dir)

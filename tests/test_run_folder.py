@@ -150,3 +150,14 @@ def _finish(proc: subprocess.Popen) -> tuple[int, str]:
     """(exit status, stderr) of a process started with stderr piped."""
     _, err = proc.communicate(timeout=300)
     return proc.returncode, err
+
+
+def test_a_run_whose_export_folder_holds_other_files_is_refused_before_training(tmp_path: Path) -> None:
+    """The run's own RUN/export is checked with the other early checks: a folder there holding files
+    that are not an export stops the run before the model loads, and the files stay."""
+    run = tmp_path / "run"
+    (run / "export").mkdir(parents=True)
+    (run / "export" / "notes.txt").write_text("keep")
+    assert cli.main(["train", GATE_RECIPE, *TINY_GATE, "train.steps=1", f"output.dir={run}"]) == 2
+    assert (run / "export" / "notes.txt").read_text() == "keep"
+    assert not (run / "metrics.jsonl").exists()
