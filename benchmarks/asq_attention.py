@@ -20,7 +20,7 @@ Each is timed as the sum of its GPU kernels' times (what a CUDA graph replays, a
 on one GPU; torch.profiler, mean of 3 calls) and eagerly, as under FSDP, where Python and launches count
 too (CUDA events, median of 20 calls).
 
-python benchmarks/asq_attention.py --result OUT.json
+python -m benchmarks.asq_attention --result OUT.json
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ of the training prose (not the evaluation text). The prototypes stand in for tra
 `c` clusters per block of 128 tokens (10 Lloyd steps), for c in 1 (the block mean), 2, 4 and 16. Errors
 are ||x_hat - x|| / ||x|| over all packed tokens.
 
-python benchmarks/asq_grid.py --train-data PATH/prose --result OUT.json
+python -m benchmarks.asq_grid --train-data PATH/prose --result OUT.json
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@
    cache, same prompts; tokens/s, the KV memory held on the device, and agreement of the generated
    tokens with the teacher-forced GSM model's argmax.
 
-python benchmarks/decode.py --eval-data PATH/wikitext-2/valid.txt [--adapter EXPORT] --result OUT.json
+python -m benchmarks.decode --eval-data PATH/wikitext-2/valid.txt [--adapter EXPORT] --result OUT.json
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ keys as recipes/joint.yaml sets them, each time per layer in CUDA graphs of up t
 benchmarks/decode.py times them. Every configuration's largest error against the PyTorch path is recorded,
 and those past bf16's bound are listed (the GPU tests are the gate: this only reports).
 
-python benchmarks/decode_configs.py --result OUT.json
+python -m benchmarks.decode_configs --result OUT.json
 """
 
 from __future__ import annotations

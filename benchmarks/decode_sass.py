@@ -6,7 +6,7 @@ instructions per thread (a static count: prologue, one tile's body and epilogue,
 frequent opcodes. Needs Triton's NVIDIA backend (its bundled ptxas and cuobjdump), not a device: on a
 CPU machine, Triton installed beside the project (`pip install triton==3.6.0`, the GPU image's version).
 
-python benchmarks/decode_sass.py --result OUT.json
+python -m benchmarks.decode_sass --result OUT.json
 """
 
 from __future__ import annotations

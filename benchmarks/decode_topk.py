@@ -5,7 +5,7 @@ threads, or a Hopper thread-block cluster of 2, 4 or 8) and the size `fastest_bl
 time is one launch captured alone in a CUDA graph (median of 50 replays), so it includes the graph's launch.
 Every selection is checked against `torch.topk`'s values.
 
-python benchmarks/decode_topk.py --result OUT.json
+python -m benchmarks.decode_topk --result OUT.json
 """
 
 from __future__ import annotations

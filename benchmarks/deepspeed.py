@@ -4,7 +4,7 @@ the backend's config (launch/multi_gpu.yaml, launch/deepspeed_zero2.yaml, launch
 Reports the largest per-step loss difference against the FSDP2 run (per stage and overall) and the
 perplexity of every export on WikiText-2 validation windows, which must agree across backends.
 
-python benchmarks/deepspeed.py --train-data PATH/prose --eval-data PATH/wikitext-2/valid.txt --out DIR
+python -m benchmarks.deepspeed --train-data PATH/prose --eval-data PATH/wikitext-2/valid.txt --out DIR
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 one training step (as the trainer runs it on one GPU: captured in a CUDA graph, its gate paths
 compiled) against one plain forward of the base (eager, and captured too), and 1 vs 2 GPU loss curves.
 
-python benchmarks/gate_warmup.py --train-data PATH/prose --eval-data PATH/wikitext-2/valid.txt --out DIR
+python -m benchmarks.gate_warmup --train-data PATH/prose --eval-data PATH/wikitext-2/valid.txt --out DIR
 """
 
 from __future__ import annotations
@@ -16,14 +16,12 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import graph_ms, median_ms, write_result
-from gsm_train.backend import FSDP2Backend
 from gsm_train.config import RecipeConfig, load_recipe
 from gsm_train.modules import gsm_disabled
 from gsm_train.modules.injection import rows_not_packed
 from gsm_train.stages import GateWarmupStage
-from gsm_train.step_graph import GraphedLoss
+from gsm_train.session import TrainingSession
 from gsm_train.train import train_recipe
-from gsm_train.trainer import build_optimizer, lr_lambda
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,35 +31,18 @@ def _losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in records if r["kind"] == "train"]
 
 
-def _time_step_vs_forward(model: torch.nn.Module, batch: torch.Tensor, config: RecipeConfig,
-                          distill_queries: int) -> dict[str, float]:
-    """One training step as the trainer runs it on one GPU (the micro-step replayed from a CUDA graph,
-    then the backend's clipping and fused AdamW, the schedule, and the loss read on the host) and the same
-    step run eagerly; one plain forward of the base, eagerly (as `model(...)` runs) and replayed from a
-    CUDA graph (captured as the step is, see `rows_not_packed`)."""
-    stage = GateWarmupStage()
-    stage.distill_queries = distill_queries
-    backend = FSDP2Backend(config)
-    backend.params = [p for p in model.parameters() if p.requires_grad]
-    backend.grads_in_place = True
-    optimizer = build_optimizer(model, config)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
-    model.train()
-    captured = GraphedLoss(lambda b: stage.loss(model, b), backend.params, batch, torch.bfloat16)
-
-    def update(loss: torch.Tensor) -> None:
-        backend.step(optimizer)
-        scheduler.step()
-        float(loss.detach())
+def _time_step_vs_forward(config: RecipeConfig, distill_queries: int) -> dict[str, float]:
+    """One training step as the trainer runs it on one GPU (`TrainingSession.step`: the micro-step
+    replayed from a CUDA graph, then the backend's clipping and fused AdamW, the schedule, and the loss
+    read on the host) and the same step run eagerly; one plain forward of the base, eagerly (as
+    `model(...)` runs) and replayed from a CUDA graph (captured as the step is, see `rows_not_packed`)."""
+    config = config.model_copy(update={"train": config.train.model_copy(update={"distill_queries": distill_queries})})
+    session = TrainingSession.setup(config, GateWarmupStage())
+    model = session.unwrapped
+    batch = session.loader.next_batch().to(session.info.device)
 
     def step() -> None:
-        update(captured(batch)[0])
-
-    def eager_step() -> None:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss, _ = stage.loss(model, batch)
-        loss.backward()
-        update(loss)
+        float(session.step().means[0])
 
     @torch.no_grad()
     def forward() -> None:
@@ -72,9 +53,11 @@ def _time_step_vs_forward(model: torch.nn.Module, batch: torch.Tensor, config: R
         with rows_not_packed():
             forward()
 
+    eager_ms = median_ms(step)
+    session.capture()
     step_ms, forward_ms, forward_graphed_ms = median_ms(step), median_ms(forward), graph_ms(captured_forward)
     return {"step_ms": step_ms, "forward_ms": forward_ms, "step_over_forward": step_ms / forward_ms,
-            "step_ms_eager": median_ms(eager_step), "forward_ms_graphed": forward_graphed_ms,
+            "step_ms_eager": eager_ms, "forward_ms_graphed": forward_graphed_ms,
             "step_over_graphed_forward": step_ms / forward_graphed_ms}
 
 
@@ -91,10 +74,9 @@ def main() -> None:
     data = [f"data.train.path={args.train_data}", f"data.eval.path={args.eval_data}", "logging.progress_bar=false"]
     one = train_recipe(args.recipe, [*data, *args.overrides, f"output.dir={out / 'one_gpu'}"])
     metrics = one.final_metrics
-    stage_batch = torch.randint(0, 1000, (4, 2048), device="cuda")
-    config = load_recipe(args.recipe, [*data, *args.overrides])
-    timing = _time_step_vs_forward(one.model, stage_batch, config, config.train.distill_queries)
-    every_query = _time_step_vs_forward(one.model, stage_batch, config, 0)
+    config = load_recipe(args.recipe, [*data, *args.overrides, f"output.dir={out / 'timing'}"])
+    timing = _time_step_vs_forward(config, config.train.distill_queries)
+    every_query = _time_step_vs_forward(config, 0)
     timing |= {"distill_queries": config.train.distill_queries, "step_ms_all_queries": every_query["step_ms"],
                "step_over_forward_all_queries": every_query["step_over_forward"],
                "step_ms_eager_all_queries": every_query["step_ms_eager"]}

@@ -3,7 +3,7 @@ gsm_enabled=false) on the Gutenberg prose; perplexity on WikiText-2 validation w
 the control and the GSM model as inference runs it; plain quantization at ASQ's bits with the same
 sparsity and bridge; KV bytes; tokens/s of a joint step against a dense fine-tune step.
 
-python benchmarks/joint.py --train-data PATH/prose --eval-data PATH/wikitext-2/valid.txt --out DIR
+python -m benchmarks.joint --train-data PATH/prose --eval-data PATH/wikitext-2/valid.txt --out DIR
 
 Run again with the same arguments after an interruption (e.g. a per-call time limit) and it goes on
 where it stopped: a stage whose export exists is not trained again, a stage with checkpoints resumes

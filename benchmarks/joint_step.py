@@ -6,7 +6,7 @@ Each step runs as the trainer runs it on one GPU (`train.cuda_graph: auto`: the 
 from a CUDA graph, then clipping and fused AdamW) and eagerly (`train.cuda_graph: false`). The gate
 starts untrained (`init_from=null`): a step's work does not depend on the gate's values.
 
-python benchmarks/joint_step.py --result OUT.json [--gsm gsm.KEY=VALUE ...]
+python -m benchmarks.joint_step --result OUT.json [--gsm gsm.KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -20,48 +20,30 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import add_gsm_argument, kernel_times, op_times, write_result
-from gsm_train.backend import select_backend
 from gsm_train.config import load_recipe
-from gsm_train.distributed import init_distributed
+from gsm_train.session import TrainingSession
 from gsm_train.stages import JointStage
-from gsm_train.trainer import (
-    _autocast,
-    _dtypes,
-    _graphed_loss,
-    _prepared_model,
-    build_optimizer,
-    fp32_matmul_precision,
-)
+from gsm_train.trainer import fp32_matmul_precision
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _step_ms(gsm_enabled: bool, graphed: bool, overrides: list[str], steps: int,
              profile_rows: int = 0) -> tuple[float, list[dict]]:
-    """Median wall time of one training step (micro-step, clipping, optimizer), in milliseconds, and with
-    `profile_rows` the largest kernels' GPU time per step (eager steps: per op and input shapes)."""
+    """Median wall time of one training step as the trainer runs it (`TrainingSession.step`: the micro-step,
+    clipping, the optimizer and the schedule), in milliseconds, and with `profile_rows` the largest kernels'
+    GPU time per step (eager steps: per op and input shapes)."""
     config = load_recipe(str(REPO / "recipes" / "joint.yaml"),
                          ["init_from=null", f"gsm.gsm_enabled={str(gsm_enabled).lower()}", *overrides])
-    info = init_distributed()
-    stage = JointStage()
-    model, rows, _ = _prepared_model(config, stage, info)
-    backend = select_backend(config)
-    _, compute_dtype = _dtypes(config, info)
-    model, optimizer = backend.prepare(model, lambda m: build_optimizer(m, config), info, compute_dtype)
-    batch = rows[:config.train.batch_size].to(info.device)
-    captured = _graphed_loss(config, stage, model, backend, info, compute_dtype, rows.dtype) if graphed else None
+    session = TrainingSession.setup(config, JointStage())
+    if graphed:
+        session.capture()
 
     def step() -> None:
-        if captured is not None:
-            captured(batch)
-        else:
-            with _autocast(info, compute_dtype):
-                loss, _ = stage.loss(model, batch)
-            backend.backward(loss, boundary=True)
-        backend.step(optimizer)
+        session.step()
         torch.cuda.synchronize()
 
-    with fp32_matmul_precision(config.train.fp32_matmul, info.device):  # as the trainer runs its steps
+    with fp32_matmul_precision(config.train.fp32_matmul, session.info.device):  # as the trainer runs its steps
         for _ in range(3):
             step()
         times = []

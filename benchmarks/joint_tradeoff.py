@@ -4,7 +4,7 @@ and plots perplexity against KV bytes with the stage-2 goal region. No GPU: it o
 A run is labelled with its `--gsm` overrides, or with the text after the first `=` in `FILE=LABEL`
 (for runs whose recipe differed from today's; an argument naming an existing file is a file).
 
-python benchmarks/joint_tradeoff.py RESULT.json[=LABEL] ... --plot OUT.png [--result OUT.json]
+python -m benchmarks.joint_tradeoff RESULT.json[=LABEL] ... --plot OUT.png [--result OUT.json]
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ four with 2-bit K in the first three of those (48 bytes a token over, within the
 Caveats as `residual_quantizers.py`: no training; every full block quantized (ASQ keeps a query's own block raw).
 Prints the table and writes JSON.
 
-python benchmarks/layer_bits.py --train-data ../shared/data/prose --result benchmarks/results/layer_bits.json
+python -m benchmarks.layer_bits --train-data ../shared/data/prose --result benchmarks/results/layer_bits.json
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ and the loss increase over the unquantized model is measured on `--windows` wind
 ASQ's prototypes, and every full block quantized (ASQ keeps a query's own block raw). Prints the table,
 writes JSON and a plot (loss increase per layer, K and V).
 
-python benchmarks/layer_sensitivity.py --train-data PATH/prose --result OUT.json --plot OUT.png [--bits 2]
+python -m benchmarks.layer_sensitivity --train-data PATH/prose --result OUT.json --plot OUT.png [--bits 2]
 """
 
 from __future__ import annotations

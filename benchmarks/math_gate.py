@@ -2,7 +2,7 @@
 held-out slice of GSM8K train before and after, and on WikiText-2 validation before and after
 (what the domain fine-tune costs in general recall).
 
-python benchmarks/math_gate.py --init-from RUN/export --gsm8k PATH/gsm8k/train.jsonl --wikitext PATH/wikitext-2/valid.txt --out DIR
+python -m benchmarks.math_gate --init-from RUN/export --gsm8k PATH/gsm8k/train.jsonl --wikitext PATH/wikitext-2/valid.txt --out DIR
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from pathlib import Path
 
 from benchmarks.common import write_result
 from gsm_train.config import load_recipe
+from gsm_train.session import TrainingSession
 from gsm_train.stages import MathGateStage
 from gsm_train.train import train_recipe
-from gsm_train.trainer import evaluate_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 RECALL = "recall_ratio_k64"
@@ -37,7 +37,7 @@ def main() -> None:
 
     def recall(init_from: str, extra: list[str]) -> dict:
         config = load_recipe(args.recipe, [*math, *extra, f"init_from={init_from}", f"output.dir={out / 'eval'}"])
-        return evaluate_recipe(config, MathGateStage())
+        return TrainingSession.setup(config, MathGateStage()).evaluate()
 
     gsm8k_before = recall(args.init_from, [])
     wikitext_before = recall(args.init_from, wiki)

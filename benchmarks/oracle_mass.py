@@ -1,7 +1,7 @@
 """Oracle captured attention mass at k (one head-averaged top-k per query) on SmolLM2-135M, per layer,
 over non-overlapping WikiText-2 validation windows; also the step-0 (qk_svd-initialised) gate's mass.
 
-python benchmarks/oracle_mass.py --eval-data PATH/wikitext-2/valid.txt --out DIR [--windows 40 --k 64]
+python -m benchmarks.oracle_mass --eval-data PATH/wikitext-2/valid.txt --out DIR [--windows 40 --k 64]
 """
 
 from __future__ import annotations

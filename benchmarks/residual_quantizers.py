@@ -21,7 +21,7 @@ incomplete block stays raw. The 2-bit rows are chaotic at the level of a few tho
 keys that sit exactly on a 2-bit decision boundary the other way moves `asq_key_channels` C16 at K2V2 by
 0.003. Prints the table and writes JSON.
 
-python benchmarks/residual_quantizers.py --train-data ../shared/data/prose \
+python -m benchmarks.residual_quantizers --train-data ../shared/data/prose \
     --result benchmarks/results/residual_quantizers.json
 """
 

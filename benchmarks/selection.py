@@ -5,7 +5,7 @@ indices, then the forced keys and the causal mask again) against the one-pass Tr
 layer, the second chunk of 1,024 queries over 2,048 causal keys, top-256, bf16 scores). GPU kernel time per
 call (torch.profiler, mean of 3 calls); both run eagerly (the trainer compiles the PyTorch path's masking).
 
-python benchmarks/selection.py --result OUT.json
+python -m benchmarks.selection --result OUT.json
 """
 
 from __future__ import annotations

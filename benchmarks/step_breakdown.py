@@ -4,7 +4,7 @@ rest of the step's time as "kernels outside the profile's N largest" (step time 
 the table and draws one stacked bar per setting. No GPU: it only reads the result. The grouping is by
 kernel name (the patterns are in PARTS), so a kernel lands in the first part whose pattern it matches.
 
-python benchmarks/step_breakdown.py benchmarks/results/joint_step.json --plot OUT.png [--result OUT.json]
+python -m benchmarks.step_breakdown benchmarks/results/joint_step.json --plot OUT.png [--result OUT.json]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Peak memory of the stage-1 target + gate KL (forward and backward) for one SmolLM2-shaped layer at two
 sequence lengths and two query chunks, against the full [B, H, T, T] fp32 attention tensor.
 
-python benchmarks/target_memory.py --out DIR
+python -m benchmarks.target_memory --out DIR
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from gsm_train.config import load_recipe
 from gsm_train.export import ExportError, export_adapter, export_destination
 from gsm_train.model_zoo import load_model_and_tokenizer
 from gsm_train.stages import STAGES
-from gsm_train.trainer import export_options
+from gsm_train.session import export_options
 
 
 def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path) -> Path:

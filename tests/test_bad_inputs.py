@@ -14,7 +14,7 @@ from pathlib import Path
 import huggingface_hub.constants
 import pytest
 
-from gsm_train import cli, trainer
+from gsm_train import cli, session
 from run_helpers import GATE_RECIPE, REPO, TINY_GATE, file_digests
 
 
@@ -23,7 +23,7 @@ def no_model_load(monkeypatch: pytest.MonkeyPatch) -> None:
     """Any attempt to load the model fails the test: the checks must come first."""
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("the model was loaded before the bad input was refused")
-    monkeypatch.setattr(trainer, "load_model_and_tokenizer", refuse)
+    monkeypatch.setattr(session, "load_model_and_tokenizer", refuse)
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from gsm_train import cli, trainer
+from gsm_train import cli, session
 from gsm_train.checkpoint import (
     checkpoint_folders,
     newest_good_checkpoint,
@@ -48,7 +48,7 @@ def straight(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def no_model_load(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("the model was loaded before the bad resume was refused")
-    monkeypatch.setattr(trainer, "load_model_and_tokenizer", refuse)
+    monkeypatch.setattr(session, "load_model_and_tokenizer", refuse)
 
 
 def _adapter(run: Path) -> dict[str, torch.Tensor]:

@@ -17,7 +17,7 @@ from gsm_train.modules import gsm_disabled, inject_gsm
 from gsm_train.train import main as train_main
 from gsm_train.stages import JointStage
 from gsm_train.train import train_recipe
-from gsm_train.trainer import _param_groups
+from gsm_train.session import param_groups as _param_groups
 from run_helpers import losses, records, resume_after_crash, run_two_processes
 
 REPO = Path(__file__).resolve().parents[1]
