@@ -32,8 +32,9 @@ from gsm_train.config import GSMConfig, load_recipe
 from gsm_train.data import load_text_dataset, pack_tokens
 from gsm_train.export import load_gsm
 from gsm_train.inference.cache import GSMCache, cache_kwargs
-from gsm_train.inference.decode_attention import forced_spans, top_k_positions
-from gsm_train.inference.kv_store import KVStore
+from gsm_train.inference.decode_attention import static_k
+from gsm_train.inference.kv_store import CacheLengths, KVStore
+from gsm_train.kernels.decode_topk import unordered_top_k
 from gsm_train.kernels.sparse_decode import (
     autotuned_config,
     fused_decode_attention,
@@ -43,6 +44,7 @@ from gsm_train.model_zoo import load_model_and_tokenizer
 from gsm_train.modules import inject_gsm
 from gsm_train.modules.kv_compressor import ASQCompressor
 from gsm_train.modules.sparse_gate import encode_gate_keys
+from gsm_train.quant import stored_split
 from gsm_train.plots import plot_decode_speedup
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,16 +58,20 @@ def config_name(config: object) -> str:
     return f"{config.kwargs['BLOCK_N']}x{config.kwargs['TILES']} w{config.num_warps} s{config.num_stages}"
 
 
-def filled_store(asq: ASQCompressor, batch: int, length: int) -> KVStore:
-    """A store holding `length` random tokens of `asq`'s heads, packed block by block in slices (bounded
-    memory)."""
+def filled_store(asq: ASQCompressor, batch: int, length: int, lengths: CacheLengths | None = None) -> KVStore:
+    """A store of capacity `length` holding `length` random tokens of `asq`'s heads, packed block by block in
+    slices (bounded memory); `lengths`: shared with the layer's other store (else its own)."""
     kv_heads, dim = asq.num_kv_heads, asq.head_dim
     device = next(asq.parameters()).device
-    store = KVStore(asq, kv_heads)
+    lengths = lengths or CacheLengths(device)
+    capacity = -(-length // asq.block_size) * asq.block_size
+    store = KVStore(asq, batch, kv_heads, dim, capacity, torch.bfloat16, device, lengths)
     slice_len = max(asq.block_size, (1 << 24) // (batch * kv_heads * dim) // asq.block_size * asq.block_size)
     for start in range(0, length, slice_len):
-        store.append(torch.randn(batch, kv_heads, min(slice_len, length - start), dim, device=device,
-                                 dtype=torch.bfloat16))
+        end = min(start + slice_len, length)
+        lengths.before = start
+        lengths.set(end, stored_split(end, asq.block_size))
+        store.append(torch.randn(batch, kv_heads, end - start, dim, device=device, dtype=torch.bfloat16))
     return store
 
 
@@ -115,18 +121,22 @@ def layer_caches(gsm: GSMConfig, stores_asq: tuple[ASQCompressor, ASQCompressor]
     """`layers` layers' caches of `length` random tokens: K and V stores packed by `stores_asq`, and gate keys
     encoded as `gsm` sets them."""
     gate = gsm.sparse_attention
-    return [(*(filled_store(asq, batch, length) for asq in stores_asq),
-             *encode_gate_keys(torch.randn(batch, 1, length, gate.gate_head_dim, device="cuda"), gate.gate_key_bits))
-            for _ in range(layers)]
+    caches = []
+    for _ in range(layers):
+        lengths = CacheLengths(torch.device("cuda"))
+        stores = tuple(filled_store(asq, batch, length, lengths) for asq in stores_asq)
+        caches.append((*stores, *encode_gate_keys(torch.randn(batch, 1, stores[0].capacity, gate.gate_head_dim,
+                                                              device="cuda"), gate.gate_key_bits)))
+    return caches
 
 
 def selection(gate_q: torch.Tensor, layer: Layer, k: int, fused: bool = True) -> torch.Tensor:
     """The k positions [B, 1, k] the gate query [B, 1, 1, dg] picks from `layer`'s gate keys as a decode step
-    does: gate scores with the newest position forced in (no sinks or recent window), then the CUDA top-k,
-    or torch.topk without `fused`."""
-    position = layer[2].shape[2] - 1
-    scores = gate_scores(gate_q, layer[2], layer[3], forced_spans(position, 0, 0))
-    return top_k_positions(scores, None, k, position, 0, 0, fused=fused, forced_marked=True)[0]
+    does (`decode_attention.select_keys`): gate scores with the newest position forced in (no sinks or
+    recent window; the length read on the device), then the CUDA top-k, or torch.topk without `fused`."""
+    scores = gate_scores(gate_q, layer[2], layer[3], layer[0].lengths.device, 0, 0)
+    k = static_k(k, 0, 0, scores.shape[-1])
+    return unordered_top_k(scores, k) if fused else scores.topk(k, dim=-1, sorted=False).indices
 
 
 def _gsm_ms(query: torch.Tensor, caches: list[Layer], k: int) -> dict[str, float | str]:
@@ -137,14 +147,17 @@ def _gsm_ms(query: torch.Tensor, caches: list[Layer], k: int) -> dict[str, float
     dim = query.shape[-1]
     gate_q = torch.randn(query.shape[0], 1, 1, caches[0][2].shape[-1], device="cuda")
     index = selection(gate_q, caches[0], k)
-    return {"gsm_ms": per_layer_ms([lambda c=c: fused_decode_attention(query, c[0], c[1], selection(gate_q, c, k),
-                                                                        None, dim ** -0.5) for c in caches]),
-            "gate_scores_ms": per_layer_ms([lambda c=c: gate_scores(gate_q, c[2], c[3]) for c in caches]),
+    rows = [(c[0].packed_rows(), c[1].packed_rows()) for c in caches]
+    return {"gsm_ms": per_layer_ms([lambda c=c, r=r: fused_decode_attention(query, *r, selection(gate_q, c, k),
+                                                                             None, dim ** -0.5)
+                                    for c, r in zip(caches, rows)]),
+            "gate_scores_ms": per_layer_ms([lambda c=c: gate_scores(gate_q, c[2], c[3], c[0].lengths.device, 0, 0)
+                                            for c in caches]),
             "gate_scores_topk_ms": per_layer_ms([lambda c=c: selection(gate_q, c, k) for c in caches]),
             "gate_scores_torch_topk_ms": per_layer_ms([lambda c=c: selection(gate_q, c, k, fused=False)
                                                        for c in caches]),
-            "attend_ms": per_layer_ms([lambda c=c: fused_decode_attention(query, c[0], c[1], index, None, dim ** -0.5)
-                                        for c in caches]),
+            "attend_ms": per_layer_ms([lambda r=r: fused_decode_attention(query, *r, index, None, dim ** -0.5)
+                                        for r in rows]),
             "autotuned_config": config_name(autotuned_config())}  # the latest launch's: this shape's pick
 
 
@@ -256,7 +269,7 @@ def exact_agreement(prompt: torch.Tensor, adapter: str | None, new_tokens: int, 
     gsm = _gsm_model(adapter, torch.device("cuda"), torch.float32)
     if dtype == torch.float64:
         gsm.double()
-    cache = GSMCache(gsm)  # fp64: the PyTorch decode path
+    cache = GSMCache(gsm, capacity=prompt.shape[1] + new_tokens)  # fp64: the PyTorch decode path
     out = gsm.generate(prompt.cuda(), **cache_kwargs(gsm, cache), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                        do_sample=False, pad_token_id=0)
     return _agreement(gsm, out, new_tokens)
@@ -274,7 +287,8 @@ def end_to_end(dense: torch.nn.Module, prompts_all: torch.Tensor, adapter: str |
     for batch in batches:
         prompts = prompts_all[:batch].to(device)
         dense_out, dense_s, dense_prefill, dense_bytes = _timed_generate(dense, prompts, new_tokens, lambda: None)
-        gsm_out, gsm_s, gsm_prefill, gsm_bytes = _timed_generate(gsm, prompts, new_tokens, lambda: GSMCache(gsm))
+        gsm_out, gsm_s, gsm_prefill, gsm_bytes = _timed_generate(
+            gsm, prompts, new_tokens, lambda: GSMCache(gsm, capacity=prompt_len + new_tokens))
         agreement = _agreement(gsm, gsm_out, new_tokens)
         dense_agreement = _agreement(dense, dense_out, new_tokens, against_itself=False)
         generated = batch * new_tokens

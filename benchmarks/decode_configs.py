@@ -59,14 +59,15 @@ def main() -> None:
                                   dim ** -0.5)
                 row = {"shape": shape, "context": CONTEXT, "batch": batch, "k": k, "layers_per_graph": layers}
                 for config in (*configs, None):
-                    got = fused_decode_attention(query, caches[0][0], caches[0][1], index, None, dim ** -0.5,
-                                                 config=config)
+                    got = fused_decode_attention(query, caches[0][0].packed_rows(), caches[0][1].packed_rows(), index,
+                                                 None, dim ** -0.5, config=config)
                     name = "autotuned" if config is None else config_name(config)
                     row[name + "_max_error"] = (got.float() - expected).abs().max().item()
                     if not torch.allclose(got.float(), expected, atol=BF16_ATOL, rtol=BF16_RTOL):
                         off_bound.append(f"{name} ({shape}, batch {batch}, k={k}): {row[name + '_max_error']:.2g}")
                     us = per_layer_ms([lambda c=c, config=config: fused_decode_attention(
-                        query, c[0], c[1], index, None, dim ** -0.5, config=config) for c in caches]) * 1e3
+                        query, c[0].packed_rows(), c[1].packed_rows(), index, None, dim ** -0.5, config=config)
+                        for c in caches]) * 1e3
                     row[name + "_us"] = us
                 fastest = config_name(min(configs, key=lambda c: row[config_name(c) + "_us"]))
                 row.update(autotuned_config=config_name(autotuned_config()), fastest_config=fastest,

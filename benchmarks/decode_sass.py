@@ -36,10 +36,11 @@ TARGET = GPUTarget("cuda", 90, 32)
 POINTER_TYPES = {"q_ptr": "*bf16", "signs_ptr": "*fp32", "index_ptr": "*i64", "valid_ptr": "*i64",
                  "k_ids": "*u8", "k_res": "*u8", "k_scales": "*fp16", "k_protos": "*fp16", "k_tail": "*bf16",
                  "v_ids": "*u8", "v_res": "*u8", "v_scales": "*fp16", "v_protos": "*fp16", "v_tail": "*bf16",
-                 "acc_ptr": "*fp32", "raw_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32"}
-INT_TYPES = {"packed_len": "i32", "tail_len": "i32", "n_blocks": "i32", "selected": "i32", "size_class": "i32",
+                 "acc_ptr": "*fp32", "raw_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32",
+                 "lengths_ptr": "*i32"}
+INT_TYPES = {"capacity": "i32", "tail_slots": "i32", "n_blocks": "i32", "selected": "i32", "size_class": "i32",
              "rows": "i32", "scaling": "fp32"}
-MULTIPLES_OF_16 = ("packed_len", "tail_len", "selected", "size_class")  # at 32k (32,704 packed), k=2048
+MULTIPLES_OF_16 = ("capacity", "tail_slots", "selected", "size_class")  # at 32k capacity, blocks of 64, k=2048
 SASS_INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,6}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 
 
@@ -47,7 +48,8 @@ def _constants(q_heads: int, kv_heads: int, dim: int) -> dict[str, object]:
     """The kernel's constexpr arguments as a launch computes them for one layer shape (bf16, one selection
     for all KV heads, no valid mask) over stores holding a packed block, ASQ as recipes/joint.yaml sets it."""
     gsm = load_recipe(str(REPO / "recipes" / "joint.yaml")).gsm
-    stores = [filled_store(asq, 1, asq.block_size + 1) for asq in compressors(gsm, kv_heads, dim, device="cpu")]
+    stores = [filled_store(asq, 1, asq.block_size + 1).packed_rows()
+              for asq in compressors(gsm, kv_heads, dim, device="cpu")]
     query = torch.empty(1, q_heads, 1, dim, dtype=torch.bfloat16)
     return kernel_constants(query, *stores, shared_selection=True, has_valid=False)
 

@@ -13,7 +13,7 @@ from gsm_train.config import ConfigError, load_recipe, resolved_yaml
 from gsm_train.data import DataError
 from gsm_train.evaluate import evaluate_exports, write_report
 from gsm_train.export import ExportError
-from gsm_train.inference.generate import generate
+from gsm_train.generate import generate
 from gsm_train.hub import PublishError, publish_export
 from gsm_train.inspect_model import inspect_model
 from gsm_train.modules.errors import GSMError
@@ -93,12 +93,14 @@ def _prompt_text(args: argparse.Namespace) -> str:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    result = generate(args.model, args.adapter, _prompt_text(args), args.max_new_tokens, args.mode,
-                      revision=args.revision)
-    print(result.text)
-    what = "GSM cache" if args.adapter else "dense cache"
-    print(f"--- {result.new_tokens} tokens in {result.seconds:.2f} s ({result.new_tokens / result.seconds:.1f} tokens/s); "
-          f"{what} {result.cache_bytes:,} bytes (a bf16 dense cache: {result.dense_cache_bytes:,})", file=sys.stderr)
+    runs = generate(args.model, args.adapter, _prompt_text(args), args.max_new_tokens, args.mode,
+                    revision=args.revision, compare_dense=args.compare_dense, echo=True)
+    print()
+    for run in runs:
+        print(f"--- {run.summary()}", file=sys.stderr)
+    if len(runs) == 2 and runs[1].decode_tokens_per_s > 0:
+        print(f"--- decode speed-up over the dense base: {runs[0].decode_tokens_per_s / runs[1].decode_tokens_per_s:.2f}x",
+              file=sys.stderr)
     return 0
 
 
@@ -142,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--min-keys", type=_positive_int, default=512, help="recall counts queries with at least this many keys")
     evaluate.add_argument("--out", default="runs/eval")
     evaluate.set_defaults(run=_eval)
-    gen = commands.add_parser("generate", help="greedy generation with an adapter over the GSM cache")
+    gen = commands.add_parser("generate", help="greedy generation with an adapter over the GSM cache, streamed, "
+                                               "with time to first token, decode tokens/s, memory and KV bytes")
     gen.add_argument("--model", default=None,
                      help="the base model (default: the one the adapter names; needed without "
                           "--adapter)")
@@ -155,6 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--prompt-file", default=None)
     gen.add_argument("--max-new-tokens", type=_positive_int, default=64)
     gen.add_argument("--mode", choices=("sparse", "dense"), default="sparse", help="main attention of the adapter")
+    gen.add_argument("--compare-dense", action="store_true",
+                     help="also run the dense base on the prompt (static cache on a GPU) and report both")
     gen.set_defaults(run=_generate)
     export = commands.add_parser("export", help="write the adapter export of a checkpoint")
     export.add_argument("checkpoint", help="RUN/checkpoints/step_N")

@@ -49,6 +49,7 @@ from gsm_train.export_folder import export_destination, write_export_folder
 from gsm_train.fingerprint import FINGERPRINT_RULE, base_fingerprint
 from gsm_train.hub_download import resolve_export
 from gsm_train.hub_ids import base_identity
+from gsm_train.inference.engine import enable_gsm_generation
 from gsm_train.lora import inject_lora, lora_parameters, peft_name, write_peft_config
 from gsm_train.model_card import build_card
 from gsm_train.modules import GSMError, GSMSettings, configure_gsm, gsm_settings, gsm_state_dict, has_gsm, inject_gsm
@@ -300,7 +301,8 @@ def load_gsm(
     model: nn.Module, adapter: str | Path, mode: str = "sparse", revision: str | None = None
 ) -> GSMSettings:
     """Attach an export's GSM modules (and LoRA deltas, and base weights if exported) to `model`, a
-    fresh base, and load their tensors exactly. `adapter`: an export folder, or a Hub repo id
+    fresh base, and load their tensors exactly; `model.generate` then decodes over a GSM cache
+    (`inference.engine.enable_gsm_generation`). `adapter`: an export folder, or a Hub repo id
     (fetched at `revision`, see gsm_train/hub_download.py).
 
     Refuses a base that differs from the one the adapter was trained on (architecture, dims, weights
@@ -324,4 +326,5 @@ def load_gsm(
     if lora is not None:
         inject_lora(model, lora)
     model.load_state_dict(loaded.tensors, strict=False)
+    enable_gsm_generation(model)  # a plain model.generate now runs over the GSM cache
     return settings

@@ -24,3 +24,10 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     )
     backend.train_from_iterator(_CORPUS, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>")
+
+
+@pytest.fixture
+def on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs in this process train on the CPU, as `run_helpers.run_two_processes` does, so the two compare
+    on a machine with a GPU too."""
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "1")

@@ -85,9 +85,11 @@ def free_port() -> int:
 
 
 def run_two_processes(recipe: str, overrides: list[str], out_dir: Path) -> None:
-    """`torchrun --nproc_per_node 2 -m gsm_train.train` on CPU; fails with its stderr if it fails."""
+    """`torchrun --nproc_per_node 2 -m gsm_train.train` on the CPU (gloo), also on a machine with GPUs
+    (one GPU cannot host two ranks); fails with its stderr if it fails. Compare it with a one-process run
+    inside `on_cpu`."""
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                            "--master_port", str(port), "-m", "gsm_train.train", "--recipe", recipe, *overrides,
                            f"output.dir={out_dir}"], capture_output=True, text=True, env=env, timeout=300)

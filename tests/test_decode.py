@@ -21,7 +21,8 @@ from gsm_train.modules import GSMError, gsm_disabled, inject_gsm
 from gsm_train.inference.decode_attention import attend, forced_count, forced_spans, top_k_positions
 from gsm_train.inference.cache import GSMCache, cache_kwargs
 from gsm_train.modules.kv_compressor import ASQCompressor
-from gsm_train.inference.kv_store import KVStore
+from gsm_train.inference.kv_store import CacheLengths, KVStore
+from gsm_train.quant import stored_split
 
 BLOCK = 8
 LENGTH = 37  # four full blocks and a partial one
@@ -106,6 +107,24 @@ def test_cached_decoding_equals_teacher_forced_exactly_in_fp64(family: str, conf
                                rtol=0)
 
 
+CHUNKED = [name for name, sections in CONFIGS.items() if "cross_layer_sharing" not in sections]
+
+
+@pytest.mark.parametrize("config", CHUNKED)
+@pytest.mark.parametrize("chunks", [(8, 16, 13), (5, 11, 21), (37,)])
+def test_a_prompt_fed_in_chunks_equals_teacher_forcing_exactly_in_fp64(config: str, chunks: tuple[int, ...]) -> None:
+    """A prompt fed in chunks (block-aligned or not) attends as the teacher-forced pass of the whole prompt:
+    earlier blocks as stored, its own block raw, the gate's top-k of them; fp64 leaves only rounding."""
+    model = _model("qwen3", CONFIGS[config]).double()
+    ids, cache, logits, start = _ids(), GSMCache(model), [], 0
+    with torch.no_grad():
+        teacher_forced = model(ids, use_cache=False).logits
+        for size in chunks:
+            logits.append(model(ids[:, start:start + size], **cache_kwargs(model, cache), use_cache=True).logits)
+            start += size
+    torch.testing.assert_close(torch.cat(logits, 1), teacher_forced, atol=1e-10, rtol=0)
+
+
 def test_left_padded_batch_decodes_as_teacher_forced() -> None:
     """Padding reaches the selection: padded keys are never attended, the rest matches teacher forcing."""
     model = _model("llama", CONFIGS["everything_mix_kv_gates"])
@@ -168,15 +187,24 @@ def test_store_packs_every_block_but_the_newest() -> None:
     torch.manual_seed(0)
     asq = ASQCompressor(2, 16, cluster_num=4, quant_bits=4, block_size=BLOCK)
     states = torch.randn(1, 2, 3 * BLOCK, 16)
-    store = KVStore(asq, 2)
+    lengths = CacheLengths(torch.device("cpu"))
+    store = KVStore(asq, 1, 2, 16, 3 * BLOCK, torch.float32, torch.device("cpu"), lengths)
     for position in range(3 * BLOCK):
+        lengths.before = position
+        lengths.set(position + 1, stored_split(position + 1, BLOCK))
         store.append(states[:, :, position:position + 1])
-        assert store.packed_len == (position // BLOCK) * BLOCK  # the newest block, full or not, stays raw
+        assert lengths.packed_len == (position // BLOCK) * BLOCK  # the newest block, full or not, stays raw
     bulk = asq.compress(states)
-    assert torch.equal(store.packed["ids"], bulk.ids) and torch.equal(store.packed["residual"], bulk.residual)
+    packed = 2 * BLOCK
+    assert torch.equal(store.fields["ids"][..., :packed], bulk.ids)
+    assert torch.equal(store.fields["residual"][..., :packed, :], bulk.residual)
     assert torch.equal(store.all_rows(), asq.decompress(bulk))
     index = torch.tensor([[[0, 23, 9, 16], [5, 17, 2, 20]]])
     assert torch.equal(store.gather(index), torch.gather(store.all_rows(), 2, index[..., None].expand(-1, -1, -1, 16)))
+    with pytest.raises(GSMError, match="larger capacity"):
+        lengths.before = 3 * BLOCK
+        lengths.set(3 * BLOCK + 1, 3 * BLOCK)
+        store.append(states[:, :, :1])
 
 
 def test_forced_count_and_spans_match_the_rule() -> None:
@@ -196,8 +224,12 @@ def test_refusals() -> None:
     ids = _ids()
     with torch.no_grad():
         model(ids[:, :PROMPT], **cache_kwargs(model, cache), use_cache=True)
-        with pytest.raises(GSMError, match="one new token per step"):
+        with pytest.raises(GSMError, match="pass the prompt in one call"):  # chunks cannot feed the bridge
             model(ids[:, PROMPT:PROMPT + 2], **cache_kwargs(model, cache), use_cache=True)
+    with torch.no_grad(), pytest.raises(GSMError, match="holds 40 tokens per row.*larger capacity"):
+        small = GSMCache(model, capacity=33)  # rounded up to whole blocks of 8
+        model(ids, **cache_kwargs(model, small), use_cache=True)
+        model(ids[:, :4], **cache_kwargs(model, small), use_cache=True)
     with pytest.raises(GSMError, match="num_beams=1"):
         model.generate(_ids(6), **cache_kwargs(model, GSMCache(model)), max_new_tokens=2, num_beams=2,
                        do_sample=False)
@@ -205,6 +237,23 @@ def test_refusals() -> None:
         GSMCache(_model("llama", CONFIGS["everything_share"]).double(), fused=True)
     with gsm_disabled(model), pytest.raises(GSMError, match="default cache"):
         GSMCache(model)
+
+
+def _filled_stores(compressors: list, rows: list[Tensor], capacity: int | None = None) -> list[KVStore]:
+    """K/V stores (sharing one CacheLengths) holding `rows` [B, H, S, D] each, appended in two calls as a
+    prompt and a further chunk would be (buffers of `capacity`, default S rounded up to whole blocks)."""
+    batch, heads, length, dim = rows[0].shape
+    block = compressors[0].block_size if compressors[0] is not None else 1
+    capacity = capacity or -(-length // block) * block
+    lengths = CacheLengths(rows[0].device)
+    stores = [KVStore(compressor, batch, heads, dim, capacity, side.dtype, side.device, lengths)
+              for compressor, side in zip(compressors, rows, strict=True)]
+    for start, end in ((0, max(length - 50, 1)), (max(length - 50, 1), length)):
+        lengths.before = start
+        lengths.set(end, stored_split(end, block) if compressors[0] is not None else 0)
+        for store, side in zip(stores, rows, strict=True):
+            store.append(side[:, :, start:end])
+    return stores
 
 
 @triton_kernel_test
@@ -220,13 +269,10 @@ def test_fused_kernel_equals_pytorch_path(bits: int | tuple[int, int] | str | No
     batch, q_heads, kv_heads, dim = 2, 6, 2, 64
     rotate = bits == "rotated"
     side_bits = (4, 4) if rotate else bits if isinstance(bits, tuple) else (bits, bits)
-    stores = [KVStore(ASQCompressor(kv_heads, dim, cluster_num=8, quant_bits=side, block_size=64,
-                                    rotate_residuals=rotate).to(device) if side else None, kv_heads)
-              for side in side_bits]
-    for store in stores:
-        rows = torch.randn(batch, kv_heads, length, dim, device=device)
-        store.append(rows[:, :, :length - 50])
-        store.append(rows[:, :, length - 50:])
+    compressors = [ASQCompressor(kv_heads, dim, cluster_num=8, quant_bits=side, block_size=64,
+                                 rotate_residuals=rotate).to(device) if side else None for side in side_bits]
+    stores = _filled_stores(compressors, [torch.randn(batch, kv_heads, length, dim, device=device) for _ in range(2)],
+                            capacity=length + 60 if bits is None else None)  # raw stores: room beyond the length
     query = torch.randn(batch, q_heads, 1, dim, device=device)
     index = torch.stack([torch.randperm(length)[:selected] for _ in range(batch * kv_heads)]).view(batch, kv_heads, -1)
     index = index.to(device)
@@ -252,10 +298,10 @@ def _attend_case(rotate: bool, dtype: torch.dtype, dim: int, groups: int, per_he
     index = torch.stack([torch.randperm(length)[:selected] for _ in range(batch * selections)])
     index = index.view(batch, selections, -1).cuda()
     valid = torch.rand(batch, selections, selected, device="cuda") > 0.2 if with_valid else None
-    stores = [KVStore(ASQCompressor(kv_heads, dim, cluster_num=2, quant_bits=bits, block_size=64,
-                                    rotate_residuals=rotate).cuda(), kv_heads) for bits in (4, 2)]
-    for store in stores:
-        store.append(torch.randn(batch, kv_heads, length, dim, device="cuda", dtype=dtype))
+    compressors = [ASQCompressor(kv_heads, dim, cluster_num=2, quant_bits=bits, block_size=64,
+                                 rotate_residuals=rotate).cuda() for bits in (4, 2)]
+    stores = _filled_stores(compressors, [torch.randn(batch, kv_heads, length, dim, device="cuda", dtype=dtype)
+                                          for _ in range(2)])
     query = torch.randn(batch, kv_heads * groups, 1, dim, device="cuda", dtype=dtype)
     rows = index.expand(-1, kv_heads, -1)
     expected = attend(query.float(), *(store.gather(rows).float() for store in stores),
@@ -297,9 +343,8 @@ def test_fused_kernel_refuses_a_configuration_its_buffers_do_not_hold() -> None:
     not writes past them."""
     triton = pytest.importorskip("triton")
     sparse_decode = pytest.importorskip("gsm_train.kernels.sparse_decode")
-    stores = [KVStore(ASQCompressor(2, 64, cluster_num=4, block_size=8), 2) for _ in range(2)]
-    for store in stores:
-        store.append(torch.randn(1, 2, 20, 64))
+    stores = _filled_stores([ASQCompressor(2, 64, cluster_num=4, block_size=8) for _ in range(2)],
+                            [torch.randn(1, 2, 20, 64) for _ in range(2)])
     index = torch.zeros(1, 1, 4, dtype=torch.long)
     with pytest.raises(ValueError, match=r"at least 32 rows per program .* pick one of decode_configs"):
         sparse_decode.fused_decode_attention(torch.zeros(1, 4, 1, 64), *(s.packed_rows() for s in stores), index, None, 0.125,
@@ -312,8 +357,8 @@ def test_fused_kernel_refuses_stores_that_disagree_on_rotation() -> None:
     sparse_decode = pytest.importorskip("gsm_train.kernels.sparse_decode")
     if not hasattr(sparse_decode, "fused_decode_attention"):
         pytest.skip("needs Triton")
-    stores = [KVStore(ASQCompressor(2, 64, cluster_num=4, block_size=8, rotate_residuals=rotate), 2)
-              for rotate in (True, False)]
+    stores = _filled_stores([ASQCompressor(2, 64, cluster_num=4, block_size=8, rotate_residuals=rotate)
+                             for rotate in (True, False)], [torch.randn(1, 2, 20, 64) for _ in range(2)])
     index = torch.zeros(1, 2, 1, dtype=torch.long)
     with pytest.raises(ValueError, match="must both rotate residuals or neither"):
         sparse_decode.fused_decode_attention(torch.zeros(1, 4, 1, 64), *(s.packed_rows() for s in stores), index, None, 0.125)
@@ -382,21 +427,27 @@ def test_gate_score_kernel_equals_pytorch_path(bits: int) -> None:
     gate_q, gate_k = torch.randn(3, 2, 1, 16, device=device), torch.randn(3, 2, 300, 16, device=device)
     keys, scales = encode_gate_keys(gate_k, bits)
     expected = gate.score_stored(gate_q, decode_gate_keys(keys, scales))[:, :, 0]
-    torch.testing.assert_close(gate_scores(gate_q, keys, scales), expected, atol=1e-5, rtol=1e-5)
+    key_valid = torch.rand(3, 300, device=device) > 0.1
     for position, sinks, recent in ((299, 0, 0), (299, 2, 8), (250, 3, 0), (120, 0, 5), (40, 50, 4)):
         marked = expected.clone()  # the forced keys as top_k_positions marks them on the PyTorch path
         top_k_positions(marked, None, 1, position, sinks, recent)
-        torch.testing.assert_close(gate_scores(gate_q, keys, scales, forced_spans(position, sinks, recent)), marked,
+        marked[..., position + 1:] = float("-inf")  # keys not yet held
+        lengths = torch.tensor([position + 1, 0], dtype=torch.int32, device=device)
+        torch.testing.assert_close(gate_scores(gate_q, keys, scales, lengths, sinks, recent), marked,
                                    atol=1e-5, rtol=1e-5, msg=lambda m, c=(position, sinks, recent): f"{c}: {m}")
+        padded = marked.masked_fill(~key_valid[:, None, :], float("-inf"))
+        torch.testing.assert_close(gate_scores(gate_q, keys, scales, lengths, sinks, recent, key_valid), padded,
+                                   atol=1e-5, rtol=1e-5)
 
 
 def test_generate_command(exported_tiny: Path, capsys: pytest.CaptureFixture) -> None:
-    """`gsm-train generate` continues a prompt with the adapter over the GSM cache and says what the cache holds."""
+    """`gsm-train generate` streams the continuation over the GSM cache and reports what it cost; with
+    --compare-dense the dense base's run follows."""
     assert cli_main(["generate", "--model", "tiny-llama", "--adapter", str(exported_tiny), "--prompt",
-                     "Once upon a time", "--max-new-tokens", "12"]) == 0
+                     "Once upon a time", "--max-new-tokens", "12", "--compare-dense"]) == 0
     captured = capsys.readouterr()
-    assert "12 tokens" in captured.err and "GSM cache" in captured.err
+    assert "GSM cache: 12 tokens" in captured.err and "dense base: 12 tokens" in captured.err
+    assert "time to first token" in captured.err and "decode speed-up over the dense base" in captured.err
+    assert captured.out.strip()  # the text, streamed
     assert cli_main(["generate", "--model", "tiny-llama", "--prompt", "Once", "--max-new-tokens", "3"]) == 0
-    assert "dense cache" in capsys.readouterr().err
-    assert cli_main(["generate", "--model", "tiny-llama", "--prompt-file", "no/such.txt"]) == 2
-    assert "--prompt-file no/such.txt: no such file. Fix: give a UTF-8 text file" in capsys.readouterr().err
+    assert "dense base: 3 tokens" in capsys.readouterr().err

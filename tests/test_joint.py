@@ -116,7 +116,7 @@ def test_resume_is_exact(tmp_path: Path) -> None:
     assert resumed.losses == pytest.approx(losses(straight)[3:], abs=1e-6)
 
 
-def test_two_process_fsdp2_matches_one_process(tmp_path: Path) -> None:
+def test_two_process_fsdp2_matches_one_process(tmp_path: Path, on_cpu: None) -> None:
     common = [*TINY, "train.steps=3", "optim.lr=1e-4", "optim.gsm_lr=1e-4"]
     single = train_recipe(JOINT, [*common, "train.batch_size=4", f"output.dir={tmp_path / 'one'}"])
     run_two_processes(JOINT, [*common, "train.batch_size=2"], tmp_path / "two")

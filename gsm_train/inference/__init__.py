@@ -1,4 +1,5 @@
-"""Generation with GSM adapters: the packed KV store, the GSM cache, decode attention and `generate`."""
+"""Generation with GSM adapters: the packed KV store, the GSM cache, decode and prefill attention, the
+captured token step, and the engine that makes `model.generate` use them."""
 
 from gsm_train.inference.cache import GSMCache, GSMLayerCache, cache_kwargs
 

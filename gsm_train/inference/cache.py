@@ -1,17 +1,20 @@
-"""A transformers `Cache` that stores what GSM inference needs, and nothing more.
+"""A transformers `Cache` that stores what GSM inference needs, and nothing more, in buffers allocated
+once for a capacity set at creation.
 
-Per layer: K and V in a `KVStore` (ASQ-packed blocks plus the raw newest block, or raw without ASQ),
-the gate keys (bf16, or int8 with an fp16 scale per key: `gate_key_bits`), and, for a `share`-mode
-bridge target, only the KV heads it keeps (the shared heads are read from the source layer's store
-through the bridge). Works with `generate()`:
+Per layer: K and V in a `KVStore` (compressed blocks plus the raw newest block, or raw without a
+compressor), the gate keys (bf16, or int8 with an fp16 scale per key: `gate_key_bits`), and, for a
+`share`-mode bridge target, only the KV heads it keeps (the shared heads are read from the source
+layer's store through the bridge). Every layer shares one `CacheLengths` and the keys each row may
+see (`key_valid`, from the attention mask: left padding).
 
-    cache = GSMCache(model)
+    cache = GSMCache(model, capacity=4096)
     model.generate(ids, **cache_kwargs(model, cache), max_new_tokens=64)
 
-(`cache_kwargs` names the argument as the installed transformers does: `cache`, or `past_key_values`
-before it was renamed.) The prompt runs through the training-time attention (so prefill equals the
-teacher-forced pass); each new token attends over the cache (`decode_attention`). GSM's attention
-reaches a layer's cache through `GSMCache.gsm_layer` (the protocol in `modules.forward_state`).
+(`gsm_train.inference.engine` does this by itself: after `load_gsm`, a plain `model.generate` uses a GSM
+cache.) How a call's tokens are attended depends on what the cache holds when it starts
+(`GSMCache.begin_forward`, called by GSM's per-forward hook): a prompt into an empty cache runs through
+the training-time attention (so prefill equals the teacher-forced pass); one new token after earlier
+ones runs `decode_attention`; a further prompt chunk runs `prefill.chunk_attention`.
 """
 
 from __future__ import annotations
@@ -24,76 +27,120 @@ import torch
 from torch import Tensor, nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from gsm_train.families import attention_modules
+from gsm_train.families import attention_modules, model_dims
 from gsm_train.inference.decode_attention import decode_attention
-from gsm_train.inference.kv_store import KVStore
+from gsm_train.inference.kv_store import CacheLengths, KVStore
+from gsm_train.inference.prefill import chunk_attention
 from gsm_train.kernels.decode_topk import kernel_ready
 from gsm_train.modules.adapter import GSMAttentionAdapter
 from gsm_train.modules.errors import GSMError
-from gsm_train.modules.forward_state import DecodeStep
+from gsm_train.modules.forward_state import CachedStep
 from gsm_train.modules.settings import gsm_settings
-from gsm_train.modules.sparse_gate import encode_gate_keys
+from gsm_train.modules.sparse_gate import GATE_KEY_DTYPE, encode_gate_keys
+from gsm_train.quant import stored_split
 
 
 class GSMLayerCache(CacheLayerMixin):
-    """One layer's GSM cache."""
+    """One layer's GSM cache; its buffers are allocated at the first tokens (batch and dtype known)."""
 
     is_sliding = False
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, adapter: GSMAttentionAdapter, kv_heads: int, bridge_mode: str,
-                 kernels: ModuleType | None) -> None:
+    def __init__(self, cache: GSMCache, adapter: GSMAttentionAdapter, kv_heads: int, head_dim: int) -> None:
         super().__init__()
-        shared = adapter.bridge.out_heads if adapter.bridge is not None and bridge_mode == "share" else 0
-        self.k_store = KVStore(adapter.asq_k, kv_heads - shared)
-        self.v_store = KVStore(adapter.asq_v, kv_heads - shared)
-        self.gate_keys: Tensor | None = None  # bf16, or int8 codes, [B, n, S, gate_head_dim]
-        self.gate_key_scales: Tensor | None = None  # fp16 [B, n, S, 1] for int8 gate keys
+        self.cache, self.adapter, self.head_dim = cache, adapter, head_dim
+        shared = adapter.bridge.out_heads if adapter.bridge is not None and cache.bridge_mode == "share" else 0
+        self.store_heads = kv_heads - shared
+        self.k_store: KVStore | None = None
+        self.v_store: KVStore | None = None
+        self.gate_keys: Tensor | None = None  # bf16, or int8 codes, [B, n, capacity, gate_head_dim]
+        self.gate_key_scales: Tensor | None = None  # fp16 [B, n, capacity, 1] for int8 gate keys
         self.source: GSMLayerCache | None = None  # the bridge source's cache, for a bridge target
-        self.kernels = kernels  # gsm_train.kernels.sparse_decode where the fused kernels run, else None
-        self.cached_before_update = 0
+        self.recent_raw: tuple[Tensor, Tensor] | None = None  # a prompt chunk's raw K/V since the last packed block
+
+    @property
+    def lengths(self) -> CacheLengths:
+        return self.cache.lengths
+
+    @property
+    def key_valid(self) -> Tensor | None:
+        return self.cache.key_valid
+
+    @property
+    def kernels(self) -> ModuleType | None:
+        return self.cache.kernels
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
-        self.device = key_states.device
-        self.is_initialized = True
+        batch, device, dtype = key_states.shape[0], key_states.device, key_states.dtype
+        capacity, lengths = self.cache.capacity, self.cache.lengths
+        self.k_store = KVStore(self.adapter.asq_k, batch, self.store_heads, self.head_dim, capacity, dtype, device,
+                               lengths)
+        self.v_store = KVStore(self.adapter.asq_v, batch, self.store_heads, self.head_dim, capacity, dtype, device,
+                               lengths)
+        gate = self.adapter.gate
+        if gate is not None:
+            shape = (batch, gate.num_selectors, capacity, gate.gate_head_dim)
+            int8 = gate.key_bits == 8
+            self.gate_keys = torch.zeros(shape, dtype=torch.int8 if int8 else GATE_KEY_DTYPE, device=device)
+            self.gate_key_scales = torch.zeros(*shape[:3], 1, dtype=torch.float16, device=device) if int8 else None
+        self.device, self.dtype, self.is_initialized = device, dtype, True
 
     def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
         """Store the new raw K/V [B, Hkv, n, D]; returns them unchanged (attention reads the stores)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.cached_before_update = self.get_seq_length()
+        if self.cache.token_step:
+            self.k_store.write_newest(key_states)
+            self.v_store.write_newest(value_states)
+            return key_states, value_states
+        before = self.cache.lengths.before
+        if before > 0 and self.k_store.compressor is not None:  # a further prompt chunk: its own blocks raw
+            packed = stored_split(before, self.k_store.compressor.block_size)
+            self.recent_raw = tuple(torch.cat((store.tail[:, :, : before - packed], states[:, : self.store_heads]), 2)
+                                    for store, states in ((self.k_store, key_states), (self.v_store, value_states)))
         self.k_store.append(key_states)
         self.v_store.append(value_states)
         return key_states, value_states
 
-    def decoding(self) -> bool:
-        return self.cached_before_update > 0
-
     def keep_gate_keys(self, gate_keys: Tensor, bits: int) -> None:
-        """Add gate keys [B, n, t, gate_head_dim], stored as `encode_gate_keys` gives them at `bits`."""
+        """Store gate keys [B, n, t, gate_head_dim] of the call's new tokens as `encode_gate_keys` gives them at
+        `bits`: one token at the slot the device lengths name (capture-safe), a chunk at host positions."""
         codes, scales = encode_gate_keys(gate_keys.detach(), bits)
-        if self.gate_keys is None:
-            self.gate_keys, self.gate_key_scales = codes, scales
+        if self.cache.token_step:
+            slot = (self.lengths.device[0] - 1).view(1).long()
+            self.gate_keys.index_copy_(2, slot, codes)
+            if scales is not None:
+                self.gate_key_scales.index_copy_(2, slot, scales)
             return
-        self.gate_keys = torch.cat((self.gate_keys, codes), dim=2)
+        start, end = self.lengths.before, self.lengths.seq_len
+        self.gate_keys[:, :, start:end] = codes
         if scales is not None:
-            self.gate_key_scales = torch.cat((self.gate_key_scales, scales), dim=2)
+            self.gate_key_scales[:, :, start:end] = scales
 
-    def decode_attention(self, step: DecodeStep) -> Tensor:
-        return decode_attention(step, self)
+    def attends_itself(self) -> bool:
+        """Whether this call's attention runs over the cache (a token or a prompt chunk after earlier
+        tokens); else the training-time attention runs over the call's own tokens."""
+        return self.lengths.before > 0
+
+    def cached_attention(self, step: CachedStep) -> Tensor:
+        """Attention [B, T, Hq, D] of the call's new tokens over what the cache holds."""
+        if self.cache.token_step:
+            return decode_attention(step, self)
+        return chunk_attention(step, self)
 
     def get_seq_length(self) -> int:
-        return self.k_store.seq_len
+        """Tokens held before the forward in progress (transformers reads it to place the new ones)."""
+        return self.lengths.seq_len - self.cache.pending
 
     def get_mask_sizes(self, query_length: int, *args: Any) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
+        return self.lengths.before + query_length, 0
 
     def get_max_length(self) -> int:
-        return -1
+        return self.cache.capacity
 
     def get_max_cache_shape(self) -> int:
-        return -1
+        return self.cache.capacity
 
     def reset(self) -> None:
         raise GSMError("a GSM cache cannot be reset; create a new GSMCache(model) for a new sequence")
@@ -102,22 +149,34 @@ class GSMLayerCache(CacheLayerMixin):
         raise GSMError("a GSM cache does not support beam search; generate with num_beams=1")
 
     def nbytes(self) -> int:
-        """Bytes held: K and V stores plus gate keys."""
-        gate = sum(t.numel() * t.element_size() for t in (self.gate_keys, self.gate_key_scales) if t is not None)
+        """Bytes the tokens held occupy: K and V stores plus gate keys."""
+        if not self.is_initialized:
+            return 0
+        held = self.lengths.seq_len
+        gate = sum(t[:, :, :held].numel() * t.element_size()
+                   for t in (self.gate_keys, self.gate_key_scales) if t is not None)
         return self.k_store.nbytes() + self.v_store.nbytes() + gate
 
 
 class GSMCache(Cache):
-    """Generation cache of a GSM-injected model (one `GSMLayerCache` per decoder layer)."""
+    """Generation cache of a GSM-injected model (one `GSMLayerCache` per decoder layer) holding at most
+    `capacity` tokens per row (default: the model's context length); more is a GSMError."""
 
-    def __init__(self, model: nn.Module, fused: bool | None = None) -> None:
+    def __init__(self, model: nn.Module, capacity: int | None = None, fused: bool | None = None) -> None:
         settings = gsm_settings(model)
         if not settings.enabled:
             raise GSMError("GSM is switched off on this model; generate with the default cache instead")
         config = settings.config
-        kernels = fused_kernels(model, fused)
-        layers = [GSMLayerCache(attn.gsm, attn.k_proj.out_features // attn.head_dim, config.cross_layer_sharing.mode,
-                                kernels) for attn in attention_modules(model)]
+        self.capacity = _round_capacity(capacity or model_dims(model)["context"] or 4096, config)
+        self.bridge_mode = config.cross_layer_sharing.mode
+        self.kernels = fused_kernels(model, fused)
+        self.lengths = CacheLengths(next(model.parameters()).device)
+        self.key_valid: Tensor | None = None  # [B, capacity] bool, once a padded batch is seen
+        self.token_step = False  # the call in progress adds one token after earlier ones
+        self.pending = 0  # tokens of the forward in progress (held already, not yet for transformers)
+        dims = model_dims(model)
+        layers = [GSMLayerCache(self, attn.gsm, attn.k_proj.out_features // dims["head_dim"], dims["head_dim"])
+                  for attn in attention_modules(model)]
         for layer_cache, attn in zip(layers, attention_modules(model), strict=True):
             if attn.gsm.bridge is not None:
                 layer_cache.source = layers[config.cross_layer_sharing.bridge_from]
@@ -126,9 +185,84 @@ class GSMCache(Cache):
     def gsm_layer(self, layer_idx: int) -> GSMLayerCache:
         return self.layers[layer_idx]
 
+    def begin_forward(self, new_tokens: int, attention_mask: Tensor | None) -> None:
+        """A forward of `new_tokens` per row starts (GSM's per-forward hook calls this before any layer):
+        advance the lengths, pack a full newest block before a token step, take padding from a 2-D
+        `attention_mask` [B, tokens so far]. A token step changes the device lengths by device ops only,
+        so it can be captured in a CUDA graph (`decode_graph`)."""
+        lengths = self.lengths
+        end = lengths.seq_len + new_tokens
+        if end > self.capacity:
+            raise GSMError(f"the GSM cache holds {self.capacity} tokens per row and this call would make it "
+                           f"{end}; create it with a larger capacity (GSMCache(model, capacity=...)), or "
+                           "generate fewer tokens")
+        self.token_step = new_tokens == 1 and lengths.seq_len > 0
+        self.pending = new_tokens
+        if self.token_step:  # the new token is always visible: padding was taken from the prompt
+            self.pack_full_tail()
+            lengths.before, lengths.seq_len = lengths.seq_len, end
+            lengths.device[0:1].add_(1)
+            return
+        lengths.before = lengths.seq_len
+        block = self._block_size()
+        lengths.set(end, stored_split(end, block) if block else 0)
+        if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+            self._mark_padding(attention_mask)
+
+    def end_forward(self) -> None:
+        """The forward in progress has run: its tokens count as held for transformers too."""
+        self.pending = 0
+
+    def pack_full_tail(self) -> bool:
+        """Pack every layer's newest block if it is full, so a next token starts a new one (eager, host
+        lengths; a captured token step relies on its driver calling this first). Returns whether it did."""
+        block = self._block_size()
+        lengths = self.lengths
+        if not block or lengths.seq_len - lengths.packed_len < block:
+            return False
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.k_store.pack_tail()
+                layer.v_store.pack_tail()
+        lengths.set(lengths.seq_len, lengths.packed_len + block)
+        return True
+
+    def _block_size(self) -> int:
+        """The compressors' block size (0: nothing is compressed)."""
+        store = next((layer.k_store for layer in self.layers if layer.k_store is not None), None)
+        if store is None:
+            first = self.layers[0].adapter.asq_k
+            return first.block_size if first is not None else 0
+        return store.compressor.block_size if store.compressor is not None else 0
+
+    def _mark_padding(self, attention_mask: Tensor) -> None:
+        """key_valid from a 2-D attention mask covering the tokens so far (eager)."""
+        if self.key_valid is None:
+            self.key_valid = torch.ones(attention_mask.shape[0], self.capacity, dtype=torch.bool,
+                                        device=attention_mask.device)
+        seen = attention_mask.shape[1]
+        self.key_valid[:, :seen] = attention_mask.bool()
+
     def nbytes(self) -> int:
-        """Bytes held by all layers."""
+        """Bytes the tokens held occupy, all layers."""
         return sum(layer.nbytes() for layer in self.layers)
+
+    def allocated_bytes(self) -> int:
+        """Bytes the cache's buffers take on the device."""
+        total = 0
+        for layer in self.layers:
+            if layer.is_initialized:
+                total += layer.k_store.allocated_bytes() + layer.v_store.allocated_bytes()
+                total += sum(t.numel() * t.element_size() for t in (layer.gate_keys, layer.gate_key_scales)
+                             if t is not None)
+        return total
+
+
+def _round_capacity(capacity: int, config: Any) -> int:
+    """`capacity` rounded up to whole compressor blocks (a store holds whole blocks)."""
+    kv = config.kv_compression
+    block = kv.block_size if kv.enabled else 1
+    return -(-capacity // block) * block
 
 
 def fused_kernels(model: nn.Module, fused: bool | None) -> ModuleType | None:
@@ -156,5 +290,6 @@ def fused_kernels(model: nn.Module, fused: bool | None) -> ModuleType | None:
 def cache_kwargs(model: nn.Module, cache: Cache | None) -> dict[str, Cache | None]:
     """`cache` as the keyword argument this model's `forward` and `generate` take: `cache` where the
     installed transformers names it so (5.24 does, deprecating `past_key_values`), else `past_key_values`."""
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    forward = getattr(model, "gsm_base_forward", model.forward)
+    name = "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
     return {name: cache}

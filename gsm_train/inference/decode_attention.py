@@ -1,12 +1,15 @@
 """Attention for one generated token over a GSM cache (see `inference.cache.GSMCache`).
 
-Per layer: score the cached gate keys with the new gate query, keep the top-k positions (the same
-rule as training: own position, sinks and recent tokens forced; dense while k covers everything),
-gather and dequantize only those K/V rows (the bridge maps the source layer's rows on the fly), and
-attend. On CUDA with Triton, layers without a bridge gather, dequantize and attend in one fused
-kernel (`gsm_train.kernels.sparse_decode`) when their head size suits it (`kernels.kernel_fits`: a
-power of two from 16 to 256), as do the gate scores, and the top-k runs as a CUDA kernel
-(`gsm_train.kernels.decode_topk`); everywhere else this PyTorch path runs.
+Per layer: score the cached gate keys with the new gate query, keep the top-k positions (the same rule
+as training: own position, sinks and recent tokens forced; dense while k covers everything), gather and
+dequantize only those K/V rows (the bridge maps the source layer's rows on the fly), and attend.
+
+Two paths compute the same function. On CUDA with Triton (`layer_cache.kernels`), the gate scores, the
+top-k (`kernels.decode_topk`) and the fused gather / dequantize / attend (`kernels.sparse_decode`) read
+how many tokens the cache holds from the device (`CacheLengths.device`) and work on the buffers' full
+capacity (keys past the length score -inf), so one launch sequence, captured in a CUDA graph, serves
+every step (`inference.decode_graph`). Elsewhere, and for bridge targets, this PyTorch path runs with
+host lengths.
 """
 
 from __future__ import annotations
@@ -23,25 +26,26 @@ from gsm_train.kernels import kernel_fits
 from gsm_train.kernels.decode_topk import unordered_top_k
 from gsm_train.modules.adapter import GSMAttentionAdapter
 from gsm_train.modules.errors import GSMError
-from gsm_train.modules.forward_state import DecodeStep
-from gsm_train.modules.layout import allowed_keys
+from gsm_train.modules.forward_state import CachedStep
 from gsm_train.modules.sparse_gate import decode_gate_keys, k_per_query
-from gsm_train.inference.kv_store import KVStore
+from gsm_train.inference.kv_store import CacheLengths, KVStore
 
 
 class CachedLayer(Protocol):
-    """What decode attention reads of one layer's cache (`inference.cache.CachedLayer`): the K and V
-    stores, the gate keys as stored (codes [B, n, S, dg] and, for int8, fp16 scales [B, n, S, 1]), the fused
-    kernels' module (None: the PyTorch path) and, for a bridge target, the source layer's cache."""
+    """What decode attention reads of one layer's cache (`inference.cache.GSMLayerCache`): the K and V
+    stores, the gate keys as stored in buffers of the cache's capacity C (codes [B, n, C, dg] and, for int8,
+    fp16 scales [B, n, C, 1]), the keys each row may see (`key_valid` [B, C], None: all), the cache's
+    lengths, the fused kernels' module (None: the PyTorch path) and, for a bridge target, the source
+    layer's cache."""
 
     k_store: KVStore
     v_store: KVStore
     gate_keys: Tensor | None
     gate_key_scales: Tensor | None
+    key_valid: Tensor | None
+    lengths: CacheLengths
     kernels: ModuleType | None
     source: CachedLayer | None
-
-    def get_seq_length(self) -> int: ...
 
     def keep_gate_keys(self, gate_keys: Tensor, bits: int) -> None: ...
 
@@ -130,17 +134,28 @@ def attend(query: Tensor, keys: Tensor, values: Tensor, valid: Tensor | None, sc
     return out.transpose(1, 2).contiguous()
 
 
-def decode_attention(step: DecodeStep, layer_cache: CachedLayer) -> Tensor:
+def static_k(k: int, sink_tokens: int, recent_tokens: int, capacity: int) -> int:
+    """The top-k size the fused path takes at every step: `k`, or the most keys the rule can force
+    (sinks, the recent tokens and the position itself) where that is more, within the capacity. Equal to
+    `top_k_positions`' k_eff once the cache holds that many keys; before, the extra picks score -inf and
+    are marked invalid, which selects every key held, as k_eff does."""
+    return min(capacity, max(k, sink_tokens + max(recent_tokens, 1)))
+
+
+def decode_k(settings_config, position: int) -> int:
+    """The schedule's k for the token at `position` (`sparse_attention` of a GSM config)."""
+    cfg = settings_config.sparse_attention
+    return int(k_per_query(torch.tensor([position]), cfg.top_k_schedule, cfg.top_k, cfg.k_min, cfg.decay_rate))
+
+
+def decode_attention(step: CachedStep, layer_cache: CachedLayer) -> Tensor:
     """Attention output [B, 1, Hq, D] of the newest token, read from the layer's GSM cache (already holding
     its K/V): select the keys (`select_keys`), then gather, dequantize and attend over them."""
     module, adapter, query = step.module, step.adapter, step.query
     if query.shape[2] != 1:
         raise GSMError(f"layer {adapter.layer_idx}: a GSM cache takes one new token per step after the prompt "
                        f"(got {query.shape[2]}); pass the whole prompt in the first call")
-    length = layer_cache.get_seq_length()
-    allowed = None if step.attention_mask is None else \
-        allowed_keys(step.attention_mask, 1, length, query.device)[:, 0, -1]
-    index, valid = select_keys(step, layer_cache, allowed, length)
+    index, valid = select_keys(step, layer_cache)
     kernels = layer_cache.kernels
     if adapter.bridge is None and kernels is not None and kernel_fits(module.head_dim):
         stores = (layer_cache.k_store.packed_rows(), layer_cache.v_store.packed_rows())
@@ -154,13 +169,16 @@ def decode_attention(step: DecodeStep, layer_cache: CachedLayer) -> Tensor:
     return attend(query, keys, values, valid, step.scaling)
 
 
-def select_keys(step: DecodeStep, layer_cache: CachedLayer, allowed: Tensor | None,
-                length: int) -> tuple[Tensor, Tensor | None]:
+def _fused_selection(layer_cache: CachedLayer) -> bool:
+    """Whether this layer selects on the device path (CUDA kernels; no bridge target reading host lengths)."""
+    return layer_cache.kernels is not None and layer_cache.source is None
+
+
+def select_keys(step: CachedStep, layer_cache: CachedLayer) -> tuple[Tensor, Tensor | None]:
     """The cached positions [B, n, k] the newest token attends to and which are valid ([B, n, k] or None):
     the gate's top-k in sparse mode (its key joins the cache first), every position in dense mode."""
-    adapter, settings, query = step.adapter, step.settings, step.query
+    adapter, settings = step.adapter, step.settings
     cfg = settings.config.sparse_attention
-    position = length - 1
     mode = "dense" if adapter.dense_layer or not cfg.enabled else settings.mode
     if mode == "oracle":
         raise GSMError("oracle mode needs the whole sequence; generate in sparse or dense mode")
@@ -169,16 +187,43 @@ def select_keys(step: DecodeStep, layer_cache: CachedLayer, allowed: Tensor | No
         gate_q, gate_k = gate(step.hidden, step.cos, step.sin)
         layer_cache.keep_gate_keys(gate_k, gate.key_bits)
     if mode != "sparse" or gate is None:
-        index = torch.arange(length, device=query.device).expand(query.shape[0], 1, length)
-        return index, None if allowed is None else allowed[:, None, :]
-    k = int(k_per_query(torch.tensor([position]), cfg.top_k_schedule, cfg.top_k, cfg.k_min, cfg.decay_rate))
-    keys, key_scales = layer_cache.gate_keys, layer_cache.gate_key_scales
+        return _every_position(step, layer_cache)
+    position = layer_cache.lengths.seq_len - 1  # on the host: the schedule's k (a captured step bakes it)
+    k = decode_k(settings.config, position)
     kernels = layer_cache.kernels
-    forced_marked = kernels is not None and kernel_fits(gate.gate_head_dim)
-    if forced_marked:  # the kernel writes the forced keys' +inf with the scores: no launches of their own
-        scores = kernels.gate_scores(gate_q, keys, key_scales, forced_spans(position, cfg.sink_tokens,
-                                                                             cfg.recent_tokens))
-    else:
-        scores = gate.score_stored(gate_q, decode_gate_keys(keys, key_scales))[:, :, 0]
+    if _fused_selection(layer_cache) and kernel_fits(gate.gate_head_dim):
+        capacity = layer_cache.gate_keys.shape[2]
+        scores = kernels.gate_scores(gate_q, layer_cache.gate_keys, layer_cache.gate_key_scales,
+                                     layer_cache.lengths.device, cfg.sink_tokens, cfg.recent_tokens,
+                                     layer_cache.key_valid)
+        k_static = static_k(k, cfg.sink_tokens, cfg.recent_tokens, capacity)
+        index = unordered_top_k(scores, k_static)
+        if layer_cache.key_valid is None and layer_cache.lengths.seq_len >= k_static:
+            return index, None  # every pick is a held key, at this step and (lengths only grow) every later one
+        return index, torch.gather(scores, -1, index) > float("-inf")
+    length = layer_cache.lengths.seq_len
+    keys = decode_gate_keys(layer_cache.gate_keys[:, :, :length], _held(layer_cache.gate_key_scales, length))
+    scores = gate.score_stored(gate_q, keys)[:, :, 0]
+    allowed = None if layer_cache.key_valid is None else layer_cache.key_valid[:, :length]
     return top_k_positions(scores, allowed, k, position, cfg.sink_tokens, cfg.recent_tokens,
-                           fused=kernels is not None, forced_marked=forced_marked)
+                           fused=kernels is not None)
+
+
+def _held(scales: Tensor | None, length: int) -> Tensor | None:
+    return None if scales is None else scales[:, :, :length]
+
+
+def _every_position(step: CachedStep, layer_cache: CachedLayer) -> tuple[Tensor, Tensor | None]:
+    """Dense mode: every position held. On the device path the capacity's positions, those past the
+    length (read on the device) marked invalid; on the PyTorch path the held positions (host length)."""
+    batch, device = step.query.shape[0], step.query.device
+    valid_keys = layer_cache.key_valid
+    if _fused_selection(layer_cache):
+        capacity = layer_cache.k_store.capacity
+        positions = torch.arange(capacity, device=device)
+        valid = (positions < layer_cache.lengths.device[0])[None].expand(batch, -1)
+        valid = valid if valid_keys is None else valid & valid_keys
+        return positions.expand(batch, 1, capacity), valid[:, None, :]
+    length = layer_cache.lengths.seq_len
+    index = torch.arange(length, device=device).expand(batch, 1, length)
+    return index, None if valid_keys is None else valid_keys[:, None, :length]

@@ -1,10 +1,13 @@
-"""Append-only storage of one layer's K or V for generation: compressed blocks plus a raw tail.
+"""One layer's K or V for generation, in buffers allocated once for the cache's capacity.
 
-For a cache of S tokens every block but the newest is stored as its compressor packs it
-(`KVCompressor.pack_blocks`: for ASQ cluster ids, residual codes, fp16 scales and fp16 prototypes) and
-the newest block (1..block_size tokens) stays raw. A block is packed when the first token after it
-arrives, so a query always sees its own block exactly, as training does. The bytes held are what the
-compressor's byte account counts. Without a compressor the store is a plain growing tensor (the tail).
+With a compressor (`modules.kv_registry.KVCompressor`) every block but the newest is stored as it packs
+it (for ASQ: cluster ids, residual codes, fp16 scales, fp16 prototypes), in fields sized for `capacity`
+tokens; the newest block (1..block_size tokens) stays raw in `tail` [B, H, block_size, D], token p at
+slot p - packed. A block is packed when the first token after it arrives, so a query always sees its
+own block exactly, as training does. Without a compressor `tail` [B, H, capacity, D] holds every token.
+
+How many tokens the store holds is the cache's `CacheLengths`, shared by every layer: on the host for
+the PyTorch paths and the driver, on the device for the kernels and captured steps.
 """
 
 from __future__ import annotations
@@ -13,71 +16,124 @@ import torch
 from torch import Tensor
 
 from gsm_train.kernels.packed_rows import PackedRows
+from gsm_train.modules.errors import GSMError
 from gsm_train.modules.kv_compressor import ASQCompressor
 from gsm_train.modules.kv_registry import KVCompressor
 from gsm_train.quant import compute_dtype, stored_split
 
 
+class CacheLengths:
+    """Tokens a cache holds and how many of them are packed: `seq_len` / `packed_len` on the host, and
+    `device` int32 [2] (the same two numbers) for kernels. During a forward, `before` is what the cache
+    held when it started (where its new tokens are written)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.seq_len = 0
+        self.packed_len = 0
+        self.before = 0
+        self.device = torch.zeros(2, dtype=torch.int32, device=device)
+
+    def set(self, seq_len: int, packed_len: int) -> None:
+        """Both copies to these values (eager code; a captured step advances the device copy itself)."""
+        self.seq_len, self.packed_len = seq_len, packed_len
+        self.device.copy_(torch.tensor([seq_len, packed_len], dtype=torch.int32))
+
+
 class KVStore:
-    """K or V of one layer, [B, H, S, D], packed by `compressor` (or kept raw when it is None)."""
+    """K or V of one layer, [B, H, capacity, D], packed by `compressor` (or raw when it is None)."""
 
-    def __init__(self, compressor: KVCompressor | None, heads: int) -> None:
-        self.compressor = compressor
-        self.heads = heads
-        self.packed: dict[str, Tensor] | None = None  # the compressor's fields, joined along dim 2
-        self.packed_len = 0  # tokens held packed (F)
-        self.tail: Tensor | None = None  # raw [B, H, S - F, D]
+    def __init__(self, compressor: KVCompressor | None, batch: int, heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device, lengths: CacheLengths) -> None:
+        self.compressor, self.heads, self.capacity, self.lengths = compressor, heads, capacity, lengths
+        self.fields: dict[str, Tensor] | None = None
+        if compressor is None:
+            self.tail = torch.zeros(batch, heads, capacity, head_dim, dtype=dtype, device=device)
+            return
+        if capacity % compressor.block_size:
+            raise GSMError(f"a cache's capacity ({capacity}) must be a whole number of blocks of "
+                           f"{compressor.block_size}; round it up")
+        self.fields = compressor.allocate(batch, heads, capacity, device)
+        self.tail = torch.zeros(batch, heads, compressor.block_size, head_dim, dtype=dtype, device=device)
 
-    @property
-    def seq_len(self) -> int:
-        return self.packed_len + (0 if self.tail is None else self.tail.shape[-2])
+    def _write_packed(self, rows: Tensor, start: int) -> None:
+        """Pack whole blocks `rows` [B, H, n * block_size, D] into the fields at token `start`."""
+        for name, field in self.compressor.pack_blocks(rows).items():
+            per_entry = self.capacity // self.fields[name].shape[2]  # 1 per token, block_size per block
+            self.fields[name][:, :, start // per_entry: start // per_entry + field.shape[2]] = field
 
     def append(self, states: Tensor) -> None:
-        """Add new tokens [B, H, n, D]; pack every block that is no longer the newest."""
-        states = states[:, : self.heads]
-        self.tail = states.contiguous() if self.tail is None else torch.cat((self.tail, states), dim=-2)
+        """Store new tokens [B, H', n, D] (the first `heads` heads of H') after the `lengths.before` held:
+        eagerly, with host lengths (a prompt chunk, or a token outside a captured step)."""
+        states = states[:, : self.heads].to(self.tail.dtype)
+        start, end = self.lengths.before, self.lengths.seq_len
+        if end > self.capacity:
+            raise GSMError(f"the GSM cache holds {self.capacity} tokens and this call would make it {end}; "
+                           "create it with a larger capacity (GSMCache(model, capacity=...))")
         if self.compressor is None:
+            self.tail[:, :, start:end] = states
             return
-        to_pack = stored_split(self.seq_len, self.compressor.block_size) - self.packed_len
-        if to_pack <= 0:
-            return
-        new = self.compressor.pack_blocks(self.tail[:, :, :to_pack])
-        self.tail = self.tail[:, :, to_pack:].contiguous()
-        self.packed = new if self.packed is None else {
-            name: torch.cat((self.packed[name], field), dim=2) for name, field in new.items()}
-        self.packed_len += to_pack
+        packed_before = stored_split(start, self.compressor.block_size)
+        raw = torch.cat((self.tail[:, :, : start - packed_before], states), dim=2)  # tokens packed_before..end
+        packed_after = stored_split(end, self.compressor.block_size)
+        if packed_after > packed_before:
+            self._write_packed(raw[:, :, : packed_after - packed_before], packed_before)
+        newest = raw[:, :, packed_after - packed_before:]
+        self.tail[:, :, : newest.shape[2]] = newest
+
+    def write_newest(self, state: Tensor) -> None:
+        """Store one new token [B, H', 1, D] at the slot the device lengths name (capture-safe: no host
+        value enters it). The cache has packed a full tail before (`GSMCache.begin_forward`)."""
+        lengths = self.lengths.device
+        slot = lengths[0] - 1 - (lengths[1] if self.compressor is not None else 0)
+        self.tail.index_copy_(2, slot.view(1).long(), state[:, : self.heads].to(self.tail.dtype))
+
+    def pack_tail(self) -> None:
+        """Pack the full newest block (the tail) at `lengths.packed_len` (eager, host lengths)."""
+        self._write_packed(self.tail, self.lengths.packed_len)
 
     def gather(self, index: Tensor) -> Tensor:
-        """Rows [B, H, k, D] at positions `index` [B, H, k] (each in [0, seq_len)), dequantized, in the tail's dtype."""
-        in_tail = (index - self.packed_len).clamp_min(0)
+        """Rows [B, H, k, D] at positions `index` [B, H, k] (each below `lengths.seq_len`), dequantized, in
+        the tail's dtype (host lengths: the PyTorch path)."""
+        packed_len = self.lengths.packed_len if self.compressor is not None else 0
         dim = self.tail.shape[-1]
+        in_tail = (index - packed_len).clamp(0, self.tail.shape[2] - 1)
         rows = torch.gather(self.tail, 2, in_tail.unsqueeze(-1).expand(*index.shape, dim))
-        if self.packed_len == 0:
+        if packed_len == 0:
             return rows
-        at = index.clamp_max(self.packed_len - 1)
-        packed_rows = self.compressor.gather_packed(self.packed, at, compute_dtype(rows)).to(rows.dtype)
-        return torch.where((index < self.packed_len).unsqueeze(-1), packed_rows, rows)
+        at = index.clamp_max(packed_len - 1)
+        packed_rows = self.compressor.gather_packed(self.fields, at, compute_dtype(rows)).to(rows.dtype)
+        return torch.where((index < packed_len).unsqueeze(-1), packed_rows, rows)
 
     def all_rows(self) -> Tensor:
-        """Every token [B, H, S, D], dequantized."""
+        """Every token held [B, H, S, D], dequantized."""
         batch, heads = self.tail.shape[:2]
-        positions = torch.arange(self.seq_len, device=self.tail.device).expand(batch, heads, -1)
+        positions = torch.arange(self.lengths.seq_len, device=self.tail.device).expand(batch, heads, -1)
         return self.gather(positions)
 
     def packed_rows(self) -> PackedRows | None:
         """What the fused decode kernel reads (`kernels.packed_rows.PackedRows`); None where it cannot read
         this store (a compressor other than ASQ)."""
         asq = self.compressor
-        if asq is not None and not isinstance(asq, ASQCompressor):
+        if asq is None:
+            return PackedRows(self.tail, self.lengths.device)
+        if not isinstance(asq, ASQCompressor):
             return None
-        signs = asq.rotation_signs if asq is not None and asq.rotate_residuals else None
-        if self.packed_len == 0:
-            return PackedRows(self.tail, rotation_signs=signs)
-        fields = self.packed
-        return PackedRows(self.tail, fields["ids"], fields["residual"], fields["scales"], fields["prototypes"],
-                          asq.quant_bits, asq.cluster_num, asq.block_size, signs)
+        signs = asq.rotation_signs if asq.rotate_residuals else None
+        fields = self.fields
+        return PackedRows(self.tail, self.lengths.device, fields["ids"], fields["residual"], fields["scales"],
+                          fields["prototypes"], asq.quant_bits, asq.cluster_num, asq.block_size, signs)
 
     def nbytes(self) -> int:
-        """Bytes held."""
-        tensors = [*(self.packed or {}).values(), self.tail]
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        """Bytes the tokens held occupy (what the byte account counts; the buffers are sized for capacity)."""
+        batch, heads, _, dim = self.tail.shape
+        raw_tokens = self.lengths.seq_len - (self.lengths.packed_len if self.compressor is not None else 0)
+        held = batch * heads * raw_tokens * dim * self.tail.element_size()
+        for field in (self.fields or {}).values():
+            per_entry = self.capacity // field.shape[2]
+            entries = self.lengths.packed_len // per_entry
+            held += field[:, :, :entries].numel() * field.element_size()
+        return held
+
+    def allocated_bytes(self) -> int:
+        """Bytes the store's buffers take on the device."""
+        return sum(t.numel() * t.element_size() for t in [self.tail, *(self.fields or {}).values()])

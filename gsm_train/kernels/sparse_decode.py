@@ -84,17 +84,18 @@ if triton is not None:
         return pos, live
 
     @triton.jit
-    def _cluster_ids(ids_ptr, bh, pos, live, packed_len):
+    def _cluster_ids(ids_ptr, bh, pos, live, packed_len, capacity):
         """The prototype ids (int32) of the packed rows at `pos` (0 elsewhere)."""
         in_packed = live & (pos < packed_len)
-        return tl.load(ids_ptr + bh * packed_len + pos, mask=in_packed, other=0).to(tl.int32)
+        return tl.load(ids_ptr + bh * capacity + pos, mask=in_packed, other=0).to(tl.int32)
 
     @triton.jit
-    def _packed_parts(cluster, res_ptr, scale_ptr, proto_ptr, bh, pos, in_packed, packed_len, n_blocks, dims,
+    def _packed_parts(cluster, res_ptr, scale_ptr, proto_ptr, bh, pos, in_packed, capacity, n_blocks, dims,
                       D: tl.constexpr, BITS: tl.constexpr, C: tl.constexpr, TOKENS_PER_BLOCK: tl.constexpr):
         """What the store holds for the packed rows at `pos` with prototype ids `cluster` (zeros elsewhere):
-        prototype rows [N, D], residual codes as words [N, D * BITS / 32] (int32, read whole) and scales [N]."""
-        flat = bh * packed_len + pos
+        prototype rows [N, D], residual codes as words [N, D * BITS / 32] (int32, read whole) and scales [N];
+        the buffers hold `capacity` tokens and `n_blocks` blocks per (batch, head)."""
+        flat = bh * capacity + pos
         NWORDS: tl.constexpr = D * BITS // 32
         # one expression: naming the word pointers made Triton 3.6's layout pass fail on the ids' load
         word = tl.load(res_ptr.to(tl.pointer_type(tl.int32)) + flat[:, None] * NWORDS
@@ -127,10 +128,10 @@ if triton is not None:
         return rows
 
     @triton.jit
-    def _tail_rows(tail_ptr, bh, pos, in_tail, packed_len, tail_len, dims, D: tl.constexpr, DTYPE: tl.constexpr):
-        """The raw rows [N, D] (DTYPE, never rotated) of the newest block at `pos` where `in_tail`, zeros
-        elsewhere."""
-        return tl.load(tail_ptr + (bh * tail_len + (pos - packed_len))[:, None] * D + dims[None, :],
+    def _tail_rows(tail_ptr, bh, pos, in_tail, packed_len, tail_slots, dims, D: tl.constexpr, DTYPE: tl.constexpr):
+        """The raw rows [N, D] (DTYPE, never rotated) at `pos` where `in_tail` (slot pos - packed_len of
+        `tail_slots` per (batch, head)), zeros elsewhere."""
+        return tl.load(tail_ptr + (bh * tail_slots + (pos - packed_len))[:, None] * D + dims[None, :],
                        mask=in_tail[:, None], other=0.0).to(DTYPE)
 
     # Gathers of scattered rows are latency-bound: how many rows a program takes (BLOCK_N x TILES),
@@ -152,8 +153,8 @@ if triton is not None:
     def _sparse_decode_kernel(q_ptr, signs_ptr, index_ptr, valid_ptr,
                               k_ids, k_res, k_scales, k_protos, k_tail,
                               v_ids, v_res, v_scales, v_protos, v_tail,
-                              acc_ptr, raw_ptr, max_ptr, sum_ptr,
-                              packed_len, tail_len, n_blocks, selected, size_class, rows, scaling,
+                              acc_ptr, raw_ptr, max_ptr, sum_ptr, lengths_ptr,
+                              capacity, tail_slots, n_blocks, selected, size_class, rows, scaling,
                               KV_HEADS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, GQ: tl.constexpr,
                               D: tl.constexpr, LOG_D: tl.constexpr,
                               K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_CENTER: tl.constexpr,
@@ -165,6 +166,9 @@ if triton is not None:
         bh = tl.program_id(0)
         split = tl.program_id(1)
         splits = tl.num_programs(1)
+        packed_len = 0  # tokens packed, read when the kernel runs (a captured launch serves every step)
+        if PACKED:
+            packed_len = tl.load(lengths_ptr + 1)
         selection_row = bh // KV_HEADS if SHARED_SELECTION else bh  # one selection per layer or per KV head
         heads = tl.arange(0, GP)
         dims = tl.arange(0, D)
@@ -194,17 +198,17 @@ if triton is not None:
         next_pos, next_live = _tile_positions(index_ptr, valid_ptr, row_start, offs + BLOCK_N, hi, HAS_VALID)
         k_cluster, v_cluster = pos, pos
         if PACKED:
-            k_cluster = _cluster_ids(k_ids, bh, pos, live, packed_len)
-            v_cluster = _cluster_ids(v_ids, bh, pos, live, packed_len)
+            k_cluster = _cluster_ids(k_ids, bh, pos, live, packed_len, capacity)
+            v_cluster = _cluster_ids(v_ids, bh, pos, live, packed_len, capacity)
         for start in range(0, BLOCK_N * TILES, BLOCK_N):
             in_packed = live & (pos < packed_len)
             if PACKED:  # every load of the tile is issued before any of it is used
                 k_proto, k_word, k_scale = _packed_parts(k_cluster, k_res, k_scales, k_protos, bh, pos, in_packed,
-                                                         packed_len, n_blocks, dims, D, K_BITS, C, TOKENS_PER_BLOCK)
+                                                         capacity, n_blocks, dims, D, K_BITS, C, TOKENS_PER_BLOCK)
                 v_proto, v_word, v_scale = _packed_parts(v_cluster, v_res, v_scales, v_protos, bh, pos, in_packed,
-                                                         packed_len, n_blocks, dims, D, V_BITS, C, TOKENS_PER_BLOCK)
-                next_k_cluster = _cluster_ids(k_ids, bh, next_pos, next_live, packed_len)
-                next_v_cluster = _cluster_ids(v_ids, bh, next_pos, next_live, packed_len)
+                                                         capacity, n_blocks, dims, D, V_BITS, C, TOKENS_PER_BLOCK)
+                next_k_cluster = _cluster_ids(k_ids, bh, next_pos, next_live, packed_len, capacity)
+                next_v_cluster = _cluster_ids(v_ids, bh, next_pos, next_live, packed_len, capacity)
             else:
                 k_proto, k_word, k_scale = pos, pos, pos
                 v_proto, v_word, v_scale = pos, pos, pos
@@ -216,7 +220,7 @@ if triton is not None:
             keys = _packed_rows(k_proto, k_word, k_scale, in_packed, D, K_BITS, K_CENTER, PACKED, q.dtype)
             logits = tl.dot(keys, q_t, input_precision=PRECISION)  # [BLOCK_N, GP]; (k R) . (q R) = k . q
             if has_tail:  # raw rows against the unrotated query; zero rows on either side add nothing
-                raw_keys = _tail_rows(k_tail, bh, pos, in_tail, packed_len, tail_len, dims, D, q.dtype)
+                raw_keys = _tail_rows(k_tail, bh, pos, in_tail, packed_len, tail_slots, dims, D, q.dtype)
                 logits += tl.dot(raw_keys, q_raw_t, input_precision=PRECISION)
             logits = logits * scaling
             logits = tl.where(live[:, None], logits, float("-inf"))
@@ -227,7 +231,7 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), values, input_precision=PRECISION)
             acc_raw = acc_raw * alpha[:, None]
             if has_tail:
-                raw_values = _tail_rows(v_tail, bh, pos, in_tail, packed_len, tail_len, dims, D, q.dtype)
+                raw_values = _tail_rows(v_tail, bh, pos, in_tail, packed_len, tail_slots, dims, D, q.dtype)
                 acc_raw += tl.dot(p.to(q.dtype), raw_values, input_precision=PRECISION)
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
@@ -281,21 +285,29 @@ if triton is not None:
         tl.store(out_ptr + row * D + dims[None, :], out.to(out_ptr.dtype.element_ty))
 
     @triton.jit
-    def _gate_scores_kernel(q_ptr, k_ptr, scale_ptr, out_ptr, length, scale, sink_end, forced_start, forced_end,
-                            DG: tl.constexpr, BLOCK_S: tl.constexpr, SCALED: tl.constexpr):
+    def _gate_scores_kernel(q_ptr, k_ptr, scale_ptr, valid_ptr, out_ptr, lengths_ptr, capacity, selectors, scale,
+                            sink_end, recent, DG: tl.constexpr, BLOCK_S: tl.constexpr, SCALED: tl.constexpr,
+                            HAS_VALID: tl.constexpr):
         row = tl.program_id(0)  # one (batch, selector)
         tile = tl.program_id(1)
+        length = tl.load(lengths_ptr)  # the keys held, read when the kernel runs
         dims = tl.arange(0, DG)
         keys_at = tile * BLOCK_S + tl.arange(0, BLOCK_S)
+        in_buffer = keys_at < capacity
         live = keys_at < length
         q = tl.load(q_ptr + row * DG + dims).to(tl.float32)
-        keys = tl.load(k_ptr + ((row * length + keys_at) * DG)[:, None] + dims[None, :], mask=live[:, None],
+        keys = tl.load(k_ptr + ((row * capacity + keys_at) * DG)[:, None] + dims[None, :], mask=live[:, None],
                        other=0).to(tl.float32)
         logits = tl.sum(keys * q[None, :], 1) * scale
         if SCALED:  # int8 codes: one fp16 scale per key
-            logits = logits * tl.load(scale_ptr + row * length + keys_at, mask=live, other=0.0).to(tl.float32)
-        forced = (keys_at < sink_end) | ((keys_at >= forced_start) & (keys_at < forced_end))
-        tl.store(out_ptr + row * length + keys_at, tl.where(forced, float("inf"), logits), mask=live)
+            logits = logits * tl.load(scale_ptr + row * capacity + keys_at, mask=live, other=0.0).to(tl.float32)
+        # the rule's forced keys: the sinks, the recent tokens and the newest position itself
+        forced_start = tl.maximum(length - tl.maximum(recent, 1), 0)
+        forced = (keys_at < sink_end) | (keys_at >= forced_start)
+        logits = tl.where(forced, float("inf"), logits)
+        if HAS_VALID:  # padding: keys the row may not see
+            live = live & (tl.load(valid_ptr + (row // selectors) * capacity + keys_at, mask=live, other=0) != 0)
+        tl.store(out_ptr + row * capacity + keys_at, tl.where(live, logits, float("-inf")), mask=in_buffer)
 
 
 SCORE_PROGRAMS = 512  # the score kernel takes as few keys per program (64..1024) as keep about this many busy
@@ -314,7 +326,7 @@ SMALLEST_CHUNK = 32  # the fewest rows a program of the autotuned decode kernel 
 
 def _store_args(rows: PackedRows, like: Tensor) -> tuple[Tensor, ...]:
     """(ids, residual, scales, prototypes, tail) pointers; placeholders where nothing is packed."""
-    if rows.packed_len == 0:
+    if not rows.packed:
         return like, like, like, like, rows.tail
     return rows.ids, rows.residual, rows.scales, rows.prototypes, rows.tail
 
@@ -327,7 +339,7 @@ def kernel_constants(query: Tensor, k_store: PackedRows, v_store: PackedRows, sh
     _, q_heads, _, dim = query.shape
     kv_heads = k_store.tail.shape[1]
     groups = q_heads // kv_heads
-    packed = k_store.packed_len > 0
+    packed = k_store.packed
     k_bits, v_bits = (k_store.bits, v_store.bits) if packed else (8, 8)  # no codes read unpacked
     return dict(KV_HEADS=kv_heads, G=groups, GP=max(16, triton.next_power_of_2(groups)),
                 GQ=triton.next_power_of_2(groups), D=dim,
@@ -343,8 +355,10 @@ def kernel_constants(query: Tensor, k_store: PackedRows, v_store: PackedRows, sh
 def fused_decode_attention(query: Tensor, k_store: PackedRows, v_store: PackedRows, index: Tensor, valid: Tensor | None,
                            scaling: float, config: triton.Config | None = None) -> Tensor:
     """Attention of query [B, Hq, 1, D] over the rows `index` [B, n, k] of the stores (n = 1: one selection
-    for all KV heads; n = Hkv: one per KV head; `valid` alike or None) -> [B, 1, Hq, D]. `config`: one of
-    the kernel's autotuned configurations (`decode_configs()`) to run instead of the autotuner's pick."""
+    for all KV heads; n = Hkv: one per KV head; `valid` alike or None; every position below the stores'
+    `lengths[0]`) -> [B, 1, Hq, D]. The lengths are read on the device: no host value of the step's enters
+    the launch, so it can be captured once and replayed every step. `config`: one of the kernel's
+    autotuned configurations (`decode_configs()`) to run instead of the autotuner's pick."""
     k_rotates, v_rotates = (store.rotation_signs is not None for store in (k_store, v_store))
     if k_rotates != v_rotates:
         raise ValueError(f"k_store and v_store must both rotate residuals or neither (got {k_rotates} and "
@@ -361,6 +375,7 @@ def fused_decode_attention(query: Tensor, k_store: PackedRows, v_store: PackedRo
     maxes = torch.empty(batch * kv_heads * most_splits * groups, device=query.device, dtype=torch.float32)
     sums = torch.empty_like(maxes)
     raw = torch.empty_like(acc) if constants["ROTATED"] else acc  # the raw rows' partial sums, when kept apart
+    capacity = k_store.ids.shape[2] if packed else k_store.tail.shape[2]
     n_blocks = k_store.prototypes.shape[2] if packed else 0
     # V's rotation signs are K's: both are hadamard_signs(D), D the one head size both stores are read at
     signs = k_store.rotation_signs if constants["ROTATED"] else q
@@ -380,8 +395,8 @@ def fused_decode_attention(query: Tensor, k_store: PackedRows, v_store: PackedRo
                                                    "num_stages": config.num_stages}
     kernel[grid](
         q, signs, index, valid_arg, *_store_args(k_store, index),
-        *_store_args(v_store, index), acc, raw, maxes, sums,
-        k_store.packed_len, k_store.tail.shape[2], n_blocks, selected, triton.next_power_of_2(selected),
+        *_store_args(v_store, index), acc, raw, maxes, sums, k_store.lengths,
+        capacity, k_store.tail.shape[2], n_blocks, selected, triton.next_power_of_2(selected),
         batch * kv_heads, scaling, **constants, **fixed)
     splits = grid(fixed or _sparse_decode_kernel.best_config.kwargs)[1]
     out = torch.empty(batch, q_heads, dim, device=query.device, dtype=query.dtype)
@@ -403,18 +418,21 @@ def autotuned_config() -> triton.Config:
     return _sparse_decode_kernel.best_config
 
 
-def gate_scores(gate_q: Tensor, gate_keys: Tensor, key_scales: Tensor | None,
-                forced: tuple[int, int, int] = (0, 0, 0)) -> Tensor:
-    """fp32 gate logits [B, n, S] of one query per row, gate_q [B, n, 1, dg], over the cached gate keys
-    [B, n, S, dg] (bf16, or int8 codes with fp16 `key_scales` [B, n, S, 1]): the same products as
-    `SparseGateHead.score_stored`, reading the keys once as stored. `forced` (sink_end, start, end): keys
-    below sink_end and in [start, end) get +inf instead, as `decode_attention.top_k_positions` marks the
-    keys a selection always keeps (`decode_attention.forced_spans`), so no kernel of their own writes them."""
-    batch, selectors, length, dim = gate_keys.shape
-    out = torch.empty(batch, selectors, length, device=gate_keys.device, dtype=torch.float32)
+def gate_scores(gate_q: Tensor, gate_keys: Tensor, key_scales: Tensor | None, lengths: Tensor, sink_tokens: int,
+                recent_tokens: int, key_valid: Tensor | None = None) -> Tensor:
+    """fp32 gate logits [B, n, C] of one query per row, gate_q [B, n, 1, dg], over the cached gate keys
+    [B, n, C, dg] of a cache of capacity C (bf16, or int8 codes with fp16 `key_scales` [B, n, C, 1]): the
+    same products as `SparseGateHead.score_stored`, reading the keys once as stored. `lengths[0]` (int32,
+    on the device) keys are held; the rest get -inf, as do keys `key_valid` [B, C] marks False (padding).
+    The keys a selection always keeps (`decode_attention.forced_spans`: sinks, the recent tokens and the
+    newest position) get +inf, so no kernel of their own writes them."""
+    batch, selectors, capacity, dim = gate_keys.shape
+    out = torch.empty(batch, selectors, capacity, device=gate_keys.device, dtype=torch.float32)
     scales = key_scales.contiguous() if key_scales is not None else out
-    block = _score_block(batch * selectors, length)
-    _gate_scores_kernel[(batch * selectors, triton.cdiv(length, block))](
-        gate_q.float().contiguous(), gate_keys.contiguous(), scales, out, length, dim ** -0.5, *forced, DG=dim,
-        BLOCK_S=block, SCALED=key_scales is not None)
+    valid = key_valid.to(torch.int8).contiguous() if key_valid is not None else out
+    block = _score_block(batch * selectors, capacity)
+    _gate_scores_kernel[(batch * selectors, triton.cdiv(capacity, block))](
+        gate_q.float().contiguous(), gate_keys.contiguous(), scales, valid, out, lengths, capacity, selectors,
+        dim ** -0.5, sink_tokens, recent_tokens, DG=dim, BLOCK_S=block, SCALED=key_scales is not None,
+        HAS_VALID=key_valid is not None)
     return out

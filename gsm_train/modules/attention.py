@@ -20,7 +20,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from gsm_train.modules import own_block_attention as own_block
 from gsm_train.modules.adapter import GSMAttentionAdapter
 from gsm_train.modules.errors import GSMError
-from gsm_train.modules.forward_state import FORWARD_KWARG, DecodeStep, ForwardState
+from gsm_train.modules.forward_state import FORWARD_KWARG, CachedStep, ForwardState
 from gsm_train.modules.layer_pass import LayerPass
 from gsm_train.modules.layout import Layout, block_causal_kv, forward_layout, sampled_rows
 from gsm_train.modules.records import kl_from_hidden, record_captured_mass, record_gate_kl
@@ -46,9 +46,9 @@ def gsm_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
         raise GSMError(f"layer {module.layer_idx}: the gate's input was not kept; was the model injected?")
     scale = module.scaling if scaling is None else scaling
     layer_cache = state.layer_cache(module.layer_idx)
-    if layer_cache is not None and layer_cache.decoding():
-        step = DecodeStep(module, adapter, query, *inputs, attention_mask, scale, state.settings)
-        return layer_cache.decode_attention(step), None
+    if layer_cache is not None and layer_cache.attends_itself():
+        step = CachedStep(module, adapter, query, *inputs, attention_mask, scale, state.settings)
+        return layer_cache.cached_attention(step), None
     key, value, own = adapter.transform_kv(key, value, state)
     sparse_cfg = state.settings.config.sparse_attention
     mode = "dense" if adapter.dense_layer or not sparse_cfg.enabled else state.settings.mode

@@ -109,26 +109,34 @@ class GSMGenerationCache(Protocol):
     def gsm_layer(self, layer_idx: int) -> GSMLayerCache:
         """The cache of one decoder layer."""
 
+    def begin_forward(self, new_tokens: int, attention_mask: Tensor | None) -> None:
+        """A forward adding `new_tokens` per row starts (before any layer runs)."""
+
+    def end_forward(self) -> None:
+        """The forward has run through every layer."""
+
 
 @runtime_checkable
 class GSMLayerCache(Protocol):
     """One layer's generation cache, as the attention function uses it."""
 
-    def decoding(self) -> bool:
-        """Whether the call in progress adds one token after earlier ones (else it is the prompt)."""
+    def attends_itself(self) -> bool:
+        """Whether this call's attention runs over the cache (new tokens after earlier ones); else the
+        training-time attention runs over the call's own tokens (a prompt into an empty cache)."""
 
     def keep_gate_keys(self, gate_keys: Tensor, bits: int) -> None:
-        """Store the prompt's gate keys [B, n, T, dg] at `bits`."""
+        """Store the call's gate keys [B, n, T, dg] at `bits`."""
 
-    def decode_attention(self, step: DecodeStep) -> Tensor:
-        """The new token's attention output [B, 1, Hq, D] over this layer's cache."""
+    def cached_attention(self, step: CachedStep) -> Tensor:
+        """The new tokens' attention output [B, T, Hq, D] over this layer's cache."""
 
 
 @dataclass(frozen=True)
-class DecodeStep:
-    """What one layer's decode step hands its cache: the attention module and its GSM adapter, the new
-    token's query [B, Hq, 1, D] (post-RoPE) and its layer input (hidden [B, 1, d], cos, sin), the model's
-    attention mask as transformers built it (None: no padding), the softmax scale and the settings."""
+class CachedStep:
+    """What one layer hands its cache when the cache attends (`GSMLayerCache.cached_attention`): the
+    attention module and its GSM adapter, the new tokens' queries [B, Hq, T, D] (post-RoPE) and their layer
+    input (hidden [B, T, d], cos, sin), the model's attention mask as transformers built it, the softmax
+    scale and the settings."""
 
     module: nn.Module
     adapter: nn.Module
@@ -202,8 +210,12 @@ def _start_forward(stack: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, 
     if records is not None:
         records.forwards += 1
     cache = next((kwargs[name] for name in CACHE_KWARGS if kwargs.get(name) is not None), None)
-    state = ForwardState(stack.gsm_settings, request, records,
-                         cache if isinstance(cache, GSMGenerationCache) else None)
+    cache = cache if isinstance(cache, GSMGenerationCache) else None
+    if cache is not None and stack.gsm_settings.enabled:
+        tokens = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
+        tokens = tokens if tokens is not None else args[0]
+        cache.begin_forward(tokens.shape[1], kwargs.get("attention_mask"))
+    state = ForwardState(stack.gsm_settings, request, records, cache)
     return args, {**kwargs, FORWARD_KWARG: state}
 
 
@@ -217,8 +229,17 @@ def _keep_layer_input(attention: nn.Module, args: tuple, kwargs: dict) -> None:
     state.layer_inputs[attention.layer_idx] = (hidden, cos, sin)
 
 
+def _end_forward(stack: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+    """Post-hook of the decoder stack: tell the generation cache its forward is over."""
+    state = kwargs.get(FORWARD_KWARG)
+    if state is not None and state.cache is not None:
+        state.cache.end_forward()
+
+
 def install_forward_hooks(model: nn.Module) -> None:
     """Give each forward of `model` its ForwardState (call once, at injection)."""
-    decoder_stack(model).register_forward_pre_hook(_start_forward, with_kwargs=True)
+    stack = decoder_stack(model)
+    stack.register_forward_pre_hook(_start_forward, with_kwargs=True)
+    stack.register_forward_hook(_end_forward, with_kwargs=True)
     for attention in attention_modules(model):
         attention.register_forward_pre_hook(_keep_layer_input, with_kwargs=True)

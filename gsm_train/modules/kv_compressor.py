@@ -287,6 +287,15 @@ class ASQCompressor(nn.Module):
         return sum(asq_bytes(seq_len, 1, head_dim, config.cluster_num, bits, config.block_size)["bytes_per_token"]
                    for bits in config.bits(layer))
 
+    def allocate(self, batch: int, heads: int, capacity: int, device: torch.device) -> dict[str, Tensor]:
+        """Empty `pack_blocks` fields for `capacity` tokens (a whole number of blocks) of `heads` heads."""
+        nbytes = math.ceil(self.head_dim * self.quant_bits / 8)
+        return {"ids": torch.zeros(batch, heads, capacity, dtype=torch.uint8, device=device),
+                "residual": torch.zeros(batch, heads, capacity, nbytes, dtype=torch.uint8, device=device),
+                "scales": torch.zeros(batch, heads, capacity, dtype=STORE_DTYPE, device=device),
+                "prototypes": torch.zeros(batch, heads, capacity // self.block_size, self.cluster_num,
+                                          self.head_dim, dtype=STORE_DTYPE, device=device)}
+
     def pack_blocks(self, x: Tensor) -> dict[str, Tensor]:
         """Whole blocks x [B, H, n * block_size, D] as the cache stores them: `ids` uint8 [B, H, F], `residual`
         uint8 [B, H, F, ceil(D * bits / 8)], `scales` fp16 [B, H, F], `prototypes` fp16 [B, H, n, C, D]."""

@@ -48,6 +48,12 @@ class PerTokenCompressor(nn.Module):
         out = join_blocks(q * scale, tail)
         return (out, x.new_zeros((), dtype=torch.float32)) if with_loss else out
 
+    def allocate(self, batch: int, heads: int, capacity: int, device: torch.device) -> dict[str, Tensor]:
+        """Empty `pack_blocks` fields for `capacity` tokens of `heads` heads."""
+        nbytes = math.ceil(self.head_dim * self.quant_bits / 8)
+        return {"codes": torch.zeros(batch, heads, capacity, nbytes, dtype=torch.uint8, device=device),
+                "scales": torch.zeros(batch, heads, capacity, dtype=STORE_DTYPE, device=device)}
+
     @torch.no_grad()
     def pack_blocks(self, x: Tensor) -> dict[str, Tensor]:
         """Whole blocks x [B, H, F, D]: `codes` uint8 [B, H, F, ceil(D * bits / 8)], `scales` fp16 [B, H, F]."""

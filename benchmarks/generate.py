@@ -1,0 +1,336 @@
+"""End-to-end generation as users run it, on one GPU: `model.generate` over the GSM cache (after `load_gsm`
+or `enable_gsm_generation`: chunked prefill, token steps replayed from CUDA graphs) against the dense
+base with transformers' static cache, whose decode step transformers compiles (what a user would pick),
+and with its default dynamic cache (eager).
+
+Rows (`--rows`, default all):
+- `8b_32k_bs1`, `8b_32k_bs16`, `8b_128k_bs1`, `8b_128k_bs16`: a Llama-3-8B-shaped model (32 layers, 32 / 8
+  heads, head_dim 128, hidden 4096, vocab 128256) with random bf16 weights built from a config, the GSM
+  modules as recipes/joint.yaml sets them (its layer_bits name SmolLM2's layers: none here; gates at
+  random, since speed does not depend on their values); random prompt tokens. At 128k and batch 16 the
+  dense cache does not fit one H200: the row says what does.
+- `smollm2_8k_bs1`, `smollm2_8k_bs16`: SmolLM2-135M with `--smollm2-export` (or the recipe's modules,
+  untrained) on held-out text (`--eval-data`), plus token agreement with teacher forcing (bf16) and the
+  captured step against the eager one.
+
+Per row and method: decode tokens/s over the new tokens after the second (the first comes from the
+prompt; the second's step is where a graph is captured or a step compiled), time to first token (batch-1
+rows, after a warm-up call that compiles the kernels), peak device memory, the KV bytes held, and the
+bandwidth bound: the bytes one decode step must read (weights plus the KV it touches) over the H200's
+4.8 TB/s, as tokens/s. Batch-16 GSM rows prefill one prompt at batch 1 and copy the cache to every row
+(rows then decode alike; the time of a 16-row sparse prefill is not what the row measures).
+Resumable: rows already in --result are skipped.
+
+python -m benchmarks.generate --eval-data DATA/wikitext-2/valid.txt [--smollm2-export EXPORT] --result OUT.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, StoppingCriteria, StoppingCriteriaList
+
+from benchmarks.common import write_result
+from gsm_train.config import load_recipe
+from gsm_train.data import load_text_dataset, pack_tokens
+from gsm_train.export import load_gsm
+from gsm_train.families import model_dims
+from gsm_train.inference.cache import GSMCache, cache_kwargs
+from gsm_train.inference.engine import enable_gsm_generation
+from gsm_train.model_zoo import load_model_and_tokenizer
+from gsm_train.modules import gsm_adapters, inject_gsm, set_gsm_mode
+
+REPO = Path(__file__).resolve().parents[1]
+HBM_BYTES_PER_S = 4.8e12  # the H200's HBM3e bandwidth (spec); a device copy measured 4.3 TB/s here
+FIRST_TIMED = 2  # decode tokens/s from the third new token on (see the module docstring)
+ROWS = {"8b_32k_bs1": ("8b", 32768, 1), "8b_32k_bs16": ("8b", 32768, 16), "8b_128k_bs1": ("8b", 131072, 1),
+        "8b_128k_bs16": ("8b", 131072, 16), "smollm2_8k_bs1": ("smollm2", 8192, 1),
+        "smollm2_8k_bs16": ("smollm2", 8192, 16)}
+
+
+class StepTimes(StoppingCriteria):
+    """Records when each new token is ready (transformers calls it after every step); never stops."""
+
+    def __init__(self) -> None:
+        self.start, self.times = time.perf_counter(), []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        torch.cuda.synchronize()
+        self.times.append(time.perf_counter() - self.start)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def decode_tokens_per_s(self, batch: int) -> float:
+        times = self.times[FIRST_TIMED:]
+        return batch * (len(times) - 1) / (times[-1] - times[0])
+
+
+def llama8b() -> torch.nn.Module:
+    """A Llama-3-8B-shaped causal LM, random bf16 weights made on the GPU (seeded)."""
+    config = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
+                         max_position_embeddings=131072 + 1024, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    return model.eval()
+
+
+def _generate(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, **kwargs: Any) -> tuple[torch.Tensor,
+                                                                                                  StepTimes]:
+    timer = StepTimes()
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                             pad_token_id=0, stopping_criteria=StoppingCriteriaList([timer]), **kwargs)
+    return out, timer
+
+
+def _measure(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, warm: bool, **kwargs: Any) -> dict:
+    """One method's figures on `ids` [B, T]: with `warm`, a short call first (compiles, autotunes), then
+    time to first token and decode tokens/s of the main call, its peak memory."""
+    if warm:
+        _generate(model, ids, 3, **kwargs)
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    out, timer = _generate(model, ids, new_tokens, **kwargs)
+    return {"decode_tokens_per_s": timer.decode_tokens_per_s(ids.shape[0]),
+            "time_to_first_token_s": timer.times[0] if warm else None,
+            "first_call_time_to_first_token_s": None if warm else timer.times[0],
+            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30, "tokens": out}
+
+
+def dense_kv_bytes(model: torch.nn.Module, tokens: int, batch: int) -> int:
+    dims = model_dims(model)
+    return 2 * 2 * dims["kv_heads"] * dims["head_dim"] * dims["layers"] * tokens * batch
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def gsm_step_bytes(model: torch.nn.Module, context: int, batch: int) -> int:
+    """Bytes one GSM decode step reads besides the weights: per layer and row, the gate keys of every
+    position and the selected rows (cluster id, residual codes, scale and the prototype row in full, K
+    and V, per KV head), or every row in the dense layers."""
+    dims = model_dims(model)
+    total = 0
+    for _, adapter in gsm_adapters(model):
+        per_row = sum(1 + math.ceil(dims["head_dim"] * asq.quant_bits / 8) + 2 + 2 * dims["head_dim"]
+                      for asq in (adapter.asq_k, adapter.asq_v)) * dims["kv_heads"]
+        gate = adapter.gate
+        if gate is None:
+            total += per_row * context
+            continue
+        key_bytes = gate.gate_head_dim + 2 if gate.key_bits == 8 else 2 * gate.gate_head_dim
+        k = gsm_k(model)
+        total += gate.num_selectors * key_bytes * context + per_row * min(k, context)
+    return total * batch
+
+
+def gsm_k(model: torch.nn.Module) -> int:
+    from gsm_train.modules import gsm_settings
+
+    return gsm_settings(model).config.sparse_attention.top_k
+
+
+def _copy_rows(prefilled: GSMCache, model: torch.nn.Module, batch: int) -> GSMCache:
+    """A cache of `batch` rows, each holding what the batch-1 `prefilled` cache holds."""
+    cache = GSMCache(model, capacity=prefilled.capacity)
+    for source, layer in zip(prefilled.layers, cache.layers, strict=True):
+        template = source.k_store.tail
+        probe = template.new_zeros(batch, *template.shape[1:2], 1, template.shape[3])
+        layer.lazy_initialization(probe, probe)
+        for src, dst in ((source.k_store, layer.k_store), (source.v_store, layer.v_store)):
+            dst.tail.copy_(src.tail.expand_as(dst.tail))
+            for name, field in (src.fields or {}).items():
+                dst.fields[name].copy_(field.expand_as(dst.fields[name]))
+        for name in ("gate_keys", "gate_key_scales"):
+            if getattr(source, name) is not None:
+                getattr(layer, name).copy_(getattr(source, name).expand_as(getattr(layer, name)))
+    cache.lengths.set(prefilled.lengths.seq_len, prefilled.lengths.packed_len)
+    return cache
+
+
+def gsm_row(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int) -> dict:
+    """The GSM method's figures; batch > 1: one prompt prefilled at batch 1, its cache copied to every row."""
+    batch = ids.shape[0]
+    if batch == 1:
+        _generate(model, ids, 3)  # warm-up: kernels compiled and autotuned
+        cache = GSMCache(model, capacity=ids.shape[1] + new_tokens)
+        result = _measure(model, ids, new_tokens, warm=False, **cache_kwargs(model, cache))
+        result["time_to_first_token_s"] = result.pop("first_call_time_to_first_token_s")
+        return result | {"kv_bytes": cache.nbytes()}
+    prompt = ids[:1]
+    prefilled = GSMCache(model, capacity=ids.shape[1] + new_tokens)
+    with torch.no_grad():
+        model(input_ids=prompt[:, :-1], use_cache=True, logits_to_keep=1, **cache_kwargs(model, prefilled))
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    cache = _copy_rows(prefilled, model, batch)
+    del prefilled
+    out, timer = _generate(model, prompt.expand(batch, -1), new_tokens, **cache_kwargs(model, cache))
+    return {"decode_tokens_per_s": timer.decode_tokens_per_s(batch), "time_to_first_token_s": None,
+            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30, "kv_bytes": cache.nbytes(),
+            "tokens": out}
+
+
+def fits_dense(model: torch.nn.Module, context: int, batch: int) -> tuple[bool, int]:
+    """Whether a dense bf16 cache of `batch` rows of `context` fits beside the weights (10% headroom), and
+    the most rows that would."""
+    free = torch.cuda.get_device_properties(0).total_memory * 0.9 - weight_bytes(model)
+    per_row = dense_kv_bytes(model, context, 1)
+    return per_row * batch <= free, int(free // per_row)
+
+
+def run_row(name: str, model: torch.nn.Module, prompts: torch.Tensor, new_tokens: int, gsm_ready: Any) -> dict:
+    """Dense eager, dense static + compile, then GSM (after `gsm_ready(model)` attaches the modules)."""
+    _, context, batch = ROWS[name]
+    ids = prompts[:batch, : context - new_tokens].cuda()
+    weights = weight_bytes(model)
+    row: dict[str, Any] = {"context": context, "batch": batch, "new_tokens": new_tokens,
+                           "prompt_tokens": ids.shape[1], "weight_bytes": weights}
+    fits, most = fits_dense(model, context, batch)
+    dense_step = weights + dense_kv_bytes(model, context, batch)
+    row["bound_tokens_per_s_dense"] = batch * HBM_BYTES_PER_S / dense_step
+    if fits:
+        for method, options in (("dense_eager", {}), ("dense_static_compiled", {"cache_implementation": "static"})):
+            result = _measure(model, ids, new_tokens, warm=batch == 1, **options)
+            row[method] = {k: v for k, v in result.items() if k != "tokens"}
+            row[method]["bandwidth_share"] = row[method]["decode_tokens_per_s"] / row["bound_tokens_per_s_dense"]
+            print(f"{name} {method}: {row[method]['decode_tokens_per_s']:.1f} tokens/s", flush=True)
+            torch._dynamo.reset()
+            gc.collect()
+            torch.cuda.empty_cache()
+    else:
+        row["dense_fits"] = f"no: {dense_kv_bytes(model, context, batch) / 1e9:.0f} GB of bf16 KV; at most {most} rows fit"
+    gsm_ready(model)
+    gsm_bytes = gsm_step_bytes(model, context, batch)
+    row["bound_tokens_per_s_gsm"] = batch * HBM_BYTES_PER_S / (weight_bytes(model) + gsm_bytes)
+    result = gsm_row(model, ids, new_tokens)
+    row["gsm_tokens"] = result.pop("tokens")
+    row["gsm"] = result | {"bandwidth_share": result["decode_tokens_per_s"] / row["bound_tokens_per_s_gsm"]}
+    print(f"{name} gsm: {result['decode_tokens_per_s']:.1f} tokens/s", flush=True)
+    for method in ("dense_static_compiled", "dense_eager"):
+        if method in row:
+            row[f"speedup_vs_{method}"] = result["decode_tokens_per_s"] / row[method]["decode_tokens_per_s"]
+    return row
+
+
+def smollm2_extras(model: torch.nn.Module, row: dict, new_tokens: int) -> dict:
+    """Token agreement of GSM's generation with the teacher-forced GSM model (bf16), and whether the
+    captured token steps give the eager steps' tokens."""
+    generated = row.pop("gsm_tokens")[:4]
+    with torch.no_grad():
+        logits = model(generated, use_cache=False, logits_to_keep=new_tokens + 1).logits[:, :-1].float()
+    tokens = generated[:, -new_tokens:]
+    gap = logits.max(-1).values - logits.gather(-1, tokens[..., None])[..., 0]
+    agree = logits.argmax(-1) == tokens
+    extras = {"token_agreement": agree.float().mean().item(),
+              "token_agreement_outside_near_ties": (agree | (gap <= 0.1)).float().mean().item()}
+    if row["batch"] == 1:
+        prompt = generated[:, : generated.shape[1] - new_tokens]
+        enable_gsm_generation(model, cuda_graphs=False)
+        eager, _ = _generate(model, prompt, new_tokens)
+        enable_gsm_generation(model, cuda_graphs=True)
+        extras["captured_step_tokens_equal_eager"] = bool(torch.equal(eager, generated[:1]))
+    return extras
+
+
+def _gsm_config():
+    return load_recipe(str(REPO / "recipes" / "joint.yaml"), ["gsm.kv_compression.layer_bits={}",
+                                                             "gsm.sparse_attention.gate_init=random"]).gsm
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--eval-data", required=True)
+    parser.add_argument("--smollm2-export", default=None)
+    parser.add_argument("--rows", default=",".join(ROWS))
+    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--result", required=True)
+    args = parser.parse_args()
+    result_path = Path(args.result)
+    result = json.loads(result_path.read_text()) if result_path.exists() else {"rows": {}}
+    wanted = [name for name in args.rows.split(",") if name not in result["rows"]]
+    for family in ("smollm2", "8b"):
+        names = [name for name in wanted if ROWS[name][0] == family]
+        if not names:
+            continue
+        if family == "8b":
+            model = llama8b()
+            prompts = torch.randint(0, 128256, (16, 131072), generator=torch.Generator().manual_seed(1))
+
+            def ready(m: torch.nn.Module) -> None:
+                torch.manual_seed(0)
+                if not any(True for _ in gsm_adapters(m)):
+                    inject_gsm(m, _gsm_config(), mode="sparse")
+                    enable_gsm_generation(m)
+        else:
+            model, tokenizer = load_model_and_tokenizer("smollm2-135m", dtype=torch.bfloat16)
+            model.cuda()
+            prompts = pack_tokens(load_text_dataset(args.eval_data), tokenizer, 8192)[:16]
+            if len(prompts) < 16:
+                prompts = prompts.repeat(-(-16 // len(prompts)), 1)[:16]
+
+            def ready(m: torch.nn.Module) -> None:
+                if not any(True for _ in gsm_adapters(m)):
+                    if args.smollm2_export:
+                        load_gsm(m, args.smollm2_export)
+                    else:
+                        torch.manual_seed(0)
+                        inject_gsm(m, load_recipe(str(REPO / "recipes" / "joint.yaml")).gsm, mode="sparse")
+                        enable_gsm_generation(m)
+                    set_gsm_mode(m, "sparse")
+        for name in names:
+            row = run_row(name, model, prompts, args.new_tokens, ready)
+            if family == "smollm2":
+                row |= smollm2_extras(model, row, args.new_tokens)
+            row.pop("gsm_tokens", None)
+            result["rows"][name] = row
+            write_result(result_path, {k: v for k, v in result.items() if k not in ("command", "device")})
+            model = _fresh(model, family)
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+    _summary(result, result_path)
+
+
+def _fresh(model: torch.nn.Module, family: str) -> torch.nn.Module:
+    """The next row starts from the dense base again (GSM modules come off by rebuilding the model)."""
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    if family == "8b":
+        return llama8b()
+    model, _ = load_model_and_tokenizer("smollm2-135m", dtype=torch.bfloat16)
+    return model.cuda()
+
+
+def _summary(result: dict, path: Path) -> None:
+    rows = result["rows"]
+    keys = {"e2e_speedup_8b_32k_bs1": "8b_32k_bs1", "e2e_speedup_8b_32k_bs16": "8b_32k_bs16",
+            "e2e_speedup_8b_128k_bs1": "8b_128k_bs1", "smollm2_8k_bs1": "smollm2_8k_bs1",
+            "smollm2_8k_bs16": "smollm2_8k_bs16"}
+    for key, name in keys.items():
+        if name in rows:
+            result[key] = rows[name].get("speedup_vs_dense_static_compiled")
+            result[key + "_vs_eager"] = rows[name].get("speedup_vs_dense_eager")
+    print(f"{'row':>16} {'dense eager':>12} {'dense static':>13} {'gsm':>9} {'x static':>9} {'gsm bound':>10}")
+    for name, row in rows.items():
+        eager = row.get("dense_eager", {}).get("decode_tokens_per_s", float("nan"))
+        static = row.get("dense_static_compiled", {}).get("decode_tokens_per_s", float("nan"))
+        print(f"{name:>16} {eager:12.1f} {static:13.1f} {row['gsm']['decode_tokens_per_s']:9.1f} "
+              f"{row.get('speedup_vs_dense_static_compiled', float('nan')):9.2f} {row['bound_tokens_per_s_gsm']:10.1f}")
+    write_result(path, {k: v for k, v in result.items() if k not in ("command", "device")})
+
+
+if __name__ == "__main__":
+    main()

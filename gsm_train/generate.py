@@ -1,0 +1,139 @@
+"""`gsm-train generate`: a prompt continued with a GSM adapter over the GSM cache (or by the dense base),
+the text streamed as it is generated, and what it cost: time to first token, decode tokens/s, peak
+device memory and KV bytes; with `--compare-dense`, the dense base on the same prompt beside it.
+
+The adapter's model is `GSMModel.from_pretrained` (its `generate` runs over a GSM cache, token steps
+replayed from CUDA graphs on a GPU: `inference.engine`). The dense base runs as a user would run it
+instead: on a GPU with transformers' static cache, whose step transformers compiles.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import TextStreamer
+
+from gsm_train.adapter_format import ExportError
+from gsm_train.families import model_dims
+from gsm_train.hub_ids import base_to_load
+from gsm_train.inference.cache import GSMCache, cache_kwargs
+from gsm_train.kv_budget import bf16_layer_kv_bytes
+from gsm_train.model_zoo import load_model_and_tokenizer
+from gsm_train.pretrained import GSMModel
+
+FIRST_TIMED_STEP = 2  # decode tokens/s from the third new token: the first is the prompt's, the second
+# replays a step graph captured just before it (or, for the dense base, a step compiled just before it)
+
+
+@dataclass
+class Generation:
+    """A generated text and what it cost. `token_times`: seconds since the call began at which each new
+    token reached the streamer."""
+
+    label: str
+    text: str
+    new_tokens: int
+    seconds: float
+    token_times: list[float] = field(default_factory=list)
+    kv_bytes: int = 0
+    dense_kv_bytes: int = 0
+    peak_memory_bytes: int | None = None
+
+    @property
+    def time_to_first_token(self) -> float:
+        return self.token_times[0] if self.token_times else float("nan")
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """New tokens per second from the step after the first replayed one on (see FIRST_TIMED_STEP)."""
+        times = self.token_times[FIRST_TIMED_STEP:]
+        return (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else float("nan")
+
+    def summary(self) -> str:
+        memory = f", peak device memory {self.peak_memory_bytes / 2**30:.2f} GiB" if self.peak_memory_bytes else ""
+        return (f"{self.label}: {self.new_tokens} tokens in {self.seconds:.2f} s; time to first token "
+                f"{self.time_to_first_token * 1e3:.0f} ms; decode {self.decode_tokens_per_s:.1f} tokens/s "
+                f"(from token {FIRST_TIMED_STEP + 1} on: graph capture and compilation excluded){memory}; "
+                f"KV {self.kv_bytes:,} bytes (a bf16 dense cache: {self.dense_kv_bytes:,})")
+
+
+class TimedStreamer(TextStreamer):
+    """Prints the new text as it comes (`echo`) and records when each new token arrived."""
+
+    def __init__(self, tokenizer: Any, echo: bool) -> None:
+        super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        self.echo, self.start, self.times = echo, time.perf_counter(), []
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.next_tokens_are_prompt:
+            self.times.extend([time.perf_counter() - self.start] * (value.shape[-1] if value.dim() > 1 else 1))
+        super().put(value)
+
+    def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+        if self.echo:
+            super().on_finalized_text(text, stream_end)
+
+
+def dense_cache_bytes(model: nn.Module, tokens: int, batch: int = 1) -> int:
+    """Bytes a bf16 K/V cache of `tokens` takes for this model."""
+    dims = model_dims(model)
+    return bf16_layer_kv_bytes(dims) * dims["layers"] * tokens * batch
+
+
+def _device_and_dtype(device: str | None) -> tuple[str, torch.dtype]:
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return device, torch.bfloat16 if device.startswith("cuda") else torch.float32
+
+
+@torch.no_grad()
+def _run(label: str, model: nn.Module, tokenizer: Any, prompt: str, max_new_tokens: int, echo: bool,
+         cache: GSMCache | None, **options: Any) -> Generation:
+    """Greedy generation of `model` on `prompt`, streamed and timed."""
+    device = next(model.parameters()).device
+    ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    streamer = TimedStreamer(tokenizer, echo)
+    extra = cache_kwargs(model, cache) if cache is not None else {}
+    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, streamer=streamer,
+                         pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id or 0, **extra, **options)
+    seconds = time.perf_counter() - streamer.start
+    new = out[0, ids.shape[1]:]
+    cached = out.shape[1] - 1  # the last token is never fed back
+    dense = dense_cache_bytes(model, cached)
+    return Generation(label, tokenizer.decode(new, skip_special_tokens=True), len(new), seconds, streamer.times,
+                      cache.nbytes() if cache is not None else dense, dense,
+                      torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None)
+
+
+def generate(model_name: str | None, adapter: str | Path | None, prompt: str, max_new_tokens: int,
+             mode: str = "sparse", device: str | None = None, revision: str | None = None,
+             compare_dense: bool = False, echo: bool = False) -> list[Generation]:
+    """Greedy continuation of `prompt`: with `adapter` (an export folder or a Hub repo id at `revision`),
+    GSM attention over the GSM cache on the base the export names (or `model_name`), and with
+    `compare_dense` the dense base after it; without an adapter, the base `model_name`. `echo` streams
+    the text to stdout."""
+    device, dtype = _device_and_dtype(device)
+    runs = []
+    if adapter is not None:
+        gsm = GSMModel.from_pretrained(adapter, revision=revision, base=model_name, mode=mode, dtype=dtype,
+                                       device=device)
+        length = len(gsm.tokenizer(prompt).input_ids)
+        cache = GSMCache(gsm.model, capacity=length + max_new_tokens)
+        runs.append(_run("GSM cache", gsm.model, gsm.tokenizer, prompt, max_new_tokens, echo, cache))
+        model_name = model_name or base_to_load(gsm.config["base_model"])[0]
+        del gsm
+    elif model_name is None:
+        raise ExportError("generate needs a model: give --adapter (an export, whose base it loads) or --model")
+    if adapter is None or compare_dense:
+        model, tokenizer = load_model_and_tokenizer(model_name, dtype=dtype)
+        model.to(device)
+        options = {"cache_implementation": "static"} if device.startswith("cuda") else {}
+        runs.append(_run("dense base" + (", static cache" if options else ""), model, tokenizer, prompt,
+                         max_new_tokens, echo and adapter is None, None, **options))
+    return runs

@@ -1,0 +1,103 @@
+"""The whole model's forward of one new token per row over a GSM cache, captured once in a CUDA graph
+and replayed every step: no Python per layer, no kernel launched one by one.
+
+A captured step is valid for every later step of the same cache because nothing in it depends on a
+host value that changes: the kernels read how many tokens the cache holds from the device
+(`CacheLengths.device`, advanced by the step itself), the buffers have the cache's capacity, and the
+token's ids and RoPE positions are copied into static inputs before each replay. What cannot be
+captured runs around the replays: packing a full block (every `block_size` steps, `GSMCache.
+pack_full_tail`) and the host's copy of the lengths. The schedule's k is baked in, so a step is
+captured per k (`StepGraphs`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from gsm_train.inference.cache import GSMCache, cache_kwargs
+from gsm_train.inference.decode_attention import decode_k
+from gsm_train.modules.errors import GSMError
+from gsm_train.modules.settings import gsm_settings
+
+WARMUP_STEPS = 2  # eager steps before a capture: Triton compiles and autotunes, libraries build their handles
+
+
+def graphs_supported(model: nn.Module, cache: GSMCache) -> str | None:
+    """Why this model's token steps cannot be captured (None: they can): they need CUDA, the fused kernels,
+    and no bridge target (its rows are gathered with host lengths)."""
+    if cache.kernels is None:
+        return "the fused decode kernels do not run here (CUDA and Triton are needed)"
+    if not torch.cuda.is_available() or next(model.parameters()).device.type != "cuda":
+        return "the model is not on a CUDA device"
+    if gsm_settings(model).config.cross_layer_sharing.enabled:
+        return "a cache bridge's targets gather their rows with host lengths"
+    return None
+
+
+class CapturedStep:
+    """One token step of `model` over `cache` for `batch` rows, captured in a CUDA graph (see the module
+    docstring). Call it with the new tokens' ids and positions [B, 1]; returns the logits [B, 1, V] (a
+    buffer the next replay overwrites)."""
+
+    def __init__(self, model: nn.Module, cache: GSMCache, batch: int) -> None:
+        self.model, self.cache = model, cache
+        device = next(model.parameters()).device
+        self.input_ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.position_ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.graph = torch.cuda.CUDAGraph()
+        saved = self._lengths()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_STEPS):
+                self._forward()
+                self._restore(saved)
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(self.graph):
+            self.logits = self._forward()
+        self._restore(saved)
+
+    def _forward(self) -> Tensor:
+        with torch.no_grad():
+            out = self.model.gsm_base_forward(input_ids=self.input_ids, position_ids=self.position_ids,
+                                              use_cache=True, logits_to_keep=1,
+                                              **cache_kwargs(self.model, self.cache))
+        return out.logits
+
+    def _lengths(self) -> tuple[int, int, int, Tensor]:
+        lengths = self.cache.lengths
+        return lengths.seq_len, lengths.packed_len, lengths.before, lengths.device.clone()
+
+    def _restore(self, saved: tuple[int, int, int, Tensor]) -> None:
+        lengths = self.cache.lengths
+        lengths.seq_len, lengths.packed_len, lengths.before = saved[0], saved[1], saved[2]
+        lengths.device.copy_(saved[3])
+        self.cache.pending = 0
+
+    def __call__(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
+        if self.cache.lengths.seq_len >= self.cache.capacity:
+            raise GSMError(f"the GSM cache holds {self.cache.capacity} tokens per row and is full; create it "
+                           "with a larger capacity, or generate fewer tokens")
+        self.cache.pack_full_tail()  # eager, every block_size steps: the graph writes into the tail
+        self.input_ids.copy_(input_ids)
+        self.position_ids.copy_(position_ids)
+        self.graph.replay()
+        lengths = self.cache.lengths  # the replay advanced the device copy; the host's follows
+        lengths.before, lengths.seq_len = lengths.seq_len, lengths.seq_len + 1
+        return self.logits
+
+
+class StepGraphs:
+    """The captured token steps of one cache, by the schedule's k (a decaying schedule changes k between
+    steps; a constant one captures once)."""
+
+    def __init__(self, model: nn.Module, cache: GSMCache) -> None:
+        self.model, self.cache = model, cache
+        self.steps: dict[int, CapturedStep] = {}
+
+    def __call__(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
+        k = decode_k(gsm_settings(self.model).config, self.cache.lengths.seq_len)
+        if k not in self.steps:
+            self.steps[k] = CapturedStep(self.model, self.cache, input_ids.shape[0])
+        return self.steps[k](input_ids, position_ids)

@@ -1,0 +1,134 @@
+"""Plain `model.generate(...)` over a GSM cache: what `load_gsm` sets up on a model.
+
+`enable_gsm_generation(model)` wraps the model's `generate` and `forward` (on the instance; the class is
+untouched):
+- `generate` gives transformers' generation a `GSMCache` sized for the prompt and the new tokens (unless
+  the call passes a cache), so greedy and sampled decoding, left-padded batches with an attention mask,
+  EOS and stop strings, and streamers all run over it;
+- `forward` feeds a long prompt in chunks (no [T, T] selection of the whole prompt: `prefill`), and on
+  CUDA replays each token step from a CUDA graph (`decode_graph`) instead of running it layer by layer.
+Everything else goes to the model's own forward.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from gsm_train.inference.cache import GSMCache, cache_kwargs
+from gsm_train.inference.decode_graph import StepGraphs, graphs_supported
+from gsm_train.modules.errors import GSMError
+from gsm_train.modules.forward_state import CACHE_KWARGS
+from gsm_train.modules.settings import gsm_settings
+
+PREFILL_CHUNK = 4096  # prompt tokens per forward: memory O(chunk x context) per layer, not O(context^2)
+
+
+def enable_gsm_generation(model: nn.Module, cuda_graphs: bool = True, prefill_chunk: int = PREFILL_CHUNK) -> None:
+    """Make `model.generate` and `model.forward` use GSM's cache as the module docstring says (idempotent).
+    `cuda_graphs`: replay token steps from CUDA graphs where they can be captured (`graphs_supported`)."""
+    if not hasattr(model, "gsm_base_forward"):
+        model.gsm_base_forward = model.forward
+        model.forward = _bound(_forward, model, model.gsm_base_forward)
+        model.generate = _bound(_generate, model, model.generate)
+    model.gsm_generation = {"cuda_graphs": cuda_graphs, "prefill_chunk": prefill_chunk}
+
+
+def _bound(wrapper: Any, model: nn.Module, original: Any) -> Any:
+    """`wrapper(model, ...)` as an instance attribute with `original`'s signature (transformers reads the
+    forward's parameters to decide what to pass, e.g. `logits_to_keep`)."""
+    bound = functools.partial(wrapper, model)
+    bound.__signature__ = inspect.signature(original)
+    bound.__doc__ = original.__doc__
+    return bound
+
+
+def _given_cache(kwargs: dict[str, Any]) -> Any:
+    return next((kwargs[name] for name in CACHE_KWARGS if kwargs.get(name) is not None), None)
+
+
+def _generate(model: nn.Module, inputs: Tensor | None = None, **kwargs: Any) -> Any:
+    """transformers' generate, with a GSM cache of the prompt's length plus the new tokens."""
+    settings = gsm_settings(model)
+    prompt = inputs if inputs is not None else kwargs.get("input_ids")
+    if settings.enabled and prompt is not None and _given_cache(kwargs) is None and kwargs.get("use_cache", True):
+        config = kwargs.get("generation_config") or model.generation_config
+        if kwargs.get("num_beams", getattr(config, "num_beams", 1) or 1) > 1:
+            raise GSMError("a GSM cache does not support beam search; generate with num_beams=1")
+        new = kwargs.get("max_new_tokens") or getattr(config, "max_new_tokens", None)
+        total = prompt.shape[1] + new if new is not None else kwargs.get("max_length") or config.max_length
+        kwargs |= cache_kwargs(model, GSMCache(model, capacity=total))
+    return type(model).generate(model, inputs, **kwargs)
+
+
+def _forward(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The model's forward, with a long prompt fed in chunks and token steps replayed from CUDA graphs."""
+    cache = _given_cache(kwargs)
+    input_ids = kwargs.get("input_ids", args[0] if args else None)
+    if not isinstance(cache, GSMCache) or input_ids is None or args:
+        return model.gsm_base_forward(*args, **kwargs)
+    options = model.gsm_generation
+    tokens = input_ids.shape[1]
+    if tokens == 1 and cache.lengths.seq_len > 0 and options["cuda_graphs"] and _plain_step(kwargs):
+        graphs = _step_graphs(model, cache)
+        if graphs is not None:
+            positions = kwargs.get("position_ids")
+            if positions is None:
+                positions = torch.full_like(input_ids, cache.lengths.seq_len)
+            return CausalLMOutputWithPast(logits=graphs(input_ids, positions), **{_output_cache_name(): cache})
+    if tokens > options["prefill_chunk"] and not gsm_settings(model).config.cross_layer_sharing.enabled:
+        return _chunked_prefill(model, kwargs, input_ids, options["prefill_chunk"])
+    return model.gsm_base_forward(**kwargs)
+
+
+def _keep_logits(kwargs: dict[str, Any]) -> int:
+    """How many final positions' logits the caller asked for (0: all)."""
+    keep = kwargs.get("logits_to_keep", 0)
+    return keep if isinstance(keep, int) else 0
+
+
+def _plain_step(kwargs: dict[str, Any]) -> bool:
+    """Whether a token step asks for nothing a captured step does not give (hidden states, attentions,
+    embeddings instead of ids, labels)."""
+    asks = ("output_hidden_states", "output_attentions", "inputs_embeds", "labels")
+    return not any(kwargs.get(name) for name in asks)
+
+
+def _output_cache_name() -> str:
+    """The field under which transformers' model outputs carry the cache (renamed in 5.24)."""
+    return "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def _step_graphs(model: nn.Module, cache: GSMCache) -> StepGraphs | None:
+    """The cache's captured token steps, made at its first token step; None where they cannot be."""
+    graphs = getattr(cache, "step_graphs", None)
+    if graphs is None and graphs_supported(model, cache) is None:
+        graphs = cache.step_graphs = StepGraphs(model, cache)
+    return graphs
+
+
+def _chunked_prefill(model: nn.Module, kwargs: dict[str, Any], input_ids: Tensor, chunk: int) -> Any:
+    """The prompt in forwards of `chunk` tokens: the last one's output, its logits those the caller asked
+    for (`logits_to_keep`; all of them are joined from the chunks when it asked for every position)."""
+    mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
+    done = _given_cache(kwargs).lengths.seq_len
+    total, keep = input_ids.shape[1], _keep_logits(kwargs)
+    out, logits = None, []
+    for start in range(0, total, chunk):
+        end = min(start + chunk, total)
+        part = {**kwargs, "input_ids": input_ids[:, start:end]}
+        if mask is not None and mask.dim() == 2:
+            part["attention_mask"] = mask[:, : done + end]
+        if positions is not None:
+            part["position_ids"] = positions[..., start:end]
+        part["logits_to_keep"] = min(keep, end - start)  # 0: every position of the chunk
+        out = model.gsm_base_forward(**part)
+        logits.append(out.logits)
+    joined = torch.cat(logits, 1)
+    out.logits = joined[:, -keep:] if keep else joined
+    return out

@@ -1,0 +1,120 @@
+"""A prompt chunk's attention over a GSM cache that already holds earlier tokens (chunked prefill).
+
+A long prompt is fed in chunks so that no [T, T] selection or mask of the whole prompt exists. The
+first chunk runs through the training-time attention; each further chunk (queries at positions
+[before, end)) attends here over every key held, with the same rule as the teacher-forced pass of the
+whole prompt: keys in blocks before a query's own block as stored (the compressor's packed rows, or
+its fake-quantized rows for blocks this chunk completes), keys in its own block raw, and the gate's
+top-k of them in sparse mode (dense mode: all). Teacher forcing the whole prompt computes the same.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from gsm_train.functional.attention_targets import causal_visible
+from gsm_train.inference.decode_attention import CachedLayer
+from gsm_train.modules.attention import masked_sdpa
+from gsm_train.modules.errors import GSMError
+from gsm_train.modules.forward_state import CachedStep
+from gsm_train.modules.layout import earlier_blocks
+from gsm_train.modules.selection import chunks
+from gsm_train.modules.sparse_gate import decode_gate_keys, k_per_query, select_top_k
+from gsm_train.quant import stored_split
+
+
+class ChunkedLayer(CachedLayer):
+    """A layer's cache as a prompt chunk reads it: what decode attention reads, and the raw K/V [B, Hkv, n, D]
+    of the positions from the last block packed before the chunk to its end (None without a compressor)."""
+
+    recent_raw: tuple[Tensor, Tensor] | None
+
+
+def chunk_attention(step: CachedStep, layer_cache: ChunkedLayer) -> Tensor:
+    """Attention [B, T, Hq, D] of a prompt chunk's queries [B, Hq, T, D] over the cache (which holds them)."""
+    adapter, settings = step.adapter, step.settings
+    if adapter.bridge is not None:
+        raise GSMError("a prompt fed in chunks does not reach a cache bridge's targets; pass the prompt in "
+                       "one call, or use a model without cross_layer_sharing")
+    cfg = settings.config.sparse_attention
+    mode = "dense" if adapter.dense_layer or not cfg.enabled else settings.mode
+    if mode == "oracle":
+        raise GSMError("oracle mode needs the whole sequence; generate in sparse or dense mode")
+    lengths = layer_cache.lengths
+    before, end = lengths.before, lengths.seq_len
+    keys, values, raw_from = _keys_as_seen(layer_cache, step.query.dtype)
+    allowed = _allowed(layer_cache, before, end, step.query.device)
+    selection = allowed
+    if adapter.gate is not None:
+        gate_q, gate_k = adapter.gate(step.hidden, step.cos, step.sin)
+        layer_cache.keep_gate_keys(gate_k, adapter.gate.key_bits)
+        if mode == "sparse":
+            selection = _gate_selection(step, layer_cache, gate_q, allowed)
+    query_positions = torch.arange(before, end, device=step.query.device)
+    compressor = layer_cache.k_store.compressor
+    mask = _block_mask(selection, query_positions, end, raw_from, compressor.block_size if compressor else None)
+    return masked_sdpa(step.query, keys, values, mask, step.scaling, step.module.num_key_value_groups > 1)
+
+
+def _keys_as_seen(layer_cache: ChunkedLayer, dtype: torch.dtype) -> tuple[Tensor, Tensor, int]:
+    """Keys and values [B, Hkv, S', D] in `dtype`: every position held as stored (packed rows dequantized;
+    the blocks this chunk completes as the compressor's forward gives them), then, with a compressor, the
+    raw rows from `raw_from` (the first position not packed before the chunk) on, for queries' own blocks."""
+    k_store, v_store = layer_cache.k_store, layer_cache.v_store
+    if k_store.compressor is None:
+        return k_store.all_rows().to(dtype), v_store.all_rows().to(dtype), layer_cache.lengths.seq_len
+    raw_from = stored_split(layer_cache.lengths.before, k_store.compressor.block_size)
+    sides = []
+    for store, raw in zip((k_store, v_store), layer_cache.recent_raw, strict=True):
+        batch, heads = raw.shape[:2]
+        earlier = store.gather(torch.arange(raw_from, device=raw.device).expand(batch, heads, -1))
+        with torch.no_grad():
+            recent = store.compressor(raw)  # whole blocks as stored, the newest (partial) block raw
+        sides.append(torch.cat((earlier, recent.to(earlier.dtype), raw.to(earlier.dtype)), 2).to(dtype))
+    layer_cache.recent_raw = None
+    return sides[0], sides[1], raw_from
+
+
+def _allowed(layer_cache: ChunkedLayer, before: int, end: int, device: torch.device) -> Tensor:
+    """[B|1, 1, T, end]: causal, and the keys each row may see (padding)."""
+    query_positions = torch.arange(before, end, device=device)
+    allowed = (torch.arange(end, device=device)[None, :] <= query_positions[:, None])[None, None]
+    if layer_cache.key_valid is not None:
+        allowed = allowed & layer_cache.key_valid[:, None, None, :end]
+    return allowed
+
+
+def _gate_selection(step: CachedStep, layer_cache: ChunkedLayer, gate_q: Tensor, allowed: Tensor) -> Tensor:
+    """The gate's top-k per query [B, n, T, end], as the teacher-forced pass selects (`select_top_k`),
+    scored against the gate keys as the cache stores them, `query_chunk` rows at a time."""
+    cfg = step.settings.config.sparse_attention
+    before, end = layer_cache.lengths.before, layer_cache.lengths.seq_len
+    gate = step.adapter.gate
+    scales = layer_cache.gate_key_scales
+    stored = decode_gate_keys(layer_cache.gate_keys[:, :, :end], None if scales is None else scales[:, :, :end])
+    device = step.query.device
+    key_positions = torch.arange(end, device=device)
+    query_positions = torch.arange(before, end, device=device)
+    schedule = (cfg.top_k_schedule, cfg.top_k, cfg.k_min, cfg.decay_rate)
+    k_t = k_per_query(query_positions, *schedule)
+    k_host = k_per_query(causal_visible(end - before, end) - 1, *schedule)
+    parts = []
+    with torch.no_grad():
+        for start, stop in chunks(end - before, cfg.query_chunk):
+            scores = gate.score_stored(gate_q[:, :, start:stop], stored)
+            parts.append(select_top_k(scores, allowed[..., start:stop, :], k_t[start:stop],
+                                      query_positions[start:stop], key_positions, cfg.sink_tokens,
+                                      cfg.recent_tokens, int(k_host[start:stop].max())))
+    return torch.cat(parts, dim=2)
+
+
+def _block_mask(selection: Tensor, query_positions: Tensor, end: int, raw_from: int,
+                block_size: int | None) -> Tensor:
+    """The mask [B|1, n, T, S'] over `_keys_as_seen`: a selected key in a block before the query's own
+    as stored, one in its own block raw (the raw copy, from `raw_from` on). Without a compressor
+    (`block_size` None) the selection itself."""
+    if block_size is None:
+        return selection
+    earlier = earlier_blocks(query_positions, end, block_size)
+    return torch.cat((selection & earlier, selection[..., raw_from:] & ~earlier[:, raw_from:]), -1)

@@ -1,0 +1,112 @@
+"""`model.generate` after `load_gsm`, as users call it: over a GSM cache without extra arguments, equal
+to generating with teacher-forced passes (the same model without a cache) for greedy and seeded
+sampling, left-padded batches, EOS, stop strings, streamers and prompts fed in chunks (CPU, fp32)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+from gsm_train.config import GSMConfig
+from gsm_train.export import export_adapter, load_gsm
+from gsm_train.inference.cache import GSMCache, cache_kwargs
+from gsm_train.inference.engine import enable_gsm_generation
+from gsm_train.model_zoo import byte_tokenizer, tiny_model
+from gsm_train.modules import GSMError, inject_gsm
+
+BLOCK = 8
+GSM = {"sparse_attention": {"top_k": 6, "k_min": 2, "gate_head_dim": 16, "dense_layers": [0], "mode": "sparse"},
+       "kv_compression": {"enabled": True, "block_size": BLOCK, "cluster_num": 4, "hidden_dim": 8}}
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    model = tiny_model("llama")
+    torch.manual_seed(1)
+    inject_gsm(model, GSMConfig.model_validate(GSM), mode="sparse")
+    return export_adapter(model, tmp_path_factory.mktemp("gsm") / "export", base_name="tiny-llama")
+
+
+def _loaded(export: Path) -> torch.nn.Module:
+    model = tiny_model("llama")
+    load_gsm(model, export)
+    return model
+
+
+def _prompt(length: int = 21, batch: int = 2, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _generate(model: torch.nn.Module, ids: torch.Tensor, seed: int = 0, **kwargs) -> torch.Tensor:
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=20, pad_token_id=256, **kwargs)
+
+
+@pytest.mark.parametrize("sampling", [{"do_sample": False},
+                                      {"do_sample": True, "temperature": 0.7, "top_p": 0.9, "top_k": 50}],
+                         ids=["greedy", "sampling"])
+def test_generate_runs_over_a_gsm_cache_and_equals_teacher_forcing(export: Path, sampling: dict) -> None:
+    model = _loaded(export)
+    ids = _prompt()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=20, pad_token_id=256, return_dict_in_generate=True, **sampling)
+    cache = getattr(out, "cache", None) or out.past_key_values
+    assert isinstance(cache, GSMCache) and cache.lengths.seq_len == 21 + 20 - 1
+    assert torch.equal(out.sequences, _generate(model, ids, use_cache=False, **sampling))
+
+
+def test_a_left_padded_batch_generates_as_teacher_forcing(export: Path) -> None:
+    model = _loaded(export)
+    ids, mask = _prompt(), torch.ones(2, 21, dtype=torch.long)
+    ids[1, :5], mask[1, :5] = 256, 0
+    assert torch.equal(_generate(model, ids, attention_mask=mask, do_sample=False),
+                       _generate(model, ids, attention_mask=mask, do_sample=False, use_cache=False))
+
+
+def test_a_long_prompt_is_fed_in_chunks_as_teacher_forcing(export: Path) -> None:
+    model = _loaded(export)
+    enable_gsm_generation(model, prefill_chunk=5)  # 37 prompt tokens in 8 forwards, not block-aligned
+    ids = _prompt(37)
+    assert torch.equal(_generate(model, ids, do_sample=False), _generate(model, ids, do_sample=False, use_cache=False))
+
+
+def test_eos_stop_strings_and_streamers(export: Path) -> None:
+    model, tokenizer = _loaded(export), byte_tokenizer()
+    ids = _prompt(batch=1)
+    free = _generate(model, ids, do_sample=False)[0, 21:]
+    eos = int(free[6])
+    stopped = _generate(model, ids, do_sample=False, eos_token_id=eos)[0, 21:]
+    assert stopped[-1] == eos and len(stopped) == int((free == eos).nonzero()[0]) + 1
+    stop_at = next(i for i, token in enumerate(free.tolist()) if tokenizer.decode([token]).isalnum())
+    stop = tokenizer.decode([int(free[stop_at])])
+    cut = _generate(model, ids, do_sample=False, stop_strings=[stop], tokenizer=tokenizer)[0, 21:]
+    first = next(i for i, token in enumerate(free.tolist()) if tokenizer.decode([token]) == stop)
+    assert torch.equal(cut, free[:first + 1])
+
+    class Recorder(BaseStreamer):
+        def __init__(self) -> None:
+            self.tokens: list[int] = []
+
+        def put(self, value: torch.Tensor) -> None:
+            self.tokens += value.flatten().tolist()
+
+        def end(self) -> None:
+            pass
+
+    recorder = Recorder()
+    streamed = _generate(model, ids, do_sample=False, streamer=recorder)
+    assert recorder.tokens == streamed[0].tolist()
+
+
+def test_capacity_and_beams_are_clear_errors(export: Path) -> None:
+    model = _loaded(export)
+    ids = _prompt()
+    with torch.no_grad(), pytest.raises(GSMError, match="holds 24 tokens per row.*larger capacity"):
+        model.generate(ids, max_new_tokens=20, pad_token_id=256, **cache_kwargs(model, GSMCache(model, capacity=24)))
+    with pytest.raises(GSMError, match="num_beams=1"):
+        model.generate(ids, max_new_tokens=2, num_beams=2, pad_token_id=256)
