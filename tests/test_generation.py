@@ -110,3 +110,22 @@ def test_capacity_and_beams_are_clear_errors(export: Path) -> None:
         model.generate(ids, max_new_tokens=20, pad_token_id=256, **cache_kwargs(model, GSMCache(model, capacity=24)))
     with pytest.raises(GSMError, match="num_beams=1"):
         model.generate(ids, max_new_tokens=2, num_beams=2, pad_token_id=256)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and the fused kernels need a GPU (the "
+                    "CPU tests above check the same generation on the PyTorch path)")
+@pytest.mark.parametrize("padded", [False, True])
+def test_captured_token_steps_equal_eager_steps_on_the_gpu(export: Path, padded: bool) -> None:
+    """On CUDA, token steps replay from a CUDA graph over the fused kernels: the same tokens as the eager
+    steps, and as teacher forcing (fp32; block packing happens between replays)."""
+    model = tiny_model("llama").cuda()
+    load_gsm(model, export)
+    ids, mask = _prompt(37).cuda(), torch.ones(2, 37, dtype=torch.long, device="cuda")
+    if padded:
+        ids[1, :5], mask[1, :5] = 256, 0
+    captured = _generate(model, ids, attention_mask=mask, do_sample=False)
+    assert getattr(model, "gsm_generation")["cuda_graphs"]
+    enable_gsm_generation(model, cuda_graphs=False)
+    eager = _generate(model, ids, attention_mask=mask, do_sample=False)
+    teacher_forced = _generate(model, ids, attention_mask=mask, do_sample=False, use_cache=False)
+    assert torch.equal(captured, eager) and torch.equal(captured, teacher_forced)
