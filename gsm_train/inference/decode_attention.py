@@ -25,7 +25,7 @@ from gsm_train.modules.adapter import GSMAttentionAdapter
 from gsm_train.modules.errors import GSMError
 from gsm_train.modules.forward_state import DecodeStep
 from gsm_train.modules.layout import allowed_keys
-from gsm_train.modules.sparse_gate import decode_gate_keys, k_per_query
+from gsm_train.modules.sparse_gate import decode_gate_keys, scheduled_k
 from gsm_train.inference.kv_store import KVStore
 
 
@@ -171,7 +171,7 @@ def select_keys(step: DecodeStep, layer_cache: CachedLayer, allowed: Tensor | No
     if mode != "sparse" or gate is None:
         index = torch.arange(length, device=query.device).expand(query.shape[0], 1, length)
         return index, None if allowed is None else allowed[:, None, :]
-    k = int(k_per_query(torch.tensor([position]), cfg.top_k_schedule, cfg.top_k, cfg.k_min, cfg.decay_rate))
+    k = int(scheduled_k(torch.tensor([position]), cfg))
     keys, key_scales = layer_cache.gate_keys, layer_cache.gate_key_scales
     kernels = layer_cache.kernels
     forced_marked = kernels is not None and kernel_fits(gate.gate_head_dim)
