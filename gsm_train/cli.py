@@ -7,6 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 
+import yaml
+
 from gsm_train import __version__
 from gsm_train.checkpoint_export import export_checkpoint
 from gsm_train.config import ConfigError, load_recipe, resolved_yaml
@@ -59,8 +61,14 @@ def _eval(args: argparse.Namespace) -> int:
         if not sep or not name or not folder:
             raise ExportError(f"--export {item!r}: give NAME=FOLDER, e.g. --export gsm=runs/joint/export")
         exports[name] = folder
+    selection = {}
+    for item in args.select:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ExportError(f"--select {item!r}: give FIELD=VALUE, e.g. --select top_k=1024")
+        selection[key] = yaml.safe_load(value)
     report = evaluate_exports(args.model, exports, args.data, args.seq_len, args.windows, args.batch_size, args.mode,
-                              args.min_keys)
+                              args.min_keys, first_bucket=args.first_bucket, selection=selection)
     table = write_report(report, args.out)
     print(table.read_text(), end="")
     print(f"written: {table} and {table.with_suffix('.json')}")
@@ -137,6 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--mode", choices=("sparse", "oracle", "dense"), default="sparse",
                           help="main attention of the exports (inference runs sparse)")
     evaluate.add_argument("--min-keys", type=_positive_int, default=512, help="recall counts queries with at least this many keys")
+    evaluate.add_argument("--first-bucket", type=_positive_int, default=2048,
+                          help="figures also per query-position bucket: [0, N), [N, 2N), "
+                               "[2N, 4N), ... up to --seq-len")
+    evaluate.add_argument("--select", action="append", default=[], metavar="FIELD=VALUE",
+                          help="run the exports with this sparse_attention selection field "
+                               "instead of their own (top_k, k_min, top_k_schedule, "
+                               "top_k_fraction, decay_rate, sink_tokens, recent_tokens, "
+                               "query_chunk), e.g. --select top_k=1024; repeatable")
     evaluate.add_argument("--out", default="runs/eval")
     evaluate.set_defaults(run=_eval)
     gen = commands.add_parser("generate", help="greedy generation with an adapter over the GSM cache")

@@ -101,16 +101,20 @@ def test_ranges_and_relations(override: str, path: str) -> None:
     assert all(p.fix for p in info.value.problems)
 
 
+FRACTION = "gsm.sparse_attention.top_k_fraction"
+SCHEDULE = "gsm.sparse_attention.top_k_schedule"
+
+
 @pytest.mark.parametrize(("overrides", "message", "fix"), [
-    (["gsm.sparse_attention.top_k_schedule=fraction"], "top_k_fraction is not set", "set top_k_fraction"),
-    (["gsm.sparse_attention.top_k_fraction=0.25"], "top_k_schedule is 'constant'", "set top_k_schedule: fraction"),
-    (["gsm.sparse_attention.top_k_schedule=fraction", "gsm.sparse_attention.top_k_fraction=1.5"],
-     "less than or equal to 1", "use a value that is less than or equal to 1"),
-    (["gsm.sparse_attention.top_k_schedule=fraction", "gsm.sparse_attention.top_k_fraction=0"],
-     "greater than 0", "use a value that is greater than 0"),
+    ([f"{SCHEDULE}=fraction"], "top_k_fraction is not set", "set top_k_fraction"),
+    ([f"{FRACTION}=0.25"], "top_k_schedule is 'constant'", "set top_k_schedule: fraction"),
+    ([f"{SCHEDULE}=fraction", f"{FRACTION}=1.5"], "less than or equal to 1",
+     "use a value that is less than or equal to 1"),
+    ([f"{SCHEDULE}=fraction", f"{FRACTION}=0"], "greater than 0",
+     "use a value that is greater than 0"),
 ])
-def test_the_fraction_schedule_and_its_fraction_come_together(overrides: list[str], message: str,
-                                                              fix: str, capsys: pytest.CaptureFixture) -> None:
+def test_the_fraction_schedule_and_its_fraction_come_together(
+        overrides: list[str], message: str, fix: str, capsys: pytest.CaptureFixture) -> None:
     """One clear error naming the field, its value where it has one, and the fix; exit status 2."""
     assert cli_main(["validate", str(RECIPES[0]), *overrides]) == 2
     err = capsys.readouterr().err
@@ -118,8 +122,7 @@ def test_the_fraction_schedule_and_its_fraction_come_together(overrides: list[st
 
 
 def test_the_fraction_schedule_validates_with_its_fraction() -> None:
-    config = load_recipe(RECIPES[0], ["gsm.sparse_attention.top_k_schedule=fraction",
-                                      "gsm.sparse_attention.top_k_fraction=0.25"])
+    config = load_recipe(RECIPES[0], [f"{SCHEDULE}=fraction", f"{FRACTION}=0.25"])
     assert config.gsm.sparse_attention.top_k_fraction == 0.25
 
 

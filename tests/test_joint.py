@@ -182,12 +182,14 @@ def test_logged_terms_are_averaged_over_micro_batches_as_the_loss_is(tmp_path: P
 
 
 def test_joint_trains_and_evaluates_with_the_fraction_schedule(tmp_path: Path) -> None:
-    """k growing with the context goes through the training selection, the KL's sampled rows (a suffix of
-    the positions) and the evaluation; the export keeps the schedule."""
-    result = train_recipe(JOINT, [*TINY, "train.steps=2", "train.distill_queries=8", "logging.eval_every=2",
-                                  "gsm.sparse_attention.top_k_schedule=fraction",
-                                  "gsm.sparse_attention.top_k_fraction=0.25", "gsm.sparse_attention.k_min=4",
-                                  "gsm.sparse_attention.top_k=12", f"output.dir={tmp_path}"])
-    assert all(math.isfinite(loss) for loss in result.losses) and math.isfinite(result.final_metrics["ppl"])
+    """k growing with the context goes through the training selection, the KL's sampled rows (a
+    suffix of the positions) and the evaluation; the export keeps the schedule."""
+    sparse = "gsm.sparse_attention"
+    schedule = [f"{sparse}.top_k_schedule=fraction", f"{sparse}.top_k_fraction=0.25",
+                f"{sparse}.k_min=4", f"{sparse}.top_k=12"]
+    result = train_recipe(JOINT, [*TINY, *schedule, "train.steps=2", "train.distill_queries=8",
+                                  "logging.eval_every=2", f"output.dir={tmp_path}"])
+    assert all(math.isfinite(loss) for loss in result.losses)
+    assert math.isfinite(result.final_metrics["ppl"])
     exported = json.loads((tmp_path / "export" / "gsm_config.json").read_text())["sparse_attention"]
     assert (exported["top_k_schedule"], exported["top_k_fraction"]) == ("fraction", 0.25)

@@ -173,14 +173,14 @@ FRACTION_DECIMALS = 6  # fraction x visible keys is rounded to this many decimal
 
 def k_per_query(query_positions: Tensor, schedule: str, top_k: int, k_min: int, decay_rate: float,
                 fraction: float | None = None) -> Tensor:
-    """Keys to keep per query at positions t (int64, same shape), clamped to [min(k_min, top_k), top_k]:
+    """Keys to keep per query at positions t (int64, same shape), in [min(k_min, top_k), top_k]:
 
     - `constant`: top_k;
     - `exp_decay`: floor(top_k * exp(-decay_rate * t));
     - `linear_decay`: floor(top_k - decay_rate * t);
-    - `fraction`: ceil(fraction * (t + 1)), a share of the t + 1 keys the query at t sees, so k grows
-      with the context (top_k is its ceiling). The product is rounded to `FRACTION_DECIMALS` decimals
-      first, so that e.g. 0.1 x 30 keeps 3 keys, not the 4 its binary rounding would give.
+    - `fraction`: ceil(fraction * (t + 1)), a share of the t + 1 keys the query at t sees, so k
+      grows with the context (top_k is its ceiling). The product is rounded to `FRACTION_DECIMALS`
+      decimals first, so that e.g. 0.1 x 30 keeps 3 keys, not the 4 its binary rounding gives.
     """
     t = query_positions.double()
     if schedule == "constant":
@@ -199,9 +199,9 @@ def k_per_query(query_positions: Tensor, schedule: str, top_k: int, k_min: int, 
 
 
 def scheduled_k(query_positions: Tensor, config: SparseAttentionConfig) -> Tensor:
-    """`k_per_query` with the schedule `config` names (what training, evaluation and decoding keep)."""
-    return k_per_query(query_positions, config.top_k_schedule, config.top_k, config.k_min, config.decay_rate,
-                       config.top_k_fraction)
+    """`k_per_query` on the schedule `config` names: what training, evaluation and decoding keep."""
+    return k_per_query(query_positions, config.top_k_schedule, config.top_k, config.k_min,
+                       config.decay_rate, config.top_k_fraction)
 
 
 def select_top_k(scores: Tensor, allowed: Tensor, k: Tensor, query_positions: Tensor, key_positions: Tensor,
