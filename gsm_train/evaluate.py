@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,14 @@ def _device_and_dtype() -> tuple[torch.device, torch.dtype]:
     if torch.cuda.is_available():
         return torch.device("cuda"), torch.bfloat16
     return torch.device("cpu"), torch.float32
+
+
+def inference_autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 autocast on CUDA (the evaluation's models are bf16 there, their GSM modules may be
+    fp32), nothing elsewhere."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def position_buckets(seq_len: int, first: int = 2048) -> list[tuple[int, int]]:
@@ -74,8 +84,7 @@ def perplexity_and_recall(model: nn.Module, rows: Tensor, batch_size: int,
     nll = torch.zeros(len(buckets), dtype=torch.float64)
     tokens = torch.zeros(len(buckets), dtype=torch.float64)
     mass = torch.zeros(3, len(buckets), dtype=torch.float64)  # gate, oracle, queries
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" \
-        else contextlib.nullcontext()
+    autocast = inference_autocast(device)
     for start in range(0, len(rows), batch_size):
         batch = rows[start: start + batch_size].to(device)
         collect = gsm_collect(model, recall=recall, recall_buckets=starts) if recall is not None \
@@ -141,20 +150,53 @@ def _gsm_config(export_config: dict[str, Any]) -> GSMConfig:
                                      if key in export_config})
 
 
-def evaluate_exports(model_name: str | None, exports: dict[str, str], data: str, seq_len: int,
-                     windows: int, batch_size: int, mode: str, min_keys: int,
-                     kv_baseline: str | None = None, first_bucket: int = 2048,
-                     selection: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Evaluate the base model and every export (name -> folder or Hub repo id) on the same windows.
+@dataclass
+class Evaluated:
+    """One model of an evaluation: the base (`settings` None) or an export's GSM model as inference
+    runs it (`settings.enabled` False for a dense control), on the evaluation device."""
 
-    `model_name` None: the base the first export names (gsm_train/hub_ids.py, `base_to_load`); every
-    export must have been trained on it. `kv_baseline` (`per_token` or `kivi`) replaces ASQ by plain
-    quantization at ASQ's bits, with the same sparsity and bridge: the baseline ASQ must beat.
-    Every figure is reported for the window and per query-position bucket (`position_buckets` from
-    `first_bucket`). `selection`: sparse_attention fields the exports run with instead of their own
-    (`with_selection`, checked before a model loads), e.g. {"top_k": 1024}."""
+    name: str
+    model: nn.Module
+    settings: GSMSettings | None
+    export: str | None
+
+
+@dataclass
+class Evaluation:
+    """The models an evaluation compares, loaded one at a time (`models`); the base's tokenizer."""
+
+    model_name: str
+    revision: str | None
+    folders: dict[str, Path]
+    exports: dict[str, str]
+    changed: dict[str, GSMConfig]
+    mode: str
+    kv_baseline: str | None
+    tokenizer: Any = None
+
+    def models(self) -> Iterator[Evaluated]:
+        """The base, then each export on a fresh copy of it (one model in memory at a time)."""
+        device, dtype = _device_and_dtype()
+        model, self.tokenizer = load_model_and_tokenizer(self.model_name, revision=self.revision,
+                                                         dtype=dtype)
+        yield Evaluated(BASE, model.to(device).eval(), None, None)
+        for name, folder in self.folders.items():
+            model, _ = load_model_and_tokenizer(self.model_name, revision=self.revision,
+                                                dtype=dtype)
+            load_gsm(model, folder, mode=self.mode)
+            changes = {"config": self.changed[name]} if name in self.changed else {}
+            settings = configure_gsm(model, kv_baseline=self.kv_baseline, **changes)
+            yield Evaluated(name, model.to(device).eval(), settings, self.exports[name])
+
+
+def prepare_evaluation(model_name: str | None, exports: dict[str, str], mode: str,
+                       kv_baseline: str | None = None,
+                       selection: dict[str, Any] | None = None) -> Evaluation:
+    """Check every export (name -> folder or Hub repo id) and the `selection` changes before any
+    model loads. `model_name` None: the base the first export names (gsm_train/hub_ids.py,
+    `base_to_load`); every export must have been trained on it."""
     folders = {name: resolve_export(adapter) for name, adapter in exports.items()}
-    configs = {name: read_config(folder) for name, folder in folders.items()}  # before a model
+    configs = {name: read_config(folder) for name, folder in folders.items()}
     changed = {name: with_selection(_gsm_config(config), selection, f"--export {name}")
                for name, config in configs.items()} if selection else {}
     revision = None
@@ -163,32 +205,44 @@ def evaluate_exports(model_name: str | None, exports: dict[str, str], data: str,
             raise ExportError("eval needs a model: give --export NAME=FOLDER (whose base it loads) "
                               "or --model")
         model_name, revision = base_to_load(next(iter(configs.values()))["base_model"])
-    device, dtype = _device_and_dtype()
-    model, tokenizer = load_model_and_tokenizer(model_name, revision=revision, dtype=dtype)
-    rows = pack_tokens(load_text_dataset(data), tokenizer, seq_len)[:windows]
+    return Evaluation(model_name, revision, folders, dict(exports), changed, mode, kv_baseline)
+
+
+def evaluate_exports(model_name: str | None, exports: dict[str, str], data: str, seq_len: int,
+                     windows: int, batch_size: int, mode: str, min_keys: int,
+                     kv_baseline: str | None = None, first_bucket: int = 2048,
+                     selection: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Evaluate the base model and every export (name -> folder or Hub repo id) on the same windows.
+
+    `model_name` None: the base the first export names (`prepare_evaluation`). `kv_baseline`
+    (`per_token` or `kivi`) replaces ASQ by plain quantization at ASQ's bits, with the same sparsity
+    and bridge: the baseline ASQ must beat. Every figure is reported for the window and per
+    query-position bucket (`position_buckets` from `first_bucket`). `selection`: sparse_attention
+    fields the exports run with instead of their own (`with_selection`), e.g. {"top_k": 1024}."""
+    evaluation = prepare_evaluation(model_name, exports, mode, kv_baseline, selection)
     buckets = position_buckets(seq_len, first_bucket)
-    results = {BASE: perplexity_and_recall(model.to(device), rows, batch_size, None, buckets)}
-    for name, folder in folders.items():
-        model, _ = load_model_and_tokenizer(model_name, revision=revision, dtype=dtype)
-        load_gsm(model, folder, mode=mode)
-        settings = configure_gsm(model, kv_baseline=kv_baseline,
-                                 **({"config": changed[name]} if changed else {}))
-        model.to(device).eval()
-        if not settings.enabled:  # e.g. the dense control: the base model with its own weights
-            results[name] = (perplexity_and_recall(model, rows, batch_size, None, buckets)
-                             | {"export": exports[name]})
-            continue
-        k = settings.config.sparse_attention.top_k
-        recall = (k, min(min_keys, seq_len))
-        results[name] = (perplexity_and_recall(model, rows, batch_size, recall, buckets)
-                         | kv_bytes_ratio(model, settings, seq_len) | {"export": exports[name], "k": k})
+    results: dict[str, dict[str, Any]] = {}
+    rows = None
+    for item in evaluation.models():
+        if rows is None:
+            rows = pack_tokens(load_text_dataset(data), evaluation.tokenizer, seq_len)[:windows]
+        if item.settings is None or not item.settings.enabled:  # the base, or a dense control
+            results[item.name] = perplexity_and_recall(item.model, rows, batch_size, None, buckets)
+        else:
+            k = item.settings.config.sparse_attention.top_k
+            recall = (k, min(min_keys, seq_len))
+            measured = perplexity_and_recall(item.model, rows, batch_size, recall, buckets)
+            kv_bytes = kv_bytes_ratio(item.model, item.settings, seq_len)
+            results[item.name] = measured | kv_bytes | {"k": k}
+        if item.export is not None:
+            results[item.name]["export"] = item.export
     for name, result in results.items():
         result["ppl_vs_base"] = result["ppl"] / results[BASE]["ppl"]
         for part, base_part in zip(result["buckets"], results[BASE]["buckets"], strict=True):
             part["ppl_vs_base"] = part["ppl"] / base_part["ppl"]
-    return {"model": model_name, "data": data, "seq_len": seq_len, "windows": len(rows), "mode": mode,
-            "kv_baseline": kv_baseline, "selection": selection or None, "buckets": buckets,
-            "results": results}
+    return {"model": evaluation.model_name, "data": data, "seq_len": seq_len, "windows": len(rows),
+            "mode": mode, "kv_baseline": kv_baseline, "selection": selection or None,
+            "buckets": buckets, "results": results}
 
 
 def bucket_label(start: int, stop: int) -> str:
