@@ -176,17 +176,20 @@ class Evaluation:
 
     def models(self) -> Iterator[Evaluated]:
         """The base, then each export on a fresh copy of it (one model in memory at a time)."""
+        for name in (BASE, *self.folders):
+            yield self.load(name)
+
+    def load(self, name: str) -> Evaluated:
+        """The base (`BASE`) or the export `name` on a fresh base, on the evaluation device."""
         device, dtype = _device_and_dtype()
         model, self.tokenizer = load_model_and_tokenizer(self.model_name, revision=self.revision,
                                                          dtype=dtype)
-        yield Evaluated(BASE, model.to(device).eval(), None, None)
-        for name, folder in self.folders.items():
-            model, _ = load_model_and_tokenizer(self.model_name, revision=self.revision,
-                                                dtype=dtype)
-            load_gsm(model, folder, mode=self.mode)
-            changes = {"config": self.changed[name]} if name in self.changed else {}
-            settings = configure_gsm(model, kv_baseline=self.kv_baseline, **changes)
-            yield Evaluated(name, model.to(device).eval(), settings, self.exports[name])
+        if name == BASE:
+            return Evaluated(BASE, model.to(device).eval(), None, None)
+        load_gsm(model, self.folders[name], mode=self.mode)
+        changes = {"config": self.changed[name]} if name in self.changed else {}
+        settings = configure_gsm(model, kv_baseline=self.kv_baseline, **changes)
+        return Evaluated(name, model.to(device).eval(), settings, self.exports[name])
 
 
 def prepare_evaluation(model_name: str | None, exports: dict[str, str], mode: str,
