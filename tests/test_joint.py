@@ -12,7 +12,7 @@ import torch
 from peft import PeftModel
 
 from gsm_train.config import GSMConfig, load_recipe
-from gsm_train.export import load_gsm
+from gsm_train.export import export_adapter, load_gsm
 from gsm_train.model_zoo import tiny_model
 from gsm_train.modules import gsm_disabled, inject_gsm
 from gsm_train.train import main as train_main
@@ -193,3 +193,20 @@ def test_joint_trains_and_evaluates_with_the_fraction_schedule(tmp_path: Path) -
     assert math.isfinite(result.final_metrics["ppl"])
     exported = json.loads((tmp_path / "export" / "gsm_config.json").read_text())["sparse_attention"]
     assert (exported["top_k_schedule"], exported["top_k_fraction"]) == ("fraction", 0.25)
+
+def test_joint_starts_from_the_gate_only_export(tmp_path: Path) -> None:
+    """`init_from` loads the export's gate tensors into the joint model (the stage-1 export; a layer
+    kept dense here has no place for its gate, and the new modules start fresh)."""
+    gated = tiny_model("llama")
+    inject_gsm(gated, GSMConfig.model_validate(
+        {"sparse_attention": {"top_k": 8, "k_min": 8, "gate_head_dim": 16, "gate_init": "random"}}))
+    export = export_adapter(gated, tmp_path / "gate_only", base_name="tiny-llama")
+    config = load_recipe(JOINT, [*TINY, "gsm.sparse_attention.gate_head_dim=16",
+                                 f"init_from={export}"])
+    model = tiny_model("llama")
+    JointStage().attach(model, config)
+    for layer in (1, 2, 3):  # layer 0 is dense in the joint recipe (TINY): no gate
+        loaded, exported = model.model.layers[layer].self_attn.gsm.gate, \
+            gated.model.layers[layer].self_attn.gsm.gate
+        assert torch.equal(loaded.q_proj.weight, exported.q_proj.weight)
+        assert torch.equal(loaded.rope_freq_index, exported.rope_freq_index)
