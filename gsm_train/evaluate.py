@@ -194,14 +194,17 @@ class Evaluation:
 
 def prepare_evaluation(model_name: str | None, exports: dict[str, str], mode: str,
                        kv_baseline: str | None = None,
-                       selection: dict[str, Any] | None = None) -> Evaluation:
-    """Check every export (name -> folder or Hub repo id) and the `selection` changes before any
-    model loads. `model_name` None: the base the first export names (gsm_train/hub_ids.py,
-    `base_to_load`); every export must have been trained on it."""
+                       selection: dict[str, Any] | None = None,
+                       selections: dict[str, dict[str, Any]] | None = None) -> Evaluation:
+    """Check every export (name -> folder or Hub repo id) and the selection changes before any
+    model loads: `selection` for every export, `selections` per export name (over `selection`).
+    `model_name` None: the base the first export names (gsm_train/hub_ids.py, `base_to_load`);
+    every export must have been trained on it."""
     folders = {name: resolve_export(adapter) for name, adapter in exports.items()}
     configs = {name: read_config(folder) for name, folder in folders.items()}
-    changed = {name: with_selection(_gsm_config(config), selection, f"--export {name}")
-               for name, config in configs.items()} if selection else {}
+    changes = {name: (selection or {}) | (selections or {}).get(name, {}) for name in exports}
+    changed = {name: with_selection(_gsm_config(configs[name]), change, f"--export {name}")
+               for name, change in changes.items() if change}
     revision = None
     if model_name is None:
         if not configs:
@@ -214,15 +217,17 @@ def prepare_evaluation(model_name: str | None, exports: dict[str, str], mode: st
 def evaluate_exports(model_name: str | None, exports: dict[str, str], data: str, seq_len: int,
                      windows: int, batch_size: int, mode: str, min_keys: int,
                      kv_baseline: str | None = None, first_bucket: int = 2048,
-                     selection: dict[str, Any] | None = None) -> dict[str, Any]:
+                     selection: dict[str, Any] | None = None,
+                     selections: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """Evaluate the base model and every export (name -> folder or Hub repo id) on the same windows.
 
     `model_name` None: the base the first export names (`prepare_evaluation`). `kv_baseline`
     (`per_token` or `kivi`) replaces ASQ by plain quantization at ASQ's bits, with the same sparsity
     and bridge: the baseline ASQ must beat. Every figure is reported for the window and per
     query-position bucket (`position_buckets` from `first_bucket`). `selection`: sparse_attention
-    fields the exports run with instead of their own (`with_selection`), e.g. {"top_k": 1024}."""
-    evaluation = prepare_evaluation(model_name, exports, mode, kv_baseline, selection)
+    fields the exports run with instead of their own (`with_selection`), e.g. {"top_k": 1024};
+    `selections`: the same per export name."""
+    evaluation = prepare_evaluation(model_name, exports, mode, kv_baseline, selection, selections)
     buckets = position_buckets(seq_len, first_bucket)
     results: dict[str, dict[str, Any]] = {}
     rows = None
@@ -245,6 +250,7 @@ def evaluate_exports(model_name: str | None, exports: dict[str, str], data: str,
             part["ppl_vs_base"] = part["ppl"] / base_part["ppl"]
     return {"model": evaluation.model_name, "data": data, "seq_len": seq_len, "windows": len(rows),
             "mode": mode, "kv_baseline": kv_baseline, "selection": selection or None,
+            "selections": selections or None,
             "buckets": buckets, "results": results}
 
 

@@ -192,11 +192,13 @@ def _accuracies(records: list[dict[str, Any]]) -> dict[str, float]:
 
 def evaluate_passkey(model_name: str | None, exports: dict[str, str], prose: str, length: int,
                      count: int, seed: int, batch_size: int = 1, generate: bool = False,
-                     mode: str = "sparse") -> dict[str, Any]:
+                     mode: str = "sparse",
+                     selections: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """The passkey test for the base and every export (name -> folder or Hub repo id), on the same
     cases (`passkey_cases` from `seed`, filler from `prose`). Exports are checked before a model
-    loads; `model_name` None: the base the first export names."""
-    evaluation = prepare_evaluation(model_name, exports, mode)
+    loads; `model_name` None: the base the first export names; `selections`: sparse_attention
+    fields an export runs with instead of its own, by name (`evaluate.with_selection`)."""
+    evaluation = prepare_evaluation(model_name, exports, mode, selections=selections)
     results: dict[str, dict[str, Any]] = {}
     cases = None
     for item in evaluation.models():
@@ -208,7 +210,8 @@ def evaluate_passkey(model_name: str | None, exports: dict[str, str], prose: str
         if item.export is not None:
             results[item.name]["export"] = item.export
     return {"model": evaluation.model_name, "prose": prose, "length": length, "cases": count,
-            "seed": seed, "mode": mode, "generate": generate, "results": results}
+            "seed": seed, "mode": mode, "generate": generate, "selections": selections or None,
+            "results": results}
 
 
 def markdown_table(report: dict[str, Any]) -> str:
