@@ -1,13 +1,14 @@
 """Long context (issue 35): GSM trained at 2048 and at the model's full context, measured at both
 lengths per query-position bucket, with a passkey test at the full context.
 
-python -m benchmarks.long_context --train --train-short --train-data PATH/prose \\
+python -m benchmarks.long_context --train --train-data PATH/prose \\
     --eval-data PATH/wikitext-2/valid.txt --out DIR --result OUT.json
 
-Runs (trained with --train / --train-short unless given with --export NAME=FOLDER, or already
-exported under --out): `gate_only`, `joint`, `control` (recipes/gate_only.yaml, recipes/joint.yaml,
-and the joint recipe with gsm_enabled false: the dense control), and `gate_only_long`,
-`joint_long`, `control_long` (the same from recipes/*_long.yaml, 8192-token windows). Each joint
+Runs: `gate_only`, `joint`, `control` (recipes/gate_only.yaml, recipes/joint.yaml, and the joint
+recipe with gsm_enabled false: the dense control), and `gate_only_long`, `joint_long`,
+`control_long` (the same from recipes/*_long.yaml, 8192-token windows). A run is measured when it
+is given (--export NAME=FOLDER), exported under --out, or trained: `--train` trains every run
+missing, `--train NAME ...` those named and the runs they start from. Each joint
 export is also evaluated with the other top-k schedule, a change of selection only: the 2048
 export with the fraction schedule that keeps its share of the keys at any length
 (`joint_fraction`), a fraction export with its floor as a constant k (`joint_long_constant`).
@@ -54,7 +55,7 @@ RUNS: dict[str, tuple[str, str | None, tuple[str, ...]]] = {
     "joint_long": ("joint_long.yaml", "gate_only_long", ()),
     "control_long": ("joint_long.yaml", "gate_only_long", ("gsm.gsm_enabled=false",)),
 }
-SHORT, LONG = ("gate_only", "joint", "control"), ("gate_only_long", "joint_long", "control_long")
+LONG = ("gate_only_long", "joint_long", "control_long")
 PAIRS = (("joint", "control"), ("joint_long", "control_long"))  # a GSM model and its dense control
 # issue 35's targets for a GSM model against its dense control
 TARGETS = {"ppl_over_control": 1.05, "kv_bytes_ratio": 0.30, "gate_over_oracle_per_bucket": 0.95,
@@ -135,14 +136,29 @@ def find_exports(args: argparse.Namespace) -> dict[str, str]:
     return exports
 
 
+def to_train(asked: list[str] | None) -> set[str]:
+    """The runs `--train` asks for: none (not given), all (given alone), or those named and the
+    runs they start from."""
+    if asked is None:
+        return set()
+    wanted, pending = set(), list(asked or RUNS)
+    while pending:
+        name = pending.pop()
+        wanted.add(name)
+        start = RUNS[name][1]
+        if start is not None and start not in wanted:
+            pending.append(start)
+    return wanted
+
+
 def train_missing(args: argparse.Namespace, exports: dict[str, str]) -> dict[str, Any]:
-    """Train the runs asked for (--train, --train-short) that are not exported, in order (each
-    after the run it starts from); the training records of this and earlier calls."""
+    """Train the runs `--train` asks for that are not exported, in order (each after the run it
+    starts from); the training records of this and earlier calls."""
     records = {}
-    for name, (_, start, _) in RUNS.items():
+    wanted = to_train(args.train)
+    for name in RUNS:
         record = Path(args.out) / "stages" / f"train_{name}.json"
-        wanted = args.train_short if name in SHORT else args.train
-        if name not in exports and wanted and (start is None or start in exports):
+        if name in wanted and name not in exports:
             records[name] = train_run(name, args, exports)
             record.write_text(json.dumps(records[name], indent=2))
         elif record.is_file():
@@ -266,10 +282,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", default="smollm2-135m", help="the base every run trains on")
     parser.add_argument("--export", action="append", default=[], metavar="NAME=FOLDER",
                         help=f"an export trained before, NAME one of {', '.join(RUNS)}; repeatable")
-    parser.add_argument("--train", action="store_true",
-                        help="train the full-context runs missing (recipes/*_long.yaml)")
-    parser.add_argument("--train-short", action="store_true",
-                        help="train the 2048 runs missing (recipes/gate_only.yaml, joint.yaml)")
+    parser.add_argument("--train", nargs="*", default=None, choices=list(RUNS), metavar="NAME",
+                        help="train the runs missing: all, or those named and the runs they start "
+                             f"from ({', '.join(RUNS)})")
     parser.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE",
                         help="recipe settings for every run trained")
     parser.add_argument("--long-override", nargs="*", default=[], metavar="KEY=VALUE",
@@ -298,8 +313,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if len(args.windows) != len(args.lengths):
         parser.error(f"--windows gives {len(args.windows)} counts for {len(args.lengths)} "
                      "--lengths")
-    if (args.train or args.train_short) and not args.train_data:
-        parser.error("--train and --train-short need --train-data")
+    if args.train is not None and not args.train_data:
+        parser.error("--train needs --train-data")
     return args
 
 

@@ -312,8 +312,9 @@ def run_probe(model_name: str | None, export: str, eval_data: str, seq_len: int,
     loaded = evaluation.load("gate")
     sparse = loaded.settings.config.sparse_attention
     starts = tuple(start for start, _ in position_buckets(seq_len, first_bucket))
-    settings = ProbeSettings(seq_len, train_len, k or sparse.top_k, min(min_keys, seq_len), chunk,
-                             starts, sparse.sink_tokens, sparse.recent_tokens)
+    k = k or (sparse.k_min if sparse.top_k_schedule == "fraction" else sparse.top_k)
+    settings = ProbeSettings(seq_len, train_len, k, min(min_keys, seq_len), chunk, starts,
+                             sparse.sink_tokens, sparse.recent_tokens)
     probe = LongContextProbe(settings, loaded.model.config.num_hidden_layers)
     rows = pack_tokens(load_text_dataset(eval_data), evaluation.tokenizer, seq_len)[:windows]
     device = next(loaded.model.parameters()).device
@@ -386,7 +387,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="the length the gate was trained at (default: the export's "
                              "training_args.json)")
     parser.add_argument("--k", type=int, default=None,
-                        help="captured mass at k (default: the export's top_k)")
+                        help="captured mass at k (default: the export's top_k; its k_min, the k "
+                             "kept up to the training length, on the fraction schedule)")
     parser.add_argument("--min-keys", type=int, default=512,
                         help="count queries with at least this many keys")
     parser.add_argument("--first-bucket", type=int, default=2048,

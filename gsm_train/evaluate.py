@@ -67,10 +67,11 @@ def token_losses(model: nn.Module, batch: Tensor) -> Tensor:
 
 @torch.no_grad()
 def perplexity_and_recall(model: nn.Module, rows: Tensor, batch_size: int,
-                          recall: tuple[int, int] | None,
+                          recall: tuple[int | None, int] | None,
                           buckets: list[tuple[int, int]] | None = None) -> dict[str, Any]:
     """Perplexity over all predicted tokens of `rows` [N, T]; with `recall` (k, min_keys) on a GSM
-    model, the gate's and the oracle's captured attention mass too.
+    model, the gate's and the oracle's captured attention mass too (k None: at each query's k of the
+    top-k schedule).
 
     `buckets`: query-position buckets (`position_buckets`; default one for the whole window),
     each with the same figures over its queries and the tokens they predict (the token at t + 1
@@ -103,7 +104,7 @@ def perplexity_and_recall(model: nn.Module, rows: Tensor, batch_size: int,
             "nll": float(nll.sum()), **_mass_figures(mass.sum(1), recall), "buckets": parts}
 
 
-def _mass_figures(sums: Tensor, recall: tuple[int, int] | None) -> dict[str, float]:
+def _mass_figures(sums: Tensor, recall: tuple[int | None, int] | None) -> dict[str, float]:
     """The gate's and the oracle's captured mass per counted query and their ratio, from fp64 sums
     (gate, oracle, queries); nothing without recall or without counted queries."""
     if recall is None or sums[2] == 0:
@@ -175,7 +176,7 @@ class Evaluation:
     tokenizer: Any = None
 
     def models(self) -> Iterator[Evaluated]:
-        """The base, then each export on a fresh copy of it (one model in memory at a time)."""
+        """The base, then each export on a fresh copy of it, each loaded when asked for."""
         for name in (BASE, *self.folders):
             yield self.load(name)
 
@@ -224,7 +225,8 @@ def evaluate_exports(model_name: str | None, exports: dict[str, str], data: str,
     `model_name` None: the base the first export names (`prepare_evaluation`). `kv_baseline`
     (`per_token` or `kivi`) replaces ASQ by plain quantization at ASQ's bits, with the same sparsity
     and bridge: the baseline ASQ must beat. Every figure is reported for the window and per
-    query-position bucket (`position_buckets` from `first_bucket`). `selection`: sparse_attention
+    query-position bucket (`position_buckets` from `first_bucket`); the captured mass is taken at
+    `top_k` on a constant schedule, at each query's k on another. `selection`: sparse_attention
     fields the exports run with instead of their own (`with_selection`), e.g. {"top_k": 1024};
     `selections`: the same per export name."""
     evaluation = prepare_evaluation(model_name, exports, mode, kv_baseline, selection, selections)
@@ -237,11 +239,12 @@ def evaluate_exports(model_name: str | None, exports: dict[str, str], data: str,
         if item.settings is None or not item.settings.enabled:  # the base, or a dense control
             results[item.name] = perplexity_and_recall(item.model, rows, batch_size, None, buckets)
         else:
-            k = item.settings.config.sparse_attention.top_k
+            sparse = item.settings.config.sparse_attention
+            k = sparse.top_k if sparse.top_k_schedule == "constant" else None  # None: scheduled
             recall = (k, min(min_keys, seq_len))
             measured = perplexity_and_recall(item.model, rows, batch_size, recall, buckets)
             kv_bytes = kv_bytes_ratio(item.model, item.settings, seq_len)
-            results[item.name] = measured | kv_bytes | {"k": k}
+            results[item.name] = measured | kv_bytes | {"k": k or sparse.top_k_schedule}
         if item.export is not None:
             results[item.name]["export"] = item.export
     for name, result in results.items():

@@ -68,13 +68,12 @@ def _tokens(tokenizer: PreTrainedTokenizerBase, text: str) -> Tensor:
 def filler_tokens(tokenizer: PreTrainedTokenizerBase, prose: str, length: int) -> Tensor:
     """The filler pool: the tokens of the first `FILLER_CHARS_PER_TOKEN * length` characters of the
     prose (a file, folder or glob of text, or `embedded:NAME`, as `load_text_dataset` reads it)."""
-    documents = load_text_dataset(prose)["text"]
-    budget, pieces = FILLER_CHARS_PER_TOKEN * length, []
-    for document in documents:
-        pieces.append(document[:budget - sum(len(p) for p in pieces)])
-        if sum(len(p) for p in pieces) >= budget:
+    text, budget = "", FILLER_CHARS_PER_TOKEN * length
+    for document in load_text_dataset(prose)["text"]:
+        text += ("\n\n" if text else "") + document
+        if len(text) >= budget:
             break
-    return _tokens(tokenizer, "\n\n".join(pieces))
+    return _tokens(tokenizer, text[:budget])
 
 
 def passkey_cases(tokenizer: PreTrainedTokenizerBase, filler: Tensor, length: int, count: int,

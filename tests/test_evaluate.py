@@ -136,6 +136,25 @@ def test_bucket_captured_mass_adds_up_to_the_unbucketed_figures() -> None:
     assert all(0 < p["gate_mass"] <= p["oracle_mass"] <= 1 for p in parts)
 
 
+def test_captured_mass_at_the_scheduled_k() -> None:
+    """recall k None measures at each query's scheduled k: on a constant schedule that is top_k."""
+    model, rows = _fp64_gate_model(), _prose_rows(2)
+    buckets = position_buckets(SEQ, first=8)
+    scheduled = perplexity_and_recall(model, rows, 2, (None, 8), buckets)
+    constant = perplexity_and_recall(model, rows, 2, (4, 8), buckets)
+    for key in ("gate_mass", "oracle_mass", "queries"):
+        assert scheduled[key] == pytest.approx(constant[key], rel=1e-12)
+    fraction = tiny_model("llama").double()
+    sparse = {"top_k_schedule": "fraction", "top_k_fraction": 0.25, "k_min": 2, "top_k": 6}
+    inject_gsm(fraction, GSMConfig.model_validate({"sparse_attention": sparse}), mode="sparse")
+    parts = perplexity_and_recall(fraction, rows, 2, (None, 8), buckets)["buckets"]
+    at_top_k = perplexity_and_recall(fraction, rows, 2, (6, 8), buckets)["buckets"]
+    # k_t = ceil((t + 1) / 4) within [2, 6] is at most top_k's 6: at most its mass, less where k_t < 6
+    assert parts[0]["oracle_mass"] < at_top_k[0]["oracle_mass"]  # position 7: k_t = 2
+    assert all(p["oracle_mass"] <= q["oracle_mass"] + 1e-12 for p, q in zip(parts, at_top_k))
+    assert all(0 < p["gate_mass"] <= p["oracle_mass"] + 1e-12 for p in parts)
+
+
 def _eval_argv(export: str, *more: str) -> list[str]:
     return ["eval", "--model", "tiny-llama", "--data", "embedded:sample_prose", "--export",
             f"gsm={export}", "--seq-len", str(SEQ), "--windows", "2", "--min-keys", "8", *more]

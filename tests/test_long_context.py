@@ -151,7 +151,8 @@ TINY_LONG = ["gsm.sparse_attention.top_k=16", "gsm.kv_compression.block_size=16"
 
 
 def test_benchmark_trains_the_full_context_runs_from_the_long_recipes(tmp_path: Path) -> None:
-    argv = _base_args(tmp_path, "--train", "--train-data", PROSE, "--lengths", "32", "64",
+    argv = _base_args(tmp_path, "--train", "joint_long", "control_long", "--train-data", PROSE,
+                      "--lengths", "32", "64",
                       "--windows", "1", "1", "--first-bucket", "32", "--passkey-cases", "0",
                       "--override", *TINY_TRAINING, "--long-override", *TINY_LONG)
     result = long_context.main(argv)
@@ -168,8 +169,17 @@ def test_benchmark_trains_the_full_context_runs_from_the_long_recipes(tmp_path: 
     assert result["passkey"] is None  # --passkey-cases 0
 
 
+def test_train_names_the_runs_and_brings_the_runs_they_start_from() -> None:
+    assert long_context.to_train(None) == set()
+    assert long_context.to_train([]) == set(long_context.RUNS)
+    assert long_context.to_train(["control_long"]) == {"control_long", "gate_only_long"}
+    assert long_context.to_train(["joint", "gate_only_long"]) == {"joint", "gate_only",
+                                                                  "gate_only_long"}
+
+
 @pytest.mark.parametrize(("more", "message"), [
-    (["--train"], "--train and --train-short need --train-data"),
+    (["--train"], "--train needs --train-data"),
+    (["--train", "joint_longer", "--train-data", PROSE], "invalid choice: 'joint_longer'"),
     (["--lengths", "32", "64", "--windows", "1"], "--windows gives 1 counts for 2 --lengths"),
 ])
 def test_benchmark_refuses_inconsistent_arguments(tmp_path: Path, more: list[str], message: str,

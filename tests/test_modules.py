@@ -423,6 +423,21 @@ def test_captured_mass_by_bucket_is_the_mass_of_each_buckets_queries() -> None:
     assert sums["queries_by_bucket"].tolist() == [2 * 2 * 4, 2 * 2 * 7, 2 * 2 * 11]
 
 
+def test_captured_mass_at_each_querys_own_k() -> None:
+    """Per-row k (a schedule's): the oracle's mass is each row's own top-k_t, as written by hand."""
+    query, key = _attention_inputs()
+    allowed = _causal()
+    k_rows = torch.arange(T) % 5 + 1
+    sums = captured_mass(query, key, allowed, 0.4, k_rows, 3, 7, 2, None)
+    target = _reference_target(query, key, allowed, 0.4, 2)
+    by_hand = sum(float(target[:, :, t].topk(int(k_rows[t]), dim=-1).values.sum())
+                  for t in range(2, T))  # rows with at least 3 keys
+    assert float(sums["oracle"]) == pytest.approx(by_hand, rel=1e-5)
+    constant = captured_mass(query, key, allowed, 0.4, torch.full((T,), 4), 3, 7, 2, None)
+    assert torch.allclose(constant["oracle"], captured_mass(query, key, allowed, 0.4, 4, 3, 7, 2,
+                                                            None)["oracle"], rtol=1e-12, atol=0)
+
+
 def test_captured_mass_independent_of_chunk() -> None:
     small, _ = _mass(k=4, min_keys=4, chunk=3, pick_oracle=True)
     large, _ = _mass(k=4, min_keys=4, chunk=1000, pick_oracle=True)

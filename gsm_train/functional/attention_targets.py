@@ -154,13 +154,25 @@ def gate_distill_loss(query: Tensor, key: Tensor, gate_q: Tensor, gate_k: Tensor
 MASS_SUMS = ("gate", "oracle", "queries")
 
 
+def _top_mass(target: Tensor, k: int | Tensor) -> Tensor:
+    """Each row's mass in its k largest entries [B, n, c] of `target` [B, n, c, S]; `k` one for all
+    rows or one per row (host int64 [c])."""
+    if isinstance(k, int):
+        return target.topk(min(k, target.shape[-1]), dim=-1).values.sum(-1)
+    values = target.topk(min(int(k.max()), target.shape[-1]), dim=-1).values
+    ranks = torch.arange(values.shape[-1])[None, :] < k[:, None]
+    return (values * ranks.to(values.device)).sum(-1)
+
+
 @torch.no_grad()
-def captured_mass(query: Tensor, key: Tensor, allowed: Tensor, scaling: float, k: int, min_keys: int, chunk: int,
-                  num_selectors: int, gate_selection: Callable[[int, int], Tensor] | None,
+def captured_mass(query: Tensor, key: Tensor, allowed: Tensor, scaling: float, k: int | Tensor,
+                  min_keys: int, chunk: int, num_selectors: int,
+                  gate_selection: Callable[[int, int], Tensor] | None,
                   visible: Tensor | None = None,
                   bucket_starts: Tensor | None = None) -> dict[str, Tensor]:
     """Target mass captured by the gate's selection and by the true top-k, over queries with >= min_keys keys.
 
+    `k`: one k for every query, or each query row's k (host int64 [T], e.g. a top-k schedule's).
     `visible` as for `gate_distill_loss`; `gate_selection(start, stop)` returns the gate's boolean
     selection [B, n, c, S] for a chunk. The query rows are the last T of the S key positions.
     Returns fp64 sums `gate`, `oracle` and `queries` (rows counted, times batch and selectors). With
@@ -188,7 +200,7 @@ def captured_mass(query: Tensor, key: Tensor, allowed: Tensor, scaling: float, k
         target = head_averaged_probs(query[:, :, start:stop], key[:, :, :keys], allowed[..., start:stop, :keys],
                                      scaling, num_selectors)
         rows = rows.expand(target.shape[0], target.shape[1], -1)
-        oracle = target.topk(min(k, target.shape[-1]), dim=-1).values.sum(-1)
+        oracle = _top_mass(target, k if isinstance(k, int) else k[start:stop])
         per_row = {"oracle": oracle.double() * rows, "queries": rows}
         if gate_selection is not None:
             picked = gate_selection(start, stop)[..., :keys]

@@ -44,7 +44,7 @@ class CollectRequest:
     distill_on_selection: in sparse mode the KL's target is the main attention over the selected keys.
     distill_queries: the KL uses this many query positions drawn per forward (0: all of them).
     recall: (k, min_keys): the gate's and the oracle's captured attention mass at k over queries with at
-        least min_keys keys.
+        least min_keys keys; k None: at each query's k of the top-k schedule.
     recall_buckets: with `recall`, the query positions where position buckets start (ascending, the
         first 0): the captured mass is also summed per bucket (`LayerRecords.captured_mass`).
     """
@@ -52,7 +52,7 @@ class CollectRequest:
     distill: bool = False
     distill_on_selection: bool = False
     distill_queries: int = 0
-    recall: tuple[int, int] | None = None
+    recall: tuple[int | None, int] | None = None
     recall_buckets: tuple[int, ...] = ()
 
 
@@ -184,7 +184,7 @@ _ACTIVE: ContextVar[tuple[tuple[nn.Module, CollectRequest, GSMRecords], ...]] = 
 
 @contextmanager
 def gsm_collect(model: nn.Module, *, distill: bool = False, distill_on_selection: bool = False,
-                distill_queries: int = 0, recall: tuple[int, int] | None = None,
+                distill_queries: int = 0, recall: tuple[int | None, int] | None = None,
                 recall_buckets: Sequence[int] = ()) -> Iterator[GSMRecords]:
     """Within: the model's forwards record what is asked (`CollectRequest`) into the yielded records."""
     stack = decoder_stack(model)
