@@ -149,7 +149,7 @@ def test_captured_mass_at_the_scheduled_k() -> None:
     inject_gsm(fraction, GSMConfig.model_validate({"sparse_attention": sparse}), mode="sparse")
     parts = perplexity_and_recall(fraction, rows, 2, (None, 8), buckets)["buckets"]
     at_top_k = perplexity_and_recall(fraction, rows, 2, (6, 8), buckets)["buckets"]
-    # k_t = ceil((t + 1) / 4) within [2, 6] is at most top_k's 6: at most its mass, less where k_t < 6
+    # k_t = ceil((t + 1) / 4) within [2, 6], at most top_k's 6: at most its mass, less below 6
     assert parts[0]["oracle_mass"] < at_top_k[0]["oracle_mass"]  # position 7: k_t = 2
     assert all(p["oracle_mass"] <= q["oracle_mass"] + 1e-12 for p, q in zip(parts, at_top_k))
     assert all(0 < p["gate_mass"] <= p["oracle_mass"] + 1e-12 for p in parts)
