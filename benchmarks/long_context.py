@@ -8,10 +8,11 @@ Runs: `gate_only`, `joint`, `control` (recipes/gate_only.yaml, recipes/joint.yam
 recipe with gsm_enabled false: the dense control), and `gate_only_long`, `joint_long`,
 `control_long` (the same from recipes/*_long.yaml, 8192-token windows). A run is measured when it
 is given (--export NAME=FOLDER), exported under --out, or trained: `--train` trains every run
-missing, `--train NAME ...` those named and the runs they start from. Each joint
-export is also evaluated with the other top-k schedule, a change of selection only: the 2048
-export with the fraction schedule that keeps its share of the keys at any length
-(`joint_fraction`), a fraction export with its floor as a constant k (`joint_long_constant`).
+missing, `--train NAME ...` those named and the runs they start from. Each joint export is also
+evaluated on the other top-k schedule, a change of selection only: a constant k as the fraction
+schedule that keeps the same share of the keys at any length (`joint_fraction`), a fraction
+schedule as its floor held constant (`joint_long_constant`). A GSM model is measured against the
+dense control trained at its length.
 
 Measured, on held-out text: at every --lengths (2048 and 8192), perplexity for the window and per
 position bucket (0-2k, 2-4k, 4-8k) of the base, every export and variant, their gate/oracle
@@ -56,7 +57,6 @@ RUNS: dict[str, tuple[str, str | None, tuple[str, ...]]] = {
     "control_long": ("joint_long.yaml", "gate_only_long", ("gsm.gsm_enabled=false",)),
 }
 LONG = ("gate_only_long", "joint_long", "control_long")
-PAIRS = (("joint", "control"), ("joint_long", "control_long"))  # a GSM model and its dense control
 # issue 35's targets for a GSM model against its dense control
 TARGETS = {"ppl_over_control": 1.05, "kv_bytes_ratio": 0.30, "gate_over_oracle_per_bucket": 0.95,
            "passkey_points_below_control": 2.0}
@@ -278,7 +278,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--train-data", default=None, help="training text (needed to train)")
     parser.add_argument("--out", required=True, help="working folder: runs/ and stages/")
     parser.add_argument("--result",
-                        default=str(REPO / "benchmarks" / "results" / "long_context.json"))
+                        default=str(REPO / "benchmarks" / "results" / "long_context.json"),
+                        help="the result JSON (command, commit, device, every report)")
     parser.add_argument("--model", default="smollm2-135m", help="the base every run trains on")
     parser.add_argument("--export", action="append", default=[], metavar="NAME=FOLDER",
                         help=f"an export trained before, NAME one of {', '.join(RUNS)}; repeatable")
@@ -298,17 +299,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="position buckets [0, N), [N, 2N), [2N, 4N), ...")
     parser.add_argument("--min-keys", type=int, default=512,
                         help="captured mass counts queries with at least this many keys")
-    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=1,
+                        help="windows (and passkey cases) per forward in evaluation")
     parser.add_argument("--passkey-length", type=int, default=None,
                         help="tokens per passkey case (default: the last --lengths)")
     parser.add_argument("--passkey-cases", type=int, default=100, help="0: no passkey test")
-    parser.add_argument("--passkey-seed", type=int, default=0)
-    parser.add_argument("--passkey-filler", default="embedded:sample_prose")
+    parser.add_argument("--passkey-seed", type=int, default=0, help="draws the passkey cases")
+    parser.add_argument("--passkey-filler", default="embedded:sample_prose",
+                        help="prose the passkey hides in")
     parser.add_argument("--generate", action="store_true",
                         help="score the passkey by greedy generation through the cache too (slow)")
     parser.add_argument("--probe", nargs="*", default=[], metavar="NAME",
                         help="run benchmarks/long_context_probe.py on these exports (or variants)")
-    parser.add_argument("--probe-windows", type=int, default=4)
+    parser.add_argument("--probe-windows", type=int, default=4,
+                        help="windows of the last length the probe reads")
     args = parser.parse_args(argv)
     if len(args.windows) != len(args.lengths):
         parser.error(f"--windows gives {len(args.windows)} counts for {len(args.lengths)} "

@@ -381,8 +381,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="the base (default: the one the export names)")
     parser.add_argument("--eval-data", required=True,
                         help="held-out text (file, folder, glob, embedded:NAME)")
-    parser.add_argument("--seq-len", type=int, default=8192)
-    parser.add_argument("--windows", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=8192, help="tokens per window")
+    parser.add_argument("--windows", type=int, default=4, help="held-out windows read")
     parser.add_argument("--train-len", type=int, default=None,
                         help="the length the gate was trained at (default: the export's "
                              "training_args.json)")
@@ -399,7 +399,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="main attention while probing: dense isolates each layer's gate from "
                              "the others' selections; sparse runs as inference does")
     parser.add_argument("--result",
-                        default=str(REPO / "benchmarks" / "results" / "long_context_probe.json"))
+                        default=str(REPO / "benchmarks" / "results" / "long_context_probe.json"),
+                        help="the result JSON (command, commit, device, every figure)")
     args = parser.parse_args(argv)
     result = run_probe(args.model, args.export, args.eval_data, args.seq_len, args.windows,
                        args.train_len, args.k, args.min_keys, args.first_bucket, args.chunk,
