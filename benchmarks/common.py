@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import shlex
 import statistics
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from gsm_train.train import train_recipe
 
 
 def device_name() -> str:
@@ -112,6 +116,41 @@ def _gsm_setting(item: str) -> str:
 def add_gsm_argument(parser: argparse.ArgumentParser, help: str) -> None:
     """`--gsm gsm.KEY=VALUE ...`: GSM settings on top of the shipped recipes (anything else is refused)."""
     parser.add_argument("--gsm", nargs="*", default=[], type=_gsm_setting, metavar="gsm.KEY=VALUE", help=help)
+
+
+CODE_PATHS = ("gsm_train", "recipes", "benchmarks/*.py")
+
+
+def git_commit(repo: Path, paths: tuple[str, ...] = CODE_PATHS) -> str:
+    """The short commit of `repo`'s checkout, noting uncommitted changes to `paths` (the code that
+    ran may differ from the commit, e.g. in a copied tree whose git metadata is older)."""
+    def git(*command: str) -> str:
+        return subprocess.run(["git", "--no-optional-locks", *command], cwd=repo,
+                              capture_output=True, text=True, check=True).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (no git checkout)"
+    try:
+        if git("status", "--porcelain", "--untracked-files=no", "--", *paths):
+            commit += " with uncommitted changes"
+    except (OSError, subprocess.CalledProcessError):
+        commit += " (uncommitted changes unknown)"
+    return commit
+
+
+def train_unless_exported(recipe: Path, overrides: list[str], run_dir: Path) -> None:
+    """Train `recipe` into `run_dir` unless its export is there (exports are written to a temporary
+    folder and renamed when complete); a run with checkpoints resumes from its latest one."""
+    if (run_dir / "export").is_dir():
+        print(f"{run_dir / 'export'} exists: {recipe.name} is not trained again", flush=True)
+        return
+    result = train_recipe(str(recipe), [*overrides, f"output.dir={run_dir}"], resume="auto")
+    del result
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def write_result(path: Path, result: dict) -> None:

@@ -15,31 +15,15 @@ survives between runs, e.g. its default under `--out`, and copy it out afterward
 from __future__ import annotations
 
 import argparse
-import gc
 import hashlib
 import json
 import statistics
-import subprocess
 from pathlib import Path
 
-import torch
-
-from benchmarks.common import add_gsm_argument, write_result
+from benchmarks.common import add_gsm_argument, git_commit, train_unless_exported, write_result
 from gsm_train.evaluate import evaluate_exports
-from gsm_train.train import train_recipe
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _train(recipe: str, overrides: list[str], run_dir: Path) -> None:
-    """Train `recipe` into `run_dir`, unless its export is already there; resume from its latest checkpoint."""
-    if (run_dir / "export").is_dir():  # exports are written to a temporary folder and renamed when complete
-        print(f"{run_dir / 'export'} exists: {recipe} is not trained again", flush=True)
-        return
-    result = train_recipe(str(REPO / "recipes" / recipe), [*overrides, f"output.dir={run_dir}"], resume="auto")
-    del result
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 RECIPES = ("gate_only.yaml", "joint.yaml")
@@ -50,22 +34,9 @@ LAST_EVAL_KEYS = ("ppl", "recall_ratio_k64", "asq_recon_rel_error", "asq_cluster
 def _identity(overrides: list[str], gate_only_overrides: list[str], joint_overrides: list[str]) -> dict:
     """What makes two runs the same: the overrides and the recipes' text (hashed); plus the commit, for the record."""
     digest = hashlib.sha256(b"".join((REPO / "recipes" / name).read_bytes() for name in RECIPES)).hexdigest()
-    def git(*command: str) -> str:
-        return subprocess.run(["git", "--no-optional-locks", *command], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-
-    try:
-        commit = git("rev-parse", "--short", "HEAD")
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown (no git checkout)"
-    else:
-        try:  # the code that runs differs from the commit (e.g. a copied tree whose git metadata is older)?
-            if git("status", "--porcelain", "--untracked-files=no", "--", "gsm_train", "recipes", "benchmarks/*.py"):
-                commit += " with uncommitted changes"
-        except (OSError, subprocess.CalledProcessError):
-            commit += " (uncommitted changes unknown)"
     return {"gsm_overrides": overrides, "gate_only_overrides": gate_only_overrides,
-            "joint_overrides": joint_overrides, "recipes_sha256": digest, "commit": commit}
+            "joint_overrides": joint_overrides, "recipes_sha256": digest,
+            "commit": git_commit(REPO)}
 
 
 def _earlier_result(path: Path, identity: dict) -> dict:
@@ -116,10 +87,13 @@ def main() -> None:
     identity = _identity(args.gsm, args.gate_only, args.joint)
     earlier = _earlier_result(result_path, identity)
     result: dict = dict(identity)
-    _train("gate_only.yaml", [*data, *args.gate_only], out / "gate_only")
+    recipes = REPO / "recipes"
+    train_unless_exported(recipes / "gate_only.yaml", [*data, *args.gate_only], out / "gate_only")
     gate_export = out / "gate_only" / "export"
-    _train("joint.yaml", [*data, *args.joint, f"init_from={gate_export}"], out / "joint")
-    _train("joint.yaml", [*data, *args.joint, f"init_from={gate_export}", "gsm.gsm_enabled=false"], out / "control")
+    joint = [*data, *args.joint, f"init_from={gate_export}"]
+    train_unless_exported(recipes / "joint.yaml", joint, out / "joint")
+    train_unless_exported(recipes / "joint.yaml", [*joint, "gsm.gsm_enabled=false"],
+                          out / "control")
     result["joint_over_dense_tokens_per_s"] = _tokens_per_s(out / "joint") / _tokens_per_s(out / "control")
     result["joint_last_eval"] = _last_eval(out / "joint")
     write_result(result_path, result)

@@ -1,11 +1,13 @@
-"""`gsm-train`: validate recipes, train, evaluate, generate, inspect what GSM attaches, export checkpoints, publish
-exports."""
+"""`gsm-train`: validate recipes, train, evaluate (perplexity, passkey retrieval), generate,
+inspect what GSM attaches, export checkpoints, publish exports."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
+
+import yaml
 
 from gsm_train import __version__
 from gsm_train.checkpoint_export import export_checkpoint
@@ -16,6 +18,8 @@ from gsm_train.export import ExportError
 from gsm_train.generate import generate
 from gsm_train.hub import PublishError, publish_export
 from gsm_train.inspect_model import inspect_model
+from gsm_train.passkey import evaluate_passkey
+from gsm_train.passkey import write_report as write_passkey_report
 from gsm_train.modules.errors import GSMError
 from gsm_train.train import add_start_flags
 from gsm_train.train import main as train_main
@@ -55,16 +59,37 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _eval(args: argparse.Namespace) -> int:
+def _exports(items: list[str]) -> dict[str, str]:
+    """--export NAME=FOLDER arguments as {name: folder or Hub repo id}."""
     exports = {}
-    for item in args.export:
+    for item in items:
         name, sep, folder = item.partition("=")
         if not sep or not name or not folder:
             raise ExportError(f"--export {item!r}: give NAME=FOLDER, e.g. --export gsm=runs/joint/export")
         exports[name] = folder
+    return exports
+
+
+def _eval(args: argparse.Namespace) -> int:
+    exports = _exports(args.export)
+    selection = {}
+    for item in args.select:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ExportError(f"--select {item!r}: give FIELD=VALUE, e.g. --select top_k=1024")
+        selection[key] = yaml.safe_load(value)
     report = evaluate_exports(args.model, exports, args.data, args.seq_len, args.windows, args.batch_size, args.mode,
-                              args.min_keys)
+                              args.min_keys, first_bucket=args.first_bucket, selection=selection)
     table = write_report(report, args.out)
+    print(table.read_text(), end="")
+    print(f"written: {table} and {table.with_suffix('.json')}")
+    return 0
+
+
+def _passkey(args: argparse.Namespace) -> int:
+    report = evaluate_passkey(args.model, _exports(args.export), args.filler, args.length,
+                              args.cases, args.seed, args.batch_size, args.generate, args.mode)
+    table = write_passkey_report(report, args.out)
     print(table.read_text(), end="")
     print(f"written: {table} and {table.with_suffix('.json')}")
     return 0
@@ -142,8 +167,35 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--mode", choices=("sparse", "oracle", "dense"), default="sparse",
                           help="main attention of the exports (inference runs sparse)")
     evaluate.add_argument("--min-keys", type=_positive_int, default=512, help="recall counts queries with at least this many keys")
+    evaluate.add_argument("--first-bucket", type=_positive_int, default=2048,
+                          help="figures also per query-position bucket: [0, N), [N, 2N), "
+                               "[2N, 4N), ... up to --seq-len")
+    evaluate.add_argument("--select", action="append", default=[], metavar="FIELD=VALUE",
+                          help="run the exports with this sparse_attention selection field "
+                               "instead of their own (top_k, k_min, top_k_schedule, "
+                               "top_k_fraction, decay_rate, sink_tokens, recent_tokens, "
+                               "query_chunk), e.g. --select top_k=1024; repeatable")
     evaluate.add_argument("--out", default="runs/eval")
     evaluate.set_defaults(run=_eval)
+    passkey = commands.add_parser("passkey", help="retrieval of a key hidden in long filler text, "
+                                                  "for the base and exports")
+    passkey.add_argument("--model", default=None,
+                         help="the base model (default: the one the first export names)")
+    passkey.add_argument("--export", action="append", default=[],
+                         help="NAME=FOLDER or NAME=ORG/REPO (a Hub repo id), repeatable")
+    passkey.add_argument("--filler", default="embedded:sample_prose",
+                         help="prose the key hides in (file, folder, glob, embedded:NAME)")
+    passkey.add_argument("--length", type=_positive_int, default=8192, help="tokens per case")
+    passkey.add_argument("--cases", type=_positive_int, default=100)
+    passkey.add_argument("--seed", type=int, default=0,
+                         help="draws the cases (keys, depths, filler)")
+    passkey.add_argument("--batch-size", type=_positive_int, default=1)
+    passkey.add_argument("--generate", action="store_true",
+                         help="also generate greedily through the GSM cache (slow at long lengths)")
+    passkey.add_argument("--mode", choices=("sparse", "dense"), default="sparse",
+                         help="main attention of the exports")
+    passkey.add_argument("--out", default="runs/passkey")
+    passkey.set_defaults(run=_passkey)
     gen = commands.add_parser("generate", help="greedy generation with an adapter over the GSM cache, streamed, "
                                                "with time to first token, decode tokens/s, memory and KV bytes")
     gen.add_argument("--model", default=None,

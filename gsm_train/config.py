@@ -96,10 +96,12 @@ class SparseAttentionConfig(StrictModel):
 
     enabled: bool = True
     mode: Literal["dense", "sparse", "oracle"] = "dense"
-    top_k_schedule: Literal["constant", "exp_decay", "linear_decay"] = "constant"
-    top_k: int = Field(64, ge=1, le=65536)
+    top_k_schedule: Literal["constant", "exp_decay", "linear_decay", "fraction"] = "constant"
+    top_k: int = Field(64, ge=1, le=65536)  # the schedule's start (decays), its ceiling (fraction)
     k_min: int = Field(32, ge=1, le=65536)
     decay_rate: float = Field(0.0, ge=0.0)
+    # the `fraction` schedule's share of each query's visible keys
+    top_k_fraction: float | None = Field(None, gt=0.0, le=1.0)
     gate_head_dim: int = Field(64, ge=2, le=1024)
     gate_key_bits: Literal[8, 16] = 16  # how the KV cache stores gate keys: 16 = bf16, 8 = int8 + fp16 scale per key
     heads: Literal["layer", "kv"] = "layer"
@@ -120,6 +122,18 @@ class SparseAttentionConfig(StrictModel):
     def _k_min_below_top_k(self) -> SparseAttentionConfig:
         if self.k_min > self.top_k:
             raise _problem(f"k_min ({self.k_min}) is larger than top_k ({self.top_k})", "set k_min <= top_k")
+        return self
+
+    @model_validator(mode="after")
+    def _fraction_with_its_schedule(self) -> SparseAttentionConfig:
+        if self.top_k_schedule == "fraction" and self.top_k_fraction is None:
+            raise _problem("top_k_schedule fraction keeps a share of each query's visible keys, "
+                           "but top_k_fraction is not set",
+                           "set top_k_fraction, e.g. 0.25 (between 0 and 1)")
+        if self.top_k_schedule != "fraction" and self.top_k_fraction is not None:
+            raise _problem(f"top_k_fraction ({self.top_k_fraction}) is set, but top_k_schedule is "
+                           f"{self.top_k_schedule!r}, which does not read it",
+                           "set top_k_schedule: fraction, or drop top_k_fraction")
         return self
 
 

@@ -101,6 +101,31 @@ def test_ranges_and_relations(override: str, path: str) -> None:
     assert all(p.fix for p in info.value.problems)
 
 
+FRACTION = "gsm.sparse_attention.top_k_fraction"
+SCHEDULE = "gsm.sparse_attention.top_k_schedule"
+
+
+@pytest.mark.parametrize(("overrides", "message", "fix"), [
+    ([f"{SCHEDULE}=fraction"], "top_k_fraction is not set", "set top_k_fraction"),
+    ([f"{FRACTION}=0.25"], "top_k_schedule is 'constant'", "set top_k_schedule: fraction"),
+    ([f"{SCHEDULE}=fraction", f"{FRACTION}=1.5"], "less than or equal to 1",
+     "use a value that is less than or equal to 1"),
+    ([f"{SCHEDULE}=fraction", f"{FRACTION}=0"], "greater than 0",
+     "use a value that is greater than 0"),
+])
+def test_the_fraction_schedule_and_its_fraction_come_together(
+        overrides: list[str], message: str, fix: str, capsys: pytest.CaptureFixture) -> None:
+    """One clear error naming the field, its value where it has one, and the fix; exit status 2."""
+    assert cli_main(["validate", str(RECIPES[0]), *overrides]) == 2
+    err = capsys.readouterr().err
+    assert "1 problem:" in err and "gsm.sparse_attention" in err and message in err and fix in err
+
+
+def test_the_fraction_schedule_validates_with_its_fraction() -> None:
+    config = load_recipe(RECIPES[0], [f"{SCHEDULE}=fraction", f"{FRACTION}=0.25"])
+    assert config.gsm.sparse_attention.top_k_fraction == 0.25
+
+
 def test_layer_indices_checked_once_the_model_is_known() -> None:
     config = load_recipe(RECIPES[0], ["gsm.cross_layer_sharing.enabled=true", "gsm.sparse_attention.dense_layers=[0,9]",
                                       "gsm.kv_compression.enabled=true",

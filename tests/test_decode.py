@@ -37,6 +37,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
                                 "kv_compression": {**ASQ, "quant_bits": 2},
                                 "cross_layer_sharing": {**SHARE, "mode": "mix"}},
     "gate_only_decay": {"sparse_attention": {**SPARSE, "top_k_schedule": "linear_decay", "decay_rate": 0.2}},
+    # k grows with the context: 2 keys up to position 3, then half the visible keys, at most 8
+    "gate_only_fraction": {"sparse_attention": {**SPARSE, "top_k_schedule": "fraction",
+                                                "top_k_fraction": 0.5, "top_k": 8}},
     "asq_only": {"sparse_attention": {"enabled": False}, "kv_compression": ASQ},
     "gate_asq_k4_v2": {"sparse_attention": SPARSE, "kv_compression": {**ASQ, "value_quant_bits": 2}},
     "gate_asq_rotated": {"sparse_attention": SPARSE, "kv_compression": {**ASQ, "rotate_residuals": True}},

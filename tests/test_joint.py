@@ -4,6 +4,7 @@ causality in training mode, exact resume, FSDP2 on 2 processes, the dense contro
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from peft import PeftModel
 
 from gsm_train.config import GSMConfig, load_recipe
-from gsm_train.export import load_gsm
+from gsm_train.export import export_adapter, load_gsm
 from gsm_train.model_zoo import tiny_model
 from gsm_train.modules import gsm_disabled, inject_gsm
 from gsm_train.train import main as train_main
@@ -178,3 +179,34 @@ def test_logged_terms_are_averaged_over_micro_batches_as_the_loss_is(tmp_path: P
     for record in (r for r in records(tmp_path) if r["kind"] == "train"):
         total = record["lm_loss"] + record["gate_kl"] + 0.5 * record["asq_loss"]
         assert record["loss"] == pytest.approx(total, rel=1e-6)
+
+
+def test_joint_trains_and_evaluates_with_the_fraction_schedule(tmp_path: Path) -> None:
+    """k growing with the context goes through the training selection, the KL's sampled rows (a
+    suffix of the positions) and the evaluation; the export keeps the schedule."""
+    sparse = "gsm.sparse_attention"
+    schedule = [f"{sparse}.top_k_schedule=fraction", f"{sparse}.top_k_fraction=0.25",
+                f"{sparse}.k_min=4", f"{sparse}.top_k=12"]
+    result = train_recipe(JOINT, [*TINY, *schedule, "train.steps=2", "train.distill_queries=8",
+                                  "logging.eval_every=2", f"output.dir={tmp_path}"])
+    assert all(math.isfinite(loss) for loss in result.losses)
+    assert math.isfinite(result.final_metrics["ppl"])
+    exported = json.loads((tmp_path / "export" / "gsm_config.json").read_text())["sparse_attention"]
+    assert (exported["top_k_schedule"], exported["top_k_fraction"]) == ("fraction", 0.25)
+
+def test_joint_starts_from_the_gate_only_export(tmp_path: Path) -> None:
+    """`init_from` loads the export's gate tensors into the joint model (the stage-1 export; a layer
+    kept dense here has no place for its gate, and the new modules start fresh)."""
+    gated = tiny_model("llama")
+    inject_gsm(gated, GSMConfig.model_validate(
+        {"sparse_attention": {"top_k": 8, "k_min": 8, "gate_head_dim": 16, "gate_init": "random"}}))
+    export = export_adapter(gated, tmp_path / "gate_only", base_name="tiny-llama")
+    config = load_recipe(JOINT, [*TINY, "gsm.sparse_attention.gate_head_dim=16",
+                                 f"init_from={export}"])
+    model = tiny_model("llama")
+    JointStage().attach(model, config)
+    for layer in (1, 2, 3):  # layer 0 is dense in the joint recipe (TINY): no gate
+        loaded, exported = model.model.layers[layer].self_attn.gsm.gate, \
+            gated.model.layers[layer].self_attn.gsm.gate
+        assert torch.equal(loaded.q_proj.weight, exported.q_proj.weight)
+        assert torch.equal(loaded.rope_freq_index, exported.rope_freq_index)

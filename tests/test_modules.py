@@ -73,6 +73,31 @@ def test_k_per_query_schedules(schedule: str, rate: float, expected) -> None:
         assert int(k[-1]) == 4  # floored at k_min
 
 
+@pytest.mark.parametrize(("fraction", "k_min", "top_k"),
+                         [(0.25, 4, 16), (0.1, 2, 100), (1.0, 1, 7), (0.3, 5, 5)])
+def test_fraction_schedule_keeps_a_share_of_the_visible_keys_within_floor_and_ceiling(
+        fraction: float, k_min: int, top_k: int) -> None:
+    t = torch.arange(400)
+    k = k_per_query(t, "fraction", top_k=top_k, k_min=k_min, decay_rate=0.0, fraction=fraction)
+    expected = [min(max(math.ceil(round(fraction * (p + 1), 6)), k_min), top_k) for p in range(400)]
+    assert k.dtype == torch.long and k.tolist() == expected
+    assert bool(((k >= k_min) & (k <= top_k)).all()) and bool((k[1:] >= k[:-1]).all())
+    # never more keys than the query sees once it sees k_min: the counted positions form a suffix
+    assert bool((k[k_min - 1:] <= t[k_min - 1:] + 1).all())
+
+
+def test_fraction_schedule_rounds_the_share_as_decimals_do() -> None:
+    """0.1 x 30 is 3.0000000000000004 in binary: the schedule keeps 3 keys, as its formula reads."""
+    k = k_per_query(torch.tensor([29, 9]), "fraction", top_k=64, k_min=1, decay_rate=0.0,
+                    fraction=0.1)
+    assert k.tolist() == [3, 1]
+
+
+def test_fraction_schedule_needs_its_fraction() -> None:
+    with pytest.raises(ValueError, match="fraction in"):
+        k_per_query(torch.arange(4), "fraction", 8, 4, 0.0)
+
+
 def test_k_per_query_never_above_top_k() -> None:
     k = k_per_query(torch.arange(50), "exp_decay", top_k=8, k_min=32, decay_rate=0.1)
     assert torch.equal(k, torch.full((50,), 8))
@@ -134,6 +159,17 @@ def test_one_k_for_every_query_selects_the_same_keys_unsorted(sinks: int, recent
     scores, positions, k = torch.randn(2, 2, T, T, generator=_gen(4)), torch.arange(T), torch.full((T,), 5)
     args = (scores, _causal(), k, positions, positions, sinks, recent, 5)
     assert torch.equal(select_top_k(*args, uniform_k=True), select_top_k(*args))
+
+
+def test_fraction_schedule_selects_k_t_keys_at_every_position() -> None:
+    """The selection keeps exactly k_t keys per query (all of them while it sees fewer), with k_t
+    within the schedule's floor and ceiling."""
+    positions = torch.arange(T)
+    k = k_per_query(positions, "fraction", top_k=9, k_min=3, decay_rate=0.0, fraction=0.5)
+    selection, allowed, _ = _select(k)
+    counts = selection.sum(-1)
+    assert torch.equal(counts, torch.minimum(k, positions + 1).expand_as(counts))
+    assert int(k.min()) == 3 and int(k.max()) == 9 and bool((k >= 3).all() & (k <= 9).all())
 
 
 def test_select_top_k_per_query_k() -> None:
@@ -355,6 +391,51 @@ def test_captured_mass_oracle_is_dense_top_k() -> None:
 def test_captured_mass_gate_equal_to_oracle_selection() -> None:
     sums, _ = _mass(k=4, min_keys=4, chunk=7, pick_oracle=True)
     assert torch.allclose(sums["gate"], sums["oracle"], rtol=1e-6)
+
+
+def test_captured_mass_by_bucket_is_the_mass_of_each_buckets_queries() -> None:
+    """Per position bucket, the sums are those of a pass over only that bucket's query rows (the
+    last rows of the keys) up to fp32 rounding (the passes chunk the keys differently), and they add
+    up to the window's to fp64 rounding."""
+    query, key = _attention_inputs()
+    allowed = _causal()
+    target = _reference_target(query, key, allowed, 0.4, 2)
+    random_top = torch.randn_like(target).topk(4).indices
+    gate_pick = torch.zeros_like(target, dtype=torch.bool).scatter(-1, random_top, True) & allowed
+
+    def mass(first: int, stop: int, buckets: Tensor | None = None) -> dict[str, Tensor]:
+        """captured_mass of the queries [first, stop) over the keys [0, stop)."""
+        def pick(a: int, b: int) -> Tensor:
+            return gate_pick[:, :, first + a:first + b, :stop]
+
+        return captured_mass(query[:, :, first:stop], key[:, :, :stop],
+                             allowed[..., first:stop, :stop], 0.4, 4, 3, 5, 2, pick,
+                             bucket_starts=buckets)
+
+    sums = mass(0, T, torch.tensor([0, 6, 13]))
+    for index, (start, stop) in enumerate(((0, 6), (6, 13), (13, T))):
+        part = mass(start, stop)
+        for name in ("gate", "oracle", "queries"):
+            assert torch.allclose(sums[f"{name}_by_bucket"][index], part[name], rtol=1e-6, atol=0)
+    for name in ("gate", "oracle", "queries"):
+        assert torch.allclose(sums[f"{name}_by_bucket"].sum(), sums[name], rtol=1e-12, atol=0)
+    # rows with >= 3 keys, times 2 batch rows and 2 selectors
+    assert sums["queries_by_bucket"].tolist() == [2 * 2 * 4, 2 * 2 * 7, 2 * 2 * 11]
+
+
+def test_captured_mass_at_each_querys_own_k() -> None:
+    """Per-row k (a schedule's): the oracle's mass is each row's own top-k_t, as written by hand."""
+    query, key = _attention_inputs()
+    allowed = _causal()
+    k_rows = torch.arange(T) % 5 + 1
+    sums = captured_mass(query, key, allowed, 0.4, k_rows, 3, 7, 2, None)
+    target = _reference_target(query, key, allowed, 0.4, 2)
+    by_hand = sum(float(target[:, :, t].topk(int(k_rows[t]), dim=-1).values.sum())
+                  for t in range(2, T))  # rows with at least 3 keys
+    assert float(sums["oracle"]) == pytest.approx(by_hand, rel=1e-5)
+    constant = captured_mass(query, key, allowed, 0.4, torch.full((T,), 4), 3, 7, 2, None)
+    assert torch.allclose(constant["oracle"], captured_mass(query, key, allowed, 0.4, 4, 3, 7, 2,
+                                                            None)["oracle"], rtol=1e-12, atol=0)
 
 
 def test_captured_mass_independent_of_chunk() -> None:

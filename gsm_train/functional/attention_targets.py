@@ -151,20 +151,46 @@ def gate_distill_loss(query: Tensor, key: Tensor, gate_q: Tensor, gate_k: Tensor
     return total, count
 
 
+MASS_SUMS = ("gate", "oracle", "queries")
+
+
+def _top_mass(target: Tensor, k: int | Tensor) -> Tensor:
+    """Each row's mass in its k largest entries [B, n, c] of `target` [B, n, c, S]; `k` one for all
+    rows or one per row (host int64 [c])."""
+    if isinstance(k, int):
+        return target.topk(min(k, target.shape[-1]), dim=-1).values.sum(-1)
+    values = target.topk(min(int(k.max()), target.shape[-1]), dim=-1).values
+    ranks = torch.arange(values.shape[-1])[None, :] < k[:, None]
+    return (values * ranks.to(values.device)).sum(-1)
+
+
 @torch.no_grad()
-def captured_mass(query: Tensor, key: Tensor, allowed: Tensor, scaling: float, k: int, min_keys: int, chunk: int,
-                  num_selectors: int, gate_selection: Callable[[int, int], Tensor] | None,
-                  visible: Tensor | None = None) -> dict[str, Tensor]:
+def captured_mass(query: Tensor, key: Tensor, allowed: Tensor, scaling: float, k: int | Tensor,
+                  min_keys: int, chunk: int, num_selectors: int,
+                  gate_selection: Callable[[int, int], Tensor] | None,
+                  visible: Tensor | None = None,
+                  bucket_starts: Tensor | None = None) -> dict[str, Tensor]:
     """Target mass captured by the gate's selection and by the true top-k, over queries with >= min_keys keys.
 
+    `k`: one k for every query, or each query row's k (host int64 [T], e.g. a top-k schedule's).
     `visible` as for `gate_distill_loss`; `gate_selection(start, stop)` returns the gate's boolean
-    selection [B, n, c, S] for a chunk.
-    Returns fp64 sums `gate`, `oracle` and `queries` (rows counted, times batch and selectors).
+    selection [B, n, c, S] for a chunk. The query rows are the last T of the S key positions.
+    Returns fp64 sums `gate`, `oracle` and `queries` (rows counted, times batch and selectors). With
+    `bucket_starts` (host int64 [m], ascending, the first 0: the query positions where position
+    buckets start), also `gate_by_bucket`, `oracle_by_bucket` and `queries_by_bucket` (fp64 [m]),
+    the same sums over each bucket's queries; they add up to the whole-window sums (`queries`
+    exactly, the masses up to fp64 rounding).
     """
-    length = query.shape[2]
-    visible = causal_visible(length, key.shape[2]) if visible is None else visible
+    length, kv_len = query.shape[2], key.shape[2]
+    visible = causal_visible(length, kv_len) if visible is None else visible
     key_count = allowed.sum(-1)  # [B|1, 1, T]
-    sums = {name: torch.zeros((), dtype=torch.float64, device=query.device) for name in ("gate", "oracle", "queries")}
+    sums = {name: torch.zeros((), dtype=torch.float64, device=query.device) for name in MASS_SUMS}
+    if bucket_starts is not None:
+        sums |= {f"{name}_by_bucket": query.new_zeros(len(bucket_starts), dtype=torch.float64)
+                 for name in MASS_SUMS}
+        row_positions = torch.arange(kv_len - length, kv_len)
+        bucket_of_row = torch.searchsorted(bucket_starts, row_positions, right=True) - 1
+        bucket_of_row = bucket_of_row.to(query.device)
     for start in range(0, length, chunk):
         stop = min(start + chunk, length)
         keys = int(visible[stop - 1])
@@ -174,9 +200,14 @@ def captured_mass(query: Tensor, key: Tensor, allowed: Tensor, scaling: float, k
         target = head_averaged_probs(query[:, :, start:stop], key[:, :, :keys], allowed[..., start:stop, :keys],
                                      scaling, num_selectors)
         rows = rows.expand(target.shape[0], target.shape[1], -1)
-        sums["oracle"] += (target.topk(min(k, target.shape[-1]), dim=-1).values.sum(-1).double() * rows).sum()
+        oracle = _top_mass(target, k if isinstance(k, int) else k[start:stop])
+        per_row = {"oracle": oracle.double() * rows, "queries": rows}
         if gate_selection is not None:
             picked = gate_selection(start, stop)[..., :keys]
-            sums["gate"] += ((target * picked).sum(-1).double() * rows).sum()
-        sums["queries"] += rows.sum()
+            per_row["gate"] = (target * picked).sum(-1).double() * rows
+        for name, values in per_row.items():
+            sums[name] += values.sum()
+            if bucket_starts is not None:
+                by_row = values.sum((0, 1))
+                sums[f"{name}_by_bucket"].index_add_(0, bucket_of_row[start:stop], by_row)
     return sums

@@ -27,7 +27,7 @@ from gsm_train.kernels.decode_topk import unordered_top_k
 from gsm_train.modules.adapter import GSMAttentionAdapter
 from gsm_train.modules.errors import GSMError
 from gsm_train.modules.forward_state import CachedStep
-from gsm_train.modules.sparse_gate import decode_gate_keys, k_per_query
+from gsm_train.modules.sparse_gate import decode_gate_keys, scheduled_k
 from gsm_train.inference.kv_store import CacheLengths, KVStore
 
 
@@ -144,8 +144,7 @@ def static_k(k: int, sink_tokens: int, recent_tokens: int, capacity: int) -> int
 
 def decode_k(settings_config, position: int) -> int:
     """The schedule's k for the token at `position` (`sparse_attention` of a GSM config)."""
-    cfg = settings_config.sparse_attention
-    return int(k_per_query(torch.tensor([position]), cfg.top_k_schedule, cfg.top_k, cfg.k_min, cfg.decay_rate))
+    return int(scheduled_k(torch.tensor([position]), settings_config.sparse_attention))
 
 
 def decode_attention(step: CachedStep, layer_cache: CachedLayer) -> Tensor:

@@ -20,7 +20,7 @@ from gsm_train.modules.errors import GSMError
 from gsm_train.modules.forward_state import CachedStep
 from gsm_train.modules.layout import earlier_blocks
 from gsm_train.modules.selection import chunks
-from gsm_train.modules.sparse_gate import decode_gate_keys, k_per_query, select_top_k
+from gsm_train.modules.sparse_gate import decode_gate_keys, scheduled_k, select_top_k
 from gsm_train.quant import stored_split
 
 
@@ -96,9 +96,8 @@ def _gate_selection(step: CachedStep, layer_cache: ChunkedLayer, gate_q: Tensor,
     device = step.query.device
     key_positions = torch.arange(end, device=device)
     query_positions = torch.arange(before, end, device=device)
-    schedule = (cfg.top_k_schedule, cfg.top_k, cfg.k_min, cfg.decay_rate)
-    k_t = k_per_query(query_positions, *schedule)
-    k_host = k_per_query(causal_visible(end - before, end) - 1, *schedule)
+    k_t = scheduled_k(query_positions, cfg)
+    k_host = scheduled_k(causal_visible(end - before, end) - 1, cfg)
     parts = []
     with torch.no_grad():
         for start, stop in chunks(end - before, cfg.query_chunk):

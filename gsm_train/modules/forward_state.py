@@ -19,7 +19,7 @@ what was active before, also on an exception.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -44,13 +44,16 @@ class CollectRequest:
     distill_on_selection: in sparse mode the KL's target is the main attention over the selected keys.
     distill_queries: the KL uses this many query positions drawn per forward (0: all of them).
     recall: (k, min_keys): the gate's and the oracle's captured attention mass at k over queries with at
-        least min_keys keys.
+        least min_keys keys; k None: at each query's k of the top-k schedule.
+    recall_buckets: with `recall`, the query positions where position buckets start (ascending, the
+        first 0): the captured mass is also summed per bucket (`LayerRecords.captured_mass`).
     """
 
     distill: bool = False
     distill_on_selection: bool = False
     distill_queries: int = 0
-    recall: tuple[int, int] | None = None
+    recall: tuple[int | None, int] | None = None
+    recall_buckets: tuple[int, ...] = ()
 
 
 @dataclass
@@ -58,7 +61,9 @@ class LayerRecords:
     """One layer's records, summed over the forwards of a `gsm_collect` block.
 
     gate_kl: (KL sum over the counted query rows, rows counted), 0-d tensors.
-    captured_mass: fp64 0-d sums `gate`, `oracle` (target mass captured at k) and `queries` (rows counted).
+    captured_mass: fp64 0-d sums `gate`, `oracle` (target mass captured at k) and `queries` (rows
+        counted); with `recall_buckets` also `gate_by_bucket`, `oracle_by_bucket` and
+        `queries_by_bucket` (fp64 [m]).
     asq_loss: ASQ's reconstruction loss (mean of K's and V's), a 0-d tensor (training forwards only).
     """
 
@@ -97,9 +102,12 @@ class GSMRecords:
         return [r.asq_loss for _, r in sorted(self.layers.items()) if r.asq_loss is not None]
 
     def captured_mass_total(self) -> dict[str, Tensor] | None:
-        """`gate`, `oracle` and `queries` summed over the layers, or None where nothing was recorded."""
+        """Each captured-mass sum (`gate`, `oracle`, `queries`, and per bucket where asked) summed
+        over the layers, or None where nothing was recorded."""
         sums = [r.captured_mass for _, r in sorted(self.layers.items()) if r.captured_mass]
-        return {key: torch.stack([s[key] for s in sums]).sum() for key in sums[0]} if sums else None
+        if not sums:
+            return None
+        return {key: torch.stack([s[key] for s in sums]).sum(0) for key in sums[0]}
 
 
 @runtime_checkable
@@ -184,11 +192,17 @@ _ACTIVE: ContextVar[tuple[tuple[nn.Module, CollectRequest, GSMRecords], ...]] = 
 
 @contextmanager
 def gsm_collect(model: nn.Module, *, distill: bool = False, distill_on_selection: bool = False,
-                distill_queries: int = 0, recall: tuple[int, int] | None = None) -> Iterator[GSMRecords]:
+                distill_queries: int = 0, recall: tuple[int | None, int] | None = None,
+                recall_buckets: Sequence[int] = ()) -> Iterator[GSMRecords]:
     """Within: the model's forwards record what is asked (`CollectRequest`) into the yielded records."""
     stack = decoder_stack(model)
     gsm_settings(model)  # refuses a model without GSM modules
-    request = CollectRequest(distill, distill_on_selection, distill_queries, recall)
+    buckets = tuple(int(start) for start in recall_buckets)
+    ascending = all(b > a for a, b in zip(buckets, buckets[1:]))
+    if buckets and (recall is None or buckets[0] != 0 or not ascending):
+        raise GSMError(f"recall_buckets {buckets}: give them with recall, as the ascending query "
+                       "positions where buckets start, the first 0, e.g. (0, 2048, 4096)")
+    request = CollectRequest(distill, distill_on_selection, distill_queries, recall, buckets)
     records = GSMRecords()
     token = _ACTIVE.set((*_ACTIVE.get(), (stack, request, records)))
     try:

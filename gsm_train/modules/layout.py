@@ -18,7 +18,7 @@ from gsm_train.config import SparseAttentionConfig
 from gsm_train.functional.attention_targets import causal_visible, full_batch
 from gsm_train.modules.errors import GSMError
 from gsm_train.modules.forward_state import ForwardState
-from gsm_train.modules.sparse_gate import k_per_query
+from gsm_train.modules.sparse_gate import scheduled_k
 
 
 @dataclass(frozen=True)
@@ -69,9 +69,8 @@ def forward_layout(state: ForwardState, attention_mask: Tensor | None, q_len: in
         return state.scratch[key]
     positions = torch.arange(kv_len, device=device)
     visible = causal_visible(q_len, kv_len)
-    schedule = (cfg.top_k_schedule, cfg.top_k, cfg.k_min, cfg.decay_rate)
     layout = Layout(allowed_keys(attention_mask, q_len, kv_len, device), positions,
-                    k_per_query(positions, *schedule), visible, k_per_query(visible - 1, *schedule))
+                    scheduled_k(positions, cfg), visible, scheduled_k(visible - 1, cfg))
     if attention_mask is None:
         state.scratch[key] = layout
     return layout
@@ -81,9 +80,10 @@ def sampled_rows(state: ForwardState, counted_host: Tensor, device: torch.device
     """Query positions (a sorted device index) the gate KL uses in this forward: all (None), or
     `distill_queries` drawn once per forward (shared by all layers) among the counted positions.
 
-    Counted positions (at least k visible keys) form a suffix, as keys only grow and k only falls along
-    the sequence, so the draw is made on the device from host-side bounds: no host-to-device copy and no
-    wait, which lets a CUDA graph capture the step (each replay draws anew)."""
+    Counted positions (at least k visible keys) form a suffix, as the visible keys grow by one per
+    position while k falls (or, on the `fraction` schedule, grows by at most one), so the draw is
+    made on the device from host-side bounds: no host-to-device copy and no wait, which lets a CUDA
+    graph capture the step (each replay draws anew)."""
     wanted = state.request.distill_queries
     if wanted <= 0:
         return None

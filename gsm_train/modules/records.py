@@ -51,12 +51,22 @@ def record_gate_kl(layer: LayerPass, layout: Layout, index: Tensor | None, selec
 
 
 def record_captured_mass(layer: LayerPass, layout: Layout, selector: GateSelector | None) -> None:
-    """Record the gate's and the oracle's captured target mass at the requested k (`CollectRequest.recall`)."""
-    k, min_keys = layer.state.request.recall
-    constant_k = torch.full_like(layout.k, k)
+    """Record the gate's and the oracle's captured target mass at the requested k
+    (`CollectRequest.recall`; None: each query's scheduled k, the gate selecting as the model does),
+    per position bucket too where `recall_buckets` asks."""
+    request = layer.state.request
+    k, min_keys = request.recall
     gate = layer.adapter.gate
-    pick = None if selector is None else (lambda a, b: selector.select(a, b, constant_k, k, uniform=True))
-    sums = captured_mass(layer.query.detach(), layer.key.detach(), layout.allowed, layer.scaling, k, min_keys,
-                         layer.state.settings.config.sparse_attention.query_chunk,
-                         gate.num_selectors if gate is not None else 1, pick, layout.visible)
+    if k is None:
+        pick = None if selector is None else selector.select
+        k = layout.k_host
+    else:
+        constant_k = torch.full_like(layout.k, k)
+        pick = None if selector is None else (
+            lambda a, b: selector.select(a, b, constant_k, k, uniform=True))
+    buckets = torch.tensor(request.recall_buckets) if request.recall_buckets else None
+    sums = captured_mass(layer.query.detach(), layer.key.detach(), layout.allowed, layer.scaling, k,
+                         min_keys, layer.state.settings.config.sparse_attention.query_chunk,
+                         gate.num_selectors if gate is not None else 1, pick, layout.visible,
+                         buckets)
     layer.state.records.add_captured_mass(layer.adapter.layer_idx, sums)

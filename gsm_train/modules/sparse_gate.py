@@ -18,6 +18,7 @@ from gsm_train.functional.gate_distill import DistillTarget, gate_kl_from_hidden
 from gsm_train.compiled import compiled
 from gsm_train.functional.gate_rope import rope_pair
 from gsm_train.quant import FP16_TINY, compute_dtype, fp16_grid
+from gsm_train.config import SparseAttentionConfig
 
 GATE_KEY_DTYPE = torch.bfloat16  # how the KV cache stores gate keys at 16 bits (2 bytes per dimension)
 INT8_LEVELS = 127  # gate keys at 8 bits: symmetric int8 codes with one fp16 scale per key
@@ -166,8 +167,21 @@ class SparseGateHead(nn.Module):
         self.rope_freq_index.copy_(torch.stack(indices))
 
 
-def k_per_query(query_positions: Tensor, schedule: str, top_k: int, k_min: int, decay_rate: float) -> Tensor:
-    """Keys to keep per query: `constant`, `exp_decay` (k*exp(-rate*t)) or `linear_decay` (k - rate*t), floored at k_min."""
+SCHEDULES = ("constant", "exp_decay", "linear_decay", "fraction")
+FRACTION_DECIMALS = 6  # fraction x visible keys is rounded to this many decimals before its ceiling
+
+
+def k_per_query(query_positions: Tensor, schedule: str, top_k: int, k_min: int, decay_rate: float,
+                fraction: float | None = None) -> Tensor:
+    """Keys to keep per query at positions t (int64, same shape), in [min(k_min, top_k), top_k]:
+
+    - `constant`: top_k;
+    - `exp_decay`: floor(top_k * exp(-decay_rate * t));
+    - `linear_decay`: floor(top_k - decay_rate * t);
+    - `fraction`: ceil(fraction * (t + 1)), a share of the t + 1 keys the query at t sees, so k
+      grows with the context (top_k is its ceiling). The product is rounded to `FRACTION_DECIMALS`
+      decimals first, so that e.g. 0.1 x 30 keeps 3 keys, not the 4 its binary rounding gives.
+    """
     t = query_positions.double()
     if schedule == "constant":
         k = torch.full_like(t, float(top_k))
@@ -175,9 +189,19 @@ def k_per_query(query_positions: Tensor, schedule: str, top_k: int, k_min: int, 
         k = torch.floor(top_k * torch.exp(-decay_rate * t))
     elif schedule == "linear_decay":
         k = torch.floor(top_k - decay_rate * t)
+    elif schedule == "fraction":
+        if fraction is None or not 0 < fraction <= 1:
+            raise ValueError(f"the fraction schedule needs a fraction in (0, 1], got {fraction!r}")
+        k = torch.ceil(torch.round(fraction * (t + 1), decimals=FRACTION_DECIMALS))
     else:
-        raise ValueError(f"unknown top_k_schedule {schedule!r}; use constant, exp_decay or linear_decay")
+        raise ValueError(f"unknown top_k_schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
     return k.clamp(min=min(k_min, top_k), max=top_k).long()
+
+
+def scheduled_k(query_positions: Tensor, config: SparseAttentionConfig) -> Tensor:
+    """`k_per_query` on the schedule `config` names: what training, evaluation and decoding keep."""
+    return k_per_query(query_positions, config.top_k_schedule, config.top_k, config.k_min,
+                       config.decay_rate, config.top_k_fraction)
 
 
 def select_top_k(scores: Tensor, allowed: Tensor, k: Tensor, query_positions: Tensor, key_positions: Tensor,

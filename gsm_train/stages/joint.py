@@ -43,8 +43,9 @@ class JointStage:
             export = validate_export(config.init_from)
             check_base(export, model, config.init_from)
         inject_gsm(model, config.gsm, mode=config.gsm.sparse_attention.mode)
-        if config.init_from:  # e.g. the gate_only export; gates of layers kept dense here have no place
-            load_tensors(model, config.init_from, set(), allow_unexpected=True)
+        if config.init_from:  # e.g. the gate_only export: no tensor is required (modules new here
+            # start fresh), and gates of layers kept dense here have no place
+            load_tensors(model, config.init_from, lambda name: False, allow_unexpected=True)
         if config.train.base == "lora":
             inject_lora(model, config.train.lora)
 
