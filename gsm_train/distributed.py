@@ -31,13 +31,18 @@ class DistInfo:
         return self.world_size > 1
 
 
+def cuda_wanted() -> bool:
+    """Whether work goes to CUDA: a GPU is there and `ACCELERATE_USE_CPU` (as `accelerate launch --cpu`
+    sets it) does not say otherwise."""
+    return torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_CPU", "").lower() not in ("1", "true", "yes")
+
+
 def init_distributed(force_cpu: bool = False) -> DistInfo:
     """Join the process group that `accelerate launch`/`torchrun` set up (gloo on CPU, NCCL on GPU)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = torch.cuda.is_available() and not force_cpu and os.environ.get("ACCELERATE_USE_CPU", "").lower() \
-        not in ("1", "true", "yes")
+    use_cuda = cuda_wanted() and not force_cpu
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from gsm_train.adapter_format import GSM_SECTIONS, ExportError, read_config
 from gsm_train.config import ConfigError, GSMConfig, Problem, SparseAttentionConfig, format_problems
+from gsm_train.distributed import cuda_wanted
 from gsm_train.data import load_text_dataset, pack_tokens
 from gsm_train.export import load_gsm
 from gsm_train.functional.attention_targets import MASS_SUMS
@@ -33,7 +34,7 @@ BASE = "base"
 
 
 def _device_and_dtype() -> tuple[torch.device, torch.dtype]:
-    if torch.cuda.is_available():
+    if cuda_wanted():
         return torch.device("cuda"), torch.bfloat16
     return torch.device("cpu"), torch.float32
 

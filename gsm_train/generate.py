@@ -19,6 +19,7 @@ from torch import nn
 from transformers import TextStreamer
 
 from gsm_train.adapter_format import ExportError
+from gsm_train.distributed import cuda_wanted
 from gsm_train.families import model_dims
 from gsm_train.hub_ids import base_to_load
 from gsm_train.inference.cache import GSMCache, cache_kwargs
@@ -86,7 +87,7 @@ def dense_cache_bytes(model: nn.Module, tokens: int, batch: int = 1) -> int:
 
 
 def _device_and_dtype(device: str | None) -> tuple[str, torch.dtype]:
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = device or ("cuda" if cuda_wanted() else "cpu")
     return device, torch.bfloat16 if device.startswith("cuda") else torch.float32
 
 

@@ -31,3 +31,12 @@ def on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """Runs in this process train on the CPU, as `run_helpers.run_two_processes` does, so the two compare
     on a machine with a GPU too."""
     monkeypatch.setenv("ACCELERATE_USE_CPU", "1")
+
+
+@pytest.fixture(autouse=True)
+def _runs_on_the_cpu(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Training runs, evaluations and generations the tests start go to the CPU on every machine (as in CI),
+    so their figures compare with CPU-built references on a GPU machine too. Tests of GPU code paths use
+    CUDA tensors themselves; those that train on the GPU are marked `gpu_training`."""
+    if request.node.get_closest_marker("gpu_training") is None:
+        monkeypatch.setenv("ACCELERATE_USE_CPU", "1")

@@ -76,6 +76,7 @@ def test_gate_kl_rows_are_drawn_once_per_forward_among_counted_queries() -> None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.gpu_training
 @pytest.mark.parametrize("grad_accum", [1, 2])
 def test_captured_gate_steps_train_exactly_like_eager_ones(tmp_path: Path, grad_accum: int) -> None:
     common = [*TINY, "train.steps=4", "train.batch_size=2", f"train.grad_accum={grad_accum}",
@@ -96,6 +97,7 @@ def _logged_terms(run_dir: Path) -> list[dict[str, float]]:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.gpu_training
 @pytest.mark.parametrize(("gsm_enabled", "grad_accum"), [(True, 1), (True, 2), (False, 1)])
 def test_captured_joint_steps_train_like_eager_ones_and_log_the_same_scalars(tmp_path: Path, gsm_enabled: bool,
                                                                               grad_accum: int) -> None:

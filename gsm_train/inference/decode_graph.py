@@ -46,6 +46,7 @@ class CapturedStep:
         self.input_ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.position_ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.graph = torch.cuda.CUDAGraph()
+        cache.pack_full_tail()  # a full newest block is packed eagerly, never inside the capture
         saved = self._lengths()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
