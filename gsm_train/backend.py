@@ -158,6 +158,10 @@ def select_backend(config: RecipeConfig) -> Backend:
                                    f"the accelerate config asks for DeepSpeed, but `import deepspeed` failed ({err})",
                                    "pip install 'gsm-train[deepspeed]', or launch with an FSDP2 config such as "
                                    "launch/multi_gpu.yaml"))
+    if config.optim.state_dtype != "fp32":
+        problems.append(Problem("optim.state_dtype", config.optim.state_dtype,
+                                "DeepSpeed keeps its optimizer's state itself, in fp32",
+                                "set optim.state_dtype: fp32, or launch with an FSDP2 config"))
     if config.train.max_skipped_steps:
         problems.append(Problem("train.max_skipped_steps", config.train.max_skipped_steps,
                                 "skipping a step needs its gradient norm before the update, which "

@@ -279,6 +279,9 @@ class OptimConfig(StrictModel):
     schedule: Literal["cosine", "constant"] = "cosine"
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
     max_grad_norm: float = Field(1.0, gt=0.0)
+    # AdamW's two moments in fp32, or in bf16 (half their memory: 4 bytes a trainable parameter instead of
+    # 8; the update itself computes in fp32 and the weights stay fp32; `gsm_train/optim.py`)
+    state_dtype: Literal["fp32", "bf16"] = "fp32"
 
 
 class LoraSettings(StrictModel):
@@ -319,7 +322,12 @@ class TrainConfig(StrictModel):
 
     `max_skipped_steps`: how many steps whose loss, loss terms or gradient norm is NaN or infinite
     are skipped (no optimizer update) before the run stops with an error; 0 stops at the first
-    (`gsm_train/finite_guard.py`)."""
+    (`gsm_train/finite_guard.py`).
+
+    `activation_checkpointing`: keep only each decoder layer's input in the forward and run the
+    layer again in the backward (`gsm_train/activation_checkpoint.py`): the activations of one layer
+    at a time instead of all of them, for one more forward of the layers per step. Steps with it run
+    eagerly (no CUDA graph)."""
 
     steps: int = Field(200, ge=1)
     batch_size: int = Field(1, ge=1)
@@ -332,6 +340,7 @@ class TrainConfig(StrictModel):
     cuda_graph: Literal["auto"] | bool = "auto"
     fp32_matmul: Literal["default", "tf32"] = "default"
     max_skipped_steps: int = Field(0, ge=0)
+    activation_checkpointing: bool = False
 
 
 class DistributedConfig(StrictModel):

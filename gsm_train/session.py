@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
+from gsm_train.activation_checkpoint import checkpoint_decoder_layers
 from gsm_train.backend import FSDP2Backend, select_backend
 from gsm_train.backend_protocol import Backend
 from gsm_train.checkpoint import load_checkpoint, save_checkpoint
@@ -37,6 +38,7 @@ from gsm_train.finite_guard import refuse_non_finite
 from gsm_train.kv_budget import apply_kv_budget
 from gsm_train.model_zoo import load_model_and_tokenizer
 from gsm_train.modules import configure_gsm, gsm_parameters
+from gsm_train.optim import AdamWBF16
 from gsm_train.step_graph import GraphedLoss
 
 
@@ -131,10 +133,14 @@ def param_groups(model: nn.Module, config: RecipeConfig) -> list[dict[str, Any]]
             if group["params"]]
 
 
-def build_optimizer(model: nn.Module, config: RecipeConfig, fused: bool = True) -> torch.optim.AdamW:
-    """The recipe's AdamW over the model's trainables; with `fused`, on CUDA, the fused kernel (one
-    launch per step instead of several per tensor). The DeepSpeed backend asks for the default one."""
+def build_optimizer(model: nn.Module, config: RecipeConfig, fused: bool = True) -> torch.optim.Optimizer:
+    """The recipe's AdamW over the model's trainables: torch's, with `fused` on CUDA the fused kernel (one
+    launch per step instead of several per tensor; the DeepSpeed backend asks for the default one), or
+    with `optim.state_dtype: bf16` gsm-train's with bf16 moments (`gsm_train/optim.py`)."""
     optim = config.optim
+    if optim.state_dtype == "bf16":
+        return AdamWBF16(param_groups(model, config), lr=optim.lr, betas=optim.betas,
+                         weight_decay=optim.weight_decay, seed=config.train.seed)
     on_cuda = all(p.is_cuda for p in model.parameters() if p.requires_grad)
     return torch.optim.AdamW(param_groups(model, config), lr=optim.lr, betas=optim.betas,
                              weight_decay=optim.weight_decay, fused=(fused and on_cuda) or None)
@@ -156,6 +162,8 @@ def prepared_model(config: RecipeConfig, stage: Stage, device: torch.device) -> 
                         getattr(model.config, "max_position_embeddings", None))
     apply_kv_budget(config.gsm, config.tuning.kv_compression_ratio, model_dims(model), config.data.seq_len)
     stage.prepare(model, config)
+    if config.train.activation_checkpointing:
+        checkpoint_decoder_layers(model)
     return model.to(device), tokenizer
 
 

@@ -89,8 +89,9 @@ def fp32_matmul_precision(precision: str, device: torch.device) -> Iterator[None
 
 def _run(config: RecipeConfig, stage: Stage, info: DistInfo, backend: Backend, run_name: str,
          plan: RunPlan) -> TrainResult:
-    capture_step = use_cuda_graph(config.train.cuda_graph,  # checked before anything loads or is written
-                                  cuda_graph_blockers(info.device, info.world_size, backend.name, stage))
+    blockers = cuda_graph_blockers(info.device, info.world_size, backend.name, stage,
+                                   config.train.activation_checkpointing)
+    capture_step = use_cuda_graph(config.train.cuda_graph, blockers)  # checked before anything loads or is written
     session = TrainingSession.setup(config, stage, info, backend)
     start = session.resume(plan.resume) if plan.resume is not None else 0
     if info.is_main:
