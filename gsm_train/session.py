@@ -214,7 +214,8 @@ class TrainingSession:
 
     def resume(self, checkpoint: Path) -> int:
         """Restore trainables, optimizer, schedule, RNG and data position; returns the step to continue at."""
-        meta = load_checkpoint(checkpoint, self.backend, self.model, self.optimizer, self.scheduler, self.info)
+        meta = load_checkpoint(checkpoint, self.backend, self.model, self.optimizer, self.scheduler, self.trainable,
+                               self.config.train.batch_size, self.info)
         self.loader.load_state_dict(meta["data"])
         return meta["step"]
 
@@ -267,9 +268,11 @@ class TrainingSession:
                                self.config.output.keep_checkpoints, run)
 
     def export(self, out_dir: Path, metrics: dict[str, Any]) -> Path:
-        """The adapter export (collective; rank 0 writes), refused for non-finite tensors."""
-        state = self.backend.full_state_dict(self.model)
+        """The adapter export (collective; rank 0 writes), refused for non-finite tensors. Only the
+        tensors it holds are gathered (the base's only with `output.export_base_weights`)."""
         names = AdapterNames.of(self.unwrapped)
+        wanted = self.unwrapped.state_dict().keys() if self.config.output.export_base_weights else names.gsm | names.lora
+        state = self.backend.full_tensors(self.model, wanted)
         refuse_non_finite({name: t for name, t in state.items() if name in names}, "export", self.info)
         scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
         return export_adapter(self.unwrapped, out_dir, metrics=scalars, is_main=self.info.is_main, state=state,
