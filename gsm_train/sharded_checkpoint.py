@@ -80,14 +80,15 @@ def load_sharded(folder: Path, model: nn.Module, optimizer: torch.optim.Optimize
     set_optimizer_state_dict(model, optimizer, state[OPTIM_KEY])
 
 
-def read_full_tensors(folder: Path) -> dict[str, Tensor]:
-    """The trainables of the DCP checkpoint in `folder/dcp` as whole CPU tensors by name, read in
-    this process alone (no process group needed)."""
+def read_full_tensors(folder: Path, part: str = MODEL_KEY) -> dict[str, Tensor]:
+    """The tensors of one part of the DCP checkpoint in `folder/dcp` (`model`: the trainables by name;
+    `optim`: the optimizer's, e.g. `state.NAME.exp_avg`) as whole CPU tensors, read in this process
+    alone (no process group needed)."""
     reader = FileSystemReader(folder / DCP_FOLDER)
-    prefix = f"{MODEL_KEY}."
+    prefix = f"{part}."
     tensors = {key.removeprefix(prefix): torch.empty(entry.size, dtype=entry.properties.dtype)
                for key, entry in reader.read_metadata().state_dict_metadata.items()
                if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)}
     with _quiet_single_process():
-        dcp.load({MODEL_KEY: tensors}, storage_reader=reader, no_dist=True)
+        dcp.load({part: tensors}, storage_reader=reader, no_dist=True)
     return tensors
