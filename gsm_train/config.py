@@ -253,13 +253,28 @@ class DataSourceConfig(StrictModel):
 
 
 class DataConfig(StrictModel):
-    """Training text, its held-out evaluation split and sequence packing."""
+    """Training text, its held-out evaluation split and sequence packing.
+
+    The text is tokenized once per node and shared from a file (`gsm_train/token_cache.py`), by
+    `num_proc` processes (null: one). `streaming: true` reads it as it trains instead, for text larger
+    than memory (`gsm_train/streaming.py`): documents in their order, unshuffled, and `eval_rows` a
+    number of rows (the first ones of `eval`, or of `train`, which then skips them)."""
 
     train: DataSourceConfig = Field(default_factory=lambda: DataSourceConfig(path="embedded:sample_prose"))
     eval: DataSourceConfig | None = None
     eval_rows: int | float = Field(0.05, gt=0)
     seq_len: int = Field(2048, ge=8, le=1 << 20)
     seed: int = 0
+    num_proc: int | None = Field(None, ge=1)
+    streaming: bool = False
+
+    @model_validator(mode="after")
+    def _streamed_eval_is_counted(self) -> DataConfig:
+        if self.streaming and not (self.eval_rows >= 1 and float(self.eval_rows).is_integer()):
+            raise _problem(f"streaming: true reads the text as it trains, without knowing its length, so "
+                           f"eval_rows ({self.eval_rows}) cannot be a fraction of it",
+                           "set data.eval_rows to a number of rows, e.g. 64")
+        return self
 
 
 _Beta = Annotated[float, Field(ge=0.0, lt=1.0)]  # an Adam beta: in [0, 1)

@@ -29,8 +29,7 @@ from gsm_train.activation_checkpoint import checkpoint_decoder_layers
 from gsm_train.backend import FSDP2Backend, select_backend
 from gsm_train.backend_protocol import Backend
 from gsm_train.checkpoint import load_checkpoint, save_checkpoint
-from gsm_train.config import DataSourceConfig, RecipeConfig, check_against_model
-from gsm_train.data import PackedBatches, load_text_dataset, pack_tokens, split_eval
+from gsm_train.config import RecipeConfig, check_against_model
 from gsm_train.distributed import DistInfo, all_reduce_sum, init_distributed
 from gsm_train.export import AdapterNames, export_adapter
 from gsm_train.families import model_dims
@@ -40,6 +39,7 @@ from gsm_train.model_zoo import load_model_and_tokenizer
 from gsm_train.modules import configure_gsm, gsm_parameters
 from gsm_train.optim import AdamWBF16
 from gsm_train.step_graph import GraphedLoss
+from gsm_train.training_data import TrainingData, load_training_data
 
 
 class Stage(Protocol):
@@ -100,19 +100,6 @@ def dtypes(config: RecipeConfig, device: torch.device) -> tuple[torch.dtype, tor
     return load, compute
 
 
-def _packed_rows(source: DataSourceConfig, tokenizer: Any, seq_len: int) -> Tensor:
-    return pack_tokens(load_text_dataset(source.path, format=source.format, fields=source.fields), tokenizer, seq_len)
-
-
-def load_rows(config: RecipeConfig, tokenizer: Any) -> tuple[Tensor, Tensor]:
-    """(train rows, eval rows): eval from `data.eval`, else held out of the training rows."""
-    data = config.data
-    rows = _packed_rows(data.train, tokenizer, data.seq_len)
-    if data.eval is None:
-        return split_eval(rows, data.eval_rows, data.seed)
-    return rows, _packed_rows(data.eval, tokenizer, data.seq_len)
-
-
 def eval_batches(rows: Tensor, config: RecipeConfig, info: DistInfo) -> list[Tensor]:
     """This rank's share of the first `eval_batches` global batches of held-out rows."""
     per_rank = config.train.batch_size
@@ -171,7 +158,7 @@ class TrainingSession:
     """One stage set up on this process: model (wrapped by the backend), optimizer, schedule, data."""
 
     def __init__(self, config: RecipeConfig, stage: Stage, info: DistInfo, backend: Backend, model: nn.Module,
-                 train_rows: Tensor, eval_rows: Tensor) -> None:
+                 data: TrainingData) -> None:
         self.config, self.stage, self.info, self.backend = config, stage, info, backend
         self.compute_dtype = dtypes(config, info.device)[1]
         self.trainable = {name for name, p in model.named_parameters() if p.requires_grad}
@@ -181,20 +168,21 @@ class TrainingSession:
         self.model, self.optimizer = backend.prepare(
             model, lambda m: build_optimizer(m, config, fused=backend.name == "fsdp2"), info, self.compute_dtype)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
-        self.train_rows, self.eval_rows = train_rows, eval_rows
-        self.loader = PackedBatches(train_rows, config.train.batch_size, seed=config.data.seed, rank=info.rank,
-                                    world_size=info.world_size)
-        self.eval_batches = eval_batches(eval_rows, config, info)
+        self.data = data
+        self.loader = data.batches
+        self.eval_batches = eval_batches(data.eval_rows, config, info)
         self.graphed: GraphedLoss | None = None
 
     @classmethod
     def setup(cls, config: RecipeConfig, stage: Stage, info: DistInfo | None = None,
               backend: Backend | None = None) -> TrainingSession:
-        """Load the base, attach the stage's modules, tokenize the data, wrap and build the optimizer."""
+        """Load the base, attach the stage's modules, tokenize the data (once per node), wrap and build the
+        optimizer."""
         info = info or init_distributed()
         torch.manual_seed(config.train.seed)
         model, tokenizer = prepared_model(config, stage, info.device)
-        return cls(config, stage, info, backend or select_backend(config), model, *load_rows(config, tokenizer))
+        return cls(config, stage, info, backend or select_backend(config), model,
+                   load_training_data(config, tokenizer, info))
 
     @property
     def unwrapped(self) -> nn.Module:
@@ -226,7 +214,7 @@ class TrainingSession:
         self.backend.grads_in_place = True
         self.model.train()  # the replays run as captured
         configure_gsm(self.model, captured_steps=True)  # paths that pay off only without per-call Python
-        example = torch.zeros(self.config.train.batch_size, self.config.data.seq_len, dtype=self.train_rows.dtype,
+        example = torch.zeros(self.config.train.batch_size, self.config.data.seq_len, dtype=torch.long,
                               device=self.info.device)
         trainables = [p for p in self.model.parameters() if p.requires_grad]
         self.graphed = GraphedLoss(lambda batch: self.stage.loss(self.model, batch), trainables, example,

@@ -129,7 +129,7 @@ def _setup_record(session: TrainingSession, plan: RunPlan, capture_step: bool) -
                               config.data.seq_len)
     return {"world_size": info.world_size, "device": str(info.device), **session.backend.describe(),
             "fsdp_sharded_params": sum(isinstance(p, DTensor) for p in session.model.parameters()),
-            **session.counts, "train_rows": len(session.train_rows), "eval_rows": len(session.eval_rows),
+            **session.counts, "train_rows": session.data.train_rows, "eval_rows": len(session.data.eval_rows),
             "kv_bytes_ratio": kv_ratio, "resumed_from": str(plan.resume) if plan.resume is not None else None,
             "cuda_graph": capture_step}
 
