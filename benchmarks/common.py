@@ -7,11 +7,14 @@ import json
 import platform
 import shlex
 import statistics
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def device_name() -> str:
@@ -112,6 +115,25 @@ def _gsm_setting(item: str) -> str:
 def add_gsm_argument(parser: argparse.ArgumentParser, help: str) -> None:
     """`--gsm gsm.KEY=VALUE ...`: GSM settings on top of the shipped recipes (anything else is refused)."""
     parser.add_argument("--gsm", nargs="*", default=[], type=_gsm_setting, metavar="gsm.KEY=VALUE", help=help)
+
+
+def code_commit() -> str:
+    """The checkout's commit (short), marked where the code that runs differs from it (e.g. a copied tree
+    whose git metadata is older), or why it is unknown."""
+    def git(*command: str) -> str:
+        return subprocess.run(["git", "--no-optional-locks", *command], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (no git checkout)"
+    try:
+        if git("status", "--porcelain", "--untracked-files=no", "--", "gsm_train", "recipes", "benchmarks/*.py"):
+            commit += " with uncommitted changes"
+    except (OSError, subprocess.CalledProcessError):
+        commit += " (uncommitted changes unknown)"
+    return commit
 
 
 def write_result(path: Path, result: dict) -> None:

@@ -19,12 +19,11 @@ import gc
 import hashlib
 import json
 import statistics
-import subprocess
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import add_gsm_argument, write_result
+from benchmarks.common import add_gsm_argument, code_commit, write_result
 from gsm_train.evaluate import evaluate_exports
 from gsm_train.train import train_recipe
 
@@ -50,20 +49,7 @@ LAST_EVAL_KEYS = ("ppl", "recall_ratio_k64", "asq_recon_rel_error", "asq_cluster
 def _identity(overrides: list[str], gate_only_overrides: list[str], joint_overrides: list[str]) -> dict:
     """What makes two runs the same: the overrides and the recipes' text (hashed); plus the commit, for the record."""
     digest = hashlib.sha256(b"".join((REPO / "recipes" / name).read_bytes() for name in RECIPES)).hexdigest()
-    def git(*command: str) -> str:
-        return subprocess.run(["git", "--no-optional-locks", *command], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-
-    try:
-        commit = git("rev-parse", "--short", "HEAD")
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown (no git checkout)"
-    else:
-        try:  # the code that runs differs from the commit (e.g. a copied tree whose git metadata is older)?
-            if git("status", "--porcelain", "--untracked-files=no", "--", "gsm_train", "recipes", "benchmarks/*.py"):
-                commit += " with uncommitted changes"
-        except (OSError, subprocess.CalledProcessError):
-            commit += " (uncommitted changes unknown)"
+    commit = code_commit()
     return {"gsm_overrides": overrides, "gate_only_overrides": gate_only_overrides,
             "joint_overrides": joint_overrides, "recipes_sha256": digest, "commit": commit}
 

@@ -144,7 +144,7 @@ def prepared_model(config: RecipeConfig, stage: Stage, device: torch.device) -> 
     """The base model with the stage's modules attached, on `device`, and its tokenizer."""
     load_dtype, _ = dtypes(config, device)
     model, tokenizer = load_model_and_tokenizer(config.model.name_or_path, config.model.gguf_file,
-                                                config.model.revision, load_dtype)
+                                                config.model.revision, load_dtype, device)
     check_against_model(config, model.config.num_hidden_layers,
                         getattr(model.config, "max_position_embeddings", None))
     apply_kv_budget(config.gsm, config.tuning.kv_compression_ratio, model_dims(model), config.data.seq_len)
