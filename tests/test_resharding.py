@@ -1,7 +1,8 @@
 """Sharded checkpoints across numbers of processes (torchrun, gloo, FSDP2 on CPU): a run of 2
 processes killed while writing its second checkpoint leaves the first one whole, and that one resumes
-on 3 processes and on 1, each continuing as an uninterrupted run at its own size; what a resumed run
-loads is exactly what the 2 processes wrote; a checkpoint exports in one process.
+on 3 processes and on 1, each continuing as an uninterrupted run at its own size (the one on 3 with
+activation checkpointing under FSDP2); what a resumed run loads is exactly what the 2 processes
+wrote; a checkpoint exports in one process.
 
 The joint stage trains the base in full (sharded by FSDP2) with the gate and the bridge; attention
 stays dense and ASQ off, so that no discrete choice (top-k, cluster ids) can amplify the rounding
@@ -59,9 +60,10 @@ def killed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def three(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An uninterrupted run on 3 processes."""
+    """An uninterrupted run on 3 processes, its decoder layers under activation checkpointing inside their
+    FSDP2 units (which computes the same steps: tests/test_activation_checkpoint.py)."""
     run = tmp_path_factory.mktemp("three") / "run"
-    run_processes(3, JOINT, _at(3), run)
+    run_processes(3, JOINT, [*_at(3), "train.activation_checkpointing=true"], run)
     return run
 
 
