@@ -118,18 +118,19 @@ def add_gsm_argument(parser: argparse.ArgumentParser, help: str) -> None:
 
 
 def code_commit() -> str:
-    """The checkout's commit (short), marked where the code that runs differs from it (e.g. a copied tree
-    whose git metadata is older), or why it is unknown."""
+    """The checkout's commit (short), marked where the code that runs differs from it (e.g. a copied
+    tree whose git metadata is older), or why it is unknown."""
     def git(*command: str) -> str:
-        return subprocess.run(["git", "--no-optional-locks", *command], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
+        return subprocess.run(["git", "--no-optional-locks", *command], cwd=REPO,
+                              capture_output=True, text=True, check=True).stdout.strip()
 
     try:
         commit = git("rev-parse", "--short", "HEAD")
     except (OSError, subprocess.CalledProcessError):
         return "unknown (no git checkout)"
     try:
-        if git("status", "--porcelain", "--untracked-files=no", "--", "gsm_train", "recipes", "benchmarks/*.py"):
+        if git("status", "--porcelain", "--untracked-files=no", "--", "gsm_train", "recipes",
+               "benchmarks/*.py"):
             commit += " with uncommitted changes"
     except (OSError, subprocess.CalledProcessError):
         commit += " (uncommitted changes unknown)"

@@ -10,16 +10,18 @@ trainer does (`TrainingSession`: setup, `step()` timed over --steps after two wa
   (GSM off, bf16, no gradients); then a checkpoint of the stage (`TrainingSession.save`: the gates
   and their optimizer state), its time and size against the base's bf16 bytes.
 - dense_lora / joint_lora: recipes/joint.yaml with `train.base: lora` (bf16 base), GSM off / on.
-- dense_full / joint_full: the same with `train.base: full` (fp32 weights, `optim.state_dtype: bf16`).
-  Every training row but stage 1 runs with `train.activation_checkpointing: true`.
+- dense_full / joint_full: the same with `train.base: full` (fp32 weights, `optim.state_dtype:
+  bf16`). Every training row but stage 1 runs with `train.activation_checkpointing: true`.
 
 Each row records the median step time, tokens/s, the peak GPU memory from before its model was built
 to its last step, and model FLOPs utilisation: model FLOPs per token over the GPU's dense bf16 peak
 (989 TFLOP/s for an H100 or H200), where, with N the parameters of the matrix products (every linear
 layer and the output head; not the embedding lookup), L layers, H query heads of Dh and T = seq_len:
-  full training  6 N + 12 L H Dh T      (torchtitan's formula; attention counted without the causal half)
-  LoRA training  4 N + 12 L H Dh T      (no gradient for the base's weights; LoRA's own FLOPs left out)
-  forward        2 N +  4 L H Dh T      (stage 1's step is a forward of the base plus the small gate)
+
+    full training  6 N + 12 L H Dh T   (torchtitan's formula; attention without the causal half)
+    LoRA training  4 N + 12 L H Dh T   (no gradient for the base's weights; LoRA's FLOPs left out)
+    forward        2 N +  4 L H Dh T   (stage 1's step: a forward of the base, plus the small gate)
+
 The joint rows count the same FLOPs as their dense rows (the work the model stands for, whatever GSM
 skips), so their MFU ratio is their tokens/s ratio.
 
@@ -27,8 +29,8 @@ skips), so their MFU ratio is their tokens/s ratio.
 
 Resumable: each row is written to --result as soon as it is measured, and rows already there (of the
 same model, seq_len, steps and settings) are skipped, so a run cut short continues where it stopped
-(--redo ROW measures one again). A row that fails (e.g. out of memory) records its error. On the CPU,
-`--model tiny-llama --seq-len 64 --steps 1 --set ...` runs every row as a smoke test
+(--redo ROW measures one again). A row that fails (e.g. out of memory) records its error. On the
+CPU, `--model tiny-llama --seq-len 64 --steps 1 --set ...` runs every row as a smoke test
 (tests/test_scale_benchmark.py).
 """
 
@@ -80,8 +82,11 @@ def model_flops_per_token(config: Any, seq_len: int, kind: str) -> float:
     per_layer = d * head_dim * (2 * heads + 2 * kv_heads) + 3 * d * config.intermediate_size
     matmul_params = layers * per_layer + d * config.vocab_size
     attention = 4 * layers * heads * head_dim * seq_len  # one forward
-    return {"full": 6 * matmul_params + 3 * attention, "lora": 4 * matmul_params + 3 * attention,
-            "forward": 2 * matmul_params + attention}[kind]
+    return {
+        "full": 6 * matmul_params + 3 * attention,
+        "lora": 4 * matmul_params + 3 * attention,
+        "forward": 2 * matmul_params + attention,
+    }[kind]
 
 
 def _peak_flops() -> float | None:
@@ -112,10 +117,16 @@ def _median_ms(fn: Any, repeat: int) -> float:
 
 
 def _session(config: RecipeConfig, stage: Stage) -> tuple[TrainingSession, bool]:
-    """The stage set up as the trainer sets it up, its step captured where the trainer would capture it."""
+    """The stage set up as the trainer sets it up, its step captured where the trainer would capture
+    it."""
     session = TrainingSession.setup(config, stage)
-    blockers = cuda_graph_blockers(session.info.device, session.info.world_size, session.backend.name, stage,
-                                   config.train.activation_checkpointing)
+    blockers = cuda_graph_blockers(
+        session.info.device,
+        session.info.world_size,
+        session.backend.name,
+        stage,
+        config.train.activation_checkpointing,
+    )
     captured = use_cuda_graph(config.train.cuda_graph, blockers)
     if captured:
         session.capture()
@@ -143,28 +154,52 @@ def _checkpoint(session: TrainingSession, scratch: Path | None) -> dict[str, Any
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     base_bytes = 2 * session.counts["frozen_params"]
-    return {"checkpoint_s": seconds, "checkpoint_bytes": size, "base_bf16_bytes": base_bytes,
-            "checkpoint_over_base": size / base_bytes}
+    return {
+        "checkpoint_s": seconds,
+        "checkpoint_bytes": size,
+        "base_bf16_bytes": base_bytes,
+        "checkpoint_over_base": size / base_bytes,
+    }
 
 
 def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
     """One row (module docstring)."""
     recipe, overrides, kind = ROWS[name]
-    config = load_recipe(str(REPO / "recipes" / recipe), [
-        f"model.name_or_path={args.model}", f"data.seq_len={args.seq_len}", "train.batch_size=1", "data.eval_rows=2",
-        "logging.progress_bar=false", "gsm.sparse_attention.gate_init=random", *overrides, *args.set])
+    config = load_recipe(
+        str(REPO / "recipes" / recipe),
+        [
+            f"model.name_or_path={args.model}",
+            f"data.seq_len={args.seq_len}",
+            "train.batch_size=1",
+            "data.eval_rows=2",
+            "logging.progress_bar=false",
+            "gsm.sparse_attention.gate_init=random",
+            *overrides,
+            *args.set,
+        ],
+    )
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     tic = time.perf_counter()
-    session, captured = _session(config, GateWarmupStage() if recipe == "gate_only.yaml" else JointStage())
-    row: dict[str, Any] = {"setup_s": time.perf_counter() - tic, "cuda_graph": captured,
-                           "activation_checkpointing": config.train.activation_checkpointing,
-                           "optimizer_state_dtype": config.optim.state_dtype, **session.counts}
+    session, captured = _session(
+        config, GateWarmupStage() if recipe == "gate_only.yaml" else JointStage()
+    )
+    row: dict[str, Any] = {
+        "setup_s": time.perf_counter() - tic,
+        "cuda_graph": captured,
+        "activation_checkpointing": config.train.activation_checkpointing,
+        "optimizer_state_dtype": config.optim.state_dtype,
+        **session.counts,
+    }
     step_ms = _time_steps(session, args.steps)
     tokens = config.train.batch_size * config.data.seq_len
     flops = model_flops_per_token(session.unwrapped.config, config.data.seq_len, kind)
-    row |= {"step_ms": step_ms, "tokens_per_s": tokens / step_ms * 1e3, "model_flops_per_token": flops,
-            "flops_kind": kind}
+    row |= {
+        "step_ms": step_ms,
+        "tokens_per_s": tokens / step_ms * 1e3,
+        "model_flops_per_token": flops,
+        "flops_kind": kind,
+    }
     if kind == "forward":
         batch = session.loader.next_batch().to(session.info.device)
 
@@ -190,7 +225,13 @@ def _release() -> None:
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
-    return {"model": args.model, "seq_len": args.seq_len, "batch_size": 1, "steps": args.steps, "set": args.set}
+    return {
+        "model": args.model,
+        "seq_len": args.seq_len,
+        "batch_size": 1,
+        "steps": args.steps,
+        "set": args.set,
+    }
 
 
 def _earlier_rows(path: Path, settings: dict[str, Any]) -> dict[str, Any]:
@@ -203,17 +244,25 @@ def _earlier_rows(path: Path, settings: dict[str, Any]) -> dict[str, Any]:
 
 def _summary(rows: dict[str, Any]) -> dict[str, Any]:
     """The ratios the issue asks for, where their rows are there."""
+
     def ratio(a: str, b: str, key: str) -> float | None:
         if key in rows.get(a, {}) and key in rows.get(b, {}):
             return rows[a][key] / rows[b][key]
         return None
 
     gate = rows.get("gate_warmup", {})
-    return {"gate_step_over_forward": gate.get("step_over_forward"),
-            "joint_lora_over_dense_lora_tokens_per_s": ratio("joint_lora", "dense_lora", "tokens_per_s"),
-            "joint_full_over_dense_full_tokens_per_s": ratio("joint_full", "dense_full", "tokens_per_s"),
-            "joint_full_mfu": rows.get("joint_full", {}).get("mfu"),
-            "gate_checkpoint_over_base": gate.get("checkpoint_over_base"), "gate_checkpoint_s": gate.get("checkpoint_s")}
+    return {
+        "gate_step_over_forward": gate.get("step_over_forward"),
+        "joint_lora_over_dense_lora_tokens_per_s": ratio(
+            "joint_lora", "dense_lora", "tokens_per_s"
+        ),
+        "joint_full_over_dense_full_tokens_per_s": ratio(
+            "joint_full", "dense_full", "tokens_per_s"
+        ),
+        "joint_full_mfu": rows.get("joint_full", {}).get("mfu"),
+        "gate_checkpoint_over_base": gate.get("checkpoint_over_base"),
+        "gate_checkpoint_s": gate.get("checkpoint_s"),
+    }
 
 
 def _print_table(rows: dict[str, Any]) -> None:
@@ -224,26 +273,55 @@ def _print_table(rows: dict[str, Any]) -> None:
             continue
         mfu = f"{row['mfu']:.3f}" if row.get("mfu") is not None else "-"
         peak = f"{row['peak_gib']:.1f}" if row.get("peak_gib") is not None else "-"
-        other = (f"forward {row['forward_ms']:.1f} ms (step/forward {row['step_over_forward']:.2f}); checkpoint "
-                 f"{row['checkpoint_bytes'] / 2**20:.1f} MiB ({row['checkpoint_over_base']:.2%} of the bf16 base) "
-                 f"in {row['checkpoint_s']:.2f} s" if "forward_ms" in row else "")
-        print(f"{name:12s} {row['step_ms']:9.1f} {row['tokens_per_s']:9.0f} {mfu:>6s} {peak:>9s}  {other}")
+        other = ""
+        if "forward_ms" in row:
+            other = (
+                f"forward {row['forward_ms']:.1f} ms "
+                f"(step/forward {row['step_over_forward']:.2f}); "
+                f"checkpoint {row['checkpoint_bytes'] / 2**20:.1f} MiB "
+                f"({row['checkpoint_over_base']:.2%} of the bf16 base) "
+                f"in {row['checkpoint_s']:.2f} s"
+            )
+        step = f"{row['step_ms']:9.1f} {row['tokens_per_s']:9.0f}"
+        print(f"{name:12s} {step} {mfu:>6s} {peak:>9s}  {other}")
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--result", required=True, type=Path)
     parser.add_argument("--model", default="random-llama3-8b")
     parser.add_argument("--seq-len", type=int, default=8192)
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per row, after two warm-up steps")
-    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="recipe overrides for every row (e.g. sizes a small --model needs)")
-    parser.add_argument("--only", nargs="*", choices=list(ROWS), default=list(ROWS), help="rows to run")
-    parser.add_argument("--redo", nargs="*", choices=list(ROWS), default=[], help="measure these rows again")
-    parser.add_argument("--scratch", type=Path, default=None, help="folder for the checkpoint written (default: tmp)")
+    parser.add_argument(
+        "--steps", type=int, default=5, help="timed steps per row, after two warm-up steps"
+    )
+    parser.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="recipe overrides for every row (e.g. sizes a small --model needs)",
+    )
+    parser.add_argument(
+        "--only", nargs="*", choices=list(ROWS), default=list(ROWS), help="rows to run"
+    )
+    parser.add_argument(
+        "--redo", nargs="*", choices=list(ROWS), default=[], help="measure these rows again"
+    )
+    parser.add_argument(
+        "--scratch",
+        type=Path,
+        default=None,
+        help="folder for the checkpoint written (default: tmp)",
+    )
     args = parser.parse_args(argv)
     settings = _settings(args)
-    rows = {name: row for name, row in _earlier_rows(args.result, settings).items() if name not in args.redo}
+    rows = {
+        name: row
+        for name, row in _earlier_rows(args.result, settings).items()
+        if name not in args.redo
+    }
     full_flops = model_flops_per_token(read_model_config(args.model), args.seq_len, "full")
     for name in args.only:
         if name in rows:
@@ -253,10 +331,21 @@ def main(argv: list[str] | None = None) -> None:
         try:
             rows[name] = measure(name, args)
         except torch.cuda.OutOfMemoryError as err:
-            rows[name] = {"error": f"out of memory: {' '.join(str(err).split())[:300]}", "peak_gib": _peak_gib()}
+            rows[name] = {
+                "error": f"out of memory: {' '.join(str(err).split())[:300]}",
+                "peak_gib": _peak_gib(),
+            }
         _release()
-        write_result(args.result, {"commit": code_commit(), "settings": settings, "full_model_flops_per_token": full_flops,
-                                   "summary": _summary(rows), "rows": {n: rows[n] for n in ROWS if n in rows}})
+        write_result(
+            args.result,
+            {
+                "commit": code_commit(),
+                "settings": settings,
+                "full_model_flops_per_token": full_flops,
+                "summary": _summary(rows),
+                "rows": {n: rows[n] for n in ROWS if n in rows},
+            },
+        )
     _print_table({n: rows[n] for n in ROWS if n in rows})
     print(json.dumps(_summary(rows), indent=2))
 

@@ -40,7 +40,7 @@ _MARK = "_gsm_activation_checkpointed"
 
 @contextlib.contextmanager
 def _records_discarded(state: ForwardState | None) -> Iterator[None]:
-    """Within: what `state`'s layers record goes to a throwaway (a recomputation records nothing)."""
+    """Within: what `state`'s layers record goes to a throwaway (a recomputation records none)."""
     if state is None or state.records is None:
         yield
         return

@@ -44,7 +44,7 @@ class FSDP2Backend:
     """gsm-train's own `fully_shard` (see `shard_model`) above one process; plain PyTorch in one."""
 
     name = "fsdp2"
-    checkpoint_format = DCP_FORMAT  # torch.distributed.checkpoint: resumes on any number of processes
+    checkpoint_format = DCP_FORMAT  # torch.distributed.checkpoint: resumes on any number of ranks
 
     def __init__(self, config: RecipeConfig):
         self.config = config
@@ -79,7 +79,7 @@ class FSDP2Backend:
 
     def full_tensors(self, model: nn.Module, names: Collection[str]) -> dict[str, Tensor]:
         state = {}
-        for name, tensor in get_model_state_dict(model).items():  # FSDP2: DTensor shards, nothing gathered
+        for name, tensor in get_model_state_dict(model).items():  # FSDP2: DTensor shards
             if name in names:
                 full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # collective
                 if self.is_main:
@@ -93,8 +93,8 @@ class FSDP2Backend:
                    tensors: dict[str, Tensor], info: DistInfo) -> None:
         save_sharded(folder, tensors, model, optimizer)
 
-    def load_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path, trainable: set[str],
-                   info: DistInfo) -> None:
+    def load_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path,
+                   trainable: set[str], info: DistInfo) -> None:
         load_sharded(folder, model, optimizer, trainable)
 
 

@@ -13,8 +13,8 @@ from torch import Tensor, nn
 from gsm_train.distributed import DistInfo
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
-# a checkpoint's trainables as full tensors, where a backend writes them so (DeepSpeed; and FSDP2 before its
-# checkpoints were sharded)
+# a checkpoint's trainables as full tensors, where a backend writes them so (DeepSpeed; and FSDP2
+# before its checkpoints were sharded)
 FULL_TRAINABLES_FILE = "trainable.safetensors"
 
 
@@ -22,7 +22,7 @@ class Backend(Protocol):
     """What the training loop asks of a distributed backend."""
 
     name: str
-    # what its checkpoints hold: "dcp" (sharded; resumes on any number of processes) or its own format
+    # what its checkpoints hold: "dcp" (sharded; resumes on any number of processes), or its own
     checkpoint_format: str
 
     def prepare(self, model: nn.Module, make_optimizer: OptimizerFactory, info: DistInfo,
@@ -46,19 +46,20 @@ class Backend(Protocol):
         """What the setup record says about the backend."""
 
     def full_tensors(self, model: nn.Module, names: Collection[str]) -> dict[str, Tensor]:
-        """Full CPU tensors of the model's state-dict entries named in `names` on rank 0 (trainables at
-        their fp32 values), nothing on the others; collective. Only those are gathered."""
+        """Full CPU tensors of the model's state-dict entries named in `names` on rank 0
+        (trainables at their fp32 values), nothing on the others; collective. Only those are
+        gathered."""
 
     def trainable_tensors(self, model: nn.Module, trainable: set[str]) -> dict[str, Tensor]:
-        """What this rank holds of each trainable for a checkpoint (FSDP2: its shards, nothing gathered;
-        DeepSpeed: full fp32 tensors on rank 0, nothing on the others); collective."""
+        """What this rank holds of each trainable for a checkpoint (FSDP2: its shards, nothing
+        gathered; DeepSpeed: full fp32 tensors on rank 0, nothing on the others); collective."""
 
     def save_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path,
                    tensors: dict[str, Tensor], info: DistInfo) -> None:
         """Write `tensors` (`trainable_tensors`) and the optimizer state into a checkpoint folder;
         collective."""
 
-    def load_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path, trainable: set[str],
-                   info: DistInfo) -> None:
-        """Restore the trainables and the optimizer state from a checkpoint folder this backend wrote (at
-        another number of processes only in the `dcp` format); collective."""
+    def load_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path,
+                   trainable: set[str], info: DistInfo) -> None:
+        """Restore the trainables and the optimizer state from a checkpoint folder this backend
+        wrote (at another number of processes only in the `dcp` format); collective."""

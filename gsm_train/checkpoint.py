@@ -228,38 +228,44 @@ def check_resumable(state: dict[str, Any], folder: Path, backend: str, world_siz
     """Refuse a checkpoint this run cannot continue: written by another backend, in FSDP2's former
     full-tensor format, or at another number of processes where the format cannot reshard or the
     data position would not carry over (see the module docstring)."""
-    written_by, fmt, written_at = state.get("backend", "fsdp2"), state.get("format"), state.get("world_size")
+    written_by, fmt = state.get("backend", "fsdp2"), state.get("format")
+    written_at = state.get("world_size")
     if written_by != backend:
-        raise CheckpointError(f"checkpoint {folder} was written with {written_by}, this run has {backend}; "
-                              "resume with the backend that wrote it (accelerate config)")
+        raise CheckpointError(f"checkpoint {folder} was written with {written_by}, this run "
+                              f"has {backend}; resume with the backend that wrote it (accelerate "
+                              "config)")
     if backend == "fsdp2" and fmt != DCP_FORMAT:
-        raise CheckpointError(f"checkpoint {folder} holds full tensors ({FULL_TRAINABLES_FILE}), as FSDP2 "
-                              "checkpoints were before they were sharded, which this gsm-train does not "
-                              f"resume; export it (gsm-train export {folder} OUT), or resume with the "
-                              "gsm-train that wrote it")
+        raise CheckpointError(f"checkpoint {folder} holds full tensors "
+                              f"({FULL_TRAINABLES_FILE}), as FSDP2 checkpoints were before they "
+                              "were sharded, which this gsm-train does not resume; export it "
+                              f"(gsm-train export {folder} OUT), or resume with the gsm-train that "
+                              "wrote it")
     if written_at == world_size:
         return
     if fmt != DCP_FORMAT:
-        raise CheckpointError(f"checkpoint {folder} was written by {written_at} processes with {written_by}, "
-                              f"this run has {world_size}; resume with {written_at} processes (DeepSpeed "
-                              "checkpoints do not reshard)")
+        raise CheckpointError(f"checkpoint {folder} was written by {written_at} processes with "
+                              f"{written_by}, this run has {world_size}; resume with {written_at} "
+                              "processes (DeepSpeed checkpoints do not reshard)")
     rows = state["data"]["global_batch_size"]
-    taken = f"checkpoint {folder} was written by {written_at} processes taking {rows} rows a micro-step"
+    taken = (f"checkpoint {folder} was written by {written_at} processes taking {rows} rows a "
+             "micro-step")
     if rows % world_size:
-        raise CheckpointError(f"{taken}, which do not split evenly over {world_size} processes; resume on "
-                              f"a number of processes that divides {rows}, with train.batch_size = {rows} / "
-                              "that number, so that the data continues where it stopped")
+        raise CheckpointError(f"{taken}, which do not split evenly over {world_size} processes; "
+                              f"resume on a number of processes that divides {rows}, with "
+                              f"train.batch_size = {rows} / that number, so that the data "
+                              "continues where it stopped")
     if batch_size * world_size != rows:
         raise CheckpointError(f"{taken}; this run's {world_size} take {batch_size * world_size} "
-                              f"(train.batch_size {batch_size} each); set train.batch_size={rows // world_size} "
-                              "so that the data continues where it stopped, or resume on "
-                              f"{written_at} processes")
+                              f"(train.batch_size {batch_size} each); set train.batch_size="
+                              f"{rows // world_size} so that the data continues where it stopped, "
+                              f"or resume on {written_at} processes")
 
 
 def _own_digests(folder: Path, info: DistInfo) -> dict[str, dict[str, Any]]:
-    """fsync and digest the files this rank wrote into the checkpoint `folder` (its random state and,
-    as DCP names them, its shards `dcp/__R_*.distcp`); rank 0 takes any other file."""
-    own = [folder / f"rng_rank{info.rank}.pt", *sorted((folder / DCP_FOLDER).glob(f"__{info.rank}_*.distcp"))]
+    """fsync and digest the files this rank wrote into the checkpoint `folder` (its random state
+    and, as DCP names them, its shards `dcp/__R_*.distcp`); rank 0 takes any other file."""
+    shards = sorted((folder / DCP_FOLDER).glob(f"__{info.rank}_*.distcp"))
+    own = [folder / f"rng_rank{info.rank}.pt", *shards]
     entries = {}
     for path in own:
         fsync_path(path)
@@ -279,9 +285,10 @@ def _gathered(entries: dict[str, Any], info: DistInfo) -> dict[str, Any]:
 def save_checkpoint(run_dir: Path, step: int, backend: Backend, model: nn.Module,
                     optimizer: torch.optim.Optimizer, scheduler: Any, data_state: dict,
                     trainable: set[str], info: DistInfo, keep: int, run: dict[str, Any]) -> Path:
-    """Write a complete checkpoint (collective: every rank calls it and writes its part); return its
-    folder. `run`: the run's identity stored in state.json (`run_id`, `recipe`). Raises
-    NonFiniteError on every rank, writing nothing, if a trainable tensor holds NaN or an infinity."""
+    """Write a complete checkpoint (collective: every rank calls it and writes its part); return
+    its folder. `run`: the run's identity stored in state.json (`run_id`, `recipe`). Raises
+    NonFiniteError on every rank, writing nothing, if a trainable tensor holds NaN or an
+    infinity."""
     final = run_dir / "checkpoints" / step_folder_name(step)
     tmp = final.with_name(final.name + ".tmp")
     tensors = backend.trainable_tensors(model, trainable)
@@ -295,7 +302,8 @@ def save_checkpoint(run_dir: Path, step: int, backend: Backend, model: nn.Module
     digests = _gathered(_own_digests(tmp, info), info)
     if info.is_main:
         meta = {"step": step, **run, "backend": backend.name, "format": backend.checkpoint_format,
-                "world_size": info.world_size, "scheduler": scheduler.state_dict(), "data": data_state}
+                "world_size": info.world_size, "scheduler": scheduler.state_dict(),
+                "data": data_state}
         (tmp / STATE).write_text(json.dumps(meta, indent=2))
         write_manifest(tmp, digests)
         shutil.rmtree(final, ignore_errors=True)  # a damaged one of the same step, resumed past
@@ -324,8 +332,9 @@ def _prune(run_dir: Path, keep: int, run_id: str, newest: Path) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def load_checkpoint(path: Path, backend: Backend, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    scheduler: Any, trainable: set[str], batch_size: int, info: DistInfo) -> dict:
+def load_checkpoint(path: Path, backend: Backend, model: nn.Module,
+                    optimizer: torch.optim.Optimizer, scheduler: Any, trainable: set[str],
+                    batch_size: int, info: DistInfo) -> dict:
     """Restore the trainables, optimizer, scheduler and random state (collective); return the saved
     state (step, data position). `trainable`: the names of the trainables; `batch_size`: this run's
     `train.batch_size` (checked, with the number of processes, by `check_resumable`)."""

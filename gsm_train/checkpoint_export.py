@@ -26,10 +26,12 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path) -> Path:
     the new one is complete."""
     checkpoint = Path(checkpoint_dir).resolve()
     recipe = checkpoint.parents[1] / "recipe.resolved.yaml"
-    holds_weights = (checkpoint / DCP_FOLDER).is_dir() or (checkpoint / FULL_TRAINABLES_FILE).is_file()
+    holds_weights = ((checkpoint / DCP_FOLDER).is_dir()
+                     or (checkpoint / FULL_TRAINABLES_FILE).is_file())
     if not holds_weights or not recipe.is_file():
-        raise ExportError(f"{checkpoint}: not a checkpoint of a gsm-train run (need {DCP_FOLDER}/ or "
-                          f"{FULL_TRAINABLES_FILE} here and {recipe.name} two folders up); give RUN/checkpoints/step_N")
+        raise ExportError(f"{checkpoint}: not a checkpoint of a gsm-train run (need {DCP_FOLDER}/ "
+                          f"or {FULL_TRAINABLES_FILE} here and {recipe.name} two folders up); "
+                          "give RUN/checkpoints/step_N")
     export_destination(out_dir)  # refused before the model loads when it holds anything else
     config = load_recipe(recipe)
     torch.manual_seed(config.train.seed)  # as the run did: frozen modules initialised at random are not in checkpoints
@@ -37,9 +39,10 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path) -> Path:
     STAGES[config.stage]().attach(model, config)
     try:
         weights = read_trainables(checkpoint)
-    except (SafetensorError, CheckpointException, OSError, ValueError, RuntimeError) as err:  # a damaged file
-        raise ExportError(f"{checkpoint}: its trainables cannot be read ({' '.join(str(err).split())[:300]}); "
-                          "export an earlier checkpoint of the run") from None
+    except (SafetensorError, CheckpointException, OSError, ValueError, RuntimeError) as err:
+        reason = " ".join(str(err).split())[:300]  # a damaged file
+        raise ExportError(f"{checkpoint}: its trainables cannot be read ({reason}); export an "
+                          "earlier checkpoint of the run") from None
     result = model.load_state_dict(weights, strict=False)
     if result.unexpected_keys:
         raise ExportError(f"{checkpoint}: tensors {result.unexpected_keys[:3]} do not fit the recipe's model")

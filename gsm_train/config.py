@@ -256,9 +256,10 @@ class DataConfig(StrictModel):
     """Training text, its held-out evaluation split and sequence packing.
 
     The text is tokenized once per node and shared from a file (`gsm_train/token_cache.py`), by
-    `num_proc` processes (null: one). `streaming: true` reads it as it trains instead, for text larger
-    than memory (`gsm_train/streaming.py`): documents in their order, unshuffled, and `eval_rows` a
-    number of rows (the first ones of `eval`, or of `train`, which then skips them)."""
+    `num_proc` processes (null: one). `streaming: true` reads it as it trains instead, for text
+    larger than memory (`gsm_train/streaming.py`): documents in their order, unshuffled, and
+    `eval_rows` a number of rows (the first ones of `eval`, or of `train`, which then skips
+    them)."""
 
     train: DataSourceConfig = Field(default_factory=lambda: DataSourceConfig(path="embedded:sample_prose"))
     eval: DataSourceConfig | None = None
@@ -271,8 +272,8 @@ class DataConfig(StrictModel):
     @model_validator(mode="after")
     def _streamed_eval_is_counted(self) -> DataConfig:
         if self.streaming and not (self.eval_rows >= 1 and float(self.eval_rows).is_integer()):
-            raise _problem(f"streaming: true reads the text as it trains, without knowing its length, so "
-                           f"eval_rows ({self.eval_rows}) cannot be a fraction of it",
+            raise _problem(f"streaming: true reads the text as it trains, without knowing its "
+                           f"length, so eval_rows ({self.eval_rows}) cannot be a fraction of it",
                            "set data.eval_rows to a number of rows, e.g. 64")
         return self
 
@@ -294,8 +295,8 @@ class OptimConfig(StrictModel):
     schedule: Literal["cosine", "constant"] = "cosine"
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
     max_grad_norm: float = Field(1.0, gt=0.0)
-    # AdamW's two moments in fp32, or in bf16 (half their memory: 4 bytes a trainable parameter instead of
-    # 8; the update itself computes in fp32 and the weights stay fp32; `gsm_train/optim.py`)
+    # AdamW's two moments in fp32, or in bf16 (half their memory: 4 bytes a trainable parameter
+    # instead of 8; the update computes in fp32 and the weights stay fp32; gsm_train/optim.py)
     state_dtype: Literal["fp32", "bf16"] = "fp32"
 
 

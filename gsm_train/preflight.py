@@ -4,8 +4,9 @@ status 2) naming the field, file or folder, and nothing has been written yet.
 In order: the optional packages the recipe needs; the base model's config (read without weights: a
 Hub id is first accessed here) against `data.seq_len` and the layer indices; the checkpoint to
 resume from (it must verify against its manifest; its backend and recipe must match this run's, and
-a different number of processes must take the same rows a micro-step: `checkpoint.check_resumable`); the run folder (no live lock, no other run's files unless told). The result says
-where the run starts and under which run id.
+a different number of processes must take the same rows a micro-step: `checkpoint.check_resumable`);
+the run folder (no live lock, no other run's files unless told). The result says where the run
+starts and under which run id.
 """
 
 from __future__ import annotations

@@ -120,10 +120,12 @@ def param_groups(model: nn.Module, config: RecipeConfig) -> list[dict[str, Any]]
             if group["params"]]
 
 
-def build_optimizer(model: nn.Module, config: RecipeConfig, fused: bool = True) -> torch.optim.Optimizer:
-    """The recipe's AdamW over the model's trainables: torch's, with `fused` on CUDA the fused kernel (one
-    launch per step instead of several per tensor; the DeepSpeed backend asks for the default one), or
-    with `optim.state_dtype: bf16` gsm-train's with bf16 moments (`gsm_train/optim.py`)."""
+def build_optimizer(model: nn.Module, config: RecipeConfig,
+                    fused: bool = True) -> torch.optim.Optimizer:
+    """The recipe's AdamW over the model's trainables: torch's, with `fused` on CUDA the fused
+    kernel (one launch per step instead of several per tensor; the DeepSpeed backend asks for the
+    default one), or with `optim.state_dtype: bf16` gsm-train's with bf16 moments
+    (`gsm_train/optim.py`)."""
     optim = config.optim
     if optim.state_dtype == "bf16":
         return AdamWBF16(param_groups(model, config), lr=optim.lr, betas=optim.betas,
@@ -176,8 +178,8 @@ class TrainingSession:
     @classmethod
     def setup(cls, config: RecipeConfig, stage: Stage, info: DistInfo | None = None,
               backend: Backend | None = None) -> TrainingSession:
-        """Load the base, attach the stage's modules, tokenize the data (once per node), wrap and build the
-        optimizer."""
+        """Load the base, attach the stage's modules, tokenize the data (once per node), wrap and
+        build the optimizer."""
         info = info or init_distributed()
         torch.manual_seed(config.train.seed)
         model, tokenizer = prepared_model(config, stage, info.device)
@@ -202,8 +204,8 @@ class TrainingSession:
 
     def resume(self, checkpoint: Path) -> int:
         """Restore trainables, optimizer, schedule, RNG and data position; returns the step to continue at."""
-        meta = load_checkpoint(checkpoint, self.backend, self.model, self.optimizer, self.scheduler, self.trainable,
-                               self.config.train.batch_size, self.info)
+        meta = load_checkpoint(checkpoint, self.backend, self.model, self.optimizer, self.scheduler,
+                               self.trainable, self.config.train.batch_size, self.info)
         self.loader.load_state_dict(meta["data"])
         return meta["step"]
 
@@ -214,8 +216,8 @@ class TrainingSession:
         self.backend.grads_in_place = True
         self.model.train()  # the replays run as captured
         configure_gsm(self.model, captured_steps=True)  # paths that pay off only without per-call Python
-        example = torch.zeros(self.config.train.batch_size, self.config.data.seq_len, dtype=torch.long,
-                              device=self.info.device)
+        example = torch.zeros(self.config.train.batch_size, self.config.data.seq_len,
+                              dtype=torch.long, device=self.info.device)
         trainables = [p for p in self.model.parameters() if p.requires_grad]
         self.graphed = GraphedLoss(lambda batch: self.stage.loss(self.model, batch), trainables, example,
                                    self.compute_dtype, grad_scale=1 / self.config.train.grad_accum)
@@ -259,7 +261,8 @@ class TrainingSession:
         """The adapter export (collective; rank 0 writes), refused for non-finite tensors. Only the
         tensors it holds are gathered (the base's only with `output.export_base_weights`)."""
         names = AdapterNames.of(self.unwrapped)
-        wanted = self.unwrapped.state_dict().keys() if self.config.output.export_base_weights else names.gsm | names.lora
+        with_base = self.config.output.export_base_weights
+        wanted = self.unwrapped.state_dict().keys() if with_base else names.gsm | names.lora
         state = self.backend.full_tensors(self.model, wanted)
         refuse_non_finite({name: t for name, t in state.items() if name in names}, "export", self.info)
         scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}

@@ -40,11 +40,14 @@ def token_cache_dir() -> Path:
 
 
 def tokenizer_digest(tokenizer: Any) -> str:
-    """A sha256 of what decides the tokenizer's output: a fast tokenizer's whole definition (vocabulary,
-    merges, normalizer, pre-tokenizer) and its EOS id; else `datasets`' hash of the object."""
+    """A sha256 of what decides the tokenizer's output: a fast tokenizer's whole definition
+    (vocabulary, merges, normalizer, pre-tokenizer) and its EOS id; else `datasets`' hash of the
+    object."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     spec = backend.to_str() if backend is not None else Hasher.hash(tokenizer)
-    return hashlib.sha256(f"{type(tokenizer).__name__}\n{tokenizer.eos_token_id}\n{spec}".encode()).hexdigest()
+    return hashlib.sha256(
+        f"{type(tokenizer).__name__}\n{tokenizer.eos_token_id}\n{spec}".encode()
+    ).hexdigest()
 
 
 def _write_atomic(path: Path, write: Any) -> None:
@@ -56,12 +59,20 @@ def _write_atomic(path: Path, write: Any) -> None:
     os.replace(tmp, path)
 
 
-def _build(source: DataSourceConfig, tokenizer: Any, seq_len: int, num_proc: int | None,
-           folder: Path) -> tuple[Path, int]:
-    """(the cache file of `source`'s rows, their count), tokenizing them first if they are not cached."""
+def _build(
+    source: DataSourceConfig, tokenizer: Any, seq_len: int, num_proc: int | None, folder: Path
+) -> tuple[Path, int]:
+    """(the cache file of `source`'s rows, their count), tokenizing them first if they are not
+    cached."""
     documents = load_text_dataset(source.path, format=source.format, fields=source.fields)
-    described = {"version": CACHE_VERSION, "data": documents._fingerprint, "source": source.model_dump(),
-                 "tokenizer": tokenizer_digest(tokenizer), "seq_len": seq_len, "eos": True}
+    described = {
+        "version": CACHE_VERSION,
+        "data": documents._fingerprint,
+        "source": source.model_dump(),
+        "tokenizer": tokenizer_digest(tokenizer),
+        "seq_len": seq_len,
+        "eos": True,
+    }
     key = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:32]
     tokens, header = folder / f"{key}.tokens", folder / f"{key}.json"
     if header.is_file():
@@ -69,15 +80,22 @@ def _build(source: DataSourceConfig, tokenizer: Any, seq_len: int, num_proc: int
     rows = pack_tokens(documents, tokenizer, seq_len, num_proc=num_proc)
     folder.mkdir(parents=True, exist_ok=True)
     _write_atomic(tokens, lambda handle: handle.write(rows.to(torch.int32).numpy().tobytes()))
-    _write_atomic(header, lambda handle: handle.write(json.dumps({"rows": len(rows), **described}).encode()))
+    _write_atomic(
+        header, lambda handle: handle.write(json.dumps({"rows": len(rows), **described}).encode())
+    )
     return tokens, len(rows)
 
 
-def cached_rows(source: DataSourceConfig, tokenizer: Any, seq_len: int, info: DistInfo,
-                num_proc: int | None = None) -> torch.Tensor:
-    """[rows, seq_len] int32 token rows of `source` (`pack_tokens`' rows), memory-mapped from the token
-    cache; built by each node's local main process while the others wait (collective). A DataError of
-    the local main process is raised there and OtherRankFailed on the others."""
+def cached_rows(
+    source: DataSourceConfig,
+    tokenizer: Any,
+    seq_len: int,
+    info: DistInfo,
+    num_proc: int | None = None,
+) -> torch.Tensor:
+    """[rows, seq_len] int32 token rows of `source` (`pack_tokens`' rows), memory-mapped from the
+    token cache; built by each node's local main process while the others wait (collective). A
+    DataError of the local main process is raised there and OtherRankFailed on the others."""
     folder, built, error = token_cache_dir(), None, None
     if info.local_rank == 0:
         try:
@@ -85,6 +103,8 @@ def cached_rows(source: DataSourceConfig, tokenizer: Any, seq_len: int, info: Di
         except ValueError as err:  # DataError: the source cannot be read or packed
             error = err
     raise_on_any_rank(info, error)  # a barrier: the local main processes have written
-    path, count = built if built is not None else _build(source, tokenizer, seq_len, num_proc, folder)
+    path, count = (
+        built if built is not None else _build(source, tokenizer, seq_len, num_proc, folder)
+    )
     mapped = np.memmap(path, dtype=np.int32, mode="c", shape=(count, seq_len))
     return torch.from_numpy(mapped)

@@ -17,7 +17,7 @@ _CORPUS = [
 
 @pytest.fixture(scope="session", autouse=True)
 def token_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Token rows are cached for this test session (and the runs it starts) only, not in ~/.cache."""
+    """Token rows are cached for this test session (and the runs it starts), not in ~/.cache."""
     os.environ["GSM_TOKEN_CACHE"] = str(tmp_path_factory.mktemp("token_cache"))
 
 

@@ -2,7 +2,7 @@
 (used by tests/test_checkpoint_integrity.py; not a test itself).
 
     python tests/fault_injection_run.py POINT N TRAIN_ARGS...
-    torchrun --nproc_per_node W tests/fault_injection_run.py POINT N TRAIN_ARGS...  (each rank counts its own)
+    torchrun --nproc_per_node W tests/fault_injection_run.py POINT N TRAIN_ARGS...  (per rank)
 
 POINT `fsync`: at the N-th flush to disk of checkpoint saving by gsm-train (each file it digests,
 the manifest, the folder, the rename, `latest`: about 9 a checkpoint on rank 0, 2 on the others);
@@ -43,7 +43,8 @@ def _before_nth(function: Callable[..., Any], n: int) -> Callable[..., Any]:
 def _torn_nth_save(function: Callable[..., Any], n: int) -> Callable[..., Any]:
     calls = 0
 
-    def wrapper(self: Any, model: Any, optimizer: Any, folder: Path, *args: Any, **kwargs: Any) -> Any:
+    def wrapper(self: Any, model: Any, optimizer: Any, folder: Path, *args: Any,
+                **kwargs: Any) -> Any:
         nonlocal calls
         calls += 1
         result = function(self, model, optimizer, folder, *args, **kwargs)

@@ -88,14 +88,16 @@ def torchrun(count: int, args: list[str], timeout: int = 300) -> subprocess.Comp
     """`torchrun --nproc_per_node COUNT ARGS` on CPU (gloo; one thread a process), this checkout's
     gsm_train first on the path. Returns the finished process (not checked)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(count),
-                           "--master_port", str(free_port()), *args], capture_output=True, text=True, env=env,
-                          timeout=timeout, check=False)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(count),
+               "--master_port", str(free_port()), *args]
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout,
+                          check=False)
 
 
-def run_processes(count: int, recipe: str, overrides: list[str], out_dir: Path, *options: str) -> None:
-    """`gsm_train.train` on RECIPE in COUNT processes (FSDP2 over gloo); `options`: e.g. --resume auto.
-    Fails with its stderr if it fails."""
-    proc = torchrun(count, ["-m", "gsm_train.train", "--recipe", recipe, *overrides, f"output.dir={out_dir}",
-                            *options])
+def run_processes(count: int, recipe: str, overrides: list[str], out_dir: Path,
+                  *options: str) -> None:
+    """`gsm_train.train` on RECIPE in COUNT processes (FSDP2 over gloo); `options`: e.g. --resume
+    auto. Fails with its stderr if it fails."""
+    proc = torchrun(count, ["-m", "gsm_train.train", "--recipe", recipe, *overrides,
+                            f"output.dir={out_dir}", *options])
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -19,11 +19,22 @@ from gsm_train.stages import JointStage
 REPO = Path(__file__).resolve().parents[1]
 # the joint stage with every GSM module training: sparse attention on the gate's top-k, ASQ on K/V,
 # the bridge from layer 1 into layers 2-3, the gate's KL on sampled query rows; the base trains too
-ALL_ON = ["model.name_or_path=tiny-llama", "init_from=null", "data.seq_len=64", "logging.recall_min_keys=16",
-          "gsm.sparse_attention.top_k=8", "gsm.sparse_attention.k_min=8", "gsm.sparse_attention.dense_layers=[0]",
-          "gsm.kv_compression.block_size=16", "gsm.kv_compression.layer_bits={}",
-          "gsm.cross_layer_sharing.enabled=true", "gsm.cross_layer_sharing.bridge_from=1",
-          "gsm.cross_layer_sharing.bridge_to_start=2", "train.distill_queries=16", "train.base=full"]
+ALL_ON = [
+    "model.name_or_path=tiny-llama",
+    "init_from=null",
+    "data.seq_len=64",
+    "logging.recall_min_keys=16",
+    "gsm.sparse_attention.top_k=8",
+    "gsm.sparse_attention.k_min=8",
+    "gsm.sparse_attention.dense_layers=[0]",
+    "gsm.kv_compression.block_size=16",
+    "gsm.kv_compression.layer_bits={}",
+    "gsm.cross_layer_sharing.enabled=true",
+    "gsm.cross_layer_sharing.bridge_from=1",
+    "gsm.cross_layer_sharing.bridge_to_start=2",
+    "train.distill_queries=16",
+    "train.base=full",
+]
 
 
 def _joint_model(checkpointed: bool) -> tuple[nn.Module, JointStage]:
@@ -37,7 +48,9 @@ def _joint_model(checkpointed: bool) -> tuple[nn.Module, JointStage]:
     return model.train(), stage
 
 
-def _step(checkpointed: bool, batch: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def _step(
+    checkpointed: bool, batch: torch.Tensor
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(loss and terms, gradients by name) of one joint micro-step."""
     model, stage = _joint_model(checkpointed)
     torch.manual_seed(1)  # the KL's query rows are drawn in the forward
@@ -56,8 +69,13 @@ def test_checkpointed_layers_give_the_same_loss_and_gradients() -> None:
     for name, value in plain_terms.items():
         assert torch.equal(ckpt_terms[name], value), name  # the forward is the same computation
     assert plain_grads.keys() == ckpt_grads.keys()
-    assert any(".gsm.gate." in n for n in plain_grads) and any(".gsm.bridge." in n for n in plain_grads)
-    for name, grad in plain_grads.items():  # the recomputation repeats the forward's fp32 operations exactly
+    assert any(".gsm.gate." in n for n in plain_grads) and any(
+        ".gsm.bridge." in n for n in plain_grads
+    )
+    for (
+        name,
+        grad,
+    ) in plain_grads.items():  # the recomputation repeats the forward's fp32 operations exactly
         assert torch.equal(ckpt_grads[name], grad), name
 
 
@@ -67,7 +85,9 @@ def test_a_recomputation_records_nothing() -> None:
     with gsm_collect(model, distill=True, distill_on_selection=True, distill_queries=16) as records:
         loss = model(input_ids=batch, labels=batch, use_cache=False).loss
     before = {layer: (r.gate_kl, r.asq_loss) for layer, r in records.layers.items()}
-    assert sum(r.gate_kl is not None for r in records.layers.values()) == 3  # layers 1-3 (layer 0 dense)
+    assert (
+        sum(r.gate_kl is not None for r in records.layers.values()) == 3
+    )  # layers 1-3 (layer 0 dense)
     total = loss + sum(records.gate_kl_means()) + sum(records.asq_losses())
     total.backward()  # recomputes each layer
     after = {layer: (r.gate_kl, r.asq_loss) for layer, r in records.layers.items()}

@@ -65,7 +65,8 @@ def _resumed_from(run: Path) -> str | None:
     return [r for r in records(run) if r["kind"] == "setup"][-1]["resumed_from"]
 
 
-@pytest.mark.parametrize("damaged", ["dcp/__0_0.distcp", "dcp/.metadata", "rng_rank0.pt", "state.json"])
+@pytest.mark.parametrize("damaged", ["dcp/__0_0.distcp", "dcp/.metadata", "rng_rank0.pt",
+                                     "state.json"])
 def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one(
         straight: Path, tmp_path: Path, damaged: str, capsys: pytest.CaptureFixture) -> None:
     run = shutil.copytree(straight, tmp_path / "run")

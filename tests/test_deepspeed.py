@@ -260,7 +260,8 @@ def test_accelerate_mixed_precision_follows_the_recipe_or_is_refused(
     assert "distributed.mixed_precision" in caught.value.problems[0].fix
 
 
-def test_bf16_optimizer_moments_are_refused_with_deepspeed(launched, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bf16_optimizer_moments_are_refused_with_deepspeed(launched,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     launched("deepspeed_zero2.yaml")
     monkeypatch.setitem(sys.modules, "deepspeed", ModuleType("deepspeed"))
     with pytest.raises(ConfigError) as caught:

@@ -1,6 +1,7 @@
-"""benchmarks/scale_8b.py: its rows run on the CPU with a tiny model (smoke test), its result file is
-resumable, its FLOPs formula gives the stated counts for Llama-3-8B's shapes, and `random-llama3-8b`
-is built where and in what dtype it is asked, with Llama-3-8B's parameter count."""
+"""benchmarks/scale_8b.py: its rows run on the CPU with a tiny model (smoke test), its result file
+is resumable, its FLOPs formula gives the stated counts for Llama-3-8B's shapes, and
+`random-llama3-8b` is built where and in what dtype it is asked, with Llama-3-8B's parameter count.
+"""
 
 from __future__ import annotations
 
@@ -15,13 +16,25 @@ from gsm_train.config import load_recipe
 from gsm_train.model_zoo import random_model, read_model_config
 from run_helpers import GATE_RECIPE
 
-TINY = ["--model", "tiny-llama", "--seq-len", "64", "--steps", "1", "--set", "gsm.sparse_attention.top_k=8",
-        "gsm.sparse_attention.k_min=8", "logging.recall_min_keys=16", "gsm.kv_compression.layer_bits={}",
-        "gsm.kv_compression.block_size=16"]
+TINY = [
+    "--model",
+    "tiny-llama",
+    "--seq-len",
+    "64",
+    "--steps",
+    "1",
+    "--set",
+    "gsm.sparse_attention.top_k=8",
+    "gsm.sparse_attention.k_min=8",
+    "logging.recall_min_keys=16",
+    "gsm.kv_compression.layer_bits={}",
+    "gsm.kv_compression.block_size=16",
+]
 
 
-def test_every_row_runs_on_a_tiny_model_and_a_second_run_resumes(tmp_path: Path,
-                                                                 capsys: pytest.CaptureFixture) -> None:
+def test_every_row_runs_on_a_tiny_model_and_a_second_run_resumes(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     result = tmp_path / "scale.json"
     scale_8b.main(["--result", str(result), *TINY])
     written = json.loads(result.read_text())
@@ -54,8 +67,15 @@ def test_model_flops_of_llama3_8b_shapes() -> None:
 
 
 def test_random_llama3_8b_is_built_on_the_device_in_the_dtype_asked() -> None:
-    model = random_model("random-llama3-8b", torch.bfloat16, "meta")  # the meta device holds no memory
+    model = random_model(
+        "random-llama3-8b", torch.bfloat16, "meta"
+    )  # the meta device holds no memory
     params = list(model.parameters())
     assert sum(p.numel() for p in params) == 8_030_261_248
-    assert {p.device.type for p in params} == {"meta"} and {p.dtype for p in params} == {torch.bfloat16}
-    assert load_recipe(GATE_RECIPE, ["model.name_or_path=random-llama3-8b"]).model.name_or_path == "random-llama3-8b"
+    assert {p.device.type for p in params} == {"meta"} and {p.dtype for p in params} == {
+        torch.bfloat16
+    }
+    assert (
+        load_recipe(GATE_RECIPE, ["model.name_or_path=random-llama3-8b"]).model.name_or_path
+        == "random-llama3-8b"
+    )

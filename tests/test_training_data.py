@@ -1,6 +1,6 @@
 """Data for large corpora: token rows tokenized once per node and memory-mapped from the token cache
-(keyed by the data, the tokenizer and seq_len), `data.num_proc`, and `data.streaming` for text larger
-than memory, whose batches are the packed rows in order and resume exactly."""
+(keyed by the data, the tokenizer and seq_len), `data.num_proc`, and `data.streaming` for text
+larger than memory, whose batches are the packed rows in order and resume exactly."""
 
 from __future__ import annotations
 
@@ -42,22 +42,33 @@ def counted_packing(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         rows = pack(*args, **kwargs)
         calls.append(len(rows))
         return rows
+
     monkeypatch.setattr(token_cache, "pack_tokens", counted)
     return calls
 
 
 def _jsonl(path: Path, count: int, words: int = 9) -> Path:
-    path.write_text("".join(json.dumps({"text": f"record {i} " + "word " * (words + i % 5)}) + "\n"
-                            for i in range(count)))
+    path.write_text(
+        "".join(
+            json.dumps({"text": f"record {i} " + "word " * (words + i % 5)}) + "\n"
+            for i in range(count)
+        )
+    )
     return path
 
 
-def test_cached_rows_are_the_packed_rows_tokenized_once(fresh_cache: Path, counted_packing: list[int]) -> None:
+def test_cached_rows_are_the_packed_rows_tokenized_once(
+    fresh_cache: Path, counted_packing: list[int]
+) -> None:
     tokenizer = byte_tokenizer()
     expected = pack_tokens(load_text_dataset(SOURCE), tokenizer, 64)
     first = token_cache.cached_rows(DataSourceConfig(path=SOURCE), tokenizer, 64, ONE)
     again = token_cache.cached_rows(DataSourceConfig(path=SOURCE), tokenizer, 64, ONE)
-    assert first.dtype == torch.int32 and torch.equal(first.long(), expected) and torch.equal(again, first)
+    assert (
+        first.dtype == torch.int32
+        and torch.equal(first.long(), expected)
+        and torch.equal(again, first)
+    )
     assert counted_packing == [len(expected)], "the second call read the cache"
     assert sorted(p.suffix for p in fresh_cache.iterdir()) == [".json", ".tokens"]
     assert _mapped_from(again, next(fresh_cache.glob("*.tokens")))
@@ -73,8 +84,9 @@ def _mapped_from(tensor: torch.Tensor, path: Path) -> bool:
     return False
 
 
-def test_a_changed_source_tokenizer_or_seq_len_is_tokenized_again(fresh_cache: Path, tmp_path: Path,
-                                                                  counted_packing: list[int]) -> None:
+def test_a_changed_source_tokenizer_or_seq_len_is_tokenized_again(
+    fresh_cache: Path, tmp_path: Path, counted_packing: list[int]
+) -> None:
     data = _jsonl(tmp_path / "data.jsonl", 40)
     source, tokenizer = DataSourceConfig(path=str(data)), byte_tokenizer()
     token_cache.cached_rows(source, tokenizer, 16, ONE)
@@ -91,7 +103,9 @@ def test_a_changed_source_tokenizer_or_seq_len_is_tokenized_again(fresh_cache: P
 def test_num_proc_tokenizes_the_same_rows(fresh_cache: Path, tmp_path: Path) -> None:
     data = _jsonl(tmp_path / "data.jsonl", 60)
     config = load_recipe(GATE_RECIPE, [*TINY_GATE, f"data.train.path={data}", "data.num_proc=2"])
-    rows = token_cache.cached_rows(config.data.train, byte_tokenizer(), 16, ONE, config.data.num_proc)
+    rows = token_cache.cached_rows(
+        config.data.train, byte_tokenizer(), 16, ONE, config.data.num_proc
+    )
     assert torch.equal(rows.long(), pack_tokens(load_text_dataset(str(data)), byte_tokenizer(), 16))
 
 
@@ -99,7 +113,9 @@ def test_the_ranks_of_a_node_tokenize_once(fresh_cache: Path) -> None:
     proc = torchrun(3, [str(REPO / "tests" / "token_cache_ranks.py"), SOURCE, "64"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = sorted(re.findall(r"rank (\d) tokenized (\d) rows (\w+)", proc.stdout))
-    assert [(rank, calls) for rank, calls, _ in lines] == [("0", "1"), ("1", "0"), ("2", "0")], proc.stdout
+    assert [(rank, calls) for rank, calls, _ in lines] == [("0", "1"), ("1", "0"), ("2", "0")], (
+        proc.stdout
+    )
     assert len({digest for *_, digest in lines}) == 1
 
 
@@ -114,7 +130,7 @@ def test_packed_batches_walk_row_ids_as_the_rows_they_name() -> None:
         assert batch.dtype == torch.long and torch.equal(batch, subset.next_batch().long())
 
 
-# --- streaming --------------------------------------------------------------------------------------
+# --- streaming -----------------------------------------------------------------------------
 
 
 @pytest.fixture
@@ -175,16 +191,27 @@ def test_streaming_errors(corpus: Path) -> None:
     with pytest.raises(DataError, match="fewer than one global batch of 400 rows"):
         _streamed(corpus, 400).next_batch()
     with pytest.raises(DataError, match="field 'body' is missing from a record"):
-        StreamedBatches(stream_records(str(corpus)), byte_tokenizer(), 16, 1, fields=["body"]).next_batch()
+        StreamedBatches(
+            stream_records(str(corpus)), byte_tokenizer(), 16, 1, fields=["body"]
+        ).next_batch()
     packed_state = PackedBatches(torch.zeros(8, 16, dtype=torch.long), 2, seed=0).state_dict()
     with pytest.raises(DataError, match="of packed rows, not of a stream"):
         _streamed(corpus, 2).load_state_dict(packed_state)
-    with pytest.raises(ConfigError, match=r"- data: streaming: true reads.* eval_rows \(0.1\) cannot be a "
-                                          r"fraction.*\n.*fix: set data.eval_rows to a number of rows"):
+    with pytest.raises(
+        ConfigError,
+        match=r"- data: streaming: true reads.* eval_rows \(0.1\) cannot be a "
+        r"fraction.*\n.*fix: set data.eval_rows to a number of rows",
+    ):
         load_recipe(GATE_RECIPE, [*TINY_GATE, "data.streaming=true"])
 
 
 def test_a_streamed_run_resumes_exactly(tmp_path: Path) -> None:
-    steps = [*TINY_GATE, "data.streaming=true", "data.eval_rows=4", "train.steps=6", "output.checkpoint_every=3"]
+    steps = [
+        *TINY_GATE,
+        "data.streaming=true",
+        "data.eval_rows=4",
+        "train.steps=6",
+        "output.checkpoint_every=3",
+    ]
     straight, resumed = resume_after_crash(GATE_RECIPE, steps, tmp_path, step=3)
     assert resumed.losses == losses(straight)[3:]
