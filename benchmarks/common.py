@@ -17,6 +17,8 @@ import torch
 
 from gsm_train.train import train_recipe
 
+REPO = Path(__file__).resolve().parents[1]
+
 
 def device_name() -> str:
     """The GPU (or CPU) this ran on, with torch's version."""
@@ -121,7 +123,7 @@ def add_gsm_argument(parser: argparse.ArgumentParser, help: str) -> None:
 CODE_PATHS = ("gsm_train", "recipes", "benchmarks/*.py")
 
 
-def git_commit(repo: Path, paths: tuple[str, ...] = CODE_PATHS) -> str:
+def git_commit(repo: Path = REPO, paths: tuple[str, ...] = CODE_PATHS) -> str:
     """The short commit of `repo`'s checkout, noting uncommitted changes to `paths` (the code that
     ran may differ from the commit, e.g. in a copied tree whose git metadata is older)."""
     def git(*command: str) -> str:

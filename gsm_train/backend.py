@@ -4,34 +4,30 @@
 `ACCELERATE_USE_DEEPSPEED=true` plus its settings (zero stage, clipping, precision); the loop then
 hands model and optimizer to accelerate's DeepSpeed integration (`gsm_train/deepspeed_backend.py`).
 Every other launch (one process, `torchrun`, `launch/multi_gpu.yaml`) runs gsm-train's own FSDP2.
-Both backends do the same things through the same five calls: prepare, backward, step (global
-clipping over the trainables, the pre-clip norm returned for logging), full state dict (for
-checkpoints and exports) and the optimizer's part of a checkpoint.
+Both backends do the same things through the same calls (`backend_protocol.Backend`): prepare,
+backward, step (global clipping over the trainables, the pre-clip norm returned for logging), full
+tensors for exports, and a checkpoint's trainables and optimizer state (FSDP2: sharded, written by
+every rank, `sharded_checkpoint`; DeepSpeed: its own format).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate.utils import DeepSpeedPlugin, parse_flag_from_env
 from torch import Tensor, nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from gsm_train.backend_protocol import Backend, OptimizerFactory
 from gsm_train.config import ConfigError, Problem, RecipeConfig
 from gsm_train.distributed import DistInfo, shard_model
+from gsm_train.sharded_checkpoint import DCP_FORMAT, load_sharded, save_sharded, trainable_state
 
-_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 _SOURCE = "accelerate config (ACCELERATE_USE_DEEPSPEED=true)"
 _LAUNCH_SOURCE = "accelerate config (as accelerate launch exported it)"
 
@@ -48,14 +44,17 @@ class FSDP2Backend:
     """gsm-train's own `fully_shard` (see `shard_model`) above one process; plain PyTorch in one."""
 
     name = "fsdp2"
+    checkpoint_format = DCP_FORMAT  # torch.distributed.checkpoint: resumes on any number of ranks
 
     def __init__(self, config: RecipeConfig):
         self.config = config
+        self.is_main = True
         self.params: list[nn.Parameter] = []
         self.grads_in_place = False  # a captured step adds into fixed .grad buffers: zero them, never drop them
 
     def prepare(self, model: nn.Module, make_optimizer: OptimizerFactory, info: DistInfo,
                 compute_dtype: torch.dtype | None) -> tuple[nn.Module, torch.optim.Optimizer]:
+        self.is_main = info.is_main
         if info.distributed and self.config.distributed.fsdp == "auto":
             shard_model(model, compute_dtype)
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -78,19 +77,25 @@ class FSDP2Backend:
     def describe(self) -> dict[str, Any]:
         return {"backend": self.name}
 
-    def full_state_dict(self, model: nn.Module) -> dict[str, Tensor]:
-        return get_model_state_dict(model, options=_FULL)
+    def full_tensors(self, model: nn.Module, names: Collection[str]) -> dict[str, Tensor]:
+        state = {}
+        for name, tensor in get_model_state_dict(model).items():  # FSDP2: DTensor shards
+            if name in names:
+                full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # collective
+                if self.is_main:
+                    state[name] = full.detach().to("cpu", copy=True)
+        return state
 
-    def save_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path, info: DistInfo) -> None:
-        state = get_optimizer_state_dict(model, optimizer, options=_FULL)
-        if info.is_main:
-            torch.save(state, folder / "optimizer.pt")
+    def trainable_tensors(self, model: nn.Module, trainable: set[str]) -> dict[str, Tensor]:
+        return trainable_state(model, trainable)
+
+    def save_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path,
+                   tensors: dict[str, Tensor], info: DistInfo) -> None:
+        save_sharded(folder, tensors, model, optimizer)
 
     def load_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path,
-                   weights: dict[str, Tensor]) -> None:
-        set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
-        set_optimizer_state_dict(model, optimizer, torch.load(folder / "optimizer.pt", weights_only=True),
-                                 options=StateDictOptions(full_state_dict=True))
+                   trainable: set[str], info: DistInfo) -> None:
+        load_sharded(folder, model, optimizer, trainable)
 
 
 def uses_deepspeed() -> bool:
@@ -158,6 +163,10 @@ def select_backend(config: RecipeConfig) -> Backend:
                                    f"the accelerate config asks for DeepSpeed, but `import deepspeed` failed ({err})",
                                    "pip install 'gsm-train[deepspeed]', or launch with an FSDP2 config such as "
                                    "launch/multi_gpu.yaml"))
+    if config.optim.state_dtype != "fp32":
+        problems.append(Problem("optim.state_dtype", config.optim.state_dtype,
+                                "DeepSpeed keeps its optimizer's state itself, in fp32",
+                                "set optim.state_dtype: fp32, or launch with an FSDP2 config"))
     if config.train.max_skipped_steps:
         problems.append(Problem("train.max_skipped_steps", config.train.max_skipped_steps,
                                 "skipping a step needs its gradient norm before the update, which "

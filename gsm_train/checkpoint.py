@@ -1,19 +1,29 @@
-"""Resumable checkpoints, written atomically and verified when a run resumes.
+"""Resumable checkpoints: written by every rank at once, atomic, verified when a run resumes.
 
-A checkpoint `step_00000050/` holds the trainable weights (`trainable.safetensors`, full fp32
-tensors), the optimizer (FSDP2: `optimizer.pt`, full state, tensors only; DeepSpeed: the engine's
-own checkpoint in `deepspeed/`, one optimizer partition per rank), `state.json` (step, run id,
-backend, world size, scheduler, data position, the recipe as given), one `rng_rank{R}.pt` per rank,
-and `manifest.json`, written last: the size and sha256 of every other file. It is built in
-`step_00000050.tmp/`; every file and folder in it is fsync'ed, the folder is renamed into place
-and its parent fsync'ed; then `latest` (the newest checkpoint's name) is replaced the same way. A
-crash at any point leaves every earlier checkpoint whole; weights holding NaN or infinities are
-never written (`finite_guard`).
+A checkpoint `step_00000050/` holds:
+- the trainable parameters and their optimizer state, never the frozen base. FSDP2 (`format: dcp`):
+  a torch.distributed.checkpoint in `dcp/`, each rank writing its own shards, nothing gathered
+  (`sharded_checkpoint`). DeepSpeed (`format: deepspeed`): the engine's own checkpoint in
+  `deepspeed/` and the full trainables in `trainable.safetensors` (`deepspeed_backend`);
+- `state.json` (step, run id, backend, format, world size, scheduler, data position, the recipe as
+  given), one `rng_rank{R}.pt` per rank, and `manifest.json`, written last: the size and sha256 of
+  every other file (each rank digests the files it wrote, rank 0 the rest).
+
+It is built in `step_00000050.tmp/`; every file and folder in it is fsync'ed, the folder is renamed
+into place and its parent fsync'ed; then `latest` (the newest checkpoint's name) is replaced the
+same way. A crash at any point leaves every earlier checkpoint whole; weights holding NaN or
+infinities are never written (`finite_guard`).
 
 Resuming verifies a checkpoint against its manifest: `auto` takes the newest one that verifies and
-warns about each newer one that does not; a checkpoint named explicitly must verify. Resuming
-needs the same backend and number of processes. Pruning (`output.keep_checkpoints`) removes only
-older checkpoints of the same run (same run id), never the one `latest` names.
+warns about each newer one that does not; a checkpoint named explicitly must verify. It needs the
+backend that wrote it. An FSDP2 checkpoint resumes on any number of processes (DCP reshards the
+trainables and the optimizer state) provided each micro-step still takes the same rows: the data
+position counts global micro-batches of `train.batch_size` x processes, so that product must stay
+the same (2 processes at batch 3 -> 3 processes at batch 2 or 1 at batch 6; `train.batch_size` may
+change for that without --allow-recipe-change); every rank then takes rank 0's random state (ranks
+are seeded alike). A DeepSpeed checkpoint resumes on the number of processes that wrote it. Pruning
+(`output.keep_checkpoints`) removes only older checkpoints of the same run (same run id), never the
+one `latest` names. `read_trainables` reads a checkpoint's trainables in one process (export).
 """
 
 from __future__ import annotations
@@ -28,12 +38,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+import torch.distributed as dist
+from safetensors.torch import load_file
 from torch import nn
 
-from gsm_train.backend import Backend
+from gsm_train.backend_protocol import FULL_TRAINABLES_FILE, Backend
 from gsm_train.distributed import DistInfo, barrier
 from gsm_train.finite_guard import refuse_non_finite
+from gsm_train.sharded_checkpoint import DCP_FOLDER, DCP_FORMAT, read_full_tensors
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
@@ -99,14 +111,16 @@ def _digest(path: Path) -> dict[str, Any]:
     return {"size": path.stat().st_size, "sha256": digest.hexdigest()}
 
 
-def write_manifest(folder: Path) -> None:
+def write_manifest(folder: Path, digests: dict[str, dict[str, Any]] | None = None) -> None:
     """fsync every file under `folder`, then write `manifest.json` (relative path -> size and sha256
-    of every other file) and fsync it and every folder under `folder`."""
-    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
-    entries = {}
-    for path in files:
-        fsync_path(path)
-        entries[path.relative_to(folder).as_posix()] = _digest(path)
+    of every other file) and fsync it and every folder under `folder`. `digests`: entries already
+    taken (by the ranks that wrote those files, after fsync'ing them)."""
+    entries = dict(digests or {})
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST):
+        name = path.relative_to(folder).as_posix()
+        if name not in entries:
+            fsync_path(path)
+            entries[name] = _digest(path)
     write_durable(folder / MANIFEST, json.dumps({"files": entries}, indent=2, sort_keys=True))
     for sub in sorted((p for p in folder.rglob("*") if p.is_dir()), reverse=True):
         fsync_path(sub)
@@ -209,40 +223,89 @@ def resolve_resume(resume_from: str | None, run_dir: Path) -> Path | None:
     return path
 
 
-def check_resumable(state: dict[str, Any], folder: Path, backend: str, world_size: int) -> None:
-    """Refuse a checkpoint written by another backend or number of processes."""
-    written_by = state.get("backend", "fsdp2")
-    if (written_by, state.get("world_size")) != (backend, world_size):
-        raise CheckpointError(f"checkpoint {folder} was written by {state.get('world_size')} "
-                              f"processes with {written_by}, this run has {world_size} with "
-                              f"{backend}; resume with the same number of processes and the same "
-                              "backend (accelerate config)")
+def check_resumable(state: dict[str, Any], folder: Path, backend: str, world_size: int,
+                    batch_size: int) -> None:
+    """Refuse a checkpoint this run cannot continue: written by another backend, in FSDP2's former
+    full-tensor format, or at another number of processes where the format cannot reshard or the
+    data position would not carry over (see the module docstring)."""
+    written_by, fmt = state.get("backend", "fsdp2"), state.get("format")
+    written_at = state.get("world_size")
+    if written_by != backend:
+        raise CheckpointError(f"checkpoint {folder} was written with {written_by}, this run "
+                              f"has {backend}; resume with the backend that wrote it (accelerate "
+                              "config)")
+    if backend == "fsdp2" and fmt != DCP_FORMAT:
+        raise CheckpointError(f"checkpoint {folder} holds full tensors "
+                              f"({FULL_TRAINABLES_FILE}), as FSDP2 checkpoints were before they "
+                              "were sharded, which this gsm-train does not resume; export it "
+                              f"(gsm-train export {folder} OUT), or resume with the gsm-train that "
+                              "wrote it")
+    if written_at == world_size:
+        return
+    if fmt != DCP_FORMAT:
+        raise CheckpointError(f"checkpoint {folder} was written by {written_at} processes with "
+                              f"{written_by}, this run has {world_size}; resume with {written_at} "
+                              "processes (DeepSpeed checkpoints do not reshard)")
+    rows = state["data"]["global_batch_size"]
+    taken = (f"checkpoint {folder} was written by {written_at} processes taking {rows} rows a "
+             "micro-step")
+    if rows % world_size:
+        raise CheckpointError(f"{taken}, which do not split evenly over {world_size} processes; "
+                              f"resume on a number of processes that divides {rows}, with "
+                              f"train.batch_size = {rows} / that number, so that the data "
+                              "continues where it stopped")
+    if batch_size * world_size != rows:
+        raise CheckpointError(f"{taken}; this run's {world_size} take {batch_size * world_size} "
+                              f"(train.batch_size {batch_size} each); set train.batch_size="
+                              f"{rows // world_size} so that the data continues where it stopped, "
+                              f"or resume on {written_at} processes")
+
+
+def _own_digests(folder: Path, info: DistInfo) -> dict[str, dict[str, Any]]:
+    """fsync and digest the files this rank wrote into the checkpoint `folder` (its random state
+    and, as DCP names them, its shards `dcp/__R_*.distcp`); rank 0 takes any other file."""
+    shards = sorted((folder / DCP_FOLDER).glob(f"__{info.rank}_*.distcp"))
+    own = [folder / f"rng_rank{info.rank}.pt", *shards]
+    entries = {}
+    for path in own:
+        fsync_path(path)
+        entries[path.relative_to(folder).as_posix()] = _digest(path)
+    return entries
+
+
+def _gathered(entries: dict[str, Any], info: DistInfo) -> dict[str, Any]:
+    """Every rank's `entries` merged (collective)."""
+    if not (info.distributed and dist.is_initialized()):
+        return entries
+    found: list[Any] = [None] * info.world_size
+    dist.all_gather_object(found, entries)
+    return {name: entry for part in found for name, entry in part.items()}
 
 
 def save_checkpoint(run_dir: Path, step: int, backend: Backend, model: nn.Module,
                     optimizer: torch.optim.Optimizer, scheduler: Any, data_state: dict,
                     trainable: set[str], info: DistInfo, keep: int, run: dict[str, Any]) -> Path:
-    """Write a complete checkpoint (collective: every rank calls it); return its folder. `run`: the
-    run's identity stored in state.json (`run_id`, `recipe`). Raises NonFiniteError, writing
-    nothing, if a trainable tensor holds NaN or an infinity."""
+    """Write a complete checkpoint (collective: every rank calls it and writes its part); return
+    its folder. `run`: the run's identity stored in state.json (`run_id`, `recipe`). Raises
+    NonFiniteError on every rank, writing nothing, if a trainable tensor holds NaN or an
+    infinity."""
     final = run_dir / "checkpoints" / step_folder_name(step)
     tmp = final.with_name(final.name + ".tmp")
-    weights = {name: t.contiguous() for name, t in backend.full_state_dict(model).items()
-               if name in trainable}
-    refuse_non_finite(weights, f"checkpoint {final.name}", info)
+    tensors = backend.trainable_tensors(model, trainable)
+    refuse_non_finite(tensors, f"checkpoint {final.name}", info)
     if info.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
     torch.save(_rng_state(), tmp / f"rng_rank{info.rank}.pt")
-    backend.save_optimizer(model, optimizer, tmp, info)
-    barrier()
+    backend.save_state(model, optimizer, tmp, tensors, info)
+    digests = _gathered(_own_digests(tmp, info), info)
     if info.is_main:
-        save_file(weights, str(tmp / "trainable.safetensors"))
-        meta = {"step": step, **run, "backend": backend.name, "world_size": info.world_size,
-                "scheduler": scheduler.state_dict(), "data": data_state}
+        meta = {"step": step, **run, "backend": backend.name, "format": backend.checkpoint_format,
+                "world_size": info.world_size, "scheduler": scheduler.state_dict(),
+                "data": data_state}
         (tmp / STATE).write_text(json.dumps(meta, indent=2))
-        write_manifest(tmp)
+        write_manifest(tmp, digests)
         shutil.rmtree(final, ignore_errors=True)  # a damaged one of the same step, resumed past
         os.replace(tmp, final)
         fsync_path(final.parent)
@@ -270,12 +333,23 @@ def _prune(run_dir: Path, keep: int, run_id: str, newest: Path) -> None:
 
 
 def load_checkpoint(path: Path, backend: Backend, model: nn.Module,
-                    optimizer: torch.optim.Optimizer, scheduler: Any, info: DistInfo) -> dict:
-    """Restore weights, optimizer, scheduler and RNG; return the saved state (step, data
-    position)."""
+                    optimizer: torch.optim.Optimizer, scheduler: Any, trainable: set[str],
+                    batch_size: int, info: DistInfo) -> dict:
+    """Restore the trainables, optimizer, scheduler and random state (collective); return the saved
+    state (step, data position). `trainable`: the names of the trainables; `batch_size`: this run's
+    `train.batch_size` (checked, with the number of processes, by `check_resumable`)."""
     meta = read_state(path)
-    check_resumable(meta, path, backend.name, info.world_size)
-    backend.load_state(model, optimizer, path, load_file(str(path / "trainable.safetensors")))
+    check_resumable(meta, path, backend.name, info.world_size, batch_size)
+    backend.load_state(model, optimizer, path, trainable, info)
     scheduler.load_state_dict(meta["scheduler"])
-    _set_rng_state(torch.load(path / f"rng_rank{info.rank}.pt", weights_only=True))
+    rank = info.rank if meta["world_size"] == info.world_size else 0
+    _set_rng_state(torch.load(path / f"rng_rank{rank}.pt", weights_only=True))
     return meta
+
+
+def read_trainables(folder: Path) -> dict[str, torch.Tensor]:
+    """The trainables of checkpoint `folder` as whole CPU tensors by name, read in this process (no
+    process group): from `dcp/` (FSDP2) or `trainable.safetensors` (DeepSpeed, and FSDP2 before)."""
+    if (folder / DCP_FOLDER).is_dir():
+        return read_full_tensors(folder)
+    return load_file(str(folder / FULL_TRAINABLES_FILE))

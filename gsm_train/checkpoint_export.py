@@ -1,5 +1,6 @@
 """`gsm-train export CHECKPOINT OUT`: rebuild a run's model from its resolved recipe, load a
-checkpoint's trainable tensors and write the adapter export."""
+checkpoint's trainable tensors (read whole in this one process, whatever number of processes wrote
+them: `checkpoint.read_trainables`) and write the adapter export."""
 
 from __future__ import annotations
 
@@ -7,13 +8,16 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file
+from torch.distributed.checkpoint import CheckpointException
 
+from gsm_train.backend_protocol import FULL_TRAINABLES_FILE
+from gsm_train.checkpoint import read_trainables
 from gsm_train.config import load_recipe
 from gsm_train.export import ExportError, export_adapter, export_destination
 from gsm_train.model_zoo import load_model_and_tokenizer
 from gsm_train.stages import STAGES
 from gsm_train.session import export_options
+from gsm_train.sharded_checkpoint import DCP_FOLDER
 
 
 def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path) -> Path:
@@ -22,19 +26,22 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path) -> Path:
     the new one is complete."""
     checkpoint = Path(checkpoint_dir).resolve()
     recipe = checkpoint.parents[1] / "recipe.resolved.yaml"
-    weights_file = checkpoint / "trainable.safetensors"
-    if not weights_file.is_file() or not recipe.is_file():
-        raise ExportError(f"{checkpoint}: not a checkpoint of a gsm-train run (need {weights_file.name} here and "
-                          f"{recipe.name} two folders up); give RUN/checkpoints/step_N")
+    holds_weights = ((checkpoint / DCP_FOLDER).is_dir()
+                     or (checkpoint / FULL_TRAINABLES_FILE).is_file())
+    if not holds_weights or not recipe.is_file():
+        raise ExportError(f"{checkpoint}: not a checkpoint of a gsm-train run (need {DCP_FOLDER}/ "
+                          f"or {FULL_TRAINABLES_FILE} here and {recipe.name} two folders up); "
+                          "give RUN/checkpoints/step_N")
     export_destination(out_dir)  # refused before the model loads when it holds anything else
     config = load_recipe(recipe)
     torch.manual_seed(config.train.seed)  # as the run did: frozen modules initialised at random are not in checkpoints
     model, _ = load_model_and_tokenizer(config.model.name_or_path, config.model.gguf_file, config.model.revision)
     STAGES[config.stage]().attach(model, config)
     try:
-        weights = load_file(str(weights_file))
-    except SafetensorError as err:
-        raise ExportError(f"{weights_file}: not a readable safetensors file ({err}); export an "
+        weights = read_trainables(checkpoint)
+    except (SafetensorError, CheckpointException, OSError, ValueError, RuntimeError) as err:
+        reason = " ".join(str(err).split())[:300]  # a damaged file
+        raise ExportError(f"{checkpoint}: its trainables cannot be read ({reason}); export an "
                           "earlier checkpoint of the run") from None
     result = model.load_state_dict(weights, strict=False)
     if result.unexpected_keys:

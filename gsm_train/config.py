@@ -267,13 +267,29 @@ class DataSourceConfig(StrictModel):
 
 
 class DataConfig(StrictModel):
-    """Training text, its held-out evaluation split and sequence packing."""
+    """Training text, its held-out evaluation split and sequence packing.
+
+    The text is tokenized once per node and shared from a file (`gsm_train/token_cache.py`), by
+    `num_proc` processes (null: one). `streaming: true` reads it as it trains instead, for text
+    larger than memory (`gsm_train/streaming.py`): documents in their order, unshuffled, and
+    `eval_rows` a number of rows (the first ones of `eval`, or of `train`, which then skips
+    them)."""
 
     train: DataSourceConfig = Field(default_factory=lambda: DataSourceConfig(path="embedded:sample_prose"))
     eval: DataSourceConfig | None = None
     eval_rows: int | float = Field(0.05, gt=0)
     seq_len: int = Field(2048, ge=8, le=1 << 20)
     seed: int = 0
+    num_proc: int | None = Field(None, ge=1)
+    streaming: bool = False
+
+    @model_validator(mode="after")
+    def _streamed_eval_is_counted(self) -> DataConfig:
+        if self.streaming and not (self.eval_rows >= 1 and float(self.eval_rows).is_integer()):
+            raise _problem(f"streaming: true reads the text as it trains, without knowing its "
+                           f"length, so eval_rows ({self.eval_rows}) cannot be a fraction of it",
+                           "set data.eval_rows to a number of rows, e.g. 64")
+        return self
 
 
 _Beta = Annotated[float, Field(ge=0.0, lt=1.0)]  # an Adam beta: in [0, 1)
@@ -293,6 +309,9 @@ class OptimConfig(StrictModel):
     schedule: Literal["cosine", "constant"] = "cosine"
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
     max_grad_norm: float = Field(1.0, gt=0.0)
+    # AdamW's two moments in fp32, or in bf16 (half their memory: 4 bytes a trainable parameter
+    # instead of 8; the update computes in fp32 and the weights stay fp32; gsm_train/optim.py)
+    state_dtype: Literal["fp32", "bf16"] = "fp32"
 
 
 class LoraSettings(StrictModel):
@@ -333,7 +352,12 @@ class TrainConfig(StrictModel):
 
     `max_skipped_steps`: how many steps whose loss, loss terms or gradient norm is NaN or infinite
     are skipped (no optimizer update) before the run stops with an error; 0 stops at the first
-    (`gsm_train/finite_guard.py`)."""
+    (`gsm_train/finite_guard.py`).
+
+    `activation_checkpointing`: keep only each decoder layer's input in the forward and run the
+    layer again in the backward (`gsm_train/activation_checkpoint.py`): the activations of one layer
+    at a time instead of all of them, for one more forward of the layers per step. Steps with it run
+    eagerly (no CUDA graph)."""
 
     steps: int = Field(200, ge=1)
     batch_size: int = Field(1, ge=1)
@@ -346,6 +370,7 @@ class TrainConfig(StrictModel):
     cuda_graph: Literal["auto"] | bool = "auto"
     fp32_matmul: Literal["default", "tf32"] = "default"
     max_skipped_steps: int = Field(0, ge=0)
+    activation_checkpointing: bool = False
 
 
 class DistributedConfig(StrictModel):

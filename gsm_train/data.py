@@ -132,6 +132,11 @@ def _parse_hub_name(path: str) -> tuple[str, str | None, str]:
     return name, config or None, split or "train"
 
 
+def join_fields(values: list[Any], separator: str) -> str:
+    """A record's field values as one document: the values that are not None, as text, joined."""
+    return separator.join(str(value) for value in values if value is not None)
+
+
 def _documents(ds: datasets.Dataset, fields: list[str], separator: str, source: str) -> datasets.Dataset:
     """One `text` column: each record's `fields` joined by `separator`; blank documents dropped."""
     missing = [field for field in fields if field not in ds.column_names]
@@ -143,7 +148,7 @@ def _documents(ds: datasets.Dataset, fields: list[str], separator: str, source: 
         )
 
     def join(batch: dict[str, list[Any]]) -> dict[str, list[str]]:
-        texts = (separator.join(str(v) for v in values if v is not None) for values in zip(*(batch[f] for f in fields)))
+        texts = (join_fields(values, separator) for values in zip(*(batch[f] for f in fields)))
         return {"text": [text for text in texts if text.strip()]}
 
     if len(ds):
@@ -151,6 +156,30 @@ def _documents(ds: datasets.Dataset, fields: list[str], separator: str, source: 
     if not len(ds):
         raise DataError(source, "holds no non-blank text", "give files that contain text, or check fields")
     return ds
+
+
+def _records(path: str, format: str,
+             streaming: bool) -> datasets.Dataset | datasets.IterableDataset:
+    """A source's raw records through `datasets` (text sources: one record `text` per file)."""
+    if format != "auto" and format not in _FORMATS:
+        raise DataError(path, f"unknown format {format!r}", f"use one of auto, {', '.join(_FORMATS)}")
+    fmt = _FORMATS.get(format)
+    if path.startswith(HUB_PREFIX):
+        name, config, split = _parse_hub_name(path)
+        fix = ("check the name, config and split; go online (unset HF_HUB_OFFLINE) or give a local "
+               "copy of the data")
+        return _load(path, fix, lambda: datasets.load_dataset(name, config, split=split,
+                                                              streaming=streaming))
+    files = [file for file in _resolve_files(path, fmt) if file.stat().st_size > 0]
+    if not files:
+        raise DataError(path, "holds no non-blank text (its files are empty)",
+                        "give files that contain text")
+    fmt = _pick_format(files, fmt, path)
+    options = {"sample_by": "document"} if fmt == "text" else {}
+    fix = f"check that the files are valid {fmt} (set format if the extension misleads)"
+    data_files = [str(file) for file in files]
+    return _load(path, fix, lambda: datasets.load_dataset(fmt, data_files=data_files, split="train",
+                                                          streaming=streaming, **options))
 
 
 def load_text_dataset(
@@ -162,24 +191,15 @@ def load_text_dataset(
     a whole file for text sources, a record's `fields` (default `["text"]`) joined by `separator`
     otherwise. Raises DataError for a missing path, unknown format, missing field or no text.
     """
-    if format != "auto" and format not in _FORMATS:
-        raise DataError(path, f"unknown format {format!r}", f"use one of auto, {', '.join(_FORMATS)}")
-    fmt = _FORMATS.get(format)
-    fields = list(fields) if fields else ["text"]
-    if path.startswith(HUB_PREFIX):
-        name, config, split = _parse_hub_name(path)
-        fix = "check the name, config and split; go online (unset HF_HUB_OFFLINE) or give a local copy of the data"
-        ds = _load(path, fix, lambda: datasets.load_dataset(name, config, split=split))
-        return _documents(ds, fields, separator, path)
-    files = [file for file in _resolve_files(path, fmt) if file.stat().st_size > 0]
-    if not files:
-        raise DataError(path, "holds no non-blank text (its files are empty)", "give files that contain text")
-    fmt = _pick_format(files, fmt, path)
-    options = {"sample_by": "document"} if fmt == "text" else {}
-    fix = f"check that the files are valid {fmt} (set format if the extension misleads)"
-    data_files = [str(file) for file in files]
-    ds = _load(path, fix, lambda: datasets.load_dataset(fmt, data_files=data_files, split="train", **options))
-    return _documents(ds, fields, separator, path)
+    records = _records(path, format, streaming=False)
+    return _documents(records, list(fields) if fields else ["text"], separator, path)
+
+
+def stream_records(path: str, *, format: str = "auto") -> datasets.IterableDataset:
+    """The raw records of a source as `load_text_dataset` reads it, streamed: read as they are
+    iterated, never whole in memory (`datasets` streaming; `state_dict()` marks where the iteration
+    stands). Records become documents through `join_fields` (`streaming.StreamedBatches`)."""
+    return _records(path, format, streaming=True)
 
 
 def pack_tokens(
@@ -246,9 +266,14 @@ def _eval_count(eval_rows: int | float, n: int) -> int:
 def split_eval(rows: torch.Tensor, eval_rows: int | float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Hold out rows for evaluation: returns (train_rows, eval_rows), disjoint, each in original order.
 
-    The choice depends only on the row count, `eval_rows` and `seed`.
+    The choice depends only on the row count, `eval_rows` and `seed` (`split_eval_ids`).
     """
-    n = rows.shape[0]
+    train_ids, eval_ids = split_eval_ids(rows.shape[0], eval_rows, seed)
+    return rows[train_ids], rows[eval_ids]
+
+
+def split_eval_ids(n: int, eval_rows: int | float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`split_eval` of `n` rows as row indices: (train ids, eval ids), each ascending."""
     n_eval = _eval_count(eval_rows, n)
     if not 0 < n_eval < n:
         raise DataError(
@@ -257,7 +282,7 @@ def split_eval(rows: torch.Tensor, eval_rows: int | float, seed: int) -> tuple[t
             "choose eval_rows so both sides keep at least one row, or give more text / a smaller seq_len",
         )
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
-    return rows[order[n_eval:].sort().values], rows[order[:n_eval].sort().values]
+    return order[n_eval:].sort().values, order[:n_eval].sort().values
 
 
 class PackedBatches:
@@ -267,7 +292,9 @@ class PackedBatches:
     and walks them in global batches of `batch_size * world_size` rows; rank r gets the slice
     [r * batch_size, (r + 1) * batch_size) of each. With `drop_last` the rows after the last full
     global batch are skipped that epoch; without it the last global batch is filled up with rows
-    from the start of the same epoch, so every batch is full.
+    from the start of the same epoch, so every batch is full. `row_ids`: walk only these rows of
+    `rows` (e.g. those not held out), as if `rows[row_ids]` were given, without copying them.
+    Batches are int64 whatever the rows' integer type.
     """
 
     def __init__(
@@ -279,11 +306,13 @@ class PackedBatches:
         rank: int = 0,
         world_size: int = 1,
         drop_last: bool = True,
+        row_ids: torch.Tensor | None = None,
     ) -> None:
         if rows.dim() != 2:
             raise DataError(
                 "PackedBatches", f"rows have shape {tuple(rows.shape)}", "pass pack_tokens' [rows, seq_len]"
             )
+        self.row_ids = torch.arange(rows.shape[0]) if row_ids is None else row_ids
         if batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
             raise DataError(
                 "PackedBatches",
@@ -291,10 +320,11 @@ class PackedBatches:
                 "use batch_size >= 1, world_size >= 1 and 0 <= rank < world_size",
             )
         self.global_batch_size = batch_size * world_size
-        if rows.shape[0] < self.global_batch_size:
+        if len(self.row_ids) < self.global_batch_size:
             raise DataError(
                 "PackedBatches",
-                f"{rows.shape[0]} rows do not fill one global batch of {batch_size} x {world_size} ranks",
+                f"{len(self.row_ids)} rows do not fill one global batch of {batch_size} x "
+                f"{world_size} ranks",
                 "give more text, a smaller seq_len or a smaller batch",
             )
         self.rows, self.batch_size, self.seed = rows, batch_size, seed
@@ -305,14 +335,14 @@ class PackedBatches:
     @property
     def steps_per_epoch(self) -> int:
         """Global batches (= steps) per epoch."""
-        n, g = self.rows.shape[0], self.global_batch_size
+        n, g = len(self.row_ids), self.global_batch_size
         return n // g if self.drop_last else -(-n // g)
 
     def _epoch_order(self) -> torch.Tensor:
         """Row order of the current epoch, `steps_per_epoch * global_batch_size` long."""
         if self._order_epoch != self.epoch:
             seed = (self.seed * 0x9E3779B97F4A7C15 + self.epoch) % 2**64
-            perm = torch.randperm(self.rows.shape[0], generator=torch.Generator().manual_seed(seed))
+            perm = torch.randperm(len(self.row_ids), generator=torch.Generator().manual_seed(seed))
             self._order = torch.cat([perm, perm])[: self.steps_per_epoch * self.global_batch_size]
             self._order_epoch = self.epoch
         return self._order
@@ -323,7 +353,7 @@ class PackedBatches:
             self.epoch, self.position = self.epoch + 1, 0
         start = self.position * self.global_batch_size + self.rank * self.batch_size
         self.position += 1
-        return self.rows[self._epoch_order()[start : start + self.batch_size]]
+        return self.rows[self.row_ids[self._epoch_order()[start : start + self.batch_size]]].long()
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         while True:
@@ -335,7 +365,7 @@ class PackedBatches:
             "epoch": self.epoch,
             "position": self.position,
             "seed": self.seed,
-            "num_rows": self.rows.shape[0],
+            "num_rows": len(self.row_ids),
             "global_batch_size": self.global_batch_size,
         }
 

@@ -19,9 +19,11 @@ checkpoint and export formats. Where it differs from FSDP2:
   is configured), which would run the forward in plain bf16, unlike FSDP2's bf16 parameters under
   autocast (e.g. the GSM modules' fp32 einsums and matmuls, and autocast's fp32 softmax/log/exp/sums).
   The model's own forward therefore enters the same autocast inside the engine.
-- A checkpoint holds the engine's own `save_checkpoint` (fp32 master partitions and Adam moments, one
-  file per rank) in `deepspeed/`, next to the same full `trainable.safetensors` FSDP2 writes; resuming
-  restores it exactly and needs the same number of processes.
+- Checkpoints keep DeepSpeed's own format, not FSDP2's sharded one (`sharded_checkpoint`): the
+  engine's `save_checkpoint` (fp32 master partitions and Adam moments, one file per rank) in
+  `deepspeed/`, and the full trainables, gathered to rank 0, in `trainable.safetensors` (which
+  `gsm-train export CHECKPOINT` reads); resuming restores it exactly and needs the same number of
+  processes.
 - ZeRO-3 partitions every parameter. GSM parameters read outside their module's forward (ASQ's loss)
   are gathered by ZeRO-3's external-parameter discovery during the engine's forward; full tensors for
   checkpoints and exports are gathered one parameter at a time.
@@ -29,7 +31,7 @@ checkpoint and export formats. Where it differs from FSDP2:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +40,10 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DeepSpeedPlugin
 from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from gsm_train.backend_protocol import OptimizerFactory
+from gsm_train.backend_protocol import FULL_TRAINABLES_FILE, OptimizerFactory
 from gsm_train.config import RecipeConfig
 from gsm_train.distributed import DistInfo
 from gsm_train.lora import adapter_tensor_names
@@ -70,6 +73,7 @@ class DeepSpeedBackend:
     """Model and optimizer in a DeepSpeed engine; clipping, reduction and partitioning are the engine's."""
 
     name = "deepspeed"
+    checkpoint_format = "deepspeed"  # ZeRO's partitions: resumes on as many processes as wrote it
 
     def __init__(self, config: RecipeConfig, plugin: DeepSpeedPlugin):
         self.config = config
@@ -132,21 +136,31 @@ class DeepSpeedBackend:
         with deepspeed.zero.GatheredParameters(tensor):  # a no-op unless ZeRO-3 partitioned it
             return tensor.detach().to("cpu", copy=True)
 
-    def full_state_dict(self, model: nn.Module) -> dict[str, Tensor]:
+    def full_tensors(self, model: nn.Module, names: Collection[str]) -> dict[str, Tensor]:
         state = {}
         for name, tensor in self.unwrap(model).state_dict(keep_vars=True).items():
-            full = self._full(name, tensor)
-            if self.is_main:
-                state[name] = full
+            if name in names:
+                full = self._full(name, tensor)
+                if self.is_main:
+                    state[name] = full
         return state
 
-    def save_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path, info: DistInfo) -> None:
+    def trainable_tensors(self, model: nn.Module, trainable: set[str]) -> dict[str, Tensor]:
+        return {name: t.contiguous() for name, t in self.full_tensors(model, trainable).items()}
+
+    def save_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path,
+                   tensors: dict[str, Tensor], info: DistInfo) -> None:
+        """rank 0: the full trainables in `trainable.safetensors` (what `gsm-train export
+        CHECKPOINT` reads); every rank: its part of the engine's checkpoint in `deepspeed/`."""
+        if info.is_main:
+            save_file(tensors, str(folder / FULL_TRAINABLES_FILE))
         self.engine.save_checkpoint(str(folder), tag=CHECKPOINT_TAG, client_state={}, save_latest=False,
                                     exclude_frozen_parameters=True)
 
     def load_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path,
-                   weights: dict[str, Tensor]) -> None:
-        """The engine's checkpoint restores the fp32 masters (the same values as `weights`) and Adam."""
+                   trainable: set[str], info: DistInfo) -> None:
+        """The engine's checkpoint restores the fp32 masters (the values `trainable.safetensors`
+        holds) and Adam's moments."""
         loaded, _ = self.engine.load_checkpoint(str(folder), tag=CHECKPOINT_TAG, load_module_strict=False,
                                                 load_optimizer_states=True, load_lr_scheduler_states=False)
         if loaded is None:

@@ -13,9 +13,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
-from gsm_train.distributed import DistInfo, raise_on_any_rank
+from gsm_train.distributed import DistInfo
 
 # exit status of a run the guard stopped (2 is a refused input: nothing ran, nothing was written)
 NONFINITE_EXIT = 3
@@ -53,9 +55,20 @@ def nonfinite_terms(record: Mapping[str, Any]) -> list[str]:
 
 
 def nonfinite_tensors(tensors: Mapping[str, Tensor]) -> list[str]:
-    """Names of the floating-point tensors holding a NaN or an infinity."""
-    return [name for name, tensor in tensors.items()
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())]
+    """Names of the floating-point tensors holding a NaN or an infinity (of a DTensor: this rank's
+    part)."""
+    return [name for name, tensor in tensors.items() if tensor.is_floating_point()
+            and not bool(torch.isfinite(_local(tensor)).all())]
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _refusal(what: str, bad: list[str], count: int) -> NonFiniteError:
+    shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+    return NonFiniteError(f"{what} not written: {len(bad)} of {count} tensors hold NaN or infinite "
+                          f"values ({shown}); the previous checkpoints are kept")
 
 
 def check_finite_tensors(tensors: Mapping[str, Tensor], what: str) -> None:
@@ -63,21 +76,21 @@ def check_finite_tensors(tensors: Mapping[str, Tensor], what: str) -> None:
     that hold a NaN or an infinity; nothing is written by the caller then."""
     bad = nonfinite_tensors(tensors)
     if bad:
-        shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
-        raise NonFiniteError(f"{what} not written: {len(bad)} of {len(tensors)} tensors hold NaN "
-                             f"or infinite values ({shown}); the previous checkpoints are kept")
+        raise _refusal(what, bad, len(tensors))
 
 
 def refuse_non_finite(tensors: Mapping[str, Tensor], what: str, info: DistInfo) -> None:
-    """Collective: `check_finite_tensors` on rank 0 (which holds the full tensors; the others pass
-    what they have, usually nothing), its refusal raised on every rank."""
-    error = None
-    if info.is_main:
-        try:
-            check_finite_tensors(tensors, what)
-        except NonFiniteError as err:
-            error = err
-    raise_on_any_rank(info, error)
+    """Collective: `check_finite_tensors` over what every rank holds (rank 0 the full tensors and
+    the others nothing, or each rank its shards: DTensors are checked by their local part), the
+    same NonFiniteError raised on every rank if any rank finds a NaN or an infinity."""
+    bad, count = nonfinite_tensors(tensors), len(tensors)
+    if info.distributed and dist.is_initialized():
+        found: list[Any] = [None] * info.world_size
+        dist.all_gather_object(found, (bad, count))
+        bad = list(dict.fromkeys(name for names, _ in found for name in names))
+        count = max(number for _, number in found)
+    if bad:
+        raise _refusal(what, bad, count)
 
 
 class NonFiniteGuard:

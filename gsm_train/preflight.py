@@ -3,9 +3,10 @@ status 2) naming the field, file or folder, and nothing has been written yet.
 
 In order: the optional packages the recipe needs; the base model's config (read without weights: a
 Hub id is first accessed here) against `data.seq_len` and the layer indices; the checkpoint to
-resume from (it must verify against its manifest; its backend, number of processes and recipe must
-match this run's); the run folder (no live lock, no other run's files unless told). The result says
-where the run starts and under which run id.
+resume from (it must verify against its manifest; its backend and recipe must match this run's, and
+a different number of processes must take the same rows a micro-step: `checkpoint.check_resumable`);
+the run folder (no live lock, no other run's files unless told). The result says where the run
+starts and under which run id.
 """
 
 from __future__ import annotations
@@ -111,16 +112,19 @@ def recipe_changes(stored: dict[str, Any], given: dict[str, Any]) -> list[tuple[
 
 
 def check_recipe_unchanged(state: dict[str, Any], given: dict[str, Any], checkpoint: Path,
-                           allow: bool) -> None:
+                           allow: bool, resized: bool = False) -> None:
     """Refuse to resume with a recipe that alters training (ConfigError listing each field), unless
-    `allow`. A checkpoint from before recipes were stored in it is not compared."""
+    `allow`. A checkpoint from before recipes were stored in it is not compared. `resized`: the run
+    resumes on another number of processes taking the same rows a micro-step (`check_resumable`), so
+    `train.batch_size` may differ."""
     stored = state.get("recipe")
     if not isinstance(stored, dict) or allow:
         return
     fix = ("resume with the recipe the run started with, start a new run, or pass "
            "--allow-recipe-change")
     problems = [Problem(key, now, f"differs from the run being resumed ({was!r})", fix)
-                for key, was, now in recipe_changes(stored, given)]
+                for key, was, now in recipe_changes(stored, given)
+                if not (resized and key == "train.batch_size")]
     if problems:
         raise ConfigError(f"resume from {checkpoint}", problems)
 
@@ -135,8 +139,9 @@ def plan_run(config: RecipeConfig, backend: str, world_size: int, options: Start
     resume = resolve_resume(resume_from, run_dir)
     state = read_state(resume) if resume is not None else None
     if resume is not None and state is not None:
-        check_resumable(state, resume, backend, world_size)
-        check_recipe_unchanged(state, recipe, resume, options.allow_recipe_change)
+        check_resumable(state, resume, backend, world_size, config.train.batch_size)
+        check_recipe_unchanged(state, recipe, resume, options.allow_recipe_change,
+                               resized=state.get("world_size") != world_size)
     check_run_folder(run_dir, resume_from, resume, state, options.overwrite)
     if not options.overwrite:  # the run's own export goes there at the end: refused now, not after training
         export_destination(run_dir / "export")

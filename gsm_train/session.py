@@ -25,11 +25,11 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
+from gsm_train.activation_checkpoint import checkpoint_decoder_layers
 from gsm_train.backend import FSDP2Backend, select_backend
 from gsm_train.backend_protocol import Backend
 from gsm_train.checkpoint import load_checkpoint, save_checkpoint
-from gsm_train.config import DataSourceConfig, RecipeConfig, check_against_model
-from gsm_train.data import PackedBatches, load_text_dataset, pack_tokens, split_eval
+from gsm_train.config import RecipeConfig, check_against_model
 from gsm_train.distributed import DistInfo, all_reduce_sum, init_distributed
 from gsm_train.export import AdapterNames, export_adapter
 from gsm_train.families import model_dims
@@ -37,7 +37,9 @@ from gsm_train.finite_guard import refuse_non_finite
 from gsm_train.kv_budget import apply_kv_budget
 from gsm_train.model_zoo import load_model_and_tokenizer
 from gsm_train.modules import configure_gsm, gsm_parameters
+from gsm_train.optim import AdamWBF16
 from gsm_train.step_graph import GraphedLoss
+from gsm_train.training_data import TrainingData, load_training_data
 
 
 class Stage(Protocol):
@@ -98,19 +100,6 @@ def dtypes(config: RecipeConfig, device: torch.device) -> tuple[torch.dtype, tor
     return load, compute
 
 
-def _packed_rows(source: DataSourceConfig, tokenizer: Any, seq_len: int) -> Tensor:
-    return pack_tokens(load_text_dataset(source.path, format=source.format, fields=source.fields), tokenizer, seq_len)
-
-
-def load_rows(config: RecipeConfig, tokenizer: Any) -> tuple[Tensor, Tensor]:
-    """(train rows, eval rows): eval from `data.eval`, else held out of the training rows."""
-    data = config.data
-    rows = _packed_rows(data.train, tokenizer, data.seq_len)
-    if data.eval is None:
-        return split_eval(rows, data.eval_rows, data.seed)
-    return rows, _packed_rows(data.eval, tokenizer, data.seq_len)
-
-
 def eval_batches(rows: Tensor, config: RecipeConfig, info: DistInfo) -> list[Tensor]:
     """This rank's share of the first `eval_batches` global batches of held-out rows."""
     per_rank = config.train.batch_size
@@ -131,10 +120,16 @@ def param_groups(model: nn.Module, config: RecipeConfig) -> list[dict[str, Any]]
             if group["params"]]
 
 
-def build_optimizer(model: nn.Module, config: RecipeConfig, fused: bool = True) -> torch.optim.AdamW:
-    """The recipe's AdamW over the model's trainables; with `fused`, on CUDA, the fused kernel (one
-    launch per step instead of several per tensor). The DeepSpeed backend asks for the default one."""
+def build_optimizer(model: nn.Module, config: RecipeConfig,
+                    fused: bool = True) -> torch.optim.Optimizer:
+    """The recipe's AdamW over the model's trainables: torch's, with `fused` on CUDA the fused
+    kernel (one launch per step instead of several per tensor; the DeepSpeed backend asks for the
+    default one), or with `optim.state_dtype: bf16` gsm-train's with bf16 moments
+    (`gsm_train/optim.py`)."""
     optim = config.optim
+    if optim.state_dtype == "bf16":
+        return AdamWBF16(param_groups(model, config), lr=optim.lr, betas=optim.betas,
+                         weight_decay=optim.weight_decay, seed=config.train.seed)
     on_cuda = all(p.is_cuda for p in model.parameters() if p.requires_grad)
     return torch.optim.AdamW(param_groups(model, config), lr=optim.lr, betas=optim.betas,
                              weight_decay=optim.weight_decay, fused=(fused and on_cuda) or None)
@@ -151,11 +146,13 @@ def prepared_model(config: RecipeConfig, stage: Stage, device: torch.device) -> 
     """The base model with the stage's modules attached, on `device`, and its tokenizer."""
     load_dtype, _ = dtypes(config, device)
     model, tokenizer = load_model_and_tokenizer(config.model.name_or_path, config.model.gguf_file,
-                                                config.model.revision, load_dtype)
+                                                config.model.revision, load_dtype, device)
     check_against_model(config, model.config.num_hidden_layers,
                         getattr(model.config, "max_position_embeddings", None))
     apply_kv_budget(config.gsm, config.tuning.kv_compression_ratio, model_dims(model), config.data.seq_len)
     stage.prepare(model, config)
+    if config.train.activation_checkpointing:
+        checkpoint_decoder_layers(model)
     return model.to(device), tokenizer
 
 
@@ -163,7 +160,7 @@ class TrainingSession:
     """One stage set up on this process: model (wrapped by the backend), optimizer, schedule, data."""
 
     def __init__(self, config: RecipeConfig, stage: Stage, info: DistInfo, backend: Backend, model: nn.Module,
-                 train_rows: Tensor, eval_rows: Tensor) -> None:
+                 data: TrainingData) -> None:
         self.config, self.stage, self.info, self.backend = config, stage, info, backend
         self.compute_dtype = dtypes(config, info.device)[1]
         self.trainable = {name for name, p in model.named_parameters() if p.requires_grad}
@@ -173,20 +170,21 @@ class TrainingSession:
         self.model, self.optimizer = backend.prepare(
             model, lambda m: build_optimizer(m, config, fused=backend.name == "fsdp2"), info, self.compute_dtype)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
-        self.train_rows, self.eval_rows = train_rows, eval_rows
-        self.loader = PackedBatches(train_rows, config.train.batch_size, seed=config.data.seed, rank=info.rank,
-                                    world_size=info.world_size)
-        self.eval_batches = eval_batches(eval_rows, config, info)
+        self.data = data
+        self.loader = data.batches
+        self.eval_batches = eval_batches(data.eval_rows, config, info)
         self.graphed: GraphedLoss | None = None
 
     @classmethod
     def setup(cls, config: RecipeConfig, stage: Stage, info: DistInfo | None = None,
               backend: Backend | None = None) -> TrainingSession:
-        """Load the base, attach the stage's modules, tokenize the data, wrap and build the optimizer."""
+        """Load the base, attach the stage's modules, tokenize the data (once per node), wrap and
+        build the optimizer."""
         info = info or init_distributed()
         torch.manual_seed(config.train.seed)
         model, tokenizer = prepared_model(config, stage, info.device)
-        return cls(config, stage, info, backend or select_backend(config), model, *load_rows(config, tokenizer))
+        return cls(config, stage, info, backend or select_backend(config), model,
+                   load_training_data(config, tokenizer, info))
 
     @property
     def unwrapped(self) -> nn.Module:
@@ -206,7 +204,8 @@ class TrainingSession:
 
     def resume(self, checkpoint: Path) -> int:
         """Restore trainables, optimizer, schedule, RNG and data position; returns the step to continue at."""
-        meta = load_checkpoint(checkpoint, self.backend, self.model, self.optimizer, self.scheduler, self.info)
+        meta = load_checkpoint(checkpoint, self.backend, self.model, self.optimizer, self.scheduler,
+                               self.trainable, self.config.train.batch_size, self.info)
         self.loader.load_state_dict(meta["data"])
         return meta["step"]
 
@@ -217,8 +216,8 @@ class TrainingSession:
         self.backend.grads_in_place = True
         self.model.train()  # the replays run as captured
         configure_gsm(self.model, captured_steps=True)  # paths that pay off only without per-call Python
-        example = torch.zeros(self.config.train.batch_size, self.config.data.seq_len, dtype=self.train_rows.dtype,
-                              device=self.info.device)
+        example = torch.zeros(self.config.train.batch_size, self.config.data.seq_len,
+                              dtype=torch.long, device=self.info.device)
         trainables = [p for p in self.model.parameters() if p.requires_grad]
         self.graphed = GraphedLoss(lambda batch: self.stage.loss(self.model, batch), trainables, example,
                                    self.compute_dtype, grad_scale=1 / self.config.train.grad_accum)
@@ -259,9 +258,12 @@ class TrainingSession:
                                self.config.output.keep_checkpoints, run)
 
     def export(self, out_dir: Path, metrics: dict[str, Any]) -> Path:
-        """The adapter export (collective; rank 0 writes), refused for non-finite tensors."""
-        state = self.backend.full_state_dict(self.model)
+        """The adapter export (collective; rank 0 writes), refused for non-finite tensors. Only the
+        tensors it holds are gathered (the base's only with `output.export_base_weights`)."""
         names = AdapterNames.of(self.unwrapped)
+        with_base = self.config.output.export_base_weights
+        wanted = self.unwrapped.state_dict().keys() if with_base else names.gsm | names.lora
+        state = self.backend.full_tensors(self.model, wanted)
         refuse_non_finite({name: t for name, t in state.items() if name in names}, "export", self.info)
         scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
         return export_adapter(self.unwrapped, out_dir, metrics=scalars, is_main=self.info.is_main, state=state,

@@ -33,9 +33,14 @@ class CapturableStage(Protocol):
 
 
 def cuda_graph_blockers(device: torch.device, world_size: int, backend_name: str,
-                        stage: CapturableStage) -> list[str]:
+                        stage: CapturableStage,
+                        activation_checkpointing: bool = False) -> list[str]:
     """Why this run's step cannot be captured (empty: it can)."""
     blockers = []
+    if activation_checkpointing:
+        blockers.append("train.activation_checkpointing runs each layer again in the backward, "
+                        "with the random state of its forward restored, which a captured step "
+                        "cannot do")
     if device.type != "cuda":
         blockers.append(f"the run is on {device.type}, and CUDA graphs need a CUDA GPU")
     if world_size > 1:

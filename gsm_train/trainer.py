@@ -89,8 +89,10 @@ def fp32_matmul_precision(precision: str, device: torch.device) -> Iterator[None
 
 def _run(config: RecipeConfig, stage: Stage, info: DistInfo, backend: Backend, run_name: str,
          plan: RunPlan) -> TrainResult:
-    capture_step = use_cuda_graph(config.train.cuda_graph,  # checked before anything loads or is written
-                                  cuda_graph_blockers(info.device, info.world_size, backend.name, stage))
+    blockers = cuda_graph_blockers(info.device, info.world_size, backend.name, stage,
+                                   config.train.activation_checkpointing)
+    # checked before anything loads or is written
+    capture_step = use_cuda_graph(config.train.cuda_graph, blockers)
     session = TrainingSession.setup(config, stage, info, backend)
     start = session.resume(plan.resume) if plan.resume is not None else 0
     if info.is_main:
@@ -128,7 +130,8 @@ def _setup_record(session: TrainingSession, plan: RunPlan, capture_step: bool) -
                               config.data.seq_len)
     return {"world_size": info.world_size, "device": str(info.device), **session.backend.describe(),
             "fsdp_sharded_params": sum(isinstance(p, DTensor) for p in session.model.parameters()),
-            **session.counts, "train_rows": len(session.train_rows), "eval_rows": len(session.eval_rows),
+            **session.counts, "train_rows": session.data.train_rows,
+            "eval_rows": len(session.data.eval_rows),
             "kv_bytes_ratio": kv_ratio, "resumed_from": str(plan.resume) if plan.resume is not None else None,
             "cuda_graph": capture_step}
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
@@ -11,6 +13,12 @@ _CORPUS = [
     "Dorothy lived in the midst of the great Kansas prairies.",
     "Natalia sold clips to 48 of her friends in April. #### 72",
 ]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def token_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Token rows are cached for this test session (and the runs it starts), not in ~/.cache."""
+    os.environ["GSM_TOKEN_CACHE"] = str(tmp_path_factory.mktemp("token_cache"))
 
 
 @pytest.fixture(scope="session")
@@ -24,13 +32,6 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     )
     backend.train_from_iterator(_CORPUS, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>")
-
-
-@pytest.fixture
-def on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Runs in this process train on the CPU, as `run_helpers.run_two_processes` does, so the two compare
-    on a machine with a GPU too."""
-    monkeypatch.setenv("ACCELERATE_USE_CPU", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -2,11 +2,13 @@
 (used by tests/test_checkpoint_integrity.py; not a test itself).
 
     python tests/fault_injection_run.py POINT N TRAIN_ARGS...
+    torchrun --nproc_per_node W tests/fault_injection_run.py POINT N TRAIN_ARGS...  (per rank)
 
-POINT `fsync`: at the N-th flush to disk of checkpoint saving (each file, the manifest, the folder,
-the rename, `latest`: about 8 a checkpoint); `half_write`: once the N-th trainable.safetensors has
-been written, cut it to half its size and die (a write torn by the kill); `prune`: just before the
-N-th pruning (the new checkpoint and `latest` in place, older ones not yet removed).
+POINT `fsync`: at the N-th flush to disk of checkpoint saving by gsm-train (each file it digests,
+the manifest, the folder, the rename, `latest`: about 9 a checkpoint on rank 0, 2 on the others);
+`half_write`: once the N-th checkpoint's shards have been written, cut this rank's to half its size
+and die (a write torn by the kill); `prune`: just before the N-th pruning (the new checkpoint and
+`latest` in place, older ones not yet removed).
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ import os
 import signal
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from gsm_train import checkpoint
+from gsm_train import backend, checkpoint
 from gsm_train.train import main
 
 
@@ -37,15 +40,17 @@ def _before_nth(function: Callable[..., Any], n: int) -> Callable[..., Any]:
     return wrapper
 
 
-def _torn_nth_write(function: Callable[..., Any], n: int) -> Callable[..., Any]:
+def _torn_nth_save(function: Callable[..., Any], n: int) -> Callable[..., Any]:
     calls = 0
 
-    def wrapper(tensors: Any, path: str, *args: Any, **kwargs: Any) -> Any:
+    def wrapper(self: Any, model: Any, optimizer: Any, folder: Path, *args: Any,
+                **kwargs: Any) -> Any:
         nonlocal calls
         calls += 1
-        result = function(tensors, path, *args, **kwargs)
+        result = function(self, model, optimizer, folder, *args, **kwargs)
         if calls == n:
-            os.truncate(path, os.path.getsize(path) // 2)
+            shard = next((folder / "dcp").glob(f"__{os.environ.get('RANK', '0')}_*.distcp"))
+            os.truncate(shard, shard.stat().st_size // 2)
             _die()
         return result
     return wrapper
@@ -56,7 +61,7 @@ if __name__ == "__main__":
     if point == "fsync":
         checkpoint.fsync_path = _before_nth(checkpoint.fsync_path, n)
     elif point == "half_write":
-        checkpoint.save_file = _torn_nth_write(checkpoint.save_file, n)
+        backend.FSDP2Backend.save_state = _torn_nth_save(backend.FSDP2Backend.save_state, n)
     elif point == "prune":
         checkpoint._prune = _before_nth(checkpoint._prune, n)
     else:

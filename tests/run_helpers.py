@@ -1,5 +1,5 @@
 """Shared steps of the stage tests: reading a run's losses, resuming after a simulated crash, and
-running a recipe in two processes (gloo, FSDP2); where the Triton kernels can run."""
+running a recipe in several processes (torchrun, gloo, FSDP2); where the Triton kernels can run."""
 
 from __future__ import annotations
 
@@ -84,13 +84,22 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def run_two_processes(recipe: str, overrides: list[str], out_dir: Path) -> None:
-    """`torchrun --nproc_per_node 2 -m gsm_train.train` on the CPU (gloo), also on a machine with GPUs
-    (one GPU cannot host two ranks); fails with its stderr if it fails. Compare it with a one-process run
-    inside `on_cpu`."""
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", str(port), "-m", "gsm_train.train", "--recipe", recipe, *overrides,
-                           f"output.dir={out_dir}"], capture_output=True, text=True, env=env, timeout=300)
+def torchrun(count: int, args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node COUNT ARGS` on the CPU (gloo; one thread a process), also on a machine
+    with GPUs (one GPU cannot host two ranks), this checkout's gsm_train first on the path. Returns
+    the finished process (not checked)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "ACCELERATE_USE_CPU": "1",
+           "CUDA_VISIBLE_DEVICES": ""}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(count),
+               "--master_port", str(free_port()), *args]
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout,
+                          check=False)
+
+
+def run_processes(count: int, recipe: str, overrides: list[str], out_dir: Path,
+                  *options: str) -> None:
+    """`gsm_train.train` on RECIPE in COUNT processes (FSDP2 over gloo); `options`: e.g. --resume
+    auto. Fails with its stderr if it fails."""
+    proc = torchrun(count, ["-m", "gsm_train.train", "--recipe", recipe, *overrides,
+                            f"output.dir={out_dir}", *options])
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,8 +1,8 @@
 """Checkpoints that survive faults: a manifest written last, verified on resume with a fall back to
 the previous good checkpoint; a kill at any point of a save loses nothing and the resumed run
-equals an uninterrupted one; resume refuses a changed recipe or world size before the model loads
-and keeps the original recipe (issue 38, case 5); pruning removes only this run's older
-checkpoints."""
+equals an uninterrupted one; resume refuses a changed recipe or a changed number of rows a
+micro-step before the model loads and keeps the original recipe (issue 38, case 5); pruning removes
+only this run's older checkpoints."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 from gsm_train import cli, session
 from gsm_train.checkpoint import (
     checkpoint_folders,
+    read_trainables,
     newest_good_checkpoint,
     read_state,
     verify_checkpoint,
@@ -64,7 +65,8 @@ def _resumed_from(run: Path) -> str | None:
     return [r for r in records(run) if r["kind"] == "setup"][-1]["resumed_from"]
 
 
-@pytest.mark.parametrize("damaged", ["trainable.safetensors", "optimizer.pt", "state.json"])
+@pytest.mark.parametrize("damaged", ["dcp/__0_0.distcp", "dcp/.metadata", "rng_rank0.pt",
+                                     "state.json"])
 def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one(
         straight: Path, tmp_path: Path, damaged: str, capsys: pytest.CaptureFixture) -> None:
     run = shutil.copytree(straight, tmp_path / "run")
@@ -84,24 +86,26 @@ def test_a_damaged_checkpoint_named_explicitly_is_refused(
         straight: Path, tmp_path: Path, no_model_load: None, capsys: pytest.CaptureFixture) -> None:
     run = shutil.copytree(straight, tmp_path / "run")
     newest = run / "checkpoints" / "step_00000006"
-    (newest / "trainable.safetensors").write_bytes(b"\0" * 64)
+    (newest / "dcp" / "__0_0.distcp").write_bytes(b"\0" * 64)
     status = cli.main(["train", GATE_RECIPE, *STEPS, f"output.dir={run}", "--resume", str(newest)])
     err = capsys.readouterr().err
-    assert status == 2 and "trainable.safetensors has 64 bytes" in err, err
+    assert status == 2 and "__0_0.distcp has 64 bytes" in err, err
     assert "step_00000004 verifies" in err
 
 
-def test_a_different_world_size_is_refused_before_the_model_loads(
+def test_a_different_global_batch_is_refused_before_the_model_loads(
         straight: Path, tmp_path: Path, no_model_load: None, capsys: pytest.CaptureFixture) -> None:
     run = shutil.copytree(straight, tmp_path / "run")
     newest = run / "checkpoints" / "step_00000006"
-    state = read_state(newest) | {"world_size": 2}
+    state = read_state(newest)
+    state |= {"world_size": 2, "data": state["data"] | {"global_batch_size": 2}}
     (newest / "state.json").write_text(json.dumps(state))
-    write_manifest(newest)  # a consistent checkpoint, written by 2 processes
+    write_manifest(newest)  # a consistent checkpoint, written by 2 processes at batch 1
     before = file_digests(run)
     status = cli.main(["train", GATE_RECIPE, *STEPS, f"output.dir={run}", *AUTO])
     err = capsys.readouterr().err
-    assert status == 2 and "was written by 2 processes with fsdp2, this run has 1" in err, err
+    assert status == 2 and "written by 2 processes taking 2 rows a micro-step" in err, err
+    assert "set train.batch_size=2 so that the data continues where it stopped" in err
     assert file_digests(run) == before
 
 
@@ -171,8 +175,8 @@ def test_a_kill_during_a_save_loses_nothing_and_resume_is_exact(straight: Path, 
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     good, _ = newest_good_checkpoint(run)
     if good is not None:  # the last good checkpoint verifies and equals the straight run's
-        reference = load_file(str(straight / "checkpoints" / good.name / "trainable.safetensors"))
-        ours = load_file(str(good / "trainable.safetensors"))
+        reference = read_trainables(straight / "checkpoints" / good.name)
+        ours = read_trainables(good)
         assert all(torch.equal(ours[k], reference[k]) for k in reference)
     resumed = train_recipe(GATE_RECIPE, [*STEPS, f"output.dir={run}"], resume="auto")
     start = 0 if good is None else read_state(good)["step"]

@@ -258,3 +258,13 @@ def test_accelerate_mixed_precision_follows_the_recipe_or_is_refused(
         backend.select_backend(config)
     assert [(p.path, p.value) for p in caught.value.problems] == [("mixed_precision", precision)]
     assert "distributed.mixed_precision" in caught.value.problems[0].fix
+
+
+def test_bf16_optimizer_moments_are_refused_with_deepspeed(launched,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    launched("deepspeed_zero2.yaml")
+    monkeypatch.setitem(sys.modules, "deepspeed", ModuleType("deepspeed"))
+    with pytest.raises(ConfigError) as caught:
+        backend.select_backend(load_recipe(RECIPE, [*TINY, "optim.state_dtype=bf16"]))
+    assert [problem.path for problem in caught.value.problems] == ["optim.state_dtype"]
+    assert "set optim.state_dtype: fp32" in str(caught.value)

@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from gsm_train.backend import FSDP2Backend
-from gsm_train.checkpoint import save_checkpoint, verify_checkpoint
+from gsm_train.checkpoint import read_trainables, save_checkpoint, verify_checkpoint
 from gsm_train.config import load_recipe
 from gsm_train.distributed import DistInfo
 from gsm_train.finite_guard import NonFiniteError, json_safe
@@ -93,7 +92,7 @@ class NaNAtSteps(GateWarmupStage):
 
 
 def _trainable(run: Path, step: int) -> dict[str, Tensor]:
-    return load_file(str(run / "checkpoints" / f"step_{step:08d}" / "trainable.safetensors"))
+    return read_trainables(run / "checkpoints" / f"step_{step:08d}")
 
 
 def test_skipped_steps_make_no_update_up_to_the_limit(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from gsm_train.model_zoo import tiny_model
 from gsm_train.modules import gsm_parameters
 from gsm_train.train import main as train_main
 from gsm_train.train import train_recipe
-from run_helpers import losses, records, resume_after_crash, run_two_processes
+from run_helpers import losses, records, resume_after_crash, run_processes
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = str(REPO / "recipes" / "gate_only.yaml")
@@ -50,10 +50,10 @@ def test_resume_reproduces_an_uninterrupted_run(tmp_path: Path, distill_queries:
     assert not list(tmp_path.rglob("*.tmp")), "no half-written checkpoint is left behind"
 
 
-def test_two_process_fsdp2_matches_one_process(tmp_path: Path, on_cpu: None) -> None:
+def test_two_process_fsdp2_matches_one_process(tmp_path: Path) -> None:
     common = [*TINY, "train.steps=4", "logging.eval_every=2"]
     single = train_recipe(RECIPE, [*common, "train.batch_size=4", f"output.dir={tmp_path / 'one'}"])
-    run_two_processes(RECIPE, [*common, "train.batch_size=2"], tmp_path / "two")
+    run_processes(2, RECIPE, [*common, "train.batch_size=2"], tmp_path / "two")
     two = records(tmp_path / "two")
     setup = next(r for r in two if r["kind"] == "setup")
     assert setup["world_size"] == 2 and setup["fsdp_sharded_params"] > 0

@@ -19,7 +19,7 @@ from gsm_train.train import main as train_main
 from gsm_train.stages import JointStage
 from gsm_train.train import train_recipe
 from gsm_train.session import param_groups as _param_groups
-from run_helpers import losses, records, resume_after_crash, run_two_processes
+from run_helpers import losses, records, resume_after_crash, run_processes
 
 REPO = Path(__file__).resolve().parents[1]
 JOINT = str(REPO / "recipes" / "joint.yaml")
@@ -117,10 +117,10 @@ def test_resume_is_exact(tmp_path: Path) -> None:
     assert resumed.losses == pytest.approx(losses(straight)[3:], abs=1e-6)
 
 
-def test_two_process_fsdp2_matches_one_process(tmp_path: Path, on_cpu: None) -> None:
+def test_two_process_fsdp2_matches_one_process(tmp_path: Path) -> None:
     common = [*TINY, "train.steps=3", "optim.lr=1e-4", "optim.gsm_lr=1e-4"]
     single = train_recipe(JOINT, [*common, "train.batch_size=4", f"output.dir={tmp_path / 'one'}"])
-    run_two_processes(JOINT, [*common, "train.batch_size=2"], tmp_path / "two")
+    run_processes(2, JOINT, [*common, "train.batch_size=2"], tmp_path / "two")
     assert next(r for r in records(tmp_path / "two") if r["kind"] == "setup")["fsdp_sharded_params"] > 0
     # top-k selection and cluster ids are discrete, so rounding differences of the sharded reduction
     # can flip a selected key; the bound is therefore looser than stage 1's.

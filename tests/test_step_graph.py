@@ -33,6 +33,8 @@ def test_gate_warmup_and_joint_steps_on_one_gpu_with_fsdp2_can_be_captured() -> 
                            (cuda_graph_blockers(CUDA, 1, "deepspeed", GateWarmupStage()), "deepspeed backend"),
                            (cuda_graph_blockers(CUDA, 1, "fsdp2", MathGateStage()), "stage math_gate: its adapter")):
         assert len(blockers) == 1 and says in blockers[0]
+    checkpointed = cuda_graph_blockers(CUDA, 1, "fsdp2", JointStage(), activation_checkpointing=True)
+    assert len(checkpointed) == 1 and "train.activation_checkpointing runs each layer" in checkpointed[0]
 
 
 def test_auto_captures_where_possible_and_true_names_what_blocks_it() -> None:

@@ -1,0 +1,110 @@
+"""Packed token rows tokenized once per node and mapped from a file by every process.
+
+`cached_rows` gives the [rows, seq_len] token rows of a data source (`data.pack_tokens`'s rows, as
+int32). On each node the local main process (LOCAL_RANK 0) looks the rows up in the token cache and,
+if they are not there, tokenizes the source (`data.num_proc` processes) and writes them; the other
+processes wait meanwhile, then map the same file. The rows are memory-mapped (copy-on-write), so a
+node holds one copy of them in its page cache whatever its number of processes, and only the batches
+taken are read.
+
+The cache (`GSM_TOKEN_CACHE`, default ~/.cache/gsm-train/tokens) holds `KEY.tokens` (raw int32,
+row after row) and `KEY.json` (the row count and what the key was made of), written last, each
+written beside and renamed into place. KEY is a sha256 of: the dataset's `datasets` fingerprint
+(which changes with the files' contents, paths and modification times, or a Hub dataset's revision,
+and with the fields joined), the tokenizer (its full definition for fast tokenizers), `seq_len` and
+the EOS rule. A changed input gives a new key; old entries stay until removed by hand.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from datasets.fingerprint import Hasher
+
+from gsm_train.config import DataSourceConfig
+from gsm_train.data import load_text_dataset, pack_tokens
+from gsm_train.distributed import DistInfo, raise_on_any_rank
+
+CACHE_VERSION = 1  # part of every key: a change to how rows are made invalidates the cache
+
+
+def token_cache_dir() -> Path:
+    """Where token rows are cached (`GSM_TOKEN_CACHE`, default ~/.cache/gsm-train/tokens)."""
+    return Path(os.environ.get("GSM_TOKEN_CACHE", Path.home() / ".cache" / "gsm-train" / "tokens"))
+
+
+def tokenizer_digest(tokenizer: Any) -> str:
+    """A sha256 of what decides the tokenizer's output: a fast tokenizer's whole definition
+    (vocabulary, merges, normalizer, pre-tokenizer) and its EOS id; else `datasets`' hash of the
+    object."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    spec = backend.to_str() if backend is not None else Hasher.hash(tokenizer)
+    return hashlib.sha256(
+        f"{type(tokenizer).__name__}\n{tokenizer.eos_token_id}\n{spec}".encode()
+    ).hexdigest()
+
+
+def _write_atomic(path: Path, write: Any) -> None:
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    with tmp.open("wb") as handle:
+        write(handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def _build(
+    source: DataSourceConfig, tokenizer: Any, seq_len: int, num_proc: int | None, folder: Path
+) -> tuple[Path, int]:
+    """(the cache file of `source`'s rows, their count), tokenizing them first if they are not
+    cached."""
+    documents = load_text_dataset(source.path, format=source.format, fields=source.fields)
+    described = {
+        "version": CACHE_VERSION,
+        "data": documents._fingerprint,
+        "source": source.model_dump(),
+        "tokenizer": tokenizer_digest(tokenizer),
+        "seq_len": seq_len,
+        "eos": True,
+    }
+    key = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:32]
+    tokens, header = folder / f"{key}.tokens", folder / f"{key}.json"
+    if header.is_file():
+        return tokens, json.loads(header.read_text())["rows"]
+    rows = pack_tokens(documents, tokenizer, seq_len, num_proc=num_proc)
+    folder.mkdir(parents=True, exist_ok=True)
+    _write_atomic(tokens, lambda handle: handle.write(rows.to(torch.int32).numpy().tobytes()))
+    _write_atomic(
+        header, lambda handle: handle.write(json.dumps({"rows": len(rows), **described}).encode())
+    )
+    return tokens, len(rows)
+
+
+def cached_rows(
+    source: DataSourceConfig,
+    tokenizer: Any,
+    seq_len: int,
+    info: DistInfo,
+    num_proc: int | None = None,
+) -> torch.Tensor:
+    """[rows, seq_len] int32 token rows of `source` (`pack_tokens`' rows), memory-mapped from the
+    token cache; built by each node's local main process while the others wait (collective). A
+    DataError of the local main process is raised there and OtherRankFailed on the others."""
+    folder, built, error = token_cache_dir(), None, None
+    if info.local_rank == 0:
+        try:
+            built = _build(source, tokenizer, seq_len, num_proc, folder)
+        except ValueError as err:  # DataError: the source cannot be read or packed
+            error = err
+    raise_on_any_rank(info, error)  # a barrier: the local main processes have written
+    path, count = (
+        built if built is not None else _build(source, tokenizer, seq_len, num_proc, folder)
+    )
+    mapped = np.memmap(path, dtype=np.int32, mode="c", shape=(count, seq_len))
+    return torch.from_numpy(mapped)

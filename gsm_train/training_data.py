@@ -1,0 +1,92 @@
+"""A run's data on this process: its share of the training batches and the held-out rows.
+
+Packed (the default): the rows are tokenized once per node and memory-mapped by every process
+(`token_cache`); the held-out rows come from `data.eval`, or are drawn out of the training rows
+(`data.split_eval_ids`), which the batches then walk without them (`data.PackedBatches`). Streamed
+(`data.streaming: true`): rows are cut from the text as training reads it (`streaming`); the
+held-out rows are the first `data.eval_rows` rows of `data.eval`, or of the training text, whose
+batches then start after them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from torch import Tensor
+
+from gsm_train.config import DataSourceConfig, RecipeConfig
+from gsm_train.data import PackedBatches, split_eval_ids, stream_records
+from gsm_train.distributed import DistInfo
+from gsm_train.streaming import StreamedBatches, first_rows
+from gsm_train.token_cache import cached_rows
+
+
+class Batches(Protocol):
+    """This rank's training batches (`PackedBatches`, `StreamedBatches`)."""
+
+    global_batch_size: int
+
+    def next_batch(self) -> Tensor:
+        """The next [batch_size, seq_len] int64 batch."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the iteration stands (JSON-serializable; holds `global_batch_size`)."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state_dict()`."""
+
+
+@dataclass
+class TrainingData:
+    """This rank's training batches, the held-out rows [n, seq_len] (int64) and how many rows the
+    batches walk per epoch (None where streamed: unknown)."""
+
+    batches: Batches
+    eval_rows: Tensor
+    train_rows: int | None
+
+
+def load_training_data(config: RecipeConfig, tokenizer: Any, info: DistInfo) -> TrainingData:
+    """The recipe's data on this process (collective: tokenizing waits for each node's main
+    process)."""
+    data, batch_size = config.data, config.train.batch_size
+    if data.streaming:
+        return _streamed(config, tokenizer, info)
+    rows = cached_rows(data.train, tokenizer, data.seq_len, info, data.num_proc)
+    layout = {"seed": data.seed, "rank": info.rank, "world_size": info.world_size}
+    if data.eval is not None:
+        eval_rows = cached_rows(data.eval, tokenizer, data.seq_len, info, data.num_proc).long()
+        return TrainingData(PackedBatches(rows, batch_size, **layout), eval_rows, len(rows))
+    train_ids, eval_ids = split_eval_ids(len(rows), data.eval_rows, data.seed)
+    return TrainingData(
+        PackedBatches(rows, batch_size, row_ids=train_ids, **layout),
+        rows[eval_ids].long(),
+        len(train_ids),
+    )
+
+
+def _stream(source: DataSourceConfig) -> dict[str, Any]:
+    return {
+        "records": stream_records(source.path, format=source.format),
+        "fields": source.fields,
+        "source": source.path,
+    }
+
+
+def _streamed(config: RecipeConfig, tokenizer: Any, info: DistInfo) -> TrainingData:
+    data = config.data
+    count = int(data.eval_rows)
+    held_out = first_rows(
+        tokenizer=tokenizer, seq_len=data.seq_len, count=count, **_stream(data.eval or data.train)
+    )
+    batches = StreamedBatches(
+        tokenizer=tokenizer,
+        seq_len=data.seq_len,
+        batch_size=config.train.batch_size,
+        rank=info.rank,
+        world_size=info.world_size,
+        skip_rows=0 if data.eval else count,
+        **_stream(data.train),
+    )
+    return TrainingData(batches, held_out, None)

@@ -1,0 +1,37 @@
+"""Each rank of a torchrun launch takes a source's token rows from the cache (used by
+tests/test_training_data.py; not a test itself). Prints one line per rank: `rank R tokenized N rows
+S` (N: the calls of pack_tokens this process made, S: the rows' sha256).
+
+    torchrun --nproc_per_node W tests/token_cache_ranks.py SOURCE SEQ_LEN
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+
+from gsm_train import token_cache
+from gsm_train.config import DataSourceConfig
+from gsm_train.distributed import init_distributed, teardown
+from gsm_train.model_zoo import byte_tokenizer
+
+if __name__ == "__main__":
+    calls = 0
+    pack = token_cache.pack_tokens
+
+    def counted(*args, **kwargs):
+        global calls
+        calls += 1
+        return pack(*args, **kwargs)
+
+    token_cache.pack_tokens = counted
+    info = init_distributed()
+    rows = token_cache.cached_rows(
+        DataSourceConfig(path=sys.argv[1]), byte_tokenizer(), int(sys.argv[2]), info
+    )
+    print(
+        f"rank {info.rank} tokenized {calls} rows "
+        f"{hashlib.sha256(rows.numpy().tobytes()).hexdigest()}",
+        flush=True,
+    )
+    teardown()
