@@ -37,9 +37,9 @@ from benchmarks.common import (
     median_ms,
     write_result,
 )
-from gsm_train.modules import own_block_attention as own_block
+from gsm_train.functional import own_block_attention as own_block
 from gsm_train.modules.layout import block_causal_kv
-from gsm_train.modules.sparse_gate import select_top_k
+from gsm_train.functional.top_k import select_top_k
 
 BATCH, HEADS, KV_HEADS, LENGTH, DIM, BLOCK, TOP_K = 4, 9, 3, 2048, 64, 128, 256
 

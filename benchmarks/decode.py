@@ -43,7 +43,7 @@ from gsm_train.kernels.sparse_decode import (
 from gsm_train.model_zoo import load_model_and_tokenizer
 from gsm_train.modules import inject_gsm
 from gsm_train.modules.kv_compressor import ASQCompressor
-from gsm_train.modules.sparse_gate import encode_gate_keys
+from gsm_train.functional.gate_keys import encode_gate_keys
 from gsm_train.quant import stored_split
 from gsm_train.plots import plot_decode_speedup
 

@@ -55,7 +55,8 @@ from gsm_train.functional.attention_targets import head_averaged_probs
 from gsm_train.modules import SparseGateHead
 from gsm_train.modules.attention import ATTN_IMPLEMENTATION, gsm_attention_forward
 from gsm_train.modules.forward_state import FORWARD_KWARG
-from gsm_train.modules.sparse_gate import decode_gate_keys, encode_gate_keys, select_top_k
+from gsm_train.functional.gate_keys import decode_gate_keys, encode_gate_keys
+from gsm_train.functional.top_k import select_top_k
 
 REPO = Path(__file__).resolve().parents[1]
 # the sums kept per layer and bucket (fp64); a figure is a sum over its rows divided by theirs

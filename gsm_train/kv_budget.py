@@ -20,7 +20,7 @@ import math
 
 from gsm_train.config import ConfigError, GSMConfig, Problem
 from gsm_train.modules.kv_registry import kv_bytes_per_token
-from gsm_train.modules.sparse_gate import gate_key_bytes
+from gsm_train.functional.gate_keys import gate_key_bytes
 
 BF16_BYTES = 2
 BUDGET_LADDER = ((8, 16), (8, 8), (4, 16), (4, 8), (2, 16), (2, 8))  # (quant_bits, gate_key_bits), most precise first

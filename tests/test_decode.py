@@ -417,12 +417,9 @@ def test_fused_cache_decodes_rotated_residuals_as_teacher_forcing() -> None:
 @triton_kernel_test
 @pytest.mark.parametrize("bits", [16, 8])
 def test_gate_score_kernel_equals_pytorch_path(bits: int) -> None:
+    from gsm_train.functional.gate_keys import decode_gate_keys, encode_gate_keys
     from gsm_train.kernels.sparse_decode import gate_scores
-    from gsm_train.modules.sparse_gate import (
-        SparseGateHead,
-        decode_gate_keys,
-        encode_gate_keys,
-    )
+    from gsm_train.modules.sparse_gate import SparseGateHead
 
     device = KERNEL_DEVICE
     torch.manual_seed(0)

@@ -298,7 +298,7 @@ def test_captured_training_forwards_take_the_block_sparse_path_with_the_same_log
     """With `captured_steps` (set by the trainer when it captures the step) a training forward of an ASQ
     layer attends through `own_block_attention`, here run eagerly on CPU (its path is otherwise for CUDA
     only), and gives the masked SDPA's logits (fp64); evaluation forwards keep the masked SDPA."""
-    from gsm_train.modules import own_block_attention as own_block
+    from gsm_train.functional import own_block_attention as own_block
 
     calls = []
     attend = own_block.own_block_attention

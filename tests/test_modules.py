@@ -18,13 +18,8 @@ from gsm_train.functional.attention_targets import (
     gate_distill_loss,
     head_averaged_probs,
 )
-from gsm_train.modules.sparse_gate import (
-    decode_gate_keys,
-    encode_gate_keys,
-    gate_key_bytes,
-    k_per_query,
-    select_top_k,
-)
+from gsm_train.functional.gate_keys import decode_gate_keys, encode_gate_keys, gate_key_bytes
+from gsm_train.functional.top_k import k_per_query, select_top_k
 
 T = 24
 

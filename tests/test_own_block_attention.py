@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gsm_train.modules.layout import block_causal_kv
-from gsm_train.modules.own_block_attention import fits, own_block_attention
+from gsm_train.functional.own_block_attention import fits, own_block_attention
 
 
 @pytest.mark.parametrize(("block_size", "selectors", "mask_batch"),
@@ -75,7 +75,7 @@ def test_tile_lists_are_the_tiles_the_rule_touches(length: int, block_size: int)
     applies only the rule, so this is where a wrong tile list shows."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from gsm_train.modules.own_block_attention import TILE, _tile_structure
+    from gsm_train.functional.own_block_attention import TILE, _tile_structure
 
     def rule(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         key_at = torch.where(kv < length, kv, kv - length)
@@ -98,7 +98,7 @@ def test_tile_lists_are_the_tiles_the_rule_touches(length: int, block_size: int)
 def test_attention_dtype_follows_autocast_as_sdpa_does() -> None:
     """Under autocast the block-sparse path multiplies in autocast's dtype (FlexAttention is not on
     autocast's list; SDPA, which the masked path and dense layers use, is cast there); else the query's."""
-    from gsm_train.modules.own_block_attention import attention_dtype
+    from gsm_train.functional.own_block_attention import attention_dtype
 
     query = torch.zeros(1, 2, 128, 16)
     assert attention_dtype(query) == torch.float32

@@ -8,7 +8,7 @@ import pytest
 import torch
 from run_helpers import KERNEL_DEVICE, TRITON_KERNEL_MARKS
 
-from gsm_train.modules.sparse_gate import select_top_k
+from gsm_train.functional.top_k import select_top_k
 
 pytestmark = TRITON_KERNEL_MARKS
 

@@ -36,7 +36,7 @@ from gsm_train.modules.adapter import GSMAttentionAdapter
 from gsm_train.modules.errors import GSMError
 from gsm_train.modules.forward_state import CachedStep
 from gsm_train.modules.settings import gsm_settings
-from gsm_train.modules.sparse_gate import GATE_KEY_DTYPE, encode_gate_keys
+from gsm_train.functional.gate_keys import GATE_KEY_DTYPE, encode_gate_keys
 from gsm_train.quant import stored_split
 
 

@@ -27,7 +27,8 @@ from gsm_train.kernels.decode_topk import unordered_top_k
 from gsm_train.modules.adapter import GSMAttentionAdapter
 from gsm_train.modules.errors import GSMError
 from gsm_train.modules.forward_state import CachedStep
-from gsm_train.modules.sparse_gate import decode_gate_keys, scheduled_k
+from gsm_train.functional.gate_keys import decode_gate_keys
+from gsm_train.functional.top_k import scheduled_k
 from gsm_train.inference.kv_store import CacheLengths, KVStore
 
 

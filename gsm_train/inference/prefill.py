@@ -20,7 +20,8 @@ from gsm_train.modules.errors import GSMError
 from gsm_train.modules.forward_state import CachedStep
 from gsm_train.modules.layout import earlier_blocks
 from gsm_train.modules.selection import chunks
-from gsm_train.modules.sparse_gate import decode_gate_keys, scheduled_k, select_top_k
+from gsm_train.functional.gate_keys import decode_gate_keys
+from gsm_train.functional.top_k import scheduled_k, select_top_k
 from gsm_train.quant import stored_split
 
 

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from gsm_train.modules import own_block_attention as own_block
+from gsm_train.functional import own_block_attention as own_block
 from gsm_train.modules.adapter import GSMAttentionAdapter
 from gsm_train.modules.errors import GSMError
 from gsm_train.modules.forward_state import FORWARD_KWARG, CachedStep, ForwardState

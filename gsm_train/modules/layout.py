@@ -18,7 +18,7 @@ from gsm_train.config import SparseAttentionConfig
 from gsm_train.functional.attention_targets import causal_visible, full_batch
 from gsm_train.modules.errors import GSMError
 from gsm_train.modules.forward_state import ForwardState
-from gsm_train.modules.sparse_gate import scheduled_k
+from gsm_train.functional.top_k import scheduled_k
 
 
 @dataclass(frozen=True)

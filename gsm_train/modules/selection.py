@@ -1,7 +1,7 @@
 """Which keys main attention keeps in a teacher-forced pass: the gate's top-k, or the oracle's.
 
 Both select per query chunk (`sparse_attention.query_chunk` rows at a time) with the rule of
-`sparse_gate.select_top_k`: the k best allowed keys, the query's own position, sinks and recent tokens.
+`functional.top_k.select_top_k`: the k best allowed keys, the query's own position, sinks and recent tokens.
 The gate scores the keys as the cache stores them (rounded once per layer), so teacher-forced and
 cached selections agree; the oracle ranks the true head-averaged attention of the keys each query sees
 (earlier blocks as stored, its own block raw).
@@ -18,7 +18,8 @@ from gsm_train.config import SparseAttentionConfig
 from gsm_train.functional.attention_targets import head_averaged_probs
 from gsm_train.compiled import compiled
 from gsm_train.modules.layout import Layout, block_causal_kv
-from gsm_train.modules.sparse_gate import SparseGateHead, select_top_k
+from gsm_train.modules.sparse_gate import SparseGateHead
+from gsm_train.functional.top_k import select_top_k
 
 
 def chunks(length: int, chunk: int) -> list[tuple[int, int]]:
