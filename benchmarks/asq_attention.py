@@ -37,8 +37,8 @@ from benchmarks.common import (
     median_ms,
     write_result,
 )
+from gsm_train.attention.layout import block_causal_kv
 from gsm_train.functional import own_block_attention as own_block
-from gsm_train.modules.layout import block_causal_kv
 from gsm_train.functional.top_k import select_top_k
 
 BATCH, HEADS, KV_HEADS, LENGTH, DIM, BLOCK, TOP_K = 4, 9, 3, 2048, 64, 128, 256
@@ -48,18 +48,27 @@ def _inputs() -> tuple[list[torch.Tensor], torch.Tensor]:
     """(query, stored K, stored V, raw K, raw V) needing gradients, and a top-k selection [B, 1, T, T]."""
     torch.manual_seed(0)
     tensors = [torch.randn(BATCH, HEADS, LENGTH, DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)]
-    tensors += [torch.randn(BATCH, KV_HEADS, LENGTH, DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                for _ in range(4)]
+    tensors += [
+        torch.randn(BATCH, KV_HEADS, LENGTH, DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(4)
+    ]
     positions = torch.arange(LENGTH, device="cuda")
     causal = (positions[None, :] <= positions[:, None])[None, None]
     scores = torch.randn(BATCH, 1, LENGTH, LENGTH, device="cuda")
-    selection = select_top_k(scores, causal, torch.full((LENGTH,), TOP_K, device="cuda"), positions, positions,
-                             k_max=TOP_K, uniform_k=True)
+    selection = select_top_k(
+        scores, causal, torch.full((LENGTH,), TOP_K, device="cuda"), positions, positions, k_max=TOP_K, uniform_k=True
+    )
     return tensors, selection
 
 
-def _per_block_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, own: tuple[torch.Tensor, torch.Tensor],
-                    selection: torch.Tensor, scaling: float) -> torch.Tensor:
+def _per_block_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    own: tuple[torch.Tensor, torch.Tensor],
+    selection: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
     """One masked SDPA per ASQ block of queries over earlier blocks' stored keys and its own block's raw
     ones (one selection for all heads) -> [B, H, T, D]."""
     outs = []
@@ -67,16 +76,25 @@ def _per_block_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         stop = min(start + BLOCK, LENGTH)
         keys = torch.cat((key[:, :, :start], own[0][:, :, start:stop]), 2)
         values = torch.cat((value[:, :, :start], own[1][:, :, start:stop]), 2)
-        outs.append(F.scaled_dot_product_attention(query[:, :, start:stop], keys, values,
-                                                   attn_mask=selection[:, :, start:stop, :stop], scale=scaling,
-                                                   enable_gqa=True))
+        outs.append(
+            F.scaled_dot_product_attention(
+                query[:, :, start:stop],
+                keys,
+                values,
+                attn_mask=selection[:, :, start:stop, :stop],
+                scale=scaling,
+                enable_gqa=True,
+            )
+        )
     return torch.cat(outs, 2)
 
 
 def _fwd_bwd(attend: Callable[[], torch.Tensor], tensors: list[torch.Tensor]) -> Callable[[], None]:
     """One forward and backward of `attend` (gradients of every input it reads)."""
+
     def step() -> None:
         torch.autograd.grad(attend().float().sum(), tensors, allow_unused=True)
+
     return step
 
 
@@ -85,15 +103,16 @@ def main() -> None:
     tensors, selection = _inputs()
     query, stored_k, stored_v, raw_k, raw_v = tensors
     positions = torch.arange(LENGTH, device="cuda")
-    scaling = DIM ** -0.5
+    scaling = DIM**-0.5
 
     def masked_sdpa() -> torch.Tensor:
         keys, values, mask = block_causal_kv(stored_k, stored_v, (raw_k, raw_v), selection, positions, BLOCK)
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True)
 
     def flex(mode: str | None, tuned: bool, extra: dict | None = None) -> Callable[[], torch.Tensor]:
-        return lambda: own_block.own_block_attention(query, (stored_k, stored_v), (raw_k, raw_v), selection, BLOCK,
-                                                     scaling, True, mode, tuned, extra)
+        return lambda: own_block.own_block_attention(
+            query, (stored_k, stored_v), (raw_k, raw_v), selection, BLOCK, scaling, True, mode, tuned, extra
+        )
 
     def dense_causal() -> torch.Tensor:
         return F.scaled_dot_product_attention(query, stored_k, stored_v, is_causal=True, scale=scaling, enable_gqa=True)
@@ -101,20 +120,43 @@ def main() -> None:
     def per_block() -> torch.Tensor:
         return _per_block_sdpa(query, stored_k, stored_v, (raw_k, raw_v), selection, scaling)
 
-    ways = {"masked_sdpa_2T_keys": masked_sdpa, "flex_visible_tiles": flex(None, True),
-            "flex_visible_tiles_default_options": flex(None, False),
-            "flex_visible_tiles_rows_guaranteed_safe": flex(None, True, {"ROWS_GUARANTEED_SAFE": True}),
-            "flex_visible_tiles_autotuned": flex("max-autotune-no-cudagraphs", False), "per_block_sdpa": per_block,
-            "dense_causal_sdpa_T_keys": dense_causal}
+    ways = {
+        "masked_sdpa_2T_keys": masked_sdpa,
+        "flex_visible_tiles": flex(None, True),
+        "flex_visible_tiles_default_options": flex(None, False),
+        "flex_visible_tiles_rows_guaranteed_safe": flex(None, True, {"ROWS_GUARANTEED_SAFE": True}),
+        "flex_visible_tiles_autotuned": flex("max-autotune-no-cudagraphs", False),
+        "per_block_sdpa": per_block,
+        "dense_causal_sdpa_T_keys": dense_causal,
+    }
     rows = {}
     for name, attend in ways.items():
         step = _fwd_bwd(attend, tensors)
-        rows[name] = {"fwd_bwd_gpu_ms": sum(row["ms_per_step"] for row in kernel_times(step)),
-                      "fwd_bwd_ms_eager": median_ms(step, warmup=3, repeat=20)}
-        print(f"{name:30s} {rows[name]['fwd_bwd_gpu_ms']:8.3f} ms of GPU kernels "
-              f"{rows[name]['fwd_bwd_ms_eager']:8.3f} ms eager (forward + backward, one layer)", flush=True)
-    write_result(Path(args.result), {"hopper_kernel_options": own_block.kernel_options(query), "shape": {"batch": BATCH, "heads": HEADS, "kv_heads": KV_HEADS, "seq_len": LENGTH,
-                                               "head_dim": DIM, "block_size": BLOCK, "top_k": TOP_K}, "rows": rows})
+        rows[name] = {
+            "fwd_bwd_gpu_ms": sum(row["ms_per_step"] for row in kernel_times(step)),
+            "fwd_bwd_ms_eager": median_ms(step, warmup=3, repeat=20),
+        }
+        print(
+            f"{name:30s} {rows[name]['fwd_bwd_gpu_ms']:8.3f} ms of GPU kernels "
+            f"{rows[name]['fwd_bwd_ms_eager']:8.3f} ms eager (forward + backward, one layer)",
+            flush=True,
+        )
+    write_result(
+        Path(args.result),
+        {
+            "hopper_kernel_options": own_block.kernel_options(query),
+            "shape": {
+                "batch": BATCH,
+                "heads": HEADS,
+                "kv_heads": KV_HEADS,
+                "seq_len": LENGTH,
+                "head_dim": DIM,
+                "block_size": BLOCK,
+                "top_k": TOP_K,
+            },
+            "rows": rows,
+        },
+    )
 
 
 if __name__ == "__main__":

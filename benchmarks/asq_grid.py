@@ -81,14 +81,18 @@ def main() -> None:
         norm = blocks.norm()
         for clusters in CLUSTERS:
             residual = blocks - _kmeans_prototypes(blocks, clusters)
-            row = {"residual": residual.norm() / norm,
-                   "2bit_midrise": (fake_quant_per_token(residual, 2) - residual).norm() / norm,
-                   "2bit_symmetric_absmax": (_symmetric(residual, 2) - residual).norm() / norm,
-                   "4bit_symmetric_absmax": (fake_quant_per_token(residual, 4) - residual).norm() / norm}
+            row = {
+                "residual": residual.norm() / norm,
+                "2bit_midrise": (fake_quant_per_token(residual, 2) - residual).norm() / norm,
+                "2bit_symmetric_absmax": (_symmetric(residual, 2) - residual).norm() / norm,
+                "4bit_symmetric_absmax": (fake_quant_per_token(residual, 4) - residual).norm() / norm,
+            }
             row = {name: round(float(value), 4) for name, value in row.items()}
             result["errors"][f"{side}_c{clusters}"] = row
-            print(f"{side:5s} {clusters:3d} {row['residual']:9.3f} {row['2bit_midrise']:12.3f} "
-                  f"{row['2bit_symmetric_absmax']:13.3f} {row['4bit_symmetric_absmax']:13.3f}")
+            print(
+                f"{side:5s} {clusters:3d} {row['residual']:9.3f} {row['2bit_midrise']:12.3f} "
+                f"{row['2bit_symmetric_absmax']:13.3f} {row['4bit_symmetric_absmax']:13.3f}"
+            )
     write_result(Path(args.result), result)
 
 

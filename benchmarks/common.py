@@ -67,6 +67,7 @@ def _profiled(step: Callable[[], object], repeats: int, with_ops: bool) -> torch
     """torch.profiler over `repeats` calls of `step` after one warm-up: GPU activity, and with `with_ops` the
     PyTorch ops (with input shapes) that launched it."""
     from torch.profiler import ProfilerActivity, profile
+
     step()
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if with_ops else [ProfilerActivity.CUDA]
     with profile(activities=activities, record_shapes=with_ops) as prof:
@@ -79,9 +80,15 @@ def _profiled(step: Callable[[], object], repeats: int, with_ops: bool) -> torch
 def kernel_times(step: Callable[[], object], repeats: int = 3) -> list[dict]:
     """GPU time per kernel name (and copy) of one call of `step`, averaged over `repeats` profiled calls after
     one warm-up, the largest first: [{"kernel", "ms_per_step", "calls_per_step"}]."""
-    rows = [{"kernel": event.key[:120], "ms_per_step": event.device_time_total / repeats / 1e3,
-             "calls_per_step": event.count / repeats}
-            for event in _profiled(step, repeats, with_ops=False).key_averages() if event.device_time_total > 0]
+    rows = [
+        {
+            "kernel": event.key[:120],
+            "ms_per_step": event.device_time_total / repeats / 1e3,
+            "calls_per_step": event.count / repeats,
+        }
+        for event in _profiled(step, repeats, with_ops=False).key_averages()
+        if event.device_time_total > 0
+    ]
     return sorted(rows, key=lambda row: -row["ms_per_step"])
 
 
@@ -90,11 +97,18 @@ def op_times(step: Callable[[], object], repeats: int = 3) -> list[dict]:
     of `step` (mean of `repeats` profiled calls after one warm-up), the largest first: which op and
     tensor behind a kernel of `kernel_times` (a CUDA graph's replay shows kernels only)."""
     from torch.autograd import DeviceType
+
     prof = _profiled(step, repeats, with_ops=True)
-    rows = [{"op": event.key[:120], "input_shapes": str(event.input_shapes)[:200],
-             "ms_per_step": event.self_device_time_total / repeats / 1e3, "calls_per_step": event.count / repeats}
-            for event in prof.key_averages(group_by_input_shape=True)
-            if event.device_type == DeviceType.CPU and event.self_device_time_total > 0]  # ops, not their kernels
+    rows = [
+        {
+            "op": event.key[:120],
+            "input_shapes": str(event.input_shapes)[:200],
+            "ms_per_step": event.self_device_time_total / repeats / 1e3,
+            "calls_per_step": event.count / repeats,
+        }
+        for event in prof.key_averages(group_by_input_shape=True)
+        if event.device_type == DeviceType.CPU and event.self_device_time_total > 0
+    ]  # ops, not their kernels
     return sorted(rows, key=lambda row: -row["ms_per_step"])
 
 
@@ -126,9 +140,11 @@ CODE_PATHS = ("gsm_train", "recipes", "benchmarks/*.py")
 def git_commit(repo: Path = REPO, paths: tuple[str, ...] = CODE_PATHS) -> str:
     """The short commit of `repo`'s checkout, noting uncommitted changes to `paths` (the code that
     ran may differ from the commit, e.g. in a copied tree whose git metadata is older)."""
+
     def git(*command: str) -> str:
-        return subprocess.run(["git", "--no-optional-locks", *command], cwd=repo,
-                              capture_output=True, text=True, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "--no-optional-locks", *command], cwd=repo, capture_output=True, text=True, check=True
+        ).stdout.strip()
 
     try:
         commit = git("rev-parse", "--short", "HEAD")

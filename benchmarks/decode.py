@@ -28,9 +28,11 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import graph_ms, write_result
+from gsm_train.attention import inject_gsm
 from gsm_train.config import GSMConfig, load_recipe
 from gsm_train.data import load_text_dataset, pack_tokens
 from gsm_train.export import load_gsm
+from gsm_train.functional.gate_keys import encode_gate_keys
 from gsm_train.inference.cache import GSMCache, cache_kwargs
 from gsm_train.inference.decode_attention import static_k
 from gsm_train.inference.kv_store import CacheLengths, KVStore
@@ -41,11 +43,9 @@ from gsm_train.kernels.sparse_decode import (
     gate_scores,
 )
 from gsm_train.model_zoo import load_model_and_tokenizer
-from gsm_train.modules import inject_gsm
 from gsm_train.modules.kv_compressor import ASQCompressor
-from gsm_train.functional.gate_keys import encode_gate_keys
-from gsm_train.quant import stored_split
 from gsm_train.plots import plot_decode_speedup
+from gsm_train.quant import stored_split
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPES = {"smollm2": (9, 3, 64), "llama8b": (32, 8, 128)}
@@ -75,13 +75,21 @@ def filled_store(asq: ASQCompressor, batch: int, length: int, lengths: CacheLeng
     return store
 
 
-def compressors(gsm: GSMConfig, kv_heads: int, dim: int,
-                device: str = "cuda") -> tuple[ASQCompressor, ASQCompressor]:
+def compressors(gsm: GSMConfig, kv_heads: int, dim: int, device: str = "cuda") -> tuple[ASQCompressor, ASQCompressor]:
     """K's and V's ASQ compressors on `device` as `gsm` sets them (the bits of the layers `layer_bits` does
     not name)."""
     asq = gsm.kv_compression
-    return tuple(ASQCompressor(kv_heads, dim, cluster_num=asq.cluster_num, quant_bits=bits, block_size=asq.block_size,
-                               rotate_residuals=asq.rotate_residuals).to(device) for bits in asq.bits())
+    return tuple(
+        ASQCompressor(
+            kv_heads,
+            dim,
+            cluster_num=asq.cluster_num,
+            quant_bits=bits,
+            block_size=asq.block_size,
+            rotate_residuals=asq.rotate_residuals,
+        ).to(device)
+        for bits in asq.bits()
+    )
 
 
 LAYER_BYTES = 1 << 31  # a step's layers together hold at least this much dense cache (or 16 layers)
@@ -103,10 +111,16 @@ def _dense_ms(query: torch.Tensor, kv_heads: int, length: int, layers: int) -> f
     """ms per layer of dense SDPA decode over a bf16 cache: the faster of GQA-native SDPA and SDPA over K/V
     repeated to the query heads (whichever backend each picks)."""
     batch, q_heads, _, dim = query.shape
-    caches = [(torch.randn(batch, kv_heads, length, dim, device="cuda", dtype=torch.bfloat16),
-               torch.randn(batch, kv_heads, length, dim, device="cuda", dtype=torch.bfloat16)) for _ in range(layers)]
-    native = per_layer_ms([lambda k=k, v=v: F.scaled_dot_product_attention(query, k, v, enable_gqa=True)
-                            for k, v in caches])
+    caches = [
+        (
+            torch.randn(batch, kv_heads, length, dim, device="cuda", dtype=torch.bfloat16),
+            torch.randn(batch, kv_heads, length, dim, device="cuda", dtype=torch.bfloat16),
+        )
+        for _ in range(layers)
+    ]
+    native = per_layer_ms(
+        [lambda k=k, v=v: F.scaled_dot_product_attention(query, k, v, enable_gqa=True) for k, v in caches]
+    )
     wide = [tuple(t.repeat_interleave(q_heads // kv_heads, dim=1) for t in cache) for cache in caches]
     del caches
     repeated = per_layer_ms([lambda k=k, v=v: F.scaled_dot_product_attention(query, k, v) for k, v in wide])
@@ -116,8 +130,9 @@ def _dense_ms(query: torch.Tensor, kv_heads: int, length: int, layers: int) -> f
 Layer = tuple[KVStore, KVStore, torch.Tensor, torch.Tensor | None]  # K store, V store, gate keys, their scales
 
 
-def layer_caches(gsm: GSMConfig, stores_asq: tuple[ASQCompressor, ASQCompressor], batch: int, length: int,
-                 layers: int) -> list[Layer]:
+def layer_caches(
+    gsm: GSMConfig, stores_asq: tuple[ASQCompressor, ASQCompressor], batch: int, length: int, layers: int
+) -> list[Layer]:
     """`layers` layers' caches of `length` random tokens: K and V stores packed by `stores_asq`, and gate keys
     encoded as `gsm` sets them."""
     gate = gsm.sparse_attention
@@ -125,8 +140,14 @@ def layer_caches(gsm: GSMConfig, stores_asq: tuple[ASQCompressor, ASQCompressor]
     for _ in range(layers):
         lengths = CacheLengths(torch.device("cuda"))
         stores = tuple(filled_store(asq, batch, length, lengths) for asq in stores_asq)
-        caches.append((*stores, *encode_gate_keys(torch.randn(batch, 1, stores[0].capacity, gate.gate_head_dim,
-                                                              device="cuda"), gate.gate_key_bits)))
+        caches.append(
+            (
+                *stores,
+                *encode_gate_keys(
+                    torch.randn(batch, 1, stores[0].capacity, gate.gate_head_dim, device="cuda"), gate.gate_key_bits
+                ),
+            )
+        )
     return caches
 
 
@@ -148,17 +169,23 @@ def _gsm_ms(query: torch.Tensor, caches: list[Layer], k: int) -> dict[str, float
     gate_q = torch.randn(query.shape[0], 1, 1, caches[0][2].shape[-1], device="cuda")
     index = selection(gate_q, caches[0], k)
     rows = [(c[0].packed_rows(), c[1].packed_rows()) for c in caches]
-    return {"gsm_ms": per_layer_ms([lambda c=c, r=r: fused_decode_attention(query, *r, selection(gate_q, c, k),
-                                                                             None, dim ** -0.5)
-                                    for c, r in zip(caches, rows)]),
-            "gate_scores_ms": per_layer_ms([lambda c=c: gate_scores(gate_q, c[2], c[3], c[0].lengths.device, 0, 0)
-                                            for c in caches]),
-            "gate_scores_topk_ms": per_layer_ms([lambda c=c: selection(gate_q, c, k) for c in caches]),
-            "gate_scores_torch_topk_ms": per_layer_ms([lambda c=c: selection(gate_q, c, k, fused=False)
-                                                       for c in caches]),
-            "attend_ms": per_layer_ms([lambda r=r: fused_decode_attention(query, *r, index, None, dim ** -0.5)
-                                        for r in rows]),
-            "autotuned_config": config_name(autotuned_config())}  # the latest launch's: this shape's pick
+    return {
+        "gsm_ms": per_layer_ms(
+            [
+                lambda c=c, r=r: fused_decode_attention(query, *r, selection(gate_q, c, k), None, dim**-0.5)
+                for c, r in zip(caches, rows)
+            ]
+        ),
+        "gate_scores_ms": per_layer_ms(
+            [lambda c=c: gate_scores(gate_q, c[2], c[3], c[0].lengths.device, 0, 0) for c in caches]
+        ),
+        "gate_scores_topk_ms": per_layer_ms([lambda c=c: selection(gate_q, c, k) for c in caches]),
+        "gate_scores_torch_topk_ms": per_layer_ms([lambda c=c: selection(gate_q, c, k, fused=False) for c in caches]),
+        "attend_ms": per_layer_ms(
+            [lambda r=r: fused_decode_attention(query, *r, index, None, dim**-0.5) for r in rows]
+        ),
+        "autotuned_config": config_name(autotuned_config()),
+    }  # the latest launch's: this shape's pick
 
 
 @torch.no_grad()
@@ -179,16 +206,27 @@ def attention_rows(contexts: list[int], batches: list[int], ks: list[int], gsm: 
                 for k in ks:
                     times = _gsm_ms(query, caches, k)
                     sparse = times["gsm_ms"]
-                    row = {"shape": shape, "context": length, "batch": batch, "k": k, "layers_per_graph": layers,
-                           "dense_ms": dense, **times, "speedup": dense / sparse,
-                           "dense_bandwidth_TBps": dense_bytes / dense / 1e9}
+                    row = {
+                        "shape": shape,
+                        "context": length,
+                        "batch": batch,
+                        "k": k,
+                        "layers_per_graph": layers,
+                        "dense_ms": dense,
+                        **times,
+                        "speedup": dense / sparse,
+                        "dense_bandwidth_TBps": dense_bytes / dense / 1e9,
+                    }
                     rows.append(row)
-                    print(f"{shape:>8} {length:>7} {batch:>3} {k:>5} dense {dense * 1e3:9.1f} us  gsm "
-                          f"{sparse * 1e3:9.1f} us (scores {times['gate_scores_ms'] * 1e3:.1f}, +top-k "
-                          f"{times['gate_scores_topk_ms'] * 1e3:.1f}, +torch.topk "
-                          f"{times['gate_scores_torch_topk_ms'] * 1e3:.1f}, attend {times['attend_ms'] * 1e3:.1f} "
-                          f"[{times['autotuned_config']}])  "
-                          f"x{dense / sparse:6.2f}  [{layers} layers per graph]", flush=True)
+                    print(
+                        f"{shape:>8} {length:>7} {batch:>3} {k:>5} dense {dense * 1e3:9.1f} us  gsm "
+                        f"{sparse * 1e3:9.1f} us (scores {times['gate_scores_ms'] * 1e3:.1f}, +top-k "
+                        f"{times['gate_scores_topk_ms'] * 1e3:.1f}, +torch.topk "
+                        f"{times['gate_scores_torch_topk_ms'] * 1e3:.1f}, attend {times['attend_ms'] * 1e3:.1f} "
+                        f"[{times['autotuned_config']}])  "
+                        f"x{dense / sparse:6.2f}  [{layers} layers per graph]",
+                        flush=True,
+                    )
                 del caches
                 torch.cuda.empty_cache()
     return rows
@@ -205,17 +243,20 @@ def _gsm_model(adapter: str | None, device: torch.device, dtype: torch.dtype = t
     return model.eval()  # the GSM modules are built on the model's device
 
 
-def _timed_generate(model: torch.nn.Module, prompts: torch.Tensor, new_tokens: int,
-                    cache_factory: Callable[[], object | None]) -> tuple[torch.Tensor, float, float, int]:
+def _timed_generate(
+    model: torch.nn.Module, prompts: torch.Tensor, new_tokens: int, cache_factory: Callable[[], object | None]
+) -> tuple[torch.Tensor, float, float, int]:
     """(tokens, seconds for the whole call, seconds for the prompt alone, bytes the cache holds on the device)."""
+
     def run(tokens: int) -> tuple[torch.Tensor, float, int]:
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         cache = cache_factory()
         tic = time.perf_counter()
         kwargs = cache_kwargs(model, cache) if cache is not None else {"return_dict_in_generate": True}
-        out = model.generate(prompts, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
-                             pad_token_id=0, **kwargs)
+        out = model.generate(
+            prompts, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0, **kwargs
+        )
         torch.cuda.synchronize()
         seconds = time.perf_counter() - tic
         if cache is None:
@@ -233,14 +274,15 @@ def _timed_generate(model: torch.nn.Module, prompts: torch.Tensor, new_tokens: i
 NEAR_TIE = 0.1  # logits: a teacher-forced argmax this close to the generated token's logit is a near-tie
 
 
-def _agreement(model: torch.nn.Module, generated: torch.Tensor, new_tokens: int,
-               against_itself: bool = True) -> dict[str, float]:
+def _agreement(
+    model: torch.nn.Module, generated: torch.Tensor, new_tokens: int, against_itself: bool = True
+) -> dict[str, float]:
     """Share of generated tokens equal to the teacher-forced argmax of the same model on the same sequence,
     and how far the teacher-forced logits put each mismatch from a tie (the generated token's logit below
     the argmax's): near-ties are rounding differences meeting a discrete step, large gaps amplified ones.
 
-    With `against_itself`, also the teacher-forced pass against itself: its argmax over the first half of the new tokens from
-    the whole sequence and from the sequence without its second half. The two passes compute the same
+    With `against_itself`, also the teacher-forced pass against itself: its argmax over the first half of the
+    new tokens from the whole sequence and from the sequence without its second half. The two passes compute the same
     thing, so this share is a reference level for how much rounding (amplified by ASQ's code rounding
     and the top-k) alone moves the argmax at this precision (over the first half of the tokens only)."""
     logits = model(generated, use_cache=False, logits_to_keep=new_tokens + 1).logits[:, :-1]
@@ -248,14 +290,17 @@ def _agreement(model: torch.nn.Module, generated: torch.Tensor, new_tokens: int,
     tokens = generated[:, -new_tokens:]
     gap = logits.max(-1).values - logits.gather(-1, tokens[..., None])[..., 0]
     mismatch = logits.argmax(-1) != tokens
-    result = {"agreement": 1 - mismatch.float().mean().item(),
-              "mismatch_max_logit_gap": gap[mismatch].max().item() if mismatch.any() else 0.0,
-              "agreement_outside_near_ties": 1 - (mismatch & (gap > NEAR_TIE)).float().mean().item()}
+    result = {
+        "agreement": 1 - mismatch.float().mean().item(),
+        "mismatch_max_logit_gap": gap[mismatch].max().item() if mismatch.any() else 0.0,
+        "agreement_outside_near_ties": 1 - (mismatch & (gap > NEAR_TIE)).float().mean().item(),
+    }
     if against_itself:
         half = new_tokens // 2
-        shorter = model(generated[:, :generated.shape[1] - half], use_cache=False,
-                        logits_to_keep=new_tokens - half + 1).logits[:, :-1]
-        same = shorter.argmax(-1) == logits[:, :new_tokens - half].argmax(-1)
+        shorter = model(
+            generated[:, : generated.shape[1] - half], use_cache=False, logits_to_keep=new_tokens - half + 1
+        ).logits[:, :-1]
+        same = shorter.argmax(-1) == logits[:, : new_tokens - half].argmax(-1)
         result["teacher_forced_self_agreement"] = same.float().mean().item()
     return result
 
@@ -270,14 +315,21 @@ def exact_agreement(prompt: torch.Tensor, adapter: str | None, new_tokens: int, 
     if dtype == torch.float64:
         gsm.double()
     cache = GSMCache(gsm, capacity=prompt.shape[1] + new_tokens)  # fp64: the PyTorch decode path
-    out = gsm.generate(prompt.cuda(), **cache_kwargs(gsm, cache), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                       do_sample=False, pad_token_id=0)
+    out = gsm.generate(
+        prompt.cuda(),
+        **cache_kwargs(gsm, cache),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+    )
     return _agreement(gsm, out, new_tokens)
 
 
 @torch.no_grad()
-def end_to_end(dense: torch.nn.Module, prompts_all: torch.Tensor, adapter: str | None, new_tokens: int,
-               batches: list[int]) -> list[dict]:
+def end_to_end(
+    dense: torch.nn.Module, prompts_all: torch.Tensor, adapter: str | None, new_tokens: int, batches: list[int]
+) -> list[dict]:
     """Greedy generation tokens/s, GSM adapter vs the dense base (bf16), and token agreement with teacher forcing."""
     device = torch.device("cuda")
     prompt_len = prompts_all.shape[1]
@@ -288,28 +340,39 @@ def end_to_end(dense: torch.nn.Module, prompts_all: torch.Tensor, adapter: str |
         prompts = prompts_all[:batch].to(device)
         dense_out, dense_s, dense_prefill, dense_bytes = _timed_generate(dense, prompts, new_tokens, lambda: None)
         gsm_out, gsm_s, gsm_prefill, gsm_bytes = _timed_generate(
-            gsm, prompts, new_tokens, lambda: GSMCache(gsm, capacity=prompt_len + new_tokens))
+            gsm, prompts, new_tokens, lambda: GSMCache(gsm, capacity=prompt_len + new_tokens)
+        )
         agreement = _agreement(gsm, gsm_out, new_tokens)
         dense_agreement = _agreement(dense, dense_out, new_tokens, against_itself=False)
         generated = batch * new_tokens
-        row = {"batch": batch, "prompt": prompt_len, "new_tokens": new_tokens,
-               "tokens_per_s_dense": generated / dense_s, "tokens_per_s_gsm": generated / gsm_s,
-               "decode_tokens_per_s_dense": generated / (dense_s - dense_prefill),
-               "decode_tokens_per_s_gsm": generated / (gsm_s - gsm_prefill),
-               "kv_bytes_dense": dense_bytes, "kv_bytes_gsm": gsm_bytes, "kv_bytes_ratio": gsm_bytes / dense_bytes,
-               "token_agreement": agreement["agreement"],
-               "token_agreement_outside_near_ties": agreement["agreement_outside_near_ties"],
-               "teacher_forced_self_agreement": agreement["teacher_forced_self_agreement"],
-               "mismatch_max_logit_gap": agreement["mismatch_max_logit_gap"],
-               "token_agreement_dense_bf16": dense_agreement["agreement"],
-               "mismatch_max_logit_gap_dense_bf16": dense_agreement["mismatch_max_logit_gap"],
-               "same_tokens_as_dense": (dense_out[:, prompt_len:] == gsm_out[:, prompt_len:]).float().mean().item()}
+        row = {
+            "batch": batch,
+            "prompt": prompt_len,
+            "new_tokens": new_tokens,
+            "tokens_per_s_dense": generated / dense_s,
+            "tokens_per_s_gsm": generated / gsm_s,
+            "decode_tokens_per_s_dense": generated / (dense_s - dense_prefill),
+            "decode_tokens_per_s_gsm": generated / (gsm_s - gsm_prefill),
+            "kv_bytes_dense": dense_bytes,
+            "kv_bytes_gsm": gsm_bytes,
+            "kv_bytes_ratio": gsm_bytes / dense_bytes,
+            "token_agreement": agreement["agreement"],
+            "token_agreement_outside_near_ties": agreement["agreement_outside_near_ties"],
+            "teacher_forced_self_agreement": agreement["teacher_forced_self_agreement"],
+            "mismatch_max_logit_gap": agreement["mismatch_max_logit_gap"],
+            "token_agreement_dense_bf16": dense_agreement["agreement"],
+            "mismatch_max_logit_gap_dense_bf16": dense_agreement["mismatch_max_logit_gap"],
+            "same_tokens_as_dense": (dense_out[:, prompt_len:] == gsm_out[:, prompt_len:]).float().mean().item(),
+        }
         rows.append(row)
-        print(f"e2e batch {batch}: dense {row['tokens_per_s_dense']:.0f} tok/s, gsm {row['tokens_per_s_gsm']:.0f} "
-              f"tok/s; KV {dense_bytes / 2**20:.1f} -> {gsm_bytes / 2**20:.1f} MiB; agreement {agreement['agreement']:.4f} "
-              f"({agreement['agreement_outside_near_ties']:.4f} outside near-ties, largest mismatch gap "
-              f"{agreement['mismatch_max_logit_gap']:.3f})",
-              flush=True)
+        print(
+            f"e2e batch {batch}: dense {row['tokens_per_s_dense']:.0f} tok/s, gsm {row['tokens_per_s_gsm']:.0f} "
+            f"tok/s; KV {dense_bytes / 2**20:.1f} -> {gsm_bytes / 2**20:.1f} MiB; "
+            f"agreement {agreement['agreement']:.4f} "
+            f"({agreement['agreement_outside_near_ties']:.4f} outside near-ties, largest mismatch gap "
+            f"{agreement['mismatch_max_logit_gap']:.3f})",
+            flush=True,
+        )
         gc.collect()
         torch.cuda.empty_cache()
     return rows
@@ -322,8 +385,13 @@ def main() -> None:
     parser.add_argument("--contexts", default="8192,32768,131072")
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--ks", default="64,2048")
-    parser.add_argument("--asq-bits", type=int, choices=(2, 4, 8), default=None,
-                        help="attention rows: K's and V's residual bits in place of the joint recipe's")
+    parser.add_argument(
+        "--asq-bits",
+        type=int,
+        choices=(2, 4, 8),
+        default=None,
+        help="attention rows: K's and V's residual bits in place of the joint recipe's",
+    )
     parser.add_argument("--unrotated", action="store_true", help="attention rows: ASQ without rotate_residuals")
     parser.add_argument("--prompt", type=int, default=4096)
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -332,11 +400,15 @@ def main() -> None:
     ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
     try:
         import flash_attn  # noqa: F401
+
         flash = "installed but not benchmarked"
     except ImportError:
         flash = "not installed on this machine; dense SDPA picks its own backend (flash/cuDNN/efficient)"
-    overrides = ([f"gsm.kv_compression.quant_bits={args.asq_bits}", "gsm.kv_compression.value_quant_bits=null"]
-                 if args.asq_bits else []) + (["gsm.kv_compression.rotate_residuals=false"] if args.unrotated else [])
+    overrides = (
+        [f"gsm.kv_compression.quant_bits={args.asq_bits}", "gsm.kv_compression.value_quant_bits=null"]
+        if args.asq_bits
+        else []
+    ) + (["gsm.kv_compression.rotate_residuals=false"] if args.unrotated else [])
     gsm = load_recipe(str(REPO / "recipes" / "joint.yaml"), overrides).gsm
     rows = attention_rows(ints(args.contexts), ints(args.batches), ints(args.ks), gsm)
     dense, tokenizer = load_model_and_tokenizer("smollm2-135m", dtype=torch.bfloat16)
@@ -345,37 +417,49 @@ def main() -> None:
     del dense
 
     def speedup(context: int, batch: int, k: int, shape: str = "llama8b") -> float:
-        return next(r["speedup"] for r in rows if (r["shape"], r["context"], r["batch"], r["k"]) ==
-                    (shape, context, batch, k))
+        return next(
+            r["speedup"] for r in rows if (r["shape"], r["context"], r["batch"], r["k"]) == (shape, context, batch, k)
+        )
 
-    exact = {name: exact_agreement(prompts[1:2], args.adapter, args.new_tokens, dtype)
-             for name, dtype in (("fp32", torch.float32), ("fp64", torch.float64))}
+    exact = {
+        name: exact_agreement(prompts[1:2], args.adapter, args.new_tokens, dtype)
+        for name, dtype in (("fp32", torch.float32), ("fp64", torch.float64))
+    }
     for name, agreement in exact.items():
-        print(f"token agreement in {name}: {agreement['agreement']:.4f} ({agreement['agreement_outside_near_ties']:.4f} "
-              f"outside near-ties; teacher forcing against itself {agreement['teacher_forced_self_agreement']:.4f})")
+        print(
+            f"token agreement in {name}: {agreement['agreement']:.4f} ({agreement['agreement_outside_near_ties']:.4f} "
+            f"outside near-ties; teacher forcing against itself {agreement['teacher_forced_self_agreement']:.4f})"
+        )
     first = e2e[0]
     result = {
         "attn_speedup_32k_bs1_k2048": speedup(32768, 1, 2048),
         "attn_speedup_32k_bs16_k2048": speedup(32768, 16, 2048),
         "attn_speedup_32k_bs1_k2048_smollm2": speedup(32768, 1, 2048, "smollm2"),
         "attn_speedup_32k_bs16_k2048_smollm2": speedup(32768, 16, 2048, "smollm2"),
-        "e2e_tokens_per_s_gsm": first["tokens_per_s_gsm"], "e2e_tokens_per_s_dense": first["tokens_per_s_dense"],
-        "kv_bytes_gsm": first["kv_bytes_gsm"], "kv_bytes_dense": first["kv_bytes_dense"],
+        "e2e_tokens_per_s_gsm": first["tokens_per_s_gsm"],
+        "e2e_tokens_per_s_dense": first["tokens_per_s_dense"],
+        "kv_bytes_gsm": first["kv_bytes_gsm"],
+        "kv_bytes_dense": first["kv_bytes_dense"],
         "token_agreement": min(r["token_agreement"] for r in e2e),
-        "token_agreement_fp32": exact["fp32"]["agreement"], "token_agreement_fp64": exact["fp64"]["agreement"],
+        "token_agreement_fp32": exact["fp32"]["agreement"],
+        "token_agreement_fp64": exact["fp64"]["agreement"],
         "teacher_forced_self_agreement": min(r["teacher_forced_self_agreement"] for r in e2e),
         "teacher_forced_self_agreement_fp32": exact["fp32"]["teacher_forced_self_agreement"],
         "token_agreement_outside_near_ties": min(r["token_agreement_outside_near_ties"] for r in e2e),
         "token_agreement_fp32_outside_near_ties": exact["fp32"]["agreement_outside_near_ties"],
         "near_tie_logit_gap": NEAR_TIE,
         "adapter": args.adapter or "recipes/joint.yaml modules, untrained",
-        "attention_rows_asq": {"bits_k_v": list(gsm.kv_compression.bits()),
-                               "cluster_num": gsm.kv_compression.cluster_num,
-                               "block_size": gsm.kv_compression.block_size,
-                               "rotate_residuals": gsm.kv_compression.rotate_residuals,
-                               "gate_head_dim": gsm.sparse_attention.gate_head_dim,
-                               "gate_key_bits": gsm.sparse_attention.gate_key_bits},
-        "flash_attn": flash, "attention": rows, "end_to_end": e2e,
+        "attention_rows_asq": {
+            "bits_k_v": list(gsm.kv_compression.bits()),
+            "cluster_num": gsm.kv_compression.cluster_num,
+            "block_size": gsm.kv_compression.block_size,
+            "rotate_residuals": gsm.kv_compression.rotate_residuals,
+            "gate_head_dim": gsm.sparse_attention.gate_head_dim,
+            "gate_key_bits": gsm.sparse_attention.gate_key_bits,
+        },
+        "flash_attn": flash,
+        "attention": rows,
+        "end_to_end": e2e,
     }
     write_result(Path(args.result), result)
     print(f"plot: {plot_decode_speedup(rows, Path(args.result).with_suffix('.png'))}")

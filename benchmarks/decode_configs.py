@@ -55,35 +55,65 @@ def main() -> None:
             for k in KS:
                 index = selection(gate_q, caches[0], k)
                 rows = index.expand(-1, kv_heads, -1)
-                expected = attend(query.float(), *(store.gather(rows).float() for store in caches[0][:2]), None,
-                                  dim ** -0.5)
+                expected = attend(
+                    query.float(), *(store.gather(rows).float() for store in caches[0][:2]), None, dim**-0.5
+                )
                 row = {"shape": shape, "context": CONTEXT, "batch": batch, "k": k, "layers_per_graph": layers}
                 for config in (*configs, None):
-                    got = fused_decode_attention(query, caches[0][0].packed_rows(), caches[0][1].packed_rows(), index,
-                                                 None, dim ** -0.5, config=config)
+                    got = fused_decode_attention(
+                        query,
+                        caches[0][0].packed_rows(),
+                        caches[0][1].packed_rows(),
+                        index,
+                        None,
+                        dim**-0.5,
+                        config=config,
+                    )
                     name = "autotuned" if config is None else config_name(config)
                     row[name + "_max_error"] = (got.float() - expected).abs().max().item()
                     if not torch.allclose(got.float(), expected, atol=BF16_ATOL, rtol=BF16_RTOL):
                         off_bound.append(f"{name} ({shape}, batch {batch}, k={k}): {row[name + '_max_error']:.2g}")
-                    us = per_layer_ms([lambda c=c, config=config: fused_decode_attention(
-                        query, c[0].packed_rows(), c[1].packed_rows(), index, None, dim ** -0.5, config=config)
-                        for c in caches]) * 1e3
+                    us = (
+                        per_layer_ms(
+                            [
+                                lambda c=c, config=config, query=query, index=index, dim=dim: fused_decode_attention(
+                                    query, c[0].packed_rows(), c[1].packed_rows(), index, None, dim**-0.5, config=config
+                                )
+                                for c in caches
+                            ]
+                        )
+                        * 1e3
+                    )
                     row[name + "_us"] = us
                 fastest = config_name(min(configs, key=lambda c: row[config_name(c) + "_us"]))
-                row.update(autotuned_config=config_name(autotuned_config()), fastest_config=fastest,
-                           fastest_us=row[fastest + "_us"])
+                row.update(
+                    autotuned_config=config_name(autotuned_config()),
+                    fastest_config=fastest,
+                    fastest_us=row[fastest + "_us"],
+                )
                 results.append(row)
                 times = " ".join(f"{config_name(c)}:{row[config_name(c) + '_us']:.1f}" for c in configs)
-                print(f"{shape:>8} bs {batch:>2} k {k:>4}  autotuned {row['autotuned_config']} "
-                      f"{row['autotuned_us']:.1f} us, fastest {row['fastest_us']:.1f}  |  {times}", flush=True)
+                print(
+                    f"{shape:>8} bs {batch:>2} k {k:>4}  autotuned {row['autotuned_config']} "
+                    f"{row['autotuned_us']:.1f} us, fastest {row['fastest_us']:.1f}  |  {times}",
+                    flush=True,
+                )
             del caches
             torch.cuda.empty_cache()
     lost = sum(row["autotuned_us"] - row["fastest_us"] for row in results)  # net: a pick may time below by noise
-    print(f"the autotuner's picks lose {lost:.1f} us net against the fastest configurations, over "
-          f"{len(results)} shapes")
+    print(
+        f"the autotuner's picks lose {lost:.1f} us net against the fastest configurations, over {len(results)} shapes"
+    )
     print("outputs off the PyTorch path by more than bf16's bound:", ", ".join(off_bound) or "none")
-    write_result(Path(args.result), {"rows": results, "autotuned_loss_us": lost, "off_bound": off_bound,
-                                     "bound": {"atol": BF16_ATOL, "rtol": BF16_RTOL}})
+    write_result(
+        Path(args.result),
+        {
+            "rows": results,
+            "autotuned_loss_us": lost,
+            "off_bound": off_bound,
+            "bound": {"atol": BF16_ATOL, "rtol": BF16_RTOL},
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -33,13 +33,36 @@ from gsm_train.kernels.sparse_decode import (
 )
 
 TARGET = GPUTarget("cuda", 90, 32)
-POINTER_TYPES = {"q_ptr": "*bf16", "signs_ptr": "*fp32", "index_ptr": "*i64", "valid_ptr": "*i64",
-                 "k_ids": "*u8", "k_res": "*u8", "k_scales": "*fp16", "k_protos": "*fp16", "k_tail": "*bf16",
-                 "v_ids": "*u8", "v_res": "*u8", "v_scales": "*fp16", "v_protos": "*fp16", "v_tail": "*bf16",
-                 "acc_ptr": "*fp32", "raw_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32",
-                 "lengths_ptr": "*i32"}
-INT_TYPES = {"capacity": "i32", "tail_slots": "i32", "n_blocks": "i32", "selected": "i32", "size_class": "i32",
-             "rows": "i32", "scaling": "fp32"}
+POINTER_TYPES = {
+    "q_ptr": "*bf16",
+    "signs_ptr": "*fp32",
+    "index_ptr": "*i64",
+    "valid_ptr": "*i64",
+    "k_ids": "*u8",
+    "k_res": "*u8",
+    "k_scales": "*fp16",
+    "k_protos": "*fp16",
+    "k_tail": "*bf16",
+    "v_ids": "*u8",
+    "v_res": "*u8",
+    "v_scales": "*fp16",
+    "v_protos": "*fp16",
+    "v_tail": "*bf16",
+    "acc_ptr": "*fp32",
+    "raw_ptr": "*fp32",
+    "max_ptr": "*fp32",
+    "sum_ptr": "*fp32",
+    "lengths_ptr": "*i32",
+}
+INT_TYPES = {
+    "capacity": "i32",
+    "tail_slots": "i32",
+    "n_blocks": "i32",
+    "selected": "i32",
+    "size_class": "i32",
+    "rows": "i32",
+    "scaling": "fp32",
+}
 MULTIPLES_OF_16 = ("capacity", "tail_slots", "selected", "size_class")  # at 32k capacity, blocks of 64, k=2048
 SASS_INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,6}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 
@@ -48,8 +71,9 @@ def _constants(q_heads: int, kv_heads: int, dim: int) -> dict[str, object]:
     """The kernel's constexpr arguments as a launch computes them for one layer shape (bf16, one selection
     for all KV heads, no valid mask) over stores holding a packed block, ASQ as recipes/joint.yaml sets it."""
     gsm = load_recipe(str(REPO / "recipes" / "joint.yaml")).gsm
-    stores = [filled_store(asq, 1, asq.block_size + 1).packed_rows()
-              for asq in compressors(gsm, kv_heads, dim, device="cpu")]
+    stores = [
+        filled_store(asq, 1, asq.block_size + 1).packed_rows() for asq in compressors(gsm, kv_heads, dim, device="cpu")
+    ]
     query = torch.empty(1, q_heads, 1, dim, dtype=torch.bfloat16)
     return kernel_constants(query, *stores, shared_selection=True, has_valid=False)
 
@@ -66,23 +90,33 @@ def compiled_stats(constants: dict[str, object], config: triton.Config) -> dict[
     signature = {name: POINTER_TYPES.get(name) or INT_TYPES.get(name) or "constexpr" for name in names}
     fixed = {**constants, **config.kwargs}
     hinted = [name for name, kind in signature.items() if kind.startswith("*")] + list(MULTIPLES_OF_16)
-    source = ASTSource(fn=fn, signature=signature,
-                       constexprs={(names.index(name),): value for name, value in fixed.items()},
-                       attrs={(names.index(name),): [["tt.divisibility", 16]] for name in hinted})
-    kernel = triton.compile(source, target=TARGET,
-                            options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+    source = ASTSource(
+        fn=fn,
+        signature=signature,
+        constexprs={(names.index(name),): value for name, value in fixed.items()},
+        attrs={(names.index(name),): [["tt.divisibility", 16]] for name in hinted},
+    )
+    kernel = triton.compile(
+        source, target=TARGET, options={"num_warps": config.num_warps, "num_stages": config.num_stages}
+    )
     with tempfile.TemporaryDirectory() as folder:
         cubin = Path(folder) / "kernel.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
-        usage = subprocess.run([_tool("cuobjdump"), "-res-usage", str(cubin)], capture_output=True, text=True,
-                               check=True).stdout
-        sass = subprocess.run([_tool("cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True,
-                              check=True).stdout
+        usage = subprocess.run(
+            [_tool("cuobjdump"), "-res-usage", str(cubin)], capture_output=True, text=True, check=True
+        ).stdout
+        sass = subprocess.run(
+            [_tool("cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True, check=True
+        ).stdout
     resources = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", usage))
     opcodes = collections.Counter(match.group(1) for match in SASS_INSTRUCTION.finditer(sass))
-    return {"registers": int(resources["REG"]), "stack_bytes": int(resources["STACK"]),
-            "shared_bytes": kernel.metadata.shared, "instructions": sum(opcodes.values()),
-            "top_opcodes": dict(opcodes.most_common(12))}
+    return {
+        "registers": int(resources["REG"]),
+        "stack_bytes": int(resources["STACK"]),
+        "shared_bytes": kernel.metadata.shared,
+        "instructions": sum(opcodes.values()),
+        "top_opcodes": dict(opcodes.most_common(12)),
+    }
 
 
 def main() -> None:
@@ -95,11 +129,13 @@ def main() -> None:
         for config in decode_configs():
             stats = compiled_stats(constants, config)
             rows.append({"shape": shape, "config": config_name(config), **stats})
-            print(f"{shape:>8} {config_name(config):>14}  registers {stats['registers']:>3}  stack "
-                  f"{stats['stack_bytes']:>4} B  shared {stats['shared_bytes']:>6} B  instructions "
-                  f"{stats['instructions']:>5}", flush=True)
-    write_result(Path(args.result), {"target": "sm_90 (cuda 9.0, warp 32)", "triton": triton.__version__,
-                                     "rows": rows})
+            print(
+                f"{shape:>8} {config_name(config):>14}  registers {stats['registers']:>3}  stack "
+                f"{stats['stack_bytes']:>4} B  shared {stats['shared_bytes']:>6} B  instructions "
+                f"{stats['instructions']:>5}",
+                flush=True,
+            )
+    write_result(Path(args.result), {"target": "sm_90 (cuda 9.0, warp 32)", "triton": triton.__version__, "rows": rows})
 
 
 if __name__ == "__main__":

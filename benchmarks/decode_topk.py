@@ -37,19 +37,29 @@ def main() -> None:
             for k in KS:
                 scores = torch.randn(rows, length, device=device, generator=generator)
                 expected = scores.topk(k, -1).values
-                row = {"length": length, "rows": rows, "k": k, "chosen_blocks_per_row": chosen_blocks_per_row(
-                    rows, length, device), "torch_topk_us": graph_ms(lambda: scores.topk(k, -1, sorted=False)) * 1e3}
+                row = {
+                    "length": length,
+                    "rows": rows,
+                    "k": k,
+                    "chosen_blocks_per_row": chosen_blocks_per_row(rows, length, device),
+                    "torch_topk_us": graph_ms(lambda scores=scores, k=k: scores.topk(k, -1, sorted=False)) * 1e3,
+                }
                 for size in sizes:
                     got = decode_topk(scores, k, blocks_per_row=size)
                     if not torch.equal(scores.gather(-1, got).sort(-1, descending=True).values, expected):
                         raise AssertionError(f"{size} blocks per row selected other scores ({rows} x {length}, k={k})")
-                    row[f"blocks_{size}_us"] = graph_ms(lambda s=size: decode_topk(scores, k, blocks_per_row=s)) * 1e3
+                    row[f"blocks_{size}_us"] = (
+                        graph_ms(lambda s=size, scores=scores, k=k: decode_topk(scores, k, blocks_per_row=s)) * 1e3
+                    )
                 row["chosen_us"] = row[f"blocks_{row['chosen_blocks_per_row']}_us"]
                 row["fastest_us"] = min(row[f"blocks_{size}_us"] for size in sizes)
                 results.append(row)
                 times = " ".join(f"{size}:{row[f'blocks_{size}_us']:6.1f}" for size in sizes)
-                print(f"{length:>7} x {rows:>3} k {k:>4}  torch.topk {row['torch_topk_us']:6.1f}  blocks per row "
-                      f"{times}  chosen {row['chosen_blocks_per_row']} ({row['chosen_us']:.1f} us)", flush=True)
+                print(
+                    f"{length:>7} x {rows:>3} k {k:>4}  torch.topk {row['torch_topk_us']:6.1f}  blocks per row "
+                    f"{times}  chosen {row['chosen_blocks_per_row']} ({row['chosen_us']:.1f} us)",
+                    flush=True,
+                )
     lost = sum(row["chosen_us"] - row["fastest_us"] for row in results)
     print(f"the chosen sizes lose {lost:.1f} us in all against the fastest, over {len(results)} shapes")
     write_result(Path(args.result), {"rows": results, "chosen_loss_us": lost})

@@ -23,8 +23,11 @@ from gsm_train.evaluate import evaluate_exports
 from gsm_train.model_zoo import load_model_and_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
-BACKENDS = {"fsdp2": ("multi_gpu.yaml", None), "zero2": ("deepspeed_zero2.yaml", 2),
-            "zero3": ("deepspeed_zero3.yaml", 3)}
+BACKENDS = {
+    "fsdp2": ("multi_gpu.yaml", None),
+    "zero2": ("deepspeed_zero2.yaml", 2),
+    "zero3": ("deepspeed_zero3.yaml", 3),
+}
 STAGES = ("gate_only", "joint")
 
 
@@ -48,9 +51,21 @@ def _train_sample(train_data: str, chars: int, out: Path) -> Path:
 def _launch(backend: str, stage: str, overrides: list[str], run_dir: Path) -> dict:
     """One 2-process run; exits with the log's tail if it fails or ran another backend."""
     config_file, zero_stage = BACKENDS[backend]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "launch" / config_file),
-           "--num_processes", "2", "-m", "gsm_train.train", "--recipe", str(REPO / "recipes" / f"{stage}.yaml"),
-           *overrides, f"output.dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(REPO / "launch" / config_file),
+        "--num_processes",
+        "2",
+        "-m",
+        "gsm_train.train",
+        "--recipe",
+        str(REPO / "recipes" / f"{stage}.yaml"),
+        *overrides,
+        f"output.dir={run_dir}",
+    ]
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
     log = run_dir.with_suffix(".log")
     print(f"[{backend} {stage}] {' '.join(cmd)}", flush=True)
@@ -82,19 +97,31 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     sample = _train_sample(args.train_data, args.train_chars, out)
     load_model_and_tokenizer("smollm2-135m")  # converts the GGUF once, before two processes race to do it
-    common = [f"data.train.path={sample}", f"data.eval.path={args.eval_data}", f"data.seq_len={args.seq_len}",
-              f"train.steps={args.steps}", "train.batch_size=2", "optim.warmup_steps=5", "logging.eval_every=1000",
-              "logging.eval_batches=2", "logging.progress_bar=false", "output.checkpoint_every=1000"]
+    common = [
+        f"data.train.path={sample}",
+        f"data.eval.path={args.eval_data}",
+        f"data.seq_len={args.seq_len}",
+        f"train.steps={args.steps}",
+        "train.batch_size=2",
+        "optim.warmup_steps=5",
+        "logging.eval_every=1000",
+        "logging.eval_batches=2",
+        "logging.progress_bar=false",
+        "output.checkpoint_every=1000",
+    ]
     runs: dict[str, dict[str, dict]] = {stage: {} for stage in STAGES}
     for backend in BACKENDS:
         gate_dir = out / backend / "gate_only"
         runs["gate_only"][backend] = _launch(backend, "gate_only", common, gate_dir)
-        runs["joint"][backend] = _launch(backend, "joint", [*common, f"init_from={gate_dir / 'export'}"],
-                                         out / backend / "joint")
+        runs["joint"][backend] = _launch(
+            backend, "joint", [*common, f"init_from={gate_dir / 'export'}"], out / backend / "joint"
+        )
     result: dict = {"steps": args.steps, "seq_len": args.seq_len, "global_batch": 4, "runs": runs}
     for backend in ("zero2", "zero3"):
-        per_stage = {stage: max(abs(a - b) for a, b in zip(runs[stage]["fsdp2"]["losses"], runs[stage][backend]["losses"]))
-                     for stage in STAGES}
+        per_stage = {
+            stage: max(abs(a - b) for a, b in zip(runs[stage]["fsdp2"]["losses"], runs[stage][backend]["losses"]))
+            for stage in STAGES
+        }
         result |= {f"max_loss_diff_{backend}_{stage}": diff for stage, diff in per_stage.items()}
         result[f"max_loss_diff_{backend}"] = max(per_stage.values())
     write_result(Path(args.result) if args.result else out / "deepspeed.json", result)
@@ -110,12 +137,16 @@ def main() -> None:
     for stage in STAGES:
         for backend, run in runs[stage].items():
             diff = "-" if backend == "fsdp2" else f"{result[f'max_loss_diff_{backend}_{stage}']:.2e}"
-            print(f"{stage:<10} {backend:<7} {run['losses'][-1]:>10.4f} {diff:>12} {ppl[f'{stage}_{backend}']:>9.3f} "
-                  f"{run['seconds']:>6.0f}")
-    print(f"base PPL {ppl['base']:.3f}; max loss diff vs FSDP2: ZeRO-2 {result['max_loss_diff_zero2']:.2e}, "
-          f"ZeRO-3 {result['max_loss_diff_zero3']:.2e}; max relative PPL diff: ZeRO-2 "
-          f"{result['max_ppl_rel_diff_zero2']:.2e}, ZeRO-3 {result['max_ppl_rel_diff_zero3']:.2e}; "
-          f"exports agree within {args.ppl_rtol}: {result['exports_agree']}")
+            print(
+                f"{stage:<10} {backend:<7} {run['losses'][-1]:>10.4f} {diff:>12} {ppl[f'{stage}_{backend}']:>9.3f} "
+                f"{run['seconds']:>6.0f}"
+            )
+    print(
+        f"base PPL {ppl['base']:.3f}; max loss diff vs FSDP2: ZeRO-2 {result['max_loss_diff_zero2']:.2e}, "
+        f"ZeRO-3 {result['max_loss_diff_zero3']:.2e}; max relative PPL diff: ZeRO-2 "
+        f"{result['max_ppl_rel_diff_zero2']:.2e}, ZeRO-3 {result['max_ppl_rel_diff_zero3']:.2e}; "
+        f"exports agree within {args.ppl_rtol}: {result['exports_agree']}"
+    )
 
 
 if __name__ == "__main__":

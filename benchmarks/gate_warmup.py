@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import graph_ms, median_ms, write_result
+from gsm_train.attention import gsm_disabled
+from gsm_train.attention.injection import rows_not_packed
 from gsm_train.config import RecipeConfig, load_recipe
-from gsm_train.modules import gsm_disabled
-from gsm_train.modules.injection import rows_not_packed
-from gsm_train.stages import GateWarmupStage
 from gsm_train.session import TrainingSession
+from gsm_train.stages import GateWarmupStage
 from gsm_train.train import train_recipe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,9 +56,14 @@ def _time_step_vs_forward(config: RecipeConfig, distill_queries: int) -> dict[st
     eager_ms = median_ms(step)
     session.capture()
     step_ms, forward_ms, forward_graphed_ms = median_ms(step), median_ms(forward), graph_ms(captured_forward)
-    return {"step_ms": step_ms, "forward_ms": forward_ms, "step_over_forward": step_ms / forward_ms,
-            "step_ms_eager": eager_ms, "forward_ms_graphed": forward_graphed_ms,
-            "step_over_graphed_forward": step_ms / forward_graphed_ms}
+    return {
+        "step_ms": step_ms,
+        "forward_ms": forward_ms,
+        "step_over_forward": step_ms / forward_ms,
+        "step_ms_eager": eager_ms,
+        "forward_ms_graphed": forward_graphed_ms,
+        "step_over_graphed_forward": step_ms / forward_graphed_ms,
+    }
 
 
 def main() -> None:
@@ -77,9 +82,12 @@ def main() -> None:
     config = load_recipe(args.recipe, [*data, *args.overrides, f"output.dir={out / 'timing'}"])
     timing = _time_step_vs_forward(config, config.train.distill_queries)
     every_query = _time_step_vs_forward(config, 0)
-    timing |= {"distill_queries": config.train.distill_queries, "step_ms_all_queries": every_query["step_ms"],
-               "step_over_forward_all_queries": every_query["step_over_forward"],
-               "step_ms_eager_all_queries": every_query["step_ms_eager"]}
+    timing |= {
+        "distill_queries": config.train.distill_queries,
+        "step_ms_all_queries": every_query["step_ms"],
+        "step_over_forward_all_queries": every_query["step_over_forward"],
+        "step_ms_eager_all_queries": every_query["step_ms_eager"],
+    }
     result = {
         "recall_ratio_k64": metrics["recall_ratio_k64"],
         "recall_ratio_k64_per_layer": metrics["recall_ratio_k64_per_layer"],
@@ -98,9 +106,22 @@ def main() -> None:
     if torch.cuda.device_count() >= 2:
         env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
         two_dir = out / "two_gpu"
-        cmd = ["accelerate", "launch", "--config_file", str(REPO / "launch" / "multi_gpu.yaml"), "--num_processes",
-               "2", "-m", "gsm_train.train", "--recipe", args.recipe, *data, *args.overrides,
-               "train.batch_size=2", f"output.dir={two_dir}"]
+        cmd = [
+            "accelerate",
+            "launch",
+            "--config_file",
+            str(REPO / "launch" / "multi_gpu.yaml"),
+            "--num_processes",
+            "2",
+            "-m",
+            "gsm_train.train",
+            "--recipe",
+            args.recipe,
+            *data,
+            *args.overrides,
+            "train.batch_size=2",
+            f"output.dir={two_dir}",
+        ]
         subprocess.run(cmd, check=True, env=env)
         two = _losses(two_dir)
         result["losses_two_gpu"] = two
@@ -111,13 +132,16 @@ def main() -> None:
     write_result(result_path, result)
     per_layer = result["recall_ratio_k64_per_layer"]
     print(f"{'layer':>5} {'gate':>7} {'oracle':>7} {'ratio':>6}")
-    for layer, (g, o, r) in enumerate(zip(result["gate_mass_k64_per_layer"], result["oracle_mass_k64_per_layer"],
-                                          per_layer)):
+    for layer, (g, o, r) in enumerate(
+        zip(result["gate_mass_k64_per_layer"], result["oracle_mass_k64_per_layer"], per_layer)
+    ):
         print(f"{layer:>5} {g:7.3f} {o:7.3f} {r:6.3f}")
-    print(f"mean ratio {result['recall_ratio_k64']:.3f}  gate {result['gate_mass_k64']:.3f}  "
-          f"oracle {result['oracle_mass_k64']:.3f}  step/forward {result['step_over_forward']:.2f} "
-          f"({result['step_ms']:.1f} / {result['forward_ms']:.1f} ms)  2-GPU max loss diff "
-          f"{result['two_gpu_max_loss_diff']}")
+    print(
+        f"mean ratio {result['recall_ratio_k64']:.3f}  gate {result['gate_mass_k64']:.3f}  "
+        f"oracle {result['oracle_mass_k64']:.3f}  step/forward {result['step_over_forward']:.2f} "
+        f"({result['step_ms']:.1f} / {result['forward_ms']:.1f} ms)  2-GPU max loss diff "
+        f"{result['two_gpu_max_loss_diff']}"
+    )
 
 
 if __name__ == "__main__":

@@ -35,24 +35,29 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, StoppingCriteria, StoppingCriteriaList
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from benchmarks.common import write_result
+from gsm_train.attention import gsm_adapters, inject_gsm, set_gsm_mode
 from gsm_train.config import load_recipe
 from gsm_train.data import load_text_dataset, pack_tokens
 from gsm_train.export import load_gsm
 from gsm_train.families import model_dims
 from gsm_train.inference.cache import GSMCache, cache_kwargs
 from gsm_train.inference.engine import enable_gsm_generation
-from gsm_train.model_zoo import load_model_and_tokenizer
-from gsm_train.modules import gsm_adapters, inject_gsm, set_gsm_mode
+from gsm_train.model_zoo import load_model_and_tokenizer, random_model
 
 REPO = Path(__file__).resolve().parents[1]
 HBM_BYTES_PER_S = 4.8e12  # the H200's HBM3e bandwidth (spec); a device copy measured 4.3 TB/s here
 FIRST_TIMED = 2  # decode tokens/s from the third new token on (see the module docstring)
-ROWS = {"8b_32k_bs1": ("8b", 32768, 1), "8b_32k_bs16": ("8b", 32768, 16), "8b_128k_bs1": ("8b", 131072, 1),
-        "8b_128k_bs16": ("8b", 131072, 16), "smollm2_8k_bs1": ("smollm2", 8192, 1),
-        "smollm2_8k_bs16": ("smollm2", 8192, 16)}
+ROWS = {
+    "8b_32k_bs1": ("8b", 32768, 1),
+    "8b_32k_bs16": ("8b", 32768, 16),
+    "8b_128k_bs1": ("8b", 131072, 1),
+    "8b_128k_bs16": ("8b", 131072, 16),
+    "smollm2_8k_bs1": ("smollm2", 8192, 1),
+    "smollm2_8k_bs16": ("smollm2", 8192, 16),
+}
 
 
 class StepTimes(StoppingCriteria):
@@ -72,22 +77,26 @@ class StepTimes(StoppingCriteria):
 
 
 def llama8b() -> torch.nn.Module:
-    """A Llama-3-8B-shaped causal LM, random bf16 weights made on the GPU (seeded)."""
-    config = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
-                         max_position_embeddings=131072 + 1024, tie_word_embeddings=False)
+    """`random-llama3-8b` (Llama-3-8B's shapes, random bf16 weights made on the GPU, seeded), with room for
+    the longest prompt."""
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
-    return model.eval()
+    return random_model("random-llama3-8b", torch.bfloat16, "cuda", max_position_embeddings=131072 + 1024)
 
 
-def _generate(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, **kwargs: Any) -> tuple[torch.Tensor,
-                                                                                                  StepTimes]:
+def _generate(
+    model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, **kwargs: Any
+) -> tuple[torch.Tensor, StepTimes]:
     timer = StepTimes()
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                             pad_token_id=0, stopping_criteria=StoppingCriteriaList([timer]), **kwargs)
+        out = model.generate(
+            ids,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            stopping_criteria=StoppingCriteriaList([timer]),
+            **kwargs,
+        )
     return out, timer
 
 
@@ -100,10 +109,13 @@ def _measure(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, warm: b
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     out, timer = _generate(model, ids, new_tokens, **kwargs)
-    return {"decode_tokens_per_s": timer.decode_tokens_per_s(ids.shape[0]),
-            "time_to_first_token_s": timer.times[0] if warm else None,
-            "first_call_time_to_first_token_s": None if warm else timer.times[0],
-            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30, "tokens": out}
+    return {
+        "decode_tokens_per_s": timer.decode_tokens_per_s(ids.shape[0]),
+        "time_to_first_token_s": timer.times[0] if warm else None,
+        "first_call_time_to_first_token_s": None if warm else timer.times[0],
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "tokens": out,
+    }
 
 
 def dense_kv_bytes(model: torch.nn.Module, tokens: int, batch: int) -> int:
@@ -122,8 +134,13 @@ def gsm_step_bytes(model: torch.nn.Module, context: int, batch: int) -> int:
     dims = model_dims(model)
     total = 0
     for _, adapter in gsm_adapters(model):
-        per_row = sum(1 + math.ceil(dims["head_dim"] * asq.quant_bits / 8) + 2 + 2 * dims["head_dim"]
-                      for asq in (adapter.asq_k, adapter.asq_v)) * dims["kv_heads"]
+        per_row = (
+            sum(
+                1 + math.ceil(dims["head_dim"] * asq.quant_bits / 8) + 2 + 2 * dims["head_dim"]
+                for asq in (adapter.asq_k, adapter.asq_v)
+            )
+            * dims["kv_heads"]
+        )
         gate = adapter.gate
         if gate is None:
             total += per_row * context
@@ -135,7 +152,7 @@ def gsm_step_bytes(model: torch.nn.Module, context: int, batch: int) -> int:
 
 
 def gsm_k(model: torch.nn.Module) -> int:
-    from gsm_train.modules import gsm_settings
+    from gsm_train.attention import gsm_settings
 
     return gsm_settings(model).config.sparse_attention.top_k
 
@@ -177,9 +194,13 @@ def gsm_row(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int) -> dict:
     cache = _copy_rows(prefilled, model, batch)
     del prefilled
     out, timer = _generate(model, prompt.expand(batch, -1), new_tokens, **cache_kwargs(model, cache))
-    return {"decode_tokens_per_s": timer.decode_tokens_per_s(batch), "time_to_first_token_s": None,
-            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30, "kv_bytes": cache.nbytes(),
-            "tokens": out}
+    return {
+        "decode_tokens_per_s": timer.decode_tokens_per_s(batch),
+        "time_to_first_token_s": None,
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "kv_bytes": cache.nbytes(),
+        "tokens": out,
+    }
 
 
 def fits_dense(model: torch.nn.Module, context: int, batch: int) -> tuple[bool, int]:
@@ -195,8 +216,13 @@ def run_row(name: str, model: torch.nn.Module, prompts: torch.Tensor, new_tokens
     _, context, batch = ROWS[name]
     ids = prompts[:batch, : context - new_tokens].cuda()
     weights = weight_bytes(model)
-    row: dict[str, Any] = {"context": context, "batch": batch, "new_tokens": new_tokens,
-                           "prompt_tokens": ids.shape[1], "weight_bytes": weights}
+    row: dict[str, Any] = {
+        "context": context,
+        "batch": batch,
+        "new_tokens": new_tokens,
+        "prompt_tokens": ids.shape[1],
+        "weight_bytes": weights,
+    }
     fits, most = fits_dense(model, context, batch)
     dense_step = weights + dense_kv_bytes(model, context, batch)
     row["bound_tokens_per_s_dense"] = batch * HBM_BYTES_PER_S / dense_step
@@ -210,7 +236,9 @@ def run_row(name: str, model: torch.nn.Module, prompts: torch.Tensor, new_tokens
             gc.collect()
             torch.cuda.empty_cache()
     else:
-        row["dense_fits"] = f"no: {dense_kv_bytes(model, context, batch) / 1e9:.0f} GB of bf16 KV; at most {most} rows fit"
+        row["dense_fits"] = (
+            f"no: {dense_kv_bytes(model, context, batch) / 1e9:.0f} GB of bf16 KV; at most {most} rows fit"
+        )
     gsm_ready(model)
     gsm_bytes = gsm_step_bytes(model, context, batch)
     row["bound_tokens_per_s_gsm"] = batch * HBM_BYTES_PER_S / (weight_bytes(model) + gsm_bytes)
@@ -233,8 +261,10 @@ def smollm2_extras(model: torch.nn.Module, row: dict, new_tokens: int) -> dict:
     tokens = generated[:, -new_tokens:]
     gap = logits.max(-1).values - logits.gather(-1, tokens[..., None])[..., 0]
     agree = logits.argmax(-1) == tokens
-    extras = {"token_agreement": agree.float().mean().item(),
-              "token_agreement_outside_near_ties": (agree | (gap <= 0.1)).float().mean().item()}
+    extras = {
+        "token_agreement": agree.float().mean().item(),
+        "token_agreement_outside_near_ties": (agree | (gap <= 0.1)).float().mean().item(),
+    }
     if row["batch"] == 1:
         prompt = generated[:, : generated.shape[1] - new_tokens]
         enable_gsm_generation(model, cuda_graphs=False)
@@ -245,8 +275,10 @@ def smollm2_extras(model: torch.nn.Module, row: dict, new_tokens: int) -> dict:
 
 
 def _gsm_config():
-    return load_recipe(str(REPO / "recipes" / "joint.yaml"), ["gsm.kv_compression.layer_bits={}",
-                                                             "gsm.sparse_attention.gate_init=random"]).gsm
+    return load_recipe(
+        str(REPO / "recipes" / "joint.yaml"),
+        ["gsm.kv_compression.layer_bits={}", "gsm.sparse_attention.gate_init=random"],
+    ).gsm
 
 
 def main() -> None:
@@ -289,6 +321,7 @@ def main() -> None:
                         inject_gsm(m, load_recipe(str(REPO / "recipes" / "joint.yaml")).gsm, mode="sparse")
                         enable_gsm_generation(m)
                     set_gsm_mode(m, "sparse")
+
         for name in names:
             row = run_row(name, model, prompts, args.new_tokens, ready)
             if family == "smollm2":
@@ -316,9 +349,13 @@ def _fresh(model: torch.nn.Module, family: str) -> torch.nn.Module:
 
 def _summary(result: dict, path: Path) -> None:
     rows = result["rows"]
-    keys = {"e2e_speedup_8b_32k_bs1": "8b_32k_bs1", "e2e_speedup_8b_32k_bs16": "8b_32k_bs16",
-            "e2e_speedup_8b_128k_bs1": "8b_128k_bs1", "smollm2_8k_bs1": "smollm2_8k_bs1",
-            "smollm2_8k_bs16": "smollm2_8k_bs16"}
+    keys = {
+        "e2e_speedup_8b_32k_bs1": "8b_32k_bs1",
+        "e2e_speedup_8b_32k_bs16": "8b_32k_bs16",
+        "e2e_speedup_8b_128k_bs1": "8b_128k_bs1",
+        "smollm2_8k_bs1": "smollm2_8k_bs1",
+        "smollm2_8k_bs16": "smollm2_8k_bs16",
+    }
     for key, name in keys.items():
         if name in rows:
             result[key] = rows[name].get("speedup_vs_dense_static_compiled")
@@ -327,8 +364,10 @@ def _summary(result: dict, path: Path) -> None:
     for name, row in rows.items():
         eager = row.get("dense_eager", {}).get("decode_tokens_per_s", float("nan"))
         static = row.get("dense_static_compiled", {}).get("decode_tokens_per_s", float("nan"))
-        print(f"{name:>16} {eager:12.1f} {static:13.1f} {row['gsm']['decode_tokens_per_s']:9.1f} "
-              f"{row.get('speedup_vs_dense_static_compiled', float('nan')):9.2f} {row['bound_tokens_per_s_gsm']:10.1f}")
+        print(
+            f"{name:>16} {eager:12.1f} {static:13.1f} {row['gsm']['decode_tokens_per_s']:9.1f} "
+            f"{row.get('speedup_vs_dense_static_compiled', float('nan')):9.2f} {row['bound_tokens_per_s_gsm']:10.1f}"
+        )
     write_result(path, {k: v for k, v in result.items() if k not in ("command", "device")})
 
 

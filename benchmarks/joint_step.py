@@ -28,13 +28,16 @@ from gsm_train.trainer import fp32_matmul_precision
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _step_ms(gsm_enabled: bool, graphed: bool, overrides: list[str], steps: int,
-             profile_rows: int = 0) -> tuple[float, list[dict]]:
+def _step_ms(
+    gsm_enabled: bool, graphed: bool, overrides: list[str], steps: int, profile_rows: int = 0
+) -> tuple[float, list[dict]]:
     """Median wall time of one training step as the trainer runs it (`TrainingSession.step`: the micro-step,
     clipping, the optimizer and the schedule), in milliseconds, and with `profile_rows` the largest kernels'
     GPU time per step (eager steps: per op and input shapes)."""
-    config = load_recipe(str(REPO / "recipes" / "joint.yaml"),
-                         ["init_from=null", f"gsm.gsm_enabled={str(gsm_enabled).lower()}", *overrides])
+    config = load_recipe(
+        str(REPO / "recipes" / "joint.yaml"),
+        ["init_from=null", f"gsm.gsm_enabled={str(gsm_enabled).lower()}", *overrides],
+    )
     session = TrainingSession.setup(config, JointStage())
     if graphed:
         session.capture()
@@ -60,19 +63,35 @@ def main() -> None:
     parser.add_argument("--result", required=True)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--train-data", default="embedded:sample_prose")
-    parser.add_argument("--profile", type=int, default=0, metavar="N",
-                        help="also record what takes the most GPU time per step, per setting: the N largest "
-                             "kernels of captured steps, the N largest ops (with input shapes) of eager ones")
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also record what takes the most GPU time per step, per setting: the N largest "
+        "kernels of captured steps, the N largest ops (with input shapes) of eager ones",
+    )
     parser.add_argument("--no-eager", action="store_true", help="time the captured steps only")
-    add_gsm_argument(parser, "GSM settings on top of the shipped recipe for the joint step (the dense step has GSM "
-                             "off), e.g. a KV budget: gsm.kv_compression.value_quant_bits=2")
-    parser.add_argument("--fp32-matmul", choices=("default", "tf32"), default=None,
-                        help="train.fp32_matmul for both steps (default: the recipe's)")
+    add_gsm_argument(
+        parser,
+        "GSM settings on top of the shipped recipe for the joint step (the dense step has GSM "
+        "off), e.g. a KV budget: gsm.kv_compression.value_quant_bits=2",
+    )
+    parser.add_argument(
+        "--fp32-matmul",
+        choices=("default", "tf32"),
+        default=None,
+        help="train.fp32_matmul for both steps (default: the recipe's)",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("this benchmark times GPU training steps; run it on a CUDA device")
-    overrides = [f"data.train.path={args.train_data}", "logging.progress_bar=false", *args.gsm,
-                 *([f"train.fp32_matmul={args.fp32_matmul}"] if args.fp32_matmul else [])]
+    overrides = [
+        f"data.train.path={args.train_data}",
+        "logging.progress_bar=false",
+        *args.gsm,
+        *([f"train.fp32_matmul={args.fp32_matmul}"] if args.fp32_matmul else []),
+    ]
     config = load_recipe(str(REPO / "recipes" / "joint.yaml"), overrides)
     tokens = config.train.batch_size * config.data.seq_len
     rows = {}
@@ -85,15 +104,26 @@ def main() -> None:
             rows[name] = {"step_ms": ms, "tokens_per_s": tokens / ms * 1e3, **({"kernels": kernels} if kernels else {})}
             print(f"{name:14s} {ms:8.1f} ms/step {rows[name]['tokens_per_s']:10.0f} tokens/s", flush=True)
             for row in kernels:
-                print(f"    {row['ms_per_step']:8.2f} ms {row['calls_per_step']:6.0f}x  {row.get('kernel') or row['op']} "
-                      f"{row.get('input_shapes', '')}")
-    result = {"batch_size": config.train.batch_size, "seq_len": config.data.seq_len, "steps_timed": args.steps,
-              **({"gsm_overrides": args.gsm} if args.gsm else {}), "fp32_matmul": config.train.fp32_matmul,
-              "joint_over_dense_tokens_per_s": rows["joint_graphed"]["tokens_per_s"] / rows["dense_graphed"]["tokens_per_s"],
-              "rows": rows}
-    print(f"joint / dense tokens/s: {result['joint_over_dense_tokens_per_s']:.3f} as the trainer runs them (CUDA graph)")
+                print(
+                    f"    {row['ms_per_step']:8.2f} ms {row['calls_per_step']:6.0f}x  {row.get('kernel') or row['op']} "
+                    f"{row.get('input_shapes', '')}"
+                )
+    result = {
+        "batch_size": config.train.batch_size,
+        "seq_len": config.data.seq_len,
+        "steps_timed": args.steps,
+        **({"gsm_overrides": args.gsm} if args.gsm else {}),
+        "fp32_matmul": config.train.fp32_matmul,
+        "joint_over_dense_tokens_per_s": rows["joint_graphed"]["tokens_per_s"] / rows["dense_graphed"]["tokens_per_s"],
+        "rows": rows,
+    }
+    print(
+        f"joint / dense tokens/s: {result['joint_over_dense_tokens_per_s']:.3f} as the trainer runs them (CUDA graph)"
+    )
     if not args.no_eager:
-        result["joint_over_dense_tokens_per_s_eager"] = rows["joint_eager"]["tokens_per_s"] / rows["dense_eager"]["tokens_per_s"]
+        result["joint_over_dense_tokens_per_s_eager"] = (
+            rows["joint_eager"]["tokens_per_s"] / rows["dense_eager"]["tokens_per_s"]
+        )
         print(f"joint / dense tokens/s eager: {result['joint_over_dense_tokens_per_s_eager']:.3f}")
     write_result(Path(args.result), result)
 

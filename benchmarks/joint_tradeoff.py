@@ -31,7 +31,9 @@ def _label(overrides: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("results", nargs="+", metavar="FILE[=LABEL]", help="result files written by benchmarks/joint.py")
+    parser.add_argument(
+        "results", nargs="+", metavar="FILE[=LABEL]", help="result files written by benchmarks/joint.py"
+    )
     parser.add_argument("--plot", required=True, help="where to write the PNG")
     parser.add_argument("--result", default=None, help="also write the rows and this command line as JSON")
     args = parser.parse_args(argv)
@@ -45,27 +47,36 @@ def main(argv: list[str] | None = None) -> int:
         try:
             result = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            print(f"{path}: not JSON ({error}). Fix: pass result files written by benchmarks/joint.py",
-                  file=sys.stderr)
+            print(f"{path}: not JSON ({error}). Fix: pass result files written by benchmarks/joint.py", file=sys.stderr)
             return 2
         missing = [key for key in ("ppl_gsm_over_control", "kv_bytes_ratio") if key not in result]
         if missing:
             print(f"{path}: no {', '.join(missing)}. Fix: pass a finished benchmarks/joint.py result", file=sys.stderr)
             return 2
-        points.append({"label": label or _label(result.get("gsm_overrides", [])), "result_file": str(path),
-                       "ppl_over_control": result["ppl_gsm_over_control"], "kv_bytes_ratio": result["kv_bytes_ratio"],
-                       "tokens_per_s_ratio": result.get("joint_over_dense_tokens_per_s")})
+        points.append(
+            {
+                "label": label or _label(result.get("gsm_overrides", [])),
+                "result_file": str(path),
+                "ppl_over_control": result["ppl_gsm_over_control"],
+                "kv_bytes_ratio": result["kv_bytes_ratio"],
+                "tokens_per_s_ratio": result.get("joint_over_dense_tokens_per_s"),
+            }
+        )
     print(f"{'ppl/control':>11} {'KV/bf16':>8} {'tok/s':>6}  run")
     for point in sorted(points, key=lambda p: p["kv_bytes_ratio"]):
         speed = point["tokens_per_s_ratio"]
-        print(f"{point['ppl_over_control']:>11.3f} {point['kv_bytes_ratio']:>8.3f} "
-              f"{'-' if speed is None else format(speed, '.3f'):>6}  {point['label']}")
+        print(
+            f"{point['ppl_over_control']:>11.3f} {point['kv_bytes_ratio']:>8.3f} "
+            f"{'-' if speed is None else format(speed, '.3f'):>6}  {point['label']}"
+        )
     plot = Path(args.plot)
     plot.parent.mkdir(parents=True, exist_ok=True)
     print(f"plot: {plot_quality_vs_kv(points, GOAL_PPL, GOAL_KV, plot)}")
     if args.result:
-        write_result(Path(args.result), {"goal_ppl_over_control": GOAL_PPL, "goal_kv_bytes_ratio": GOAL_KV,
-                                         "plot": str(plot), "runs": points})
+        write_result(
+            Path(args.result),
+            {"goal_ppl_over_control": GOAL_PPL, "goal_kv_bytes_ratio": GOAL_KV, "plot": str(plot), "runs": points},
+        )
     return 0
 
 

@@ -35,8 +35,12 @@ from gsm_train.kv_budget import kv_bytes_ratio
 
 REPO = Path(__file__).resolve().parents[1]
 CLUSTERS = 2
-BUDGET_OVERRIDES = ["gsm.kv_compression.value_quant_bits=2", f"gsm.kv_compression.cluster_num={CLUSTERS}",
-                    "gsm.sparse_attention.gate_head_dim=16", "gsm.sparse_attention.gate_key_bits=8"]
+BUDGET_OVERRIDES = [
+    "gsm.kv_compression.value_quant_bits=2",
+    f"gsm.kv_compression.cluster_num={CLUSTERS}",
+    "gsm.sparse_attention.gate_head_dim=16",
+    "gsm.sparse_attention.gate_key_bits=8",
+]
 SENSITIVE_V = (0, 1, 3, 18, 8)  # by rank in benchmarks/results/layer_sensitivity.json, most sensitive first
 CALM_K = (0, 29, 15, 13, 11)  # likewise, least sensitive first
 # (name, default (K, V) widths, {layer: (K, V)})
@@ -44,10 +48,16 @@ ALLOCATIONS: tuple[tuple[str, tuple[int, int], dict[int, tuple[int, int]]], ...]
     ("K4 V2 everywhere", (4, 2), {}),
     ("V4 in 0,1,3,18,8", (4, 2), {layer: (4, 4) for layer in SENSITIVE_V}),
     ("V4 in 0,1,3,18", (4, 2), {layer: (4, 4) for layer in SENSITIVE_V[:4]}),
-    ("V4 in 0,1,3,18,8; K2 in 0,29,15,13,11", (4, 2),
-     {**{layer: (4, 4) for layer in SENSITIVE_V}, **{layer: (2, 2) for layer in CALM_K}, 0: (2, 4)}),
-    ("V4 in 0,1,3,18; K2 in 0,29,15", (4, 2),
-     {**{layer: (4, 4) for layer in SENSITIVE_V[:4]}, **{layer: (2, 2) for layer in CALM_K[:3]}, 0: (2, 4)}),
+    (
+        "V4 in 0,1,3,18,8; K2 in 0,29,15,13,11",
+        (4, 2),
+        {**{layer: (4, 4) for layer in SENSITIVE_V}, **{layer: (2, 2) for layer in CALM_K}, 0: (2, 4)},
+    ),
+    (
+        "V4 in 0,1,3,18; K2 in 0,29,15",
+        (4, 2),
+        {**{layer: (4, 4) for layer in SENSITIVE_V[:4]}, **{layer: (2, 2) for layer in CALM_K[:3]}, 0: (2, 4)},
+    ),
     ("K2 in 0,29,15,13,11", (4, 2), {layer: (2, 2) for layer in CALM_K}),
     ("K4 V4 everywhere", (4, 4), {}),
 )
@@ -65,26 +75,41 @@ def main() -> None:
         if not widths:
             return key, value
         key_bits, value_bits = widths[module.layer_idx]
-        return (_quantized(key, "asq_rotated", CLUSTERS, key_bits, is_key=True),
-                _quantized(value, "asq_rotated", CLUSTERS, value_bits, is_key=False))
+        return (
+            _quantized(key, "asq_rotated", CLUSTERS, key_bits, is_key=True),
+            _quantized(value, "asq_rotated", CLUSTERS, value_bits, is_key=False),
+        )
 
     loss = kv_hooked_loss(model, rows, "gsm_layer_bits", quantized)
     base = loss()
     print(f"base loss {base:.4f}\n{'allocation':40s} {'KV / bf16':>9s} {'loss increase':>13s}", flush=True)
     results = []
     for name, (key_bits, value_bits), layer_bits in ALLOCATIONS:
-        config = load_recipe(str(REPO / "recipes" / "joint.yaml"), [
-            *BUDGET_OVERRIDES, f"gsm.kv_compression.quant_bits={key_bits}",
-            f"gsm.kv_compression.value_quant_bits={value_bits}"]).gsm
+        config = load_recipe(
+            str(REPO / "recipes" / "joint.yaml"),
+            [
+                *BUDGET_OVERRIDES,
+                f"gsm.kv_compression.quant_bits={key_bits}",
+                f"gsm.kv_compression.value_quant_bits={value_bits}",
+            ],
+        ).gsm
         config.kv_compression.layer_bits = layer_bits
         widths.update({layer: config.kv_compression.bits(layer) for layer in range(dims["layers"])})
         ratio = kv_bytes_ratio(config, dims, args.seq_len)
-        results.append({"allocation": name, "layer_bits": {str(k): list(v) for k, v in layer_bits.items()},
-                        "default_bits": [key_bits, value_bits], "kv_bytes_ratio": ratio,
-                        "loss_increase": loss() - base})
+        results.append(
+            {
+                "allocation": name,
+                "layer_bits": {str(k): list(v) for k, v in layer_bits.items()},
+                "default_bits": [key_bits, value_bits],
+                "kv_bytes_ratio": ratio,
+                "loss_increase": loss() - base,
+            }
+        )
         print(f"{name:40s} {ratio:9.4f} {results[-1]['loss_increase']:+13.4f}", flush=True)
-    write_result(Path(args.result), {"windows": len(rows), "seq_len": args.seq_len, "clusters": CLUSTERS,
-                                     "base_loss": base, "rows": results})
+    write_result(
+        Path(args.result),
+        {"windows": len(rows), "seq_len": args.seq_len, "clusters": CLUSTERS, "base_loss": base, "rows": results},
+    )
 
 
 if __name__ == "__main__":

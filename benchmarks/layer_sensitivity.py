@@ -65,12 +65,23 @@ def main() -> None:
             target["layer"] = layer
             increase[side].append(loss() - base)
             print(f"{side} layer {layer:2d}: loss +{increase[side][-1]:.4f}", flush=True)
-        print(f"{side} all layers at once: loss +{all_layers[side]:.4f}; sum of single layers "
-              f"+{sum(increase[side]):.4f}", flush=True)
+        print(
+            f"{side} all layers at once: loss +{all_layers[side]:.4f}; sum of single layers +{sum(increase[side]):.4f}",
+            flush=True,
+        )
     plot_layer_sensitivity(increase, args.bits, Path(args.plot))
-    write_result(Path(args.result), {"bits": args.bits, "windows": len(rows), "seq_len": args.seq_len,
-                                     "base_loss": base, "all_layers_loss_increase": all_layers,
-                                     "loss_increase_per_layer": increase, "plot": args.plot})
+    write_result(
+        Path(args.result),
+        {
+            "bits": args.bits,
+            "windows": len(rows),
+            "seq_len": args.seq_len,
+            "base_loss": base,
+            "all_layers_loss_increase": all_layers,
+            "loss_increase_per_layer": increase,
+            "plot": args.plot,
+        },
+    )
 
 
 if __name__ == "__main__":

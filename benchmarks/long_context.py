@@ -34,8 +34,9 @@ import argparse
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -58,8 +59,12 @@ RUNS: dict[str, tuple[str, str | None, tuple[str, ...]]] = {
 }
 LONG = ("gate_only_long", "joint_long", "control_long")
 # issue 35's targets for a GSM model against its dense control
-TARGETS = {"ppl_over_control": 1.05, "kv_bytes_ratio": 0.30, "gate_over_oracle_per_bucket": 0.95,
-           "passkey_points_below_control": 2.0}
+TARGETS = {
+    "ppl_over_control": 1.05,
+    "kv_bytes_ratio": 0.30,
+    "gate_over_oracle_per_bucket": 0.95,
+    "passkey_points_below_control": 2.0,
+}
 
 
 def other_schedule(export: str, short: int, long: int) -> dict[str, Any]:
@@ -70,8 +75,12 @@ def other_schedule(export: str, short: int, long: int) -> dict[str, Any]:
     if sparse["top_k_schedule"] == "fraction":
         return {"top_k_schedule": "constant", "top_k_fraction": None, "top_k": sparse["k_min"]}
     k = sparse["top_k"]
-    return {"top_k_schedule": "fraction", "top_k_fraction": k / short, "k_min": k,
-            "top_k": max(k, round(k * long / short))}
+    return {
+        "top_k_schedule": "fraction",
+        "top_k_fraction": k / short,
+        "k_min": k,
+        "top_k": max(k, round(k * long / short)),
+    }
 
 
 class Stages:
@@ -104,10 +113,16 @@ def train_run(name: str, args: argparse.Namespace, exports: dict[str, str]) -> d
     """Train run `name` (its recipe, from its start run's export) unless it is exported; record
     its settings, time and peak GPU memory. Fills `exports[name]`."""
     recipe, start, extra = RUNS[name]
-    overrides = [f"model.name_or_path={args.model}", f"data.train.path={args.train_data}",
-                 f"data.eval.path={args.eval_data}", "logging.progress_bar=false",
-                 "logging.eval_every=1000", *args.override,
-                 *(args.long_override if name in LONG else []), *extra]
+    overrides = [
+        f"model.name_or_path={args.model}",
+        f"data.train.path={args.train_data}",
+        f"data.eval.path={args.eval_data}",
+        "logging.progress_bar=false",
+        "logging.eval_every=1000",
+        *args.override,
+        *(args.long_override if name in LONG else []),
+        *extra,
+    ]
     if start is not None:
         overrides.append(f"init_from={exports[start]}")
     run_dir = Path(args.out) / "runs" / name
@@ -199,16 +214,20 @@ def summary(evals: dict[int, dict], passkey: dict | None) -> dict[str, Any]:
             if control in results:
                 row["ppl_over_control"] = r["ppl"] / results[control]["ppl"]
             if "recall_ratio" in r:
-                row |= {"kv_bytes_ratio": r["kv_bytes_ratio"],
-                        "gate_over_oracle": r["recall_ratio"],
-                        "gate_over_oracle_by_bucket": [p.get("recall_ratio") for p in r["buckets"]]}
+                row |= {
+                    "kv_bytes_ratio": r["kv_bytes_ratio"],
+                    "gate_over_oracle": r["recall_ratio"],
+                    "gate_over_oracle_by_bucket": [p.get("recall_ratio") for p in r["buckets"]],
+                }
             models.setdefault(name, {})[str(length)] = row
     for name, r in (passkey or {}).get("results", {}).items():
         models.setdefault(name, {})["passkey_accuracy"] = r["accuracy"]
         if "generated_accuracy" in r:
             models[name]["passkey_generated_accuracy"] = r["generated_accuracy"]
-    return {"models": models, "targets": {name: _targets(name, models, passkey)
-                                          for name in models if _control_of(name)}}
+    return {
+        "models": models,
+        "targets": {name: _targets(name, models, passkey) for name in models if _control_of(name)},
+    }
 
 
 def _targets(name: str, models: dict[str, Any], passkey: dict | None) -> dict[str, Any]:
@@ -224,7 +243,8 @@ def _targets(name: str, models: dict[str, Any], passkey: dict | None) -> dict[st
             ratios = [r for r in row["gate_over_oracle_by_bucket"] if r is not None]
             if ratios:
                 checks[f"min_bucket_gate_over_oracle_{length}"] = _met(
-                    min(ratios), "gate_over_oracle_per_bucket", at_least=True)
+                    min(ratios), "gate_over_oracle_per_bucket", at_least=True
+                )
     results = (passkey or {}).get("results", {})
     control = _control_of(name)
     if name in results and control in results:
@@ -249,74 +269,114 @@ def print_summary(result: dict[str, Any]) -> None:
     for length, report in result["evals"].items():
         labels = [bucket_label(a, b) for a, b in report["buckets"]]
         print(f"\nat {length} ({report['windows']} windows of {report['data']}):")
-        print(f"{'model':>20} {'PPL':>8} {'/control':>8} "
-              + " ".join(f"{'PPL ' + label:>10}" for label in labels) + " "
-              + " ".join(f"{'mass ' + label:>11}" for label in labels) + f" {'KV/bf16':>8}")
+        print(
+            f"{'model':>20} {'PPL':>8} {'/control':>8} "
+            + " ".join(f"{'PPL ' + label:>10}" for label in labels)
+            + " "
+            + " ".join(f"{'mass ' + label:>11}" for label in labels)
+            + f" {'KV/bf16':>8}"
+        )
         for name, by_length in models.items():
             row = by_length.get(length)
             if row is None:
                 continue
             masses = row.get("gate_over_oracle_by_bucket", [None] * len(labels))
-            print(f"{name:>20} {row['ppl']:8.3f} {_number(row.get('ppl_over_control'), 8)} "
-                  + " ".join(f"{p:10.3f}" for p in row["ppl_by_bucket"]) + " "
-                  + " ".join(_number(m, 11) for m in masses)
-                  + f" {_number(row.get('kv_bytes_ratio'), 8)}")
-    accuracies = [f"{name} {row['passkey_accuracy']:.2f}" for name, row in models.items()
-                  if "passkey_accuracy" in row]
+            print(
+                f"{name:>20} {row['ppl']:8.3f} {_number(row.get('ppl_over_control'), 8)} "
+                + " ".join(f"{p:10.3f}" for p in row["ppl_by_bucket"])
+                + " "
+                + " ".join(_number(m, 11) for m in masses)
+                + f" {_number(row.get('kv_bytes_ratio'), 8)}"
+            )
+    accuracies = [f"{name} {row['passkey_accuracy']:.2f}" for name, row in models.items() if "passkey_accuracy" in row]
     if accuracies:
         print("\npasskey accuracy: " + ", ".join(accuracies))
     for name, checks in result["summary"]["targets"].items():
-        print(f"targets {name}: " + ", ".join(f"{key} {c['value']:.3f} "
-                                              f"{'met' if c['met'] else 'MISSED'}"
-                                              for key, c in checks.items()))
+        print(
+            f"targets {name}: "
+            + ", ".join(f"{key} {c['value']:.3f} {'met' if c['met'] else 'MISSED'}" for key, c in checks.items())
+        )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.long_context", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.long_context",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--eval-data", required=True, help="held-out text (WikiText-2 validation)")
     parser.add_argument("--train-data", default=None, help="training text (needed to train)")
     parser.add_argument("--out", required=True, help="working folder: runs/ and stages/")
-    parser.add_argument("--result",
-                        default=str(REPO / "benchmarks" / "results" / "long_context.json"),
-                        help="the result JSON (command, commit, device, every report)")
+    parser.add_argument(
+        "--result",
+        default=str(REPO / "benchmarks" / "results" / "long_context.json"),
+        help="the result JSON (command, commit, device, every report)",
+    )
     parser.add_argument("--model", default="smollm2-135m", help="the base every run trains on")
-    parser.add_argument("--export", action="append", default=[], metavar="NAME=FOLDER",
-                        help=f"an export trained before, NAME one of {', '.join(RUNS)}; repeatable")
-    parser.add_argument("--train", nargs="*", default=None, choices=list(RUNS), metavar="NAME",
-                        help="train the runs missing: all, or those named and the runs they start "
-                             f"from ({', '.join(RUNS)})")
-    parser.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="recipe settings for every run trained")
-    parser.add_argument("--long-override", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="recipe settings for the full-context runs alone")
-    parser.add_argument("--lengths", nargs="+", type=int, default=[2048, 8192],
-                        help="evaluation lengths: the short runs' training length first, the "
-                             "model's full context last")
-    parser.add_argument("--windows", nargs="+", type=int, default=[40, 10],
-                        help="held-out windows per evaluation length")
-    parser.add_argument("--first-bucket", type=int, default=2048,
-                        help="position buckets [0, N), [N, 2N), [2N, 4N), ...")
-    parser.add_argument("--min-keys", type=int, default=512,
-                        help="captured mass counts queries with at least this many keys")
-    parser.add_argument("--batch-size", type=int, default=1,
-                        help="windows (and passkey cases) per forward in evaluation")
-    parser.add_argument("--passkey-length", type=int, default=None,
-                        help="tokens per passkey case (default: the last --lengths)")
+    parser.add_argument(
+        "--export",
+        action="append",
+        default=[],
+        metavar="NAME=FOLDER",
+        help=f"an export trained before, NAME one of {', '.join(RUNS)}; repeatable",
+    )
+    parser.add_argument(
+        "--train",
+        nargs="*",
+        default=None,
+        choices=list(RUNS),
+        metavar="NAME",
+        help=f"train the runs missing: all, or those named and the runs they start from ({', '.join(RUNS)})",
+    )
+    parser.add_argument(
+        "--override", nargs="*", default=[], metavar="KEY=VALUE", help="recipe settings for every run trained"
+    )
+    parser.add_argument(
+        "--long-override",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="recipe settings for the full-context runs alone",
+    )
+    parser.add_argument(
+        "--lengths",
+        nargs="+",
+        type=int,
+        default=[2048, 8192],
+        help="evaluation lengths: the short runs' training length first, the model's full context last",
+    )
+    parser.add_argument(
+        "--windows", nargs="+", type=int, default=[40, 10], help="held-out windows per evaluation length"
+    )
+    parser.add_argument(
+        "--first-bucket", type=int, default=2048, help="position buckets [0, N), [N, 2N), [2N, 4N), ..."
+    )
+    parser.add_argument(
+        "--min-keys", type=int, default=512, help="captured mass counts queries with at least this many keys"
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=1, help="windows (and passkey cases) per forward in evaluation"
+    )
+    parser.add_argument(
+        "--passkey-length", type=int, default=None, help="tokens per passkey case (default: the last --lengths)"
+    )
     parser.add_argument("--passkey-cases", type=int, default=100, help="0: no passkey test")
     parser.add_argument("--passkey-seed", type=int, default=0, help="draws the passkey cases")
-    parser.add_argument("--passkey-filler", default="embedded:sample_prose",
-                        help="prose the passkey hides in")
-    parser.add_argument("--generate", action="store_true",
-                        help="score the passkey by greedy generation through the cache too (slow)")
-    parser.add_argument("--probe", nargs="*", default=[], metavar="NAME",
-                        help="run benchmarks/long_context_probe.py on these exports (or variants)")
-    parser.add_argument("--probe-windows", type=int, default=4,
-                        help="windows of the last length the probe reads")
+    parser.add_argument("--passkey-filler", default="embedded:sample_prose", help="prose the passkey hides in")
+    parser.add_argument(
+        "--generate", action="store_true", help="score the passkey by greedy generation through the cache too (slow)"
+    )
+    parser.add_argument(
+        "--probe",
+        nargs="*",
+        default=[],
+        metavar="NAME",
+        help="run benchmarks/long_context_probe.py on these exports (or variants)",
+    )
+    parser.add_argument("--probe-windows", type=int, default=4, help="windows of the last length the probe reads")
     args = parser.parse_args(argv)
     if len(args.windows) != len(args.lengths):
-        parser.error(f"--windows gives {len(args.windows)} counts for {len(args.lengths)} "
-                     "--lengths")
+        parser.error(f"--windows gives {len(args.windows)} counts for {len(args.lengths)} --lengths")
     if args.train is not None and not args.train_data:
         parser.error("--train needs --train-data")
     return args
@@ -334,43 +394,103 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"--probe {unknown[0]}: no such export; have {', '.join(names)}")
     evals = {}
     for length, windows in zip(args.lengths, args.windows, strict=True):
-        settings = {"model": args.model, "exports": names, "selections": selections,
-                    "windows": windows, "min_keys": args.min_keys,
-                    "first_bucket": args.first_bucket, "data": args.eval_data}
+        settings = {
+            "model": args.model,
+            "exports": names,
+            "selections": selections,
+            "windows": windows,
+            "min_keys": args.min_keys,
+            "first_bucket": args.first_bucket,
+            "data": args.eval_data,
+        }
+
         def evaluate(length: int = length, windows: int = windows) -> dict[str, Any]:
-            return evaluate_exports(args.model, names, args.eval_data, length, windows,
-                                    args.batch_size, "sparse", args.min_keys,
-                                    first_bucket=args.first_bucket, selections=selections)
+            return evaluate_exports(
+                args.model,
+                names,
+                args.eval_data,
+                length,
+                windows,
+                args.batch_size,
+                "sparse",
+                args.min_keys,
+                first_bucket=args.first_bucket,
+                selections=selections,
+            )
 
         evals[length] = stages.run(f"eval_{length}", settings, evaluate)
     passkey_length = args.passkey_length or args.lengths[-1]
-    compared = {name: folder for name, folder in names.items()
-                if name.startswith(("joint", "control"))}
-    passkey_settings = {"model": args.model, "exports": compared, "selections": selections,
-                        "cases": args.passkey_cases, "seed": args.passkey_seed,
-                        "filler": args.passkey_filler, "length": passkey_length,
-                        "generate": args.generate}
-    passkey = stages.run("passkey", passkey_settings, lambda: evaluate_passkey(
-        args.model, compared, args.passkey_filler, passkey_length, args.passkey_cases,
-        args.passkey_seed, args.batch_size, args.generate, selections=selections)) \
-        if args.passkey_cases else None
+    compared = {name: folder for name, folder in names.items() if name.startswith(("joint", "control"))}
+    passkey_settings = {
+        "model": args.model,
+        "exports": compared,
+        "selections": selections,
+        "cases": args.passkey_cases,
+        "seed": args.passkey_seed,
+        "filler": args.passkey_filler,
+        "length": passkey_length,
+        "generate": args.generate,
+    }
+    passkey = (
+        stages.run(
+            "passkey",
+            passkey_settings,
+            lambda: evaluate_passkey(
+                args.model,
+                compared,
+                args.passkey_filler,
+                passkey_length,
+                args.passkey_cases,
+                args.passkey_seed,
+                args.batch_size,
+                args.generate,
+                selections=selections,
+            ),
+        )
+        if args.passkey_cases
+        else None
+    )
     probes = {}
     for name in args.probe:
         train_len = trained_length(Path(names[name])) or args.lengths[0]
-        settings = {"model": args.model, "export": names[name], "windows": args.probe_windows,
-                    "length": args.lengths[-1], "train_len": train_len, "data": args.eval_data}
+        settings = {
+            "model": args.model,
+            "export": names[name],
+            "windows": args.probe_windows,
+            "length": args.lengths[-1],
+            "train_len": train_len,
+            "data": args.eval_data,
+        }
+
         def probe(name: str = name, train_len: int = train_len) -> dict[str, Any]:
-            return run_probe(args.model, names[name], args.eval_data, args.lengths[-1],
-                             args.probe_windows, train_len, None, args.min_keys,
-                             args.first_bucket, 512, "dense")
+            return run_probe(
+                args.model,
+                names[name],
+                args.eval_data,
+                args.lengths[-1],
+                args.probe_windows,
+                train_len,
+                None,
+                args.min_keys,
+                args.first_bucket,
+                512,
+                "dense",
+            )
 
         probes[name] = stages.run(f"probe_{name}", settings, probe)
         print_tables(probes[name])
     recipes = b"".join((RECIPES / RUNS[name][0]).read_bytes() for name in RUNS)
-    result = {"commit": git_commit(REPO), "recipes_sha256": hashlib.sha256(recipes).hexdigest(),
-              "exports": exports, "selections": selections, "training": training,
-              "evals": {str(length): report for length, report in evals.items()},
-              "passkey": passkey, "probes": probes, "summary": summary(evals, passkey)}
+    result = {
+        "commit": git_commit(REPO),
+        "recipes_sha256": hashlib.sha256(recipes).hexdigest(),
+        "exports": exports,
+        "selections": selections,
+        "training": training,
+        "evals": {str(length): report for length, report in evals.items()},
+        "passkey": passkey,
+        "probes": probes,
+        "summary": summary(evals, passkey),
+    }
     print_summary(result)
     write_result(Path(args.result), result)
     return result

@@ -2,7 +2,8 @@
 held-out slice of GSM8K train before and after, and on WikiText-2 validation before and after
 (what the domain fine-tune costs in general recall).
 
-python -m benchmarks.math_gate --init-from RUN/export --gsm8k PATH/gsm8k/train.jsonl --wikitext PATH/wikitext-2/valid.txt --out DIR
+python -m benchmarks.math_gate --init-from RUN/export --gsm8k PATH/gsm8k/train.jsonl \
+    --wikitext PATH/wikitext-2/valid.txt --out DIR
 """
 
 from __future__ import annotations
@@ -31,8 +32,12 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     out = Path(args.out)
-    math = [f"data.train.path={args.gsm8k}", "data.train.fields=[question,answer]", "logging.progress_bar=false",
-            *args.overrides]
+    math = [
+        f"data.train.path={args.gsm8k}",
+        "data.train.fields=[question,answer]",
+        "logging.progress_bar=false",
+        *args.overrides,
+    ]
     wiki = [f"data.eval.path={args.wikitext}", "data.seq_len=2048", "logging.recall_min_keys=512"]
 
     def recall(init_from: str, extra: list[str]) -> dict:
@@ -44,11 +49,14 @@ def main() -> None:
     trained = train_recipe(args.recipe, [*math, f"init_from={args.init_from}", f"output.dir={out / 'math_gate'}"])
     wikitext_after = recall(str(out / "math_gate" / "export"), wiki)
     result = {
-        "gsm8k_recall_before": gsm8k_before[RECALL], "gsm8k_recall_after": trained.final_metrics[RECALL],
-        "wikitext_recall_before": wikitext_before[RECALL], "wikitext_recall_after": wikitext_after[RECALL],
+        "gsm8k_recall_before": gsm8k_before[RECALL],
+        "gsm8k_recall_after": trained.final_metrics[RECALL],
+        "wikitext_recall_before": wikitext_before[RECALL],
+        "wikitext_recall_after": wikitext_after[RECALL],
         "gsm8k_gate_mass_before": gsm8k_before["gate_mass_k64"],
         "gsm8k_gate_mass_after": trained.final_metrics["gate_mass_k64"],
-        "gsm8k_oracle_mass": trained.final_metrics["oracle_mass_k64"], "losses": trained.losses,
+        "gsm8k_oracle_mass": trained.final_metrics["oracle_mass_k64"],
+        "losses": trained.losses,
         "init_from": args.init_from,
     }
     write_result(Path(args.result) if args.result else out / "math_gate.json", result)

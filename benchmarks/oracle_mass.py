@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import write_result
+from gsm_train.attention import gsm_collect, inject_gsm
 from gsm_train.config import GSMConfig
 from gsm_train.data import load_text_dataset, pack_tokens
 from gsm_train.model_zoo import load_model_and_tokenizer
-from gsm_train.modules import gsm_collect, inject_gsm
 
 
 @torch.no_grad()
@@ -45,16 +45,25 @@ def main() -> None:
             sums[layer] += torch.stack([s["oracle"], s["gate"], s["queries"]]).cpu()
     oracle = (sums[:, 0] / sums[:, 2]).tolist()
     gate = (sums[:, 1] / sums[:, 2]).tolist()
-    result = {"k": args.k, "windows": len(rows), "seq_len": args.seq_len, "min_keys": args.min_keys,
-              f"oracle_mass_k{args.k}": sum(oracle) / layers, f"oracle_mass_k{args.k}_min": min(oracle),
-              f"oracle_mass_k{args.k}_per_layer": oracle, f"gate_init_mass_k{args.k}": sum(gate) / layers,
-              f"gate_init_mass_k{args.k}_per_layer": gate}
+    result = {
+        "k": args.k,
+        "windows": len(rows),
+        "seq_len": args.seq_len,
+        "min_keys": args.min_keys,
+        f"oracle_mass_k{args.k}": sum(oracle) / layers,
+        f"oracle_mass_k{args.k}_min": min(oracle),
+        f"oracle_mass_k{args.k}_per_layer": oracle,
+        f"gate_init_mass_k{args.k}": sum(gate) / layers,
+        f"gate_init_mass_k{args.k}_per_layer": gate,
+    }
     write_result(Path(args.out) / "oracle_mass.json", result)
     print(f"{'layer':>5} {'oracle':>7} {'gate@init':>9}")
     for layer in range(layers):
         print(f"{layer:>5} {oracle[layer]:7.3f} {gate[layer]:9.3f}")
-    print(f"mean oracle mass @k={args.k}: {sum(oracle) / layers:.3f} (weakest layer {min(oracle):.3f}); "
-          f"step-0 gate {sum(gate) / layers:.3f}")
+    print(
+        f"mean oracle mass @k={args.k}: {sum(oracle) / layers:.3f} (weakest layer {min(oracle):.3f}); "
+        f"step-0 gate {sum(gate) / layers:.3f}"
+    )
 
 
 if __name__ == "__main__":

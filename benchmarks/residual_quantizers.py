@@ -65,6 +65,7 @@ def _per_token_rotated(residual: torch.Tensor, bits: int) -> torch.Tensor:
     rotation = hadamard_rotation(residual.shape[-1]).to(residual.device)
     return unrotated(fake_quant_per_token(rotated(residual, rotation), bits), rotation)
 
+
 # (key residual, value residual) quantizer of each ASQ proxy, on residuals [B, H, blocks, BLOCK, D]
 RESIDUAL_QUANTIZERS: dict[str, tuple[Quantizer, Quantizer]] = {
     "asq_per_token": (fake_quant_per_token, fake_quant_per_token),
@@ -73,8 +74,16 @@ RESIDUAL_QUANTIZERS: dict[str, tuple[Quantizer, Quantizer]] = {
     "asq_rotated": (_per_token_rotated, _per_token_rotated),
 }
 # (scheme, prototypes per block; None for kivi), run at every pair of BIT_PAIRS
-SETTINGS = (("kivi", None), ("asq_per_token", 16), ("asq_key_channels", 16), ("asq_key_channels_asymmetric", 16),
-            ("asq_rotated", 16), ("asq_per_token", 2), ("asq_key_channels", 2), ("asq_rotated", 2))
+SETTINGS = (
+    ("kivi", None),
+    ("asq_per_token", 16),
+    ("asq_key_channels", 16),
+    ("asq_key_channels_asymmetric", 16),
+    ("asq_rotated", 16),
+    ("asq_per_token", 2),
+    ("asq_key_channels", 2),
+    ("asq_rotated", 2),
+)
 
 
 def _quantized(x: torch.Tensor, scheme: str, clusters: int | None, bits: int, is_key: bool) -> torch.Tensor:
@@ -98,22 +107,30 @@ def main() -> None:
     def quantized(module: torch.nn.Module, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if not setting:
             return key, value
-        return (_quantized(key, setting["scheme"], setting["clusters"], setting["k_bits"], is_key=True),
-                _quantized(value, setting["scheme"], setting["clusters"], setting["v_bits"], is_key=False))
+        return (
+            _quantized(key, setting["scheme"], setting["clusters"], setting["k_bits"], is_key=True),
+            _quantized(value, setting["scheme"], setting["clusters"], setting["v_bits"], is_key=False),
+        )
 
     loss = kv_hooked_loss(model, rows, "gsm_residual_quantizers", quantized)
     base = loss()
-    print(f"base loss {base:.4f}\n{'scheme':28s} {'clusters':>8s} {'K bits':>6s} {'V bits':>6s} {'loss increase':>13s}",
-          flush=True)
+    print(
+        f"base loss {base:.4f}\n{'scheme':28s} {'clusters':>8s} {'K bits':>6s} {'V bits':>6s} {'loss increase':>13s}",
+        flush=True,
+    )
     results = []
     for k_bits, v_bits in BIT_PAIRS:
         for scheme, clusters in SETTINGS:
             setting.update(scheme=scheme, clusters=clusters, k_bits=k_bits, v_bits=v_bits)
             results.append({**setting, "loss_increase": loss() - base})
-            print(f"{scheme:28s} {clusters or '-':>8} {k_bits:6d} {v_bits:6d} {results[-1]['loss_increase']:+13.4f}",
-                  flush=True)
-    write_result(Path(args.result), {"windows": len(rows), "seq_len": args.seq_len, "block": BLOCK,
-                                     "base_loss": base, "rows": results})
+            print(
+                f"{scheme:28s} {clusters or '-':>8} {k_bits:6d} {v_bits:6d} {results[-1]['loss_increase']:+13.4f}",
+                flush=True,
+            )
+    write_result(
+        Path(args.result),
+        {"windows": len(rows), "seq_len": args.seq_len, "block": BLOCK, "base_loss": base, "rows": results},
+    )
 
 
 if __name__ == "__main__":

@@ -50,9 +50,9 @@ from typing import Any
 import torch
 
 from benchmarks.common import REPO, git_commit, write_result
+from gsm_train.attention import gsm_disabled
 from gsm_train.config import RecipeConfig, load_recipe
 from gsm_train.model_zoo import read_model_config
-from gsm_train.modules import gsm_disabled
 from gsm_train.session import Stage, TrainingSession
 from gsm_train.stages import GateWarmupStage, JointStage
 from gsm_train.step_graph import cuda_graph_blockers, use_cuda_graph
@@ -181,9 +181,7 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     tic = time.perf_counter()
-    session, captured = _session(
-        config, GateWarmupStage() if recipe == "gate_only.yaml" else JointStage()
-    )
+    session, captured = _session(config, GateWarmupStage() if recipe == "gate_only.yaml" else JointStage())
     row: dict[str, Any] = {
         "setup_s": time.perf_counter() - tic,
         "cuda_graph": captured,
@@ -253,12 +251,8 @@ def _summary(rows: dict[str, Any]) -> dict[str, Any]:
     gate = rows.get("gate_warmup", {})
     return {
         "gate_step_over_forward": gate.get("step_over_forward"),
-        "joint_lora_over_dense_lora_tokens_per_s": ratio(
-            "joint_lora", "dense_lora", "tokens_per_s"
-        ),
-        "joint_full_over_dense_full_tokens_per_s": ratio(
-            "joint_full", "dense_full", "tokens_per_s"
-        ),
+        "joint_lora_over_dense_lora_tokens_per_s": ratio("joint_lora", "dense_lora", "tokens_per_s"),
+        "joint_full_over_dense_full_tokens_per_s": ratio("joint_full", "dense_full", "tokens_per_s"),
         "joint_full_mfu": rows.get("joint_full", {}).get("mfu"),
         "gate_checkpoint_over_base": gate.get("checkpoint_over_base"),
         "gate_checkpoint_s": gate.get("checkpoint_s"),
@@ -287,15 +281,11 @@ def _print_table(rows: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--result", required=True, type=Path)
     parser.add_argument("--model", default="random-llama3-8b")
     parser.add_argument("--seq-len", type=int, default=8192)
-    parser.add_argument(
-        "--steps", type=int, default=5, help="timed steps per row, after two warm-up steps"
-    )
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per row, after two warm-up steps")
     parser.add_argument(
         "--set",
         nargs="*",
@@ -303,12 +293,8 @@ def main(argv: list[str] | None = None) -> None:
         metavar="KEY=VALUE",
         help="recipe overrides for every row (e.g. sizes a small --model needs)",
     )
-    parser.add_argument(
-        "--only", nargs="*", choices=list(ROWS), default=list(ROWS), help="rows to run"
-    )
-    parser.add_argument(
-        "--redo", nargs="*", choices=list(ROWS), default=[], help="measure these rows again"
-    )
+    parser.add_argument("--only", nargs="*", choices=list(ROWS), default=list(ROWS), help="rows to run")
+    parser.add_argument("--redo", nargs="*", choices=list(ROWS), default=[], help="measure these rows again")
     parser.add_argument(
         "--scratch",
         type=Path,
@@ -317,11 +303,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     settings = _settings(args)
-    rows = {
-        name: row
-        for name, row in _earlier_rows(args.result, settings).items()
-        if name not in args.redo
-    }
+    rows = {name: row for name, row in _earlier_rows(args.result, settings).items() if name not in args.redo}
     full_flops = model_flops_per_token(read_model_config(args.model), args.seq_len, "full")
     for name in args.only:
         if name in rows:

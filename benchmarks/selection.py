@@ -24,7 +24,7 @@ def main() -> None:
     args = kernel_benchmark_args(__doc__)
     torch.manual_seed(0)
     positions = torch.arange(KEYS, device="cuda")
-    queries = positions[KEYS - QUERIES:]
+    queries = positions[KEYS - QUERIES :]
     allowed = (positions[None, :] <= queries[:, None])[None, None]
     scores = torch.randn(BATCH, 1, QUERIES, KEYS, device="cuda").to(torch.bfloat16)
 
@@ -42,12 +42,15 @@ def main() -> None:
         return scores.masked_fill(~mask, float("-inf")).sort(dim=-1).values
 
     assert torch.equal(kept(pytorch_path()), kept(kernel())), "the two keep different scores"
-    rows = {name: {"gpu_ms": sum(row["ms_per_step"] for row in kernel_times(fn))}
-            for name, fn in {"pytorch_topk_scatter": pytorch_path, "triton_selection": kernel}.items()}
+    rows = {
+        name: {"gpu_ms": sum(row["ms_per_step"] for row in kernel_times(fn))}
+        for name, fn in {"pytorch_topk_scatter": pytorch_path, "triton_selection": kernel}.items()
+    }
     for name, row in rows.items():
         print(f"{name:22s} {row['gpu_ms'] * 1e3:8.1f} us of GPU kernels per chunk")
-    write_result(Path(args.result), {"shape": {"batch": BATCH, "queries": QUERIES, "keys": KEYS, "top_k": TOP_K},
-                                     "rows": rows})
+    write_result(
+        Path(args.result), {"shape": {"batch": BATCH, "queries": QUERIES, "keys": KEYS, "top_k": TOP_K}, "rows": rows}
+    )
 
 
 if __name__ == "__main__":

@@ -45,8 +45,13 @@ def main() -> None:
         for chunk in args.chunks:
             peak = peak_bytes(length, chunk, device)
             full = 9 * length * length * 4
-            rows.append({"seq_len": length, "chunk": chunk, "peak_mib": peak / 2**20, "full_attention_mib": full / 2**20})
-    write_result(Path(args.out) / "target_memory.json", {"rows": rows, "note": "the allowed mask [T, T] bool is an input, counted in peak"})
+            rows.append(
+                {"seq_len": length, "chunk": chunk, "peak_mib": peak / 2**20, "full_attention_mib": full / 2**20}
+            )
+    write_result(
+        Path(args.out) / "target_memory.json",
+        {"rows": rows, "note": "the allowed mask [T, T] bool is an input, counted in peak"},
+    )
     print(f"{'seq':>6} {'chunk':>6} {'peak MiB':>9} {'full [H,T,T] fp32 MiB':>22}")
     for r in rows:
         print(f"{r['seq_len']:>6} {r['chunk']:>6} {r['peak_mib']:9.1f} {r['full_attention_mib']:22.1f}")

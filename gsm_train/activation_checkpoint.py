@@ -32,8 +32,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from gsm_train.attention.forward_state import FORWARD_KWARG, ForwardState, GSMRecords
 from gsm_train.families import decoder_layers
-from gsm_train.modules.forward_state import FORWARD_KWARG, ForwardState, GSMRecords
 
 _MARK = "_gsm_activation_checkpointed"
 

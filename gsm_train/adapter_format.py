@@ -35,9 +35,7 @@ FORMAT = "gsm-train-adapter"
 FORMAT_VERSION = 6
 CONFIG_FILE = "gsm_config.json"
 GSM_FILE = "gsm_modules.safetensors"
-PEFT_FILE = (
-    "adapter_model.safetensors"  # formats 1-5: every exported tensor, under the model's names
-)
+PEFT_FILE = "adapter_model.safetensors"  # formats 1-5: every exported tensor, under the model's names
 PEFT_CONFIG_FILE = "adapter_config.json"
 BASE_FILE = "base_weights.safetensors"
 CARD_FILE = "README.md"
@@ -87,21 +85,13 @@ def read_config(folder: str | Path) -> dict[str, Any]:
     try:
         config = json.loads(path.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as err:
-        raise ExportError(
-            f"{path}: not UTF-8 text ({err.reason} at byte {err.start}); {_RE_EXPORT}"
-        ) from None
+        raise ExportError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start}); {_RE_EXPORT}") from None
     except json.JSONDecodeError as err:
         raise ExportError(f"{path}: not valid JSON ({err}); {_RE_EXPORT}") from None
     if not isinstance(config, dict):
-        raise ExportError(
-            f"{path}: holds a JSON {type(config).__name__}, not an object; {_RE_EXPORT}"
-        )
+        raise ExportError(f"{path}: holds a JSON {type(config).__name__}, not an object; {_RE_EXPORT}")
     version = config.get("format_version")
-    if (
-        config.get("format") != FORMAT
-        or type(version) is not int
-        or not 1 <= version <= FORMAT_VERSION
-    ):
+    if config.get("format") != FORMAT or type(version) is not int or not 1 <= version <= FORMAT_VERSION:
         raise ExportError(
             f"{path}: format {config.get('format')!r} version {version!r}, expected {FORMAT!r} "
             f"version 1 to {FORMAT_VERSION}; give a gsm-train export (a newer one needs a newer "
@@ -149,8 +139,7 @@ def _refuse_retired_grids(config: dict[str, Any], version: int, path: Path) -> N
         )
     if version < 3 and _asq_setting(config, "rotate_residuals"):
         raise ExportError(
-            f"{path}: format {version} with rotated ASQ residuals, which only format 3 and later "
-            f"hold; {_RE_EXPORT}"
+            f"{path}: format {version} with rotated ASQ residuals, which only format 3 and later hold; {_RE_EXPORT}"
         )
     if version == 1 and 2 in _residual_widths(config):
         raise ExportError(
@@ -185,14 +174,10 @@ def _check_fields(config: dict[str, Any], path: Path) -> None:
     try:
         GSMConfig.model_validate({key: config[key] for key in GSM_SECTIONS if key in config})
     except ValidationError as err:
-        raise ExportError(
-            f"{path}: invalid GSM settings: {_first_error(err)}; {_RE_EXPORT}"
-        ) from None
+        raise ExportError(f"{path}: invalid GSM settings: {_first_error(err)}; {_RE_EXPORT}") from None
     base = config.get("base_model")
     if not isinstance(base, dict):
-        raise ExportError(
-            f"{path}: no 'base_model' object (the base the adapter was trained on); {_RE_EXPORT}"
-        )
+        raise ExportError(f"{path}: no 'base_model' object (the base the adapter was trained on); {_RE_EXPORT}")
     absent = [key for key in (*BASE_CHECKED, "name_or_path", "fingerprint_rule") if key not in base]
     if absent:
         raise ExportError(f"{path}: base_model lacks {', '.join(absent)}; {_RE_EXPORT}")
@@ -206,13 +191,10 @@ def _check_fields(config: dict[str, Any], path: Path) -> None:
         try:
             LoraSettings.model_validate(lora)
         except ValidationError as err:
-            raise ExportError(
-                f"{path}: invalid lora block: {_first_error(err, 'lora')}; {_RE_EXPORT}"
-            ) from None
+            raise ExportError(f"{path}: invalid lora block: {_first_error(err, 'lora')}; {_RE_EXPORT}") from None
     if not isinstance(config.get("includes_base_weights", False), bool):
         raise ExportError(
-            f"{path}: includes_base_weights is {config['includes_base_weights']!r}, not true or "
-            f"false; {_RE_EXPORT}"
+            f"{path}: includes_base_weights is {config['includes_base_weights']!r}, not true or false; {_RE_EXPORT}"
         )
     files = config.get("files")
     if not isinstance(files, dict) or not files:
@@ -220,13 +202,11 @@ def _check_fields(config: dict[str, Any], path: Path) -> None:
     for name, entry in files.items():
         if name not in TENSOR_FILES:
             raise ExportError(
-                f"{path}: files lists {name!r}; an export's tensor files are "
-                f"{', '.join(TENSOR_FILES)}; {_RE_EXPORT}"
+                f"{path}: files lists {name!r}; an export's tensor files are {', '.join(TENSOR_FILES)}; {_RE_EXPORT}"
             )
         tensors = entry.get("tensors") if isinstance(entry, dict) else None
         well_formed = isinstance(tensors, dict) and all(
-            isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
-            for shape in tensors.values()
+            isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape) for shape in tensors.values()
         )
         if not well_formed or entry.get("names") not in NAMINGS:
             raise ExportError(
@@ -250,8 +230,7 @@ def read_tensors(folder: str | Path, config: dict[str, Any]) -> ExportTensors:
         path = folder / file
         if not path.is_file():
             raise ExportError(
-                f"{path}: missing, but {CONFIG_FILE} lists it; the export is incomplete, copy it "
-                "again or re-export it"
+                f"{path}: missing, but {CONFIG_FILE} lists it; the export is incomplete, copy it again or re-export it"
             )
         try:
             with safe_open(str(path), framework="pt") as handle:

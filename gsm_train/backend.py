@@ -52,8 +52,9 @@ class FSDP2Backend:
         self.params: list[nn.Parameter] = []
         self.grads_in_place = False  # a captured step adds into fixed .grad buffers: zero them, never drop them
 
-    def prepare(self, model: nn.Module, make_optimizer: OptimizerFactory, info: DistInfo,
-                compute_dtype: torch.dtype | None) -> tuple[nn.Module, torch.optim.Optimizer]:
+    def prepare(
+        self, model: nn.Module, make_optimizer: OptimizerFactory, info: DistInfo, compute_dtype: torch.dtype | None
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
         self.is_main = info.is_main
         if info.distributed and self.config.distributed.fsdp == "auto":
             shard_model(model, compute_dtype)
@@ -63,8 +64,7 @@ class FSDP2Backend:
     def backward(self, loss: Tensor, boundary: bool) -> None:
         loss.backward()
 
-    def step(self, optimizer: torch.optim.Optimizer,
-             update_if: Callable[[Tensor], bool] | None = None) -> Tensor:
+    def step(self, optimizer: torch.optim.Optimizer, update_if: Callable[[Tensor], bool] | None = None) -> Tensor:
         norm = clip_grad_norm(self.params, self.config.optim.max_grad_norm)
         if update_if is None or update_if(norm):
             optimizer.step()
@@ -89,12 +89,19 @@ class FSDP2Backend:
     def trainable_tensors(self, model: nn.Module, trainable: set[str]) -> dict[str, Tensor]:
         return trainable_state(model, trainable)
 
-    def save_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path,
-                   tensors: dict[str, Tensor], info: DistInfo) -> None:
+    def save_state(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        folder: Path,
+        tensors: dict[str, Tensor],
+        info: DistInfo,
+    ) -> None:
         save_sharded(folder, tensors, model, optimizer)
 
-    def load_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path,
-                   trainable: set[str], info: DistInfo) -> None:
+    def load_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path, trainable: set[str], info: DistInfo
+    ) -> None:
         load_sharded(folder, model, optimizer, trainable)
 
 
@@ -105,18 +112,37 @@ def uses_deepspeed() -> bool:
 
 def _plugin_problems(plugin: DeepSpeedPlugin, config: RecipeConfig) -> list[Problem]:
     """Settings of the accelerate config that contradict the recipe."""
-    pairs = (("gradient_clipping", plugin.gradient_clipping, "optim.max_grad_norm", config.optim.max_grad_norm),
-             ("gradient_accumulation_steps", plugin.gradient_accumulation_steps, "train.grad_accum",
-              config.train.grad_accum))
-    problems = [Problem(f"deepspeed_config.{key}", value, f"differs from the recipe's {field} ({wanted})",
-                        f"set {key}: {wanted} in the accelerate config (or 'auto'), or change {field}")
-                for key, value, field, wanted in pairs if value not in ("auto", None) and float(value) != float(wanted)]
+    pairs = (
+        ("gradient_clipping", plugin.gradient_clipping, "optim.max_grad_norm", config.optim.max_grad_norm),
+        (
+            "gradient_accumulation_steps",
+            plugin.gradient_accumulation_steps,
+            "train.grad_accum",
+            config.train.grad_accum,
+        ),
+    )
+    problems = [
+        Problem(
+            f"deepspeed_config.{key}",
+            value,
+            f"differs from the recipe's {field} ({wanted})",
+            f"set {key}: {wanted} in the accelerate config (or 'auto'), or change {field}",
+        )
+        for key, value, field, wanted in pairs
+        if value not in ("auto", None) and float(value) != float(wanted)
+    ]
     precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     if precision != "no" and config.distributed.mixed_precision == "no":
-        problems.append(Problem("mixed_precision", precision, "DeepSpeed would store every parameter in "
-                                f"{precision}, but the recipe's distributed.mixed_precision is 'no'",
-                                "set mixed_precision: 'no' in the accelerate config, or distributed.mixed_precision: "
-                                "bf16 in the recipe"))
+        problems.append(
+            Problem(
+                "mixed_precision",
+                precision,
+                "DeepSpeed would store every parameter in "
+                f"{precision}, but the recipe's distributed.mixed_precision is 'no'",
+                "set mixed_precision: 'no' in the accelerate config, or distributed.mixed_precision: "
+                "bf16 in the recipe",
+            )
+        )
     return problems
 
 
@@ -126,21 +152,31 @@ def _fsdp2_launch_problems(config: RecipeConfig) -> list[Problem]:
     then arrives as FSDP_* variables) and a mixed precision other than the recipe's."""
     problems = []
     if parse_flag_from_env("ACCELERATE_USE_FSDP"):
-        problems.append(Problem(
-            "distributed_type", "FSDP", "gsm-train shards with its own FSDP2 (fully_shard per GSM "
-            "module, per decoder layer, then the root) whenever several processes run, so "
-            "accelerate's FSDP plugin and its fsdp_config would be ignored",
-            "launch with launch/multi_gpu.yaml (distributed_type: MULTI_GPU, no fsdp_config); the "
-            "recipe's distributed.fsdp switches sharding"))
+        problems.append(
+            Problem(
+                "distributed_type",
+                "FSDP",
+                "gsm-train shards with its own FSDP2 (fully_shard per GSM "
+                "module, per decoder layer, then the root) whenever several processes run, so "
+                "accelerate's FSDP plugin and its fsdp_config would be ignored",
+                "launch with launch/multi_gpu.yaml (distributed_type: MULTI_GPU, no fsdp_config); the "
+                "recipe's distributed.fsdp switches sharding",
+            )
+        )
     precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
     recipe_precision = config.distributed.mixed_precision
     if precision not in ("no", "bf16") or (precision == "bf16" and recipe_precision == "no"):
-        problems.append(Problem(
-            "mixed_precision", precision, "gsm-train applies mixed precision itself, as the "
-            f"recipe's distributed.mixed_precision ({recipe_precision!r}) says: bf16 compute, fp32 "
-            "trainables",
-            "set mixed_precision: 'no' in the accelerate config, and distributed.mixed_precision: "
-            "bf16 (or auto: bf16 on GPUs) in the recipe for bf16"))
+        problems.append(
+            Problem(
+                "mixed_precision",
+                precision,
+                "gsm-train applies mixed precision itself, as the "
+                f"recipe's distributed.mixed_precision ({recipe_precision!r}) says: bf16 compute, fp32 "
+                "trainables",
+                "set mixed_precision: 'no' in the accelerate config, and distributed.mixed_precision: "
+                "bf16 (or auto: bf16 on GPUs) in the recipe for bf16",
+            )
+        )
     return problems
 
 
@@ -159,23 +195,35 @@ def select_backend(config: RecipeConfig) -> Backend:
     try:
         import deepspeed  # noqa: F401
     except ImportError as err:
-        problems.insert(0, Problem("distributed_type", "DEEPSPEED",
-                                   f"the accelerate config asks for DeepSpeed, but `import deepspeed` failed ({err})",
-                                   "pip install 'gsm-train[deepspeed]', or launch with an FSDP2 config such as "
-                                   "launch/multi_gpu.yaml"))
+        problems.insert(
+            0,
+            Problem(
+                "distributed_type",
+                "DEEPSPEED",
+                f"the accelerate config asks for DeepSpeed, but `import deepspeed` failed ({err})",
+                "pip install 'gsm-train[deepspeed]', or launch with an FSDP2 config such as launch/multi_gpu.yaml",
+            ),
+        )
     if config.optim.state_dtype != "fp32":
-        problems.append(Problem("optim.state_dtype", config.optim.state_dtype,
-                                "DeepSpeed keeps its optimizer's state itself, in fp32",
-                                "set optim.state_dtype: fp32, or launch with an FSDP2 config"))
+        problems.append(
+            Problem(
+                "optim.state_dtype",
+                config.optim.state_dtype,
+                "DeepSpeed keeps its optimizer's state itself, in fp32",
+                "set optim.state_dtype: fp32, or launch with an FSDP2 config",
+            )
+        )
     if config.train.max_skipped_steps:
-        problems.append(Problem("train.max_skipped_steps", config.train.max_skipped_steps,
-                                "skipping a step needs its gradient norm before the update, which "
-                                "the DeepSpeed engine does not give",
-                                "set train.max_skipped_steps: 0 (a non-finite step stops the run), "
-                                "or launch with an FSDP2 config"))
+        problems.append(
+            Problem(
+                "train.max_skipped_steps",
+                config.train.max_skipped_steps,
+                "skipping a step needs its gradient norm before the update, which the DeepSpeed engine does not give",
+                "set train.max_skipped_steps: 0 (a non-finite step stops the run), or launch with an FSDP2 config",
+            )
+        )
     if problems:
         raise ConfigError(_SOURCE, problems)
     from gsm_train.deepspeed_backend import DeepSpeedBackend
 
     return DeepSpeedBackend(config, plugin)
-

@@ -25,15 +25,17 @@ class Backend(Protocol):
     # what its checkpoints hold: "dcp" (sharded; resumes on any number of processes), or its own
     checkpoint_format: str
 
-    def prepare(self, model: nn.Module, make_optimizer: OptimizerFactory, info: DistInfo,
-                compute_dtype: torch.dtype | None) -> tuple[nn.Module, torch.optim.Optimizer]:
+    def prepare(
+        self, model: nn.Module, make_optimizer: OptimizerFactory, info: DistInfo, compute_dtype: torch.dtype | None
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
         """Wrap the model (the returned one runs forward) and build the AdamW the schedule drives."""
 
     def backward(self, loss: Tensor, boundary: bool) -> None:
         """Backward of one micro-batch; `boundary` marks the last one of the step."""
 
-    def step(self, optimizer: torch.optim.Optimizer,
-             update_if: Callable[[Tensor], bool] | None = None) -> Tensor | float:
+    def step(
+        self, optimizer: torch.optim.Optimizer, update_if: Callable[[Tensor], bool] | None = None
+    ) -> Tensor | float:
         """Clip the global gradient norm, update, zero the gradients; return the norm before clipping (a
         tensor stays on the device, so the host queues the update before it waits to read the norm).
         With `update_if`, the update runs only if it returns True for the norm (the gradients are
@@ -54,12 +56,19 @@ class Backend(Protocol):
         """What this rank holds of each trainable for a checkpoint (FSDP2: its shards, nothing
         gathered; DeepSpeed: full fp32 tensors on rank 0, nothing on the others); collective."""
 
-    def save_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path,
-                   tensors: dict[str, Tensor], info: DistInfo) -> None:
+    def save_state(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        folder: Path,
+        tensors: dict[str, Tensor],
+        info: DistInfo,
+    ) -> None:
         """Write `tensors` (`trainable_tensors`) and the optimizer state into a checkpoint folder;
         collective."""
 
-    def load_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path,
-                   trainable: set[str], info: DistInfo) -> None:
+    def load_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path, trainable: set[str], info: DistInfo
+    ) -> None:
         """Restore the trainables and the optimizer state from a checkpoint folder this backend
         wrote (at another number of processes only in the `dcp` format); collective."""

@@ -44,6 +44,7 @@ from torch import nn
 
 from gsm_train.backend_protocol import FULL_TRAINABLES_FILE, Backend
 from gsm_train.distributed import DistInfo, barrier
+from gsm_train.durable import fsync_path, write_durable
 from gsm_train.finite_guard import refuse_non_finite
 from gsm_train.sharded_checkpoint import DCP_FOLDER, DCP_FORMAT, read_full_tensors
 
@@ -80,27 +81,6 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-
-
-def fsync_path(path: Path) -> None:
-    """Flush a file's or a folder's entries to the disk (a folder: the names in it)."""
-    handle = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(handle)
-    finally:
-        os.close(handle)
-
-
-def write_durable(path: Path, text: str) -> None:
-    """Replace `path` with `text` atomically and durably: written beside, fsync'ed, renamed, and the
-    folder fsync'ed (a crash leaves the old content or the new, never a mix)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    fsync_path(path.parent)
 
 
 def _digest(path: Path) -> dict[str, Any]:
@@ -150,8 +130,7 @@ def verify_checkpoint(folder: Path) -> str | None:
             return f"{path} is missing"
         size = path.stat().st_size
         if size != expected["size"]:
-            return (f"{path} has {size} bytes, the manifest says {expected['size']} (truncated or "
-                    "altered)")
+            return f"{path} has {size} bytes, the manifest says {expected['size']} (truncated or altered)"
         if _digest(path)["sha256"] != expected["sha256"]:
             return f"{path} does not match its sha256 in the manifest (altered or damaged)"
     return None
@@ -181,8 +160,7 @@ def read_state(folder: Path) -> dict[str, Any]:
 def checkpoint_folders(run_dir: Path) -> list[Path]:
     """The run's checkpoint folders (complete or not; temporary ones excluded), newest first."""
     folder = run_dir / "checkpoints"
-    found = [p for p in folder.glob(f"{STEP_PREFIX}*")
-             if p.is_dir() and p.name.removeprefix(STEP_PREFIX).isdigit()]
+    found = [p for p in folder.glob(f"{STEP_PREFIX}*") if p.is_dir() and p.name.removeprefix(STEP_PREFIX).isdigit()]
     return sorted(found, key=checkpoint_step, reverse=True)
 
 
@@ -212,53 +190,65 @@ def resolve_resume(resume_from: str | None, run_dir: Path) -> Path | None:
         return found
     path = Path(resume_from)
     if not (path / STATE).is_file() and not (path / MANIFEST).is_file():
-        raise CheckpointError(f"output.resume_from={resume_from!r} is not a checkpoint (no "
-                              f"{STATE}); give a RUN/checkpoints/step_N folder, or --resume auto")
+        raise CheckpointError(
+            f"output.resume_from={resume_from!r} is not a checkpoint (no "
+            f"{STATE}); give a RUN/checkpoints/step_N folder, or --resume auto"
+        )
     problem = verify_checkpoint(path)
     if problem is not None:
         good, _ = newest_good_checkpoint(path.parent.parent)
         other = f"; {good} verifies" if good is not None else ""
-        raise CheckpointError(f"output.resume_from={resume_from!r} is damaged: {problem}{other}; "
-                              "resume from a checkpoint that verifies, or --resume auto")
+        raise CheckpointError(
+            f"output.resume_from={resume_from!r} is damaged: {problem}{other}; "
+            "resume from a checkpoint that verifies, or --resume auto"
+        )
     return path
 
 
-def check_resumable(state: dict[str, Any], folder: Path, backend: str, world_size: int,
-                    batch_size: int) -> None:
+def check_resumable(state: dict[str, Any], folder: Path, backend: str, world_size: int, batch_size: int) -> None:
     """Refuse a checkpoint this run cannot continue: written by another backend, in FSDP2's former
     full-tensor format, or at another number of processes where the format cannot reshard or the
     data position would not carry over (see the module docstring)."""
     written_by, fmt = state.get("backend", "fsdp2"), state.get("format")
     written_at = state.get("world_size")
     if written_by != backend:
-        raise CheckpointError(f"checkpoint {folder} was written with {written_by}, this run "
-                              f"has {backend}; resume with the backend that wrote it (accelerate "
-                              "config)")
+        raise CheckpointError(
+            f"checkpoint {folder} was written with {written_by}, this run "
+            f"has {backend}; resume with the backend that wrote it (accelerate "
+            "config)"
+        )
     if backend == "fsdp2" and fmt != DCP_FORMAT:
-        raise CheckpointError(f"checkpoint {folder} holds full tensors "
-                              f"({FULL_TRAINABLES_FILE}), as FSDP2 checkpoints were before they "
-                              "were sharded, which this gsm-train does not resume; export it "
-                              f"(gsm-train export {folder} OUT), or resume with the gsm-train that "
-                              "wrote it")
+        raise CheckpointError(
+            f"checkpoint {folder} holds full tensors "
+            f"({FULL_TRAINABLES_FILE}), as FSDP2 checkpoints were before they "
+            "were sharded, which this gsm-train does not resume; export it "
+            f"(gsm-train export {folder} OUT), or resume with the gsm-train that "
+            "wrote it"
+        )
     if written_at == world_size:
         return
     if fmt != DCP_FORMAT:
-        raise CheckpointError(f"checkpoint {folder} was written by {written_at} processes with "
-                              f"{written_by}, this run has {world_size}; resume with {written_at} "
-                              "processes (DeepSpeed checkpoints do not reshard)")
+        raise CheckpointError(
+            f"checkpoint {folder} was written by {written_at} processes with "
+            f"{written_by}, this run has {world_size}; resume with {written_at} "
+            "processes (DeepSpeed checkpoints do not reshard)"
+        )
     rows = state["data"]["global_batch_size"]
-    taken = (f"checkpoint {folder} was written by {written_at} processes taking {rows} rows a "
-             "micro-step")
+    taken = f"checkpoint {folder} was written by {written_at} processes taking {rows} rows a micro-step"
     if rows % world_size:
-        raise CheckpointError(f"{taken}, which do not split evenly over {world_size} processes; "
-                              f"resume on a number of processes that divides {rows}, with "
-                              f"train.batch_size = {rows} / that number, so that the data "
-                              "continues where it stopped")
+        raise CheckpointError(
+            f"{taken}, which do not split evenly over {world_size} processes; "
+            f"resume on a number of processes that divides {rows}, with "
+            f"train.batch_size = {rows} / that number, so that the data "
+            "continues where it stopped"
+        )
     if batch_size * world_size != rows:
-        raise CheckpointError(f"{taken}; this run's {world_size} take {batch_size * world_size} "
-                              f"(train.batch_size {batch_size} each); set train.batch_size="
-                              f"{rows // world_size} so that the data continues where it stopped, "
-                              f"or resume on {written_at} processes")
+        raise CheckpointError(
+            f"{taken}; this run's {world_size} take {batch_size * world_size} "
+            f"(train.batch_size {batch_size} each); set train.batch_size="
+            f"{rows // world_size} so that the data continues where it stopped, "
+            f"or resume on {written_at} processes"
+        )
 
 
 def _own_digests(folder: Path, info: DistInfo) -> dict[str, dict[str, Any]]:
@@ -282,9 +272,19 @@ def _gathered(entries: dict[str, Any], info: DistInfo) -> dict[str, Any]:
     return {name: entry for part in found for name, entry in part.items()}
 
 
-def save_checkpoint(run_dir: Path, step: int, backend: Backend, model: nn.Module,
-                    optimizer: torch.optim.Optimizer, scheduler: Any, data_state: dict,
-                    trainable: set[str], info: DistInfo, keep: int, run: dict[str, Any]) -> Path:
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    backend: Backend,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    data_state: dict,
+    trainable: set[str],
+    info: DistInfo,
+    keep: int,
+    run: dict[str, Any],
+) -> Path:
     """Write a complete checkpoint (collective: every rank calls it and writes its part); return
     its folder. `run`: the run's identity stored in state.json (`run_id`, `recipe`). Raises
     NonFiniteError on every rank, writing nothing, if a trainable tensor holds NaN or an
@@ -301,9 +301,15 @@ def save_checkpoint(run_dir: Path, step: int, backend: Backend, model: nn.Module
     backend.save_state(model, optimizer, tmp, tensors, info)
     digests = _gathered(_own_digests(tmp, info), info)
     if info.is_main:
-        meta = {"step": step, **run, "backend": backend.name, "format": backend.checkpoint_format,
-                "world_size": info.world_size, "scheduler": scheduler.state_dict(),
-                "data": data_state}
+        meta = {
+            "step": step,
+            **run,
+            "backend": backend.name,
+            "format": backend.checkpoint_format,
+            "world_size": info.world_size,
+            "scheduler": scheduler.state_dict(),
+            "data": data_state,
+        }
         (tmp / STATE).write_text(json.dumps(meta, indent=2))
         write_manifest(tmp, digests)
         shutil.rmtree(final, ignore_errors=True)  # a damaged one of the same step, resumed past
@@ -328,13 +334,20 @@ def _prune(run_dir: Path, keep: int, run_id: str, newest: Path) -> None:
             continue
         if owner == run_id:
             older.append(folder)
-    for folder in older[keep - 1:]:
+    for folder in older[keep - 1 :]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def load_checkpoint(path: Path, backend: Backend, model: nn.Module,
-                    optimizer: torch.optim.Optimizer, scheduler: Any, trainable: set[str],
-                    batch_size: int, info: DistInfo) -> dict:
+def load_checkpoint(
+    path: Path,
+    backend: Backend,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    trainable: set[str],
+    batch_size: int,
+    info: DistInfo,
+) -> dict:
     """Restore the trainables, optimizer, scheduler and random state (collective); return the saved
     state (step, data position). `trainable`: the names of the trainables; `batch_size`: this run's
     `train.batch_size` (checked, with the number of processes, by `check_resumable`)."""

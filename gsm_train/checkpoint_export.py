@@ -15,9 +15,9 @@ from gsm_train.checkpoint import read_trainables
 from gsm_train.config import load_recipe
 from gsm_train.export import ExportError, export_adapter, export_destination
 from gsm_train.model_zoo import load_model_and_tokenizer
-from gsm_train.stages import STAGES
 from gsm_train.session import export_options
 from gsm_train.sharded_checkpoint import DCP_FOLDER
+from gsm_train.stages import STAGES
 
 
 def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path) -> Path:
@@ -26,12 +26,13 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path) -> Path:
     the new one is complete."""
     checkpoint = Path(checkpoint_dir).resolve()
     recipe = checkpoint.parents[1] / "recipe.resolved.yaml"
-    holds_weights = ((checkpoint / DCP_FOLDER).is_dir()
-                     or (checkpoint / FULL_TRAINABLES_FILE).is_file())
+    holds_weights = (checkpoint / DCP_FOLDER).is_dir() or (checkpoint / FULL_TRAINABLES_FILE).is_file()
     if not holds_weights or not recipe.is_file():
-        raise ExportError(f"{checkpoint}: not a checkpoint of a gsm-train run (need {DCP_FOLDER}/ "
-                          f"or {FULL_TRAINABLES_FILE} here and {recipe.name} two folders up); "
-                          "give RUN/checkpoints/step_N")
+        raise ExportError(
+            f"{checkpoint}: not a checkpoint of a gsm-train run (need {DCP_FOLDER}/ "
+            f"or {FULL_TRAINABLES_FILE} here and {recipe.name} two folders up); "
+            "give RUN/checkpoints/step_N"
+        )
     export_destination(out_dir)  # refused before the model loads when it holds anything else
     config = load_recipe(recipe)
     torch.manual_seed(config.train.seed)  # as the run did: frozen modules initialised at random are not in checkpoints
@@ -41,8 +42,9 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path) -> Path:
         weights = read_trainables(checkpoint)
     except (SafetensorError, CheckpointException, OSError, ValueError, RuntimeError) as err:
         reason = " ".join(str(err).split())[:300]  # a damaged file
-        raise ExportError(f"{checkpoint}: its trainables cannot be read ({reason}); export an "
-                          "earlier checkpoint of the run") from None
+        raise ExportError(
+            f"{checkpoint}: its trainables cannot be read ({reason}); export an earlier checkpoint of the run"
+        ) from None
     result = model.load_state_dict(weights, strict=False)
     if result.unexpected_keys:
         raise ExportError(f"{checkpoint}: tensors {result.unexpected_keys[:3]} do not fit the recipe's model")

@@ -18,11 +18,18 @@ from gsm_train.export import ExportError
 from gsm_train.generate import generate
 from gsm_train.hub import PublishError, publish_export
 from gsm_train.inspect_model import inspect_model
-from gsm_train.passkey import evaluate_passkey
-from gsm_train.passkey import write_report as write_passkey_report
 from gsm_train.modules.errors import GSMError
+from gsm_train.passkey import evaluate_passkey
+from gsm_train.passkey import markdown_table as passkey_table
 from gsm_train.train import add_start_flags
 from gsm_train.train import main as train_main
+
+
+def _print_written(table: Path) -> int:
+    """Print a written report's markdown table and where it and its JSON are; exit status 0."""
+    print(table.read_text(), end="")
+    print(f"written: {table} and {table.with_suffix('.json')}")
+    return 0
 
 
 def _positive_int(text: str) -> int:
@@ -44,8 +51,11 @@ def _validate(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     argv = ["--recipe", args.recipe, *args.overrides] + (["--resume", args.resume] if args.resume else [])
-    flags = [flag for flag, on in (("--overwrite", args.overwrite),
-                                   ("--allow-recipe-change", args.allow_recipe_change)) if on]
+    flags = [
+        flag
+        for flag, on in (("--overwrite", args.overwrite), ("--allow-recipe-change", args.allow_recipe_change))
+        if on
+    ]
     return train_main([*argv, *flags])
 
 
@@ -78,21 +88,34 @@ def _eval(args: argparse.Namespace) -> int:
         if not sep or not key:
             raise ExportError(f"--select {item!r}: give FIELD=VALUE, e.g. --select top_k=1024")
         selection[key] = yaml.safe_load(value)
-    report = evaluate_exports(args.model, exports, args.data, args.seq_len, args.windows, args.batch_size, args.mode,
-                              args.min_keys, first_bucket=args.first_bucket, selection=selection)
-    table = write_report(report, args.out)
-    print(table.read_text(), end="")
-    print(f"written: {table} and {table.with_suffix('.json')}")
-    return 0
+    report = evaluate_exports(
+        args.model,
+        exports,
+        args.data,
+        args.seq_len,
+        args.windows,
+        args.batch_size,
+        args.mode,
+        args.min_keys,
+        first_bucket=args.first_bucket,
+        selection=selection,
+    )
+    return _print_written(write_report(report, args.out))
 
 
 def _passkey(args: argparse.Namespace) -> int:
-    report = evaluate_passkey(args.model, _exports(args.export), args.filler, args.length,
-                              args.cases, args.seed, args.batch_size, args.generate, args.mode)
-    table = write_passkey_report(report, args.out)
-    print(table.read_text(), end="")
-    print(f"written: {table} and {table.with_suffix('.json')}")
-    return 0
+    report = evaluate_passkey(
+        args.model,
+        _exports(args.export),
+        args.filler,
+        args.length,
+        args.cases,
+        args.seed,
+        args.batch_size,
+        args.generate,
+        args.mode,
+    )
+    return _print_written(write_report(report, args.out, "passkey", passkey_table))
 
 
 def _prompt_text(args: argparse.Namespace) -> str:
@@ -104,34 +127,52 @@ def _prompt_text(args: argparse.Namespace) -> str:
         source = f"--prompt-file {args.prompt_file}"
         path = Path(args.prompt_file)
         if not path.is_file():
-            raise DataError(source, "no such file",
-                            "give a UTF-8 text file, or the text itself with --prompt")
+            raise DataError(source, "no such file", "give a UTF-8 text file, or the text itself with --prompt")
         try:
             text = path.read_bytes().decode("utf-8")
         except UnicodeDecodeError as err:
-            raise DataError(source, f"not UTF-8 text ({err.reason} at byte {err.start})",
-                            "save the prompt as UTF-8, or give the text itself with --prompt"
-                            ) from None
+            raise DataError(
+                source,
+                f"not UTF-8 text ({err.reason} at byte {err.start})",
+                "save the prompt as UTF-8, or give the text itself with --prompt",
+            ) from None
     if not text.strip():
         raise DataError(source, "the prompt is empty", "give some text to continue")
     return text
 
 
 def _generate(args: argparse.Namespace) -> int:
-    runs = generate(args.model, args.adapter, _prompt_text(args), args.max_new_tokens, args.mode,
-                    revision=args.revision, compare_dense=args.compare_dense, echo=True)
+    runs = generate(
+        args.model,
+        args.adapter,
+        _prompt_text(args),
+        args.max_new_tokens,
+        args.mode,
+        revision=args.revision,
+        compare_dense=args.compare_dense,
+        echo=True,
+    )
     print()
     for run in runs:
         print(f"--- {run.summary()}", file=sys.stderr)
     if len(runs) == 2 and runs[1].decode_tokens_per_s > 0:
-        print(f"--- decode speed-up over the dense base: {runs[0].decode_tokens_per_s / runs[1].decode_tokens_per_s:.2f}x",
-              file=sys.stderr)
+        print(
+            f"--- decode speed-up over the dense base: "
+            f"{runs[0].decode_tokens_per_s / runs[1].decode_tokens_per_s:.2f}x",
+            file=sys.stderr,
+        )
     return 0
 
 
 def _publish(args: argparse.Namespace) -> int:
-    where = publish_export(args.export, args.repo_id, private=args.private, revision=args.revision,
-                           endpoint=args.endpoint, base_model_id=args.base_model_id)
+    where = publish_export(
+        args.export,
+        args.repo_id,
+        private=args.private,
+        revision=args.revision,
+        endpoint=args.endpoint,
+        base_model_id=args.base_model_id,
+    )
     print(f"published {args.export} to {args.repo_id}: {where}")
     return 0
 
@@ -156,67 +197,87 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("overrides", nargs="*", help="key.sub=value applied to the recipe")
     inspect.set_defaults(run=_inspect)
     evaluate = commands.add_parser("eval", help="perplexity, KV bytes and gate recall of the base and exports")
-    evaluate.add_argument("--model", default=None,
-                          help="the base model (default: the one the first export names)")
+    evaluate.add_argument("--model", default=None, help="the base model (default: the one the first export names)")
     evaluate.add_argument("--data", required=True, help="evaluation text (file, folder, glob, embedded:NAME, hf://...)")
-    evaluate.add_argument("--export", action="append", default=[],
-                          help="NAME=FOLDER or NAME=ORG/REPO (a Hub repo id), repeatable")
+    evaluate.add_argument(
+        "--export", action="append", default=[], help="NAME=FOLDER or NAME=ORG/REPO (a Hub repo id), repeatable"
+    )
     evaluate.add_argument("--seq-len", type=_positive_int, default=2048)
     evaluate.add_argument("--windows", type=_positive_int, default=40, help="non-overlapping windows to evaluate")
     evaluate.add_argument("--batch-size", type=_positive_int, default=1)
-    evaluate.add_argument("--mode", choices=("sparse", "oracle", "dense"), default="sparse",
-                          help="main attention of the exports (inference runs sparse)")
-    evaluate.add_argument("--min-keys", type=_positive_int, default=512, help="recall counts queries with at least this many keys")
-    evaluate.add_argument("--first-bucket", type=_positive_int, default=2048,
-                          help="figures also per query-position bucket: [0, N), [N, 2N), "
-                               "[2N, 4N), ... up to --seq-len")
-    evaluate.add_argument("--select", action="append", default=[], metavar="FIELD=VALUE",
-                          help="run the exports with this sparse_attention selection field "
-                               "instead of their own (top_k, k_min, top_k_schedule, "
-                               "top_k_fraction, decay_rate, sink_tokens, recent_tokens, "
-                               "query_chunk), e.g. --select top_k=1024; repeatable")
+    evaluate.add_argument(
+        "--mode",
+        choices=("sparse", "oracle", "dense"),
+        default="sparse",
+        help="main attention of the exports (inference runs sparse)",
+    )
+    evaluate.add_argument(
+        "--min-keys", type=_positive_int, default=512, help="recall counts queries with at least this many keys"
+    )
+    evaluate.add_argument(
+        "--first-bucket",
+        type=_positive_int,
+        default=2048,
+        help="figures also per query-position bucket: [0, N), [N, 2N), [2N, 4N), ... up to --seq-len",
+    )
+    evaluate.add_argument(
+        "--select",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="run the exports with this sparse_attention selection field "
+        "instead of their own (top_k, k_min, top_k_schedule, "
+        "top_k_fraction, decay_rate, sink_tokens, recent_tokens, "
+        "query_chunk), e.g. --select top_k=1024; repeatable",
+    )
     evaluate.add_argument("--out", default="runs/eval")
     evaluate.set_defaults(run=_eval)
-    passkey = commands.add_parser("passkey", help="retrieval of a key hidden in long filler text, "
-                                                  "for the base and exports")
-    passkey.add_argument("--model", default=None,
-                         help="the base model (default: the one the first export names)")
-    passkey.add_argument("--export", action="append", default=[],
-                         help="NAME=FOLDER or NAME=ORG/REPO (a Hub repo id), repeatable")
-    passkey.add_argument("--filler", default="embedded:sample_prose",
-                         help="prose the key hides in (file, folder, glob, embedded:NAME)")
+    passkey = commands.add_parser(
+        "passkey", help="retrieval of a key hidden in long filler text, for the base and exports"
+    )
+    passkey.add_argument("--model", default=None, help="the base model (default: the one the first export names)")
+    passkey.add_argument(
+        "--export", action="append", default=[], help="NAME=FOLDER or NAME=ORG/REPO (a Hub repo id), repeatable"
+    )
+    passkey.add_argument(
+        "--filler", default="embedded:sample_prose", help="prose the key hides in (file, folder, glob, embedded:NAME)"
+    )
     passkey.add_argument("--length", type=_positive_int, default=8192, help="tokens per case")
     passkey.add_argument("--cases", type=_positive_int, default=100)
-    passkey.add_argument("--seed", type=int, default=0,
-                         help="draws the cases (keys, depths, filler)")
+    passkey.add_argument("--seed", type=int, default=0, help="draws the cases (keys, depths, filler)")
     passkey.add_argument("--batch-size", type=_positive_int, default=1)
-    passkey.add_argument("--generate", action="store_true",
-                         help="also generate greedily through the GSM cache (slow at long lengths)")
-    passkey.add_argument("--mode", choices=("sparse", "dense"), default="sparse",
-                         help="main attention of the exports")
+    passkey.add_argument(
+        "--generate", action="store_true", help="also generate greedily through the GSM cache (slow at long lengths)"
+    )
+    passkey.add_argument("--mode", choices=("sparse", "dense"), default="sparse", help="main attention of the exports")
     passkey.add_argument("--out", default="runs/passkey")
     passkey.set_defaults(run=_passkey)
-    gen = commands.add_parser("generate", help="greedy generation with an adapter over the GSM cache, streamed, "
-                                               "with time to first token, decode tokens/s, memory and KV bytes")
-    gen.add_argument("--model", default=None,
-                     help="the base model (default: the one the adapter names; needed without "
-                          "--adapter)")
-    gen.add_argument("--adapter", default=None,
-                     help="an export folder or Hub repo id (without it: the dense base)")
-    gen.add_argument("--revision", default=None,
-                     help="branch, tag or commit of a Hub repo --adapter")
+    gen = commands.add_parser(
+        "generate",
+        help="greedy generation with an adapter over the GSM cache, streamed, "
+        "with time to first token, decode tokens/s, memory and KV bytes",
+    )
+    gen.add_argument(
+        "--model", default=None, help="the base model (default: the one the adapter names; needed without --adapter)"
+    )
+    gen.add_argument("--adapter", default=None, help="an export folder or Hub repo id (without it: the dense base)")
+    gen.add_argument("--revision", default=None, help="branch, tag or commit of a Hub repo --adapter")
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", default=None)
     source.add_argument("--prompt-file", default=None)
     gen.add_argument("--max-new-tokens", type=_positive_int, default=64)
     gen.add_argument("--mode", choices=("sparse", "dense"), default="sparse", help="main attention of the adapter")
-    gen.add_argument("--compare-dense", action="store_true",
-                     help="also run the dense base on the prompt (static cache on a GPU) and report both")
+    gen.add_argument(
+        "--compare-dense",
+        action="store_true",
+        help="also run the dense base on the prompt (static cache on a GPU) and report both",
+    )
     gen.set_defaults(run=_generate)
     export = commands.add_parser("export", help="write the adapter export of a checkpoint")
     export.add_argument("checkpoint", help="RUN/checkpoints/step_N")
-    export.add_argument("out", help="folder to write: new, empty, or a previous export (replaced "
-                                    "once the new one is complete)")
+    export.add_argument(
+        "out", help="folder to write: new, empty, or a previous export (replaced once the new one is complete)"
+    )
     export.set_defaults(run=_export)
     publish = commands.add_parser("publish", help="upload an export to the Hugging Face Hub (one commit)")
     publish.add_argument("export", help="an export folder")
@@ -224,9 +285,11 @@ def build_parser() -> argparse.ArgumentParser:
     publish.add_argument("--private", action="store_true")
     publish.add_argument("--revision", default=None, help="branch to commit to (created if missing)")
     publish.add_argument("--endpoint", default=None, help="Hub URL (default: huggingface.co or HF_ENDPOINT)")
-    publish.add_argument("--base-model-id", default=None,
-                         help="the base's Hub id (ORG/NAME), for an export whose base was a "
-                              "local folder")
+    publish.add_argument(
+        "--base-model-id",
+        default=None,
+        help="the base's Hub id (ORG/NAME), for an export whose base was a local folder",
+    )
     publish.set_defaults(run=_publish)
     return parser
 
@@ -235,8 +298,11 @@ def main(argv: list[str] | None = None) -> int:
     """Console entry point; exit status 2 on a bad recipe."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and getattr(args, "overrides", None) is not None and all(
-            "=" in item and not item.startswith("-") for item in extra):
+    if (
+        extra
+        and getattr(args, "overrides", None) is not None
+        and all("=" in item and not item.startswith("-") for item in extra)
+    ):
         args.overrides += extra  # key=value after a flag: argparse ends the positionals at the flag
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

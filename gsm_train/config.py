@@ -69,8 +69,7 @@ class StrictModel(BaseModel):
             return value
         leaves = _leaf_types(cls.model_fields[info.field_name].annotation)
         if leaves & {int, float} and bool not in leaves:
-            raise _problem("a boolean where a number is expected",
-                           "give a number (true and false are not 1 and 0)")
+            raise _problem("a boolean where a number is expected", "give a number (true and false are not 1 and 0)")
         return value
 
 
@@ -127,13 +126,16 @@ class SparseAttentionConfig(StrictModel):
     @model_validator(mode="after")
     def _fraction_with_its_schedule(self) -> SparseAttentionConfig:
         if self.top_k_schedule == "fraction" and self.top_k_fraction is None:
-            raise _problem("top_k_schedule fraction keeps a share of each query's visible keys, "
-                           "but top_k_fraction is not set",
-                           "set top_k_fraction, e.g. 0.25 (between 0 and 1)")
+            raise _problem(
+                "top_k_schedule fraction keeps a share of each query's visible keys, but top_k_fraction is not set",
+                "set top_k_fraction, e.g. 0.25 (between 0 and 1)",
+            )
         if self.top_k_schedule != "fraction" and self.top_k_fraction is not None:
-            raise _problem(f"top_k_fraction ({self.top_k_fraction}) is set, but top_k_schedule is "
-                           f"{self.top_k_schedule!r}, which does not read it",
-                           "set top_k_schedule: fraction, or drop top_k_fraction")
+            raise _problem(
+                f"top_k_fraction ({self.top_k_fraction}) is set, but top_k_schedule is "
+                f"{self.top_k_schedule!r}, which does not read it",
+                "set top_k_schedule: fraction, or drop top_k_fraction",
+            )
         return self
 
 
@@ -157,8 +159,10 @@ class KVCompressionConfig(StrictModel):
     def _layers_from_zero(cls, value: dict[int, tuple[int, int]]) -> dict[int, tuple[int, int]]:
         negative = sorted(layer for layer in value if layer < 0)
         if negative:
-            raise _problem(f"layer_bits names layer {negative[0]}, but layers count from 0",
-                           "name layers 0 to the model's layer count - 1")
+            raise _problem(
+                f"layer_bits names layer {negative[0]}, but layers count from 0",
+                "name layers 0 to the model's layer count - 1",
+            )
         return dict(sorted(value.items()))
 
     def bits(self, layer: int | None = None) -> tuple[int, int]:
@@ -198,7 +202,8 @@ def _kv_method(value: Any) -> str:
 
 KVCompressionSettings = Annotated[
     Union[tuple(Annotated[config, Tag(name)] for name, config in KV_METHOD_CONFIGS.items())],  # noqa: UP007
-    Discriminator(_kv_method)]
+    Discriminator(_kv_method),
+]
 
 
 class CrossLayerSharingConfig(StrictModel):
@@ -286,9 +291,11 @@ class DataConfig(StrictModel):
     @model_validator(mode="after")
     def _streamed_eval_is_counted(self) -> DataConfig:
         if self.streaming and not (self.eval_rows >= 1 and float(self.eval_rows).is_integer()):
-            raise _problem(f"streaming: true reads the text as it trains, without knowing its "
-                           f"length, so eval_rows ({self.eval_rows}) cannot be a fraction of it",
-                           "set data.eval_rows to a number of rows, e.g. 64")
+            raise _problem(
+                f"streaming: true reads the text as it trains, without knowing its "
+                f"length, so eval_rows ({self.eval_rows}) cannot be a fraction of it",
+                "set data.eval_rows to a number of rows, e.g. 64",
+            )
         return self
 
 
@@ -437,44 +444,61 @@ class RecipeConfig(StrictModel):
             return self
         if knobs.top_k_base is not None:
             if sparse.k_min > knobs.top_k_base:
-                raise _problem(f"tuning.top_k_base ({knobs.top_k_base}) is below gsm.sparse_attention.k_min "
-                               f"({sparse.k_min})", f"set gsm.sparse_attention.k_min to at most {knobs.top_k_base}")
+                raise _problem(
+                    f"tuning.top_k_base ({knobs.top_k_base}) is below gsm.sparse_attention.k_min ({sparse.k_min})",
+                    f"set gsm.sparse_attention.k_min to at most {knobs.top_k_base}",
+                )
             sparse.top_k = knobs.top_k_base
         if knobs.bridge_alpha is not None:
             if not self.gsm.cross_layer_sharing.enabled:
-                raise _problem(f"tuning.bridge_alpha ({knobs.bridge_alpha}) sets the bridge's starting weight, but "
-                               "gsm.cross_layer_sharing.enabled is false",
-                               "set gsm.cross_layer_sharing.enabled: true, or drop bridge_alpha")
+                raise _problem(
+                    f"tuning.bridge_alpha ({knobs.bridge_alpha}) sets the bridge's starting weight, but "
+                    "gsm.cross_layer_sharing.enabled is false",
+                    "set gsm.cross_layer_sharing.enabled: true, or drop bridge_alpha",
+                )
             self.gsm.cross_layer_sharing.alpha_init = knobs.bridge_alpha
         if knobs.kv_compression_ratio is not None and not self.gsm.kv_compression.enabled:
-            raise _problem(f"tuning.kv_compression_ratio ({knobs.kv_compression_ratio}) budgets ASQ, but "
-                           "gsm.kv_compression.enabled is false",
-                           "set gsm.kv_compression.enabled: true, or drop the ratio")
+            raise _problem(
+                f"tuning.kv_compression_ratio ({knobs.kv_compression_ratio}) budgets ASQ, but "
+                "gsm.kv_compression.enabled is false",
+                "set gsm.kv_compression.enabled: true, or drop the ratio",
+            )
         if knobs.kv_compression_ratio is not None and self.gsm.kv_compression.value_quant_bits is not None:
-            raise _problem(f"tuning.kv_compression_ratio ({knobs.kv_compression_ratio}) picks one residual width for "
-                           "K and V, but gsm.kv_compression.value_quant_bits is "
-                           f"{self.gsm.kv_compression.value_quant_bits}",
-                           "drop one of them: the ratio, or value_quant_bits (then set quant_bits yourself)")
+            raise _problem(
+                f"tuning.kv_compression_ratio ({knobs.kv_compression_ratio}) picks one residual width for "
+                "K and V, but gsm.kv_compression.value_quant_bits is "
+                f"{self.gsm.kv_compression.value_quant_bits}",
+                "drop one of them: the ratio, or value_quant_bits (then set quant_bits yourself)",
+            )
         if knobs.kv_compression_ratio is not None and getattr(self.gsm.kv_compression, "layer_bits", None):
-            raise _problem(f"tuning.kv_compression_ratio ({knobs.kv_compression_ratio}) picks one residual width for "
-                           "every layer, but gsm.kv_compression.layer_bits sets layers "
-                           f"{sorted(self.gsm.kv_compression.layer_bits)} apart",
-                           "drop one of them: the ratio, or layer_bits (then set quant_bits yourself)")
+            raise _problem(
+                f"tuning.kv_compression_ratio ({knobs.kv_compression_ratio}) picks one residual width for "
+                "every layer, but gsm.kv_compression.layer_bits sets layers "
+                f"{sorted(self.gsm.kv_compression.layer_bits)} apart",
+                "drop one of them: the ratio, or layer_bits (then set quant_bits yourself)",
+            )
         return self
 
     @model_validator(mode="after")
     def _stage_needs(self) -> RecipeConfig:
         knobs = [name for name, value in self.tuning.model_dump().items() if value is not None]
         if self.stage == "math_gate" and knobs:
-            raise _problem(f"stage math_gate keeps the exported adapter's modules as they are, so tuning.{knobs[0]} "
-                           "has nothing to set", "drop the tuning block, or set it in the joint recipe")
+            raise _problem(
+                f"stage math_gate keeps the exported adapter's modules as they are, so tuning.{knobs[0]} "
+                "has nothing to set",
+                "drop the tuning block, or set it in the joint recipe",
+            )
         if self.stage == "math_gate" and not self.init_from:
-            raise _problem("stage math_gate starts from an exported adapter but init_from is empty",
-                           "set init_from: path/to/export")
+            raise _problem(
+                "stage math_gate starts from an exported adapter but init_from is empty",
+                "set init_from: path/to/export",
+            )
         if self.logging.recall_min_keys > self.data.seq_len:
-            raise _problem(f"logging.recall_min_keys ({self.logging.recall_min_keys}) exceeds data.seq_len "
-                           f"({self.data.seq_len}), so no query would be measured",
-                           f"set logging.recall_min_keys to at most {self.data.seq_len // 2}")
+            raise _problem(
+                f"logging.recall_min_keys ({self.logging.recall_min_keys}) exceeds data.seq_len "
+                f"({self.data.seq_len}), so no query would be measured",
+                f"set logging.recall_min_keys to at most {self.data.seq_len // 2}",
+            )
         return self
 
 
@@ -528,7 +552,9 @@ def _parse_yaml(text: str, source: str) -> tuple[dict, list[Problem]]:
     try:
         data = loader.get_single_data()
     except yaml.YAMLError as err:
-        raise ConfigError(source, [Problem("<file>", _MISSING, f"not valid YAML: {err}", "fix the YAML syntax")])
+        raise ConfigError(
+            source, [Problem("<file>", _MISSING, f"not valid YAML: {err}", "fix the YAML syntax")]
+        ) from None
     finally:
         loader.dispose()
     problems = [
@@ -538,7 +564,9 @@ def _parse_yaml(text: str, source: str) -> tuple[dict, list[Problem]]:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(source, [Problem("<file>", data, "a recipe must be a YAML mapping", "write key: value pairs")])
+        raise ConfigError(
+            source, [Problem("<file>", data, "a recipe must be a YAML mapping", "write key: value pairs")]
+        )
     return data, problems
 
 
@@ -551,8 +579,7 @@ def _override_value(key: str, raw: str) -> Any:
     except yaml.YAMLError as err:
         reason = " ".join(str(getattr(err, "problem", None) or err).split())
         fix = "quote it or fix the brackets, e.g. train.steps=50 or model.name_or_path='a b'"
-        raise ConfigError("<overrides>", [Problem(key, raw, f"not a valid YAML value ({reason})",
-                                                  fix)]) from None
+        raise ConfigError("<overrides>", [Problem(key, raw, f"not a valid YAML value ({reason})", fix)]) from None
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> list[Problem]:
@@ -561,8 +588,9 @@ def apply_overrides(data: dict, overrides: list[str]) -> list[Problem]:
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key or any(not part for part in key.split(".")):
-            problems.append(Problem("<override>", item, "an override must look like key.sub=value",
-                                    "write e.g. train.steps=50"))
+            problems.append(
+                Problem("<override>", item, "an override must look like key.sub=value", "write e.g. train.steps=50")
+            )
             continue
         try:
             value = _override_value(key, raw)
@@ -625,7 +653,8 @@ def _fix_for(error: dict) -> tuple[str, str]:
 
 def _user_path(loc: tuple) -> tuple:
     """A pydantic error location as the recipe spells it: without validator-function parts and without the
-    union tag pydantic inserts after `kv_compression` (`kv_compression.asq.quant_bits` -> `kv_compression.quant_bits`)."""
+    union tag pydantic inserts after `kv_compression` (`kv_compression.asq.quant_bits` ->
+    `kv_compression.quant_bits`)."""
     path: list = []
     for part in loc:
         if str(part).startswith("function-") or (path and path[-1] == "kv_compression" and part in KV_METHOD_CONFIGS):
@@ -666,42 +695,72 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> RecipeC
     try:
         text = Path(path).read_bytes().decode("utf-8")
     except OSError as err:
-        raise ConfigError(source, [Problem("<file>", source, f"cannot read the recipe: {err.strerror}",
-                                           "give the path of a recipe YAML, e.g. recipes/gate_only.yaml")])
+        raise ConfigError(
+            source,
+            [
+                Problem(
+                    "<file>",
+                    source,
+                    f"cannot read the recipe: {err.strerror}",
+                    "give the path of a recipe YAML, e.g. recipes/gate_only.yaml",
+                )
+            ],
+        ) from None
     except UnicodeDecodeError as err:
         where = f"byte {err.object[err.start]:#04x} at offset {err.start}"
-        raise ConfigError(source, [Problem("<file>", source, f"not UTF-8 text ({where})",
-                                           "give a recipe YAML saved as UTF-8 text")]) from None
+        raise ConfigError(
+            source, [Problem("<file>", source, f"not UTF-8 text ({where})", "give a recipe YAML saved as UTF-8 text")]
+        ) from None
     data, problems = _parse_yaml(text, source)
     problems += apply_overrides(data, overrides or [])
     return validate_recipe_dict(data, source, problems)
 
 
-def check_against_model(config: RecipeConfig, num_layers: int,
-                        max_positions: int | None = None) -> None:
+def check_against_model(config: RecipeConfig, num_layers: int, max_positions: int | None = None) -> None:
     """Checks that need the model's config: layer indices inside the model, and `data.seq_len`
     within its context (`max_positions`, its max_position_embeddings, when it has one). Raise
     ConfigError if any fail."""
     problems = []
     if max_positions is not None and config.data.seq_len > max_positions:
-        problems.append(Problem("data.seq_len", config.data.seq_len,
-                                f"longer than the model's context ({max_positions} positions, its "
-                                "max_position_embeddings)", f"use data.seq_len <= {max_positions}"))
+        problems.append(
+            Problem(
+                "data.seq_len",
+                config.data.seq_len,
+                f"longer than the model's context ({max_positions} positions, its max_position_embeddings)",
+                f"use data.seq_len <= {max_positions}",
+            )
+        )
     sharing = config.gsm.cross_layer_sharing
     if config.gsm.gsm_enabled and sharing.enabled and sharing.bridge_to_start >= num_layers:
-        problems.append(Problem("gsm.cross_layer_sharing.bridge_to_start", sharing.bridge_to_start,
-                                f"the model has only {num_layers} layers",
-                                f"use a value below {num_layers}"))
+        problems.append(
+            Problem(
+                "gsm.cross_layer_sharing.bridge_to_start",
+                sharing.bridge_to_start,
+                f"the model has only {num_layers} layers",
+                f"use a value below {num_layers}",
+            )
+        )
     for index, layer in enumerate(config.gsm.sparse_attention.dense_layers):
         if not 0 <= layer < num_layers:
-            problems.append(Problem(f"gsm.sparse_attention.dense_layers.{index}", layer,
-                                    f"layer index outside the model's 0..{num_layers - 1}",
-                                    "remove it or use an index inside the model"))
+            problems.append(
+                Problem(
+                    f"gsm.sparse_attention.dense_layers.{index}",
+                    layer,
+                    f"layer index outside the model's 0..{num_layers - 1}",
+                    "remove it or use an index inside the model",
+                )
+            )
     asq = config.gsm.kv_compression
-    problems += [Problem(f"gsm.kv_compression.layer_bits.{layer}", list(bits),
-                         f"layer index outside the model's 0..{num_layers - 1}",
-                         "remove it or use an index inside the model")
-                 for layer, bits in getattr(asq, "layer_bits", {}).items() if asq.enabled and layer >= num_layers]
+    problems += [
+        Problem(
+            f"gsm.kv_compression.layer_bits.{layer}",
+            list(bits),
+            f"layer index outside the model's 0..{num_layers - 1}",
+            "remove it or use an index inside the model",
+        )
+        for layer, bits in getattr(asq, "layer_bits", {}).items()
+        if asq.enabled and layer >= num_layers
+    ]
     if problems:
         raise ConfigError("recipe vs model", problems)
 

@@ -158,28 +158,27 @@ def _documents(ds: datasets.Dataset, fields: list[str], separator: str, source: 
     return ds
 
 
-def _records(path: str, format: str,
-             streaming: bool) -> datasets.Dataset | datasets.IterableDataset:
+def _records(path: str, format: str, streaming: bool) -> datasets.Dataset | datasets.IterableDataset:
     """A source's raw records through `datasets` (text sources: one record `text` per file)."""
     if format != "auto" and format not in _FORMATS:
         raise DataError(path, f"unknown format {format!r}", f"use one of auto, {', '.join(_FORMATS)}")
     fmt = _FORMATS.get(format)
     if path.startswith(HUB_PREFIX):
         name, config, split = _parse_hub_name(path)
-        fix = ("check the name, config and split; go online (unset HF_HUB_OFFLINE) or give a local "
-               "copy of the data")
-        return _load(path, fix, lambda: datasets.load_dataset(name, config, split=split,
-                                                              streaming=streaming))
+        fix = "check the name, config and split; go online (unset HF_HUB_OFFLINE) or give a local copy of the data"
+        return _load(path, fix, lambda: datasets.load_dataset(name, config, split=split, streaming=streaming))
     files = [file for file in _resolve_files(path, fmt) if file.stat().st_size > 0]
     if not files:
-        raise DataError(path, "holds no non-blank text (its files are empty)",
-                        "give files that contain text")
+        raise DataError(path, "holds no non-blank text (its files are empty)", "give files that contain text")
     fmt = _pick_format(files, fmt, path)
     options = {"sample_by": "document"} if fmt == "text" else {}
     fix = f"check that the files are valid {fmt} (set format if the extension misleads)"
     data_files = [str(file) for file in files]
-    return _load(path, fix, lambda: datasets.load_dataset(fmt, data_files=data_files, split="train",
-                                                          streaming=streaming, **options))
+    return _load(
+        path,
+        fix,
+        lambda: datasets.load_dataset(fmt, data_files=data_files, split="train", streaming=streaming, **options),
+    )
 
 
 def load_text_dataset(
@@ -323,8 +322,7 @@ class PackedBatches:
         if len(self.row_ids) < self.global_batch_size:
             raise DataError(
                 "PackedBatches",
-                f"{len(self.row_ids)} rows do not fill one global batch of {batch_size} x "
-                f"{world_size} ranks",
+                f"{len(self.row_ids)} rows do not fill one global batch of {batch_size} x {world_size} ranks",
                 "give more text, a smaller seq_len or a smaller batch",
             )
         self.rows, self.batch_size, self.seed = rows, batch_size, seed

@@ -62,9 +62,9 @@ def _set_fp32_master(param: nn.Parameter, value: Tensor) -> None:
     partition, group = optimizer._get_fp32_opt_state_partition(param, release_swap_buffers=False)
     size = partition.numel()
     start = size * optimizer._get_param_partition_rank(param)
-    local = value.flatten()[start:start + size]
+    local = value.flatten()[start : start + size]
     partition.data.zero_()
-    partition.data[:local.numel()].copy_(local)
+    partition.data[: local.numel()].copy_(local)
     if optimizer._swappable_optimizer_subgroup(group):  # NVMe offload: write it back, as DeepSpeed's own setter does
         optimizer._optimizer_states_and_gradient_swap_out(group)
 
@@ -82,20 +82,31 @@ class DeepSpeedBackend:
         self.is_main = True
         self.kept: dict[str, Tensor] = {}
 
-    def prepare(self, model: nn.Module, make_optimizer: OptimizerFactory, info: DistInfo,
-                compute_dtype: torch.dtype | None) -> tuple[nn.Module, torch.optim.Optimizer]:
+    def prepare(
+        self, model: nn.Module, make_optimizer: OptimizerFactory, info: DistInfo, compute_dtype: torch.dtype | None
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
         self.is_main = info.is_main
         adapter_names = adapter_tensor_names(model)
-        self.kept = {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters()
-                     if not p.requires_grad and name in adapter_names}
-        masters = {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters()
-                   if p.requires_grad and p.dtype == torch.float32}
+        self.kept = {
+            name: p.detach().to("cpu", copy=True)
+            for name, p in model.named_parameters()
+            if not p.requires_grad and name in adapter_names
+        }
+        masters = {
+            name: p.detach().to("cpu", copy=True)
+            for name, p in model.named_parameters()
+            if p.requires_grad and p.dtype == torch.float32
+        }
         optimizer = make_optimizer(model)
         train = self.config.train
-        self.plugin.deepspeed_config.update({
-            "gradient_clipping": self.config.optim.max_grad_norm, "gradient_accumulation_steps": train.grad_accum,
-            "train_micro_batch_size_per_gpu": train.batch_size,
-            "train_batch_size": train.batch_size * train.grad_accum * info.world_size})
+        self.plugin.deepspeed_config.update(
+            {
+                "gradient_clipping": self.config.optim.max_grad_norm,
+                "gradient_accumulation_steps": train.grad_accum,
+                "train_micro_batch_size_per_gpu": train.batch_size,
+                "train_batch_size": train.batch_size * train.grad_accum * info.world_size,
+            }
+        )
         self.plugin.deepspeed_config.setdefault("communication_data_type", "fp32")
         accelerator = Accelerator(deepspeed_plugin=self.plugin, gradient_accumulation_steps=train.grad_accum)
         self.engine, _ = accelerator.prepare(model, optimizer)
@@ -111,8 +122,7 @@ class DeepSpeedBackend:
         self.engine.set_gradient_accumulation_boundary(boundary)
         self.engine.backward(loss, scale_wrt_gas=False)  # the loop already divides by train.grad_accum
 
-    def step(self, optimizer: torch.optim.Optimizer,
-             update_if: Callable[[Tensor], bool] | None = None) -> float:
+    def step(self, optimizer: torch.optim.Optimizer, update_if: Callable[[Tensor], bool] | None = None) -> float:
         if update_if is not None:  # select_backend refuses train.max_skipped_steps with DeepSpeed
             raise ValueError("the DeepSpeed backend cannot skip an update")
         self.engine.step()  # clips to gradient_clipping, updates and zeroes the gradients
@@ -123,8 +133,11 @@ class DeepSpeedBackend:
         return self.engine.module
 
     def describe(self) -> dict[str, Any]:
-        return {"backend": self.name, "zero_stage": self.engine.zero_optimization_stage(),
-                "bf16": self.engine.bfloat16_enabled()}
+        return {
+            "backend": self.name,
+            "zero_stage": self.engine.zero_optimization_stage(),
+            "bf16": self.engine.bfloat16_enabled(),
+        }
 
     def _full(self, name: str, tensor: Tensor) -> Tensor:
         """One full tensor (collective): fp32 master of a trainable, the kept copy of a frozen adapter
@@ -148,21 +161,35 @@ class DeepSpeedBackend:
     def trainable_tensors(self, model: nn.Module, trainable: set[str]) -> dict[str, Tensor]:
         return {name: t.contiguous() for name, t in self.full_tensors(model, trainable).items()}
 
-    def save_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path,
-                   tensors: dict[str, Tensor], info: DistInfo) -> None:
+    def save_state(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        folder: Path,
+        tensors: dict[str, Tensor],
+        info: DistInfo,
+    ) -> None:
         """rank 0: the full trainables in `trainable.safetensors` (what `gsm-train export
         CHECKPOINT` reads); every rank: its part of the engine's checkpoint in `deepspeed/`."""
         if info.is_main:
             save_file(tensors, str(folder / FULL_TRAINABLES_FILE))
-        self.engine.save_checkpoint(str(folder), tag=CHECKPOINT_TAG, client_state={}, save_latest=False,
-                                    exclude_frozen_parameters=True)
+        self.engine.save_checkpoint(
+            str(folder), tag=CHECKPOINT_TAG, client_state={}, save_latest=False, exclude_frozen_parameters=True
+        )
 
-    def load_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path,
-                   trainable: set[str], info: DistInfo) -> None:
+    def load_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path, trainable: set[str], info: DistInfo
+    ) -> None:
         """The engine's checkpoint restores the fp32 masters (the values `trainable.safetensors`
         holds) and Adam's moments."""
-        loaded, _ = self.engine.load_checkpoint(str(folder), tag=CHECKPOINT_TAG, load_module_strict=False,
-                                                load_optimizer_states=True, load_lr_scheduler_states=False)
+        loaded, _ = self.engine.load_checkpoint(
+            str(folder),
+            tag=CHECKPOINT_TAG,
+            load_module_strict=False,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=False,
+        )
         if loaded is None:
-            raise RuntimeError(f"{folder}: no DeepSpeed state in {CHECKPOINT_TAG}/; resume with the backend "
-                               "that wrote the checkpoint")
+            raise RuntimeError(
+                f"{folder}: no DeepSpeed state in {CHECKPOINT_TAG}/; resume with the backend that wrote the checkpoint"
+            )

@@ -89,8 +89,7 @@ def raise_on_any_rank(info: DistInfo, error: Exception | None) -> None:
     if error is not None:
         raise error
     if failed:
-        raise OtherRankFailed("another process of this launch stopped with an error (see its "
-                              "message)")
+        raise OtherRankFailed("another process of this launch stopped with an error (see its message)")
 
 
 def barrier() -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,16 +19,16 @@ from pydantic import ValidationError
 from torch import Tensor, nn
 
 from gsm_train.adapter_format import GSM_SECTIONS, ExportError, read_config
+from gsm_train.attention import GSMSettings, configure_gsm, gsm_collect
 from gsm_train.config import ConfigError, GSMConfig, Problem, SparseAttentionConfig, format_problems
-from gsm_train.distributed import cuda_wanted
 from gsm_train.data import load_text_dataset, pack_tokens
+from gsm_train.distributed import cuda_wanted
 from gsm_train.export import load_gsm
 from gsm_train.functional.attention_targets import MASS_SUMS
 from gsm_train.hub_download import resolve_export
 from gsm_train.hub_ids import base_to_load
 from gsm_train.inspect_model import layer_reports
 from gsm_train.model_zoo import load_model_and_tokenizer
-from gsm_train.modules import GSMSettings, configure_gsm, gsm_collect
 
 BASE = "base"
 
@@ -67,9 +67,13 @@ def token_losses(model: nn.Module, batch: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def perplexity_and_recall(model: nn.Module, rows: Tensor, batch_size: int,
-                          recall: tuple[int | None, int] | None,
-                          buckets: list[tuple[int, int]] | None = None) -> dict[str, Any]:
+def perplexity_and_recall(
+    model: nn.Module,
+    rows: Tensor,
+    batch_size: int,
+    recall: tuple[int | None, int] | None,
+    buckets: list[tuple[int, int]] | None = None,
+) -> dict[str, Any]:
     """Perplexity over all predicted tokens of `rows` [N, T]; with `recall` (k, min_keys) on a GSM
     model, the gate's and the oracle's captured attention mass too (k None: at each query's k of the
     top-k schedule).
@@ -88,9 +92,10 @@ def perplexity_and_recall(model: nn.Module, rows: Tensor, batch_size: int,
     mass = torch.zeros(3, len(buckets), dtype=torch.float64)  # gate, oracle, queries
     autocast = inference_autocast(device)
     for start in range(0, len(rows), batch_size):
-        batch = rows[start: start + batch_size].to(device)
-        collect = gsm_collect(model, recall=recall, recall_buckets=starts) if recall is not None \
-            else contextlib.nullcontext()
+        batch = rows[start : start + batch_size].to(device)
+        collect = (
+            gsm_collect(model, recall=recall, recall_buckets=starts) if recall is not None else contextlib.nullcontext()
+        )
         with autocast, collect as records:
             losses = token_losses(model, batch).double().sum(0).cpu()  # per position, over rows
         nll.index_add_(0, bucket_of, losses)
@@ -98,11 +103,24 @@ def perplexity_and_recall(model: nn.Module, rows: Tensor, batch_size: int,
         sums = records.captured_mass_total() if records is not None else None
         if sums is not None:
             mass += torch.stack([sums[f"{key}_by_bucket"] for key in MASS_SUMS]).cpu()
-    parts = [{"start": a, "stop": b, "tokens": int(tokens[i]), "nll": float(nll[i]),
-              "ppl": math.exp(nll[i] / tokens[i]) if tokens[i] else float("nan"),
-              **_mass_figures(mass[:, i], recall)} for i, (a, b) in enumerate(buckets)]
-    return {"ppl": math.exp(nll.sum() / tokens.sum()), "tokens": int(tokens.sum()),
-            "nll": float(nll.sum()), **_mass_figures(mass.sum(1), recall), "buckets": parts}
+    parts = [
+        {
+            "start": a,
+            "stop": b,
+            "tokens": int(tokens[i]),
+            "nll": float(nll[i]),
+            "ppl": math.exp(nll[i] / tokens[i]) if tokens[i] else float("nan"),
+            **_mass_figures(mass[:, i], recall),
+        }
+        for i, (a, b) in enumerate(buckets)
+    ]
+    return {
+        "ppl": math.exp(nll.sum() / tokens.sum()),
+        "tokens": int(tokens.sum()),
+        "nll": float(nll.sum()),
+        **_mass_figures(mass.sum(1), recall),
+        "buckets": parts,
+    }
 
 
 def _mass_figures(sums: Tensor, recall: tuple[int | None, int] | None) -> dict[str, float]:
@@ -110,8 +128,12 @@ def _mass_figures(sums: Tensor, recall: tuple[int | None, int] | None) -> dict[s
     (gate, oracle, queries); nothing without recall or without counted queries."""
     if recall is None or sums[2] == 0:
         return {}
-    return {"gate_mass": float(sums[0] / sums[2]), "oracle_mass": float(sums[1] / sums[2]),
-            "recall_ratio": float(sums[0] / sums[1]), "queries": int(sums[2])}
+    return {
+        "gate_mass": float(sums[0] / sums[2]),
+        "oracle_mass": float(sums[1] / sums[2]),
+        "recall_ratio": float(sums[0] / sums[1]),
+        "queries": int(sums[2]),
+    }
 
 
 def kv_bytes_ratio(model: nn.Module, settings: GSMSettings, seq_len: int) -> dict[str, float]:
@@ -123,8 +145,16 @@ def kv_bytes_ratio(model: nn.Module, settings: GSMSettings, seq_len: int) -> dic
 
 # the sparse_attention fields an evaluation may change on an export: which keys are kept, nothing
 # that was trained
-SELECTION_FIELDS = ("top_k_schedule", "top_k", "k_min", "decay_rate", "top_k_fraction",
-                    "sink_tokens", "recent_tokens", "query_chunk")
+SELECTION_FIELDS = (
+    "top_k_schedule",
+    "top_k",
+    "k_min",
+    "decay_rate",
+    "top_k_fraction",
+    "sink_tokens",
+    "recent_tokens",
+    "query_chunk",
+)
 
 
 def with_selection(config: GSMConfig, changes: dict[str, Any], source: str) -> GSMConfig:
@@ -132,24 +162,31 @@ def with_selection(config: GSMConfig, changes: dict[str, Any], source: str) -> G
     texts), checked as a recipe's; raises ConfigError from `source` naming field, value and fix."""
     other = sorted(set(changes) - set(SELECTION_FIELDS))
     if other:
-        raise ConfigError(source, [Problem(
-            f"gsm.sparse_attention.{other[0]}", changes[other[0]],
-            "evaluation can change only the selection of a trained export",
-            f"change one of {', '.join(SELECTION_FIELDS)}")])
+        raise ConfigError(
+            source,
+            [
+                Problem(
+                    f"gsm.sparse_attention.{other[0]}",
+                    changes[other[0]],
+                    "evaluation can change only the selection of a trained export",
+                    f"change one of {', '.join(SELECTION_FIELDS)}",
+                )
+            ],
+        )
     try:
-        sparse = SparseAttentionConfig.model_validate(
-            {**config.sparse_attention.model_dump(), **changes})
+        sparse = SparseAttentionConfig.model_validate({**config.sparse_attention.model_dump(), **changes})
     except ValidationError as err:
-        problems = [Problem("gsm.sparse_attention" + ("" if p.path == "<recipe>" else f".{p.path}"),
-                            p.value, p.message, p.fix) for p in format_problems(err)]
+        problems = [
+            Problem("gsm.sparse_attention" + ("" if p.path == "<recipe>" else f".{p.path}"), p.value, p.message, p.fix)
+            for p in format_problems(err)
+        ]
         raise ConfigError(source, problems) from None
     return config.model_copy(update={"sparse_attention": sparse})
 
 
 def _gsm_config(export_config: dict[str, Any]) -> GSMConfig:
     """The GSM block of an export's checked `gsm_config.json`."""
-    return GSMConfig.model_validate({key: export_config[key] for key in GSM_SECTIONS
-                                     if key in export_config})
+    return GSMConfig.model_validate({key: export_config[key] for key in GSM_SECTIONS if key in export_config})
 
 
 @dataclass
@@ -184,8 +221,7 @@ class Evaluation:
     def load(self, name: str) -> Evaluated:
         """The base (`BASE`) or the export `name` on a fresh base, on the evaluation device."""
         device, dtype = _device_and_dtype()
-        model, self.tokenizer = load_model_and_tokenizer(self.model_name, revision=self.revision,
-                                                         dtype=dtype)
+        model, self.tokenizer = load_model_and_tokenizer(self.model_name, revision=self.revision, dtype=dtype)
         if name == BASE:
             return Evaluated(BASE, model.to(device).eval(), None, None)
         load_gsm(model, self.folders[name], mode=self.mode)
@@ -194,10 +230,14 @@ class Evaluation:
         return Evaluated(name, model.to(device).eval(), settings, self.exports[name])
 
 
-def prepare_evaluation(model_name: str | None, exports: dict[str, str], mode: str,
-                       kv_baseline: str | None = None,
-                       selection: dict[str, Any] | None = None,
-                       selections: dict[str, dict[str, Any]] | None = None) -> Evaluation:
+def prepare_evaluation(
+    model_name: str | None,
+    exports: dict[str, str],
+    mode: str,
+    kv_baseline: str | None = None,
+    selection: dict[str, Any] | None = None,
+    selections: dict[str, dict[str, Any]] | None = None,
+) -> Evaluation:
     """Check every export (name -> folder or Hub repo id) and the selection changes before any
     model loads: `selection` for every export, `selections` per export name (over `selection`).
     `model_name` None: the base the first export names (gsm_train/hub_ids.py, `base_to_load`);
@@ -205,22 +245,33 @@ def prepare_evaluation(model_name: str | None, exports: dict[str, str], mode: st
     folders = {name: resolve_export(adapter) for name, adapter in exports.items()}
     configs = {name: read_config(folder) for name, folder in folders.items()}
     changes = {name: (selection or {}) | (selections or {}).get(name, {}) for name in exports}
-    changed = {name: with_selection(_gsm_config(configs[name]), change, f"--export {name}")
-               for name, change in changes.items() if change}
+    changed = {
+        name: with_selection(_gsm_config(configs[name]), change, f"--export {name}")
+        for name, change in changes.items()
+        if change
+    }
     revision = None
     if model_name is None:
         if not configs:
-            raise ExportError("eval needs a model: give --export NAME=FOLDER (whose base it loads) "
-                              "or --model")
+            raise ExportError("eval needs a model: give --export NAME=FOLDER (whose base it loads) or --model")
         model_name, revision = base_to_load(next(iter(configs.values()))["base_model"])
     return Evaluation(model_name, revision, folders, dict(exports), changed, mode, kv_baseline)
 
 
-def evaluate_exports(model_name: str | None, exports: dict[str, str], data: str, seq_len: int,
-                     windows: int, batch_size: int, mode: str, min_keys: int,
-                     kv_baseline: str | None = None, first_bucket: int = 2048,
-                     selection: dict[str, Any] | None = None,
-                     selections: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+def evaluate_exports(
+    model_name: str | None,
+    exports: dict[str, str],
+    data: str,
+    seq_len: int,
+    windows: int,
+    batch_size: int,
+    mode: str,
+    min_keys: int,
+    kv_baseline: str | None = None,
+    first_bucket: int = 2048,
+    selection: dict[str, Any] | None = None,
+    selections: dict[str, dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     """Evaluate the base model and every export (name -> folder or Hub repo id) on the same windows.
 
     `model_name` None: the base the first export names (`prepare_evaluation`). `kv_baseline`
@@ -248,39 +299,58 @@ def evaluate_exports(model_name: str | None, exports: dict[str, str], data: str,
             results[item.name] = measured | kv_bytes | {"k": k or sparse.top_k_schedule}
         if item.export is not None:
             results[item.name]["export"] = item.export
-    for name, result in results.items():
+    for result in results.values():
         result["ppl_vs_base"] = result["ppl"] / results[BASE]["ppl"]
         for part, base_part in zip(result["buckets"], results[BASE]["buckets"], strict=True):
             part["ppl_vs_base"] = part["ppl"] / base_part["ppl"]
-    return {"model": evaluation.model_name, "data": data, "seq_len": seq_len, "windows": len(rows),
-            "mode": mode, "kv_baseline": kv_baseline, "selection": selection or None,
-            "selections": selections or None,
-            "buckets": buckets, "results": results}
+    return {
+        "model": evaluation.model_name,
+        "data": data,
+        "seq_len": seq_len,
+        "windows": len(rows),
+        "mode": mode,
+        "kv_baseline": kv_baseline,
+        "selection": selection or None,
+        "selections": selections or None,
+        "buckets": buckets,
+        "results": results,
+    }
 
 
 def bucket_label(start: int, stop: int) -> str:
     """`0-2k` for positions [0, 2048); plain numbers where they are not whole multiples of 1024."""
+
     def short(n: int) -> str:
         return f"{n // 1024}k" if n and n % 1024 == 0 else str(n)
+
     return f"{short(start)}-{short(stop)}"
 
 
 def markdown_table(report: dict[str, Any]) -> str:
     """The report as markdown: a row per model for the window, then a row per model by bucket."""
-    lines = [f"Perplexity on {report['windows']} windows of {report['seq_len']} tokens of "
-             f"`{report['data']}` (GSM mode: {report['mode']})", "",
-             "| model | PPL | vs base | KV bytes/token (ratio to bf16) | gate/oracle mass |",
-             "|---|---|---|---|---|"]
+    lines = [
+        f"Perplexity on {report['windows']} windows of {report['seq_len']} tokens of "
+        f"`{report['data']}` (GSM mode: {report['mode']})",
+        "",
+        "| model | PPL | vs base | KV bytes/token (ratio to bf16) | gate/oracle mass |",
+        "|---|---|---|---|---|",
+    ]
     for name, r in report["results"].items():
-        kv = f"{r['kv_bytes_per_token']:.0f} ({r['kv_bytes_ratio']:.3f})" if "kv_bytes_ratio" in r \
-            else "bf16"
+        kv = f"{r['kv_bytes_per_token']:.0f} ({r['kv_bytes_ratio']:.3f})" if "kv_bytes_ratio" in r else "bf16"
         recall = f"{r['recall_ratio']:.3f} @k={r['k']}" if "recall_ratio" in r else "-"
         lines.append(f"| {name} | {r['ppl']:.3f} | {r['ppl_vs_base']:.3f}x | {kv} | {recall} |")
     labels = [bucket_label(start, stop) for start, stop in report["buckets"]]
-    lines += ["", "By query position (PPL of the tokens predicted there; gate/oracle mass):",
-              "", "| model | " + " | ".join(f"PPL {label}" for label in labels) + " | "
-              + " | ".join(f"gate/oracle {label}" for label in labels) + " |",
-              "|---|" + "---|" * (2 * len(labels))]
+    lines += [
+        "",
+        "By query position (PPL of the tokens predicted there; gate/oracle mass):",
+        "",
+        "| model | "
+        + " | ".join(f"PPL {label}" for label in labels)
+        + " | "
+        + " | ".join(f"gate/oracle {label}" for label in labels)
+        + " |",
+        "|---|" + "---|" * (2 * len(labels)),
+    ]
     for name, r in report["results"].items():
         ppl = [f"{p['ppl']:.3f}" for p in r["buckets"]]
         mass = [f"{p['recall_ratio']:.3f}" if "recall_ratio" in p else "-" for p in r["buckets"]]
@@ -288,11 +358,14 @@ def markdown_table(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_report(report: dict[str, Any], out_dir: str | Path) -> Path:
-    """Write `eval.json` and `eval.md` into `out_dir`; return the markdown path."""
+def write_report(
+    report: dict[str, Any], out_dir: str | Path, name: str = "eval", table: Callable[[dict], str] = markdown_table
+) -> Path:
+    """Write `NAME.json` (the report) and `NAME.md` (`table(report)`) into `out_dir`; return the markdown
+    path. `gsm-train passkey` writes its own with `passkey.markdown_table`."""
     folder = Path(out_dir)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "eval.json").write_text(json.dumps(report, indent=2))
-    table = folder / "eval.md"
-    table.write_text(markdown_table(report))
-    return table
+    (folder / f"{name}.json").write_text(json.dumps(report, indent=2))
+    markdown = folder / f"{name}.md"
+    markdown.write_text(table(report))
+    return markdown

@@ -44,6 +44,7 @@ from gsm_train.adapter_format import (
     read_tensors,
     validate_export,
 )
+from gsm_train.attention import GSMSettings, configure_gsm, gsm_settings, gsm_state_dict, has_gsm, inject_gsm
 from gsm_train.config import GSMConfig, LoraSettings
 from gsm_train.export_folder import export_destination, write_export_folder
 from gsm_train.fingerprint import FINGERPRINT_RULE, base_fingerprint
@@ -52,7 +53,7 @@ from gsm_train.hub_ids import base_identity
 from gsm_train.inference.engine import enable_gsm_generation
 from gsm_train.lora import inject_lora, lora_parameters, peft_name, write_peft_config
 from gsm_train.model_card import build_card
-from gsm_train.modules import GSMError, GSMSettings, configure_gsm, gsm_settings, gsm_state_dict, has_gsm, inject_gsm
+from gsm_train.modules import GSMError
 
 __all__ = [
     "ExportError",
@@ -87,11 +88,7 @@ def base_description(model: nn.Module, fingerprint: str, name: str, revision: st
     license where they can be known: gsm_train/hub_ids.py)."""
     cfg = model.config
     heads = cfg.num_attention_heads
-    identity = (
-        base_identity(name, revision)
-        if name
-        else {"hub_id": None, "revision": revision, "license": None}
-    )
+    identity = base_identity(name, revision) if name else {"hub_id": None, "revision": revision, "license": None}
     return {
         "name_or_path": name,
         "revision": identity["revision"] or revision,
@@ -122,9 +119,7 @@ def _split_files(tensors: dict[str, Tensor], names: AdapterNames) -> dict[str, d
 
 
 def _refuse_non_finite(tensors: dict[str, Tensor], out_dir: Path) -> None:
-    bad = sorted(
-        n for n, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())
-    )
+    bad = sorted(n for n, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all()))
     if bad:
         raise ExportError(
             f"{out_dir}: refusing to export {len(bad)} tensors holding NaN or infinite values "
@@ -156,18 +151,12 @@ def export_adapter(
     destination that holds anything but a previous export, and tensors that are not finite.
     """
     if state is None:
-        state = get_model_state_dict(
-            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not is_main:
         return Path(out_dir)
     destination = export_destination(out_dir)
     names = AdapterNames.of(model)
-    tensors = {
-        name: t.detach().contiguous()
-        for name, t in state.items()
-        if include_base or name in names
-    }
+    tensors = {name: t.detach().contiguous() for name, t in state.items() if include_base or name in names}
     _refuse_non_finite(tensors, destination)
     settings = gsm_settings(model)
     files = _split_files(tensors, names)
@@ -297,9 +286,7 @@ def load_tensors(
     return [name for name in loaded.tensors if name not in state]
 
 
-def load_gsm(
-    model: nn.Module, adapter: str | Path, mode: str = "sparse", revision: str | None = None
-) -> GSMSettings:
+def load_gsm(model: nn.Module, adapter: str | Path, mode: str = "sparse", revision: str | None = None) -> GSMSettings:
     """Attach an export's GSM modules (and LoRA deltas, and base weights if exported) to `model`, a
     fresh base, and load their tensors exactly; `model.generate` then decodes over a GSM cache
     (`inference.engine.enable_gsm_generation`). `adapter`: an export folder, or a Hub repo id
@@ -310,9 +297,7 @@ def load_gsm(
     runs (dense / sparse / oracle).
     """
     if has_gsm(model):
-        raise GSMError(
-            "this model already has GSM modules; load the adapter onto a fresh base model"
-        )
+        raise GSMError("this model already has GSM modules; load the adapter onto a fresh base model")
     folder = resolve_export(adapter, revision)
     config = read_config(folder)
     loaded = read_tensors(folder, config)

@@ -16,11 +16,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from gsm_train.adapter_format import CONFIG_FILE, EXPORT_FILES, FORMAT, ExportError
+from gsm_train.durable import fsync_path
 
-_REFUSED_FIX = (
-    "gsm-train replaces only its own exports: give a new or empty folder, or move those files "
-    "away first"
-)
+_REFUSED_FIX = "gsm-train replaces only its own exports: give a new or empty folder, or move those files away first"
 
 
 def _is_export_config(path: Path) -> bool:
@@ -49,9 +47,7 @@ def export_destination(out_dir: str | Path) -> Path:
     entries = sorted(path.iterdir())
     if not entries:
         return path
-    foreign = [
-        e.name for e in entries if e.name not in EXPORT_FILES or e.is_symlink() or not e.is_file()
-    ]
+    foreign = [e.name for e in entries if e.name not in EXPORT_FILES or e.is_symlink() or not e.is_file()]
     if foreign or not _is_export_config(path / CONFIG_FILE):
         held = foreign or [e.name for e in entries]
         raise ExportError(
@@ -59,15 +55,6 @@ def export_destination(out_dir: str | Path) -> Path:
             f"{', '.join(held[:5])}{', ...' if len(held) > 5 else ''}); {_REFUSED_FIX}"
         )
     return path
-
-
-def _sync(path: Path) -> None:
-    """fsync a file or a folder (its entries)."""
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 def write_export_folder(out_dir: str | Path, write: Callable[[Path], None]) -> Path:
@@ -83,8 +70,8 @@ def write_export_folder(out_dir: str | Path, write: Callable[[Path], None]) -> P
     try:
         write(tmp)
         for file in tmp.iterdir():
-            _sync(file)
-        _sync(tmp)
+            fsync_path(file)
+        fsync_path(tmp)
     except BaseException:
         for file in tmp.iterdir():  # only what this call wrote into its own temporary folder
             file.unlink()
@@ -101,7 +88,7 @@ def write_export_folder(out_dir: str | Path, write: Callable[[Path], None]) -> P
         if previous is not None:
             os.rename(previous, destination)
         raise
-    _sync(destination.parent)
+    fsync_path(destination.parent)
     if previous is not None:
         for name in EXPORT_FILES:
             (previous / name).unlink(missing_ok=True)

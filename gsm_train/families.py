@@ -46,9 +46,19 @@ FAMILIES: dict[str, ModelFamily] = {
     )
 }
 
-TINY_SHAPE = dict(vocab_size=257, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, eos_token_id=256,
-                  pad_token_id=256, bos_token_id=256, tie_word_embeddings=False)
+TINY_SHAPE = dict(
+    vocab_size=257,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=4096,
+    eos_token_id=256,
+    pad_token_id=256,
+    bos_token_id=256,
+    tie_word_embeddings=False,
+)
 
 
 def _unwrapped(model: nn.Module) -> nn.Module:
@@ -70,7 +80,8 @@ def family_of(model: nn.Module) -> ModelFamily:
         raise UnsupportedModel(
             f"model family {model_type!r} is not supported: GSM needs attention through transformers' "
             f"attention interface with q/k/v projections and RoPE ({', '.join(FAMILIES)}); use a model "
-            "of one of these families")
+            "of one of these families"
+        )
     return FAMILIES[model_type]
 
 

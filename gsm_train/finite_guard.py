@@ -50,15 +50,17 @@ def json_safe(value: Any) -> Any:
 
 def nonfinite_terms(record: Mapping[str, Any]) -> list[str]:
     """Names of the float entries of a step record that are NaN or infinite, in record order."""
-    return [name for name, value in record.items()
-            if isinstance(value, float) and not math.isfinite(value)]
+    return [name for name, value in record.items() if isinstance(value, float) and not math.isfinite(value)]
 
 
 def nonfinite_tensors(tensors: Mapping[str, Tensor]) -> list[str]:
     """Names of the floating-point tensors holding a NaN or an infinity (of a DTensor: this rank's
     part)."""
-    return [name for name, tensor in tensors.items() if tensor.is_floating_point()
-            and not bool(torch.isfinite(_local(tensor)).all())]
+    return [
+        name
+        for name, tensor in tensors.items()
+        if tensor.is_floating_point() and not bool(torch.isfinite(_local(tensor)).all())
+    ]
 
 
 def _local(tensor: Tensor) -> Tensor:
@@ -67,8 +69,10 @@ def _local(tensor: Tensor) -> Tensor:
 
 def _refusal(what: str, bad: list[str], count: int) -> NonFiniteError:
     shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
-    return NonFiniteError(f"{what} not written: {len(bad)} of {count} tensors hold NaN or infinite "
-                          f"values ({shown}); the previous checkpoints are kept")
+    return NonFiniteError(
+        f"{what} not written: {len(bad)} of {count} tensors hold NaN or infinite "
+        f"values ({shown}); the previous checkpoints are kept"
+    )
 
 
 def check_finite_tensors(tensors: Mapping[str, Tensor], what: str) -> None:
@@ -126,11 +130,14 @@ class NonFiniteGuard:
         if len(self.skipped) < self.max_skipped_steps:
             self.skipped.append(step)
             return True
-        allowed = (f"after skipping {len(self.skipped)} step(s) ({self.skipped}), the most "
-                   "train.max_skipped_steps allows" if self.max_skipped_steps else
-                   "train.max_skipped_steps is 0")
+        allowed = (
+            f"after skipping {len(self.skipped)} step(s) ({self.skipped}), the most train.max_skipped_steps allows"
+            if self.max_skipped_steps
+            else "train.max_skipped_steps is 0"
+        )
         raise NonFiniteError(
             f"step {step}: non-finite {values}; the run stopped ({allowed}). Nothing of this step "
             "was saved; the checkpoints before it are intact. Lower optim.lr or the loss weights, "
             "check the recipe's gsm settings (e.g. gsm.kv_compression.tau), or set "
-            "train.max_skipped_steps to skip a few bad steps")
+            "train.max_skipped_steps to skip a few bad steps"
+        )

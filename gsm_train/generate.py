@@ -57,10 +57,12 @@ class Generation:
 
     def summary(self) -> str:
         memory = f", peak device memory {self.peak_memory_bytes / 2**30:.2f} GiB" if self.peak_memory_bytes else ""
-        return (f"{self.label}: {self.new_tokens} tokens in {self.seconds:.2f} s; time to first token "
-                f"{self.time_to_first_token * 1e3:.0f} ms; decode {self.decode_tokens_per_s:.1f} tokens/s "
-                f"(from token {FIRST_TIMED_STEP + 1} on: graph capture and compilation excluded){memory}; "
-                f"KV {self.kv_bytes:,} bytes (a bf16 dense cache: {self.dense_kv_bytes:,})")
+        return (
+            f"{self.label}: {self.new_tokens} tokens in {self.seconds:.2f} s; time to first token "
+            f"{self.time_to_first_token * 1e3:.0f} ms; decode {self.decode_tokens_per_s:.1f} tokens/s "
+            f"(from token {FIRST_TIMED_STEP + 1} on: graph capture and compilation excluded){memory}; "
+            f"KV {self.kv_bytes:,} bytes (a bf16 dense cache: {self.dense_kv_bytes:,})"
+        )
 
 
 class TimedStreamer(TextStreamer):
@@ -92,8 +94,16 @@ def _device_and_dtype(device: str | None) -> tuple[str, torch.dtype]:
 
 
 @torch.no_grad()
-def _run(label: str, model: nn.Module, tokenizer: Any, prompt: str, max_new_tokens: int, echo: bool,
-         cache: GSMCache | None, **options: Any) -> Generation:
+def _run(
+    label: str,
+    model: nn.Module,
+    tokenizer: Any,
+    prompt: str,
+    max_new_tokens: int,
+    echo: bool,
+    cache: GSMCache | None,
+    **options: Any,
+) -> Generation:
     """Greedy generation of `model` on `prompt`, streamed and timed."""
     device = next(model.parameters()).device
     ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)
@@ -101,20 +111,42 @@ def _run(label: str, model: nn.Module, tokenizer: Any, prompt: str, max_new_toke
         torch.cuda.reset_peak_memory_stats(device)
     streamer = TimedStreamer(tokenizer, echo)
     extra = cache_kwargs(model, cache) if cache is not None else {}
-    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, streamer=streamer,
-                         pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id or 0, **extra, **options)
+    out = model.generate(
+        ids,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        streamer=streamer,
+        pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id or 0,
+        **extra,
+        **options,
+    )
     seconds = time.perf_counter() - streamer.start
-    new = out[0, ids.shape[1]:]
+    new = out[0, ids.shape[1] :]
     cached = out.shape[1] - 1  # the last token is never fed back
     dense = dense_cache_bytes(model, cached)
-    return Generation(label, tokenizer.decode(new, skip_special_tokens=True), len(new), seconds, streamer.times,
-                      cache.nbytes() if cache is not None else dense, dense,
-                      torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None)
+    return Generation(
+        label,
+        tokenizer.decode(new, skip_special_tokens=True),
+        len(new),
+        seconds,
+        streamer.times,
+        cache.nbytes() if cache is not None else dense,
+        dense,
+        torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+    )
 
 
-def generate(model_name: str | None, adapter: str | Path | None, prompt: str, max_new_tokens: int,
-             mode: str = "sparse", device: str | None = None, revision: str | None = None,
-             compare_dense: bool = False, echo: bool = False) -> list[Generation]:
+def generate(
+    model_name: str | None,
+    adapter: str | Path | None,
+    prompt: str,
+    max_new_tokens: int,
+    mode: str = "sparse",
+    device: str | None = None,
+    revision: str | None = None,
+    compare_dense: bool = False,
+    echo: bool = False,
+) -> list[Generation]:
     """Greedy continuation of `prompt`: with `adapter` (an export folder or a Hub repo id at `revision`),
     GSM attention over the GSM cache on the base the export names (or `model_name`), and with
     `compare_dense` the dense base after it; without an adapter, the base `model_name`. `echo` streams
@@ -122,8 +154,9 @@ def generate(model_name: str | None, adapter: str | Path | None, prompt: str, ma
     device, dtype = _device_and_dtype(device)
     runs = []
     if adapter is not None:
-        gsm = GSMModel.from_pretrained(adapter, revision=revision, base=model_name, mode=mode, dtype=dtype,
-                                       device=device)
+        gsm = GSMModel.from_pretrained(
+            adapter, revision=revision, base=model_name, mode=mode, dtype=dtype, device=device
+        )
         length = len(gsm.tokenizer(prompt).input_ids)
         cache = GSMCache(gsm.model, capacity=length + max_new_tokens)
         runs.append(_run("GSM cache", gsm.model, gsm.tokenizer, prompt, max_new_tokens, echo, cache))
@@ -135,6 +168,16 @@ def generate(model_name: str | None, adapter: str | Path | None, prompt: str, ma
         model, tokenizer = load_model_and_tokenizer(model_name, dtype=dtype)
         model.to(device)
         options = {"cache_implementation": "static"} if device.startswith("cuda") else {}
-        runs.append(_run("dense base" + (", static cache" if options else ""), model, tokenizer, prompt,
-                         max_new_tokens, echo and adapter is None, None, **options))
+        runs.append(
+            _run(
+                "dense base" + (", static cache" if options else ""),
+                model,
+                tokenizer,
+                prompt,
+                max_new_tokens,
+                echo and adapter is None,
+                None,
+                **options,
+            )
+        )
     return runs

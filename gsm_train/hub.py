@@ -35,8 +35,7 @@ from gsm_train.model_card import build_card
 DEFAULT_COMMIT_MESSAGE = "Upload GSM adapter (gsm-train)"
 _LOGIN_FIX = "run `hf auth login`, set the HF_TOKEN environment variable, or pass a token"
 _HTTP_FIXES = {
-    401: "the token was refused; log in again with `hf auth login` or set HF_TOKEN to a valid "
-    "token",
+    401: "the token was refused; log in again with `hf auth login` or set HF_TOKEN to a valid token",
     403: "use a token with write access to the repo's namespace (a 'write' or fine-grained token)",
     404: "check the repo id and revision, and that the token can see the repo",
 }
@@ -66,9 +65,7 @@ def _resolve_token(token: str | None) -> str:
     return resolved
 
 
-def _with_base_id(
-    config: dict[str, Any], base_model_id: str | None, folder: Path
-) -> dict[str, Any]:
+def _with_base_id(config: dict[str, Any], base_model_id: str | None, folder: Path) -> dict[str, Any]:
     """`config` with the base's Hub id set from `base_model_id`; refuses a base that is neither a
     built-in nor known by a Hub id (the card's base_model must be one)."""
     base = config["base_model"]
@@ -89,11 +86,7 @@ def _with_base_id(
 
 def _export_files(folder: Path) -> list[Path]:
     """The export's own files present in `folder` (never anything else it holds); refuses links."""
-    files = [
-        folder / name
-        for name in EXPORT_FILES
-        if (folder / name).is_file() or (folder / name).is_symlink()
-    ]
+    files = [folder / name for name in EXPORT_FILES if (folder / name).is_file() or (folder / name).is_symlink()]
     links = [file.name for file in files if file.is_symlink()]
     if links:
         raise PublishError(
@@ -125,9 +118,7 @@ def _operations(
     stored = json.loads((folder / CONFIG_FILE).read_text())
     if published is not exported:
         base = {**stored["base_model"], "hub_id": published["base_model"]["hub_id"]}
-        contents[CONFIG_FILE] = json.dumps(
-            {**stored, "base_model": base}, indent=2, sort_keys=True
-        ).encode()
+        contents[CONFIG_FILE] = json.dumps({**stored, "base_model": base}, indent=2, sort_keys=True).encode()
     args = _training_args(folder)
     card = folder / CARD_FILE
     as_written = (
@@ -137,10 +128,7 @@ def _operations(
     )
     if as_written:
         contents[CARD_FILE] = build_card(published, args, repo_id).encode()
-    return [
-        CommitOperationAdd(path_in_repo=name, path_or_fileobj=content)
-        for name, content in contents.items()
-    ]
+    return [CommitOperationAdd(path_in_repo=name, path_or_fileobj=content) for name, content in contents.items()]
 
 
 def publish_export(
@@ -182,17 +170,12 @@ def publish_export(
             revision=revision,
         )
     except OfflineModeIsEnabled:
-        raise PublishError(
-            "the Hub is in offline mode (HF_HUB_OFFLINE is set). Fix: unset HF_HUB_OFFLINE."
-        ) from None
+        raise PublishError("the Hub is in offline mode (HF_HUB_OFFLINE is set). Fix: unset HF_HUB_OFFLINE.") from None
     except HfHubHTTPError as err:
         status = err.response.status_code
         detail = err.server_message or str(err).splitlines()[0]
         fix = _HTTP_FIXES.get(status, "check the endpoint, then retry later")
-        message = (
-            f"publishing {folder} to {repo_id} failed: the Hub answered HTTP {status}: {detail}. "
-            f"Fix: {fix}."
-        )
+        message = f"publishing {folder} to {repo_id} failed: the Hub answered HTTP {status}: {detail}. Fix: {fix}."
         raise PublishError(message.replace(token, "<token>")) from None
     except _transport_errors() as err:
         message = (
@@ -203,9 +186,6 @@ def publish_export(
         raise PublishError(message.replace(token, "<token>")) from None
     except ValueError as err:  # the Hub rejected the model card's metadata (README.md front matter)
         detail = " ".join(str(err).split()).rstrip(".")
-        message = (
-            f"publishing {folder} to {repo_id} failed: {detail}. "
-            "Fix: correct README.md's YAML header."
-        )
+        message = f"publishing {folder} to {repo_id} failed: {detail}. Fix: correct README.md's YAML header."
         raise PublishError(message.replace(token, "<token>")) from None
     return str(info.commit_url)

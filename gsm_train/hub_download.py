@@ -39,13 +39,9 @@ def resolve_export(adapter: str | Path, revision: str | None = None) -> Path:
         )
     where = f"Hub repo {repo_id}" + (f" at revision {revision}" if revision else "")
     try:
-        return Path(
-            snapshot_download(repo_id, revision=revision, allow_patterns=list(EXPORT_FILES))
-        )
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=list(EXPORT_FILES)))
     except RevisionNotFoundError:
-        raise ExportError(
-            f"{where}: no such revision; give a branch, tag or commit of the repo"
-        ) from None
+        raise ExportError(f"{where}: no such revision; give a branch, tag or commit of the repo") from None
     except RepositoryNotFoundError:
         raise ExportError(
             f"{repo_id}: no such folder here and no such Hub repo (or it is private: log in with "

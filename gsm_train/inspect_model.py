@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from gsm_train.attention import GSMAttentionAdapter, gsm_adapters, inject_gsm
 from gsm_train.config import (
     CrossLayerSharingConfig,
     GSMConfig,
@@ -29,10 +30,9 @@ from gsm_train.config import (
     load_recipe,
     validate_recipe_dict,
 )
+from gsm_train.families import model_dims
 from gsm_train.kv_budget import apply_kv_budget, layer_kv_bytes
 from gsm_train.model_zoo import load_model_and_tokenizer
-from gsm_train.families import model_dims
-from gsm_train.modules import GSMAttentionAdapter, gsm_adapters, inject_gsm
 
 
 @dataclass(frozen=True)
@@ -53,8 +53,9 @@ def default_gsm_config(num_layers: int) -> GSMConfig:
     if bridge.bridge_to_start >= num_layers:
         to_start = max(num_layers // 2, 1)
         bridge = CrossLayerSharingConfig(bridge_from=min(bridge.bridge_from, to_start - 1), bridge_to_start=to_start)
-    return GSMConfig.model_validate({"kv_compression": {"enabled": True},
-                                     "cross_layer_sharing": {**bridge.model_dump(), "enabled": enabled}})
+    return GSMConfig.model_validate(
+        {"kv_compression": {"enabled": True}, "cross_layer_sharing": {**bridge.model_dump(), "enabled": enabled}}
+    )
 
 
 def recipe_for(recipe: str | None, overrides: list[str], num_layers: int) -> RecipeConfig:
@@ -70,10 +71,17 @@ def recipe_for(recipe: str | None, overrides: list[str], num_layers: int) -> Rec
 
 def layer_modules(adapter: GSMAttentionAdapter, bridge_mode: str) -> str:
     """Names of what is attached to one layer, e.g. `gate asq bridge-target(share)`."""
-    parts = [name for name, present in (("gate", adapter.gate is not None), ("asq", adapter.asq_k is not None),
-                                        ("bridge-source", adapter.is_bridge_source),
-                                        (f"bridge-target({bridge_mode})", adapter.bridge is not None),
-                                        ("dense-layer", adapter.dense_layer)) if present]
+    parts = [
+        name
+        for name, present in (
+            ("gate", adapter.gate is not None),
+            ("asq", adapter.asq_k is not None),
+            ("bridge-source", adapter.is_bridge_source),
+            (f"bridge-target({bridge_mode})", adapter.bridge is not None),
+            ("dense-layer", adapter.dense_layer),
+        )
+        if present
+    ]
     return " ".join(parts) or "-"
 
 
@@ -84,8 +92,9 @@ def layer_reports(model: nn.Module, config: GSMConfig, seq_len: int) -> list[Lay
     rows = []
     for index, (_, adapter) in enumerate(gsm_adapters(model)):
         params = sum(param.numel() for param in adapter.parameters())
-        rows.append(LayerReport(index, layer_modules(adapter, mode), params,
-                                *layer_kv_bytes(config, dims, index, seq_len)))
+        rows.append(
+            LayerReport(index, layer_modules(adapter, mode), params, *layer_kv_bytes(config, dims, index, seq_len))
+        )
     return rows
 
 
@@ -93,11 +102,15 @@ def render(title: str, rows: list[LayerReport]) -> str:
     """Plain-text table with a totals row and the with/without-GSM byte ratio."""
     header = f"{'layer':>5}  {'modules':<40} {'gsm params':>12} {'KV B/tok base':>14} {'KV B/tok gsm':>14}"
     lines = [title, header, "-" * len(header)]
-    lines += [f"{r.index:>5}  {r.modules:<40} {r.params:>12,} {r.base_bytes:>14,.1f} {r.gsm_bytes:>14,.1f}"
-              for r in rows]
+    lines += [
+        f"{r.index:>5}  {r.modules:<40} {r.params:>12,} {r.base_bytes:>14,.1f} {r.gsm_bytes:>14,.1f}" for r in rows
+    ]
     params, base, gsm = (sum(getattr(r, name) for r in rows) for name in ("params", "base_bytes", "gsm_bytes"))
-    lines += ["-" * len(header), f"{'total':>5}  {'':<40} {params:>12,} {base:>14,.1f} {gsm:>14,.1f}",
-              f"KV bytes ratio (gsm / base): {gsm / base:.4f}"]
+    lines += [
+        "-" * len(header),
+        f"{'total':>5}  {'':<40} {params:>12,} {base:>14,.1f} {gsm:>14,.1f}",
+        f"KV bytes ratio (gsm / base): {gsm / base:.4f}",
+    ]
     return "\n".join(lines)
 
 
@@ -106,8 +119,9 @@ def inspect_model(model_name: str, recipe: str | None, seq_len: int, overrides: 
     model, _ = load_model_and_tokenizer(model_name)
     recipe_config = recipe_for(recipe, overrides, model.config.num_hidden_layers)
     config = recipe_config.gsm
-    budget = apply_kv_budget(config, recipe_config.tuning.kv_compression_ratio, model_dims(model),
-                             recipe_config.data.seq_len)  # as a run of this recipe resolves it
+    budget = apply_kv_budget(
+        config, recipe_config.tuning.kv_compression_ratio, model_dims(model), recipe_config.data.seq_len
+    )  # as a run of this recipe resolves it
     inject_gsm(model, config)
     title = f"{model_name}: GSM modules and KV cache per token at seq_len={seq_len} (bf16 cache)"
     if budget is not None:

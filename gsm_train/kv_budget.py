@@ -19,8 +19,8 @@ from __future__ import annotations
 import math
 
 from gsm_train.config import ConfigError, GSMConfig, Problem
-from gsm_train.modules.kv_registry import kv_bytes_per_token
 from gsm_train.functional.gate_keys import gate_key_bytes
+from gsm_train.modules.kv_registry import kv_bytes_per_token
 
 BF16_BYTES = 2
 BUDGET_LADDER = ((8, 16), (8, 8), (4, 16), (4, 8), (2, 16), (2, 8))  # (quant_bits, gate_key_bits), most precise first
@@ -38,12 +38,18 @@ def layer_kv_bytes(config: GSMConfig, dims: dict[str, int], layer: int, seq_len:
     kv = config.kv_compression
     per_head = kv_bytes_per_token(kv, layer, seq_len, head_dim) if kv.enabled else 2 * BF16_BYTES * head_dim
     sharing = config.cross_layer_sharing
-    shared = (min(sharing.shared_kv_heads, kv_heads)
-              if sharing.enabled and sharing.mode == "share" and layer >= sharing.bridge_to_start else 0)
+    shared = (
+        min(sharing.shared_kv_heads, kv_heads)
+        if sharing.enabled and sharing.mode == "share" and layer >= sharing.bridge_to_start
+        else 0
+    )
     sparse = config.sparse_attention
     selectors = 1 if sparse.heads == "layer" else kv_heads
-    gate = (gate_key_bytes(sparse.gate_head_dim, sparse.gate_key_bits) * selectors
-            if sparse.enabled and layer not in sparse.dense_layers else 0)
+    gate = (
+        gate_key_bytes(sparse.gate_head_dim, sparse.gate_key_bits) * selectors
+        if sparse.enabled and layer not in sparse.dense_layers
+        else 0
+    )
     return base, per_head * (kv_heads - shared) + gate
 
 
@@ -64,11 +70,22 @@ def apply_kv_budget(config: GSMConfig, budget: float | None, dims: dict[str, int
         config.kv_compression.quant_bits, config.sparse_attention.gate_key_bits = quant_bits, key_bits
         ratio = kv_bytes_ratio(config, dims, seq_len)
         if ratio <= budget:
-            return (f"kv_compression_ratio {budget}: ASQ {quant_bits}-bit residuals, {key_bits}-bit gate keys, "
-                    f"{ratio:.4f} of bf16 at seq_len {seq_len}")
+            return (
+                f"kv_compression_ratio {budget}: ASQ {quant_bits}-bit residuals, {key_bits}-bit gate keys, "
+                f"{ratio:.4f} of bf16 at seq_len {seq_len}"
+            )
         tried.append(ratio)
-    raise ConfigError("recipe vs model", [Problem(
-        "tuning.kv_compression_ratio", budget,
-        f"the smallest ratio ASQ and gate key bits reach on this model at seq_len {seq_len} is {min(tried):.4f}",
-        f"use at least {math.ceil(min(tried) * 100) / 100:.2f}, or cache less elsewhere (cross_layer_sharing.mode share with more "
-        "shared_kv_heads or a lower bridge_to_start, a smaller sparse_attention.gate_head_dim)")])
+    raise ConfigError(
+        "recipe vs model",
+        [
+            Problem(
+                "tuning.kv_compression_ratio",
+                budget,
+                f"the smallest ratio ASQ and gate key bits reach on this model at seq_len {seq_len} is "
+                f"{min(tried):.4f}",
+                f"use at least {math.ceil(min(tried) * 100) / 100:.2f}, or cache less elsewhere "
+                "(cross_layer_sharing.mode share with more shared_kv_heads or a lower bridge_to_start, "
+                "a smaller sparse_attention.gate_head_dim)",
+            )
+        ],
+    )

@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from gsm_train.attention import gsm_state_dict
 from gsm_train.config import LoraSettings
-from gsm_train.modules import gsm_state_dict
 
 
 def base_modules_pattern(names: list[str]) -> str:
@@ -30,8 +30,12 @@ def inject_lora(model: nn.Module, settings: LoraSettings) -> None:
         from peft import LoraConfig, inject_adapter_in_model
     except ImportError as err:
         raise RuntimeError("train.base: lora needs peft: pip install 'gsm-train[lora]'") from err
-    config = LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
-                        target_modules=base_modules_pattern(settings.target_modules))
+    config = LoraConfig(
+        r=settings.r,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=base_modules_pattern(settings.target_modules),
+    )
     inject_adapter_in_model(config, model)
 
 
@@ -79,14 +83,19 @@ def model_name(name: str) -> str:
     return _PEFT_LORA.sub(r"\1.default.", name.removeprefix(PEFT_PREFIX))
 
 
-def write_peft_config(folder: Path, settings: LoraSettings, base_model: str | None,
-                      revision: str | None) -> None:
+def write_peft_config(folder: Path, settings: LoraSettings, base_model: str | None, revision: str | None) -> None:
     """`adapter_config.json` for `settings`, so that `PeftModel.from_pretrained(base, folder)`
     rebuilds the same LoRA layers on a base without GSM modules."""
     from peft import LoraConfig
 
-    config = LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
-                        target_modules=base_modules_pattern(settings.target_modules),
-                        task_type="CAUSAL_LM", base_model_name_or_path=base_model,
-                        revision=revision, inference_mode=True)
+    config = LoraConfig(
+        r=settings.r,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=base_modules_pattern(settings.target_modules),
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=base_model,
+        revision=revision,
+        inference_mode=True,
+    )
     config.save_pretrained(str(folder))

@@ -18,9 +18,7 @@ from gsm_train.hub_ids import BUILTIN_BASES
 
 LIBRARY = "gsm-train"
 _MODULES = ("sparse_attention", "kv_compression", "cross_layer_sharing")
-_METRIC_IDS = {
-    "ppl": "perplexity"
-}  # the Hub's metric id where one exists; other names are gsm-train's own
+_METRIC_IDS = {"ppl": "perplexity"}  # the Hub's metric id where one exists; other names are gsm-train's own
 
 
 def _hub_dataset(path: str | None) -> tuple[str, str | None] | None:
@@ -37,9 +35,7 @@ def _eval_source(recipe: dict[str, Any]) -> str | None:
     return source.get("path")
 
 
-def _eval_results(
-    recipe: dict[str, Any] | None, metrics: dict[str, Any] | None
-) -> list[EvalResult]:
+def _eval_results(recipe: dict[str, Any] | None, metrics: dict[str, Any] | None) -> list[EvalResult]:
     """The finite scalar metrics of the run's final evaluation, on its evaluation text."""
     if not recipe or not metrics:
         return []
@@ -62,21 +58,13 @@ def _eval_results(
     ]
 
 
-def card_data(
-    config: dict[str, Any], training_args: dict[str, Any], repo_id: str | None
-) -> ModelCardData:
+def card_data(config: dict[str, Any], training_args: dict[str, Any], repo_id: str | None) -> ModelCardData:
     """The card's metadata."""
     base = config["base_model"]
     recipe, metrics = training_args.get("recipe"), training_args.get("metrics")
     results = _eval_results(recipe, metrics)
     data = (recipe or {}).get("data") or {}
-    datasets = sorted(
-        {
-            d[0]
-            for part in ("train", "eval")
-            if (d := _hub_dataset((data.get(part) or {}).get("path")))
-        }
-    )
+    datasets = sorted({d[0] for part in ("train", "eval") if (d := _hub_dataset((data.get(part) or {}).get("path")))})
     tags = ["gsm", "sparse-attention", "kv-cache-compression", LIBRARY] + (
         ["lora", "peft"] if config.get("lora") else []
     )
@@ -97,11 +85,7 @@ def _body(config: dict[str, Any], training_args: dict[str, Any], repo_id: str | 
     base = config["base_model"]
     name, hub_id = base["name_or_path"], base.get("hub_id")
     recipe, metrics = training_args.get("recipe") or {}, training_args.get("metrics") or {}
-    modules = (
-        [section for section in _MODULES if config[section].get("enabled")]
-        if config.get("gsm_enabled")
-        else []
-    )
+    modules = [section for section in _MODULES if config[section].get("enabled")] if config.get("gsm_enabled") else []
     files = config["files"]
     lines = [
         f"# GSM adapter for {hub_id or name}",
@@ -112,8 +96,7 @@ def _body(config: dict[str, Any], training_args: dict[str, Any], repo_id: str | 
         + (f" (Hub: `{hub_id}`)" if hub_id and hub_id != name else "")
         + f", {base['model_type']}, {base['num_hidden_layers']} layers, weights fingerprint "
         f"`{base['fingerprint'][:16]}` (rule {base['fingerprint_rule']})",
-        f"- tensors: {sum(len(entry['tensors']) for entry in files.values())} in "
-        f"{', '.join(sorted(files))}",
+        f"- tensors: {sum(len(entry['tensors']) for entry in files.values())} in {', '.join(sorted(files))}",
     ]
     if name in BUILTIN_BASES:
         lines.append(
@@ -127,9 +110,7 @@ def _body(config: dict[str, Any], training_args: dict[str, Any], repo_id: str | 
             f"- stage: `{recipe.get('stage')}`, steps: {(recipe.get('train') or {}).get('steps')}",
             f"- data: `{data.get('path')}`",
         ]
-    scalars = {
-        k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
-    }
+    scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     if scalars:
         lines += ["", "## Metrics", ""]
         lines += [f"On `{_eval_source(recipe)}` at the end of the run.", ""] if recipe else []
@@ -158,9 +139,7 @@ def _body(config: dict[str, Any], training_args: dict[str, Any], repo_id: str | 
     return [*lines, ""]
 
 
-def build_card(
-    config: dict[str, Any], training_args: dict[str, Any], repo_id: str | None = None
-) -> str:
+def build_card(config: dict[str, Any], training_args: dict[str, Any], repo_id: str | None = None) -> str:
     """README.md of an export: metadata front matter, then what it is, its metrics and how to load
     it."""
     text = f"---\n{card_data(config, training_args, repo_id).to_yaml()}\n---\n\n" + "\n".join(

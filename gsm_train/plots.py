@@ -36,8 +36,9 @@ def plot_decode_speedup(rows: list[dict], path: Path) -> Path:
     for ax, shape in zip(axes[0], shapes):
         for batch in sorted({row["batch"] for row in rows}):
             for k in sorted({row["k"] for row in rows}):
-                points = sorted((r["context"], r["speedup"]) for r in rows
-                                if (r["shape"], r["batch"], r["k"]) == (shape, batch, k))
+                points = sorted(
+                    (r["context"], r["speedup"]) for r in rows if (r["shape"], r["batch"], r["k"]) == (shape, batch, k)
+                )
                 ax.plot([c for c, _ in points], [s for _, s in points], "o-", label=f"batch {batch}, k={k}")
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.axhline(3.0, color="grey", lw=0.8, ls="--")
@@ -78,15 +79,18 @@ def plot_quality_vs_kv(points: list[dict[str, Any]], goal_ppl: float, goal_kv: f
         ax.annotate(str(number), (x, y), fontsize=8, xytext=(5, 5), textcoords="offset points")
         if point in near:  # numbers alternate sides: runs at the same budget sit in one column
             zoom.plot(x, y, "o", **style)
-            zoom.annotate(str(number), (x, y), fontsize=8, xytext=(6 if number % 2 else -14, -3),
-                          textcoords="offset points")
+            zoom.annotate(
+                str(number), (x, y), fontsize=8, xytext=(6 if number % 2 else -14, -3), textcoords="offset points"
+            )
     ax.set_xlim(0, max(1.2, max(p["kv_bytes_ratio"] for p in points) + 0.1))
     ax.set_ylim(low, max(p["ppl_over_control"] for p in points) + 0.1)
     ax.set_ylabel("perplexity / dense control")
     ax.set_title("stage 2, SmolLM2-135M: quality against KV bytes (WikiText-2, context 2048)", fontsize=10)
     zoom.set_xlim(goal_kv - 0.01, goal_kv + 0.01)
-    zoom.set_ylim(min([goal_ppl - 0.02] + [p["ppl_over_control"] - 0.01 for p in near]),
-                  max([goal_ppl + 0.02] + [p["ppl_over_control"] + 0.01 for p in near]))
+    zoom.set_ylim(
+        min([goal_ppl - 0.02] + [p["ppl_over_control"] - 0.01 for p in near]),
+        max([goal_ppl + 0.02] + [p["ppl_over_control"] + 0.01 for p in near]),
+    )
     zoom.set_title(f"enlarged: within 0.01 of the KV goal, {len(near)} runs", fontsize=10)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(0.0, -0.14), ncol=1, frameon=False)
     fig.tight_layout()
@@ -110,8 +114,7 @@ def plot_step_breakdown(steps: dict[str, dict[str, float]], title: str, path: Pa
         ax.barh(names, widths, left=starts, color=colours[index % len(colours)], label=part)
     for row, name in enumerate(names):
         total = sum(steps[name].values())
-        ax.annotate(f"{total:.1f} ms", (total, row), xytext=(4, 0), textcoords="offset points", va="center",
-                    fontsize=8)
+        ax.annotate(f"{total:.1f} ms", (total, row), xytext=(4, 0), textcoords="offset points", va="center", fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("ms per step")
     ax.set_title(title, fontsize=10)
@@ -132,8 +135,9 @@ def plot_layer_sensitivity(increase: dict[str, list[float]], bits: int, path: Pa
     width = 0.8 / len(increase)
     fig, ax = plt.subplots(figsize=(10, 3.8))
     for index, (side, values) in enumerate(increase.items()):
-        ax.bar([layer + (index - (len(increase) - 1) / 2) * width for layer in range(layers)], values, width,
-               label=side)
+        ax.bar(
+            [layer + (index - (len(increase) - 1) / 2) * width for layer in range(layers)], values, width, label=side
+        )
     ax.set_xlabel("layer")
     ax.set_ylabel("loss increase (nats)")
     ax.set_xticks(range(layers))

@@ -25,8 +25,13 @@ from gsm_train.run_folder import check_run_folder, read_run_id
 
 # recipe fields a resumed run may change without --allow-recipe-change: they do not alter the
 # trained weights (how long it runs, what it logs, how often it saves, where)
-RESUMABLE_CHANGES = ("train.steps", "output.checkpoint_every", "output.keep_checkpoints",
-                     "output.resume_from", "output.dir")
+RESUMABLE_CHANGES = (
+    "train.steps",
+    "output.checkpoint_every",
+    "output.keep_checkpoints",
+    "output.resume_from",
+    "output.dir",
+)
 RESUMABLE_PREFIXES = ("logging.",)
 # (recipe field, the module it needs, how to install it)
 _OPTIONAL = (
@@ -63,13 +68,16 @@ def _field(config: RecipeConfig, dotted: str) -> Any:
 
 def check_optional_packages(config: RecipeConfig) -> None:
     """ConfigError naming each recipe field whose package is not installed."""
-    wanted = {"logging.wandb": config.logging.wandb,
-              "logging.tensorboard": config.logging.tensorboard,
-              "train.base": config.train.base == "lora"}
-    problems = [Problem(field, _field(config, field), f"needs the package {module!r}, which is not "
-                        "installed", fix)
-                for field, module, fix in _OPTIONAL
-                if wanted[field] and importlib.util.find_spec(module) is None]
+    wanted = {
+        "logging.wandb": config.logging.wandb,
+        "logging.tensorboard": config.logging.tensorboard,
+        "train.base": config.train.base == "lora",
+    }
+    problems = [
+        Problem(field, _field(config, field), f"needs the package {module!r}, which is not installed", fix)
+        for field, module, fix in _OPTIONAL
+        if wanted[field] and importlib.util.find_spec(module) is None
+    ]
     if problems:
         raise ConfigError("recipe vs installed packages", problems)
 
@@ -83,14 +91,18 @@ def check_model_config(config: RecipeConfig) -> None:
         model_config = read_model_config(model.name_or_path, model.gguf_file, model.revision)
     except (OSError, ValueError) as err:
         reason = " ".join(str(err).split())[:400]
-        fix = ("check the Hub id, model.revision and the network (or HF_HUB_OFFLINE=1 with the "
-               "model in the cache), or give a local folder")
-        raise ConfigError("recipe vs model", [Problem("model.name_or_path", model.name_or_path,
-                                                      f"its config cannot be read ({reason})",
-                                                      fix)]) from None
+        fix = (
+            "check the Hub id, model.revision and the network (or HF_HUB_OFFLINE=1 with the "
+            "model in the cache), or give a local folder"
+        )
+        raise ConfigError(
+            "recipe vs model",
+            [Problem("model.name_or_path", model.name_or_path, f"its config cannot be read ({reason})", fix)],
+        ) from None
     if model_config is not None:
-        check_against_model(config, model_config.num_hidden_layers,
-                            getattr(model_config, "max_position_embeddings", None))
+        check_against_model(
+            config, model_config.num_hidden_layers, getattr(model_config, "max_position_embeddings", None)
+        )
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -107,12 +119,16 @@ def recipe_changes(stored: dict[str, Any], given: dict[str, Any]) -> list[tuple[
     """(field, stored value, given value) for each field that differs and alters training."""
     old, new = _flatten(stored), _flatten(given)
     changed = sorted(key for key in old.keys() | new.keys() if old.get(key) != new.get(key))
-    return [(key, old.get(key), new.get(key)) for key in changed
-            if key not in RESUMABLE_CHANGES and not key.startswith(RESUMABLE_PREFIXES)]
+    return [
+        (key, old.get(key), new.get(key))
+        for key in changed
+        if key not in RESUMABLE_CHANGES and not key.startswith(RESUMABLE_PREFIXES)
+    ]
 
 
-def check_recipe_unchanged(state: dict[str, Any], given: dict[str, Any], checkpoint: Path,
-                           allow: bool, resized: bool = False) -> None:
+def check_recipe_unchanged(
+    state: dict[str, Any], given: dict[str, Any], checkpoint: Path, allow: bool, resized: bool = False
+) -> None:
     """Refuse to resume with a recipe that alters training (ConfigError listing each field), unless
     `allow`. A checkpoint from before recipes were stored in it is not compared. `resized`: the run
     resumes on another number of processes taking the same rows a micro-step (`check_resumable`), so
@@ -120,11 +136,12 @@ def check_recipe_unchanged(state: dict[str, Any], given: dict[str, Any], checkpo
     stored = state.get("recipe")
     if not isinstance(stored, dict) or allow:
         return
-    fix = ("resume with the recipe the run started with, start a new run, or pass "
-           "--allow-recipe-change")
-    problems = [Problem(key, now, f"differs from the run being resumed ({was!r})", fix)
-                for key, was, now in recipe_changes(stored, given)
-                if not (resized and key == "train.batch_size")]
+    fix = "resume with the recipe the run started with, start a new run, or pass --allow-recipe-change"
+    problems = [
+        Problem(key, now, f"differs from the run being resumed ({was!r})", fix)
+        for key, was, now in recipe_changes(stored, given)
+        if not (resized and key == "train.batch_size")
+    ]
     if problems:
         raise ConfigError(f"resume from {checkpoint}", problems)
 
@@ -140,13 +157,15 @@ def plan_run(config: RecipeConfig, backend: str, world_size: int, options: Start
     state = read_state(resume) if resume is not None else None
     if resume is not None and state is not None:
         check_resumable(state, resume, backend, world_size, config.train.batch_size)
-        check_recipe_unchanged(state, recipe, resume, options.allow_recipe_change,
-                               resized=state.get("world_size") != world_size)
+        check_recipe_unchanged(
+            state, recipe, resume, options.allow_recipe_change, resized=state.get("world_size") != world_size
+        )
     check_run_folder(run_dir, resume_from, resume, state, options.overwrite)
     if not options.overwrite:  # the run's own export goes there at the end: refused now, not after training
         export_destination(run_dir / "export")
     run_id = (state or {}).get("run_id")
     if run_id is None and resume_from == "auto":
         run_id = read_run_id(run_dir)
-    return RunPlan(run_dir=run_dir, run_id=run_id or uuid.uuid4().hex, recipe=recipe, resume=resume,
-                   overwrite=options.overwrite)
+    return RunPlan(
+        run_dir=run_dir, run_id=run_id or uuid.uuid4().hex, recipe=recipe, resume=resume, overwrite=options.overwrite
+    )

@@ -12,12 +12,12 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from gsm_train.adapter_format import read_config
+from gsm_train.attention import GSMSettings
 from gsm_train.export import load_gsm
 from gsm_train.hub import publish_export
 from gsm_train.hub_download import resolve_export
 from gsm_train.hub_ids import base_to_load
 from gsm_train.model_zoo import load_model_and_tokenizer
-from gsm_train.modules import GSMSettings
 
 
 @dataclass
@@ -51,9 +51,7 @@ class GSMModel:
         attention."""
         folder = resolve_export(adapter, revision)
         config = read_config(folder)
-        name, recorded_revision = (
-            (base, base_revision) if base is not None else base_to_load(config["base_model"])
-        )
+        name, recorded_revision = (base, base_revision) if base is not None else base_to_load(config["base_model"])
         model, tokenizer = load_model_and_tokenizer(name, revision=recorded_revision, dtype=dtype)
         if device is not None:
             model.to(device)  # before the modules attach: they are built on the model's device

@@ -56,8 +56,9 @@ def compute_dtype(x: Tensor) -> torch.dtype:
 def hadamard_signs(dim: int) -> Tensor:
     """The row signs [dim] (fp64, +-1) of `hadamard_rotation(dim)`: with them and a fast Walsh-Hadamard
     transform a kernel applies the rotation without reading the matrix."""
-    return torch.tensor([-1.0 if ((i * _SIGN_HASH) & 0xFFFFFFFF) >> 31 else 1.0 for i in range(dim)],
-                        dtype=torch.float64)
+    return torch.tensor(
+        [-1.0 if ((i * _SIGN_HASH) & 0xFFFFFFFF) >> 31 else 1.0 for i in range(dim)], dtype=torch.float64
+    )
 
 
 def hadamard_rotation(dim: int) -> Tensor:
@@ -219,8 +220,16 @@ def fake_quant_kivi(x: Tensor, bits: int, block_size: int, per_channel: bool) ->
 # --------------------------------------------------------------------------- byte account
 
 
-def asq_bytes(seq_len: int, num_kv_heads: int, head_dim: int, cluster_num: int = 32, quant_bits: int = 4,
-              block_size: int = 128, batch_size: int = 1, tail_bytes: int = 2) -> dict[str, float]:
+def asq_bytes(
+    seq_len: int,
+    num_kv_heads: int,
+    head_dim: int,
+    cluster_num: int = 32,
+    quant_bits: int = 4,
+    block_size: int = 128,
+    batch_size: int = 1,
+    tail_bytes: int = 2,
+) -> dict[str, float]:
     """Exact bytes of ASQ's packed storage of a cache of `seq_len` tokens.
 
     With ``n = batch_size * num_kv_heads``, ``F = stored_split(seq_len, block_size)`` compressed tokens in

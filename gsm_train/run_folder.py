@@ -117,9 +117,11 @@ def _in_use_error(run_dir: Path, owner: dict[str, Any]) -> RunFolderError:
     who = "a process that is starting"
     if owner:
         who = f"pid {owner.get('pid')} on host {owner.get('host')}, since {owner.get('started')}"
-    return RunFolderError(f"output.dir={run_dir} is in use by another run ({who}; "
-                          f"{run_dir / LOCK}); wait for it to end or pick another output.dir. If "
-                          f"that run is gone, remove {run_dir / LOCK}")
+    return RunFolderError(
+        f"output.dir={run_dir} is in use by another run ({who}; "
+        f"{run_dir / LOCK}); wait for it to end or pick another output.dir. If "
+        f"that run is gone, remove {run_dir / LOCK}"
+    )
 
 
 def check_not_locked(run_dir: Path) -> None:
@@ -131,42 +133,54 @@ def check_not_locked(run_dir: Path) -> None:
 
 def _newer_good(run_dir: Path, step: int) -> list[str]:
     """Names of the checkpoints in `run_dir` after `step` that verify."""
-    return [folder.name for folder in checkpoint_folders(run_dir)
-            if checkpoint_step(folder) > step and verify_checkpoint(folder) is None]
+    return [
+        folder.name
+        for folder in checkpoint_folders(run_dir)
+        if checkpoint_step(folder) > step and verify_checkpoint(folder) is None
+    ]
 
 
-def check_run_folder(run_dir: Path, resume_from: str | None, resume: Path | None,
-                     resume_state: dict[str, Any] | None, overwrite: bool) -> None:
+def check_run_folder(
+    run_dir: Path, resume_from: str | None, resume: Path | None, resume_state: dict[str, Any] | None, overwrite: bool
+) -> None:
     """Refuse to start where the run would mix with, or remove, another run (RunFolderError).
     `resume`: the verified checkpoint to resume from and its state (None: a fresh start)."""
     if run_dir.exists() and not run_dir.is_dir():
         raise RunFolderError(f"output.dir={run_dir} is a file, not a folder; pick a folder")
     check_not_locked(run_dir)
     if overwrite and resume_from == "auto":
-        raise RunFolderError("--overwrite starts the run in output.dir over and --resume auto "
-                             "continues it; give one of them")
+        raise RunFolderError(
+            "--overwrite starts the run in output.dir over and --resume auto continues it; give one of them"
+        )
     if overwrite and resume is not None and resume.resolve().is_relative_to(run_dir.resolve()):
-        raise RunFolderError(f"--overwrite would remove {resume}, the checkpoint to resume from; "
-                             "resume into another output.dir instead")
+        raise RunFolderError(
+            f"--overwrite would remove {resume}, the checkpoint to resume from; resume into another output.dir instead"
+        )
     found = run_files(run_dir)
     if not found or overwrite or resume_from == "auto":
         return
     listing = ", ".join(found)
     if resume is None or resume_state is None:
-        raise RunFolderError(f"output.dir={run_dir} holds another run ({listing}); continue it "
-                             "with --resume auto, start it over with --overwrite (removes only the "
-                             "files a run writes), or pick another output.dir")
+        raise RunFolderError(
+            f"output.dir={run_dir} holds another run ({listing}); continue it "
+            "with --resume auto, start it over with --overwrite (removes only the "
+            "files a run writes), or pick another output.dir"
+        )
     folder_run, checkpoint_run = read_run_id(run_dir), resume_state.get("run_id")
     if folder_run is None or folder_run != checkpoint_run:
-        raise RunFolderError(f"output.dir={run_dir} holds another run ({listing}; run id "
-                             f"{folder_run}) than the checkpoint {resume} (run id "
-                             f"{checkpoint_run}); resume into that checkpoint's own folder or a "
-                             "new output.dir")
+        raise RunFolderError(
+            f"output.dir={run_dir} holds another run ({listing}; run id "
+            f"{folder_run}) than the checkpoint {resume} (run id "
+            f"{checkpoint_run}); resume into that checkpoint's own folder or a "
+            "new output.dir"
+        )
     newer = _newer_good(run_dir, resume_state["step"])
     if newer:
-        raise RunFolderError(f"output.dir={run_dir} holds newer checkpoints of this run "
-                             f"({', '.join(newer)}) than {resume.name}; resuming there would "
-                             "replace them: use --resume auto, or resume into a new output.dir")
+        raise RunFolderError(
+            f"output.dir={run_dir} holds newer checkpoints of this run "
+            f"({', '.join(newer)}) than {resume.name}; resuming there would "
+            "replace them: use --resume auto, or resume into a new output.dir"
+        )
 
 
 def remove_run_outputs(run_dir: Path) -> list[str]:
@@ -194,8 +208,9 @@ def _create_folder(run_dir: Path) -> list[Path]:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         _remove_empty(missing)
-        raise RunFolderError(f"output.dir={run_dir}: cannot create the folder ({err.strerror}); "
-                             "pick a folder you can write to") from None
+        raise RunFolderError(
+            f"output.dir={run_dir}: cannot create the folder ({err.strerror}); pick a folder you can write to"
+        ) from None
     return missing
 
 
@@ -217,8 +232,9 @@ def _probe_writable(run_dir: Path) -> None:
             handle.flush()
             os.fsync(handle.fileno())
     except OSError as err:
-        raise RunFolderError(f"output.dir={run_dir}: cannot write there ({err.strerror}); free "
-                             "space or pick a folder you can write to") from None
+        raise RunFolderError(
+            f"output.dir={run_dir}: cannot write there ({err.strerror}); free space or pick a folder you can write to"
+        ) from None
     finally:
         probe.unlink(missing_ok=True)
 
@@ -238,16 +254,16 @@ def _take_over_stale(run_dir: Path, owner: dict[str, Any]) -> None:
             pass
     else:
         who = f"pid {owner.get('pid')}, started {owner.get('started')}" if owner else "unreadable"
-        print(f"warning: took over the stale lock {run_dir / LOCK} ({who}: that process no longer "
-              "runs)", file=sys.stderr)
+        print(
+            f"warning: took over the stale lock {run_dir / LOCK} ({who}: that process no longer runs)", file=sys.stderr
+        )
     aside.unlink(missing_ok=True)
 
 
 def acquire_lock(run_dir: Path) -> dict[str, Any]:
     """Create `run_dir/run.lock` exclusively (taking over a stale one); return what it holds.
     RunFolderError if a live run holds it."""
-    mine = {"pid": os.getpid(), "host": socket.gethostname(),
-            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    mine = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     for _ in range(5):
         try:
             handle = os.open(run_dir / LOCK, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -263,8 +279,9 @@ def acquire_lock(run_dir: Path) -> dict[str, Any]:
             out.flush()
             os.fsync(out.fileno())
         return mine
-    raise RunFolderError(f"output.dir={run_dir}: could not take {LOCK}, other processes keep "
-                         "taking it; is another run starting there?")
+    raise RunFolderError(
+        f"output.dir={run_dir}: could not take {LOCK}, other processes keep taking it; is another run starting there?"
+    )
 
 
 def release_lock(run_dir: Path, mine: dict[str, Any]) -> None:

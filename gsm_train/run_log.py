@@ -19,8 +19,16 @@ class RunLogger:
     A NaN or infinite value is written as the string "nan", "inf" or "-inf"
     (`finite_guard.json_safe`)."""
 
-    def __init__(self, run_dir: Path, config: LoggingConfig, total_steps: int, start_step: int, enabled: bool,
-                 run_name: str, recipe: dict[str, Any]):
+    def __init__(
+        self,
+        run_dir: Path,
+        config: LoggingConfig,
+        total_steps: int,
+        start_step: int,
+        enabled: bool,
+        run_name: str,
+        recipe: dict[str, Any],
+    ):
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
         self._tb = self._wandb = None
@@ -32,16 +40,21 @@ class RunLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as err:
-                raise RuntimeError("logging.tensorboard=true needs TensorBoard: pip install 'gsm-train[tensorboard]'") from err
+                raise RuntimeError(
+                    "logging.tensorboard=true needs TensorBoard: pip install 'gsm-train[tensorboard]'"
+                ) from err
             self._tb = SummaryWriter(str(run_dir / "tensorboard"))
         if config.wandb:
             try:
                 import wandb
             except ImportError as err:
-                raise RuntimeError("logging.wandb=true needs wandb: pip install 'gsm-train[wandb]' "
-                                   "(set WANDB_MODE=offline to run without a network)") from err
-            self._wandb = wandb.init(project=config.wandb_project, name=run_name, config=recipe,
-                                     dir=str(run_dir), resume="allow")
+                raise RuntimeError(
+                    "logging.wandb=true needs wandb: pip install 'gsm-train[wandb]' "
+                    "(set WANDB_MODE=offline to run without a network)"
+                ) from err
+            self._wandb = wandb.init(
+                project=config.wandb_project, name=run_name, config=recipe, dir=str(run_dir), resume="allow"
+            )
         if config.progress_bar:
             self._bar = tqdm(total=total_steps, initial=start_step, desc=run_name, dynamic_ncols=True)
         self._start = time.time()

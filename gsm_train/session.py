@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from gsm_train.activation_checkpoint import checkpoint_decoder_layers
+from gsm_train.attention import configure_gsm, gsm_parameters
 from gsm_train.backend import FSDP2Backend, select_backend
 from gsm_train.backend_protocol import Backend
 from gsm_train.checkpoint import load_checkpoint, save_checkpoint
@@ -36,7 +37,6 @@ from gsm_train.families import model_dims
 from gsm_train.finite_guard import refuse_non_finite
 from gsm_train.kv_budget import apply_kv_budget
 from gsm_train.model_zoo import load_model_and_tokenizer
-from gsm_train.modules import configure_gsm, gsm_parameters
 from gsm_train.optim import AdamWBF16
 from gsm_train.step_graph import GraphedLoss
 from gsm_train.training_data import TrainingData, load_training_data
@@ -104,8 +104,8 @@ def eval_batches(rows: Tensor, config: RecipeConfig, info: DistInfo) -> list[Ten
     """This rank's share of the first `eval_batches` global batches of held-out rows."""
     per_rank = config.train.batch_size
     wanted = min(len(rows), config.logging.eval_batches * per_rank * info.world_size)
-    usable = rows[: wanted - wanted % info.world_size][info.rank:: info.world_size]
-    return [usable[i: i + per_rank].to(info.device) for i in range(0, len(usable), per_rank)]
+    usable = rows[: wanted - wanted % info.world_size][info.rank :: info.world_size]
+    return [usable[i : i + per_rank].to(info.device) for i in range(0, len(usable), per_rank)]
 
 
 def param_groups(model: nn.Module, config: RecipeConfig) -> list[dict[str, Any]]:
@@ -116,39 +116,53 @@ def param_groups(model: nn.Module, config: RecipeConfig) -> list[dict[str, Any]]
         if param.requires_grad:
             (gsm if id(param) in gsm_ids else rest).append(param)
     gsm_lr = config.optim.gsm_lr or config.optim.lr
-    return [group for group in ({"params": gsm, "lr": gsm_lr}, {"params": rest, "lr": config.optim.lr})
-            if group["params"]]
+    return [
+        group for group in ({"params": gsm, "lr": gsm_lr}, {"params": rest, "lr": config.optim.lr}) if group["params"]
+    ]
 
 
-def build_optimizer(model: nn.Module, config: RecipeConfig,
-                    fused: bool = True) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, config: RecipeConfig, fused: bool = True) -> torch.optim.Optimizer:
     """The recipe's AdamW over the model's trainables: torch's, with `fused` on CUDA the fused
     kernel (one launch per step instead of several per tensor; the DeepSpeed backend asks for the
     default one), or with `optim.state_dtype: bf16` gsm-train's with bf16 moments
     (`gsm_train/optim.py`)."""
     optim = config.optim
     if optim.state_dtype == "bf16":
-        return AdamWBF16(param_groups(model, config), lr=optim.lr, betas=optim.betas,
-                         weight_decay=optim.weight_decay, seed=config.train.seed)
+        return AdamWBF16(
+            param_groups(model, config),
+            lr=optim.lr,
+            betas=optim.betas,
+            weight_decay=optim.weight_decay,
+            seed=config.train.seed,
+        )
     on_cuda = all(p.is_cuda for p in model.parameters() if p.requires_grad)
-    return torch.optim.AdamW(param_groups(model, config), lr=optim.lr, betas=optim.betas,
-                             weight_decay=optim.weight_decay, fused=(fused and on_cuda) or None)
+    return torch.optim.AdamW(
+        param_groups(model, config),
+        lr=optim.lr,
+        betas=optim.betas,
+        weight_decay=optim.weight_decay,
+        fused=(fused and on_cuda) or None,
+    )
 
 
 def export_options(config: RecipeConfig) -> dict[str, Any]:
     """What `export_adapter` needs to know about a run besides the model."""
-    return {"base_name": config.model.name_or_path, "base_revision": config.model.revision,
-            "recipe": config.model_dump(mode="json"), "include_base": config.output.export_base_weights,
-            "lora": config.train.lora.model_dump() if config.train.base == "lora" else None}
+    return {
+        "base_name": config.model.name_or_path,
+        "base_revision": config.model.revision,
+        "recipe": config.model_dump(mode="json"),
+        "include_base": config.output.export_base_weights,
+        "lora": config.train.lora.model_dump() if config.train.base == "lora" else None,
+    }
 
 
 def prepared_model(config: RecipeConfig, stage: Stage, device: torch.device) -> tuple[nn.Module, Any]:
     """The base model with the stage's modules attached, on `device`, and its tokenizer."""
     load_dtype, _ = dtypes(config, device)
-    model, tokenizer = load_model_and_tokenizer(config.model.name_or_path, config.model.gguf_file,
-                                                config.model.revision, load_dtype, device)
-    check_against_model(config, model.config.num_hidden_layers,
-                        getattr(model.config, "max_position_embeddings", None))
+    model, tokenizer = load_model_and_tokenizer(
+        config.model.name_or_path, config.model.gguf_file, config.model.revision, load_dtype, device
+    )
+    check_against_model(config, model.config.num_hidden_layers, getattr(model.config, "max_position_embeddings", None))
     apply_kv_budget(config.gsm, config.tuning.kv_compression_ratio, model_dims(model), config.data.seq_len)
     stage.prepare(model, config)
     if config.train.activation_checkpointing:
@@ -159,16 +173,20 @@ def prepared_model(config: RecipeConfig, stage: Stage, device: torch.device) -> 
 class TrainingSession:
     """One stage set up on this process: model (wrapped by the backend), optimizer, schedule, data."""
 
-    def __init__(self, config: RecipeConfig, stage: Stage, info: DistInfo, backend: Backend, model: nn.Module,
-                 data: TrainingData) -> None:
+    def __init__(
+        self, config: RecipeConfig, stage: Stage, info: DistInfo, backend: Backend, model: nn.Module, data: TrainingData
+    ) -> None:
         self.config, self.stage, self.info, self.backend = config, stage, info, backend
         self.compute_dtype = dtypes(config, info.device)[1]
         self.trainable = {name for name, p in model.named_parameters() if p.requires_grad}
         # counted before wrapping: ZeRO-3 leaves partitioned parameters empty
-        self.counts = {"trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
-                       "frozen_params": sum(p.numel() for p in model.parameters() if not p.requires_grad)}
+        self.counts = {
+            "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+            "frozen_params": sum(p.numel() for p in model.parameters() if not p.requires_grad),
+        }
         self.model, self.optimizer = backend.prepare(
-            model, lambda m: build_optimizer(m, config, fused=backend.name == "fsdp2"), info, self.compute_dtype)
+            model, lambda m: build_optimizer(m, config, fused=backend.name == "fsdp2"), info, self.compute_dtype
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
         self.data = data
         self.loader = data.batches
@@ -176,15 +194,17 @@ class TrainingSession:
         self.graphed: GraphedLoss | None = None
 
     @classmethod
-    def setup(cls, config: RecipeConfig, stage: Stage, info: DistInfo | None = None,
-              backend: Backend | None = None) -> TrainingSession:
+    def setup(
+        cls, config: RecipeConfig, stage: Stage, info: DistInfo | None = None, backend: Backend | None = None
+    ) -> TrainingSession:
         """Load the base, attach the stage's modules, tokenize the data (once per node), wrap and
         build the optimizer."""
         info = info or init_distributed()
         torch.manual_seed(config.train.seed)
         model, tokenizer = prepared_model(config, stage, info.device)
-        return cls(config, stage, info, backend or select_backend(config), model,
-                   load_training_data(config, tokenizer, info))
+        return cls(
+            config, stage, info, backend or select_backend(config), model, load_training_data(config, tokenizer, info)
+        )
 
     @property
     def unwrapped(self) -> nn.Module:
@@ -204,8 +224,16 @@ class TrainingSession:
 
     def resume(self, checkpoint: Path) -> int:
         """Restore trainables, optimizer, schedule, RNG and data position; returns the step to continue at."""
-        meta = load_checkpoint(checkpoint, self.backend, self.model, self.optimizer, self.scheduler,
-                               self.trainable, self.config.train.batch_size, self.info)
+        meta = load_checkpoint(
+            checkpoint,
+            self.backend,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.trainable,
+            self.config.train.batch_size,
+            self.info,
+        )
         self.loader.load_state_dict(meta["data"])
         return meta["step"]
 
@@ -216,11 +244,17 @@ class TrainingSession:
         self.backend.grads_in_place = True
         self.model.train()  # the replays run as captured
         configure_gsm(self.model, captured_steps=True)  # paths that pay off only without per-call Python
-        example = torch.zeros(self.config.train.batch_size, self.config.data.seq_len,
-                              dtype=torch.long, device=self.info.device)
+        example = torch.zeros(
+            self.config.train.batch_size, self.config.data.seq_len, dtype=torch.long, device=self.info.device
+        )
         trainables = [p for p in self.model.parameters() if p.requires_grad]
-        self.graphed = GraphedLoss(lambda batch: self.stage.loss(self.model, batch), trainables, example,
-                                   self.compute_dtype, grad_scale=1 / self.config.train.grad_accum)
+        self.graphed = GraphedLoss(
+            lambda batch: self.stage.loss(self.model, batch),
+            trainables,
+            example,
+            self.compute_dtype,
+            grad_scale=1 / self.config.train.grad_accum,
+        )
 
     def micro_step(self, batch: Tensor, boundary: bool) -> tuple[Tensor, dict[str, Tensor]]:
         """Loss and terms of one micro-batch, its gradients added into `.grad`."""
@@ -253,9 +287,19 @@ class TrainingSession:
 
     def save(self, run_dir: Path, step: int, run: dict[str, Any]) -> Path:
         """A complete checkpoint of `step` in `run_dir/checkpoints` (collective); `run`: the run id and recipe."""
-        return save_checkpoint(run_dir, step, self.backend, self.model, self.optimizer, self.scheduler,
-                               self.loader.state_dict(), self.trainable, self.info,
-                               self.config.output.keep_checkpoints, run)
+        return save_checkpoint(
+            run_dir,
+            step,
+            self.backend,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.loader.state_dict(),
+            self.trainable,
+            self.info,
+            self.config.output.keep_checkpoints,
+            run,
+        )
 
     def export(self, out_dir: Path, metrics: dict[str, Any]) -> Path:
         """The adapter export (collective; rank 0 writes), refused for non-finite tensors. Only the
@@ -266,5 +310,11 @@ class TrainingSession:
         state = self.backend.full_tensors(self.model, wanted)
         refuse_non_finite({name: t for name, t in state.items() if name in names}, "export", self.info)
         scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
-        return export_adapter(self.unwrapped, out_dir, metrics=scalars, is_main=self.info.is_main, state=state,
-                              **export_options(self.config))
+        return export_adapter(
+            self.unwrapped,
+            out_dir,
+            metrics=scalars,
+            is_main=self.info.is_main,
+            state=state,
+            **export_options(self.config),
+        )

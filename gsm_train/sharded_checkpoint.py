@@ -55,15 +55,11 @@ def _single_process() -> bool:
 def _quiet_single_process() -> Iterator[None]:
     """DCP warns on every call in one process that it assumes one process, which it is told."""
     with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
-        )
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         yield
 
 
-def save_sharded(
-    folder: Path, tensors: dict[str, Tensor], model: nn.Module, optimizer: torch.optim.Optimizer
-) -> None:
+def save_sharded(folder: Path, tensors: dict[str, Tensor], model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Write `tensors` (`trainable_state`) and the optimizer's state into `folder/dcp` (collective:
     every rank writes its shards; each file is fsync'ed)."""
     state = {MODEL_KEY: tensors, OPTIM_KEY: get_optimizer_state_dict(model, optimizer)}
@@ -75,9 +71,7 @@ def save_sharded(
         )
 
 
-def load_sharded(
-    folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, trainable: set[str]
-) -> None:
+def load_sharded(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, trainable: set[str]) -> None:
     """Restore the trainables and the optimizer's state from `folder/dcp`, written at any number of
     processes (collective)."""
     state: dict[str, Any] = {
@@ -85,9 +79,7 @@ def load_sharded(
         OPTIM_KEY: get_optimizer_state_dict(model, optimizer),
     }
     with _quiet_single_process():
-        dcp.load(
-            state, storage_reader=FileSystemReader(folder / DCP_FOLDER), no_dist=_single_process()
-        )
+        dcp.load(state, storage_reader=FileSystemReader(folder / DCP_FOLDER), no_dist=_single_process())
     set_model_state_dict(model, state[MODEL_KEY], options=StateDictOptions(strict=False))
     set_optimizer_state_dict(model, optimizer, state[OPTIM_KEY])
 

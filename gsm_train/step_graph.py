@@ -20,8 +20,8 @@ from typing import Literal, Protocol
 import torch
 from torch import Tensor, nn
 
+from gsm_train.attention.injection import rows_not_packed
 from gsm_train.config import ConfigError, Problem
-from gsm_train.modules.injection import rows_not_packed
 
 WARMUP_PASSES = 3  # eager passes on a side stream before capture (library handles, autotuning, layout caches)
 CudaGraphSetting = Literal["auto"] | bool
@@ -32,15 +32,21 @@ class CapturableStage(Protocol):
     graph_blocker: str | None
 
 
-def cuda_graph_blockers(device: torch.device, world_size: int, backend_name: str,
-                        stage: CapturableStage,
-                        activation_checkpointing: bool = False) -> list[str]:
+def cuda_graph_blockers(
+    device: torch.device,
+    world_size: int,
+    backend_name: str,
+    stage: CapturableStage,
+    activation_checkpointing: bool = False,
+) -> list[str]:
     """Why this run's step cannot be captured (empty: it can)."""
     blockers = []
     if activation_checkpointing:
-        blockers.append("train.activation_checkpointing runs each layer again in the backward, "
-                        "with the random state of its forward restored, which a captured step "
-                        "cannot do")
+        blockers.append(
+            "train.activation_checkpointing runs each layer again in the backward, "
+            "with the random state of its forward restored, which a captured step "
+            "cannot do"
+        )
     if device.type != "cuda":
         blockers.append(f"the run is on {device.type}, and CUDA graphs need a CUDA GPU")
     if world_size > 1:
@@ -55,8 +61,17 @@ def cuda_graph_blockers(device: torch.device, world_size: int, backend_name: str
 def use_cuda_graph(setting: CudaGraphSetting, blockers: list[str]) -> bool:
     """`auto`: capture when nothing blocks it; `true`: capture, or one ConfigError saying what blocks it."""
     if setting is True and blockers:
-        raise ConfigError("recipe vs run", [Problem("train.cuda_graph", True, "; ".join(blockers),
-                                                    "set train.cuda_graph: auto (capture where possible) or false")])
+        raise ConfigError(
+            "recipe vs run",
+            [
+                Problem(
+                    "train.cuda_graph",
+                    True,
+                    "; ".join(blockers),
+                    "set train.cuda_graph: auto (capture where possible) or false",
+                )
+            ],
+        )
     return setting is True or (setting == "auto" and not blockers)
 
 
@@ -70,8 +85,14 @@ class GraphedLoss:
     parameters, their gradients (zero) and the CPU and CUDA random states as they found them.
     """
 
-    def __init__(self, loss_fn: Callable[[Tensor], tuple[Tensor, dict[str, Tensor]]], params: list[nn.Parameter],
-                 example: Tensor, autocast_dtype: torch.dtype | None, grad_scale: float = 1.0):
+    def __init__(
+        self,
+        loss_fn: Callable[[Tensor], tuple[Tensor, dict[str, Tensor]]],
+        params: list[nn.Parameter],
+        example: Tensor,
+        autocast_dtype: torch.dtype | None,
+        grad_scale: float = 1.0,
+    ):
         self.loss_fn, self.grad_scale = loss_fn, grad_scale
         self.autocast_dtype = autocast_dtype
         self.batch = torch.zeros_like(example)
@@ -93,8 +114,11 @@ class GraphedLoss:
         torch.cuda.set_rng_state(cuda_rng)
 
     def _loss_and_backward(self) -> tuple[Tensor, dict[str, Tensor]]:
-        autocast = (torch.autocast("cuda", dtype=self.autocast_dtype, cache_enabled=False)  # no cached casts in a graph
-                    if self.autocast_dtype is not None else contextlib.nullcontext())
+        autocast = (
+            torch.autocast("cuda", dtype=self.autocast_dtype, cache_enabled=False)  # no cached casts in a graph
+            if self.autocast_dtype is not None
+            else contextlib.nullcontext()
+        )
         with autocast, rows_not_packed():  # what transformers cannot check while capturing (see there)
             loss, scalars = self.loss_fn(self.batch)
         (loss * self.grad_scale).backward()

@@ -58,9 +58,7 @@ class StreamedBatches:
         source: str = "stream",
     ) -> None:
         if tokenizer.eos_token_id is None:
-            raise DataError(
-                source, "the tokenizer has no eos token to end documents", "set its eos_token"
-            )
+            raise DataError(source, "the tokenizer has no eos token to end documents", "set its eos_token")
         self.records, self.tokenizer, self.seq_len = records, tokenizer, seq_len
         self.fields, self.separator, self.source = (
             list(fields) if fields else ["text"],
@@ -90,9 +88,9 @@ class StreamedBatches:
                 )
             text = join_fields([record[field] for field in self.fields], self.separator)
             if text.strip():
-                ids = self.tokenizer(
-                    text, add_special_tokens=False, return_attention_mask=False, verbose=False
-                )["input_ids"]
+                ids = self.tokenizer(text, add_special_tokens=False, return_attention_mask=False, verbose=False)[
+                    "input_ids"
+                ]
                 yield before, [*ids, self.tokenizer.eos_token_id]
             before = after
 
@@ -141,9 +139,7 @@ class StreamedBatches:
             if len(batch) == self.global_batch_size:
                 self.position += 1
                 self._resume = self._mark()
-                return torch.stack(
-                    batch[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
-                )
+                return torch.stack(batch[self.rank * self.batch_size : (self.rank + 1) * self.batch_size])
             if self.position == 0:
                 break
             self.epoch, self.position, self._rows, self._resume = self.epoch + 1, 0, None, None
@@ -199,7 +195,5 @@ def first_rows(
 ) -> Tensor:
     """The first `count` rows [count, seq_len] of a stream (held-out rows); DataError if it has
     fewer."""
-    batches = StreamedBatches(
-        records, tokenizer, seq_len, count, fields=fields, separator=separator, source=source
-    )
+    batches = StreamedBatches(records, tokenizer, seq_len, count, fields=fields, separator=separator, source=source)
     return batches.next_batch()

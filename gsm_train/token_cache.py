@@ -45,9 +45,7 @@ def tokenizer_digest(tokenizer: Any) -> str:
     object."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     spec = backend.to_str() if backend is not None else Hasher.hash(tokenizer)
-    return hashlib.sha256(
-        f"{type(tokenizer).__name__}\n{tokenizer.eos_token_id}\n{spec}".encode()
-    ).hexdigest()
+    return hashlib.sha256(f"{type(tokenizer).__name__}\n{tokenizer.eos_token_id}\n{spec}".encode()).hexdigest()
 
 
 def _write_atomic(path: Path, write: Any) -> None:
@@ -80,9 +78,7 @@ def _build(
     rows = pack_tokens(documents, tokenizer, seq_len, num_proc=num_proc)
     folder.mkdir(parents=True, exist_ok=True)
     _write_atomic(tokens, lambda handle: handle.write(rows.to(torch.int32).numpy().tobytes()))
-    _write_atomic(
-        header, lambda handle: handle.write(json.dumps({"rows": len(rows), **described}).encode())
-    )
+    _write_atomic(header, lambda handle: handle.write(json.dumps({"rows": len(rows), **described}).encode()))
     return tokens, len(rows)
 
 
@@ -103,8 +99,6 @@ def cached_rows(
         except ValueError as err:  # DataError: the source cannot be read or packed
             error = err
     raise_on_any_rank(info, error)  # a barrier: the local main processes have written
-    path, count = (
-        built if built is not None else _build(source, tokenizer, seq_len, num_proc, folder)
-    )
+    path, count = built if built is not None else _build(source, tokenizer, seq_len, num_proc, folder)
     mapped = np.memmap(path, dtype=np.int32, mode="c", shape=(count, seq_len))
     return torch.from_numpy(mapped)

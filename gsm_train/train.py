@@ -23,34 +23,49 @@ from gsm_train.trainer import TrainResult, run_training
 
 REFUSED_EXIT = 2
 # errors that refuse the input with a message of their own (no traceback)
-REFUSALS = (ConfigError, DataError, GSMError, ExportError, CheckpointError, RunFolderError,
-            OtherRankFailed)
+REFUSALS = (ConfigError, DataError, GSMError, ExportError, CheckpointError, RunFolderError, OtherRankFailed)
 
 
-def train_recipe(recipe: str, overrides: list[str], resume: str | None = None,
-                 options: StartOptions | None = None) -> TrainResult:
+def train_recipe(
+    recipe: str, overrides: list[str], resume: str | None = None, options: StartOptions | None = None
+) -> TrainResult:
     """Validate the recipe and run its stage (raises ConfigError before anything is written);
     `options`: --overwrite and --allow-recipe-change (default: neither)."""
     if resume is not None:
         overrides = [*overrides, f"output.resume_from={resume}"]
     config = load_recipe(recipe, overrides)
     if config.stage not in STAGES:
-        raise ConfigError(recipe, [Problem("stage", config.stage, "this stage is not implemented in this version",
-                                           f"use one of {', '.join(STAGES)}")])
+        raise ConfigError(
+            recipe,
+            [
+                Problem(
+                    "stage",
+                    config.stage,
+                    "this stage is not implemented in this version",
+                    f"use one of {', '.join(STAGES)}",
+                )
+            ],
+        )
     return run_training(config, STAGES[config.stage](), options=options)
 
 
 def add_start_flags(parser: argparse.ArgumentParser) -> None:
     """--resume, --overwrite and --allow-recipe-change (shared with `gsm-train train`)."""
-    parser.add_argument("--resume", default=None,
-                        help="'auto' (the newest checkpoint of output.dir that verifies) or a "
-                        "checkpoint folder")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="start over in an output.dir that holds a run: removes only the files "
-                        "a run writes")
-    parser.add_argument("--allow-recipe-change", action="store_true",
-                        help="resume with a recipe that changes more than steps, logging and "
-                        "checkpointing")
+    parser.add_argument(
+        "--resume",
+        default=None,
+        help="'auto' (the newest checkpoint of output.dir that verifies) or a checkpoint folder",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over in an output.dir that holds a run: removes only the files a run writes",
+    )
+    parser.add_argument(
+        "--allow-recipe-change",
+        action="store_true",
+        help="resume with a recipe that changes more than steps, logging and checkpointing",
+    )
 
 
 def start_options(args: argparse.Namespace) -> StartOptions:

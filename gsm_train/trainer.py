@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from gsm_train.attention import gsm_settings
 from gsm_train.backend import select_backend
 from gsm_train.backend_protocol import Backend
 from gsm_train.config import ConfigError, RecipeConfig, resolved_yaml
@@ -22,7 +23,6 @@ from gsm_train.distributed import DistInfo, init_distributed, raise_on_any_rank,
 from gsm_train.families import model_dims
 from gsm_train.finite_guard import NonFiniteError, NonFiniteGuard
 from gsm_train.kv_budget import kv_bytes_ratio
-from gsm_train.modules import gsm_settings
 from gsm_train.preflight import RunPlan, StartOptions, plan_run
 from gsm_train.run_folder import hold_run_folder, record_run
 from gsm_train.run_log import RunLogger
@@ -41,8 +41,9 @@ class TrainResult:
     summary: dict[str, Any] = field(default_factory=dict)
 
 
-def run_training(config: RecipeConfig, stage: Stage, run_name: str | None = None,
-                 options: StartOptions | None = None) -> TrainResult:
+def run_training(
+    config: RecipeConfig, stage: Stage, run_name: str | None = None, options: StartOptions | None = None
+) -> TrainResult:
     """Run `stage` as the recipe says, resuming if asked; return losses, final metrics and summary.
     Bad input raises before the model loads (`preflight`), with nothing written; the run holds its
     folder's lock throughout (`run_folder`). `options`: --overwrite and --allow-recipe-change
@@ -51,8 +52,7 @@ def run_training(config: RecipeConfig, stage: Stage, run_name: str | None = None
     info = init_distributed()
     try:
         plan = _plan(config, backend, info, options or StartOptions())
-        with hold_run_folder(plan.run_dir, info), \
-                fp32_matmul_precision(config.train.fp32_matmul, info.device):
+        with hold_run_folder(plan.run_dir, info), fp32_matmul_precision(config.train.fp32_matmul, info.device):
             return _run(config, stage, info, backend, run_name or config.stage, plan)
     finally:
         teardown()
@@ -87,18 +87,21 @@ def fp32_matmul_precision(precision: str, device: torch.device) -> Iterator[None
         matmul.fp32_precision = before
 
 
-def _run(config: RecipeConfig, stage: Stage, info: DistInfo, backend: Backend, run_name: str,
-         plan: RunPlan) -> TrainResult:
-    blockers = cuda_graph_blockers(info.device, info.world_size, backend.name, stage,
-                                   config.train.activation_checkpointing)
+def _run(
+    config: RecipeConfig, stage: Stage, info: DistInfo, backend: Backend, run_name: str, plan: RunPlan
+) -> TrainResult:
+    blockers = cuda_graph_blockers(
+        info.device, info.world_size, backend.name, stage, config.train.activation_checkpointing
+    )
     # checked before anything loads or is written
     capture_step = use_cuda_graph(config.train.cuda_graph, blockers)
     session = TrainingSession.setup(config, stage, info, backend)
     start = session.resume(plan.resume) if plan.resume is not None else 0
     if info.is_main:
         record_run(plan.run_dir, plan.run_id, resolved_yaml(config), start, plan.overwrite)
-    logger = RunLogger(plan.run_dir, config.logging, config.train.steps, start, info.is_main, run_name,
-                       config.model_dump(mode="json"))
+    logger = RunLogger(
+        plan.run_dir, config.logging, config.train.steps, start, info.is_main, run_name, config.model_dump(mode="json")
+    )
     logger.log("setup", start, _setup_record(session, plan, capture_step))
     if capture_step:
         session.capture()
@@ -126,25 +129,38 @@ def _run(config: RecipeConfig, stage: Stage, info: DistInfo, backend: Backend, r
 def _setup_record(session: TrainingSession, plan: RunPlan, capture_step: bool) -> dict[str, Any]:
     """What the run's setup record says: where it runs, what trains, the data, the KV bytes as built."""
     info, config = session.info, session.config
-    kv_ratio = kv_bytes_ratio(gsm_settings(session.unwrapped).config, model_dims(session.unwrapped),
-                              config.data.seq_len)
-    return {"world_size": info.world_size, "device": str(info.device), **session.backend.describe(),
-            "fsdp_sharded_params": sum(isinstance(p, DTensor) for p in session.model.parameters()),
-            **session.counts, "train_rows": session.data.train_rows,
-            "eval_rows": len(session.data.eval_rows),
-            "kv_bytes_ratio": kv_ratio, "resumed_from": str(plan.resume) if plan.resume is not None else None,
-            "cuda_graph": capture_step}
+    kv_ratio = kv_bytes_ratio(
+        gsm_settings(session.unwrapped).config, model_dims(session.unwrapped), config.data.seq_len
+    )
+    return {
+        "world_size": info.world_size,
+        "device": str(info.device),
+        **session.backend.describe(),
+        "fsdp_sharded_params": sum(isinstance(p, DTensor) for p in session.model.parameters()),
+        **session.counts,
+        "train_rows": session.data.train_rows,
+        "eval_rows": len(session.data.eval_rows),
+        "kv_bytes_ratio": kv_ratio,
+        "resumed_from": str(plan.resume) if plan.resume is not None else None,
+        "cuda_graph": capture_step,
+    }
 
 
-def _train_step(session: TrainingSession, guard: NonFiniteGuard, logger: RunLogger, result: TrainResult,
-                done: int) -> None:
+def _train_step(
+    session: TrainingSession, guard: NonFiniteGuard, logger: RunLogger, result: TrainResult, done: int
+) -> None:
     """One optimizer step, checked by the NaN guard (which may skip it or stop the run), logged."""
     tic = time.perf_counter()
     step = session.step(guard.update_check)
     step_means = dict(zip(step.names, step.means.tolist()))
     mean_loss = step_means.pop("loss")
-    record = {"loss": mean_loss, "grad_norm": float(step.grad_norm), "lr": session.scheduler.get_last_lr()[0],
-              "tokens_per_s": session.tokens_per_step / (time.perf_counter() - tic), **step_means}
+    record = {
+        "loss": mean_loss,
+        "grad_norm": float(step.grad_norm),
+        "lr": session.scheduler.get_last_lr()[0],
+        "tokens_per_s": session.tokens_per_step / (time.perf_counter() - tic),
+        **step_means,
+    }
     try:
         skipped = guard.observe(done, record)
     except NonFiniteError:

@@ -77,9 +77,7 @@ def _stream(source: DataSourceConfig) -> dict[str, Any]:
 def _streamed(config: RecipeConfig, tokenizer: Any, info: DistInfo) -> TrainingData:
     data = config.data
     count = int(data.eval_rows)
-    held_out = first_rows(
-        tokenizer=tokenizer, seq_len=data.seq_len, count=count, **_stream(data.eval or data.train)
-    )
+    held_out = first_rows(tokenizer=tokenizer, seq_len=data.seq_len, count=count, **_stream(data.eval or data.train))
     batches = StreamedBatches(
         tokenizer=tokenizer,
         seq_len=data.seq_len,

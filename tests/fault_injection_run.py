@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gsm_train import backend, checkpoint
+from gsm_train import backend, checkpoint, durable
 from gsm_train.train import main
 
 
@@ -37,14 +37,14 @@ def _before_nth(function: Callable[..., Any], n: int) -> Callable[..., Any]:
         if calls == n:
             _die()
         return function(*args, **kwargs)
+
     return wrapper
 
 
 def _torn_nth_save(function: Callable[..., Any], n: int) -> Callable[..., Any]:
     calls = 0
 
-    def wrapper(self: Any, model: Any, optimizer: Any, folder: Path, *args: Any,
-                **kwargs: Any) -> Any:
+    def wrapper(self: Any, model: Any, optimizer: Any, folder: Path, *args: Any, **kwargs: Any) -> Any:
         nonlocal calls
         calls += 1
         result = function(self, model, optimizer, folder, *args, **kwargs)
@@ -53,13 +53,14 @@ def _torn_nth_save(function: Callable[..., Any], n: int) -> Callable[..., Any]:
             os.truncate(shard, shard.stat().st_size // 2)
             _die()
         return result
+
     return wrapper
 
 
 if __name__ == "__main__":
     point, n, train_args = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-    if point == "fsync":
-        checkpoint.fsync_path = _before_nth(checkpoint.fsync_path, n)
+    if point == "fsync":  # every fsync of a save: the checkpoint's own and those of its durable writes
+        checkpoint.fsync_path = durable.fsync_path = _before_nth(durable.fsync_path, n)
     elif point == "half_write":
         backend.FSDP2Backend.save_state = _torn_nth_save(backend.FSDP2Backend.save_state, n)
     elif point == "prune":

@@ -27,9 +27,7 @@ from urllib.parse import unquote, urlsplit
 
 import yaml
 
-_REPO_OP = re.compile(
-    r"/api/models/(?P<repo>[^/]+/[^/]+|[^/]+)/(?P<op>preupload|commit|branch)/(?P<rev>[^/]+)"
-)
+_REPO_OP = re.compile(r"/api/models/(?P<repo>[^/]+/[^/]+|[^/]+)/(?P<op>preupload|commit|branch)/(?P<rev>[^/]+)")
 _INFO = re.compile(r"/api/models/(?P<repo>[^/]+/[^/]+)(?:/revision/(?P<rev>[^/]+))?")
 _TREE = re.compile(r"/api/models/(?P<repo>[^/]+/[^/]+)/tree/(?P<rev>[^/]+)(?:/.*)?")
 _RESOLVE = re.compile(r"/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<path>.+)")
@@ -138,9 +136,7 @@ class StandInHub:
     def _repo(self, repo: str) -> StandInRepo | None:
         return self.repos.get(repo)
 
-    def _repo_op(
-        self, repo: str, op: str, rev: str, request: Request
-    ) -> tuple[int, dict, dict[str, str]]:
+    def _repo_op(self, repo: str, op: str, rev: str, request: Request) -> tuple[int, dict, dict[str, str]]:
         state = self._repo(repo)
         if state is None:
             return 404, {"error": "Repository not found"}, {"X-Error-Code": "RepoNotFound"}
@@ -153,14 +149,10 @@ class StandInHub:
             return 404, {"error": "Invalid rev id"}, {"X-Error-Code": "RevisionNotFound"}
         if op == "preupload":
             paths = [f["path"] for f in request.json()["files"]]
-            files = [
-                {"path": path, "uploadMode": "regular", "shouldIgnore": False} for path in paths
-            ]
+            files = [{"path": path, "uploadMode": "regular", "shouldIgnore": False} for path in paths]
             return 200, {"files": files}, {}
         lines = request.ndjson()
-        added = {
-            line["value"]["path"]: base64.b64decode(line["value"]["content"]) for line in lines[1:]
-        }
+        added = {line["value"]["path"]: base64.b64decode(line["value"]["content"]) for line in lines[1:]}
         oid = hashlib.sha1(request.body).hexdigest()
         state.commits[oid] = {**state.commits[state.branches[rev]], **added}
         state.branches[rev] = oid
@@ -261,9 +253,7 @@ def serve_stand_in() -> Iterator[StandInHub]:
     server.daemon_threads = True
     server.hub = state  # type: ignore[attr-defined]
     state.url = f"http://127.0.0.1:{server.server_address[1]}"
-    thread = threading.Thread(
-        target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
-    )
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     try:
         yield state

@@ -22,13 +22,19 @@ from gsm_train.trainer import TrainResult
 
 # the Triton kernels run with CUDA, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1)
 KERNELS_RUN_HERE = importlib.util.find_spec("triton") is not None and (
-    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
+    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+)
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # the marks of a Triton kernel's test: skipped where the kernels cannot run; tests/run_tests.sh runs them
 # again (-m triton_kernels) under Triton's interpreter once the suite has passed
-TRITON_KERNEL_MARKS = [pytest.mark.triton_kernels, pytest.mark.skipif(
-    not KERNELS_RUN_HERE, reason="needs Triton with CUDA, or on CPU TRITON_INTERPRET=1 (tests/run_tests.sh runs "
-    "these under Triton's interpreter after the suite)")]
+TRITON_KERNEL_MARKS = [
+    pytest.mark.triton_kernels,
+    pytest.mark.skipif(
+        not KERNELS_RUN_HERE,
+        reason="needs Triton with CUDA, or on CPU TRITON_INTERPRET=1 (tests/run_tests.sh runs "
+        "these under Triton's interpreter after the suite)",
+    ),
+]
 
 
 def triton_kernel_test(test: Callable) -> Callable:
@@ -40,19 +46,35 @@ def triton_kernel_test(test: Callable) -> Callable:
 
 REPO = Path(__file__).resolve().parents[1]
 GATE_RECIPE = str(REPO / "recipes" / "gate_only.yaml")
+# the tiny Llama at 64 tokens, with a top-k and a recall measure that fit it
+TINY_MODEL = [
+    "model.name_or_path=tiny-llama",
+    "data.seq_len=64",
+    "logging.recall_min_keys=16",
+    "logging.recall_k=8",
+    "gsm.sparse_attention.top_k=8",
+    "gsm.sparse_attention.k_min=8",
+]
 # the gate stage on the tiny Llama at one row a step: about a second a run on a CPU
-TINY_GATE = ["model.name_or_path=tiny-llama", "data.seq_len=64", "logging.recall_min_keys=16",
-             "logging.recall_k=8", "gsm.sparse_attention.top_k=8", "gsm.sparse_attention.k_min=8",
-             "logging.progress_bar=false", "optim.warmup_steps=1",
-             "gsm.sparse_attention.gate_init=random", "optim.lr=0.01", "train.batch_size=1",
-             "logging.eval_batches=1"]
+TINY_GATE = [
+    *TINY_MODEL,
+    "logging.progress_bar=false",
+    "optim.warmup_steps=1",
+    "gsm.sparse_attention.gate_init=random",
+    "optim.lr=0.01",
+    "train.batch_size=1",
+    "logging.eval_batches=1",
+]
 
 
 def file_digests(folder: Path) -> dict[str, str]:
     """Relative path -> sha256 of every file under `folder` (to show a folder was left as it
     was)."""
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -88,18 +110,28 @@ def torchrun(count: int, args: list[str], timeout: int = 300) -> subprocess.Comp
     """`torchrun --nproc_per_node COUNT ARGS` on the CPU (gloo; one thread a process), also on a machine
     with GPUs (one GPU cannot host two ranks), this checkout's gsm_train first on the path. Returns
     the finished process (not checked)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "ACCELERATE_USE_CPU": "1",
-           "CUDA_VISIBLE_DEVICES": ""}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(count),
-               "--master_port", str(free_port()), *args]
-    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout,
-                          check=False)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(REPO),
+        "ACCELERATE_USE_CPU": "1",
+        "CUDA_VISIBLE_DEVICES": "",
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(count),
+        "--master_port",
+        str(free_port()),
+        *args,
+    ]
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout, check=False)
 
 
-def run_processes(count: int, recipe: str, overrides: list[str], out_dir: Path,
-                  *options: str) -> None:
+def run_processes(count: int, recipe: str, overrides: list[str], out_dir: Path, *options: str) -> None:
     """`gsm_train.train` on RECIPE in COUNT processes (FSDP2 over gloo); `options`: e.g. --resume
     auto. Fails with its stderr if it fails."""
-    proc = torchrun(count, ["-m", "gsm_train.train", "--recipe", recipe, *overrides,
-                            f"output.dir={out_dir}", *options])
+    proc = torchrun(count, ["-m", "gsm_train.train", "--recipe", recipe, *overrides, f"output.dir={out_dir}", *options])
     assert proc.returncode == 0, proc.stderr[-3000:]

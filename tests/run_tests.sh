@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The test command: creates .venv (if missing) with the CPU torch wheel on this machine's disk,
-# installs gsm-train with its dev extra, and runs the whole suite, then the Triton kernels' tests
+# installs gsm-train with its dev extra, checks lint and format with ruff (pyproject.toml's
+# [tool.ruff]; `.venv/bin/ruff format . && .venv/bin/ruff check --fix .` repairs most), and runs the
+# whole suite, then the Triton kernels' tests
 # under Triton's interpreter where no GPU runs them; given arguments, it runs pytest with those
 # instead. Fails on any failure and when no test is collected (pytest exit status 5).
 set -euo pipefail
@@ -13,6 +15,8 @@ fi
 if [ "$#" -gt 0 ]; then
   exec .venv/bin/python -m pytest -q "$@"
 fi
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
 .venv/bin/python -m pytest -q
 if .venv/bin/python -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
   exit 0  # the suite ran the Triton kernels' tests on the GPU

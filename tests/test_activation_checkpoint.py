@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from gsm_train.activation_checkpoint import checkpoint_decoder_layers
+from gsm_train.attention import gsm_collect
 from gsm_train.config import load_recipe
 from gsm_train.model_zoo import tiny_model
-from gsm_train.modules import gsm_collect
 from gsm_train.stages import JointStage
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,9 +48,7 @@ def _joint_model(checkpointed: bool) -> tuple[nn.Module, JointStage]:
     return model.train(), stage
 
 
-def _step(
-    checkpointed: bool, batch: torch.Tensor
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def _step(checkpointed: bool, batch: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(loss and terms, gradients by name) of one joint micro-step."""
     model, stage = _joint_model(checkpointed)
     torch.manual_seed(1)  # the KL's query rows are drawn in the forward
@@ -69,9 +67,7 @@ def test_checkpointed_layers_give_the_same_loss_and_gradients() -> None:
     for name, value in plain_terms.items():
         assert torch.equal(ckpt_terms[name], value), name  # the forward is the same computation
     assert plain_grads.keys() == ckpt_grads.keys()
-    assert any(".gsm.gate." in n for n in plain_grads) and any(
-        ".gsm.bridge." in n for n in plain_grads
-    )
+    assert any(".gsm.gate." in n for n in plain_grads) and any(".gsm.bridge." in n for n in plain_grads)
     for (
         name,
         grad,
@@ -85,9 +81,7 @@ def test_a_recomputation_records_nothing() -> None:
     with gsm_collect(model, distill=True, distill_on_selection=True, distill_queries=16) as records:
         loss = model(input_ids=batch, labels=batch, use_cache=False).loss
     before = {layer: (r.gate_kl, r.asq_loss) for layer, r in records.layers.items()}
-    assert (
-        sum(r.gate_kl is not None for r in records.layers.values()) == 3
-    )  # layers 1-3 (layer 0 dense)
+    assert sum(r.gate_kl is not None for r in records.layers.values()) == 3  # layers 1-3 (layer 0 dense)
     total = loss + sum(records.gate_kl_means()) + sum(records.asq_losses())
     total.backward()  # recomputes each layer
     after = {layer: (r.gate_kl, r.asq_loss) for layer, r in records.layers.items()}

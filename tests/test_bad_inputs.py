@@ -13,16 +13,18 @@ from pathlib import Path
 
 import huggingface_hub.constants
 import pytest
+from run_helpers import GATE_RECIPE, REPO, TINY_GATE, file_digests
 
 from gsm_train import cli, session
-from run_helpers import GATE_RECIPE, REPO, TINY_GATE, file_digests
 
 
 @pytest.fixture
 def no_model_load(monkeypatch: pytest.MonkeyPatch) -> None:
     """Any attempt to load the model fails the test: the checks must come first."""
+
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("the model was loaded before the bad input was refused")
+
     monkeypatch.setattr(session, "load_model_and_tokenizer", refuse)
 
 
@@ -53,30 +55,38 @@ ROWS = [
     ("unknown tiny family", ["{recipe}", "model.name_or_path=tiny-lama"], "model.name_or_path"),
     ("unknown built-in name", ["{recipe}", "model.name_or_path=smollm2"], "model.name_or_path"),
     ("missing model folder", ["{recipe}", "model.name_or_path=/no/model"], "model.name_or_path"),
-    ("folder that is no model", ["{recipe}", "model.name_or_path={tmp}/not_a_model"],
-     "without config.json"),
-    ("unreachable hub id", ["{recipe}", "model.name_or_path=nobody-gsm/no-such-model"],
-     "model.name_or_path = 'nobody-gsm/no-such-model': its config cannot be read"),
+    ("folder that is no model", ["{recipe}", "model.name_or_path={tmp}/not_a_model"], "without config.json"),
+    (
+        "unreachable hub id",
+        ["{recipe}", "model.name_or_path=nobody-gsm/no-such-model"],
+        "model.name_or_path = 'nobody-gsm/no-such-model': its config cannot be read",
+    ),
     ("seq_len beyond the context", ["{recipe}", "data.seq_len=8192"], "data.seq_len = 8192"),
-    ("layer index beyond the model", ["{recipe}", "gsm.sparse_attention.dense_layers=[9]"],
-     "gsm.sparse_attention.dense_layers.0"),
+    (
+        "layer index beyond the model",
+        ["{recipe}", "gsm.sparse_attention.dense_layers=[9]"],
+        "gsm.sparse_attention.dense_layers.0",
+    ),
     ("output in /proc", ["{recipe}", "output.dir=/proc/gsm-run"], "output.dir=/proc/gsm-run"),
-    ("output below a file", ["{recipe}", "output.dir={tmp}/a_file/run"],
-     "output.dir={tmp}/a_file/run"),
+    ("output below a file", ["{recipe}", "output.dir={tmp}/a_file/run"], "output.dir={tmp}/a_file/run"),
     ("output is a file", ["{recipe}", "output.dir={tmp}/a_file"], "output.dir={tmp}/a_file"),
     ("wandb not installed", ["{recipe}", "logging.wandb=true"], "logging.wandb"),
     ("tensorboard not installed", ["{recipe}", "logging.tensorboard=true"], "logging.tensorboard"),
     ("peft not installed", ["{recipe}", "train.base=lora"], "train.base = 'lora'"),
-    ("resume from a missing folder", ["{recipe}", "--resume", "/missing"],
-     "output.resume_from='/missing'"),
+    ("resume from a missing folder", ["{recipe}", "--resume", "/missing"], "output.resume_from='/missing'"),
     ("overwrite and resume auto", ["{recipe}", "--resume", "auto", "--overwrite"], "--overwrite"),
 ]
 
 
 @pytest.mark.parametrize("args, needle", [row[1:] for row in ROWS], ids=[row[0] for row in ROWS])
 def test_bad_input_exits_2_naming_it_before_the_model_loads(
-        args: list[str], needle: str, sandbox: Path, no_model_load: None,
-        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    args: list[str],
+    needle: str,
+    sandbox: Path,
+    no_model_load: None,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+) -> None:
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # a Hub id fails at once
     for package in ("wandb", "tensorboard", "peft"):  # as if not installed: an import fails
         monkeypatch.setitem(sys.modules, package, None)
@@ -92,8 +102,9 @@ def test_bad_input_exits_2_naming_it_before_the_model_loads(
     assert file_digests(sandbox) == before and not (sandbox / "run").exists(), "nothing is written"
 
 
-def test_a_folder_that_is_not_writable_is_refused(tmp_path: Path, no_model_load: None,
-                                                  capsys: pytest.CaptureFixture) -> None:
+def test_a_folder_that_is_not_writable_is_refused(
+    tmp_path: Path, no_model_load: None, capsys: pytest.CaptureFixture
+) -> None:
     if os.geteuid() == 0:  # root writes into a read-only folder; stand in with one it cannot enter
         read_only = Path("/proc/self/gsm-run")
     else:
@@ -108,14 +119,23 @@ def test_a_full_disk_is_refused_with_exit_2_from_a_fresh_process(tmp_path: Path)
     """Through the console entry point, in a process whose files may not grow beyond 256 KiB (as on
     a full disk or quota, the first write beyond fails; SIGXFSZ ignored): exit 2 before the model
     loads, nothing left behind."""
+
     def limit_file_size() -> None:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (256 << 10, 256 << 10))
+
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONDONTWRITEBYTECODE": "1"}
     run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "gsm_train.cli", "train", GATE_RECIPE, *TINY_GATE,
-                           f"output.dir={run}"], capture_output=True, text=True, env=env,
-                          cwd=tmp_path, timeout=120, preexec_fn=limit_file_size, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "gsm_train.cli", "train", GATE_RECIPE, *TINY_GATE, f"output.dir={run}"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+        preexec_fn=limit_file_size,
+        check=False,
+    )
     assert proc.returncode == 2, proc.stderr
     assert f"output.dir={run}: cannot write there (File too large)" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr

@@ -18,19 +18,19 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from run_helpers import GATE_RECIPE, REPO, TINY_GATE, file_digests, losses, records
 from safetensors.torch import load_file
 
 from gsm_train import cli, session
 from gsm_train.checkpoint import (
     checkpoint_folders,
-    read_trainables,
     newest_good_checkpoint,
     read_state,
+    read_trainables,
     verify_checkpoint,
     write_manifest,
 )
 from gsm_train.train import train_recipe
-from run_helpers import GATE_RECIPE, REPO, TINY_GATE, file_digests, losses, records
 
 STEPS = [*TINY_GATE, "train.steps=6", "output.checkpoint_every=2", "output.keep_checkpoints=3"]
 AUTO = ["--resume", "auto"]
@@ -49,6 +49,7 @@ def straight(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def no_model_load(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("the model was loaded before the bad resume was refused")
+
     monkeypatch.setattr(session, "load_model_and_tokenizer", refuse)
 
 
@@ -65,10 +66,10 @@ def _resumed_from(run: Path) -> str | None:
     return [r for r in records(run) if r["kind"] == "setup"][-1]["resumed_from"]
 
 
-@pytest.mark.parametrize("damaged", ["dcp/__0_0.distcp", "dcp/.metadata", "rng_rank0.pt",
-                                     "state.json"])
+@pytest.mark.parametrize("damaged", ["dcp/__0_0.distcp", "dcp/.metadata", "rng_rank0.pt", "state.json"])
 def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one(
-        straight: Path, tmp_path: Path, damaged: str, capsys: pytest.CaptureFixture) -> None:
+    straight: Path, tmp_path: Path, damaged: str, capsys: pytest.CaptureFixture
+) -> None:
     run = shutil.copytree(straight, tmp_path / "run")
     newest = run / "checkpoints" / "step_00000006"
     os.truncate(newest / damaged, (newest / damaged).stat().st_size // 2)
@@ -83,7 +84,8 @@ def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one(
 
 
 def test_a_damaged_checkpoint_named_explicitly_is_refused(
-        straight: Path, tmp_path: Path, no_model_load: None, capsys: pytest.CaptureFixture) -> None:
+    straight: Path, tmp_path: Path, no_model_load: None, capsys: pytest.CaptureFixture
+) -> None:
     run = shutil.copytree(straight, tmp_path / "run")
     newest = run / "checkpoints" / "step_00000006"
     (newest / "dcp" / "__0_0.distcp").write_bytes(b"\0" * 64)
@@ -94,7 +96,8 @@ def test_a_damaged_checkpoint_named_explicitly_is_refused(
 
 
 def test_a_different_global_batch_is_refused_before_the_model_loads(
-        straight: Path, tmp_path: Path, no_model_load: None, capsys: pytest.CaptureFixture) -> None:
+    straight: Path, tmp_path: Path, no_model_load: None, capsys: pytest.CaptureFixture
+) -> None:
     run = shutil.copytree(straight, tmp_path / "run")
     newest = run / "checkpoints" / "step_00000006"
     state = read_state(newest)
@@ -110,7 +113,8 @@ def test_a_different_global_batch_is_refused_before_the_model_loads(
 
 
 def test_resume_refuses_a_changed_recipe_and_keeps_the_original(
-        straight: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    straight: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     run = shutil.copytree(straight, tmp_path / "run")
     original = (run / "recipe.resolved.yaml").read_text()
     before = file_digests(run)
@@ -128,11 +132,15 @@ def test_resume_refuses_a_changed_recipe_and_keeps_the_original(
     assert beside["train"]["seed"] == 7 and beside["optim"]["lr"] == 0.02
 
 
-def test_resume_accepts_changes_to_length_logging_and_checkpointing(straight: Path,
-                                                                   tmp_path: Path) -> None:
+def test_resume_accepts_changes_to_length_logging_and_checkpointing(straight: Path, tmp_path: Path) -> None:
     run = shutil.copytree(straight, tmp_path / "run")
-    allowed = ["train.steps=8", "logging.log_every=2", "logging.eval_every=4",
-               "output.checkpoint_every=4", "output.keep_checkpoints=1"]
+    allowed = [
+        "train.steps=8",
+        "logging.log_every=2",
+        "logging.eval_every=4",
+        "output.checkpoint_every=4",
+        "output.keep_checkpoints=1",
+    ]
     assert cli.main(["train", GATE_RECIPE, *STEPS, *allowed, f"output.dir={run}", *AUTO]) == 0
     assert _resumed_from(run).endswith("step_00000006")
 
@@ -150,8 +158,9 @@ def test_pruning_removes_only_this_runs_older_checkpoints(straight: Path, tmp_pa
     run = shutil.copytree(straight, tmp_path / "run")
     foreign = _foreign_copy(run, "step_00000001")
     foreign_files = file_digests(foreign)
-    train_recipe(GATE_RECIPE, [*STEPS, "train.steps=8", "output.keep_checkpoints=1",
-                               f"output.dir={run}"], resume="auto")
+    train_recipe(
+        GATE_RECIPE, [*STEPS, "train.steps=8", "output.keep_checkpoints=1", f"output.dir={run}"], resume="auto"
+    )
     names = sorted(p.name for p in (run / "checkpoints").glob("step_*"))
     assert names == ["step_00000001", "step_00000008"]
     assert (run / "checkpoints" / "latest").read_text() == "step_00000008"
@@ -165,13 +174,19 @@ def _kill_points() -> list[tuple[str, int]]:
 
 
 @pytest.mark.parametrize("point, n", _kill_points())
-def test_a_kill_during_a_save_loses_nothing_and_resume_is_exact(straight: Path, tmp_path: Path,
-                                                                point: str, n: int) -> None:
+def test_a_kill_during_a_save_loses_nothing_and_resume_is_exact(
+    straight: Path, tmp_path: Path, point: str, n: int
+) -> None:
     run = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, FAULT_SCRIPT, point, str(n), "--recipe", GATE_RECIPE,
-                           *STEPS, f"output.dir={run}"], capture_output=True, text=True, env=env,
-                          timeout=300, check=False)
+    proc = subprocess.run(
+        [sys.executable, FAULT_SCRIPT, point, str(n), "--recipe", GATE_RECIPE, *STEPS, f"output.dir={run}"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     good, _ = newest_good_checkpoint(run)
     if good is not None:  # the last good checkpoint verifies and equals the straight run's

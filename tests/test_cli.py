@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from gsm_train import __version__, cli
+from gsm_train.attention import inject_gsm
 from gsm_train.config import GSMConfig
 from gsm_train.export import export_adapter
 from gsm_train.model_zoo import tiny_model
-from gsm_train.modules import inject_gsm
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -29,21 +29,13 @@ def test_version_is_the_packages(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as done:
         cli.main(["--version"])
     declared = re.search(r'^version = "([^"]+)"$', (REPO / "pyproject.toml").read_text(), re.M)[1]
-    assert (
-        done.value.code == 0
-        and capsys.readouterr().out == f"gsm-train {declared}\n" == f"gsm-train {__version__}\n"
-    )
+    assert done.value.code == 0 and capsys.readouterr().out == f"gsm-train {declared}\n" == f"gsm-train {__version__}\n"
 
 
 def test_generate_and_eval_take_the_base_from_the_export(
     export: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert (
-        cli.main(
-            ["generate", "--adapter", str(export), "--prompt", "Once", "--max-new-tokens", "3"]
-        )
-        == 0
-    )
+    assert cli.main(["generate", "--adapter", str(export), "--prompt", "Once", "--max-new-tokens", "3"]) == 0
     assert "3 tokens" in capsys.readouterr().err
     argv = [
         "eval",

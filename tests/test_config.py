@@ -54,14 +54,21 @@ data:
 def test_four_problems_reported_together_exit_2_nothing_written(tmp_path: Path) -> None:
     recipe = _write(tmp_path, FOUR_PROBLEMS)
     before = sorted(tmp_path.rglob("*"))
-    proc = subprocess.run([sys.executable, "-m", "gsm_train.cli", "train", str(recipe),
-                           f"output.dir={tmp_path / 'run'}"], capture_output=True, text=True, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "gsm_train.cli", "train", str(recipe), f"output.dir={tmp_path / 'run'}"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2
     err = proc.stderr
     assert "4 problems" in err
-    for path, fix in [("colour", "remove it"), ("train.steps", "give a value of that type"),
-                      ("gsm.kv_compression.cluster_num", "greater than or equal to 2"),
-                      ("data.train.path", "give an existing file")]:
+    for path, fix in [
+        ("colour", "remove it"),
+        ("train.steps", "give a value of that type"),
+        ("gsm.kv_compression.cluster_num", "greater than or equal to 2"),
+        ("data.train.path", "give an existing file"),
+    ]:
         assert path in err and fix in err, (path, err)
     assert "'/nonexistent/corpus.txt'" in err and "'many'" in err and "= 1" in err
     assert "Traceback" not in err
@@ -86,14 +93,17 @@ def test_overrides_are_validated_like_the_file(tmp_path: Path) -> None:
     assert paths == ["<override>", "gsm.sparse_attention.top_k", "train.stepz"]
 
 
-@pytest.mark.parametrize("override, path", [
-    ("gsm.kv_compression.quant_bits=3", "gsm.kv_compression.quant_bits"),
-    ("gsm.sparse_attention.top_k=70000", "gsm.sparse_attention.top_k"),
-    ("gsm.sparse_attention.gate_head_dim=63", "gsm.sparse_attention.gate_head_dim"),
-    ("gsm.sparse_attention.k_min=100", "gsm.sparse_attention"),
-    ("gsm.cross_layer_sharing.bridge_from=30", "gsm.cross_layer_sharing"),
-    ("logging.recall_min_keys=4096", "<recipe>"),
-])
+@pytest.mark.parametrize(
+    "override, path",
+    [
+        ("gsm.kv_compression.quant_bits=3", "gsm.kv_compression.quant_bits"),
+        ("gsm.sparse_attention.top_k=70000", "gsm.sparse_attention.top_k"),
+        ("gsm.sparse_attention.gate_head_dim=63", "gsm.sparse_attention.gate_head_dim"),
+        ("gsm.sparse_attention.k_min=100", "gsm.sparse_attention"),
+        ("gsm.cross_layer_sharing.bridge_from=30", "gsm.cross_layer_sharing"),
+        ("logging.recall_min_keys=4096", "<recipe>"),
+    ],
+)
 def test_ranges_and_relations(override: str, path: str) -> None:
     with pytest.raises(ConfigError) as info:
         load_recipe(RECIPES[0], [override])
@@ -105,16 +115,22 @@ FRACTION = "gsm.sparse_attention.top_k_fraction"
 SCHEDULE = "gsm.sparse_attention.top_k_schedule"
 
 
-@pytest.mark.parametrize(("overrides", "message", "fix"), [
-    ([f"{SCHEDULE}=fraction"], "top_k_fraction is not set", "set top_k_fraction"),
-    ([f"{FRACTION}=0.25"], "top_k_schedule is 'constant'", "set top_k_schedule: fraction"),
-    ([f"{SCHEDULE}=fraction", f"{FRACTION}=1.5"], "less than or equal to 1",
-     "use a value that is less than or equal to 1"),
-    ([f"{SCHEDULE}=fraction", f"{FRACTION}=0"], "greater than 0",
-     "use a value that is greater than 0"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "message", "fix"),
+    [
+        ([f"{SCHEDULE}=fraction"], "top_k_fraction is not set", "set top_k_fraction"),
+        ([f"{FRACTION}=0.25"], "top_k_schedule is 'constant'", "set top_k_schedule: fraction"),
+        (
+            [f"{SCHEDULE}=fraction", f"{FRACTION}=1.5"],
+            "less than or equal to 1",
+            "use a value that is less than or equal to 1",
+        ),
+        ([f"{SCHEDULE}=fraction", f"{FRACTION}=0"], "greater than 0", "use a value that is greater than 0"),
+    ],
+)
 def test_the_fraction_schedule_and_its_fraction_come_together(
-        overrides: list[str], message: str, fix: str, capsys: pytest.CaptureFixture) -> None:
+    overrides: list[str], message: str, fix: str, capsys: pytest.CaptureFixture
+) -> None:
     """One clear error naming the field, its value where it has one, and the fix; exit status 2."""
     assert cli_main(["validate", str(RECIPES[0]), *overrides]) == 2
     err = capsys.readouterr().err
@@ -127,15 +143,23 @@ def test_the_fraction_schedule_validates_with_its_fraction() -> None:
 
 
 def test_layer_indices_checked_once_the_model_is_known() -> None:
-    config = load_recipe(RECIPES[0], ["gsm.cross_layer_sharing.enabled=true", "gsm.sparse_attention.dense_layers=[0,9]",
-                                      "gsm.kv_compression.enabled=true",
-                                      "gsm.kv_compression.layer_bits={3: [2, 4], 8: [4, 4]}"])
+    config = load_recipe(
+        RECIPES[0],
+        [
+            "gsm.cross_layer_sharing.enabled=true",
+            "gsm.sparse_attention.dense_layers=[0,9]",
+            "gsm.kv_compression.enabled=true",
+            "gsm.kv_compression.layer_bits={3: [2, 4], 8: [4, 4]}",
+        ],
+    )
     check_against_model(config, num_layers=30)
     with pytest.raises(ConfigError) as info:
         check_against_model(config, num_layers=8)
     assert sorted(p.path for p in info.value.problems) == [
-        "gsm.cross_layer_sharing.bridge_to_start", "gsm.kv_compression.layer_bits.8",
-        "gsm.sparse_attention.dense_layers.1"]
+        "gsm.cross_layer_sharing.bridge_to_start",
+        "gsm.kv_compression.layer_bits.8",
+        "gsm.sparse_attention.dense_layers.1",
+    ]
 
 
 def test_gsm_block_follows_the_seed_schema() -> None:

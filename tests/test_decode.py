@@ -12,16 +12,17 @@ import torch
 from run_helpers import KERNEL_DEVICE, triton_kernel_test
 from torch import Tensor
 
+from gsm_train.attention import gsm_disabled, inject_gsm
 from gsm_train.cli import main as cli_main
 from gsm_train.config import GSMConfig
 from gsm_train.export import export_adapter
+from gsm_train.inference.cache import GSMCache, cache_kwargs
+from gsm_train.inference.decode_attention import attend, forced_count, forced_spans, top_k_positions
+from gsm_train.inference.kv_store import CacheLengths, KVStore
 from gsm_train.inspect_model import layer_reports
 from gsm_train.model_zoo import TINY_FAMILIES, tiny_model
-from gsm_train.modules import GSMError, gsm_disabled, inject_gsm
-from gsm_train.inference.decode_attention import attend, forced_count, forced_spans, top_k_positions
-from gsm_train.inference.cache import GSMCache, cache_kwargs
+from gsm_train.modules import GSMError
 from gsm_train.modules.kv_compressor import ASQCompressor
-from gsm_train.inference.kv_store import CacheLengths, KVStore
 from gsm_train.quant import stored_split
 
 BLOCK = 8
@@ -32,23 +33,35 @@ ASQ = {"enabled": True, "block_size": BLOCK, "cluster_num": 4, "hidden_dim": 8}
 SHARE = {"enabled": True, "bridge_from": 1, "bridge_to_start": 2, "mode": "share"}
 CONFIGS: dict[str, dict[str, Any]] = {
     "everything_share": {"sparse_attention": SPARSE, "kv_compression": ASQ, "cross_layer_sharing": SHARE},
-    "everything_mix_kv_gates": {"sparse_attention": {**SPARSE, "heads": "kv", "sink_tokens": 2, "recent_tokens": 3,
-                                                     "gate_key_bits": 8},
-                                "kv_compression": {**ASQ, "quant_bits": 2},
-                                "cross_layer_sharing": {**SHARE, "mode": "mix"}},
+    "everything_mix_kv_gates": {
+        "sparse_attention": {**SPARSE, "heads": "kv", "sink_tokens": 2, "recent_tokens": 3, "gate_key_bits": 8},
+        "kv_compression": {**ASQ, "quant_bits": 2},
+        "cross_layer_sharing": {**SHARE, "mode": "mix"},
+    },
     "gate_only_decay": {"sparse_attention": {**SPARSE, "top_k_schedule": "linear_decay", "decay_rate": 0.2}},
     # k grows with the context: 2 keys up to position 3, then half the visible keys, at most 8
-    "gate_only_fraction": {"sparse_attention": {**SPARSE, "top_k_schedule": "fraction",
-                                                "top_k_fraction": 0.5, "top_k": 8}},
+    "gate_only_fraction": {
+        "sparse_attention": {**SPARSE, "top_k_schedule": "fraction", "top_k_fraction": 0.5, "top_k": 8}
+    },
     "asq_only": {"sparse_attention": {"enabled": False}, "kv_compression": ASQ},
     "gate_asq_k4_v2": {"sparse_attention": SPARSE, "kv_compression": {**ASQ, "value_quant_bits": 2}},
     "gate_asq_rotated": {"sparse_attention": SPARSE, "kv_compression": {**ASQ, "rotate_residuals": True}},
-    "gate_asq_layer_bits": {"sparse_attention": SPARSE,
-                            "kv_compression": {**ASQ, "layer_bits": {1: (2, 4), 3: (8, 2)}}},
+    "gate_asq_layer_bits": {
+        "sparse_attention": SPARSE,
+        "kv_compression": {**ASQ, "layer_bits": {1: (2, 4), 3: (8, 2)}},
+    },
     # the worked example of docs/extending.md: a K/V compressor variant through the same checks
-    "gate_per_token_share": {"sparse_attention": SPARSE, "cross_layer_sharing": SHARE,
-                             "kv_compression": {"method": "per_token", "enabled": True, "block_size": BLOCK,
-                                                "quant_bits": 4, "value_quant_bits": 2}},
+    "gate_per_token_share": {
+        "sparse_attention": SPARSE,
+        "cross_layer_sharing": SHARE,
+        "kv_compression": {
+            "method": "per_token",
+            "enabled": True,
+            "block_size": BLOCK,
+            "quant_bits": 4,
+            "value_quant_bits": 2,
+        },
+    },
 }
 
 
@@ -73,12 +86,23 @@ def _step_by_step(model: torch.nn.Module, ids: Tensor, cache: GSMCache) -> Tenso
     """Logits of `ids` from a prompt pass, then one token per call through the cache."""
     logits = [model(ids[:, :PROMPT], **cache_kwargs(model, cache), use_cache=True).logits]
     for position in range(PROMPT, ids.shape[1]):
-        logits.append(model(ids[:, position:position + 1], **cache_kwargs(model, cache), use_cache=True).logits)
+        logits.append(model(ids[:, position : position + 1], **cache_kwargs(model, cache), use_cache=True).logits)
     return torch.cat(logits, dim=1)
 
 
-CASES = [(family, "everything_share") for family in TINY_FAMILIES] + [("qwen3", name) for name in CONFIGS
-                                                                       if name != "everything_share"]
+def _assert_fused_decoding_is_teacher_forcing(model: torch.nn.Module) -> None:
+    """`model` (on KERNEL_DEVICE) decodes `_ids()` through the fused kernels to its teacher-forced logits."""
+    ids = _ids().to(KERNEL_DEVICE)
+    with torch.no_grad():
+        teacher_forced = model(ids, use_cache=False).logits
+    torch.testing.assert_close(
+        _step_by_step(model, ids, GSMCache(model, capacity=ids.shape[1], fused=True)), teacher_forced, atol=1e-3, rtol=0
+    )
+
+
+CASES = [(family, "everything_share") for family in TINY_FAMILIES] + [
+    ("qwen3", name) for name in CONFIGS if name != "everything_share"
+]
 
 
 @pytest.mark.parametrize(("family", "config"), CASES)
@@ -106,8 +130,7 @@ def test_cached_decoding_equals_teacher_forced_exactly_in_fp64(family: str, conf
     ids = _ids()
     with torch.no_grad():
         teacher_forced = model(ids, use_cache=False).logits
-    torch.testing.assert_close(_step_by_step(model, ids, GSMCache(model)), teacher_forced, atol=1e-10,
-                               rtol=0)
+    torch.testing.assert_close(_step_by_step(model, ids, GSMCache(model)), teacher_forced, atol=1e-10, rtol=0)
 
 
 CHUNKED = [name for name, sections in CONFIGS.items() if "cross_layer_sharing" not in sections]
@@ -123,7 +146,7 @@ def test_a_prompt_fed_in_chunks_equals_teacher_forcing_exactly_in_fp64(config: s
     with torch.no_grad():
         teacher_forced = model(ids, use_cache=False).logits
         for size in chunks:
-            logits.append(model(ids[:, start:start + size], **cache_kwargs(model, cache), use_cache=True).logits)
+            logits.append(model(ids[:, start : start + size], **cache_kwargs(model, cache), use_cache=True).logits)
             start += size
     torch.testing.assert_close(torch.cat(logits, 1), teacher_forced, atol=1e-10, rtol=0)
 
@@ -136,11 +159,18 @@ def test_left_padded_batch_decodes_as_teacher_forced() -> None:
     cache = GSMCache(model)
     with torch.no_grad():
         teacher_forced = model(ids, attention_mask=mask, use_cache=False).logits
-        logits = [model(ids[:, :PROMPT], attention_mask=mask[:, :PROMPT], **cache_kwargs(model, cache),
-                        use_cache=True).logits]
+        logits = [
+            model(ids[:, :PROMPT], attention_mask=mask[:, :PROMPT], **cache_kwargs(model, cache), use_cache=True).logits
+        ]
         for position in range(PROMPT, LENGTH):
-            logits.append(model(ids[:, position:position + 1], attention_mask=mask[:, :position + 1],
-                                **cache_kwargs(model, cache), use_cache=True).logits)
+            logits.append(
+                model(
+                    ids[:, position : position + 1],
+                    attention_mask=mask[:, : position + 1],
+                    **cache_kwargs(model, cache),
+                    use_cache=True,
+                ).logits
+            )
     decoded = torch.cat(logits, dim=1)
     torch.testing.assert_close(decoded[0], teacher_forced[0], atol=1e-4, rtol=0)
     torch.testing.assert_close(decoded[1, 3:], teacher_forced[1, 3:], atol=1e-4, rtol=0)
@@ -150,8 +180,9 @@ def test_generate_matches_teacher_forced_argmax() -> None:
     model = _model("llama", CONFIGS["everything_share"])
     prompt = _ids(13)
     with torch.no_grad():
-        generated = model.generate(prompt, **cache_kwargs(model, GSMCache(model)), max_new_tokens=24,
-                                   do_sample=False, pad_token_id=0)
+        generated = model.generate(
+            prompt, **cache_kwargs(model, GSMCache(model)), max_new_tokens=24, do_sample=False, pad_token_id=0
+        )
         argmax = model(generated, use_cache=False).logits.argmax(-1)
     assert generated.shape == (2, 13 + 24)
     assert torch.equal(argmax[:, 12:-1], generated[:, 13:])
@@ -166,14 +197,24 @@ def test_the_cache_goes_in_under_the_name_transformers_takes() -> None:
     with torch.no_grad(), warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*past_key_values.*")
         model(_ids(), **cache_kwargs(model, cache), use_cache=True)
-        model.generate(_ids(6), **cache_kwargs(model, generation_cache), max_new_tokens=3, do_sample=False,
-                       pad_token_id=0)
+        model.generate(
+            _ids(6), **cache_kwargs(model, generation_cache), max_new_tokens=3, do_sample=False, pad_token_id=0
+        )
     assert cache.get_seq_length() == LENGTH
     assert generation_cache.get_seq_length() == 6 + 3 - 1  # the last token is never fed back
 
 
-@pytest.mark.parametrize("config", ["everything_share", "everything_mix_kv_gates", "asq_only", "gate_asq_k4_v2",
-                                    "gate_asq_layer_bits", "gate_per_token_share"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        "everything_share",
+        "everything_mix_kv_gates",
+        "asq_only",
+        "gate_asq_k4_v2",
+        "gate_asq_layer_bits",
+        "gate_per_token_share",
+    ],
+)
 @pytest.mark.parametrize("length", [BLOCK * 4, LENGTH])
 def test_cache_bytes_equal_the_account(config: str, length: int) -> None:
     """bf16 model: the cache's tensors hold exactly what `gsm-train inspect` counts per token."""
@@ -195,7 +236,7 @@ def test_store_packs_every_block_but_the_newest() -> None:
     for position in range(3 * BLOCK):
         lengths.before = position
         lengths.set(position + 1, stored_split(position + 1, BLOCK))
-        store.append(states[:, :, position:position + 1])
+        store.append(states[:, :, position : position + 1])
         assert lengths.packed_len == (position // BLOCK) * BLOCK  # the newest block, full or not, stays raw
     bulk = asq.compress(states)
     packed = 2 * BLOCK
@@ -228,14 +269,13 @@ def test_refusals() -> None:
     with torch.no_grad():
         model(ids[:, :PROMPT], **cache_kwargs(model, cache), use_cache=True)
         with pytest.raises(GSMError, match="pass the prompt in one call"):  # chunks cannot feed the bridge
-            model(ids[:, PROMPT:PROMPT + 2], **cache_kwargs(model, cache), use_cache=True)
+            model(ids[:, PROMPT : PROMPT + 2], **cache_kwargs(model, cache), use_cache=True)
     with torch.no_grad(), pytest.raises(GSMError, match="holds 40 tokens per row.*larger capacity"):
         small = GSMCache(model, capacity=33)  # rounded up to whole blocks of 8
         model(ids, **cache_kwargs(model, small), use_cache=True)
         model(ids[:, :4], **cache_kwargs(model, small), use_cache=True)
     with pytest.raises(GSMError, match="num_beams=1"):
-        model.generate(_ids(6), **cache_kwargs(model, GSMCache(model)), max_new_tokens=2, num_beams=2,
-                       do_sample=False)
+        model.generate(_ids(6), **cache_kwargs(model, GSMCache(model)), max_new_tokens=2, num_beams=2, do_sample=False)
     with pytest.raises(GSMError, match="fused=False"):
         GSMCache(_model("llama", CONFIGS["everything_share"]).double(), fused=True)
     with gsm_disabled(model), pytest.raises(GSMError, match="default cache"):
@@ -249,8 +289,10 @@ def _filled_stores(compressors: list, rows: list[Tensor], capacity: int | None =
     block = compressors[0].block_size if compressors[0] is not None else 1
     capacity = capacity or -(-length // block) * block
     lengths = CacheLengths(rows[0].device)
-    stores = [KVStore(compressor, batch, heads, dim, capacity, side.dtype, side.device, lengths)
-              for compressor, side in zip(compressors, rows, strict=True)]
+    stores = [
+        KVStore(compressor, batch, heads, dim, capacity, side.dtype, side.device, lengths)
+        for compressor, side in zip(compressors, rows, strict=True)
+    ]
     for start, end in ((0, max(length - 50, 1)), (max(length - 50, 1), length)):
         lengths.before = start
         lengths.set(end, stored_split(end, block) if compressors[0] is not None else 0)
@@ -260,10 +302,18 @@ def _filled_stores(compressors: list, rows: list[Tensor], capacity: int | None =
 
 
 @triton_kernel_test
-@pytest.mark.parametrize(("bits", "length", "selected"), [(2, 300, 40), (4, 300, 40), (8, 300, 40), (None, 300, 40),
-                                                            (4, 2400, 2100),  # 2100: more splits than one merge load
-                                                            ((4, 2), 300, 40),  # (K, V) bits apart
-                                                            ("rotated", 300, 40)])  # rotated 4-bit residuals
+@pytest.mark.parametrize(
+    ("bits", "length", "selected"),
+    [
+        (2, 300, 40),
+        (4, 300, 40),
+        (8, 300, 40),
+        (None, 300, 40),
+        (4, 2400, 2100),  # 2100: more splits than one merge load
+        ((4, 2), 300, 40),  # (K, V) bits apart
+        ("rotated", 300, 40),
+    ],
+)  # rotated 4-bit residuals
 def test_fused_kernel_equals_pytorch_path(bits: int | tuple[int, int] | str | None, length: int, selected: int) -> None:
     from gsm_train.kernels.sparse_decode import fused_decode_attention
 
@@ -272,10 +322,17 @@ def test_fused_kernel_equals_pytorch_path(bits: int | tuple[int, int] | str | No
     batch, q_heads, kv_heads, dim = 2, 6, 2, 64
     rotate = bits == "rotated"
     side_bits = (4, 4) if rotate else bits if isinstance(bits, tuple) else (bits, bits)
-    compressors = [ASQCompressor(kv_heads, dim, cluster_num=8, quant_bits=side, block_size=64,
-                                 rotate_residuals=rotate).to(device) if side else None for side in side_bits]
-    stores = _filled_stores(compressors, [torch.randn(batch, kv_heads, length, dim, device=device) for _ in range(2)],
-                            capacity=length + 60 if bits is None else None)  # raw stores: room beyond the length
+    compressors = [
+        ASQCompressor(kv_heads, dim, cluster_num=8, quant_bits=side, block_size=64, rotate_residuals=rotate).to(device)
+        if side
+        else None
+        for side in side_bits
+    ]
+    stores = _filled_stores(
+        compressors,
+        [torch.randn(batch, kv_heads, length, dim, device=device) for _ in range(2)],
+        capacity=length + 60 if bits is None else None,
+    )  # raw stores: room beyond the length
     query = torch.randn(batch, q_heads, 1, dim, device=device)
     index = torch.stack([torch.randperm(length)[:selected] for _ in range(batch * kv_heads)]).view(batch, kv_heads, -1)
     index = index.to(device)
@@ -284,14 +341,20 @@ def test_fused_kernel_equals_pytorch_path(bits: int | tuple[int, int] | str | No
         got = fused_decode_attention(query, *(s.packed_rows() for s in stores), index, valid, 0.125)
         torch.testing.assert_close(got, expected, atol=2e-6, rtol=0)
     shared = index[:, :1]  # one selection for all KV heads, as a layer-wide gate gives
-    expected = attend(query, stores[0].gather(shared.expand_as(index)), stores[1].gather(shared.expand_as(index)),
-                      None, 0.125)
-    torch.testing.assert_close(fused_decode_attention(query, *(s.packed_rows() for s in stores), shared, None, 0.125), expected, atol=2e-6,
-                               rtol=0)
+    expected = attend(
+        query, stores[0].gather(shared.expand_as(index)), stores[1].gather(shared.expand_as(index)), None, 0.125
+    )
+    torch.testing.assert_close(
+        fused_decode_attention(query, *(s.packed_rows() for s in stores), shared, None, 0.125),
+        expected,
+        atol=2e-6,
+        rtol=0,
+    )
 
 
-def _attend_case(rotate: bool, dtype: torch.dtype, dim: int, groups: int, per_head: bool,
-                 with_valid: bool) -> tuple[tuple, Tensor]:
+def _attend_case(
+    rotate: bool, dtype: torch.dtype, dim: int, groups: int, per_head: bool, with_valid: bool
+) -> tuple[tuple, Tensor]:
     """Arguments of `fused_decode_attention` on CUDA (query, stores, index, valid, scaling) over 2,100 of
     3,000 cached rows (rotated 4-bit K / 2-bit V ASQ, 2 clusters, blocks of 64, or plain 4-bit), and the
     PyTorch path's output on the same rows in fp32."""
@@ -301,14 +364,21 @@ def _attend_case(rotate: bool, dtype: torch.dtype, dim: int, groups: int, per_he
     index = torch.stack([torch.randperm(length)[:selected] for _ in range(batch * selections)])
     index = index.view(batch, selections, -1).cuda()
     valid = torch.rand(batch, selections, selected, device="cuda") > 0.2 if with_valid else None
-    compressors = [ASQCompressor(kv_heads, dim, cluster_num=2, quant_bits=bits, block_size=64,
-                                 rotate_residuals=rotate).cuda() for bits in (4, 2)]
-    stores = _filled_stores(compressors, [torch.randn(batch, kv_heads, length, dim, device="cuda", dtype=dtype)
-                                          for _ in range(2)])
+    compressors = [
+        ASQCompressor(kv_heads, dim, cluster_num=2, quant_bits=bits, block_size=64, rotate_residuals=rotate).cuda()
+        for bits in (4, 2)
+    ]
+    stores = _filled_stores(
+        compressors, [torch.randn(batch, kv_heads, length, dim, device="cuda", dtype=dtype) for _ in range(2)]
+    )
     query = torch.randn(batch, kv_heads * groups, 1, dim, device="cuda", dtype=dtype)
     rows = index.expand(-1, kv_heads, -1)
-    expected = attend(query.float(), *(store.gather(rows).float() for store in stores),
-                      None if valid is None else valid.expand(-1, kv_heads, -1), 0.1)
+    expected = attend(
+        query.float(),
+        *(store.gather(rows).float() for store in stores),
+        None if valid is None else valid.expand(-1, kv_heads, -1),
+        0.1,
+    )
     return (query, *(s.packed_rows() for s in stores), index, valid, 0.1), expected
 
 
@@ -324,21 +394,26 @@ def test_every_autotuned_configuration_attends_alike() -> None:
     on outputs of mean size 0.03)."""
     from gsm_train.kernels.sparse_decode import decode_configs, fused_decode_attention
 
-    cases = {"bf16 rotated": ((True, torch.bfloat16, 128, 4, False, False), 3e-3),
-             "fp32 unrotated": ((False, torch.float32, 128, 4, False, False), 2e-6),
-             "fp32 rotated": ((True, torch.float32, 128, 4, False, False), 2e-6)}
-    others = {"bf16 rotated, valid mask": ((True, torch.bfloat16, 128, 4, False, True), 3e-3),
-              "bf16 rotated, a selection per KV head": ((True, torch.bfloat16, 128, 4, True, False), 3e-3),
-              "fp32 rotated, 64-dim heads in groups of 3": ((True, torch.float32, 64, 3, False, False), 2e-6),
-              "bf16 unrotated": ((False, torch.bfloat16, 128, 4, False, False), 3e-3)}
+    cases = {
+        "bf16 rotated": ((True, torch.bfloat16, 128, 4, False, False), 3e-3),
+        "fp32 unrotated": ((False, torch.float32, 128, 4, False, False), 2e-6),
+        "fp32 rotated": ((True, torch.float32, 128, 4, False, False), 2e-6),
+    }
+    others = {
+        "bf16 rotated, valid mask": ((True, torch.bfloat16, 128, 4, False, True), 3e-3),
+        "bf16 rotated, a selection per KV head": ((True, torch.bfloat16, 128, 4, True, False), 3e-3),
+        "fp32 rotated, 64-dim heads in groups of 3": ((True, torch.float32, 64, 3, False, False), 2e-6),
+        "bf16 unrotated": ((False, torch.bfloat16, 128, 4, False, False), 3e-3),
+    }
     built = {name: (_attend_case(*args), atol) for name, (args, atol) in {**cases, **others}.items()}
     for number, config in enumerate(decode_configs()):
         other = list(others)[number % len(others)]
         for name in (*cases, other):
             (args, expected), atol = built[name]
             got = fused_decode_attention(*args, config=config)
-            torch.testing.assert_close(got.float(), expected, atol=atol, rtol=0,
-                                       msg=lambda m, c=config, n=name: f"{c} on {n}: {m}")
+            torch.testing.assert_close(
+                got.float(), expected, atol=atol, rtol=0, msg=lambda m, c=config, n=name: f"{c} on {n}: {m}"
+            )
 
 
 def test_fused_kernel_refuses_a_configuration_its_buffers_do_not_hold() -> None:
@@ -346,12 +421,20 @@ def test_fused_kernel_refuses_a_configuration_its_buffers_do_not_hold() -> None:
     not writes past them."""
     triton = pytest.importorskip("triton")
     sparse_decode = pytest.importorskip("gsm_train.kernels.sparse_decode")
-    stores = _filled_stores([ASQCompressor(2, 64, cluster_num=4, block_size=8) for _ in range(2)],
-                            [torch.randn(1, 2, 20, 64) for _ in range(2)])
+    stores = _filled_stores(
+        [ASQCompressor(2, 64, cluster_num=4, block_size=8) for _ in range(2)],
+        [torch.randn(1, 2, 20, 64) for _ in range(2)],
+    )
     index = torch.zeros(1, 1, 4, dtype=torch.long)
     with pytest.raises(ValueError, match=r"at least 32 rows per program .* pick one of decode_configs"):
-        sparse_decode.fused_decode_attention(torch.zeros(1, 4, 1, 64), *(s.packed_rows() for s in stores), index, None, 0.125,
-                                             config=triton.Config({"BLOCK_N": 16, "TILES": 1}))
+        sparse_decode.fused_decode_attention(
+            torch.zeros(1, 4, 1, 64),
+            *(s.packed_rows() for s in stores),
+            index,
+            None,
+            0.125,
+            config=triton.Config({"BLOCK_N": 16, "TILES": 1}),
+        )
 
 
 def test_fused_kernel_refuses_stores_that_disagree_on_rotation() -> None:
@@ -360,11 +443,15 @@ def test_fused_kernel_refuses_stores_that_disagree_on_rotation() -> None:
     sparse_decode = pytest.importorskip("gsm_train.kernels.sparse_decode")
     if not hasattr(sparse_decode, "fused_decode_attention"):
         pytest.skip("needs Triton")
-    stores = _filled_stores([ASQCompressor(2, 64, cluster_num=4, block_size=8, rotate_residuals=rotate)
-                             for rotate in (True, False)], [torch.randn(1, 2, 20, 64) for _ in range(2)])
+    stores = _filled_stores(
+        [ASQCompressor(2, 64, cluster_num=4, block_size=8, rotate_residuals=rotate) for rotate in (True, False)],
+        [torch.randn(1, 2, 20, 64) for _ in range(2)],
+    )
     index = torch.zeros(1, 2, 1, dtype=torch.long)
     with pytest.raises(ValueError, match="must both rotate residuals or neither"):
-        sparse_decode.fused_decode_attention(torch.zeros(1, 4, 1, 64), *(s.packed_rows() for s in stores), index, None, 0.125)
+        sparse_decode.fused_decode_attention(
+            torch.zeros(1, 4, 1, 64), *(s.packed_rows() for s in stores), index, None, 0.125
+        )
 
 
 def test_kernels_take_only_the_head_sizes_they_fit() -> None:
@@ -376,13 +463,10 @@ def test_kernels_take_only_the_head_sizes_they_fit() -> None:
 @triton_kernel_test
 def test_fused_cache_leaves_odd_head_sizes_to_pytorch() -> None:
     """A gate head of 12 dimensions (no power of two) decodes through the PyTorch score path, the rest fused."""
-    model = _model("llama", {**CONFIGS["everything_share"],
-                             "sparse_attention": {**SPARSE, "gate_head_dim": 12}}).to(KERNEL_DEVICE)
-    ids = _ids().to(KERNEL_DEVICE)
-    with torch.no_grad():
-        teacher_forced = model(ids, use_cache=False).logits
-    torch.testing.assert_close(_step_by_step(model, ids, GSMCache(model, fused=True)), teacher_forced, atol=1e-3,
-                               rtol=0)
+    model = _model("llama", {**CONFIGS["everything_share"], "sparse_attention": {**SPARSE, "gate_head_dim": 12}}).to(
+        KERNEL_DEVICE
+    )
+    _assert_fused_decoding_is_teacher_forcing(model)
 
 
 @triton_kernel_test
@@ -393,11 +477,7 @@ def test_fused_cache_forces_sinks_and_recent_tokens_as_teacher_forcing() -> None
     config = CONFIGS["everything_mix_kv_gates"]
     sections = {**config, "sparse_attention": {**config["sparse_attention"], "top_k": 9}}
     model = _model("llama", sections).to(KERNEL_DEVICE)
-    ids = _ids().to(KERNEL_DEVICE)
-    with torch.no_grad():
-        teacher_forced = model(ids, use_cache=False).logits
-    torch.testing.assert_close(_step_by_step(model, ids, GSMCache(model, fused=True)), teacher_forced, atol=1e-3,
-                               rtol=0)
+    _assert_fused_decoding_is_teacher_forcing(model)
 
 
 @triton_kernel_test
@@ -407,11 +487,7 @@ def test_fused_cache_decodes_rotated_residuals_as_teacher_forcing() -> None:
     of each split, while the newest block's raw rows meet the query as given: the same logits as teacher
     forcing."""
     model = _model("llama", CONFIGS["gate_asq_rotated"]).to(KERNEL_DEVICE)
-    ids = _ids().to(KERNEL_DEVICE)
-    with torch.no_grad():
-        teacher_forced = model(ids, use_cache=False).logits
-    torch.testing.assert_close(_step_by_step(model, ids, GSMCache(model, fused=True)), teacher_forced, atol=1e-3,
-                               rtol=0)
+    _assert_fused_decoding_is_teacher_forcing(model)
 
 
 @triton_kernel_test
@@ -431,20 +507,41 @@ def test_gate_score_kernel_equals_pytorch_path(bits: int) -> None:
     for position, sinks, recent in ((299, 0, 0), (299, 2, 8), (250, 3, 0), (120, 0, 5), (40, 50, 4)):
         marked = expected.clone()  # the forced keys as top_k_positions marks them on the PyTorch path
         top_k_positions(marked, None, 1, position, sinks, recent)
-        marked[..., position + 1:] = float("-inf")  # keys not yet held
+        marked[..., position + 1 :] = float("-inf")  # keys not yet held
         lengths = torch.tensor([position + 1, 0], dtype=torch.int32, device=device)
-        torch.testing.assert_close(gate_scores(gate_q, keys, scales, lengths, sinks, recent), marked,
-                                   atol=1e-5, rtol=1e-5, msg=lambda m, c=(position, sinks, recent): f"{c}: {m}")
+        torch.testing.assert_close(
+            gate_scores(gate_q, keys, scales, lengths, sinks, recent),
+            marked,
+            atol=1e-5,
+            rtol=1e-5,
+            msg=lambda m, c=(position, sinks, recent): f"{c}: {m}",
+        )
         padded = marked.masked_fill(~key_valid[:, None, :], float("-inf"))
-        torch.testing.assert_close(gate_scores(gate_q, keys, scales, lengths, sinks, recent, key_valid), padded,
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            gate_scores(gate_q, keys, scales, lengths, sinks, recent, key_valid), padded, atol=1e-5, rtol=1e-5
+        )
 
 
 def test_generate_command(exported_tiny: Path, capsys: pytest.CaptureFixture) -> None:
     """`gsm-train generate` streams the continuation over the GSM cache and reports what it cost; with
     --compare-dense the dense base's run follows."""
-    assert cli_main(["generate", "--model", "tiny-llama", "--adapter", str(exported_tiny), "--prompt",
-                     "Once upon a time", "--max-new-tokens", "12", "--compare-dense"]) == 0
+    assert (
+        cli_main(
+            [
+                "generate",
+                "--model",
+                "tiny-llama",
+                "--adapter",
+                str(exported_tiny),
+                "--prompt",
+                "Once upon a time",
+                "--max-new-tokens",
+                "12",
+                "--compare-dense",
+            ]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     assert "GSM cache: 12 tokens" in captured.err and "dense base: 12 tokens" in captured.err
     assert "time to first token" in captured.err and "decode speed-up over the dense base" in captured.err

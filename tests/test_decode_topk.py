@@ -10,9 +10,14 @@ import pytest
 import torch
 from torch import Tensor
 
-from gsm_train.kernels.decode_topk import (cuda_topk_available, decode_topk, fastest_blocks_per_row, row_fits,
-                                          unordered_top_k)
 from gsm_train.inference.decode_attention import top_k_positions
+from gsm_train.kernels.decode_topk import (
+    cuda_topk_available,
+    decode_topk,
+    fastest_blocks_per_row,
+    row_fits,
+    unordered_top_k,
+)
 
 on_gpu = pytest.mark.skipif(not cuda_topk_available(), reason="needs a CUDA device (NVRTC); the H200 run covers it")
 
@@ -34,12 +39,17 @@ def test_kernel_takes_the_k_largest(length: int, rows: int) -> None:
     generator = torch.Generator(device="cuda").manual_seed(length * rows)
     normal = torch.randn(rows, length, device="cuda", generator=generator)
     forced = normal.clone()  # decode's forced keys (+inf) and scores that cannot win (-inf)
-    forced[:, :min(4, length)] = float("inf")
-    forced[:, -min(3, length):] = float("-inf")
+    forced[:, : min(4, length)] = float("inf")
+    forced[:, -min(3, length) :] = float("-inf")
     forced[:, length // 2] = float("nan")  # NaN ranks first, as in torch.topk, whatever its sign bit
     forced[:, length // 3] = -float("nan")
-    cases = {"normal": normal, "ties": torch.randint(0, 7, (rows, length), device="cuda", generator=generator).float(),
-             "forced": forced, "tiny negative": -normal.abs() * 1e-30, "one value": torch.full_like(normal, 0.5)}
+    cases = {
+        "normal": normal,
+        "ties": torch.randint(0, 7, (rows, length), device="cuda", generator=generator).float(),
+        "forced": forced,
+        "tiny negative": -normal.abs() * 1e-30,
+        "one value": torch.full_like(normal, 0.5),
+    }
     for name, scores in cases.items():
         for k in sorted({1, min(64, length), min(2048, length), max(1, length // 2), length}):
             poisoned = torch.full((rows, k), -1, dtype=torch.int64, device="cuda")  # every position must be written
@@ -58,10 +68,19 @@ def _launcher_here():  # noqa: ANN202
 H200_CAPACITY = {1: 132, 2: 66, 4: 30, 8: 15}  # rows at once per blocks-per-row size (cuOccupancyMaxActiveClusters)
 
 
-@pytest.mark.parametrize(("rows", "length", "expected"), [
-    (1, 8192, 1), (64, 8192, 1),  # short rows: a cluster's barriers cost more than its blocks save
-    (1, 32768, 8), (16, 32768, 4), (64, 32768, 2), (128, 32768, 1),  # the H200's fastest, or within 0.4 us of it
-    (1, 131072, 8), (16, 131072, 4)])
+@pytest.mark.parametrize(
+    ("rows", "length", "expected"),
+    [
+        (1, 8192, 1),
+        (64, 8192, 1),  # short rows: a cluster's barriers cost more than its blocks save
+        (1, 32768, 8),
+        (16, 32768, 4),
+        (64, 32768, 2),
+        (128, 32768, 1),  # the H200's fastest, or within 0.4 us of it
+        (1, 131072, 8),
+        (16, 131072, 4),
+    ],
+)
 def test_blocks_per_row_follow_the_cost_model(rows: int, length: int, expected: int) -> None:
     """Clusters go to few long rows, one block to short or many rows, as the H200's timings ranked them."""
     assert fastest_blocks_per_row(rows, length, H200_CAPACITY) == expected
@@ -83,11 +102,15 @@ def test_every_cluster_size_takes_the_k_largest(length: int) -> None:
     generator = torch.Generator(device="cuda").manual_seed(length)
     normal = torch.randn(3, length, device="cuda", generator=generator)
     forced = normal.clone()
-    forced[:, :min(4, length)] = float("inf")
-    forced[:, -min(3, length):] = float("-inf")
+    forced[:, : min(4, length)] = float("inf")
+    forced[:, -min(3, length) :] = float("-inf")
     forced[:, length // 2] = float("nan")
-    cases = {"normal": normal, "ties": torch.randint(0, 7, (3, length), device="cuda", generator=generator).float(),
-             "forced": forced, "one value": torch.full_like(normal, 0.5)}
+    cases = {
+        "normal": normal,
+        "ties": torch.randint(0, 7, (3, length), device="cuda", generator=generator).float(),
+        "forced": forced,
+        "one value": torch.full_like(normal, 0.5),
+    }
     for cluster in (size for size in launcher.cluster_sizes if launcher.holds(size, length)):
         for name, scores in cases.items():
             for k in sorted({1, min(2048, length), max(1, length // 2), length}):

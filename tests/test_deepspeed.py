@@ -15,7 +15,7 @@ import pytest
 import torch
 from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
-from run_helpers import records
+from run_helpers import TINY_MODEL, records
 
 from gsm_train import backend
 from gsm_train.config import ConfigError, load_recipe
@@ -24,9 +24,11 @@ from gsm_train.train import main as train_main
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = str(REPO / "recipes" / "gate_only.yaml")
-TINY = ["model.name_or_path=tiny-llama", "data.seq_len=64", "logging.recall_min_keys=16", "logging.recall_k=8",
-        "gsm.sparse_attention.top_k=8", "gsm.sparse_attention.k_min=8", "logging.progress_bar=false",
-        "gsm.sparse_attention.gate_init=random"]
+TINY = [
+    *TINY_MODEL,
+    "logging.progress_bar=false",
+    "gsm.sparse_attention.gate_init=random",
+]
 
 
 def _launch_env(config_file: str) -> dict[str, str]:
@@ -45,11 +47,13 @@ def _launch_env(config_file: str) -> dict[str, str]:
 @pytest.fixture
 def launched(monkeypatch: pytest.MonkeyPatch):
     """Put the environment of one accelerate config into this process."""
+
     def apply(config_file: str) -> dict[str, str]:
         env = _launch_env(config_file)
         for key, value in env.items():
             monkeypatch.setenv(key, value)
         return env
+
     return apply
 
 
@@ -59,8 +63,9 @@ class _FakeDeepSpeedBackend:
 
 
 @pytest.mark.parametrize(("config_file", "stage"), [("deepspeed_zero2.yaml", 2), ("deepspeed_zero3.yaml", 3)])
-def test_zero_configs_select_deepspeed_with_their_stage(launched, monkeypatch: pytest.MonkeyPatch,
-                                                        config_file: str, stage: int) -> None:
+def test_zero_configs_select_deepspeed_with_their_stage(
+    launched, monkeypatch: pytest.MonkeyPatch, config_file: str, stage: int
+) -> None:
     env = launched(config_file)
     assert env["ACCELERATE_MIXED_PRECISION"] == "bf16"
     monkeypatch.setitem(sys.modules, "deepspeed", ModuleType("deepspeed"))  # stands in for the installed package
@@ -75,9 +80,9 @@ def test_zero_configs_select_deepspeed_with_their_stage(launched, monkeypatch: p
     assert plugin.gradient_clipping == config.optim.max_grad_norm == 1.0
 
 
-def test_missing_deepspeed_is_one_clear_error_before_any_output(launched, monkeypatch: pytest.MonkeyPatch,
-                                                                 tmp_path: Path,
-                                                                 capsys: pytest.CaptureFixture) -> None:
+def test_missing_deepspeed_is_one_clear_error_before_any_output(
+    launched, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     launched("deepspeed_zero2.yaml")
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # `import deepspeed` fails
     status = train_main(["--recipe", RECIPE, *TINY, f"output.dir={tmp_path / 'run'}"])
@@ -88,7 +93,8 @@ def test_missing_deepspeed_is_one_clear_error_before_any_output(launched, monkey
 
 
 def test_settings_that_contradict_the_recipe_are_reported_with_the_missing_package(
-        launched, monkeypatch: pytest.MonkeyPatch) -> None:
+    launched, monkeypatch: pytest.MonkeyPatch
+) -> None:
     launched("deepspeed_zero3.yaml")
     monkeypatch.setitem(sys.modules, "deepspeed", None)
     with pytest.raises(ConfigError) as caught:
@@ -190,8 +196,9 @@ class _Zero3Optimizer:
 
 
 @pytest.mark.parametrize(("numel", "world"), [(1, 2), (5, 2), (7, 3), (8, 2)])
-def test_zero3_master_partitions_take_their_slice_padding_included(monkeypatch: pytest.MonkeyPatch, numel: int,
-                                                                   world: int) -> None:
+def test_zero3_master_partitions_take_their_slice_padding_included(
+    monkeypatch: pytest.MonkeyPatch, numel: int, world: int
+) -> None:
     """DeepSpeed 0.19's set_full_hp_param fails on a rank whose partition reaches into the padding
     (a 1-element bridge alpha on 2 ranks hung ZeRO-3 on the GPU); every rank gets its slice, zeros beyond."""
     monkeypatch.setitem(sys.modules, "deepspeed", ModuleType("deepspeed"))
@@ -227,7 +234,8 @@ fsdp_config:
 
 
 def test_an_accelerate_fsdp_config_is_refused_before_any_output(
-        launched, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    launched, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     config_file = tmp_path / "fsdp.yaml"
     config_file.write_text(FSDP_PLUGIN_CONFIG)
     env = launched(str(config_file))
@@ -240,12 +248,20 @@ def test_an_accelerate_fsdp_config_is_refused_before_any_output(
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize(("precision", "recipe_precision", "refused"), [
-    ("fp16", "auto", True), ("fp16", "bf16", True), ("bf16", "no", True),
-    ("bf16", "auto", False), ("bf16", "bf16", False), ("no", "no", False),
-])
+@pytest.mark.parametrize(
+    ("precision", "recipe_precision", "refused"),
+    [
+        ("fp16", "auto", True),
+        ("fp16", "bf16", True),
+        ("bf16", "no", True),
+        ("bf16", "auto", False),
+        ("bf16", "bf16", False),
+        ("no", "no", False),
+    ],
+)
 def test_accelerate_mixed_precision_follows_the_recipe_or_is_refused(
-        launched, tmp_path: Path, precision: str, recipe_precision: str, refused: bool) -> None:
+    launched, tmp_path: Path, precision: str, recipe_precision: str, refused: bool
+) -> None:
     config_file = tmp_path / "multi_gpu.yaml"
     text = (REPO / "launch" / "multi_gpu.yaml").read_text()
     config_file.write_text(text.replace('mixed_precision: "no"', f'mixed_precision: "{precision}"'))
@@ -260,8 +276,7 @@ def test_accelerate_mixed_precision_follows_the_recipe_or_is_refused(
     assert "distributed.mixed_precision" in caught.value.problems[0].fix
 
 
-def test_bf16_optimizer_moments_are_refused_with_deepspeed(launched,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bf16_optimizer_moments_are_refused_with_deepspeed(launched, monkeypatch: pytest.MonkeyPatch) -> None:
     launched("deepspeed_zero2.yaml")
     monkeypatch.setitem(sys.modules, "deepspeed", ModuleType("deepspeed"))
     with pytest.raises(ConfigError) as caught:

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from gsm_train.attention import gsm_settings, inject_gsm
 from gsm_train.cli import main as cli_main
 from gsm_train.config import GSMConfig
 from gsm_train.data import load_text_dataset, pack_tokens
 from gsm_train.evaluate import evaluate_exports, perplexity_and_recall, position_buckets
 from gsm_train.export import export_adapter
 from gsm_train.model_zoo import byte_tokenizer, tiny_model
-from gsm_train.modules import gsm_settings, inject_gsm
 
 SEQ, WINDOWS = 32, 4
 
@@ -48,9 +48,14 @@ def test_sparse_with_k_above_the_window_matches_base_and_small_k_does_not(tmp_pa
 
 
 def test_kv_bytes_reflect_asq(tmp_path: Path) -> None:
-    asq = _export(tmp_path, "asq", {"sparse_attention": {"enabled": False},
-                                    "kv_compression": {"enabled": True, "quant_bits": 2, "block_size": 8,
-                                                       "cluster_num": 2}})
+    asq = _export(
+        tmp_path,
+        "asq",
+        {
+            "sparse_attention": {"enabled": False},
+            "kv_compression": {"enabled": True, "quant_bits": 2, "block_size": 8, "cluster_num": 2},
+        },
+    )
     result = _evaluate({"asq": asq})["asq"]
     assert 0 < result["kv_bytes_ratio"] < 1
     assert result["kv_bytes_per_token"] == pytest.approx(result["kv_bytes_ratio"] * result["kv_bytes_per_token_bf16"])
@@ -58,8 +63,7 @@ def test_kv_bytes_reflect_asq(tmp_path: Path) -> None:
 
 def test_cli_writes_json_and_table(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     export = _export(tmp_path, "gate", {"sparse_attention": {"top_k": 4, "k_min": 4}})
-    argv = ["eval", "--model", "tiny-llama", "--data", "embedded:sample_prose", "--export", f"gsm={export}",
-            "--seq-len", str(SEQ), "--windows", "2", "--min-keys", "8", "--out", str(tmp_path / "eval")]
+    argv = _eval_argv(str(export), "--out", str(tmp_path / "eval"))
     assert cli_main(argv) == 0
     assert "| gsm |" in capsys.readouterr().out
     report = json.loads((tmp_path / "eval" / "eval.json").read_text())
@@ -69,16 +73,21 @@ def test_cli_writes_json_and_table(tmp_path: Path, capsys: pytest.CaptureFixture
 
 @pytest.mark.parametrize("baseline", ["per_token", "kivi"])
 def test_plain_quant_baselines_replace_asq(tmp_path: Path, baseline: str) -> None:
-    asq = _export(tmp_path, "asq", {"sparse_attention": {"enabled": False},
-                                    "kv_compression": {"enabled": True, "quant_bits": 2, "block_size": 8}})
+    asq = _export(
+        tmp_path,
+        "asq",
+        {"sparse_attention": {"enabled": False}, "kv_compression": {"enabled": True, "quant_bits": 2, "block_size": 8}},
+    )
     with_asq = _evaluate({"asq": asq})["asq"]["ppl"]
-    plain = evaluate_exports("tiny-llama", {"asq": asq}, "embedded:sample_prose", SEQ, WINDOWS, 2, "sparse", 8,
-                             kv_baseline=baseline)["results"]
+    plain = evaluate_exports(
+        "tiny-llama", {"asq": asq}, "embedded:sample_prose", SEQ, WINDOWS, 2, "sparse", 8, kv_baseline=baseline
+    )["results"]
     assert plain["asq"]["ppl"] != pytest.approx(with_asq, rel=1e-4)
     assert plain["base"]["ppl"] == pytest.approx(_evaluate({})["base"]["ppl"], rel=1e-6)
 
 
 # --------------------------------------------------------------------------- per position bucket
+
 
 def test_position_buckets_double_from_the_first_and_stop_at_the_window() -> None:
     assert position_buckets(8192) == [(0, 2048), (2048, 4096), (4096, 8192)]
@@ -116,7 +125,7 @@ def test_bucket_nll_adds_up_to_the_window_and_each_is_the_tokens_predicted_there
     assert result["nll"] == pytest.approx(float(by_hand.sum()), rel=1e-9)
     assert result["tokens"] == 3 * (SEQ - 1)
     for part in parts:
-        nll = float(by_hand[:, part["start"]: part["stop"]].sum())
+        nll = float(by_hand[:, part["start"] : part["stop"]].sum())
         assert part["nll"] == pytest.approx(nll, rel=1e-9)
         assert part["ppl"] == pytest.approx(math.exp(nll / part["tokens"]), rel=1e-9)
     assert result["ppl"] == pytest.approx(math.exp(own_loss), rel=1e-6)
@@ -156,12 +165,27 @@ def test_captured_mass_at_the_scheduled_k() -> None:
 
 
 def _eval_argv(export: str, *more: str) -> list[str]:
-    return ["eval", "--model", "tiny-llama", "--data", "embedded:sample_prose", "--export",
-            f"gsm={export}", "--seq-len", str(SEQ), "--windows", "2", "--min-keys", "8", *more]
+    return [
+        "eval",
+        "--model",
+        "tiny-llama",
+        "--data",
+        "embedded:sample_prose",
+        "--export",
+        f"gsm={export}",
+        "--seq-len",
+        str(SEQ),
+        "--windows",
+        "2",
+        "--min-keys",
+        "8",
+        *more,
+    ]
 
 
 def test_cli_writes_the_bucket_table_and_runs_a_changed_selection(
-        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     export = _export(tmp_path, "gate", {"sparse_attention": {"top_k": 4, "k_min": 4}})
     assert cli_main(_eval_argv(export, "--first-bucket", "8", "--out", str(tmp_path / "own"))) == 0
     header = "| model | PPL 0-8 | PPL 8-16 | PPL 16-32 | gate/oracle 0-8 |"
@@ -169,8 +193,7 @@ def test_cli_writes_the_bucket_table_and_runs_a_changed_selection(
     own = json.loads((tmp_path / "own" / "eval.json").read_text())
     assert own["buckets"] == [[0, 8], [8, 16], [16, 32]]
     assert len(own["results"]["gsm"]["buckets"]) == 3
-    wide = ["--select", "top_k_schedule=fraction", "--select", "top_k_fraction=1.0",
-            "--select", "top_k=64"]
+    wide = ["--select", "top_k_schedule=fraction", "--select", "top_k_fraction=1.0", "--select", "top_k=64"]
     assert cli_main(_eval_argv(export, *wide, "--out", str(tmp_path / "wide"))) == 0
     results = json.loads((tmp_path / "wide" / "eval.json").read_text())["results"]
     # every key kept: the base's perplexity, and not the export's own selection's
@@ -178,13 +201,17 @@ def test_cli_writes_the_bucket_table_and_runs_a_changed_selection(
     assert own["results"]["gsm"]["ppl"] != pytest.approx(results["gsm"]["ppl"], rel=1e-4)
 
 
-@pytest.mark.parametrize(("select", "message"), [
-    ("gate_head_dim=8", "gsm.sparse_attention.gate_head_dim = 8: evaluation can change only"),
-    ("top_k_fraction=0.5", "top_k_schedule is 'constant'"),
-    ("top_k=0", "gsm.sparse_attention.top_k = 0"),
-])
+@pytest.mark.parametrize(
+    ("select", "message"),
+    [
+        ("gate_head_dim=8", "gsm.sparse_attention.gate_head_dim = 8: evaluation can change only"),
+        ("top_k_fraction=0.5", "top_k_schedule is 'constant'"),
+        ("top_k=0", "gsm.sparse_attention.top_k = 0"),
+    ],
+)
 def test_a_bad_selection_change_is_one_clear_error_before_a_model_loads(
-        tmp_path: Path, select: str, message: str, capsys: pytest.CaptureFixture) -> None:
+    tmp_path: Path, select: str, message: str, capsys: pytest.CaptureFixture
+) -> None:
     export = _export(tmp_path, "gate", {"sparse_attention": {"top_k": 4, "k_min": 4}})
     argv = _eval_argv(export, "--select", select, "--out", str(tmp_path / "eval"))
     argv[argv.index("tiny-llama")] = "no-such-model"  # refused before any model would load

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from run_helpers import TINY_MODEL
 from safetensors.torch import load_file, save_file
 
 from gsm_train.adapter_format import (
@@ -22,13 +23,13 @@ from gsm_train.adapter_format import (
     ExportError,
     read_config,
 )
+from gsm_train.attention import gsm_disabled, gsm_state_dict, has_gsm, inject_gsm
 from gsm_train.cli import main as cli_main
 from gsm_train.config import GSMConfig, LoraSettings
 from gsm_train.export import export_adapter, load_gsm, validate_export
 from gsm_train.fingerprint import base_fingerprint
 from gsm_train.lora import inject_lora
 from gsm_train.model_zoo import tiny_model
-from gsm_train.modules import gsm_disabled, gsm_state_dict, has_gsm, inject_gsm
 from gsm_train.train import main as train_main
 from gsm_train.train import train_recipe
 
@@ -44,12 +45,7 @@ ALL_ON = {
     },
 }
 TINY = [
-    "model.name_or_path=tiny-llama",
-    "data.seq_len=64",
-    "logging.recall_min_keys=16",
-    "logging.recall_k=8",
-    "gsm.sparse_attention.top_k=8",
-    "gsm.sparse_attention.k_min=8",
+    *TINY_MODEL,
     "logging.progress_bar=false",
     "train.steps=2",
     "logging.eval_every=2",
@@ -70,9 +66,7 @@ def exported(tmp_path: Path) -> tuple[torch.nn.Module, Path]:
     model = tiny_model("llama")
     inject_gsm(model, GSMConfig.model_validate(ALL_ON), mode="sparse")
     _perturbed(model)  # make every GSM tensor differ from a fresh injection
-    return model, export_adapter(
-        model, tmp_path / "export", base_name="tiny-llama", metrics={"kl": 0.5}
-    )
+    return model, export_adapter(model, tmp_path / "export", base_name="tiny-llama", metrics={"kl": 0.5})
 
 
 def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -115,15 +109,10 @@ def test_a_lora_export_is_a_peft_adapter(tmp_path: Path) -> None:
     settings = LoraSettings(r=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
     inject_lora(model, settings)
     _perturbed(model, ".lora_B.")  # B starts at zero: give the deltas an effect
-    folder = export_adapter(
-        model, tmp_path / "export", base_name="tiny-llama", lora=settings.model_dump()
-    )
-    assert sorted(p.name for p in folder.iterdir()) == sorted(
-        [*EXPORT_NAMES, PEFT_CONFIG_FILE, PEFT_FILE]
-    )
+    folder = export_adapter(model, tmp_path / "export", base_name="tiny-llama", lora=settings.model_dump())
+    assert sorted(p.name for p in folder.iterdir()) == sorted([*EXPORT_NAMES, PEFT_CONFIG_FILE, PEFT_FILE])
     assert all(
-        name.startswith("base_model.model.") and ".default." not in name
-        for name in load_file(str(folder / PEFT_FILE))
+        name.startswith("base_model.model.") and ".default." not in name for name in load_file(str(folder / PEFT_FILE))
     )
 
     ids = torch.randint(0, 256, (2, 40))
@@ -302,9 +291,7 @@ def test_a_different_base_is_refused(exported: tuple[torch.nn.Module, Path], oth
         "lm_head.weight",
     ],
 )
-def test_weights_changed_in_any_tensor_are_refused(
-    exported: tuple[torch.nn.Module, Path], tensor: str
-) -> None:
+def test_weights_changed_in_any_tensor_are_refused(exported: tuple[torch.nn.Module, Path], tensor: str) -> None:
     """Rule 2 samples rows of every tensor (rule 1 sampled three): a base changed in one tensor
     only, in its first row, is another base."""
     base = tiny_model("llama")
@@ -397,9 +384,7 @@ DAMAGES = {
         "needs a newer gsm-train",
     ),
     "tensor list emptied": (
-        lambda f: _edit_config(
-            f, lambda c: {**c, "files": {GSM_FILE: {"names": "model", "tensors": {}}}}
-        ),
+        lambda f: _edit_config(f, lambda c: {**c, "files": {GSM_FILE: {"names": "model", "tensors": {}}}}),
         GSM_FILE,
         "do not match the list",
     ),
@@ -428,15 +413,11 @@ DAMAGES = {
 
 
 @pytest.mark.parametrize("damage", DAMAGES)
-def test_a_damaged_export_is_refused_and_the_model_is_untouched(
-    tmp_path: Path, damage: str
-) -> None:
+def test_a_damaged_export_is_refused_and_the_model_is_untouched(tmp_path: Path, damage: str) -> None:
     model = tiny_model("llama")
     inject_gsm(
         model,
-        GSMConfig.model_validate(
-            {**ALL_ON, "sparse_attention": {"top_k": 4, "k_min": 4, "gate_head_dim": 16}}
-        ),
+        GSMConfig.model_validate({**ALL_ON, "sparse_attention": {"top_k": 4, "k_min": 4, "gate_head_dim": 16}}),
     )
     folder = export_adapter(model, tmp_path / "export", base_name="tiny-llama")
     change, file, message = DAMAGES[damage]
@@ -445,17 +426,12 @@ def test_a_damaged_export_is_refused_and_the_model_is_untouched(
     before = {name: tensor.clone() for name, tensor in fresh.state_dict().items()}
     with pytest.raises(ExportError, match=message) as info:
         load_gsm(fresh, folder)
-    assert str(folder / file) in str(info.value) or (
-        file == CONFIG_FILE and str(folder) in str(info.value)
-    )
+    assert str(folder / file) in str(info.value) or (file == CONFIG_FILE and str(folder) in str(info.value))
     after = fresh.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[n], before[n]) for n in before)
-    assert (
-        fresh.config._attn_implementation == "sdpa" and not has_gsm(fresh)
-    )
+    assert fresh.config._attn_implementation == "sdpa" and not has_gsm(fresh)
     assert not any(
-        hasattr(layer.self_attn, "gsm") or layer.self_attn._forward_pre_hooks
-        for layer in fresh.model.layers
+        hasattr(layer.self_attn, "gsm") or layer.self_attn._forward_pre_hooks for layer in fresh.model.layers
     )
 
 
@@ -508,35 +484,25 @@ def _export(model: torch.nn.Module, out: Path | str) -> Path:
     return export_adapter(model, out, base_name="tiny-llama")
 
 
-def test_export_refuses_a_folder_that_is_not_an_export(
-    exported: tuple[torch.nn.Module, Path], tmp_path: Path
-) -> None:
+def test_export_refuses_a_folder_that_is_not_an_export(exported: tuple[torch.nn.Module, Path], tmp_path: Path) -> None:
     model = exported[0]
     out = tmp_path / "x"
     out.mkdir()
     (out / "f").write_text("keep")
-    with pytest.raises(
-        ExportError, match=r"not empty and not a previous gsm-train export \(it holds f\)"
-    ):
+    with pytest.raises(ExportError, match=r"not empty and not a previous gsm-train export \(it holds f\)"):
         _export(model, out)
     assert (out / "f").read_text() == "keep" and sorted(p.name for p in out.iterdir()) == ["f"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "x"], (
-        "nothing written beside it"
-    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "x"], "nothing written beside it"
 
 
-def test_dot_dot_is_resolved_before_anything_is_removed(
-    exported: tuple[torch.nn.Module, Path], tmp_path: Path
-) -> None:
+def test_dot_dot_is_resolved_before_anything_is_removed(exported: tuple[torch.nn.Module, Path], tmp_path: Path) -> None:
     """OUT=/tmp/sb/a/.. is /tmp/sb: it holds a canary, so it is refused (it was emptied before)."""
     sandbox = tmp_path / "sb"
     (sandbox / "a").mkdir(parents=True)
     (sandbox / "canary").write_text("keep")
     with pytest.raises(ExportError, match=f"that is {sandbox}"):
         _export(exported[0], f"{sandbox}/a/..")
-    assert (sandbox / "canary").read_text() == "keep" and sorted(
-        p.name for p in sandbox.iterdir()
-    ) == ["a", "canary"]
+    assert (sandbox / "canary").read_text() == "keep" and sorted(p.name for p in sandbox.iterdir()) == ["a", "canary"]
 
 
 def test_a_previous_export_is_replaced_and_nothing_beside_it_is_touched(
@@ -548,9 +514,7 @@ def test_a_previous_export_is_replaced_and_nothing_beside_it_is_touched(
     _perturbed(model)
     again = _export(model, first)
     assert again == first.resolve()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["canary", "export"], (
-        "no temporary or old folder left"
-    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["canary", "export"], "no temporary or old folder left"
     assert (tmp_path / "canary").read_text() == "keep"
     fresh = load_file(str(first / GSM_FILE))
     assert any(not torch.equal(fresh[n], stale[n]) for n in fresh)
@@ -582,9 +546,7 @@ def test_an_export_through_a_link_writes_where_it_points(
     target = tmp_path / "real"
     (tmp_path / "link").symlink_to(target, target_is_directory=True)
     assert _export(exported[0], tmp_path / "link") == target
-    assert (tmp_path / "link").is_symlink() and sorted(
-        p.name for p in target.iterdir()
-    ) == EXPORT_NAMES
+    assert (tmp_path / "link").is_symlink() and sorted(p.name for p in target.iterdir()) == EXPORT_NAMES
 
 
 # ---- runs, checkpoints, math_gate ----------------------------------------------------------------
@@ -599,12 +561,7 @@ def gate_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_stage_exports_and_cli_export_of_a_checkpoint_agree(gate_run: Path, tmp_path: Path) -> None:
     validate_export(gate_run / "export")
-    assert (
-        cli_main(
-            ["export", str(gate_run / "checkpoints" / "step_00000002"), str(tmp_path / "again")]
-        )
-        == 0
-    )
+    assert cli_main(["export", str(gate_run / "checkpoints" / "step_00000002"), str(tmp_path / "again")]) == 0
     first, second = (
         load_file(str(gate_run / "export" / GSM_FILE)),
         load_file(str(tmp_path / "again" / GSM_FILE)),
@@ -636,9 +593,7 @@ def test_cli_export_refuses_a_folder_with_other_files_before_loading(
     assert [p.name for p in out.iterdir()] == ["f"] and (out / "f").read_text() == "keep"
 
 
-def test_math_gate_trains_only_the_gates_of_an_export(
-    exported: tuple[torch.nn.Module, Path], tmp_path: Path
-) -> None:
+def test_math_gate_trains_only_the_gates_of_an_export(exported: tuple[torch.nn.Module, Path], tmp_path: Path) -> None:
     _, folder = exported
     result = train_recipe(
         str(REPO / "recipes" / "math_gate.yaml"),
@@ -650,9 +605,7 @@ def test_math_gate_trains_only_the_gates_of_an_export(
     assert all(n in changed for n in before if ".gate." in n and n.endswith("weight"))
 
 
-def test_math_gate_without_an_export_is_one_clear_error(
-    tmp_path: Path, capsys: pytest.CaptureFixture
-) -> None:
+def test_math_gate_without_an_export_is_one_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     status = train_main(
         [
             "--recipe",

@@ -7,11 +7,12 @@ import re
 from pathlib import Path
 
 import torch
+from run_helpers import TINY_MODEL
 
+from gsm_train.attention import gsm_adapters
 from gsm_train.config import KV_METHOD_CONFIGS
 from gsm_train.export import load_gsm
 from gsm_train.model_zoo import tiny_model
-from gsm_train.modules import gsm_adapters
 from gsm_train.modules.kv_registry import KV_COMPRESSORS
 from gsm_train.modules.per_token_kv import PerTokenCompressor
 from gsm_train.train import train_recipe
@@ -34,12 +35,22 @@ def test_every_kv_method_has_a_config_and_a_compressor() -> None:
 
 def test_the_worked_example_trains_exports_and_loads(tmp_path: Path) -> None:
     kv = "{method: per_token, enabled: true, block_size: 16, quant_bits: 4, value_quant_bits: 2}"
-    result = train_recipe(str(REPO / "recipes" / "joint.yaml"), [
-        "model.name_or_path=tiny-llama", "data.seq_len=64", "logging.recall_min_keys=16", "logging.recall_k=8",
-        "gsm.sparse_attention.top_k=8", "gsm.sparse_attention.k_min=8", "gsm.sparse_attention.dense_layers=[0]",
-        f"gsm.kv_compression={kv}", "gsm.cross_layer_sharing.enabled=false", "logging.progress_bar=false",
-        "optim.warmup_steps=1", "init_from=null", "logging.eval_every=100", "train.steps=2", "train.base=lora",
-        f"output.dir={tmp_path / 'run'}"])
+    result = train_recipe(
+        str(REPO / "recipes" / "joint.yaml"),
+        [
+            *TINY_MODEL,
+            "gsm.sparse_attention.dense_layers=[0]",
+            f"gsm.kv_compression={kv}",
+            "gsm.cross_layer_sharing.enabled=false",
+            "logging.progress_bar=false",
+            "optim.warmup_steps=1",
+            "init_from=null",
+            "logging.eval_every=100",
+            "train.steps=2",
+            "train.base=lora",
+            f"output.dir={tmp_path / 'run'}",
+        ],
+    )
     compressors = [adapter.asq_k for _, adapter in gsm_adapters(result.model)]
     assert all(isinstance(c, PerTokenCompressor) and c.quant_bits == 4 for c in compressors)
     ids = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(0))

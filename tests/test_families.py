@@ -6,8 +6,15 @@ from __future__ import annotations
 import pytest
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from gsm_train.families import (FAMILIES, UnsupportedModel, attention_modules, decoder_layers, decoder_stack,
-                                family_of, model_dims)
+from gsm_train.families import (
+    FAMILIES,
+    UnsupportedModel,
+    attention_modules,
+    decoder_layers,
+    decoder_stack,
+    family_of,
+    model_dims,
+)
 from gsm_train.model_zoo import TINY_FAMILIES, tiny_model
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from run_helpers import GATE_RECIPE, REPO, TINY_GATE, file_digests
 from torch import Tensor, nn
 
 from gsm_train.backend import FSDP2Backend
@@ -22,33 +23,47 @@ from gsm_train.stages import GateWarmupStage
 from gsm_train.train import main as train_main
 from gsm_train.train import train_recipe
 from gsm_train.trainer import run_training
-from run_helpers import GATE_RECIPE, REPO, TINY_GATE, file_digests
 
 QUICKSTART_JOINT = str(REPO / "recipes" / "quickstart_joint_cpu.yaml")
-TINY_JOINT = ["model.name_or_path=tiny-llama", "init_from=null", "data.seq_len=64",
-              "logging.recall_min_keys=16", "logging.recall_k=8", "gsm.sparse_attention.top_k=8",
-              "gsm.sparse_attention.k_min=8", "gsm.sparse_attention.dense_layers=[0]",
-              "gsm.kv_compression.block_size=16", "gsm.cross_layer_sharing.bridge_from=1",
-              "gsm.cross_layer_sharing.bridge_to_start=2", "logging.progress_bar=false",
-              "output.checkpoint_every=1", "train.batch_size=1", "logging.eval_batches=1"]
+TINY_JOINT = [
+    "model.name_or_path=tiny-llama",
+    "init_from=null",
+    "data.seq_len=64",
+    "logging.recall_min_keys=16",
+    "logging.recall_k=8",
+    "gsm.sparse_attention.top_k=8",
+    "gsm.sparse_attention.k_min=8",
+    "gsm.sparse_attention.dense_layers=[0]",
+    "gsm.kv_compression.block_size=16",
+    "gsm.cross_layer_sharing.bridge_from=1",
+    "gsm.cross_layer_sharing.bridge_to_start=2",
+    "logging.progress_bar=false",
+    "output.checkpoint_every=1",
+    "train.batch_size=1",
+    "logging.eval_batches=1",
+]
 
 
 def _strict_records(run: Path) -> list[dict]:
     """metrics.jsonl parsed as strict JSON (NaN, Infinity are not JSON)."""
+
     def refuse(constant: str) -> None:
         raise AssertionError(f"metrics.jsonl holds {constant}, which is not JSON")
+
     lines = (run / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line, parse_constant=refuse) for line in lines]
 
 
-@pytest.mark.parametrize("override, bad", [("gsm.kv_compression.tau=1e-45", "loss=nan"),
-                                           ("train.loss_weights.lm=1e38", "loss=inf")],
-                         ids=["nan", "inf"])
-def test_a_non_finite_loss_stops_the_run_with_exit_3(override: str, bad: str, tmp_path: Path,
-                                                     capsys: pytest.CaptureFixture) -> None:
+@pytest.mark.parametrize(
+    "override, bad",
+    [("gsm.kv_compression.tau=1e-45", "loss=nan"), ("train.loss_weights.lm=1e38", "loss=inf")],
+    ids=["nan", "inf"],
+)
+def test_a_non_finite_loss_stops_the_run_with_exit_3(
+    override: str, bad: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     run = tmp_path / "run"
-    status = train_main(["--recipe", QUICKSTART_JOINT, *TINY_JOINT, "train.steps=3", override,
-                         f"output.dir={run}"])
+    status = train_main(["--recipe", QUICKSTART_JOINT, *TINY_JOINT, "train.steps=3", override, f"output.dir={run}"])
     err = capsys.readouterr().err
     assert status == 3, err
     assert f"step 1: non-finite {bad}" in err and "grad_norm=" in err and "Traceback" not in err
@@ -58,14 +73,12 @@ def test_a_non_finite_loss_stops_the_run_with_exit_3(override: str, bad: str, tm
     assert not math.isfinite(float(stopped["loss"]))
 
 
-def test_resuming_into_nan_keeps_every_good_checkpoint(tmp_path: Path,
-                                                       capsys: pytest.CaptureFixture) -> None:
+def test_resuming_into_nan_keeps_every_good_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     run = tmp_path / "run"
     common = [*TINY_JOINT, "output.checkpoint_every=2", f"output.dir={run}"]
     train_recipe(QUICKSTART_JOINT, [*common, "train.steps=4"])
     good = file_digests(run / "checkpoints")
-    nan = ["--recipe", QUICKSTART_JOINT, *common, "train.steps=8", "gsm.kv_compression.tau=1e-45",
-           "--resume", "auto"]
+    nan = ["--recipe", QUICKSTART_JOINT, *common, "train.steps=8", "gsm.kv_compression.tau=1e-45", "--resume", "auto"]
     assert train_main(nan) == 2, "tau alters the run: refused without --allow-recipe-change"
     assert "gsm.kv_compression.tau" in capsys.readouterr().err
     assert train_main([*nan, "--allow-recipe-change"]) == 3
@@ -97,9 +110,17 @@ def _trainable(run: Path, step: int) -> dict[str, Tensor]:
 
 def test_skipped_steps_make_no_update_up_to_the_limit(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    config = load_recipe(GATE_RECIPE, [*TINY_GATE, "train.steps=4", "output.checkpoint_every=1",
-                                       "output.keep_checkpoints=4", "train.max_skipped_steps=1",
-                                       f"output.dir={run}"])
+    config = load_recipe(
+        GATE_RECIPE,
+        [
+            *TINY_GATE,
+            "train.steps=4",
+            "output.checkpoint_every=1",
+            "output.keep_checkpoints=4",
+            "train.max_skipped_steps=1",
+            f"output.dir={run}",
+        ],
+    )
     result = run_training(config, NaNAtSteps({2}))
     assert len(result.losses) == 3 and all(math.isfinite(loss) for loss in result.losses)
     skipped = [r for r in _strict_records(run) if r["kind"] == "skipped"]
@@ -127,17 +148,47 @@ def test_a_checkpoint_of_non_finite_weights_is_never_written(tmp_path: Path) -> 
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     refused = r"checkpoint step_00000001 not written: 1 of 2 tensors .*\(weight\)"
     with pytest.raises(NonFiniteError, match=refused):
-        save_checkpoint(tmp_path, 1, backend, model, optimizer, scheduler, {}, {"weight", "bias"},
-                        info, 2, {"run_id": "test", "recipe": {}})
+        save_checkpoint(
+            tmp_path,
+            1,
+            backend,
+            model,
+            optimizer,
+            scheduler,
+            {},
+            {"weight", "bias"},
+            info,
+            2,
+            {"run_id": "test", "recipe": {}},
+        )
     assert not any((tmp_path / "checkpoints").glob("step_*"))
 
 
 def test_json_safe_writes_non_finite_floats_as_strings_float_reads_back() -> None:
-    record = {"loss": float("nan"), "norm": float("inf"), "low": -math.inf, "ok": 1.5, "n": 3,
-              "flag": True, "per_layer": [0.5, float("nan")], "tensor": torch.tensor(2.0),
-              "name": "x", "none": None}
+    record = {
+        "loss": float("nan"),
+        "norm": float("inf"),
+        "low": -math.inf,
+        "ok": 1.5,
+        "n": 3,
+        "flag": True,
+        "per_layer": [0.5, float("nan")],
+        "tensor": torch.tensor(2.0),
+        "name": "x",
+        "none": None,
+    }
     safe = json_safe(record)
-    assert safe == {"loss": "nan", "norm": "inf", "low": "-inf", "ok": 1.5, "n": 3, "flag": True,
-                    "per_layer": [0.5, "nan"], "tensor": 2.0, "name": "x", "none": None}
+    assert safe == {
+        "loss": "nan",
+        "norm": "inf",
+        "low": "-inf",
+        "ok": 1.5,
+        "n": 3,
+        "flag": True,
+        "per_layer": [0.5, "nan"],
+        "tensor": 2.0,
+        "name": "x",
+        "none": None,
+    }
     json.dumps(safe, allow_nan=False)
     assert math.isinf(float(safe["norm"])) and math.isnan(float(safe["loss"]))

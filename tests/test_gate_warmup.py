@@ -7,20 +7,24 @@ from pathlib import Path
 
 import pytest
 import torch
+from run_helpers import TINY_MODEL, losses, records, resume_after_crash, run_processes
 from safetensors.torch import load_file
 
+from gsm_train.attention import gsm_parameters
 from gsm_train.data import DataError
 from gsm_train.model_zoo import tiny_model
-from gsm_train.modules import gsm_parameters
 from gsm_train.train import main as train_main
 from gsm_train.train import train_recipe
-from run_helpers import losses, records, resume_after_crash, run_processes
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = str(REPO / "recipes" / "gate_only.yaml")
-TINY = ["model.name_or_path=tiny-llama", "data.seq_len=64", "logging.recall_min_keys=16", "logging.recall_k=8",
-        "gsm.sparse_attention.top_k=8", "gsm.sparse_attention.k_min=8", "logging.progress_bar=false",
-        "optim.warmup_steps=1", "gsm.sparse_attention.gate_init=random", "optim.lr=0.01"]
+TINY = [
+    *TINY_MODEL,
+    "logging.progress_bar=false",
+    "optim.warmup_steps=1",
+    "gsm.sparse_attention.gate_init=random",
+    "optim.lr=0.01",
+]
 
 
 def test_loss_falls_and_base_stays_bit_identical(tmp_path: Path) -> None:
@@ -41,8 +45,12 @@ def test_loss_falls_and_base_stays_bit_identical(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("distill_queries", [0, 20])
 def test_resume_reproduces_an_uninterrupted_run(tmp_path: Path, distill_queries: int) -> None:
-    steps = ["train.steps=6", "output.checkpoint_every=3", "logging.eval_every=100",
-             f"train.distill_queries={distill_queries}"]
+    steps = [
+        "train.steps=6",
+        "output.checkpoint_every=3",
+        "logging.eval_every=100",
+        f"train.distill_queries={distill_queries}",
+    ]
     straight, resumed = resume_after_crash(RECIPE, [*TINY, *steps], tmp_path, step=3)
     assert resumed.losses == pytest.approx(losses(straight)[3:], abs=1e-6)
     kept = sorted(p.name for p in (straight / "checkpoints").iterdir())
@@ -78,8 +86,9 @@ def test_empty_dataset_is_one_clear_error(tmp_path: Path, capsys: pytest.Capture
 
 
 def test_missing_data_file_is_one_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    status = train_main(["--recipe", RECIPE, *TINY, f"data.train.path={tmp_path / 'nope.txt'}",
-                         f"output.dir={tmp_path / 'run'}"])
+    status = train_main(
+        ["--recipe", RECIPE, *TINY, f"data.train.path={tmp_path / 'nope.txt'}", f"output.dir={tmp_path / 'run'}"]
+    )
     err = capsys.readouterr().err
     assert status == 2 and "data.train.path" in err and "nope.txt" in err and "fix:" in err
     assert not (tmp_path / "run").exists()
@@ -87,10 +96,12 @@ def test_missing_data_file_is_one_clear_error(tmp_path: Path, capsys: pytest.Cap
 
 def test_query_sampling_estimates_the_full_loss(tmp_path: Path) -> None:
     full = train_recipe(RECIPE, [*TINY, "train.steps=2", f"output.dir={tmp_path / 'full'}"])
-    everything = train_recipe(RECIPE, [*TINY, "train.steps=2", "train.distill_queries=64",
-                                       f"output.dir={tmp_path / 'all'}"])
-    sampled = train_recipe(RECIPE, [*TINY, "train.steps=2", "train.distill_queries=16",
-                                    f"output.dir={tmp_path / 'sampled'}"])
+    everything = train_recipe(
+        RECIPE, [*TINY, "train.steps=2", "train.distill_queries=64", f"output.dir={tmp_path / 'all'}"]
+    )
+    sampled = train_recipe(
+        RECIPE, [*TINY, "train.steps=2", "train.distill_queries=16", f"output.dir={tmp_path / 'sampled'}"]
+    )
     assert everything.losses == pytest.approx(full.losses, abs=1e-7), "sampling >= all counted queries is exact"
     assert sampled.losses != pytest.approx(full.losses, abs=1e-7)
     assert sampled.losses[0] == pytest.approx(full.losses[0], rel=0.5)

@@ -10,16 +10,19 @@ import pytest
 import torch
 from transformers.generation.streamers import BaseStreamer
 
+from gsm_train.attention import inject_gsm
 from gsm_train.config import GSMConfig
 from gsm_train.export import export_adapter, load_gsm
 from gsm_train.inference.cache import GSMCache, cache_kwargs
 from gsm_train.inference.engine import enable_gsm_generation
 from gsm_train.model_zoo import byte_tokenizer, tiny_model
-from gsm_train.modules import GSMError, inject_gsm
+from gsm_train.modules import GSMError
 
 BLOCK = 8
-GSM = {"sparse_attention": {"top_k": 6, "k_min": 2, "gate_head_dim": 16, "dense_layers": [0], "mode": "sparse"},
-       "kv_compression": {"enabled": True, "block_size": BLOCK, "cluster_num": 4, "hidden_dim": 8}}
+GSM = {
+    "sparse_attention": {"top_k": 6, "k_min": 2, "gate_head_dim": 16, "dense_layers": [0], "mode": "sparse"},
+    "kv_compression": {"enabled": True, "block_size": BLOCK, "cluster_num": 4, "hidden_dim": 8},
+}
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +49,11 @@ def _generate(model: torch.nn.Module, ids: torch.Tensor, seed: int = 0, **kwargs
         return model.generate(ids, max_new_tokens=20, pad_token_id=256, **kwargs)
 
 
-@pytest.mark.parametrize("sampling", [{"do_sample": False},
-                                      {"do_sample": True, "temperature": 0.7, "top_p": 0.9, "top_k": 50}],
-                         ids=["greedy", "sampling"])
+@pytest.mark.parametrize(
+    "sampling",
+    [{"do_sample": False}, {"do_sample": True, "temperature": 0.7, "top_p": 0.9, "top_k": 50}],
+    ids=["greedy", "sampling"],
+)
 def test_generate_runs_over_a_gsm_cache_and_equals_teacher_forcing(export: Path, sampling: dict) -> None:
     model = _loaded(export)
     ids = _prompt()
@@ -64,8 +69,10 @@ def test_a_left_padded_batch_generates_as_teacher_forcing(export: Path) -> None:
     model = _loaded(export)
     ids, mask = _prompt(), torch.ones(2, 21, dtype=torch.long)
     ids[1, :5], mask[1, :5] = 256, 0
-    assert torch.equal(_generate(model, ids, attention_mask=mask, do_sample=False),
-                       _generate(model, ids, attention_mask=mask, do_sample=False, use_cache=False))
+    assert torch.equal(
+        _generate(model, ids, attention_mask=mask, do_sample=False),
+        _generate(model, ids, attention_mask=mask, do_sample=False, use_cache=False),
+    )
 
 
 def test_a_long_prompt_is_fed_in_chunks_as_teacher_forcing(export: Path) -> None:
@@ -86,7 +93,7 @@ def test_eos_stop_strings_and_streamers(export: Path) -> None:
     stop = tokenizer.decode([int(free[stop_at])])
     cut = _generate(model, ids, do_sample=False, stop_strings=[stop], tokenizer=tokenizer)[0, 21:]
     first = next(i for i, token in enumerate(free.tolist()) if tokenizer.decode([token]) == stop)
-    assert torch.equal(cut, free[:first + 1])
+    assert torch.equal(cut, free[: first + 1])
 
     class Recorder(BaseStreamer):
         def __init__(self) -> None:
@@ -112,8 +119,11 @@ def test_capacity_and_beams_are_clear_errors(export: Path) -> None:
         model.generate(ids, max_new_tokens=2, num_beams=2, pad_token_id=256)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and the fused kernels need a GPU (the "
-                    "CPU tests above check the same generation on the PyTorch path)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="CUDA graphs and the fused kernels need a GPU (the "
+    "CPU tests above check the same generation on the PyTorch path)",
+)
 @pytest.mark.parametrize("padded", [False, True])
 def test_captured_token_steps_equal_eager_steps_on_the_gpu(export: Path, padded: bool) -> None:
     """On CUDA, token steps replay from a CUDA graph over the fused kernels: the same tokens as the eager
@@ -124,7 +134,7 @@ def test_captured_token_steps_equal_eager_steps_on_the_gpu(export: Path, padded:
     if padded:
         ids[1, :5], mask[1, :5] = 256, 0
     captured = _generate(model, ids, attention_mask=mask, do_sample=False)
-    assert getattr(model, "gsm_generation")["cuda_graphs"]
+    assert model.gsm_generation["cuda_graphs"]
     enable_gsm_generation(model, cuda_graphs=False)
     eager = _generate(model, ids, attention_mask=mask, do_sample=False)
     teacher_forced = _generate(model, ids, attention_mask=mask, do_sample=False, use_cache=False)

@@ -30,11 +30,11 @@ from huggingface_hub.utils import validate_repo_id
 
 from gsm_train import GSMModel, cli
 from gsm_train.adapter_format import CARD_FILE, CONFIG_FILE, GSM_FILE, ExportError
+from gsm_train.attention import gsm_state_dict, inject_gsm
 from gsm_train.config import GSMConfig
 from gsm_train.export import export_adapter, load_gsm
 from gsm_train.hub import DEFAULT_COMMIT_MESSAGE, PublishError, publish_export
 from gsm_train.model_zoo import byte_tokenizer, tiny_model
-from gsm_train.modules import gsm_state_dict, inject_gsm
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "hf_standInSecretToken0123456789"
@@ -127,21 +127,15 @@ def export(built_export: Path, tmp_path: Path) -> Path:
 
 
 def _files(folder: Path) -> dict[str, bytes]:
-    return {
-        p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()
-    }
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
 
 
 def _committed(request: Request) -> tuple[dict, dict[str, bytes]]:
     """The commit header and {path: bytes} of the files a commit request carries."""
     lines = request.ndjson()
     assert lines[0]["key"] == "header"
-    assert all(
-        line["key"] == "file" and line["value"]["encoding"] == "base64" for line in lines[1:]
-    )
-    return lines[0]["value"], {
-        line["value"]["path"]: base64.b64decode(line["value"]["content"]) for line in lines[1:]
-    }
+    assert all(line["key"] == "file" and line["value"]["encoding"] == "base64" for line in lines[1:])
+    return lines[0]["value"], {line["value"]["path"]: base64.b64decode(line["value"]["content"]) for line in lines[1:]}
 
 
 def _assert_secret(err: BaseException) -> None:
@@ -176,16 +170,13 @@ def test_publish_creates_repo_and_commits_export_once(hub: StandInHub, export: P
     header, files = _committed(hub.requests[3])
     assert header["summary"] == DEFAULT_COMMIT_MESSAGE
     assert hub.requests[1].json()["content"] == files[CARD_FILE].decode()
-    assert (
-        set(files) == EXPORT_NAMES
-        and {f["path"] for f in hub.requests[2].json()["files"]} == EXPORT_NAMES
-    )
+    assert set(files) == EXPORT_NAMES and {f["path"] for f in hub.requests[2].json()["files"]} == EXPORT_NAMES
     local = _files(export)
     assert all(files[name] == local[name] for name in EXPORT_NAMES - {CARD_FILE})
     # the card the export wrote, with the repo id in its loading snippet
-    assert files[CARD_FILE] == local[CARD_FILE].replace(
-        b"PATH/TO/THIS/FOLDER", REPO.encode()
-    ).replace(b"name: GSM adapter for tiny-llama", f"name: {REPO}".encode())
+    assert files[CARD_FILE] == local[CARD_FILE].replace(b"PATH/TO/THIS/FOLDER", REPO.encode()).replace(
+        b"name: GSM adapter for tiny-llama", f"name: {REPO}".encode()
+    )
     commit = hub.requests[3]
     assert url == f"{hub.url}/{REPO}/commit/{hashlib.sha1(commit.body).hexdigest()}"
 
@@ -199,9 +190,7 @@ def test_publish_uploads_only_the_exports_own_files(hub: StandInHub, export: Pat
     assert set(_committed(hub.requests[-1])[1]) == EXPORT_NAMES
 
 
-def test_publish_refuses_a_linked_export_file(
-    hub: StandInHub, export: Path, tmp_path: Path
-) -> None:
+def test_publish_refuses_a_linked_export_file(hub: StandInHub, export: Path, tmp_path: Path) -> None:
     outside = tmp_path / "elsewhere.safetensors"
     (export / GSM_FILE).rename(outside)
     (export / GSM_FILE).symlink_to(outside)
@@ -234,9 +223,7 @@ def test_revision_creates_branch_then_commits_to_it(hub: StandInHub, export: Pat
     assert set(_committed(hub.requests[-1])[1]) == EXPORT_NAMES
 
 
-def test_token_from_env_then_stored_login(
-    hub: StandInHub, export: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_token_from_env_then_stored_login(hub: StandInHub, export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     publish_export(export, REPO, endpoint=hub.url)
     first = len(hub.requests)
@@ -263,12 +250,8 @@ BAD_REPO_IDS = [
 
 
 @pytest.mark.parametrize("repo_id", BAD_REPO_IDS)
-def test_bad_repo_id_refused_before_any_request(
-    hub: StandInHub, export: Path, repo_id: str
-) -> None:
-    with pytest.raises(
-        PublishError, match=f"repo id {repo_id!r}".replace("(", r"\(") + ".*Fix: give ORG/NAME"
-    ):
+def test_bad_repo_id_refused_before_any_request(hub: StandInHub, export: Path, repo_id: str) -> None:
+    with pytest.raises(PublishError, match=f"repo id {repo_id!r}".replace("(", r"\(") + ".*Fix: give ORG/NAME"):
         publish_export(export, repo_id, token=TOKEN, endpoint=hub.url)
     assert hub.requests == []
 
@@ -279,12 +262,8 @@ def test_no_token_says_how_to_log_in(hub: StandInHub, export: Path) -> None:
     assert hub.requests == []
 
 
-@pytest.mark.parametrize(
-    "damage", ["delete gsm_config.json", f"delete {GSM_FILE}", "corrupt config"]
-)
-def test_invalid_export_refused_before_any_request(
-    hub: StandInHub, export: Path, damage: str
-) -> None:
+@pytest.mark.parametrize("damage", ["delete gsm_config.json", f"delete {GSM_FILE}", "corrupt config"])
+def test_invalid_export_refused_before_any_request(hub: StandInHub, export: Path, damage: str) -> None:
     if damage == "corrupt config":
         (export / CONFIG_FILE).write_text("{not json")
     else:
@@ -295,9 +274,7 @@ def test_invalid_export_refused_before_any_request(
     assert hub.requests == []
 
 
-def test_offline_mode_is_named(
-    hub: StandInHub, export: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_offline_mode_is_named(hub: StandInHub, export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(PublishError, match="HF_HUB_OFFLINE"):
         publish_export(export, REPO, token=TOKEN, endpoint=hub.url)
@@ -309,9 +286,7 @@ def test_unreachable_endpoint_is_one_clear_error(
 ) -> None:
     with serve_stand_in() as gone:
         url = gone.url  # a port that was just free and now has no server
-    with pytest.raises(
-        PublishError, match=f"could not reach the Hub at {url}.*Fix: check --endpoint"
-    ) as info:
+    with pytest.raises(PublishError, match=f"could not reach the Hub at {url}.*Fix: check --endpoint") as info:
         publish_export(export, REPO, token=TOKEN, endpoint=url)
     _assert_secret(info.value)
     monkeypatch.setenv("HF_TOKEN", TOKEN)
@@ -360,17 +335,13 @@ def test_hub_http_error_names_status_and_hides_token(
 
 def test_rejected_model_card_metadata(hub: StandInHub, export: Path) -> None:
     hub.fail["validate-yaml"] = 400
-    with pytest.raises(
-        PublishError, match=r"Invalid metadata in README.md.*Fix: correct README.md"
-    ) as info:
+    with pytest.raises(PublishError, match=r"Invalid metadata in README.md.*Fix: correct README.md") as info:
         publish_export(export, REPO, token=TOKEN, endpoint=hub.url)
     _assert_secret(info.value)
     assert not any("/commit/" in r.path for r in hub.requests)
 
 
-def test_card_names_the_bases_hub_id_and_passes_the_hubs_checks(
-    hub: StandInHub, tmp_path: Path
-) -> None:
+def test_card_names_the_bases_hub_id_and_passes_the_hubs_checks(hub: StandInHub, tmp_path: Path) -> None:
     """An export of the built-in smollm2-135m (its identity is what matters here, so a tiny model
     stands for it): the card's base_model is the alias's Hub id, which the stand-in, like the Hub,
     requires to be a model repo; huggingface_hub's parser reads it back, with the metrics as a
@@ -424,9 +395,7 @@ def test_a_local_base_needs_its_hub_id_to_publish(hub: StandInHub, tmp_path: Pat
     files = _committed(hub.requests[-1])[1]
     assert json.loads(files[CONFIG_FILE])["base_model"]["hub_id"] == "my-org/local-base"
     assert "base_model: my-org/local-base" in files[CARD_FILE].decode()
-    assert json.loads((folder / CONFIG_FILE).read_text())["base_model"]["hub_id"] is None, (
-        "the export is unchanged"
-    )
+    assert json.loads((folder / CONFIG_FILE).read_text())["base_model"]["hub_id"] is None, "the export is unchanged"
 
 
 def test_an_edited_card_is_published_as_written(hub: StandInHub, export: Path) -> None:
@@ -506,17 +475,13 @@ def test_from_pretrained_by_repo_id_with_hf_endpoint_matches_the_local_export(
     )
 
 
-def test_revision_pinning_and_load_gsm_by_repo_id(
-    hub: StandInHub, endpoint: str, tmp_path: Path
-) -> None:
+def test_revision_pinning_and_load_gsm_by_repo_id(hub: StandInHub, endpoint: str, tmp_path: Path) -> None:
     first = export_adapter(_trained(1), tmp_path / "first", base_name="tiny-llama")
     second = export_adapter(_trained(2), tmp_path / "second", base_name="tiny-llama")
     publish_export(first, REPO, token=TOKEN)
     pinned = hub.repos[REPO].branches["main"]
     publish_export(second, REPO, token=TOKEN)
-    publish_export(
-        first, REPO, token=TOKEN, revision="stable"
-    )  # a branch starts at main's head: `second`
+    publish_export(first, REPO, token=TOKEN, revision="stable")  # a branch starts at main's head: `second`
 
     newest, at_commit = (
         GSMModel.from_pretrained(REPO),
@@ -530,9 +495,7 @@ def test_revision_pinning_and_load_gsm_by_repo_id(
     assert torch.equal(_logits(model), _logits(at_commit.model))
 
 
-def test_push_to_hub_publishes_the_export_a_model_came_from(
-    hub: StandInHub, endpoint: str, export: Path
-) -> None:
+def test_push_to_hub_publishes_the_export_a_model_came_from(hub: StandInHub, endpoint: str, export: Path) -> None:
     GSMModel.from_pretrained(export).push_to_hub(REPO, token=TOKEN)
     pushed = hub.repos[REPO].commits[hub.repos[REPO].branches["main"]]
     assert set(pushed) == EXPORT_NAMES and pushed[GSM_FILE] == (export / GSM_FILE).read_bytes()
@@ -556,17 +519,14 @@ def test_loading_from_an_unreachable_hub_is_one_clear_error(
     with serve_stand_in() as gone:
         url = gone.url
     monkeypatch.setattr(constants, "ENDPOINT", url)
-    monkeypatch.setattr(
-        constants, "HUGGINGFACE_CO_URL_TEMPLATE", url + "/{repo_id}/resolve/{revision}/{filename}"
-    )
-    with pytest.raises(
-        ExportError, match=f"Hub repo {REPO}: could not be fetched.*ConnectError.*HF_ENDPOINT"
-    ):
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", url + "/{repo_id}/resolve/{revision}/{filename}")
+    with pytest.raises(ExportError, match=f"Hub repo {REPO}: could not be fetched.*ConnectError.*HF_ENDPOINT"):
         GSMModel.from_pretrained(REPO)
 
 
-def test_a_base_from_the_hub_cache_is_recorded_and_loaded_back_by_id(hub: StandInHub, endpoint: str,
-                                                                      tmp_path: Path) -> None:
+def test_a_base_from_the_hub_cache_is_recorded_and_loaded_back_by_id(
+    hub: StandInHub, endpoint: str, tmp_path: Path
+) -> None:
     """A base loaded from a folder of the Hub cache records its repo, commit and card license; once
     that folder is gone, from_pretrained fetches the base by that id at that commit."""
     base_repo = "my-org/local-base"
@@ -589,8 +549,11 @@ def test_a_base_from_the_hub_cache_is_recorded_and_loaded_back_by_id(hub: StandI
 
     shutil.rmtree(constants.HF_HUB_CACHE)  # the base folder the export names is gone
     gsm = GSMModel.from_pretrained(REPO)
-    fetched = {path.rsplit("/", 1)[1] for method, path in hub.routes
-               if method == "GET" and path.startswith(f"/{base_repo}/resolve/{commit}/")}
+    fetched = {
+        path.rsplit("/", 1)[1]
+        for method, path in hub.routes
+        if method == "GET" and path.startswith(f"/{base_repo}/resolve/{commit}/")
+    }
     assert {"config.json", "model.safetensors"} <= fetched
     local = GSMModel.from_pretrained(folder, base="tiny-llama")
     assert torch.equal(_logits(gsm.model), _logits(local.model))

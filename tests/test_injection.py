@@ -10,12 +10,20 @@ import torch
 from torch import Tensor, nn
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedModel
 
+from gsm_train.attention import (
+    configure_gsm,
+    gsm_collect,
+    gsm_disabled,
+    gsm_parameters,
+    gsm_settings,
+    inject_cache_bridge,
+    inject_gsm,
+    inject_kv_compressor,
+    inject_sparse_gate,
+)
 from gsm_train.config import GSMConfig
 from gsm_train.model_zoo import TINY_FAMILIES, tiny_model
-from gsm_train.modules import (
-    ASQCompressor, CacheBridge, GSMError, SparseGateHead, configure_gsm, gsm_collect, gsm_disabled, gsm_parameters,
-    gsm_settings, inject_cache_bridge, inject_gsm, inject_kv_compressor, inject_sparse_gate,
-)
+from gsm_train.modules import ASQCompressor, CacheBridge, GSMError, SparseGateHead
 
 LENGTH = 32
 BLOCK = 8
@@ -53,13 +61,18 @@ def base_logits() -> dict[str, Tensor]:
 
 
 @families
-@pytest.mark.parametrize(("sections", "mode", "disabled"), [
-    ({"gsm_enabled": False, **EVERYTHING}, "sparse", False),
-    (EVERYTHING, "sparse", True),
-    ({"sparse_attention": SPARSE}, "dense", False),
-], ids=["gsm_enabled_false", "gsm_disabled_context", "gate_dense_mode"])
-def test_gsm_off_equals_base_exactly(family: str, sections: dict, mode: str, disabled: bool,
-                                     base_logits: dict[str, Tensor]) -> None:
+@pytest.mark.parametrize(
+    ("sections", "mode", "disabled"),
+    [
+        ({"gsm_enabled": False, **EVERYTHING}, "sparse", False),
+        (EVERYTHING, "sparse", True),
+        ({"sparse_attention": SPARSE}, "dense", False),
+    ],
+    ids=["gsm_enabled_false", "gsm_disabled_context", "gate_dense_mode"],
+)
+def test_gsm_off_equals_base_exactly(
+    family: str, sections: dict, mode: str, disabled: bool, base_logits: dict[str, Tensor]
+) -> None:
     model = _injected(family, sections, mode)
     with gsm_disabled(model) if disabled else nullcontext():
         assert torch.equal(_logits(model), base_logits[family])
@@ -93,15 +106,18 @@ def test_oracle_captures_at_least_the_gate_mass(family: str, heads: str, gate_in
 
 @families
 def test_bridge_mix_with_alpha_zero_is_exact(family: str, base_logits: dict[str, Tensor]) -> None:
-    model = _injected(family, {"sparse_attention": NO_SPARSE,
-                               "cross_layer_sharing": {**BRIDGE, "mode": "mix", "alpha_init": 0.0}})
+    model = _injected(
+        family, {"sparse_attention": NO_SPARSE, "cross_layer_sharing": {**BRIDGE, "mode": "mix", "alpha_init": 0.0}}
+    )
     assert torch.equal(_logits(model), base_logits[family])
 
 
 @families
 def test_bridge_share_changes_target_layers_only(family: str) -> None:
-    base, model = tiny_model(family), _injected(family, {"sparse_attention": NO_SPARSE,
-                                                         "cross_layer_sharing": {**BRIDGE, "mode": "share"}})
+    base, model = (
+        tiny_model(family),
+        _injected(family, {"sparse_attention": NO_SPARSE, "cross_layer_sharing": {**BRIDGE, "mode": "share"}}),
+    )
     with torch.no_grad():
         expected = base(_ids(), output_hidden_states=True).hidden_states
         got = model(_ids(), output_hidden_states=True).hidden_states
@@ -135,10 +151,10 @@ def test_future_tokens_do_not_change_past_logits(family: str, case: str) -> None
     t = BLOCK + BLOCK // 2
     ids = _ids()
     changed = ids.clone()
-    changed[:, t + 1:] = _ids(seed=1)[:, t + 1:]
+    changed[:, t + 1 :] = _ids(seed=1)[:, t + 1 :]
     before, after = _logits(model, ids), _logits(model, changed)
-    torch.testing.assert_close(after[:, :t + 1], before[:, :t + 1], atol=1e-6, rtol=0)
-    assert not torch.allclose(after[:, t + 1:], before[:, t + 1:])
+    torch.testing.assert_close(after[:, : t + 1], before[:, : t + 1], atol=1e-6, rtol=0)
+    assert not torch.allclose(after[:, t + 1 :], before[:, t + 1 :])
 
 
 # --------------------------------------------------------------------------- refusals
@@ -173,8 +189,10 @@ def test_refuses_rotated_residuals_for_a_head_size_that_is_no_power_of_two() -> 
     config.head_dim = 12
     model = AutoModelForCausalLM.from_config(config)
     gsm = GSMConfig.model_validate({"kv_compression": {"enabled": True, "rotate_residuals": True}})
-    with pytest.raises(GSMError, match="rotate_residuals=true needs a power-of-two head_dim.* is 12; set "
-                                       "kv_compression.rotate_residuals=false"):
+    with pytest.raises(
+        GSMError,
+        match="rotate_residuals=true needs a power-of-two head_dim.* is 12; set kv_compression.rotate_residuals=false",
+    ):
         inject_gsm(model, gsm)
     assert not any(hasattr(layer.self_attn, "gsm") for layer in model.model.layers)
 
@@ -211,11 +229,15 @@ def _expect_bridge(model: PreTrainedModel, layer: int, attn: nn.Module) -> None:
         assert attn.gsm.bridge.alpha.item() == pytest.approx(0.3)
 
 
-@pytest.mark.parametrize(("inject", "check"), [
-    (lambda m: inject_sparse_gate(m, top_k_schedule="exp_decay", k_max=128), _expect_gate),
-    (lambda m: inject_kv_compressor(m, cluster_num=32, quant_bits=8), _expect_asq),
-    (lambda m: inject_cache_bridge(m, bridge_layers=(1, 2), alpha_init=0.3), _expect_bridge),
-], ids=["sparse_gate", "kv_compressor", "cache_bridge"])
+@pytest.mark.parametrize(
+    ("inject", "check"),
+    [
+        (lambda m: inject_sparse_gate(m, top_k_schedule="exp_decay", k_max=128), _expect_gate),
+        (lambda m: inject_kv_compressor(m, cluster_num=32, quant_bits=8), _expect_asq),
+        (lambda m: inject_cache_bridge(m, bridge_layers=(1, 2), alpha_init=0.3), _expect_bridge),
+    ],
+    ids=["sparse_gate", "kv_compressor", "cache_bridge"],
+)
 def test_seed_api_attaches_modules(inject, check) -> None:
     model = tiny_model("llama")
     inject(model)
@@ -242,11 +264,12 @@ def test_bf16_base_runs_without_autocast(mode: str) -> None:
 
 
 def test_gsm_mask_is_none_only_for_an_unpadded_causal_pass_over_the_whole_sequence(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from transformers import masking_utils
     from transformers.masking_utils import and_masks, causal_mask_function, sdpa_mask
 
-    from gsm_train.modules.injection import gsm_mask
+    from gsm_train.attention.injection import gsm_mask
 
     # as transformers 5.17 does while a CUDA graph captures: never skip the causal mask
     monkeypatch.setattr(masking_utils, "_ignore_causal_mask_sdpa", lambda *args, **kwargs: False)
@@ -255,21 +278,24 @@ def test_gsm_mask_is_none_only_for_an_unpadded_causal_pass_over_the_whole_sequen
     padding = torch.ones(2, 8, dtype=torch.bool)
     padding[0, :3] = False
     packed = and_masks(causal_mask_function, lambda b, h, q, kv: (q < 4) == (kv < 4))
-    for case in ({"q_length": 8, "kv_length": 8, "attention_mask": padding},
-                 {"q_length": 4, "kv_length": 8, "q_offset": 4},
-                 {"q_length": 8, "kv_length": 8, "kv_offset": 2, "q_offset": 2},
-                 {"q_length": 8, "kv_length": 8, "mask_function": packed},
-                 {"q_length": 8, "kv_length": 8, "allow_is_causal_skip": False}):
+    for case in (
+        {"q_length": 8, "kv_length": 8, "attention_mask": padding},
+        {"q_length": 4, "kv_length": 8, "q_offset": 4},
+        {"q_length": 8, "kv_length": 8, "kv_offset": 2, "q_offset": 2},
+        {"q_length": 8, "kv_length": 8, "mask_function": packed},
+        {"q_length": 8, "kv_length": 8, "allow_is_causal_skip": False},
+    ):
         expected = sdpa_mask(batch_size=2, device="cpu", **case)
         assert expected is not None and torch.equal(gsm_mask(batch_size=2, device="cpu", **case), expected)
 
 
 def test_a_pass_that_cannot_read_position_ids_keeps_the_causal_path_only_inside_rows_not_packed(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from transformers import masking_utils
 
-    from gsm_train.modules import attention as gsm_attention
-    from gsm_train.modules.injection import rows_not_packed
+    from gsm_train.attention import dispatch as gsm_attention
+    from gsm_train.attention.injection import rows_not_packed
 
     model = _injected("llama", {"sparse_attention": SPARSE})
     expected = _logits(model)
@@ -294,7 +320,8 @@ def test_a_pass_that_cannot_read_position_ids_keeps_the_causal_path_only_inside_
 
 @pytest.mark.parametrize("heads", ["layer", "kv"])
 def test_captured_training_forwards_take_the_block_sparse_path_with_the_same_logits(
-        heads: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    heads: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """With `captured_steps` (set by the trainer when it captures the step) a training forward of an ASQ
     layer attends through `own_block_attention`, here run eagerly on CPU (its path is otherwise for CUDA
     only), and gives the masked SDPA's logits (fp64); evaluation forwards keep the masked SDPA."""
@@ -307,8 +334,9 @@ def test_captured_training_forwards_take_the_block_sparse_path_with_the_same_log
     own_block._tile_structure.cache_clear()  # cached per length and block size: not across tile sizes
     monkeypatch.setattr(own_block, "own_block_attention", lambda *args: calls.append(1) or attend(*args))
     torch.manual_seed(0)
-    model = _injected("llama", {"sparse_attention": {**SPARSE, "heads": heads}, "kv_compression": ASQ},
-                      mode="sparse").double()  # fp64: no fp32 rounding for ASQ's codes to amplify
+    model = _injected(
+        "llama", {"sparse_attention": {**SPARSE, "heads": heads}, "kv_compression": ASQ}, mode="sparse"
+    ).double()  # fp64: no fp32 rounding for ASQ's codes to amplify
     model.train()
     masked = _logits(model)
     configure_gsm(model, captured_steps=True)
@@ -325,8 +353,8 @@ def test_captured_training_forwards_take_the_block_sparse_path_with_the_same_log
 def test_plain_quantization_baselines_take_each_side_at_its_width(baseline: str) -> None:
     """With `value_quant_bits`, an evaluation's plain-quantization baseline rounds K at quant_bits and V at
     value_quant_bits, as ASQ stores them."""
-    from gsm_train.modules.adapter import plain_kv_quant
-    from gsm_train.modules.forward_state import ForwardState
+    from gsm_train.attention.adapter import plain_kv_quant
+    from gsm_train.attention.forward_state import ForwardState
 
     model = _injected("llama", {"kv_compression": {**ASQ, "value_quant_bits": 2}})
     adapter = model.model.layers[1].self_attn.gsm

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from gsm_train.attention import gsm_parameters, inject_gsm
 from gsm_train.cli import main
 from gsm_train.inspect_model import default_gsm_config, inspect_model, layer_reports
 from gsm_train.model_zoo import tiny_model
-from gsm_train.modules import gsm_parameters, inject_gsm
 from gsm_train.quant import asq_bytes
 
 JOINT_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "joint.yaml"  # bridge (when enabled): 8 -> 24
@@ -19,14 +19,26 @@ ASQ_HEAD = 2 * asq_bytes(SEQ_LEN, 1, 16, cluster_num=32, quant_bits=4, block_siz
 GATE_KEYS = 2 * 64  # bf16 gate keys of the default gate_head_dim, one selector
 
 CASES = {
-    "defaults": ([], ["gate asq", "gate asq bridge-source"] + ["gate asq bridge-target(mix)"] * 2,
-                 [2 * ASQ_HEAD + GATE_KEYS] * 4),
-    "asq_only": (["gsm.sparse_attention.enabled=false", "gsm.cross_layer_sharing.enabled=false"], ["asq"] * 4,
-                 [2 * ASQ_HEAD] * 4),
-    "share_kv_gates": (["gsm.cross_layer_sharing.mode=share", "gsm.sparse_attention.heads=kv",
-                        "gsm.sparse_attention.dense_layers=[0]", "gsm.kv_compression.enabled=false"],
-                       ["dense-layer", "gate bridge-source"] + ["gate bridge-target(share)"] * 2,
-                       [BASE, BASE + 2 * GATE_KEYS, BASE // 2 + 2 * GATE_KEYS, BASE // 2 + 2 * GATE_KEYS]),
+    "defaults": (
+        [],
+        ["gate asq", "gate asq bridge-source"] + ["gate asq bridge-target(mix)"] * 2,
+        [2 * ASQ_HEAD + GATE_KEYS] * 4,
+    ),
+    "asq_only": (
+        ["gsm.sparse_attention.enabled=false", "gsm.cross_layer_sharing.enabled=false"],
+        ["asq"] * 4,
+        [2 * ASQ_HEAD] * 4,
+    ),
+    "share_kv_gates": (
+        [
+            "gsm.cross_layer_sharing.mode=share",
+            "gsm.sparse_attention.heads=kv",
+            "gsm.sparse_attention.dense_layers=[0]",
+            "gsm.kv_compression.enabled=false",
+        ],
+        ["dense-layer", "gate bridge-source"] + ["gate bridge-target(share)"] * 2,
+        [BASE, BASE + 2 * GATE_KEYS, BASE // 2 + 2 * GATE_KEYS, BASE // 2 + 2 * GATE_KEYS],
+    ),
 }
 
 
@@ -37,8 +49,11 @@ def _numbers(line: str, count: int) -> list[float]:
 def _parse(table: str) -> tuple[dict[int, tuple[str, list[float]]], list[float], float]:
     """Rows {layer: (modules, [params, base, gsm])}, totals [params, base, gsm] and the printed ratio."""
     lines = table.splitlines()
-    rows = {int(line.split()[0]): (" ".join(line.split()[1:-3]), _numbers(line, 3))
-            for line in lines if line.split() and line.split()[0].isdigit()}
+    rows = {
+        int(line.split()[0]): (" ".join(line.split()[1:-3]), _numbers(line, 3))
+        for line in lines
+        if line.split() and line.split()[0].isdigit()
+    }
     totals = _numbers(next(line for line in lines if line.startswith("total")), 3)
     ratio = float(lines[-1].rsplit(":", 1)[1])
     return rows, totals, ratio
@@ -65,7 +80,8 @@ def test_parameter_counts_match_the_injected_modules() -> None:
     model, config = tiny_model("llama"), default_gsm_config(4)
     inject_gsm(model, config)
     assert sum(row.params for row in layer_reports(model, config, SEQ_LEN)) == sum(
-        param.numel() for _, param in gsm_parameters(model))
+        param.numel() for _, param in gsm_parameters(model)
+    )
 
 
 @pytest.mark.parametrize(("layers", "bridge"), [(4, (True, 1, 2)), (32, (True, 8, 24)), (1, (False, 0, 1))])
@@ -90,22 +106,42 @@ def test_cli_inspects_the_shipped_joint_recipe(capsys: pytest.CaptureFixture[str
     err = capsys.readouterr().err
     assert "gsm.kv_compression.layer_bits.18 = [4, 4]: layer index outside the model's 0..3" in err
     assert "gsm.kv_compression.layer_bits.8" in err and "gsm.kv_compression.layer_bits.3" not in err
-    assert main(["inspect", "--model", "tiny-llama", "--recipe", str(JOINT_RECIPE),
-                 "gsm.kv_compression.layer_bits={0: [4, 4]}"]) == 0
+    assert (
+        main(
+            [
+                "inspect",
+                "--model",
+                "tiny-llama",
+                "--recipe",
+                str(JOINT_RECIPE),
+                "gsm.kv_compression.layer_bits={0: [4, 4]}",
+            ]
+        )
+        == 0
+    )
     assert "KV bytes ratio" in capsys.readouterr().out
 
 
 def test_cli_reports_a_recipe_that_does_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["inspect", "--model", "tiny-llama", "--recipe", str(JOINT_RECIPE),
-                 "gsm.cross_layer_sharing.enabled=true"]) == 2
+    assert (
+        main(
+            ["inspect", "--model", "tiny-llama", "--recipe", str(JOINT_RECIPE), "gsm.cross_layer_sharing.enabled=true"]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "gsm.cross_layer_sharing.bridge_to_start" in err and "use a value below 4" in err
 
 
-@pytest.mark.parametrize("argv", [["inspect", "--model", "tiny-llama", "--seq-len", "0"],
-                                  ["eval", "--data", "embedded:sample_prose", "--windows", "0"],
-                                  ["eval", "--data", "embedded:sample_prose", "--batch-size", "-2"],
-                                  ["generate", "--model", "tiny-llama", "--prompt", "hi", "--max-new-tokens", "zero"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["inspect", "--model", "tiny-llama", "--seq-len", "0"],
+        ["eval", "--data", "embedded:sample_prose", "--windows", "0"],
+        ["eval", "--data", "embedded:sample_prose", "--batch-size", "-2"],
+        ["generate", "--model", "tiny-llama", "--prompt", "hi", "--max-new-tokens", "zero"],
+    ],
+)
 def test_cli_counts_must_be_positive(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     """A count of 0 or less (or not a number) stops at the command line, naming the option and the value."""
     with pytest.raises(SystemExit) as stopped:

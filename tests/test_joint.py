@@ -10,28 +10,37 @@ from pathlib import Path
 import pytest
 import torch
 from peft import PeftModel
+from run_helpers import TINY_MODEL, losses, records, resume_after_crash, run_processes
 
+from gsm_train.attention import gsm_disabled, inject_gsm
 from gsm_train.config import GSMConfig, load_recipe
 from gsm_train.export import export_adapter, load_gsm
 from gsm_train.model_zoo import tiny_model
-from gsm_train.modules import gsm_disabled, inject_gsm
-from gsm_train.train import main as train_main
-from gsm_train.stages import JointStage
-from gsm_train.train import train_recipe
 from gsm_train.session import param_groups as _param_groups
-from run_helpers import losses, records, resume_after_crash, run_processes
+from gsm_train.stages import JointStage
+from gsm_train.train import main as train_main
+from gsm_train.train import train_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 JOINT = str(REPO / "recipes" / "joint.yaml")
-TINY = ["model.name_or_path=tiny-llama", "data.seq_len=64", "logging.recall_min_keys=16", "logging.recall_k=8",
-        "gsm.sparse_attention.top_k=8", "gsm.sparse_attention.k_min=8", "gsm.sparse_attention.dense_layers=[0]",
-        "gsm.kv_compression.block_size=16", "gsm.cross_layer_sharing.enabled=true", "gsm.cross_layer_sharing.bridge_from=1",
-        "gsm.cross_layer_sharing.bridge_to_start=2", "logging.progress_bar=false", "optim.warmup_steps=1",
-        "init_from=null", "logging.eval_every=100",
-        "gsm.kv_compression.layer_bits={}"]  # the recipe's per-layer widths name SmolLM2's layers 8 and 18
-ALL_ON = {"sparse_attention": {"top_k": 4, "k_min": 4, "mode": "sparse"},
-          "kv_compression": {"enabled": True, "block_size": 8, "cluster_num": 4},
-          "cross_layer_sharing": {"enabled": True, "bridge_from": 1, "bridge_to_start": 2, "mode": "share"}}
+TINY = [
+    *TINY_MODEL,
+    "gsm.sparse_attention.dense_layers=[0]",
+    "gsm.kv_compression.block_size=16",
+    "gsm.cross_layer_sharing.enabled=true",
+    "gsm.cross_layer_sharing.bridge_from=1",
+    "gsm.cross_layer_sharing.bridge_to_start=2",
+    "logging.progress_bar=false",
+    "optim.warmup_steps=1",
+    "init_from=null",
+    "logging.eval_every=100",
+    "gsm.kv_compression.layer_bits={}",
+]  # the recipe's per-layer widths name SmolLM2's layers 8 and 18
+ALL_ON = {
+    "sparse_attention": {"top_k": 4, "k_min": 4, "mode": "sparse"},
+    "kv_compression": {"enabled": True, "block_size": 8, "cluster_num": 4},
+    "cross_layer_sharing": {"enabled": True, "bridge_from": 1, "bridge_to_start": 2, "mode": "share"},
+}
 
 
 def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -41,10 +50,20 @@ def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("bridge", [True, False])  # False: the bridge as recipes/joint.yaml ships it
-def test_full_joint_training_lowers_the_lm_loss_and_its_export_reproduces_the_model(tmp_path: Path,
-                                                                                   bridge: bool) -> None:
-    result = train_recipe(JOINT, [*TINY, "train.steps=20", "optim.lr=3e-3", "output.export_base_weights=true",
-                                  f"gsm.cross_layer_sharing.enabled={str(bridge).lower()}", f"output.dir={tmp_path}"])
+def test_full_joint_training_lowers_the_lm_loss_and_its_export_reproduces_the_model(
+    tmp_path: Path, bridge: bool
+) -> None:
+    result = train_recipe(
+        JOINT,
+        [
+            *TINY,
+            "train.steps=20",
+            "optim.lr=3e-3",
+            "output.export_base_weights=true",
+            f"gsm.cross_layer_sharing.enabled={str(bridge).lower()}",
+            f"output.dir={tmp_path}",
+        ],
+    )
     assert sum(result.losses[-5:]) < sum(result.losses[:5])
     final = result.final_metrics
     assert "ppl" in final and (final["bridge_alpha_mean"] > 0 if bridge else "bridge_alpha_mean" not in final)
@@ -64,22 +83,26 @@ def test_full_joint_training_lowers_the_lm_loss_and_its_export_reproduces_the_mo
 def test_joint_training_at_per_layer_widths_exports_them(tmp_path: Path) -> None:
     """`kv_compression.layer_bits` (with the recipe's rotated residuals and 4-bit K / 2-bit V elsewhere): the run
     trains each layer's compressors at its widths and the export rebuilds the same model."""
-    result = train_recipe(JOINT, [*TINY, "train.steps=3", "gsm.kv_compression.layer_bits={1: [2, 8], 3: [8, 2]}",
-                                  f"output.dir={tmp_path}"])
+    result = train_recipe(
+        JOINT,
+        [*TINY, "train.steps=3", "gsm.kv_compression.layer_bits={1: [2, 8], 3: [8, 2]}", f"output.dir={tmp_path}"],
+    )
     config = json.loads((tmp_path / "export" / "gsm_config.json").read_text())
     assert config["kv_compression"]["layer_bits"] == {"1": [2, 8], "3": [8, 2]}
     loaded = tiny_model("llama")
     load_gsm(loaded, tmp_path / "export", mode="sparse")
-    widths = [(layer.self_attn.gsm.asq_k.quant_bits, layer.self_attn.gsm.asq_v.quant_bits)
-              for layer in loaded.model.layers]
+    widths = [
+        (layer.self_attn.gsm.asq_k.quant_bits, layer.self_attn.gsm.asq_v.quant_bits) for layer in loaded.model.layers
+    ]
     assert widths == [(4, 2), (2, 8), (4, 2), (8, 2)]
     ids = torch.randint(0, 256, (2, 48))
     assert torch.equal(_logits(result.model, ids), _logits(loaded, ids))
 
 
 def test_lora_trains_only_deltas_and_gsm_and_exports_them(tmp_path: Path) -> None:
-    result = train_recipe(JOINT, [*TINY, "train.steps=4", "train.base=lora", "train.lora.r=4", "optim.lr=1e-2",
-                                  f"output.dir={tmp_path}"])
+    result = train_recipe(
+        JOINT, [*TINY, "train.steps=4", "train.base=lora", "train.lora.r=4", "optim.lr=1e-2", f"output.dir={tmp_path}"]
+    )
     reference = tiny_model("llama").state_dict()
     trained = result.model.state_dict()
     base = {n.replace(".base_layer", ""): t for n, t in trained.items() if ".lora_" not in n and ".gsm." not in n}
@@ -128,19 +151,23 @@ def test_two_process_fsdp2_matches_one_process(tmp_path: Path) -> None:
 
 
 def test_dense_control_is_the_base_model(tmp_path: Path) -> None:
-    control = train_recipe(JOINT, [*TINY, "train.steps=1", "gsm.gsm_enabled=false", "optim.lr=1e-9",
-                                   f"output.dir={tmp_path / 'control'}"])
+    control = train_recipe(
+        JOINT, [*TINY, "train.steps=1", "gsm.gsm_enabled=false", "optim.lr=1e-9", f"output.dir={tmp_path / 'control'}"]
+    )
     twin = tiny_model("llama")
     ids = torch.randint(0, 256, (2, 48))
     assert torch.allclose(_logits(control.model, ids), _logits(twin, ids), atol=1e-4)
     assert all(not p.requires_grad for n, p in control.model.named_parameters() if ".gsm." in n)
 
 
-@pytest.mark.parametrize("nothing", [["gsm.gsm_enabled=false"],
-                                     ["gsm.kv_compression.enabled=false", "gsm.cross_layer_sharing.enabled=false",
-                                      "train.loss_weights.gate_kl=0"]])
-def test_nothing_to_train_is_one_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture,
-                                             nothing: list[str]) -> None:
+@pytest.mark.parametrize(
+    "nothing",
+    [
+        ["gsm.gsm_enabled=false"],
+        ["gsm.kv_compression.enabled=false", "gsm.cross_layer_sharing.enabled=false", "train.loss_weights.gate_kl=0"],
+    ],
+)
+def test_nothing_to_train_is_one_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture, nothing: list[str]) -> None:
     status = train_main(["--recipe", JOINT, *TINY, *nothing, "train.base=frozen", f"output.dir={tmp_path / 'run'}"])
     assert status == 2 and "nothing to train" in capsys.readouterr().err
 
@@ -174,8 +201,9 @@ def test_logged_terms_are_averaged_over_micro_batches_as_the_loss_is(tmp_path: P
     """loss = lm + gate_kl * KL + asq * ASQ per micro-batch; the logged loss is the mean over the
     micro-batches, so the logged terms, averaged the same way, satisfy the same sum (the last
     micro-batch's terms alone would not)."""
-    train_recipe(JOINT, [*TINY, "train.steps=2", "train.grad_accum=2", "train.loss_weights.asq=0.5",
-                         f"output.dir={tmp_path}"])
+    train_recipe(
+        JOINT, [*TINY, "train.steps=2", "train.grad_accum=2", "train.loss_weights.asq=0.5", f"output.dir={tmp_path}"]
+    )
     for record in (r for r in records(tmp_path) if r["kind"] == "train"):
         total = record["lm_loss"] + record["gate_kl"] + 0.5 * record["asq_loss"]
         assert record["loss"] == pytest.approx(total, rel=1e-6)
@@ -185,28 +213,44 @@ def test_joint_trains_and_evaluates_with_the_fraction_schedule(tmp_path: Path) -
     """k growing with the context goes through the training selection, the KL's sampled rows (a
     suffix of the positions) and the evaluation; the export keeps the schedule."""
     sparse = "gsm.sparse_attention"
-    schedule = [f"{sparse}.top_k_schedule=fraction", f"{sparse}.top_k_fraction=0.25",
-                f"{sparse}.k_min=4", f"{sparse}.top_k=12"]
-    result = train_recipe(JOINT, [*TINY, *schedule, "train.steps=2", "train.distill_queries=8",
-                                  "logging.eval_every=2", f"output.dir={tmp_path}"])
+    schedule = [
+        f"{sparse}.top_k_schedule=fraction",
+        f"{sparse}.top_k_fraction=0.25",
+        f"{sparse}.k_min=4",
+        f"{sparse}.top_k=12",
+    ]
+    result = train_recipe(
+        JOINT,
+        [
+            *TINY,
+            *schedule,
+            "train.steps=2",
+            "train.distill_queries=8",
+            "logging.eval_every=2",
+            f"output.dir={tmp_path}",
+        ],
+    )
     assert all(math.isfinite(loss) for loss in result.losses)
     assert math.isfinite(result.final_metrics["ppl"])
     exported = json.loads((tmp_path / "export" / "gsm_config.json").read_text())["sparse_attention"]
     assert (exported["top_k_schedule"], exported["top_k_fraction"]) == ("fraction", 0.25)
 
+
 def test_joint_starts_from_the_gate_only_export(tmp_path: Path) -> None:
     """`init_from` loads the export's gate tensors into the joint model (the stage-1 export; a layer
     kept dense here has no place for its gate, and the new modules start fresh)."""
     gated = tiny_model("llama")
-    inject_gsm(gated, GSMConfig.model_validate(
-        {"sparse_attention": {"top_k": 8, "k_min": 8, "gate_head_dim": 16, "gate_init": "random"}}))
+    inject_gsm(
+        gated,
+        GSMConfig.model_validate(
+            {"sparse_attention": {"top_k": 8, "k_min": 8, "gate_head_dim": 16, "gate_init": "random"}}
+        ),
+    )
     export = export_adapter(gated, tmp_path / "gate_only", base_name="tiny-llama")
-    config = load_recipe(JOINT, [*TINY, "gsm.sparse_attention.gate_head_dim=16",
-                                 f"init_from={export}"])
+    config = load_recipe(JOINT, [*TINY, "gsm.sparse_attention.gate_head_dim=16", f"init_from={export}"])
     model = tiny_model("llama")
     JointStage().attach(model, config)
     for layer in (1, 2, 3):  # layer 0 is dense in the joint recipe (TINY): no gate
-        loaded, exported = model.model.layers[layer].self_attn.gsm.gate, \
-            gated.model.layers[layer].self_attn.gsm.gate
+        loaded, exported = model.model.layers[layer].self_attn.gsm.gate, gated.model.layers[layer].self_attn.gsm.gate
         assert torch.equal(loaded.q_proj.weight, exported.q_proj.weight)
         assert torch.equal(loaded.rope_freq_index, exported.rope_freq_index)

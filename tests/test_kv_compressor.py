@@ -121,7 +121,9 @@ def test_nbytes_matches_byte_account(s, block_size, bits, cluster_num, d, dtype)
     assert packed.nbytes() == account["total"]
     assert comp.byte_account(s, batch_size=2, tail_bytes=tail_bytes) == account
     assert account["bf16"] == 2 * 2 * 3 * s * d
-    assert comp.byte_account(s, tail_bytes=tail_bytes)["bytes_per_token"] == pytest.approx(account["total"] / (2 * 3 * s))
+    assert comp.byte_account(s, tail_bytes=tail_bytes)["bytes_per_token"] == pytest.approx(
+        account["total"] / (2 * 3 * s)
+    )
     assert packed.ids.dtype == packed.residual.dtype == torch.uint8
     assert packed.scales.dtype == packed.prototypes.dtype == torch.float16
     assert comp.decompress(packed).shape == x.shape
@@ -200,8 +202,12 @@ def test_storage_rounding_is_fp16_and_passes_the_gradient_within_its_range() -> 
 
     big = torch.finfo(torch.float16).max
     for dtype in (torch.float32, torch.float64):
-        x = torch.cat([torch.randn(1000, dtype=dtype) * 10.0 ** torch.randint(-9, 5, (1000,)),
-                       torch.tensor([-1e6, 1e6, 1e-9, 0.0], dtype=dtype)]).requires_grad_(True)
+        x = torch.cat(
+            [
+                torch.randn(1000, dtype=dtype) * 10.0 ** torch.randint(-9, 5, (1000,)),
+                torch.tensor([-1e6, 1e6, 1e-9, 0.0], dtype=dtype),
+            ]
+        ).requires_grad_(True)
         stored = _to_store(x)
         assert stored.dtype == dtype
         assert torch.equal(stored, x.detach().clamp(-big, big).half().to(dtype))
@@ -215,12 +221,19 @@ def test_storage_rounding_matches_fp16_at_every_tie_and_subnormal() -> None:
     values either side of it, subnormals, NaN and values past fp16's range round as `.half()` rounds."""
     from gsm_train.quant import to_store as _to_store
 
-    grid = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+    grid = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
     grid = grid[torch.isfinite(grid)].sort().values
     ties = ((grid[1:].double() + grid[:-1].double()) / 2).float()  # exact in fp32: 12 significant bits
     up, down = torch.tensor(float("inf")), torch.tensor(float("-inf"))
-    x = torch.cat([grid, ties, torch.nextafter(ties, up), torch.nextafter(ties, down),
-                   torch.tensor([float("nan"), 1e-40, -1e-40, -0.0, -1e-8, 65519.0, 65520.0, -1e30])])
+    x = torch.cat(
+        [
+            grid,
+            ties,
+            torch.nextafter(ties, up),
+            torch.nextafter(ties, down),
+            torch.tensor([float("nan"), 1e-40, -1e-40, -0.0, -1e-8, 65519.0, 65520.0, -1e30]),
+        ]
+    )
     want = x.clamp(-65504, 65504).half().float().nan_to_num(7.0)
     got = _to_store(x).nan_to_num(7.0)
     assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())  # -0.0 stays -0.0, as fp16 has it
@@ -258,12 +271,22 @@ def test_compiled_training_pass_matches_the_eager_one(rotate: bool) -> None:
 
 def _key_value_pair(bits: tuple[int, int], rotate: bool, **kw) -> tuple[ASQCompressor, ASQCompressor]:
     torch.manual_seed(0)
-    return tuple(ASQCompressor(H, D, cluster_num=4, quant_bits=width, block_size=64, rotate_residuals=rotate,
-                               **kw).double().train() for width in bits)
+    return tuple(
+        ASQCompressor(H, D, cluster_num=4, quant_bits=width, block_size=64, rotate_residuals=rotate, **kw)
+        .double()
+        .train()
+        for width in bits
+    )
 
 
-def _training_passes(paired: bool, bits: tuple[int, int], rotate: bool, length: int,
-                     device: str = "cpu", dtype: torch.dtype = torch.float64) -> list[torch.Tensor]:
+def _training_passes(
+    paired: bool,
+    bits: tuple[int, int],
+    rotate: bool,
+    length: int,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float64,
+) -> list[torch.Tensor]:
     """One training pass of a K/V compressor pair, paired or each side alone, then a backward: K's and V's
     reconstructions, the mean of their losses, the inputs' gradients and every parameter's gradient."""
     asq_k, asq_v = (module.to(device, dtype) for module in _key_value_pair(bits, rotate))
@@ -275,12 +298,19 @@ def _training_passes(paired: bool, bits: tuple[int, int], rotate: bool, length: 
         (out_k, loss_k), (out_v, loss_v) = asq_k(key, with_loss=True), asq_v(value, with_loss=True)
         loss = (loss_k + loss_v) / 2
     (out_k.pow(2).mean() + out_v.pow(3).mean() + loss).backward()
-    return [out_k.detach(), out_v.detach(), loss.detach(), key.grad, value.grad,
-            *(p.grad for module in (asq_k, asq_v) for p in module.parameters())]
+    return [
+        out_k.detach(),
+        out_v.detach(),
+        loss.detach(),
+        key.grad,
+        value.grad,
+        *(p.grad for module in (asq_k, asq_v) for p in module.parameters()),
+    ]
 
 
-@pytest.mark.parametrize(("bits", "rotate", "length"),
-                         [((4, 4), False, 256), ((4, 2), True, 300), ((2, 8), False, 200)])
+@pytest.mark.parametrize(
+    ("bits", "rotate", "length"), [((4, 4), False, 256), ((4, 2), True, 300), ((2, 8), False, 200)]
+)
 def test_paired_pass_gives_each_sides_own_pass(bits: tuple[int, int], rotate: bool, length: int) -> None:
     """K's and V's training passes run as one give each side what its own pass gives, at the same or
     different widths, with a tail after the last full block: reconstructions, the mean of the two losses,
@@ -297,8 +327,7 @@ def test_compiled_paired_pass_matches_the_separate_compiled_passes() -> None:
 
     torch._dynamo.reset()
     counters.clear()
-    paired, separate = (_training_passes(paired, (4, 2), True, 300, "cuda", torch.float32)
-                        for paired in (True, False))
+    paired, separate = (_training_passes(paired, (4, 2), True, 300, "cuda", torch.float32) for paired in (True, False))
     assert not counters["graph_break"]
     out, want_out = torch.cat(paired[:2]), torch.cat(separate[:2])  # reconstructions
     assert ((out - want_out).abs() <= 1e-5).float().mean() > 0.995
@@ -306,8 +335,9 @@ def test_compiled_paired_pass_matches_the_separate_compiled_passes() -> None:
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5)
 
 
-@pytest.mark.parametrize("other", [{"hidden_dim": 32}, {"cluster_num": 8}, {"block_size": 32}, {"tau": 0.5},
-                                   {"rotate_residuals": True}])
+@pytest.mark.parametrize(
+    "other", [{"hidden_dim": 32}, {"cluster_num": 8}, {"block_size": 32}, {"tau": 0.5}, {"rotate_residuals": True}]
+)
 def test_paired_pass_declines_what_it_cannot_pair(other: dict) -> None:
     """None (each side runs its own pass) outside training (either side), before a first full block, for K
     and V of other shapes or dtypes, and for compressors that differ in more than their bits."""
@@ -351,8 +381,9 @@ print("declined")
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = str(free.getsockname()[1])
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PORT": port})
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env={**os.environ, "PORT": port}
+    )
     assert done.returncode == 0 and "declined" in done.stdout, done.stderr[-2000:]
 
 
@@ -421,7 +452,7 @@ def test_bad_inputs_raise() -> None:
 @pytest.mark.parametrize("kind", ["per_token", "kivi"])
 def test_plain_baselines_quantize_keys_and_values_at_their_own_bits(kind: str) -> None:
     """With ASQ's (K, V) bits apart, each baseline rounds K and V to the same grids as alone at those bits."""
-    from gsm_train.modules.adapter import plain_kv_quant
+    from gsm_train.attention.adapter import plain_kv_quant
 
     torch.manual_seed(0)
     key, value = torch.randn(2, 3, 40, 16), torch.randn(2, 3, 40, 16)
@@ -437,7 +468,7 @@ def test_hadamard_rotation_is_orthonormal_fixed_and_needs_a_power_of_two() -> No
     from gsm_train.quant import hadamard_rotation
 
     rotation = hadamard_rotation(D)
-    assert torch.equal(rotation.abs(), torch.full((D, D), D ** -0.5, dtype=torch.float64))
+    assert torch.equal(rotation.abs(), torch.full((D, D), D**-0.5, dtype=torch.float64))
     torch.testing.assert_close(rotation @ rotation.T, torch.eye(D, dtype=torch.float64), rtol=0, atol=1e-12)
     assert torch.equal(rotation, hadamard_rotation(D))
     assert 0 < (rotation[:, 0] > 0).sum() < D
@@ -457,12 +488,14 @@ def test_rotation_signs_are_the_rows_signs_of_a_sylvester_hadamard() -> None:
     from gsm_train.quant import hadamard_rotation
 
     for dim in (64, 128):
-        sylvester = torch.tensor([[(-1.0) ** bin(i & j).count("1") for j in range(dim)] for i in range(dim)],
-                                 dtype=torch.float64)
+        sylvester = torch.tensor(
+            [[(-1.0) ** bin(i & j).count("1") for j in range(dim)] for i in range(dim)], dtype=torch.float64
+        )
         for cast in (torch.bfloat16, torch.float32):
             compressor = ASQCompressor(H, dim, rotate_residuals=True).to(cast)
-            assert torch.equal(compressor.rotation_signs.double()[:, None] * sylvester / dim ** 0.5,
-                               hadamard_rotation(dim))
+            assert torch.equal(
+                compressor.rotation_signs.double()[:, None] * sylvester / dim**0.5, hadamard_rotation(dim)
+            )
             assert "rotation_signs" not in compressor.state_dict()  # rebuilt from head_dim, never exported
     assert ASQCompressor(H, D).rotation_signs is None  # nothing to rotate with
 

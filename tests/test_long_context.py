@@ -13,12 +13,12 @@ import torch
 
 from benchmarks import long_context, long_context_probe
 from benchmarks.long_context_probe import interpolated_rope, rope_frequencies
+from gsm_train.attention import inject_gsm
 from gsm_train.config import GSMConfig
 from gsm_train.data import load_text_dataset, pack_tokens
 from gsm_train.evaluate import perplexity_and_recall, position_buckets, prepare_evaluation
 from gsm_train.export import export_adapter
 from gsm_train.model_zoo import byte_tokenizer, tiny_model
-from gsm_train.modules import inject_gsm
 
 PROSE = "embedded:sample_prose"
 GATE = {"top_k": 8, "k_min": 8, "gate_head_dim": 8, "gate_key_bits": 8, "dense_layers": [0]}
@@ -32,14 +32,32 @@ def _export(folder: Path, gsm: dict) -> str:
 
 
 def _probe(tmp_path: Path, export: str, *more: str) -> dict:
-    return long_context_probe.main(["--export", export, "--eval-data", PROSE, "--seq-len", "96",
-                                    "--windows", "2", "--train-len", "24", "--first-bucket", "24",
-                                    "--min-keys", "12", "--chunk", "40",
-                                    "--result", str(tmp_path / "probe.json"), *more])
+    return long_context_probe.main(
+        [
+            "--export",
+            export,
+            "--eval-data",
+            PROSE,
+            "--seq-len",
+            "96",
+            "--windows",
+            "2",
+            "--train-len",
+            "24",
+            "--first-bucket",
+            "24",
+            "--min-keys",
+            "12",
+            "--chunk",
+            "40",
+            "--result",
+            str(tmp_path / "probe.json"),
+            *more,
+        ]
+    )
 
 
-def test_probe_reports_every_gate_layer_and_agrees_with_the_evaluations_mass(
-        tmp_path: Path) -> None:
+def test_probe_reports_every_gate_layer_and_agrees_with_the_evaluations_mass(tmp_path: Path) -> None:
     export = _export(tmp_path / "gate", {"sparse_attention": GATE})
     result = _probe(tmp_path, export)
     written = json.loads((tmp_path / "probe.json").read_text())
@@ -86,50 +104,94 @@ def test_rope_interpolation_slows_only_the_pairs_longer_than_the_training_length
         for part in (slice(0, half), slice(half, 2 * half)):
             assert torch.equal(new[..., part][..., ~long_wave], table[..., part][..., ~long_wave])
             expected = fn(positions[0, :, None].double() * theta[long_wave] * 20 / 64)
-            torch.testing.assert_close(new[0][:, part][:, long_wave].double(), expected, rtol=0,
-                                       atol=1e-6)
+            torch.testing.assert_close(new[0][:, part][:, long_wave].double(), expected, rtol=0, atol=1e-6)
     same = interpolated_rope(cos, sin, train_len=64, seq_len=64)
     torch.testing.assert_close(same, (cos, sin), rtol=0, atol=1e-6)
 
 
 def _base_args(tmp_path: Path, *more: str) -> list[str]:
-    return ["--model", "tiny-llama", "--eval-data", PROSE, "--out", str(tmp_path / "out"),
-            "--result", str(tmp_path / "long_context.json"), "--min-keys", "16",
-            "--passkey-cases", "1", *more]
+    return [
+        "--model",
+        "tiny-llama",
+        "--eval-data",
+        PROSE,
+        "--out",
+        str(tmp_path / "out"),
+        "--result",
+        str(tmp_path / "long_context.json"),
+        "--min-keys",
+        "16",
+        "--passkey-cases",
+        "1",
+        *more,
+    ]
 
 
 def test_benchmark_measures_given_exports_and_their_other_schedules_and_resumes(
-        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     exports = {
         "joint": {"sparse_attention": {**GATE, "mode": "sparse"}, "kv_compression": ASQ},
         "control": {"gsm_enabled": False},
-        "joint_long": {"sparse_attention": {**GATE, "mode": "sparse", "top_k_schedule": "fraction",
-                                            "top_k_fraction": 0.25, "top_k": 32},
-                       "kv_compression": ASQ},
+        "joint_long": {
+            "sparse_attention": {
+                **GATE,
+                "mode": "sparse",
+                "top_k_schedule": "fraction",
+                "top_k_fraction": 0.25,
+                "top_k": 32,
+            },
+            "kv_compression": ASQ,
+        },
         "control_long": {"gsm_enabled": False},
     }
     given = [f"--export={name}={_export(tmp_path / name, gsm)}" for name, gsm in exports.items()]
-    argv = _base_args(tmp_path, *given, "--lengths", "64", "160", "--windows", "1", "1",
-                      "--first-bucket", "64", "--passkey-length", "280", "--probe", "joint")
+    argv = _base_args(
+        tmp_path,
+        *given,
+        "--lengths",
+        "64",
+        "160",
+        "--windows",
+        "1",
+        "1",
+        "--first-bucket",
+        "64",
+        "--passkey-length",
+        "280",
+        "--probe",
+        "joint",
+    )
     result = long_context.main(argv)
     assert result["selections"] == {
-        "joint_fraction": {"top_k_schedule": "fraction", "top_k_fraction": 8 / 64, "k_min": 8,
-                           "top_k": 20},
-        "joint_long_constant": {"top_k_schedule": "constant", "top_k_fraction": None, "top_k": 8}}
+        "joint_fraction": {"top_k_schedule": "fraction", "top_k_fraction": 8 / 64, "k_min": 8, "top_k": 20},
+        "joint_long_constant": {"top_k_schedule": "constant", "top_k_fraction": None, "top_k": 8},
+    }
     short, full = result["evals"]["64"], result["evals"]["160"]
     assert full["buckets"] == [[0, 64], [64, 128], [128, 160]] and short["buckets"] == [[0, 64]]
     assert set(full["results"]) == {"base", *exports, "joint_fraction", "joint_long_constant"}
-    assert set(result["passkey"]["results"]) == {"base", "joint", "control", "joint_long",
-                                                 "control_long", "joint_fraction",
-                                                 "joint_long_constant"}
+    assert set(result["passkey"]["results"]) == {
+        "base",
+        "joint",
+        "control",
+        "joint_long",
+        "control_long",
+        "joint_fraction",
+        "joint_long_constant",
+    }
     models = result["summary"]["models"]
     assert models["joint"]["160"]["ppl_over_control"] == pytest.approx(
-        full["results"]["joint"]["ppl"] / full["results"]["control"]["ppl"])
+        full["results"]["joint"]["ppl"] / full["results"]["control"]["ppl"]
+    )
     assert len(models["joint_long"]["160"]["gate_over_oracle_by_bucket"]) == 3
     targets = result["summary"]["targets"]
     assert set(targets) == {"joint", "joint_fraction", "joint_long", "joint_long_constant"}
-    assert {"ppl_over_control_160", "kv_bytes_ratio_160", "min_bucket_gate_over_oracle_160",
-            "passkey_points_below_control"} <= set(targets["joint_long"])
+    assert {
+        "ppl_over_control_160",
+        "kv_bytes_ratio_160",
+        "min_bucket_gate_over_oracle_160",
+        "passkey_points_below_control",
+    } <= set(targets["joint_long"])
     assert result["probes"]["joint"]["train_len"] == 64
     written = json.loads((tmp_path / "long_context.json").read_text())
     assert {"command", "commit", "device"} <= set(written)
@@ -144,17 +206,40 @@ def test_benchmark_measures_given_exports_and_their_other_schedules_and_resumes(
     assert "stage probe_joint: running" in out and out.count("done before") == 3
 
 
-TINY_TRAINING = ["train.steps=1", "optim.warmup_steps=0", "logging.recall_min_keys=16",
-                 "data.seq_len=64", "gsm.kv_compression.layer_bits={}",
-                 "gsm.sparse_attention.k_min=8"]
+TINY_TRAINING = [
+    "train.steps=1",
+    "optim.warmup_steps=0",
+    "logging.recall_min_keys=16",
+    "data.seq_len=64",
+    "gsm.kv_compression.layer_bits={}",
+    "gsm.sparse_attention.k_min=8",
+]
 TINY_LONG = ["gsm.sparse_attention.top_k=16", "gsm.kv_compression.block_size=16"]
 
 
 def test_benchmark_trains_the_full_context_runs_from_the_long_recipes(tmp_path: Path) -> None:
-    argv = _base_args(tmp_path, "--train", "joint_long", "control_long", "--train-data", PROSE,
-                      "--lengths", "32", "64",
-                      "--windows", "1", "1", "--first-bucket", "32", "--passkey-cases", "0",
-                      "--override", *TINY_TRAINING, "--long-override", *TINY_LONG)
+    argv = _base_args(
+        tmp_path,
+        "--train",
+        "joint_long",
+        "control_long",
+        "--train-data",
+        PROSE,
+        "--lengths",
+        "32",
+        "64",
+        "--windows",
+        "1",
+        "1",
+        "--first-bucket",
+        "32",
+        "--passkey-cases",
+        "0",
+        "--override",
+        *TINY_TRAINING,
+        "--long-override",
+        *TINY_LONG,
+    )
     result = long_context.main(argv)
     runs = tmp_path / "out" / "runs"
     assert sorted(result["exports"]) == ["control_long", "gate_only_long", "joint_long"]
@@ -173,17 +258,20 @@ def test_train_names_the_runs_and_brings_the_runs_they_start_from() -> None:
     assert long_context.to_train(None) == set()
     assert long_context.to_train([]) == set(long_context.RUNS)
     assert long_context.to_train(["control_long"]) == {"control_long", "gate_only_long"}
-    assert long_context.to_train(["joint", "gate_only_long"]) == {"joint", "gate_only",
-                                                                  "gate_only_long"}
+    assert long_context.to_train(["joint", "gate_only_long"]) == {"joint", "gate_only", "gate_only_long"}
 
 
-@pytest.mark.parametrize(("more", "message"), [
-    (["--train"], "--train needs --train-data"),
-    (["--train", "joint_longer", "--train-data", PROSE], "invalid choice: 'joint_longer'"),
-    (["--lengths", "32", "64", "--windows", "1"], "--windows gives 1 counts for 2 --lengths"),
-])
-def test_benchmark_refuses_inconsistent_arguments(tmp_path: Path, more: list[str], message: str,
-                                                  capsys: pytest.CaptureFixture) -> None:
+@pytest.mark.parametrize(
+    ("more", "message"),
+    [
+        (["--train"], "--train needs --train-data"),
+        (["--train", "joint_longer", "--train-data", PROSE], "invalid choice: 'joint_longer'"),
+        (["--lengths", "32", "64", "--windows", "1"], "--windows gives 1 counts for 2 --lengths"),
+    ],
+)
+def test_benchmark_refuses_inconsistent_arguments(
+    tmp_path: Path, more: list[str], message: str, capsys: pytest.CaptureFixture
+) -> None:
     with pytest.raises(SystemExit) as info:
         long_context.main(_base_args(tmp_path, *more))
     assert info.value.code == 2 and message in capsys.readouterr().err

@@ -12,7 +12,6 @@ from run_helpers import KERNEL_DEVICE, KERNELS_RUN_HERE, triton_kernel_test
 from torch import Tensor
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from gsm_train.modules import CacheBridge, SparseGateHead
 from gsm_train.functional.attention_targets import (
     captured_mass,
     gate_distill_loss,
@@ -20,6 +19,7 @@ from gsm_train.functional.attention_targets import (
 )
 from gsm_train.functional.gate_keys import decode_gate_keys, encode_gate_keys, gate_key_bytes
 from gsm_train.functional.top_k import k_per_query, select_top_k
+from gsm_train.modules import CacheBridge, SparseGateHead
 
 T = 24
 
@@ -52,11 +52,14 @@ def _reference_target(query: Tensor, key: Tensor, allowed: Tensor, scaling: floa
 # --------------------------------------------------------------------------- k_per_query
 
 
-@pytest.mark.parametrize(("schedule", "rate", "expected"), [
-    ("constant", 0.5, lambda t: torch.full_like(t, 16.0)),
-    ("exp_decay", 0.05, lambda t: torch.floor(16 * torch.exp(-0.05 * t))),
-    ("linear_decay", 0.5, lambda t: torch.floor(16 - 0.5 * t)),
-])
+@pytest.mark.parametrize(
+    ("schedule", "rate", "expected"),
+    [
+        ("constant", 0.5, lambda t: torch.full_like(t, 16.0)),
+        ("exp_decay", 0.05, lambda t: torch.floor(16 * torch.exp(-0.05 * t))),
+        ("linear_decay", 0.5, lambda t: torch.floor(16 - 0.5 * t)),
+    ],
+)
 def test_k_per_query_schedules(schedule: str, rate: float, expected) -> None:
     t = torch.arange(200)
     k = k_per_query(t, schedule, top_k=16, k_min=4, decay_rate=rate)
@@ -68,23 +71,22 @@ def test_k_per_query_schedules(schedule: str, rate: float, expected) -> None:
         assert int(k[-1]) == 4  # floored at k_min
 
 
-@pytest.mark.parametrize(("fraction", "k_min", "top_k"),
-                         [(0.25, 4, 16), (0.1, 2, 100), (1.0, 1, 7), (0.3, 5, 5)])
+@pytest.mark.parametrize(("fraction", "k_min", "top_k"), [(0.25, 4, 16), (0.1, 2, 100), (1.0, 1, 7), (0.3, 5, 5)])
 def test_fraction_schedule_keeps_a_share_of_the_visible_keys_within_floor_and_ceiling(
-        fraction: float, k_min: int, top_k: int) -> None:
+    fraction: float, k_min: int, top_k: int
+) -> None:
     t = torch.arange(400)
     k = k_per_query(t, "fraction", top_k=top_k, k_min=k_min, decay_rate=0.0, fraction=fraction)
     expected = [min(max(math.ceil(round(fraction * (p + 1), 6)), k_min), top_k) for p in range(400)]
     assert k.dtype == torch.long and k.tolist() == expected
     assert bool(((k >= k_min) & (k <= top_k)).all()) and bool((k[1:] >= k[:-1]).all())
     # never more keys than the query sees once it sees k_min: the counted positions form a suffix
-    assert bool((k[k_min - 1:] <= t[k_min - 1:] + 1).all())
+    assert bool((k[k_min - 1 :] <= t[k_min - 1 :] + 1).all())
 
 
 def test_fraction_schedule_rounds_the_share_as_decimals_do() -> None:
     """0.1 x 30 is 3.0000000000000004 in binary: the schedule keeps 3 keys, as its formula reads."""
-    k = k_per_query(torch.tensor([29, 9]), "fraction", top_k=64, k_min=1, decay_rate=0.0,
-                    fraction=0.1)
+    k = k_per_query(torch.tensor([29, 9]), "fraction", top_k=64, k_min=1, decay_rate=0.0, fraction=0.1)
     assert k.tolist() == [3, 1]
 
 
@@ -106,8 +108,9 @@ def test_k_per_query_rejects_unknown_schedule() -> None:
 # --------------------------------------------------------------------------- select_top_k
 
 
-def _select(k: int | Tensor, allowed: Tensor | None = None, sinks: int = 0, recent: int = 0,
-            seed: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+def _select(
+    k: int | Tensor, allowed: Tensor | None = None, sinks: int = 0, recent: int = 0, seed: int = 0
+) -> tuple[Tensor, Tensor, Tensor]:
     """(selection, allowed, scores) for random scores over T queries and T keys, 2 batch rows, 2 selectors."""
     allowed = _causal() if allowed is None else allowed
     scores = torch.randn(2, 2, T, T, generator=_gen(seed))
@@ -143,8 +146,15 @@ def test_a_larger_top_k_bound_selects_the_same_keys() -> None:
     k = k_per_query(positions, "linear_decay", 9, 2, 0.5)
     for sinks, recent in ((0, 0), (1, 2)):
         for start, stop in ((0, T // 2), (T // 2, T)):
-            args = (scores[..., start:stop, :], _causal()[..., start:stop, :], k[start:stop], positions[start:stop],
-                    positions, sinks, recent)
+            args = (
+                scores[..., start:stop, :],
+                _causal()[..., start:stop, :],
+                k[start:stop],
+                positions[start:stop],
+                positions,
+                sinks,
+                recent,
+            )
             assert torch.equal(select_top_k(*args, int(k.max())), select_top_k(*args))
 
 
@@ -195,8 +205,17 @@ def test_select_top_k_never_selects_disallowed_keys() -> None:
 # --------------------------------------------------------------------------- SparseGateHead
 
 
-def _head_averaged_logits(hidden: Tensor, q_weight: Tensor, k_weight: Tensor, heads: int, kv_heads: int,
-                          head_dim: int, num_selectors: int, cos: Tensor, sin: Tensor) -> Tensor:
+def _head_averaged_logits(
+    hidden: Tensor,
+    q_weight: Tensor,
+    k_weight: Tensor,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    num_selectors: int,
+    cos: Tensor,
+    sin: Tensor,
+) -> Tensor:
     """`(1/H_sel) sum_h q_h . k_g(h) / sqrt(head_dim)` after RoPE, per selector: [1, n, T, T]."""
     q = (hidden @ q_weight.T).view(1, -1, heads, head_dim).transpose(1, 2)
     k = (hidden @ k_weight.T).view(1, -1, kv_heads, head_dim).transpose(1, 2)
@@ -205,12 +224,16 @@ def _head_averaged_logits(hidden: Tensor, q_weight: Tensor, k_weight: Tensor, he
     return logits.unflatten(1, (num_selectors, -1)).mean(2)
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "num_selectors", "gate_dim"), [
-    (1, 1, 1, 16), (4, 2, 2, 16), (4, 2, 1, 16),
-    (1, 1, 1, 32),
-])
-def test_gate_init_reproduces_rank_one_attention(heads: int, kv_heads: int, num_selectors: int,
-                                                 gate_dim: int) -> None:
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "num_selectors", "gate_dim"),
+    [
+        (1, 1, 1, 16),
+        (4, 2, 2, 16),
+        (4, 2, 1, 16),
+        (1, 1, 1, 32),
+    ],
+)
+def test_gate_init_reproduces_rank_one_attention(heads: int, kv_heads: int, num_selectors: int, gate_dim: int) -> None:
     """Each frequency's matrix is rank 1 (query heads of a selector are scaled copies, one KV head per
     selector), so the SVD init reproduces the head-averaged attention logits exactly."""
     hidden_size, head_dim, length = 32, 16, 20
@@ -267,8 +290,10 @@ def test_int8_gate_keys_round_to_half_a_step() -> None:
     # the keys selection scores are the stored ones bit for bit (one expression, compiled in training), and the
     # 1/sqrt(64) on the queries gives the logits' bits
     assert torch.equal(gate.stored_keys(gate_k), decode_gate_keys(codes, scales))
-    assert torch.equal(gate.score_stored(gate_q, gate.stored_keys(gate_k)),
-                       torch.matmul(gate_q, decode_gate_keys(codes, scales).transpose(-1, -2)) / 8.0)
+    assert torch.equal(
+        gate.score_stored(gate_q, gate.stored_keys(gate_k)),
+        torch.matmul(gate_q, decode_gate_keys(codes, scales).transpose(-1, -2)) / 8.0,
+    )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled rounding serves CUDA training steps")
@@ -284,8 +309,9 @@ def test_compiled_int8_gate_key_rounding_keeps_the_fp16_scales() -> None:
 # --------------------------------------------------------------------------- gate_distill_loss
 
 
-def _attention_inputs(heads: int = 4, kv_heads: int = 2, head_dim: int = 8, batch: int = 2,
-                      seed: int = 5) -> tuple[Tensor, Tensor]:
+def _attention_inputs(
+    heads: int = 4, kv_heads: int = 2, head_dim: int = 8, batch: int = 2, seed: int = 5
+) -> tuple[Tensor, Tensor]:
     g = _gen(seed)
     return (torch.randn(batch, heads, T, head_dim, generator=g), torch.randn(batch, kv_heads, T, head_dim, generator=g))
 
@@ -298,7 +324,7 @@ def _distill(chunk: int, num_selectors: int = 2) -> tuple[Tensor, Tensor, Sparse
     gate_q, gate_k = gate(torch.randn(2, T, 16, generator=_gen(6)), *_rope(T, 8))
     allowed = _causal()
     counted = allowed.sum(-1) >= 3
-    total, count = gate_distill_loss(query, key, gate_q, gate_k, allowed, counted, 8 ** -0.5, chunk)
+    total, count = gate_distill_loss(query, key, gate_q, gate_k, allowed, counted, 8**-0.5, chunk)
     total.backward()
     return total, count, gate
 
@@ -351,7 +377,7 @@ def test_distill_loss_zero_when_gate_is_the_attention() -> None:
     """One head and a gate equal to its q/k at the same temperature: KL(target || gate) = 0."""
     query, key = _attention_inputs(heads=1, kv_heads=1)
     allowed = _causal()
-    total, _ = gate_distill_loss(query, key, query, key, allowed, allowed.sum(-1) >= 1, 8 ** -0.5, chunk=5)
+    total, _ = gate_distill_loss(query, key, query, key, allowed, allowed.sum(-1) >= 1, 8**-0.5, chunk=5)
     assert abs(float(total)) < 1e-6
 
 
@@ -400,12 +426,22 @@ def test_captured_mass_by_bucket_is_the_mass_of_each_buckets_queries() -> None:
 
     def mass(first: int, stop: int, buckets: Tensor | None = None) -> dict[str, Tensor]:
         """captured_mass of the queries [first, stop) over the keys [0, stop)."""
-        def pick(a: int, b: int) -> Tensor:
-            return gate_pick[:, :, first + a:first + b, :stop]
 
-        return captured_mass(query[:, :, first:stop], key[:, :, :stop],
-                             allowed[..., first:stop, :stop], 0.4, 4, 3, 5, 2, pick,
-                             bucket_starts=buckets)
+        def pick(a: int, b: int) -> Tensor:
+            return gate_pick[:, :, first + a : first + b, :stop]
+
+        return captured_mass(
+            query[:, :, first:stop],
+            key[:, :, :stop],
+            allowed[..., first:stop, :stop],
+            0.4,
+            4,
+            3,
+            5,
+            2,
+            pick,
+            bucket_starts=buckets,
+        )
 
     sums = mass(0, T, torch.tensor([0, 6, 13]))
     for index, (start, stop) in enumerate(((0, 6), (6, 13), (13, T))):
@@ -425,12 +461,14 @@ def test_captured_mass_at_each_querys_own_k() -> None:
     k_rows = torch.arange(T) % 5 + 1
     sums = captured_mass(query, key, allowed, 0.4, k_rows, 3, 7, 2, None)
     target = _reference_target(query, key, allowed, 0.4, 2)
-    by_hand = sum(float(target[:, :, t].topk(int(k_rows[t]), dim=-1).values.sum())
-                  for t in range(2, T))  # rows with at least 3 keys
+    by_hand = sum(
+        float(target[:, :, t].topk(int(k_rows[t]), dim=-1).values.sum()) for t in range(2, T)
+    )  # rows with at least 3 keys
     assert float(sums["oracle"]) == pytest.approx(by_hand, rel=1e-5)
     constant = captured_mass(query, key, allowed, 0.4, torch.full((T,), 4), 3, 7, 2, None)
-    assert torch.allclose(constant["oracle"], captured_mass(query, key, allowed, 0.4, 4, 3, 7, 2,
-                                                            None)["oracle"], rtol=1e-12, atol=0)
+    assert torch.allclose(
+        constant["oracle"], captured_mass(query, key, allowed, 0.4, 4, 3, 7, 2, None)["oracle"], rtol=1e-12, atol=0
+    )
 
 
 def test_captured_mass_independent_of_chunk() -> None:
@@ -482,8 +520,13 @@ def test_attention_target_kernel_matches_the_dense_softmax(selectors: int) -> No
     expected = _reference_target(query, key, allowed, 0.3, selectors).nan_to_num(0.0) * sees_keys
     for limit in (None, index + 1):
         got = attention_target.head_averaged_probs(
-            query.to(device), key.to(device), allowed.to(device), 0.3, selectors,
-            None if limit is None else limit.to(device)).cpu()
+            query.to(device),
+            key.to(device),
+            allowed.to(device),
+            0.3,
+            selectors,
+            None if limit is None else limit.to(device),
+        ).cpu()
         torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
 
 
@@ -537,8 +580,8 @@ def test_bridge_rejects_unknown_mode() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled training paths run on the GPU only")
 def test_compiled_gate_paths_match_the_written_ones() -> None:
-    from gsm_train.functional.attention_targets import chunk_kl
     from gsm_train.compiled import compiled
+    from gsm_train.functional.attention_targets import chunk_kl
     from gsm_train.functional.gate_distill import _gate_kl_from_hidden
     from gsm_train.functional.gate_rope import rope_pair
 
@@ -549,8 +592,9 @@ def test_compiled_gate_paths_match_the_written_ones() -> None:
     mask = (torch.arange(32)[None, :] <= torch.arange(16, 32)[:, None])[None, None].to(cuda)
     rows = torch.ones(1, 1, 16, device=cuda)
     target = head_averaged_probs(query, key, mask, 0.3, 1)
-    for written, fused in zip(chunk_kl(gq, gk, target, mask, rows, True),
-                              compiled(chunk_kl)(gq, gk, target, mask, rows, True)):
+    for written, fused in zip(
+        chunk_kl(gq, gk, target, mask, rows, True), compiled(chunk_kl)(gq, gk, target, mask, rows, True)
+    ):
         torch.testing.assert_close(fused, written, atol=1e-5, rtol=1e-5)
     cos, sin = torch.randn(2, 16, 8, generator=gen).to(cuda), torch.randn(2, 16, 8, generator=gen).to(cuda)
     index = torch.tensor([[0, 3, 1, 2]], device=cuda)
@@ -559,8 +603,19 @@ def test_compiled_gate_paths_match_the_written_ones() -> None:
     hidden, weights = torch.randn(2, 32, 16, generator=gen).to(cuda), torch.randn(2, 8, 16, generator=gen).to(cuda)
     rows_index = torch.tensor([1, 5, 9, 15], device=cuda)
     cos32, sin32 = torch.randn(2, 32, 8, generator=gen).to(cuda), torch.randn(2, 32, 8, generator=gen).to(cuda)
-    fused_args = (weights[0], weights[1], hidden, cos32, sin32, index, target[:, :, :4], mask[..., :4, :],
-                  rows[..., :4], rows_index, True)
+    fused_args = (
+        weights[0],
+        weights[1],
+        hidden,
+        cos32,
+        sin32,
+        index,
+        target[:, :, :4],
+        mask[..., :4, :],
+        rows[..., :4],
+        rows_index,
+        True,
+    )
     for written, fused in zip(_gate_kl_from_hidden(*fused_args), compiled(_gate_kl_from_hidden)(*fused_args)):
         torch.testing.assert_close(fused, written, atol=1e-4, rtol=1e-4)
     outs = [fn(q, k, cos, sin, index) for fn in (rope_pair, compiled(rope_pair))]
@@ -590,12 +645,24 @@ def test_gate_loss_from_hidden_equals_the_gate_head_and_autograd(selectors: int)
     counted = allowed.sum(-1) >= 6
     index = torch.tensor([3, 9, 17, 23])
     gate_q, gate_k = gate(hidden, cos, sin)
-    expected, expected_count = gate_distill_loss(query[:, :, index], key, gate_q[:, :, index], gate_k,
-                                                 allowed[..., index, :], counted[..., index], 0.25, 64,
-                                                 torch.full((len(index),), 24))
+    expected, expected_count = gate_distill_loss(
+        query[:, :, index],
+        key,
+        gate_q[:, :, index],
+        gate_k,
+        allowed[..., index, :],
+        counted[..., index],
+        0.25,
+        64,
+        torch.full((len(index),), 24),
+    )
     expected_grads = torch.autograd.grad(expected, (gate.q_proj.weight, gate.k_proj.weight))
-    total, count = gate(hidden, cos, sin, DistillTarget(query[:, :, index], key, allowed[..., index, :],
-                                                        counted[..., index], index, 0.25))
+    total, count = gate(
+        hidden,
+        cos,
+        sin,
+        DistillTarget(query[:, :, index], key, allowed[..., index, :], counted[..., index], index, 0.25),
+    )
     grads = torch.autograd.grad(total, (gate.q_proj.weight, gate.k_proj.weight))
     assert int(count) == int(expected_count) == 2 * selectors * 3
     torch.testing.assert_close(total, expected, rtol=1e-6, atol=1e-6)

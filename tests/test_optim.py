@@ -9,16 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from run_helpers import GATE_RECIPE, TINY_GATE
 from torch import nn
 
 from gsm_train.optim import AdamWBF16, stochastic_round_bf16
 from gsm_train.train import train_recipe
-from run_helpers import GATE_RECIPE, TINY_GATE
 
 
-def _pair(
-    shape: tuple[int, ...], **settings: float
-) -> tuple[nn.Parameter, torch.optim.AdamW, nn.Parameter, AdamWBF16]:
+def _pair(shape: tuple[int, ...], **settings: float) -> tuple[nn.Parameter, torch.optim.AdamW, nn.Parameter, AdamWBF16]:
     start = torch.randn(shape, generator=torch.Generator().manual_seed(0))
     ours, theirs = nn.Parameter(start.clone()), nn.Parameter(start.clone())
     return theirs, torch.optim.AdamW([theirs], **settings), ours, AdamWBF16([ours], **settings)
@@ -40,10 +38,7 @@ def test_it_follows_torch_adamw_within_the_rounding_of_its_moments() -> None:
     assert (ours - theirs).abs().mean() < 0.01 * moved
     assert (ours - theirs).abs().max() < 0.1 * moved
     state = optimizer.state[ours]
-    assert (
-        state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16
-        and float(state["step"]) == 30
-    )
+    assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16 and float(state["step"]) == 30
     assert optimizer.state_dict()["state"][0].keys() == reference.state_dict()["state"][0].keys()
 
 
@@ -53,9 +48,7 @@ def test_stochastic_rounding_lets_the_second_moment_decay() -> None:
     param.grad = torch.ones_like(param)
     optimizer.step()
     first = optimizer.state[param]["exp_avg_sq"].float()
-    for _ in range(
-        200
-    ):  # each step scales v by 0.999: below half a bf16 unit, so nearest rounding keeps v
+    for _ in range(200):  # each step scales v by 0.999: below half a bf16 unit, so nearest rounding keeps v
         param.grad = torch.zeros_like(param)
         optimizer.step()
     decayed = optimizer.state[param]["exp_avg_sq"].float()
@@ -67,12 +60,8 @@ def test_stochastic_rounding_lets_the_second_moment_decay() -> None:
 
 
 def test_stochastic_rounding_is_unbiased_and_lands_on_bf16_values() -> None:
-    values = torch.full(
-        (200_000,), 1.0 + 2**-9
-    )  # a quarter of the way from 1 to the next bf16, 1 + 2^-7
-    noise = torch.randint(
-        0, 2**16, values.shape, dtype=torch.int32, generator=torch.Generator().manual_seed(2)
-    )
+    values = torch.full((200_000,), 1.0 + 2**-9)  # a quarter of the way from 1 to the next bf16, 1 + 2^-7
+    noise = torch.randint(0, 2**16, values.shape, dtype=torch.int32, generator=torch.Generator().manual_seed(2))
     rounded = stochastic_round_bf16(values, noise)
     assert torch.equal(rounded, rounded.bfloat16().float())
     assert set(rounded.unique().tolist()) == {1.0, 1.0 + 2**-7}

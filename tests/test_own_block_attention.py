@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gsm_train.modules.layout import block_causal_kv
+from gsm_train.attention.layout import block_causal_kv
 from gsm_train.functional.own_block_attention import fits, own_block_attention
 
 
-@pytest.mark.parametrize(("block_size", "selectors", "mask_batch"),
-                         [(128, 1, 2), (256, 1, 2), (64, 1, 2), (128, 2, 2), (128, 1, 1)])
+@pytest.mark.parametrize(
+    ("block_size", "selectors", "mask_batch"), [(128, 1, 2), (256, 1, 2), (64, 1, 2), (128, 2, 2), (128, 1, 1)]
+)
 def test_forward_equals_masked_sdpa_over_both_versions(block_size: int, selectors: int, mask_batch: int) -> None:
     """Same output for one selection per layer or per KV head, ASQ blocks of one or two tiles or half a tile, and a
     selection shared by the batch (dense mode: the causal mask)."""
@@ -25,8 +26,12 @@ def test_forward_equals_masked_sdpa_over_both_versions(block_size: int, selector
     keys, values, mask = block_causal_kv(stored_k, stored_v, (raw_k, raw_v), selection, positions, block_size)
     groups = heads // selectors
     expected = torch.nn.functional.scaled_dot_product_attention(
-        query, keys.repeat_interleave(heads // kv_heads, 1), values.repeat_interleave(heads // kv_heads, 1),
-        attn_mask=mask.repeat_interleave(groups, 1), scale=0.25).transpose(1, 2)
+        query,
+        keys.repeat_interleave(heads // kv_heads, 1),
+        values.repeat_interleave(heads // kv_heads, 1),
+        attn_mask=mask.repeat_interleave(groups, 1),
+        scale=0.25,
+    ).transpose(1, 2)
     got = own_block_attention(query, (stored_k, stored_v), (raw_k, raw_v), selection, block_size, 0.25, gqa=True)
     torch.testing.assert_close(got, expected, atol=2e-6, rtol=0)
 
@@ -35,6 +40,7 @@ def test_forward_equals_masked_sdpa_over_both_versions(block_size: int, selector
 def test_fits_whole_tiles_in_training_dtypes_only() -> None:
     def query(length: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         return torch.zeros(1, 2, length, 16, device="cuda", dtype=dtype)
+
     assert fits(query(2048)) and fits(query(512)) and fits(query(512, torch.float32))
     assert not fits(query(2000)) and not fits(query(512, torch.float64))
 
@@ -55,11 +61,14 @@ def test_gradients_equal_masked_sdpa_on_the_gpu(block_size: int) -> None:
     query, stored_k, stored_v, raw_k, raw_v = inputs
     causal = torch.ones(length, length, dtype=torch.bool, device="cuda").tril()
     selection = ((torch.rand(batch, 1, length, length, device="cuda") > 0.9) & causal) | torch.eye(
-        length, dtype=torch.bool, device="cuda")
-    keys, values, mask = block_causal_kv(stored_k, stored_v, (raw_k, raw_v), selection,
-                                         torch.arange(length, device="cuda"), block_size)
-    expected = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=0.125,
-                                                                enable_gqa=True).transpose(1, 2)
+        length, dtype=torch.bool, device="cuda"
+    )
+    keys, values, mask = block_causal_kv(
+        stored_k, stored_v, (raw_k, raw_v), selection, torch.arange(length, device="cuda"), block_size
+    )
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, keys, values, attn_mask=mask, scale=0.125, enable_gqa=True
+    ).transpose(1, 2)
     got = own_block_attention(query, (stored_k, stored_v), (raw_k, raw_v), selection, block_size, 0.125, gqa=True)
     grad = torch.randn_like(expected)
     for a, b in zip(torch.autograd.grad(expected, inputs, grad), torch.autograd.grad(got, inputs, grad)):
@@ -67,8 +76,9 @@ def test_gradients_equal_masked_sdpa_on_the_gpu(block_size: int) -> None:
     torch.testing.assert_close(got, expected, atol=2e-3, rtol=2e-3)
 
 
-@pytest.mark.parametrize(("length", "block_size"),
-                         [(512, 128), (512, 256), (1024, 512), (256, 256), (512, 64), (512, 32), (768, 96)])
+@pytest.mark.parametrize(
+    ("length", "block_size"), [(512, 128), (512, 256), (1024, 512), (256, 256), (512, 64), (512, 32), (768, 96)]
+)
 def test_tile_lists_are_the_tiles_the_rule_touches(length: int, block_size: int) -> None:
     """The block mask's tile lists (built from the block structure alone) name exactly the tiles where some
     query may see some key, as FlexAttention's own builder finds them from the rule itself. On CPU flex
@@ -84,14 +94,15 @@ def test_tile_lists_are_the_tiles_the_rule_touches(length: int, block_size: int)
 
     reference = create_block_mask(rule, None, None, length, 2 * length, device="cpu", BLOCK_SIZE=TILE)
     counts, indices = _tile_structure(length, block_size, torch.device("cpu"))
-    ref_counts = reference.kv_num_blocks + (reference.full_kv_num_blocks if reference.full_kv_num_blocks is not None
-                                            else 0)
+    ref_counts = reference.kv_num_blocks + (
+        reference.full_kv_num_blocks if reference.full_kv_num_blocks is not None else 0
+    )
     assert torch.equal(counts.flatten(), ref_counts.flatten().to(counts.dtype))
     for row in range(length // TILE):
-        ours = set(indices[0, 0, row, :counts[0, 0, row]].tolist())
-        theirs = set(reference.kv_indices[0, 0, row, :reference.kv_num_blocks[0, 0, row]].tolist())
+        ours = set(indices[0, 0, row, : counts[0, 0, row]].tolist())
+        theirs = set(reference.kv_indices[0, 0, row, : reference.kv_num_blocks[0, 0, row]].tolist())
         if reference.full_kv_num_blocks is not None:
-            theirs |= set(reference.full_kv_indices[0, 0, row, :reference.full_kv_num_blocks[0, 0, row]].tolist())
+            theirs |= set(reference.full_kv_indices[0, 0, row, : reference.full_kv_num_blocks[0, 0, row]].tolist())
         assert ours == theirs, row
 
 
@@ -117,13 +128,15 @@ def test_under_autocast_fp32_inputs_attend_in_bf16_as_the_masked_sdpa() -> None:
     stored_k, stored_v, raw_k, raw_v = (torch.randn(batch, kv_heads, length, dim, device="cuda") for _ in range(4))
     causal = torch.ones(length, length, dtype=torch.bool, device="cuda").tril()
     selection = ((torch.rand(batch, 1, length, length, device="cuda") > 0.9) & causal) | torch.eye(
-        length, dtype=torch.bool, device="cuda")
-    keys, values, mask = block_causal_kv(stored_k, stored_v, (raw_k, raw_v), selection,
-                                         torch.arange(length, device="cuda"), block_size)
+        length, dtype=torch.bool, device="cuda"
+    )
+    keys, values, mask = block_causal_kv(
+        stored_k, stored_v, (raw_k, raw_v), selection, torch.arange(length, device="cuda"), block_size
+    )
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        expected = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=0.125,
-                                                                    enable_gqa=True).transpose(1, 2)
-        got = own_block_attention(query, (stored_k, stored_v), (raw_k, raw_v), selection, block_size, 0.125,
-                                  gqa=True)
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            query, keys, values, attn_mask=mask, scale=0.125, enable_gqa=True
+        ).transpose(1, 2)
+        got = own_block_attention(query, (stored_k, stored_v), (raw_k, raw_v), selection, block_size, 0.125, gqa=True)
     assert got.dtype == expected.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)

@@ -11,14 +11,23 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from gsm_train.attention import inject_gsm
 from gsm_train.cli import main as cli_main
 from gsm_train.config import GSMConfig
 from gsm_train.data import DataError
 from gsm_train.export import export_adapter
 from gsm_train.model_zoo import byte_tokenizer, tiny_model
-from gsm_train.modules import inject_gsm
-from gsm_train.passkey import (INTRO, NEEDLE, QUESTION, PasskeyCase, evaluate_passkey,
-                               filler_tokens, passkey_cases, passkey_in, score_passkey)
+from gsm_train.passkey import (
+    INTRO,
+    NEEDLE,
+    QUESTION,
+    PasskeyCase,
+    evaluate_passkey,
+    filler_tokens,
+    passkey_cases,
+    passkey_in,
+    score_passkey,
+)
 
 LENGTH = 300  # tokens per case with the byte tokenizer: the fixed pieces take about 200
 
@@ -44,10 +53,9 @@ def test_cases_hide_a_five_digit_key_at_a_uniform_depth_and_ask_for_it_at_the_en
     for case in cases:
         assert len(case.ids) == LENGTH and case.key.isdigit() and 10000 <= int(case.key) <= 99999
         needle = tokenizer(NEEDLE.format(key=case.key)).input_ids
-        room = (LENGTH - intro - len(needle) - len(tokenizer(QUESTION).input_ids)
-                - len(case.answer))
+        room = LENGTH - intro - len(needle) - len(tokenizer(QUESTION).input_ids) - len(case.answer)
         assert case.needle_start == intro + round(case.depth * room)
-        assert case.prompt[case.needle_start:case.needle_start + len(needle)].tolist() == needle
+        assert case.prompt[case.needle_start : case.needle_start + len(needle)].tolist() == needle
         assert tokenizer.decode(case.prompt).endswith(QUESTION)
         assert tokenizer.decode(case.answer) == f" {case.key}"
     depths = torch.tensor([case.depth for case in cases])
@@ -67,9 +75,16 @@ def test_a_case_too_short_for_its_pieces_or_its_filler_is_refused() -> None:
         passkey_cases(tokenizer, torch.arange(10), LENGTH, 1, 0)
 
 
-@pytest.mark.parametrize(("text", "found"), [(" 12345.", "12345"), ("12345 is the key", "12345"),
-                                             (" 123456", "123456"), (" the key", None),
-                                             ("\nkey 1234", "1234")])
+@pytest.mark.parametrize(
+    ("text", "found"),
+    [
+        (" 12345.", "12345"),
+        ("12345 is the key", "12345"),
+        (" 123456", "123456"),
+        (" the key", None),
+        ("\nkey 1234", "1234"),
+    ],
+)
 def test_the_first_digits_of_a_continuation_are_its_answer(text: str, found: str | None) -> None:
     assert passkey_in(text) == found
 
@@ -83,8 +98,9 @@ class ScriptedLM(nn.Module):
         self.script, self.vocab = script, vocab
         self.anchor = nn.Parameter(torch.zeros(1))  # gives the scorer a device
 
-    def forward(self, input_ids: Tensor, use_cache: bool = False, logits_to_keep: int = 0,
-                **_: object) -> SimpleNamespace:
+    def forward(
+        self, input_ids: Tensor, use_cache: bool = False, logits_to_keep: int = 0, **_: object
+    ) -> SimpleNamespace:
         logits = torch.nn.functional.one_hot(self.script[1:], self.vocab).float()
         logits = torch.cat((logits, torch.zeros(1, self.vocab)))[None]
         logits = logits.expand(len(input_ids), -1, -1)
@@ -112,12 +128,12 @@ def _export(tmp_path: Path, name: str, gsm: dict) -> str:
     return str(export_adapter(model, tmp_path / name, base_name="tiny-llama"))
 
 
-def test_the_scorer_runs_base_control_and_gsm_through_teacher_forcing_and_the_cache(
-        tmp_path: Path) -> None:
-    exports = {"dense_control": _export(tmp_path, "control", {"gsm_enabled": False}),
-               "gsm": _export(tmp_path, "gsm", {"sparse_attention": {"top_k": 8, "k_min": 8}})}
-    report = evaluate_passkey("tiny-llama", exports, "embedded:sample_prose", LENGTH, 4, 0,
-                              batch_size=2, generate=True)
+def test_the_scorer_runs_base_control_and_gsm_through_teacher_forcing_and_the_cache(tmp_path: Path) -> None:
+    exports = {
+        "dense_control": _export(tmp_path, "control", {"gsm_enabled": False}),
+        "gsm": _export(tmp_path, "gsm", {"sparse_attention": {"top_k": 8, "k_min": 8}}),
+    }
+    report = evaluate_passkey("tiny-llama", exports, "embedded:sample_prose", LENGTH, 4, 0, batch_size=2, generate=True)
     assert set(report["results"]) == {"base", "dense_control", "gsm"}
     for result in report["results"].values():
         assert result["cases"] == 4 and sum(q["cases"] for q in result["by_depth"]) == 4
@@ -130,8 +146,7 @@ def test_the_scorer_runs_base_control_and_gsm_through_teacher_forcing_and_the_ca
 
 
 def test_cli_writes_json_and_table(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    argv = ["passkey", "--model", "tiny-llama", "--length", str(LENGTH), "--cases", "2",
-            "--out", str(tmp_path / "pk")]
+    argv = ["passkey", "--model", "tiny-llama", "--length", str(LENGTH), "--cases", "2", "--out", str(tmp_path / "pk")]
     assert cli_main(argv) == 0
     assert "| base |" in capsys.readouterr().out
     report = json.loads((tmp_path / "pk" / "passkey.json").read_text())

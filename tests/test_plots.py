@@ -22,9 +22,11 @@ def test_layer_sensitivity_plot_refuses_nothing(tmp_path: Path) -> None:
 def test_quality_vs_kv_plot_is_written_with_runs_near_the_goal_and_far_from_it(tmp_path: Path) -> None:
     from gsm_train.plots import plot_quality_vs_kv
 
-    points = [{"label": "far", "kv_bytes_ratio": 0.59, "ppl_over_control": 1.02},
-              {"label": "near a", "kv_bytes_ratio": 0.2999, "ppl_over_control": 1.048},
-              {"label": "near b", "kv_bytes_ratio": 0.2999, "ppl_over_control": 1.051}]
+    points = [
+        {"label": "far", "kv_bytes_ratio": 0.59, "ppl_over_control": 1.02},
+        {"label": "near a", "kv_bytes_ratio": 0.2999, "ppl_over_control": 1.048},
+        {"label": "near b", "kv_bytes_ratio": 0.2999, "ppl_over_control": 1.051},
+    ]
     assert plot_quality_vs_kv(points, 1.05, 0.30, tmp_path / "q.png").stat().st_size > 1000
     assert plot_quality_vs_kv(points[:1], 1.05, 0.30, tmp_path / "one.png").stat().st_size > 1000  # none near
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from run_helpers import REPO, losses, records, run_processes, torchrun
 from safetensors.torch import load_file
 
 from gsm_train.checkpoint import (
@@ -30,7 +31,6 @@ from gsm_train.session import TrainingSession
 from gsm_train.sharded_checkpoint import read_full_tensors
 from gsm_train.stages import JointStage
 from gsm_train.train import train_recipe
-from run_helpers import REPO, losses, records, run_processes, torchrun
 
 JOINT = str(REPO / "recipes" / "joint.yaml")
 ROWS = 6  # rows a micro-step: 3 on each of 2 processes, 2 on each of 3, 6 on 1
@@ -86,9 +86,7 @@ def killed(tmp_path_factory: pytest.TempPathFactory) -> Path:
             f"output.dir={run}",
         ],
     )
-    killed_ranks = proc.stderr.count(
-        f"exitcode  : -{int(signal.SIGKILL)} "
-    )  # torchrun's report of each rank
+    killed_ranks = proc.stderr.count(f"exitcode  : -{int(signal.SIGKILL)} ")  # torchrun's report of each rank
     assert proc.returncode != 0 and killed_ranks == 2, proc.stderr[-3000:]
     return run
 
@@ -106,9 +104,7 @@ def test_a_kill_while_writing_shards_leaves_the_previous_checkpoint_whole(killed
     good, problems = newest_good_checkpoint(killed)
     assert good is not None and good.name == "step_00000003" and problems == []
     assert (killed / "checkpoints" / "latest").read_text() == "step_00000003"
-    assert (killed / "checkpoints" / "step_00000006.tmp").is_dir(), (
-        "the kill came while step 6 was written"
-    )
+    assert (killed / "checkpoints" / "step_00000006.tmp").is_dir(), "the kill came while step 6 was written"
     state = read_state(good)
     assert (state["world_size"], state["format"], state["data"]["global_batch_size"]) == (
         2,
@@ -119,27 +115,19 @@ def test_a_kill_while_writing_shards_leaves_the_previous_checkpoint_whole(killed
     assert shards == ["__0_0.distcp", "__1_0.distcp"]  # each rank wrote its own
 
 
-def test_resume_on_three_processes_continues_as_a_run_on_three(
-    killed: Path, three: Path, tmp_path: Path
-) -> None:
-    run = shutil.copytree(
-        killed, tmp_path / "run"
-    )  # with the dead run's lock, as a crash leaves it
+def test_resume_on_three_processes_continues_as_a_run_on_three(killed: Path, three: Path, tmp_path: Path) -> None:
+    run = shutil.copytree(killed, tmp_path / "run")  # with the dead run's lock, as a crash leaves it
     run_processes(3, JOINT, _at(3), run, "--resume", "auto")
     setup = [r for r in records(run) if r["kind"] == "setup"][-1]
     assert setup["world_size"] == 3 and setup["resumed_from"].endswith("step_00000003")
     assert losses(run)[-3:] == pytest.approx(losses(three)[3:], abs=TOLERANCE)
-    assert losses(killed)[:3] == pytest.approx(
-        losses(three)[:3], abs=TOLERANCE
-    )  # the same steps at 2 and 3
+    assert losses(killed)[:3] == pytest.approx(losses(three)[:3], abs=TOLERANCE)  # the same steps at 2 and 3
     assert verify_checkpoint(run / "checkpoints" / "step_00000006") is None
 
 
 def test_resume_in_one_process_continues_as_a_run_in_one(killed: Path, tmp_path: Path) -> None:
     one = train_recipe(JOINT, [*_at(1), f"output.dir={tmp_path / 'one'}"])
-    run = shutil.copytree(
-        killed, tmp_path / "run"
-    )  # with the dead run's lock, as a crash leaves it
+    run = shutil.copytree(killed, tmp_path / "run")  # with the dead run's lock, as a crash leaves it
     resumed = train_recipe(JOINT, [*_at(1), f"output.dir={run}"], resume="auto")
     assert resumed.losses == pytest.approx(one.losses[3:], abs=TOLERANCE)
 
@@ -167,6 +155,4 @@ def test_a_sharded_checkpoint_exports_in_one_process(killed: Path, tmp_path: Pat
     saved = read_trainables(checkpoint)
     exported = load_file(str(out / "gsm_modules.safetensors"))
     gsm = {name: t for name, t in saved.items() if ".gsm." in name}
-    assert gsm.keys() <= exported.keys() and all(
-        torch.equal(exported[n], t) for n, t in gsm.items()
-    )
+    assert gsm.keys() <= exported.keys() and all(torch.equal(exported[n], t) for n, t in gsm.items())

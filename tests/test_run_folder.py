@@ -14,17 +14,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from run_helpers import GATE_RECIPE, REPO, TINY_GATE, file_digests, records
 from safetensors.torch import load_file
 
 from gsm_train import cli
 from gsm_train.run_folder import LOCK, RUN_FILE
 from gsm_train.train import train_recipe
-from run_helpers import GATE_RECIPE, REPO, TINY_GATE, file_digests, records
 
 EIGHT_STEPS = [*TINY_GATE, "train.steps=8", "output.checkpoint_every=4"]
 # the issue's second run into a reused folder: another seed and learning rate, 2 steps
-OTHER_RUN = [*TINY_GATE, "train.steps=2", "output.checkpoint_every=2", "train.seed=7",
-             "optim.lr=0.02"]
+OTHER_RUN = [*TINY_GATE, "train.steps=2", "output.checkpoint_every=2", "train.seed=7", "optim.lr=0.02"]
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +44,8 @@ def _adapter(run: Path) -> dict[str, torch.Tensor]:
 
 
 def test_a_folder_holding_a_run_is_refused_and_left_as_it_was(
-        finished_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    finished_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     reused = _copy(finished_run, tmp_path / "reused")
     before = file_digests(reused)
     status = cli.main(["train", GATE_RECIPE, *OTHER_RUN, f"output.dir={reused}"])
@@ -56,8 +56,7 @@ def test_a_folder_holding_a_run_is_refused_and_left_as_it_was(
     assert file_digests(reused) == before
 
 
-def test_overwrite_starts_over_removing_only_what_a_run_writes(finished_run: Path,
-                                                               tmp_path: Path) -> None:
+def test_overwrite_starts_over_removing_only_what_a_run_writes(finished_run: Path, tmp_path: Path) -> None:
     reused = _copy(finished_run, tmp_path / "reused")
     (reused / "notes.txt").write_text("mine\n")
     (reused / "data").mkdir()
@@ -78,27 +77,36 @@ def test_overwrite_starts_over_removing_only_what_a_run_writes(finished_run: Pat
     args = json.loads((reused / "export" / "training_args.json").read_text())["recipe"]
     assert args["optim"]["lr"] == 0.02 and args["train"]["seed"] == 7
     # --resume auto now continues the new run (from its step 2), not the old one's step 8
-    assert cli.main(["train", GATE_RECIPE, *OTHER_RUN, "train.steps=4", f"output.dir={reused}",
-                     "--resume", "auto"]) == 0
+    assert (
+        cli.main(["train", GATE_RECIPE, *OTHER_RUN, "train.steps=4", f"output.dir={reused}", "--resume", "auto"]) == 0
+    )
     setups = [r for r in records(reused) if r["kind"] == "setup"]
     assert [s["step"] for s in setups] == [0, 2]
     assert setups[-1]["resumed_from"].endswith("step_00000002")
 
 
 def test_resume_from_another_runs_checkpoint_into_a_folder_is_refused(
-        finished_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    finished_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     other = _copy(finished_run, tmp_path / "other")
     (other / RUN_FILE).write_text(json.dumps({"run_id": "another-run"}))
     checkpoint = finished_run / "checkpoints" / "step_00000004"
     before = file_digests(other)
-    status = cli.main(["train", GATE_RECIPE, *EIGHT_STEPS, f"output.dir={other}",
-                       "--resume", str(checkpoint)])
+    status = cli.main(["train", GATE_RECIPE, *EIGHT_STEPS, f"output.dir={other}", "--resume", str(checkpoint)])
     err = capsys.readouterr().err
     assert status == 2 and "holds another run" in err and "another-run" in err, err
     assert file_digests(other) == before
     same = _copy(finished_run, tmp_path / "same")  # its own older checkpoint: step 8 would go
-    status = cli.main(["train", GATE_RECIPE, *EIGHT_STEPS, f"output.dir={same}",
-                       "--resume", str(same / "checkpoints" / "step_00000004")])
+    status = cli.main(
+        [
+            "train",
+            GATE_RECIPE,
+            *EIGHT_STEPS,
+            f"output.dir={same}",
+            "--resume",
+            str(same / "checkpoints" / "step_00000004"),
+        ]
+    )
     err = capsys.readouterr().err
     assert status == 2 and "newer checkpoints of this run (step_00000008)" in err, err
 
@@ -118,8 +126,7 @@ def test_a_live_lock_refuses_the_run(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert sorted(p.name for p in run.iterdir()) == [LOCK]
 
 
-def test_a_stale_lock_is_taken_over_with_a_warning(tmp_path: Path,
-                                                   capsys: pytest.CaptureFixture) -> None:
+def test_a_stale_lock_is_taken_over_with_a_warning(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     run = tmp_path / "run"
@@ -134,10 +141,21 @@ def test_two_runs_started_together_on_one_folder(tmp_path: Path) -> None:
     already finished, on the run it left); the first run's records are not mixed with another's."""
     run = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "gsm_train.train", "--recipe", GATE_RECIPE, *TINY_GATE,
-               "train.steps=20", "output.checkpoint_every=10", f"output.dir={run}"]
-    both = [subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                             env=env) for _ in range(2)]
+    command = [
+        sys.executable,
+        "-m",
+        "gsm_train.train",
+        "--recipe",
+        GATE_RECIPE,
+        *TINY_GATE,
+        "train.steps=20",
+        "output.checkpoint_every=10",
+        f"output.dir={run}",
+    ]
+    both = [
+        subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        for _ in range(2)
+    ]
     outcomes = sorted(_finish(proc) for proc in both)
     (ok, _), (refused, message) = outcomes
     assert (ok, refused) == (0, 2), outcomes

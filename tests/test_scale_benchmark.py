@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from run_helpers import GATE_RECIPE
 
 from benchmarks import scale_8b
 from gsm_train.config import load_recipe
 from gsm_train.model_zoo import random_model, read_model_config
-from run_helpers import GATE_RECIPE
 
 TINY = [
     "--model",
@@ -32,9 +32,7 @@ TINY = [
 ]
 
 
-def test_every_row_runs_on_a_tiny_model_and_a_second_run_resumes(
-    tmp_path: Path, capsys: pytest.CaptureFixture
-) -> None:
+def test_every_row_runs_on_a_tiny_model_and_a_second_run_resumes(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     result = tmp_path / "scale.json"
     scale_8b.main(["--result", str(result), *TINY])
     written = json.loads(result.read_text())
@@ -67,15 +65,8 @@ def test_model_flops_of_llama3_8b_shapes() -> None:
 
 
 def test_random_llama3_8b_is_built_on_the_device_in_the_dtype_asked() -> None:
-    model = random_model(
-        "random-llama3-8b", torch.bfloat16, "meta"
-    )  # the meta device holds no memory
+    model = random_model("random-llama3-8b", torch.bfloat16, "meta")  # the meta device holds no memory
     params = list(model.parameters())
     assert sum(p.numel() for p in params) == 8_030_261_248
-    assert {p.device.type for p in params} == {"meta"} and {p.dtype for p in params} == {
-        torch.bfloat16
-    }
-    assert (
-        load_recipe(GATE_RECIPE, ["model.name_or_path=random-llama3-8b"]).model.name_or_path
-        == "random-llama3-8b"
-    )
+    assert {p.device.type for p in params} == {"meta"} and {p.dtype for p in params} == {torch.bfloat16}
+    assert load_recipe(GATE_RECIPE, ["model.name_or_path=random-llama3-8b"]).model.name_or_path == "random-llama3-8b"

@@ -15,14 +15,25 @@ pytestmark = TRITON_KERNEL_MARKS
 
 def _torch_selection(scores, allowed, k, positions, start, sinks=0, recent=0):
     """select_top_k's PyTorch path (sorted top-k: the same set when no two scores tie)."""
-    queries = positions[start:start + scores.shape[2]]
+    queries = positions[start : start + scores.shape[2]]
     k_per_query = torch.full((scores.shape[2],), k, device=scores.device)
-    return select_top_k(scores.cpu(), allowed.cpu(), k_per_query.cpu(), queries.cpu(), positions.cpu(), sinks, recent,
-                        k, uniform_k=False)
+    return select_top_k(
+        scores.cpu(),
+        allowed.cpu(),
+        k_per_query.cpu(),
+        queries.cpu(),
+        positions.cpu(),
+        sinks,
+        recent,
+        k,
+        uniform_k=False,
+    )
 
 
-@pytest.mark.parametrize(("length", "k", "sinks", "recent"), [(300, 40, 0, 0), (300, 40, 4, 8), (2048, 256, 0, 0),
-                                                               (64, 200, 0, 0), (2048, 1, 1, 0), (5000, 700, 0, 16)])
+@pytest.mark.parametrize(
+    ("length", "k", "sinks", "recent"),
+    [(300, 40, 0, 0), (300, 40, 4, 8), (2048, 256, 0, 0), (64, 200, 0, 0), (2048, 1, 1, 0), (5000, 700, 0, 16)],
+)
 @pytest.mark.parametrize("padded", [False, True])
 def test_selection_equals_the_pytorch_path(length: int, k: int, sinks: int, recent: int, padded: bool) -> None:
     """Causal rows (early ones hold fewer than k keys), a chunk of later queries (a strided slice of the mask),
@@ -37,9 +48,9 @@ def test_selection_equals_the_pytorch_path(length: int, k: int, sinks: int, rece
     allowed = (positions[None, :] <= positions[:, None])[None, None].repeat(2 if padded else 1, 1, 1, 1)
     if padded:
         allowed[1, :, :, :7] = False
-    allowed = allowed[..., start:start + chunk, :]
+    allowed = allowed[..., start : start + chunk, :]
     scores = torch.randn(2, 2, chunk, length, device=KERNEL_DEVICE)
-    got = top_k_selection(scores, allowed, k, positions[start:start + chunk], positions, sinks, recent)
+    got = top_k_selection(scores, allowed, k, positions[start : start + chunk], positions, sinks, recent)
     assert torch.equal(got.cpu(), _torch_selection(scores, allowed, k, positions, start, sinks, recent))
 
 

@@ -13,9 +13,9 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from gsm_train.assets import embedded_asset_path
+from gsm_train.attention import gsm_collect, gsm_disabled, inject_gsm, set_gsm_mode
 from gsm_train.config import GSMConfig
 from gsm_train.model_zoo import load_model_and_tokenizer
-from gsm_train.modules import gsm_collect, gsm_disabled, inject_gsm, set_gsm_mode
 
 WINDOW = 256
 RECALL_K, RECALL_MIN_KEYS = 32, 128
@@ -39,7 +39,7 @@ def smollm2() -> SmolLM2:
     model, tokenizer = load_model_and_tokenizer("smollm2-135m")
     text = embedded_asset_path("embedded:sample_prose").read_text()
     start = text.index("Dorothy lived in the midst")
-    ids = tokenizer(text[start:start + 8 * WINDOW], return_tensors="pt").input_ids[:, :WINDOW]
+    ids = tokenizer(text[start : start + 8 * WINDOW], return_tensors="pt").input_ids[:, :WINDOW]
     assert ids.shape == (1, WINDOW)
     base_logits = _logits(model, ids)
     config = GSMConfig.model_validate({"sparse_attention": {"top_k": WINDOW, "gate_init": "qk_svd"}})

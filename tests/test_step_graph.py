@@ -7,20 +7,20 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from gsm_train.config import ConfigError, GSMConfig, load_recipe
-from gsm_train.modules import GSMError
-from gsm_train.modules.forward_state import CollectRequest, ForwardState
-from gsm_train.modules.layout import sampled_rows
-from gsm_train.modules.settings import GSMSettings
-from gsm_train.stages import GateWarmupStage, JointStage
-from gsm_train.stages.math_gate import MathGateStage
-from gsm_train.step_graph import cuda_graph_blockers, use_cuda_graph
-from gsm_train.train import train_recipe
 from run_helpers import records
 from test_gate_warmup import RECIPE, TINY
 from test_joint import JOINT
 from test_joint import TINY as TINY_JOINT
+
+from gsm_train.attention.forward_state import CollectRequest, ForwardState
+from gsm_train.attention.layout import sampled_rows
+from gsm_train.attention.settings import GSMSettings
+from gsm_train.config import ConfigError, GSMConfig, load_recipe
+from gsm_train.modules import GSMError
+from gsm_train.stages import GateWarmupStage, JointStage
+from gsm_train.stages.math_gate import MathGateStage
+from gsm_train.step_graph import cuda_graph_blockers, use_cuda_graph
+from gsm_train.train import train_recipe
 
 CUDA = torch.device("cuda")
 
@@ -28,10 +28,12 @@ CUDA = torch.device("cuda")
 def test_gate_warmup_and_joint_steps_on_one_gpu_with_fsdp2_can_be_captured() -> None:
     assert cuda_graph_blockers(CUDA, 1, "fsdp2", GateWarmupStage()) == []
     assert cuda_graph_blockers(CUDA, 1, "fsdp2", JointStage()) == []
-    for blockers, says in ((cuda_graph_blockers(torch.device("cpu"), 1, "fsdp2", GateWarmupStage()), "on cpu"),
-                           (cuda_graph_blockers(CUDA, 2, "fsdp2", JointStage()), "2 processes"),
-                           (cuda_graph_blockers(CUDA, 1, "deepspeed", GateWarmupStage()), "deepspeed backend"),
-                           (cuda_graph_blockers(CUDA, 1, "fsdp2", MathGateStage()), "stage math_gate: its adapter")):
+    for blockers, says in (
+        (cuda_graph_blockers(torch.device("cpu"), 1, "fsdp2", GateWarmupStage()), "on cpu"),
+        (cuda_graph_blockers(CUDA, 2, "fsdp2", JointStage()), "2 processes"),
+        (cuda_graph_blockers(CUDA, 1, "deepspeed", GateWarmupStage()), "deepspeed backend"),
+        (cuda_graph_blockers(CUDA, 1, "fsdp2", MathGateStage()), "stage math_gate: its adapter"),
+    ):
         assert len(blockers) == 1 and says in blockers[0]
     checkpointed = cuda_graph_blockers(CUDA, 1, "fsdp2", JointStage(), activation_checkpointing=True)
     assert len(checkpointed) == 1 and "train.activation_checkpointing runs each layer" in checkpointed[0]
@@ -40,7 +42,9 @@ def test_gate_warmup_and_joint_steps_on_one_gpu_with_fsdp2_can_be_captured() -> 
 def test_auto_captures_where_possible_and_true_names_what_blocks_it() -> None:
     assert use_cuda_graph("auto", []) and not use_cuda_graph("auto", ["x"])
     assert use_cuda_graph(True, []) and not use_cuda_graph(False, []) and not use_cuda_graph(False, ["x"])
-    with pytest.raises(ConfigError, match=r"train\.cuda_graph = True: the run is on cpu.*\n.*fix: set train\.cuda_graph"):
+    with pytest.raises(
+        ConfigError, match=r"train\.cuda_graph = True: the run is on cpu.*\n.*fix: set train\.cuda_graph"
+    ):
         use_cuda_graph(True, cuda_graph_blockers(torch.device("cpu"), 1, "fsdp2", GateWarmupStage()))
 
 
@@ -81,8 +85,14 @@ def test_gate_kl_rows_are_drawn_once_per_forward_among_counted_queries() -> None
 @pytest.mark.gpu_training
 @pytest.mark.parametrize("grad_accum", [1, 2])
 def test_captured_gate_steps_train_exactly_like_eager_ones(tmp_path: Path, grad_accum: int) -> None:
-    common = [*TINY, "train.steps=4", "train.batch_size=2", f"train.grad_accum={grad_accum}",
-              "train.distill_queries=16", "logging.eval_every=4"]
+    common = [
+        *TINY,
+        "train.steps=4",
+        "train.batch_size=2",
+        f"train.grad_accum={grad_accum}",
+        "train.distill_queries=16",
+        "logging.eval_every=4",
+    ]
     eager = train_recipe(RECIPE, [*common, "train.cuda_graph=false", f"output.dir={tmp_path / 'eager'}"])
     graphed = train_recipe(RECIPE, [*common, "train.cuda_graph=true", f"output.dir={tmp_path / 'graphed'}"])
     assert graphed.losses == pytest.approx(eager.losses, abs=1e-6)
@@ -94,23 +104,34 @@ def test_captured_gate_steps_train_exactly_like_eager_ones(tmp_path: Path, grad_
 
 def _logged_terms(run_dir: Path) -> list[dict[str, float]]:
     """The stage's logged loss terms of each training step."""
-    return [{k: v for k, v in r.items() if k in ("lm_loss", "gate_kl", "asq_loss")}
-            for r in records(run_dir) if r["kind"] == "train"]
+    return [
+        {k: v for k, v in r.items() if k in ("lm_loss", "gate_kl", "asq_loss")}
+        for r in records(run_dir)
+        if r["kind"] == "train"
+    ]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.gpu_training
 @pytest.mark.parametrize(("gsm_enabled", "grad_accum"), [(True, 1), (True, 2), (False, 1)])
-def test_captured_joint_steps_train_like_eager_ones_and_log_the_same_scalars(tmp_path: Path, gsm_enabled: bool,
-                                                                              grad_accum: int) -> None:
+def test_captured_joint_steps_train_like_eager_ones_and_log_the_same_scalars(
+    tmp_path: Path, gsm_enabled: bool, grad_accum: int
+) -> None:
     """Sparse attention, ASQ, the share bridge and a fully trained base (or, GSM off, the dense control):
     the replayed step gives the eager losses, logged terms and weights. Not bit for bit: attention's and
     the embedding's backward add with atomics, so two eager runs differ too, and AdamW turns a last-bit
     difference in a near-zero gradient into up to a step's full update (about lr) on that element. So a
     weight may differ by at most lr per step, and a parameter by a tenth of that on average (one the
     replay failed to update would be a whole trajectory, about lr per step on most elements, away)."""
-    common = [*TINY_JOINT, "train.steps=4", "train.batch_size=2", "train.distill_queries=16", "optim.lr=3e-3",
-              f"gsm.gsm_enabled={str(gsm_enabled).lower()}", f"train.grad_accum={grad_accum}"]
+    common = [
+        *TINY_JOINT,
+        "train.steps=4",
+        "train.batch_size=2",
+        "train.distill_queries=16",
+        "optim.lr=3e-3",
+        f"gsm.gsm_enabled={str(gsm_enabled).lower()}",
+        f"train.grad_accum={grad_accum}",
+    ]
     eager = train_recipe(JOINT, [*common, "train.cuda_graph=false", f"output.dir={tmp_path / 'eager'}"])
     graphed = train_recipe(JOINT, [*common, "train.cuda_graph=true", f"output.dir={tmp_path / 'graphed'}"])
     assert graphed.losses == pytest.approx(eager.losses, abs=1e-3)

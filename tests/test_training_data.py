@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from run_helpers import GATE_RECIPE, REPO, TINY_GATE, losses, resume_after_crash, torchrun
 
 from gsm_train import token_cache
 from gsm_train.config import ConfigError, DataSourceConfig, load_recipe
@@ -17,7 +18,6 @@ from gsm_train.data import DataError, PackedBatches, load_text_dataset, pack_tok
 from gsm_train.distributed import DistInfo
 from gsm_train.model_zoo import byte_tokenizer
 from gsm_train.streaming import StreamedBatches, first_rows
-from run_helpers import GATE_RECIPE, REPO, TINY_GATE, losses, resume_after_crash, torchrun
 
 ONE = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 SOURCE = "embedded:sample_prose"
@@ -47,26 +47,17 @@ def counted_packing(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 def _jsonl(path: Path, count: int, words: int = 9) -> Path:
     path.write_text(
-        "".join(
-            json.dumps({"text": f"record {i} " + "word " * (words + i % 5)}) + "\n"
-            for i in range(count)
-        )
+        "".join(json.dumps({"text": f"record {i} " + "word " * (words + i % 5)}) + "\n" for i in range(count))
     )
     return path
 
 
-def test_cached_rows_are_the_packed_rows_tokenized_once(
-    fresh_cache: Path, counted_packing: list[int]
-) -> None:
+def test_cached_rows_are_the_packed_rows_tokenized_once(fresh_cache: Path, counted_packing: list[int]) -> None:
     tokenizer = byte_tokenizer()
     expected = pack_tokens(load_text_dataset(SOURCE), tokenizer, 64)
     first = token_cache.cached_rows(DataSourceConfig(path=SOURCE), tokenizer, 64, ONE)
     again = token_cache.cached_rows(DataSourceConfig(path=SOURCE), tokenizer, 64, ONE)
-    assert (
-        first.dtype == torch.int32
-        and torch.equal(first.long(), expected)
-        and torch.equal(again, first)
-    )
+    assert first.dtype == torch.int32 and torch.equal(first.long(), expected) and torch.equal(again, first)
     assert counted_packing == [len(expected)], "the second call read the cache"
     assert sorted(p.suffix for p in fresh_cache.iterdir()) == [".json", ".tokens"]
     assert _mapped_from(again, next(fresh_cache.glob("*.tokens")))
@@ -101,9 +92,7 @@ def test_a_changed_source_tokenizer_or_seq_len_is_tokenized_again(
 def test_num_proc_tokenizes_the_same_rows(fresh_cache: Path, tmp_path: Path) -> None:
     data = _jsonl(tmp_path / "data.jsonl", 60)
     config = load_recipe(GATE_RECIPE, [*TINY_GATE, f"data.train.path={data}", "data.num_proc=2"])
-    rows = token_cache.cached_rows(
-        config.data.train, byte_tokenizer(), 16, ONE, config.data.num_proc
-    )
+    rows = token_cache.cached_rows(config.data.train, byte_tokenizer(), 16, ONE, config.data.num_proc)
     assert torch.equal(rows.long(), pack_tokens(load_text_dataset(str(data)), byte_tokenizer(), 16))
 
 
@@ -111,9 +100,7 @@ def test_the_ranks_of_a_node_tokenize_once(fresh_cache: Path) -> None:
     proc = torchrun(3, [str(REPO / "tests" / "token_cache_ranks.py"), SOURCE, "64"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = sorted(re.findall(r"rank (\d) tokenized (\d) rows (\w+)", proc.stdout))
-    assert [(rank, calls) for rank, calls, _ in lines] == [("0", "1"), ("1", "0"), ("2", "0")], (
-        proc.stdout
-    )
+    assert [(rank, calls) for rank, calls, _ in lines] == [("0", "1"), ("1", "0"), ("2", "0")], proc.stdout
     assert len({digest for *_, digest in lines}) == 1
 
 
@@ -189,9 +176,7 @@ def test_streaming_errors(corpus: Path) -> None:
     with pytest.raises(DataError, match="fewer than one global batch of 400 rows"):
         _streamed(corpus, 400).next_batch()
     with pytest.raises(DataError, match="field 'body' is missing from a record"):
-        StreamedBatches(
-            stream_records(str(corpus)), byte_tokenizer(), 16, 1, fields=["body"]
-        ).next_batch()
+        StreamedBatches(stream_records(str(corpus)), byte_tokenizer(), 16, 1, fields=["body"]).next_batch()
     packed_state = PackedBatches(torch.zeros(8, 16, dtype=torch.long), 2, seed=0).state_dict()
     with pytest.raises(DataError, match="of packed rows, not of a stream"):
         _streamed(corpus, 2).load_state_dict(packed_state)

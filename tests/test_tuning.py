@@ -10,21 +10,34 @@ import yaml
 from run_helpers import records
 
 from gsm_train.config import ConfigError, load_recipe
+from gsm_train.families import model_dims
 from gsm_train.kv_budget import BUDGET_LADDER, apply_kv_budget, kv_bytes_ratio
 from gsm_train.model_zoo import tiny_model
-from gsm_train.families import model_dims
 from gsm_train.train import train_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 JOINT = str(REPO / "recipes" / "joint.yaml")
-TINY = ["model.name_or_path=tiny-llama", "data.seq_len=64", "logging.recall_min_keys=16", "logging.recall_k=8",
-        "gsm.sparse_attention.k_min=8", "gsm.sparse_attention.dense_layers=[0]", "gsm.sparse_attention.gate_head_dim=4",
-        "gsm.kv_compression.block_size=16", "gsm.kv_compression.cluster_num=4", "gsm.cross_layer_sharing.enabled=true",
-        "gsm.cross_layer_sharing.bridge_from=1",
-        "gsm.cross_layer_sharing.bridge_to_start=2", "init_from=null", "logging.progress_bar=false",
-        "optim.warmup_steps=1", "logging.eval_every=100",
-        # one width for K and V everywhere, which the ratio knob sets (the recipe's are for SmolLM2's 30 layers)
-        "gsm.kv_compression.value_quant_bits=null", "gsm.kv_compression.layer_bits={}"]
+TINY = [
+    "model.name_or_path=tiny-llama",
+    "data.seq_len=64",
+    "logging.recall_min_keys=16",
+    "logging.recall_k=8",
+    "gsm.sparse_attention.k_min=8",
+    "gsm.sparse_attention.dense_layers=[0]",
+    "gsm.sparse_attention.gate_head_dim=4",
+    "gsm.kv_compression.block_size=16",
+    "gsm.kv_compression.cluster_num=4",
+    "gsm.cross_layer_sharing.enabled=true",
+    "gsm.cross_layer_sharing.bridge_from=1",
+    "gsm.cross_layer_sharing.bridge_to_start=2",
+    "init_from=null",
+    "logging.progress_bar=false",
+    "optim.warmup_steps=1",
+    "logging.eval_every=100",
+    # one width for K and V everywhere, which the ratio knob sets (the recipe's are for SmolLM2's 30 layers)
+    "gsm.kv_compression.value_quant_bits=null",
+    "gsm.kv_compression.layer_bits={}",
+]
 DIMS = model_dims(tiny_model("llama"))
 
 
@@ -41,26 +54,33 @@ def test_knobs_set_the_fields_they_name() -> None:
     assert (plain.gsm.sparse_attention.top_k, plain.gsm.cross_layer_sharing.alpha_init) == (512, 0.3)
 
 
-@pytest.mark.parametrize(("override", "words"), [
-    ("tuning.top_k_base=16", "tuning.top_k_base = 16: Input should be greater than or equal to 32"),
-    ("tuning.top_k_base=512", "tuning.top_k_base = 512: Input should be less than or equal to 256"),
-    ("tuning.kv_compression_ratio=0.9", "tuning.kv_compression_ratio = 0.9"),
-    ("tuning.bridge_alpha=0.05", "tuning.bridge_alpha = 0.05"),
-    ("tuning.depth=3", "tuning.depth = 3: unknown key"),
-])
+@pytest.mark.parametrize(
+    ("override", "words"),
+    [
+        ("tuning.top_k_base=16", "tuning.top_k_base = 16: Input should be greater than or equal to 32"),
+        ("tuning.top_k_base=512", "tuning.top_k_base = 512: Input should be less than or equal to 256"),
+        ("tuning.kv_compression_ratio=0.9", "tuning.kv_compression_ratio = 0.9"),
+        ("tuning.bridge_alpha=0.05", "tuning.bridge_alpha = 0.05"),
+        ("tuning.depth=3", "tuning.depth = 3: unknown key"),
+    ],
+)
 def test_knob_out_of_range_is_one_clear_error(override: str, words: str) -> None:
     assert words in _problem([override])
 
 
 def test_knobs_that_contradict_the_gsm_block_are_errors() -> None:
     assert "set gsm.sparse_attention.k_min to at most 40" in _problem(
-        ["tuning.top_k_base=40", "gsm.sparse_attention.k_min=48"])
+        ["tuning.top_k_base=40", "gsm.sparse_attention.k_min=48"]
+    )
     assert "gsm.kv_compression.enabled is false" in _problem(
-        ["tuning.kv_compression_ratio=0.5", "gsm.kv_compression.enabled=false"])
+        ["tuning.kv_compression_ratio=0.5", "gsm.kv_compression.enabled=false"]
+    )
     assert "set gsm.cross_layer_sharing.enabled: true, or drop bridge_alpha" in _problem(
-        ["tuning.bridge_alpha=0.2", "gsm.cross_layer_sharing.enabled=false"])
+        ["tuning.bridge_alpha=0.2", "gsm.cross_layer_sharing.enabled=false"]
+    )
     assert "drop one of them: the ratio, or value_quant_bits" in _problem(
-        ["tuning.kv_compression_ratio=0.5", "gsm.kv_compression.value_quant_bits=2"])
+        ["tuning.kv_compression_ratio=0.5", "gsm.kv_compression.value_quant_bits=2"]
+    )
 
 
 @pytest.mark.parametrize("budget", [0.75, 0.7, 0.6, 0.56, 0.5, 0.49])
@@ -69,7 +89,7 @@ def test_budget_takes_the_most_precise_storage_that_fits(budget: float) -> None:
     chosen = apply_kv_budget(config, budget, DIMS, 64)
     pair = (config.kv_compression.quant_bits, config.sparse_attention.gate_key_bits)
     assert kv_bytes_ratio(config, DIMS, 64) <= budget and f"{pair[0]}-bit residuals, {pair[1]}-bit gate keys" in chosen
-    for earlier in BUDGET_LADDER[:BUDGET_LADDER.index(pair)]:  # every more precise pair exceeds the budget
+    for earlier in BUDGET_LADDER[: BUDGET_LADDER.index(pair)]:  # every more precise pair exceeds the budget
         config.kv_compression.quant_bits, config.sparse_attention.gate_key_bits = earlier
         assert kv_bytes_ratio(config, DIMS, 64) > budget
 
@@ -126,12 +146,16 @@ def test_layer_bits_set_the_widths_of_the_layers_named_and_count_there_alone() -
     assert [config.kv_compression.bits(layer) for layer in range(4)] == [(4, 4), (2, 8), (4, 4), (8, 2)]
     packed = (64 - 16) / 64  # at seq_len 64 the newest of the 16-token blocks stays raw
     heads = {1: DIMS["kv_heads"], 3: DIMS["kv_heads"] - 1}  # share mode: layer 3 caches one head fewer
-    changed = sum(heads[layer] * DIMS["head_dim"] * (k + v - 8) / 8 * packed
-                  for layer, (k, v) in config.kv_compression.layer_bits.items())
+    changed = sum(
+        heads[layer] * DIMS["head_dim"] * (k + v - 8) / 8 * packed
+        for layer, (k, v) in config.kv_compression.layer_bits.items()
+    )
     bf16 = DIMS["layers"] * 2 * 2 * DIMS["kv_heads"] * DIMS["head_dim"]
     assert kv_bytes_ratio(config, DIMS, 64) == pytest.approx(same + changed / bf16, rel=1e-12)
     assert "gsm.kv_compression.layer_bits.1.0 = 3" in _problem(["gsm.kv_compression.layer_bits={1: [3, 4]}"])
     assert "layer_bits names layer -2, but layers count from 0" in _problem(
-        ["gsm.kv_compression.layer_bits={-2: [2, 4]}"])
+        ["gsm.kv_compression.layer_bits={-2: [2, 4]}"]
+    )
     assert "drop one of them: the ratio, or layer_bits" in _problem(
-        ["tuning.kv_compression_ratio=0.5", "gsm.kv_compression.layer_bits={0: [8, 8]}"])
+        ["tuning.kv_compression_ratio=0.5", "gsm.kv_compression.layer_bits={0: [8, 8]}"]
+    )

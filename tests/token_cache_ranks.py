@@ -26,12 +26,9 @@ if __name__ == "__main__":
 
     token_cache.pack_tokens = counted
     info = init_distributed()
-    rows = token_cache.cached_rows(
-        DataSourceConfig(path=sys.argv[1]), byte_tokenizer(), int(sys.argv[2]), info
-    )
+    rows = token_cache.cached_rows(DataSourceConfig(path=sys.argv[1]), byte_tokenizer(), int(sys.argv[2]), info)
     print(
-        f"rank {info.rank} tokenized {calls} rows "
-        f"{hashlib.sha256(rows.numpy().tobytes()).hexdigest()}",
+        f"rank {info.rank} tokenized {calls} rows {hashlib.sha256(rows.numpy().tobytes()).hexdigest()}",
         flush=True,
     )
     teardown()

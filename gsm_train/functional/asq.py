@@ -94,8 +94,16 @@ def quantize_groups(x: Tensor, bits: tuple[int, ...]) -> tuple[Tensor, Tensor]:
     return torch.cat([q for q, _ in parts], 1), torch.cat([scale for _, scale in parts], 1)
 
 
-def encode_blocks(blocks: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, tau: float,
-                   bits: int | tuple[int, ...], rotation: Tensor | None = None) -> Encoded:
+def encode_blocks(
+    blocks: Tensor,
+    w1: Tensor,
+    b1: Tensor,
+    w2: Tensor,
+    b2: Tensor,
+    tau: float,
+    bits: int | tuple[int, ...],
+    rotation: Tensor | None = None,
+) -> Encoded:
     """Cluster, build prototypes and quantize residuals of blocks [B, H, n, bs, D] (`compute_dtype`), both
     of the rotated blocks (``blocks @ rotation``) when there is a rotation (the assignment reads the blocks
     as they are); `bits` a width, or one per group of heads side by side (`quantize_groups`)."""
@@ -130,16 +138,23 @@ def distortion(enc: Encoded | None, blocks: Tensor, groups: int = 1) -> Tensor:
     return (distortion.clamp_min(0) / variance.clamp_min(EPS)).mean()
 
 
-def reconstruction_and_distortion(blocks: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, tau: float,
-                                   bits: int, rotation: Tensor | None) -> tuple[Tensor, Tensor]:
+def reconstruction_and_distortion(
+    blocks: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, tau: float, bits: int, rotation: Tensor | None
+) -> tuple[Tensor, Tensor]:
     """A training pass over full blocks: the fake-quantized blocks and the distortion loss."""
     enc = encode_blocks(blocks, w1, b1, w2, b2, tau, bits, rotation)
     return enc.reconstruct(), distortion(enc, blocks)
 
 
-def paired_reconstruction(key: Tensor, value: Tensor, mlps: tuple[tuple[Tensor, ...], tuple[Tensor, ...]], tau: float,
-                          bits: tuple[int, int], rotation: Tensor | None,
-                          block_size: int) -> tuple[Tensor, Tensor, Tensor]:
+def paired_reconstruction(
+    key: Tensor,
+    value: Tensor,
+    mlps: tuple[tuple[Tensor, ...], tuple[Tensor, ...]],
+    tau: float,
+    bits: tuple[int, int],
+    rotation: Tensor | None,
+    block_size: int,
+) -> tuple[Tensor, Tensor, Tensor]:
     """K's and V's training passes as one: (K's reconstruction, V's, the mean of their losses), for key and
     value [B, H, S, D] whole and each side's assignment MLP (w1, b1, w2, b2). Their blocks lie side by side
     on the head axis, so each kernel and matrix product of the pass serves both, and the split into blocks,

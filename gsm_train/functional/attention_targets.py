@@ -11,13 +11,13 @@ formed in the same pass (softmax(gate) - target), so nothing is recomputed.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from gsm_train.kernels import attention_target
 from gsm_train.compiled import compiled
+from gsm_train.kernels import attention_target
 
 
 def _product_dtype(query: Tensor) -> torch.dtype:
@@ -31,8 +31,9 @@ def _product_dtype(query: Tensor) -> torch.dtype:
     return query.dtype
 
 
-def head_averaged_probs(query: Tensor, key: Tensor, allowed: Tensor, scaling: float, num_selectors: int,
-                        key_limit: Tensor | None = None) -> Tensor:
+def head_averaged_probs(
+    query: Tensor, key: Tensor, allowed: Tensor, scaling: float, num_selectors: int, key_limit: Tensor | None = None
+) -> Tensor:
     """Attention probabilities [B, n, c, S] averaged within each selector's heads (fp32 tensors).
 
     query: [B, Hq, c, D] (a chunk of queries), key: [B, Hkv, S, D], allowed: [B|1, 1, c, S]. On CUDA with
@@ -41,8 +42,9 @@ def head_averaged_probs(query: Tensor, key: Tensor, allowed: Tensor, scaling: fl
     """
     if query.is_cuda and attention_target.kernel_runs(query, key):
         dtype = _product_dtype(query)
-        return attention_target.head_averaged_probs(query.to(dtype), key.to(dtype), allowed, scaling, num_selectors,
-                                                    key_limit)
+        return attention_target.head_averaged_probs(
+            query.to(dtype), key.to(dtype), allowed, scaling, num_selectors, key_limit
+        )
     batch, num_heads, length, _ = query.shape
     num_kv = key.shape[1]
     q = query.float().view(batch, num_kv, num_heads // num_kv, length, -1)
@@ -52,8 +54,9 @@ def head_averaged_probs(query: Tensor, key: Tensor, allowed: Tensor, scaling: fl
     return probs.view(batch, num_selectors, num_heads // num_selectors, length, -1).mean(dim=2)
 
 
-def chunk_kl(gate_q: Tensor, gate_k: Tensor, target: Tensor, mask: Tensor, rows: Tensor,
-             want_grad: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
+def chunk_kl(
+    gate_q: Tensor, gate_k: Tensor, target: Tensor, mask: Tensor, rows: Tensor, want_grad: bool
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """One query chunk: the sum of KL(target || softmax(gate logits)) over its counted `rows`, and (if
     `want_grad`) its gradients for the chunk's gate queries and for the gate keys it sees. `target` is
     `head_averaged_probs` of the chunk."""
@@ -98,8 +101,18 @@ class _GateKL(GradientsFromForward):
     target nor the logits again, and memory stays O(chunk x S)."""
 
     @staticmethod
-    def forward(ctx, gate_q: Tensor, gate_k: Tensor, query: Tensor, key: Tensor, allowed: Tensor,
-                counted_rows: Tensor, visible: Tensor, scaling: float, chunk: int) -> Tensor:
+    def forward(
+        ctx,
+        gate_q: Tensor,
+        gate_k: Tensor,
+        query: Tensor,
+        key: Tensor,
+        allowed: Tensor,
+        counted_rows: Tensor,
+        visible: Tensor,
+        scaling: float,
+        chunk: int,
+    ) -> Tensor:
         want_grad = any(ctx.needs_input_grad[:2])
         gq, gk = gate_q.float(), gate_k.float()
         length = query.shape[2]
@@ -134,15 +147,23 @@ def causal_visible(q_len: int, kv_len: int) -> Tensor:
     return torch.arange(kv_len - q_len + 1, kv_len + 1)
 
 
-def gate_distill_loss(query: Tensor, key: Tensor, gate_q: Tensor, gate_k: Tensor, allowed: Tensor,
-                      counted_rows: Tensor, scaling: float, chunk: int,
-                      visible: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def gate_distill_loss(
+    query: Tensor,
+    key: Tensor,
+    gate_q: Tensor,
+    gate_k: Tensor,
+    allowed: Tensor,
+    counted_rows: Tensor,
+    scaling: float,
+    chunk: int,
+    visible: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     """Sum of KL(target || gate) over counted query rows, and the number of rows counted.
 
     `counted_rows` [B|1, 1, T] marks the queries that have at least k keys; `visible` (on the host,
     non-decreasing, one per query row; default: the causal bound) says how many leading keys a row
-    may see at most, so that a chunk only touches the keys its queries can see without asking the device. The target and the
-    gradient are computed per query chunk in one pass (see `_GateKL`).
+    may see at most, so that a chunk only touches the keys its queries can see without asking the device. The
+    target and the gradient are computed per query chunk in one pass (see `_GateKL`).
     """
     if visible is None:
         visible = causal_visible(query.shape[2], key.shape[2])
@@ -165,11 +186,19 @@ def _top_mass(target: Tensor, k: int | Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def captured_mass(query: Tensor, key: Tensor, allowed: Tensor, scaling: float, k: int | Tensor,
-                  min_keys: int, chunk: int, num_selectors: int,
-                  gate_selection: Callable[[int, int], Tensor] | None,
-                  visible: Tensor | None = None,
-                  bucket_starts: Tensor | None = None) -> dict[str, Tensor]:
+def captured_mass(
+    query: Tensor,
+    key: Tensor,
+    allowed: Tensor,
+    scaling: float,
+    k: int | Tensor,
+    min_keys: int,
+    chunk: int,
+    num_selectors: int,
+    gate_selection: Callable[[int, int], Tensor] | None,
+    visible: Tensor | None = None,
+    bucket_starts: Tensor | None = None,
+) -> dict[str, Tensor]:
     """Target mass captured by the gate's selection and by the true top-k, over queries with >= min_keys keys.
 
     `k`: one k for every query, or each query row's k (host int64 [T], e.g. a top-k schedule's).
@@ -186,8 +215,7 @@ def captured_mass(query: Tensor, key: Tensor, allowed: Tensor, scaling: float, k
     key_count = allowed.sum(-1)  # [B|1, 1, T]
     sums = {name: torch.zeros((), dtype=torch.float64, device=query.device) for name in MASS_SUMS}
     if bucket_starts is not None:
-        sums |= {f"{name}_by_bucket": query.new_zeros(len(bucket_starts), dtype=torch.float64)
-                 for name in MASS_SUMS}
+        sums |= {f"{name}_by_bucket": query.new_zeros(len(bucket_starts), dtype=torch.float64) for name in MASS_SUMS}
         row_positions = torch.arange(kv_len - length, kv_len)
         bucket_of_row = torch.searchsorted(bucket_starts, row_positions, right=True) - 1
         bucket_of_row = bucket_of_row.to(query.device)
@@ -197,8 +225,9 @@ def captured_mass(query: Tensor, key: Tensor, allowed: Tensor, scaling: float, k
         if keys < min_keys:
             continue
         rows = (key_count[..., start:stop] >= min_keys).double()  # [B|1, 1, c]
-        target = head_averaged_probs(query[:, :, start:stop], key[:, :, :keys], allowed[..., start:stop, :keys],
-                                     scaling, num_selectors)
+        target = head_averaged_probs(
+            query[:, :, start:stop], key[:, :, :keys], allowed[..., start:stop, :keys], scaling, num_selectors
+        )
         rows = rows.expand(target.shape[0], target.shape[1], -1)
         oracle = _top_mass(target, k if isinstance(k, int) else k[start:stop])
         per_row = {"oracle": oracle.double() * rows, "queries": rows}

@@ -18,14 +18,24 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from gsm_train.functional.attention_targets import GradientsFromForward, chunk_kl, full_batch, head_averaged_probs
 from gsm_train.compiled import compiled
+from gsm_train.functional.attention_targets import GradientsFromForward, chunk_kl, full_batch, head_averaged_probs
 from gsm_train.functional.gate_rope import rope_tables, rotate
 
 
-def _gate_kl_from_hidden(q_weight: Tensor, k_weight: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor,
-                         freq_index: Tensor, target: Tensor, mask: Tensor, rows: Tensor, index: Tensor,
-                         want_grad: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
+def _gate_kl_from_hidden(
+    q_weight: Tensor,
+    k_weight: Tensor,
+    hidden: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    freq_index: Tensor,
+    target: Tensor,
+    mask: Tensor,
+    rows: Tensor,
+    index: Tensor,
+    want_grad: bool,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """KL sum over the sampled query rows `index` against their `target` (`head_averaged_probs`), and the
     gradients of the q/k projection weights."""
     batch, length, _ = hidden.shape
@@ -35,26 +45,42 @@ def _gate_kl_from_hidden(q_weight: Tensor, k_weight: Tensor, hidden: Tensor, cos
     q = F.linear(hidden_rows, q_weight).view(batch, len(index), selectors, dim).transpose(1, 2)
     c, s = rope_tables(cos, sin, freq_index, k.dtype)
     c_rows, s_rows = c[:, :, index], s[:, :, index]
-    total, grad_q, grad_k = chunk_kl(rotate(q, c_rows, s_rows).float(), rotate(k, c, s).float(), target, mask, rows,
-                                      want_grad)
+    total, grad_q, grad_k = chunk_kl(
+        rotate(q, c_rows, s_rows).float(), rotate(k, c, s).float(), target, mask, rows, want_grad
+    )
     if not want_grad:
         return total, None, None
     grad_q = rotate(grad_q, c_rows.float(), -s_rows.float()).transpose(1, 2).reshape(-1, selectors * dim)
     grad_k = rotate(grad_k, c.float(), -s.float()).transpose(1, 2).reshape(-1, selectors * dim)
-    return (total, grad_q.t() @ hidden_rows.reshape(len(grad_q), -1).float(),
-            grad_k.t() @ hidden.reshape(len(grad_k), -1).float())
+    return (
+        total,
+        grad_q.t() @ hidden_rows.reshape(len(grad_q), -1).float(),
+        grad_k.t() @ hidden.reshape(len(grad_k), -1).float(),
+    )
 
 
 class _GateKLFromHidden(GradientsFromForward):
     """The KL sum as a function of the two projection weights; their gradients come from the forward."""
 
     @staticmethod
-    def forward(ctx, q_weight: Tensor, k_weight: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor,
-                freq_index: Tensor, target: Tensor, mask: Tensor, rows: Tensor, index: Tensor) -> Tensor:
+    def forward(
+        ctx,
+        q_weight: Tensor,
+        k_weight: Tensor,
+        hidden: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        freq_index: Tensor,
+        target: Tensor,
+        mask: Tensor,
+        rows: Tensor,
+        index: Tensor,
+    ) -> Tensor:
         want_grad = any(ctx.needs_input_grad[:2])
         kl = compiled(_gate_kl_from_hidden) if hidden.is_cuda and want_grad else _gate_kl_from_hidden
-        total, grad_q_weight, grad_k_weight = kl(q_weight, k_weight, hidden, cos, sin, freq_index, target, mask, rows,
-                                                 index, want_grad)
+        total, grad_q_weight, grad_k_weight = kl(
+            q_weight, k_weight, hidden, cos, sin, freq_index, target, mask, rows, index, want_grad
+        )
         if want_grad:  # handed back in the weights' own dtype
             _GateKLFromHidden.keep_gradients(ctx, grad_q_weight, grad_k_weight, (q_weight.dtype, k_weight.dtype))
         return total
@@ -82,14 +108,22 @@ def reads_weights_directly(module: torch.nn.Module) -> bool:
     return not any(hasattr(p, "ds_id") for p in module.parameters())
 
 
-def gate_kl_from_hidden(q_weight: Tensor, k_weight: Tensor, freq_index: Tensor, hidden: Tensor, cos: Tensor,
-                        sin: Tensor, target: DistillTarget) -> tuple[Tensor, Tensor]:
+def gate_kl_from_hidden(
+    q_weight: Tensor,
+    k_weight: Tensor,
+    freq_index: Tensor,
+    hidden: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    target: DistillTarget,
+) -> tuple[Tensor, Tensor]:
     """Sum of KL(target || gate) over the target's rows, and the number of rows counted, as
     `gate_distill_loss` gives for the gate's own queries and keys. `hidden` [B, S, d], the gate's input
     in the dtype its projections take, gets no gradient (stage 1's base is frozen)."""
     mask, rows = full_batch(target.allowed_rows, target.counted_rows, target.query.shape[0])
     # each row sees no key after its own position: the target skips the keys past its tile's last row
-    probs = head_averaged_probs(target.query, target.key, mask, target.scaling, freq_index.shape[0],
-                                key_limit=target.index + 1)
+    probs = head_averaged_probs(
+        target.query, target.key, mask, target.scaling, freq_index.shape[0], key_limit=target.index + 1
+    )
     total = _GateKLFromHidden.apply(q_weight, k_weight, hidden, cos, sin, freq_index, probs, mask, rows, target.index)
     return total, rows.expand(-1, freq_index.shape[0], -1).sum()

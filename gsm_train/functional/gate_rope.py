@@ -20,8 +20,10 @@ def rope_tables(cos: Tensor, sin: Tensor, freq_index: Tensor, dtype: torch.dtype
     half = cos.shape[-1] // 2
     selectors = freq_index.shape[0]
     gather = freq_index[None, :, None, :].expand(cos.shape[0], -1, cos.shape[1], -1)
-    c, s = (torch.gather(table[..., :half][:, None].expand(-1, selectors, -1, -1), -1, gather).to(dtype)
-            for table in (cos, sin))
+    c, s = (
+        torch.gather(table[..., :half][:, None].expand(-1, selectors, -1, -1), -1, gather).to(dtype)
+        for table in (cos, sin)
+    )
     return c, s
 
 

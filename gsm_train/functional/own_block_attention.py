@@ -34,9 +34,18 @@ FLEX_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # others (fp64 che
 # without their ~20 s of autotuning per run; other GPUs and head sizes keep Inductor's default
 # configuration (docs/design-decisions.md, 'FlexAttention takes fixed kernel options on Hopper').
 HOPPER_HEAD_DIM = 64
-HOPPER_KERNEL_OPTIONS = {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "fwd_num_stages": 3, "fwd_num_warps": 4,
-                         "bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64,
-                         "bwd_num_stages": 3, "bwd_num_warps": 4}
+HOPPER_KERNEL_OPTIONS = {
+    "fwd_BLOCK_M": 64,
+    "fwd_BLOCK_N": 64,
+    "fwd_num_stages": 3,
+    "fwd_num_warps": 4,
+    "bwd_BLOCK_M1": 64,
+    "bwd_BLOCK_N1": 64,
+    "bwd_BLOCK_M2": 64,
+    "bwd_BLOCK_N2": 64,
+    "bwd_num_stages": 3,
+    "bwd_num_warps": 4,
+}
 
 
 def fits(query: Tensor) -> bool:
@@ -69,8 +78,13 @@ def attention_dtype(query: Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
 
 
-def _flex_attention_in(dtype: torch.dtype, query: Tensor, stored: tuple[Tensor, Tensor], raw: tuple[Tensor, Tensor],
-                       **flex_arguments: object) -> Tensor:
+def _flex_attention_in(
+    dtype: torch.dtype,
+    query: Tensor,
+    stored: tuple[Tensor, Tensor],
+    raw: tuple[Tensor, Tensor],
+    **flex_arguments: object,
+) -> Tensor:
     """`flex_attention` over keys and values [stored; raw] cast to `dtype`, with the query: built inside the
     compiled graph, where the concatenation and the casts fuse into one kernel per tensor."""
     keys, values = (torch.cat((first.to(dtype), second.to(dtype)), 2) for first, second in zip(stored, raw))
@@ -93,9 +107,18 @@ def _tile_structure(length: int, block_size: int, device: torch.device) -> tuple
     return counts[None, None], indices[None, None]
 
 
-def own_block_attention(query: Tensor, stored: tuple[Tensor, Tensor], raw: tuple[Tensor, Tensor], selection: Tensor,
-                        block_size: int, scaling: float, gqa: bool, compile_mode: str | None = None,
-                        tuned: bool = True, extra_options: dict[str, int | bool] | None = None) -> Tensor:
+def own_block_attention(
+    query: Tensor,
+    stored: tuple[Tensor, Tensor],
+    raw: tuple[Tensor, Tensor],
+    selection: Tensor,
+    block_size: int,
+    scaling: float,
+    gqa: bool,
+    compile_mode: str | None = None,
+    tuned: bool = True,
+    extra_options: dict[str, int | bool] | None = None,
+) -> Tensor:
     """Attention of query [B, H, T, D] over the `stored` and the `raw` (key, value) pairs [B, Hkv, T, D]
     (2T keys side by side), where query t sees stored key j when `selection[b, g, t, j]` and j lies in an
     earlier ASQ block, and raw key j when `selection[b, g, t, j]` and j lies in its own block (g: 0, or the
@@ -115,8 +138,9 @@ def own_block_attention(query: Tensor, stored: tuple[Tensor, Tensor], raw: tuple
         return selection[b, h // heads_per_row, q, key_at] & torch.where(is_stored, ~same_block, same_block)
 
     counts, indices = _tile_structure(length, block_size, query.device)
-    mask = BlockMask.from_kv_blocks(counts, indices, BLOCK_SIZE=TILE, mask_mod=visible,
-                                    seq_lengths=(length, 2 * length))
+    mask = BlockMask.from_kv_blocks(
+        counts, indices, BLOCK_SIZE=TILE, mask_mod=visible, seq_lengths=(length, 2 * length)
+    )
     dtype = attention_dtype(query)
     attend = compiled(_flex_attention_in, compile_mode) if query.is_cuda else _flex_attention_in
     options = {**((kernel_options(query, dtype) or {}) if tuned else {}), **(extra_options or {})} or None

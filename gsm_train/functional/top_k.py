@@ -13,8 +13,9 @@ SCHEDULES = ("constant", "exp_decay", "linear_decay", "fraction")
 FRACTION_DECIMALS = 6  # fraction x visible keys is rounded to this many decimals before its ceiling
 
 
-def k_per_query(query_positions: Tensor, schedule: str, top_k: int, k_min: int, decay_rate: float,
-                fraction: float | None = None) -> Tensor:
+def k_per_query(
+    query_positions: Tensor, schedule: str, top_k: int, k_min: int, decay_rate: float, fraction: float | None = None
+) -> Tensor:
     """Keys to keep per query at positions t (int64, same shape), in [min(k_min, top_k), top_k]:
 
     - `constant`: top_k;
@@ -42,13 +43,22 @@ def k_per_query(query_positions: Tensor, schedule: str, top_k: int, k_min: int, 
 
 def scheduled_k(query_positions: Tensor, config: SparseAttentionConfig) -> Tensor:
     """`k_per_query` on the schedule `config` names: what training, evaluation and decoding keep."""
-    return k_per_query(query_positions, config.top_k_schedule, config.top_k, config.k_min,
-                       config.decay_rate, config.top_k_fraction)
+    return k_per_query(
+        query_positions, config.top_k_schedule, config.top_k, config.k_min, config.decay_rate, config.top_k_fraction
+    )
 
 
-def select_top_k(scores: Tensor, allowed: Tensor, k: Tensor, query_positions: Tensor, key_positions: Tensor,
-                 sink_tokens: int = 0, recent_tokens: int = 0, k_max: int | None = None,
-                 uniform_k: bool = False) -> Tensor:
+def select_top_k(
+    scores: Tensor,
+    allowed: Tensor,
+    k: Tensor,
+    query_positions: Tensor,
+    key_positions: Tensor,
+    sink_tokens: int = 0,
+    recent_tokens: int = 0,
+    k_max: int | None = None,
+    uniform_k: bool = False,
+) -> Tensor:
     """Boolean selection [B, n, T, S]: the k[t] best allowed keys per query, own position always kept.
 
     Queries with at most k allowed keys keep all of them (dense). Sink tokens (the first

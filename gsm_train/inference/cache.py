@@ -27,16 +27,16 @@ import torch
 from torch import Tensor, nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from gsm_train.attention.adapter import GSMAttentionAdapter
+from gsm_train.attention.forward_state import CachedStep
+from gsm_train.attention.settings import gsm_settings
 from gsm_train.families import attention_modules, model_dims
+from gsm_train.functional.gate_keys import GATE_KEY_DTYPE, encode_gate_keys
 from gsm_train.inference.decode_attention import decode_attention
 from gsm_train.inference.kv_store import CacheLengths, KVStore
 from gsm_train.inference.prefill import chunk_attention
 from gsm_train.kernels.decode_topk import kernel_ready
-from gsm_train.modules.adapter import GSMAttentionAdapter
 from gsm_train.modules.errors import GSMError
-from gsm_train.modules.forward_state import CachedStep
-from gsm_train.modules.settings import gsm_settings
-from gsm_train.functional.gate_keys import GATE_KEY_DTYPE, encode_gate_keys
 from gsm_train.quant import stored_split
 
 
@@ -74,10 +74,12 @@ class GSMLayerCache(CacheLayerMixin):
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         batch, device, dtype = key_states.shape[0], key_states.device, key_states.dtype
         capacity, lengths = self.cache.capacity, self.cache.lengths
-        self.k_store = KVStore(self.adapter.asq_k, batch, self.store_heads, self.head_dim, capacity, dtype, device,
-                               lengths)
-        self.v_store = KVStore(self.adapter.asq_v, batch, self.store_heads, self.head_dim, capacity, dtype, device,
-                               lengths)
+        self.k_store = KVStore(
+            self.adapter.asq_k, batch, self.store_heads, self.head_dim, capacity, dtype, device, lengths
+        )
+        self.v_store = KVStore(
+            self.adapter.asq_v, batch, self.store_heads, self.head_dim, capacity, dtype, device, lengths
+        )
         gate = self.adapter.gate
         if gate is not None:
             shape = (batch, gate.num_selectors, capacity, gate.gate_head_dim)
@@ -97,8 +99,10 @@ class GSMLayerCache(CacheLayerMixin):
         before = self.cache.lengths.before
         if before > 0 and self.k_store.compressor is not None:  # a further prompt chunk: its own blocks raw
             packed = stored_split(before, self.k_store.compressor.block_size)
-            self.recent_raw = tuple(torch.cat((store.tail[:, :, : before - packed], states[:, : self.store_heads]), 2)
-                                    for store, states in ((self.k_store, key_states), (self.v_store, value_states)))
+            self.recent_raw = tuple(
+                torch.cat((store.tail[:, :, : before - packed], states[:, : self.store_heads]), 2)
+                for store, states in ((self.k_store, key_states), (self.v_store, value_states))
+            )
         self.k_store.append(key_states)
         self.v_store.append(value_states)
         return key_states, value_states
@@ -153,8 +157,9 @@ class GSMLayerCache(CacheLayerMixin):
         if not self.is_initialized:
             return 0
         held = self.lengths.seq_len
-        gate = sum(t[:, :, :held].numel() * t.element_size()
-                   for t in (self.gate_keys, self.gate_key_scales) if t is not None)
+        gate = sum(
+            t[:, :, :held].numel() * t.element_size() for t in (self.gate_keys, self.gate_key_scales) if t is not None
+        )
         return self.k_store.nbytes() + self.v_store.nbytes() + gate
 
 
@@ -175,8 +180,10 @@ class GSMCache(Cache):
         self.token_step = False  # the call in progress adds one token after earlier ones
         self.pending = 0  # tokens of the forward in progress (held already, not yet for transformers)
         dims = model_dims(model)
-        layers = [GSMLayerCache(self, attn.gsm, attn.k_proj.out_features // dims["head_dim"], dims["head_dim"])
-                  for attn in attention_modules(model)]
+        layers = [
+            GSMLayerCache(self, attn.gsm, attn.k_proj.out_features // dims["head_dim"], dims["head_dim"])
+            for attn in attention_modules(model)
+        ]
         for layer_cache, attn in zip(layers, attention_modules(model), strict=True):
             if attn.gsm.bridge is not None:
                 layer_cache.source = layers[config.cross_layer_sharing.bridge_from]
@@ -193,9 +200,11 @@ class GSMCache(Cache):
         lengths = self.lengths
         end = lengths.seq_len + new_tokens
         if end > self.capacity:
-            raise GSMError(f"the GSM cache holds {self.capacity} tokens per row and this call would make it "
-                           f"{end}; create it with a larger capacity (GSMCache(model, capacity=...)), or "
-                           "generate fewer tokens")
+            raise GSMError(
+                f"the GSM cache holds {self.capacity} tokens per row and this call would make it "
+                f"{end}; create it with a larger capacity (GSMCache(model, capacity=...)), or "
+                "generate fewer tokens"
+            )
         self.token_step = new_tokens == 1 and lengths.seq_len > 0
         self.pending = new_tokens
         if self.token_step:  # the new token is always visible: padding was taken from the prompt
@@ -238,8 +247,9 @@ class GSMCache(Cache):
     def _mark_padding(self, attention_mask: Tensor) -> None:
         """key_valid from a 2-D attention mask covering the tokens so far (eager)."""
         if self.key_valid is None:
-            self.key_valid = torch.ones(attention_mask.shape[0], self.capacity, dtype=torch.bool,
-                                        device=attention_mask.device)
+            self.key_valid = torch.ones(
+                attention_mask.shape[0], self.capacity, dtype=torch.bool, device=attention_mask.device
+            )
         seen = attention_mask.shape[1]
         self.key_valid[:, :seen] = attention_mask.bool()
 
@@ -253,8 +263,9 @@ class GSMCache(Cache):
         for layer in self.layers:
             if layer.is_initialized:
                 total += layer.k_store.allocated_bytes() + layer.v_store.allocated_bytes()
-                total += sum(t.numel() * t.element_size() for t in (layer.gate_keys, layer.gate_key_scales)
-                             if t is not None)
+                total += sum(
+                    t.numel() * t.element_size() for t in (layer.gate_keys, layer.gate_key_scales) if t is not None
+                )
         return total
 
 
@@ -271,8 +282,9 @@ def fused_kernels(model: nn.Module, fused: bool | None) -> ModuleType | None:
     parameter = next(model.parameters())
     if parameter.dtype == torch.float64:
         if fused:
-            raise GSMError("the fused decode kernels compute in fp32, not fp64; pass fused=False (or None) for "
-                           "an fp64 model")
+            raise GSMError(
+                "the fused decode kernels compute in fp32, not fp64; pass fused=False (or None) for an fp64 model"
+            )
         return None
     if fused is False or (fused is None and parameter.device.type != "cuda"):
         return None

@@ -22,14 +22,14 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers.integrations.sdpa_attention import repeat_kv
 
-from gsm_train.kernels import kernel_fits
-from gsm_train.kernels.decode_topk import unordered_top_k
-from gsm_train.modules.adapter import GSMAttentionAdapter
-from gsm_train.modules.errors import GSMError
-from gsm_train.modules.forward_state import CachedStep
+from gsm_train.attention.adapter import GSMAttentionAdapter
+from gsm_train.attention.forward_state import CachedStep
 from gsm_train.functional.gate_keys import decode_gate_keys
 from gsm_train.functional.top_k import scheduled_k
 from gsm_train.inference.kv_store import CacheLengths, KVStore
+from gsm_train.kernels import kernel_fits
+from gsm_train.kernels.decode_topk import unordered_top_k
+from gsm_train.modules.errors import GSMError
 
 
 class CachedLayer(Protocol):
@@ -64,9 +64,16 @@ def forced_count(position: int, sink_tokens: int, recent_tokens: int) -> int:
     return min(sink_end, start) + end - start
 
 
-def top_k_positions(scores: Tensor, allowed: Tensor | None, k: int, position: int, sink_tokens: int,
-                    recent_tokens: int, fused: bool = False,
-                    forced_marked: bool = False) -> tuple[Tensor, Tensor | None]:
+def top_k_positions(
+    scores: Tensor,
+    allowed: Tensor | None,
+    k: int,
+    position: int,
+    sink_tokens: int,
+    recent_tokens: int,
+    fused: bool = False,
+    forced_marked: bool = False,
+) -> tuple[Tensor, Tensor | None]:
     """Key positions [B, n, k'] the newest query keeps (same rule as `select_top_k`) and which are valid.
 
     scores [B, n, S] over all cached keys (overwritten: forced keys get +inf; with `forced_marked` the
@@ -96,22 +103,24 @@ def _per_kv_head(index: Tensor, kv_heads: int) -> Tensor:
     return index.expand(-1, kv_heads, -1) if index.shape[1] == 1 else index
 
 
-def _bridged_rows(adapter: GSMAttentionAdapter, layer_cache: CachedLayer, index: Tensor,
-                  shared: bool) -> tuple[Tensor, Tensor]:
+def _bridged_rows(
+    adapter: GSMAttentionAdapter, layer_cache: CachedLayer, index: Tensor, shared: bool
+) -> tuple[Tensor, Tensor]:
     """The bridge's K/V rows [B, out_heads, k, D] at the target heads' positions `index` [B, Hkv, k]
     (`shared`: every head has the same positions, so the source rows are mapped once)."""
     bridge, source = adapter.bridge, layer_cache.source
     first = index.shape[1] - bridge.out_heads  # share: the last heads; mix: all heads
     parts = []
     for head in [first] if shared else range(first, index.shape[1]):
-        src_index = index[:, head:head + 1].expand(-1, source.k_store.heads, -1)
+        src_index = index[:, head : head + 1].expand(-1, source.k_store.heads, -1)
         mapped = bridge.bridged(source.k_store.gather(src_index), source.v_store.gather(src_index))
-        parts.append(mapped if shared else tuple(rows[:, head - first:head - first + 1] for rows in mapped))
+        parts.append(mapped if shared else tuple(rows[:, head - first : head - first + 1] for rows in mapped))
     return torch.cat([k for k, _ in parts], 1), torch.cat([v for _, v in parts], 1)
 
 
-def gather_kv(adapter: GSMAttentionAdapter, layer_cache: CachedLayer, index: Tensor, shared: bool,
-              mode: str) -> tuple[Tensor, Tensor]:
+def gather_kv(
+    adapter: GSMAttentionAdapter, layer_cache: CachedLayer, index: Tensor, shared: bool, mode: str
+) -> tuple[Tensor, Tensor]:
     """K/V rows [B, Hkv, k, D] at `index` [B, Hkv, k]: the layer's own heads dequantized, the bridge applied
     (`mode`: the bridge's, mix or share)."""
     own = layer_cache.k_store.heads
@@ -130,8 +139,13 @@ def attend(query: Tensor, keys: Tensor, values: Tensor, valid: Tensor | None, sc
     """SDPA of query [B, Hq, 1, D] over gathered rows [B, Hkv, k, D] (valid [B, Hkv, k] or None) -> [B, 1, Hq, D]."""
     groups = query.shape[1] // keys.shape[1]
     mask = None if valid is None else repeat_kv(valid[..., None, :], groups)
-    out = F.scaled_dot_product_attention(query, repeat_kv(keys, groups).to(query.dtype),
-                                         repeat_kv(values, groups).to(query.dtype), attn_mask=mask, scale=scaling)
+    out = F.scaled_dot_product_attention(
+        query,
+        repeat_kv(keys, groups).to(query.dtype),
+        repeat_kv(values, groups).to(query.dtype),
+        attn_mask=mask,
+        scale=scaling,
+    )
     return out.transpose(1, 2).contiguous()
 
 
@@ -153,8 +167,10 @@ def decode_attention(step: CachedStep, layer_cache: CachedLayer) -> Tensor:
     its K/V): select the keys (`select_keys`), then gather, dequantize and attend over them."""
     module, adapter, query = step.module, step.adapter, step.query
     if query.shape[2] != 1:
-        raise GSMError(f"layer {adapter.layer_idx}: a GSM cache takes one new token per step after the prompt "
-                       f"(got {query.shape[2]}); pass the whole prompt in the first call")
+        raise GSMError(
+            f"layer {adapter.layer_idx}: a GSM cache takes one new token per step after the prompt "
+            f"(got {query.shape[2]}); pass the whole prompt in the first call"
+        )
     index, valid = select_keys(step, layer_cache)
     kernels = layer_cache.kernels
     if adapter.bridge is None and kernels is not None and kernel_fits(module.head_dim):
@@ -193,9 +209,15 @@ def select_keys(step: CachedStep, layer_cache: CachedLayer) -> tuple[Tensor, Ten
     kernels = layer_cache.kernels
     if _fused_selection(layer_cache) and kernel_fits(gate.gate_head_dim):
         capacity = layer_cache.gate_keys.shape[2]
-        scores = kernels.gate_scores(gate_q, layer_cache.gate_keys, layer_cache.gate_key_scales,
-                                     layer_cache.lengths.device, cfg.sink_tokens, cfg.recent_tokens,
-                                     layer_cache.key_valid)
+        scores = kernels.gate_scores(
+            gate_q,
+            layer_cache.gate_keys,
+            layer_cache.gate_key_scales,
+            layer_cache.lengths.device,
+            cfg.sink_tokens,
+            cfg.recent_tokens,
+            layer_cache.key_valid,
+        )
         k_static = static_k(k, cfg.sink_tokens, cfg.recent_tokens, capacity)
         index = unordered_top_k(scores, k_static)
         if layer_cache.key_valid is None and layer_cache.lengths.seq_len >= k_static:
@@ -205,8 +227,7 @@ def select_keys(step: CachedStep, layer_cache: CachedLayer) -> tuple[Tensor, Ten
     keys = decode_gate_keys(layer_cache.gate_keys[:, :, :length], _held(layer_cache.gate_key_scales, length))
     scores = gate.score_stored(gate_q, keys)[:, :, 0]
     allowed = None if layer_cache.key_valid is None else layer_cache.key_valid[:, :length]
-    return top_k_positions(scores, allowed, k, position, cfg.sink_tokens, cfg.recent_tokens,
-                           fused=kernels is not None)
+    return top_k_positions(scores, allowed, k, position, cfg.sink_tokens, cfg.recent_tokens, fused=kernels is not None)
 
 
 def _held(scales: Tensor | None, length: int) -> Tensor | None:

@@ -15,10 +15,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from gsm_train.attention.settings import gsm_settings
 from gsm_train.inference.cache import GSMCache, cache_kwargs
 from gsm_train.inference.decode_attention import decode_k
 from gsm_train.modules.errors import GSMError
-from gsm_train.modules.settings import gsm_settings
 
 WARMUP_STEPS = 2  # eager steps before a capture: Triton compiles and autotunes, libraries build their handles
 
@@ -61,9 +61,13 @@ class CapturedStep:
 
     def _forward(self) -> Tensor:
         with torch.no_grad():
-            out = self.model.gsm_base_forward(input_ids=self.input_ids, position_ids=self.position_ids,
-                                              use_cache=True, logits_to_keep=1,
-                                              **cache_kwargs(self.model, self.cache))
+            out = self.model.gsm_base_forward(
+                input_ids=self.input_ids,
+                position_ids=self.position_ids,
+                use_cache=True,
+                logits_to_keep=1,
+                **cache_kwargs(self.model, self.cache),
+            )
         return out.logits
 
     def _lengths(self) -> tuple[int, int, int, Tensor]:
@@ -78,8 +82,10 @@ class CapturedStep:
 
     def __call__(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
         if self.cache.lengths.seq_len >= self.cache.capacity:
-            raise GSMError(f"the GSM cache holds {self.cache.capacity} tokens per row and is full; create it "
-                           "with a larger capacity, or generate fewer tokens")
+            raise GSMError(
+                f"the GSM cache holds {self.cache.capacity} tokens per row and is full; create it "
+                "with a larger capacity, or generate fewer tokens"
+            )
         self.cache.pack_full_tail()  # eager, every block_size steps: the graph writes into the tail
         self.input_ids.copy_(input_ids)
         self.position_ids.copy_(position_ids)

@@ -20,11 +20,11 @@ import torch
 from torch import Tensor, nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from gsm_train.attention.forward_state import CACHE_KWARGS
+from gsm_train.attention.settings import gsm_settings
 from gsm_train.inference.cache import GSMCache, cache_kwargs
 from gsm_train.inference.decode_graph import StepGraphs, graphs_supported
 from gsm_train.modules.errors import GSMError
-from gsm_train.modules.forward_state import CACHE_KWARGS
-from gsm_train.modules.settings import gsm_settings
 
 PREFILL_CHUNK = 4096  # prompt tokens per forward: memory O(chunk x context) per layer, not O(context^2)
 

@@ -42,16 +42,27 @@ class CacheLengths:
 class KVStore:
     """K or V of one layer, [B, H, capacity, D], packed by `compressor` (or raw when it is None)."""
 
-    def __init__(self, compressor: KVCompressor | None, batch: int, heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype, device: torch.device, lengths: CacheLengths) -> None:
+    def __init__(
+        self,
+        compressor: KVCompressor | None,
+        batch: int,
+        heads: int,
+        head_dim: int,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        lengths: CacheLengths,
+    ) -> None:
         self.compressor, self.heads, self.capacity, self.lengths = compressor, heads, capacity, lengths
         self.fields: dict[str, Tensor] | None = None
         if compressor is None:
             self.tail = torch.zeros(batch, heads, capacity, head_dim, dtype=dtype, device=device)
             return
         if capacity % compressor.block_size:
-            raise GSMError(f"a cache's capacity ({capacity}) must be a whole number of blocks of "
-                           f"{compressor.block_size}; round it up")
+            raise GSMError(
+                f"a cache's capacity ({capacity}) must be a whole number of blocks of "
+                f"{compressor.block_size}; round it up"
+            )
         self.fields = compressor.allocate(batch, heads, capacity, device)
         self.tail = torch.zeros(batch, heads, compressor.block_size, head_dim, dtype=dtype, device=device)
 
@@ -59,7 +70,7 @@ class KVStore:
         """Pack whole blocks `rows` [B, H, n * block_size, D] into the fields at token `start`."""
         for name, field in self.compressor.pack_blocks(rows).items():
             per_entry = self.capacity // self.fields[name].shape[2]  # 1 per token, block_size per block
-            self.fields[name][:, :, start // per_entry: start // per_entry + field.shape[2]] = field
+            self.fields[name][:, :, start // per_entry : start // per_entry + field.shape[2]] = field
 
     def append(self, states: Tensor) -> None:
         """Store new tokens [B, H', n, D] (the first `heads` heads of H') after the `lengths.before` held:
@@ -67,8 +78,10 @@ class KVStore:
         states = states[:, : self.heads].to(self.tail.dtype)
         start, end = self.lengths.before, self.lengths.seq_len
         if end > self.capacity:
-            raise GSMError(f"the GSM cache holds {self.capacity} tokens and this call would make it {end}; "
-                           "create it with a larger capacity (GSMCache(model, capacity=...))")
+            raise GSMError(
+                f"the GSM cache holds {self.capacity} tokens and this call would make it {end}; "
+                "create it with a larger capacity (GSMCache(model, capacity=...))"
+            )
         if self.compressor is None:
             self.tail[:, :, start:end] = states
             return
@@ -77,7 +90,7 @@ class KVStore:
         packed_after = stored_split(end, self.compressor.block_size)
         if packed_after > packed_before:
             self._write_packed(raw[:, :, : packed_after - packed_before], packed_before)
-        newest = raw[:, :, packed_after - packed_before:]
+        newest = raw[:, :, packed_after - packed_before :]
         self.tail[:, :, : newest.shape[2]] = newest
 
     def write_newest(self, state: Tensor) -> None:
@@ -120,8 +133,18 @@ class KVStore:
             return None
         signs = asq.rotation_signs if asq.rotate_residuals else None
         fields = self.fields
-        return PackedRows(self.tail, self.lengths.device, fields["ids"], fields["residual"], fields["scales"],
-                          fields["prototypes"], asq.quant_bits, asq.cluster_num, asq.block_size, signs)
+        return PackedRows(
+            self.tail,
+            self.lengths.device,
+            fields["ids"],
+            fields["residual"],
+            fields["scales"],
+            fields["prototypes"],
+            asq.quant_bits,
+            asq.cluster_num,
+            asq.block_size,
+            signs,
+        )
 
     def nbytes(self) -> int:
         """Bytes the tokens held occupy (what the byte account counts; the buffers are sized for capacity)."""

@@ -13,15 +13,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from gsm_train.attention.dispatch import masked_sdpa
+from gsm_train.attention.forward_state import CachedStep
+from gsm_train.attention.layout import earlier_blocks
+from gsm_train.attention.selection import chunks
 from gsm_train.functional.attention_targets import causal_visible
-from gsm_train.inference.decode_attention import CachedLayer
-from gsm_train.modules.attention import masked_sdpa
-from gsm_train.modules.errors import GSMError
-from gsm_train.modules.forward_state import CachedStep
-from gsm_train.modules.layout import earlier_blocks
-from gsm_train.modules.selection import chunks
 from gsm_train.functional.gate_keys import decode_gate_keys
 from gsm_train.functional.top_k import scheduled_k, select_top_k
+from gsm_train.inference.decode_attention import CachedLayer
+from gsm_train.modules.errors import GSMError
 from gsm_train.quant import stored_split
 
 
@@ -36,8 +36,10 @@ def chunk_attention(step: CachedStep, layer_cache: ChunkedLayer) -> Tensor:
     """Attention [B, T, Hq, D] of a prompt chunk's queries [B, Hq, T, D] over the cache (which holds them)."""
     adapter, settings = step.adapter, step.settings
     if adapter.bridge is not None:
-        raise GSMError("a prompt fed in chunks does not reach a cache bridge's targets; pass the prompt in "
-                       "one call, or use a model without cross_layer_sharing")
+        raise GSMError(
+            "a prompt fed in chunks does not reach a cache bridge's targets; pass the prompt in "
+            "one call, or use a model without cross_layer_sharing"
+        )
     cfg = settings.config.sparse_attention
     mode = "dense" if adapter.dense_layer or not cfg.enabled else settings.mode
     if mode == "oracle":
@@ -103,14 +105,22 @@ def _gate_selection(step: CachedStep, layer_cache: ChunkedLayer, gate_q: Tensor,
     with torch.no_grad():
         for start, stop in chunks(end - before, cfg.query_chunk):
             scores = gate.score_stored(gate_q[:, :, start:stop], stored)
-            parts.append(select_top_k(scores, allowed[..., start:stop, :], k_t[start:stop],
-                                      query_positions[start:stop], key_positions, cfg.sink_tokens,
-                                      cfg.recent_tokens, int(k_host[start:stop].max())))
+            parts.append(
+                select_top_k(
+                    scores,
+                    allowed[..., start:stop, :],
+                    k_t[start:stop],
+                    query_positions[start:stop],
+                    key_positions,
+                    cfg.sink_tokens,
+                    cfg.recent_tokens,
+                    int(k_host[start:stop].max()),
+                )
+            )
     return torch.cat(parts, dim=2)
 
 
-def _block_mask(selection: Tensor, query_positions: Tensor, end: int, raw_from: int,
-                block_size: int | None) -> Tensor:
+def _block_mask(selection: Tensor, query_positions: Tensor, end: int, raw_from: int, block_size: int | None) -> Tensor:
     """The mask [B|1, n, T, S'] over `_keys_as_seen`: a selected key in a block before the query's own
     as stored, one in its own block raw (the raw copy, from `raw_from` on). Without a compressor
     (`block_size` None) the selection itself."""

@@ -46,10 +46,31 @@ def kernel_runs(query: Tensor, key: Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _row_log_normaliser(q_ptr, k_ptr, mask_ptr, limit_ptr, lse_ptr, rows_total, keys_total, num_heads,
-                            groups, sq_b, sq_h, sq_r, sk_b, sk_h, sk_s, sm_b, sm_r, scale,
-                            D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, HAS_LIMIT: tl.constexpr,
-                            PRECISION: tl.constexpr):
+    def _row_log_normaliser(
+        q_ptr,
+        k_ptr,
+        mask_ptr,
+        limit_ptr,
+        lse_ptr,
+        rows_total,
+        keys_total,
+        num_heads,
+        groups,
+        sq_b,
+        sq_h,
+        sq_r,
+        sk_b,
+        sk_h,
+        sk_s,
+        sm_b,
+        sm_r,
+        scale,
+        D: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+        HAS_LIMIT: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
         """lse[b, h, r] = log sum_j allowed exp(scale * q.k_j) for one head and a tile of rows (+inf for a
         row that sees no key, so that its probabilities come out 0)."""
         pid_bh = tl.program_id(0)
@@ -58,8 +79,7 @@ if triton is not None:
         rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         row_ok = rows < rows_total
         dims = tl.arange(0, D)
-        q = tl.load(q_ptr + b * sq_b + h * sq_h + rows[:, None] * sq_r + dims[None, :], mask=row_ok[:, None],
-                    other=0.0)
+        q = tl.load(q_ptr + b * sq_b + h * sq_h + rows[:, None] * sq_r + dims[None, :], mask=row_ok[:, None], other=0.0)
         if HAS_LIMIT:
             stop = tl.load(limit_ptr + tl.program_id(1))
         else:
@@ -73,8 +93,14 @@ if triton is not None:
                 key_ok = keys < keys_total
                 k = tl.load(k_base + keys[:, None] * sk_s + dims[None, :], mask=key_ok[:, None], other=0.0)
                 logits = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-                allowed = tl.load(mask_ptr + b * sm_b + rows[:, None] * sm_r + keys[None, :],
-                                  mask=row_ok[:, None] & key_ok[None, :], other=0) != 0
+                allowed = (
+                    tl.load(
+                        mask_ptr + b * sm_b + rows[:, None] * sm_r + keys[None, :],
+                        mask=row_ok[:, None] & key_ok[None, :],
+                        other=0,
+                    )
+                    != 0
+                )
                 logits = tl.where(allowed, logits, float("-inf"))
                 m_new = tl.maximum(m, tl.max(logits, 1))
                 finite = m_new > float("-inf")
@@ -86,10 +112,34 @@ if triton is not None:
         tl.store(lse_ptr + pid_bh * rows_total + rows, lse, mask=row_ok)
 
     @triton.jit
-    def _averaged_probs(q_ptr, k_ptr, mask_ptr, limit_ptr, lse_ptr, out_ptr, rows_total, keys_total, num_heads,
-                        num_selectors, groups, sq_b, sq_h, sq_r, sk_b, sk_h, sk_s, sm_b, sm_r, scale,
-                        HEADS_PER_SELECTOR: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr,
-                        BLOCK_S: tl.constexpr, HAS_LIMIT: tl.constexpr, PRECISION: tl.constexpr):
+    def _averaged_probs(
+        q_ptr,
+        k_ptr,
+        mask_ptr,
+        limit_ptr,
+        lse_ptr,
+        out_ptr,
+        rows_total,
+        keys_total,
+        num_heads,
+        num_selectors,
+        groups,
+        sq_b,
+        sq_h,
+        sq_r,
+        sk_b,
+        sk_h,
+        sk_s,
+        sm_b,
+        sm_r,
+        scale,
+        HEADS_PER_SELECTOR: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+        HAS_LIMIT: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
         """out[b, s, rows, keys] = mean over the selector's heads of exp(scale * q.k - lse), 0 where not
         allowed; tiles past every row's key bound stay as allocated (zeros)."""
         pid_bs = tl.program_id(0)
@@ -105,15 +155,25 @@ if triton is not None:
             stop = keys_total
         if tl.program_id(2) * BLOCK_S < stop:
             dims = tl.arange(0, D)
-            allowed = tl.load(mask_ptr + b * sm_b + rows[:, None] * sm_r + keys[None, :],
-                              mask=row_ok[:, None] & key_ok[None, :], other=0) != 0
+            allowed = (
+                tl.load(
+                    mask_ptr + b * sm_b + rows[:, None] * sm_r + keys[None, :],
+                    mask=row_ok[:, None] & key_ok[None, :],
+                    other=0,
+                )
+                != 0
+            )
             acc = tl.zeros([BLOCK_R, BLOCK_S], tl.float32)
             for i in tl.static_range(HEADS_PER_SELECTOR):
                 h = selector * HEADS_PER_SELECTOR + i
-                q = tl.load(q_ptr + b * sq_b + h * sq_h + rows[:, None] * sq_r + dims[None, :],
-                            mask=row_ok[:, None], other=0.0)
-                k = tl.load(k_ptr + b * sk_b + (h // groups) * sk_h + keys[:, None] * sk_s + dims[None, :],
-                            mask=key_ok[:, None], other=0.0)
+                q = tl.load(
+                    q_ptr + b * sq_b + h * sq_h + rows[:, None] * sq_r + dims[None, :], mask=row_ok[:, None], other=0.0
+                )
+                k = tl.load(
+                    k_ptr + b * sk_b + (h // groups) * sk_h + keys[:, None] * sk_s + dims[None, :],
+                    mask=key_ok[:, None],
+                    other=0.0,
+                )
                 logits = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
                 lse = tl.load(lse_ptr + (b * num_heads + h) * rows_total + rows, mask=row_ok, other=float("inf"))
                 acc += tl.where(allowed, tl.exp(logits - lse[:, None]), 0.0)
@@ -121,8 +181,9 @@ if triton is not None:
             tl.store(out, acc / HEADS_PER_SELECTOR, mask=row_ok[:, None] & key_ok[None, :])
 
 
-def head_averaged_probs(query: Tensor, key: Tensor, allowed: Tensor, scaling: float, num_selectors: int,
-                        key_limit: Tensor | None = None) -> Tensor:
+def head_averaged_probs(
+    query: Tensor, key: Tensor, allowed: Tensor, scaling: float, num_selectors: int, key_limit: Tensor | None = None
+) -> Tensor:
     """As `attention_targets.head_averaged_probs` (query [B, Hq, R, D], key [B, Hkv, S, D], allowed
     [B|1, 1, R, S] bool; returns [B, n, R, S] fp32), computed by the two kernels. `key_limit` [R] (device,
     optional): row r sees no key at or past key_limit[r], so key tiles past the bound of every row of a
@@ -145,11 +206,29 @@ def head_averaged_probs(query: Tensor, key: Tensor, allowed: Tensor, scaling: fl
     probs = torch.zeros(batch, num_selectors, rows, keys, dtype=torch.float32, device=query.device)
     common = (rows, keys, num_heads)
     strides = (*query.stride()[:3], *key.stride()[:3], mask.stride(0), mask.stride(2), scaling)
-    flags = {"D": head_dim, "BLOCK_R": BLOCK_ROWS, "BLOCK_S": BLOCK_KEYS, "HAS_LIMIT": key_limit is not None,
-             "PRECISION": "ieee" if query.dtype == torch.float32 else None, "num_warps": NUM_WARPS}
-    _row_log_normaliser[(batch * num_heads, row_tiles)](query, key, mask, limit, lse, *common,
-                                                         num_heads // num_kv, *strides, **flags)
+    flags = {
+        "D": head_dim,
+        "BLOCK_R": BLOCK_ROWS,
+        "BLOCK_S": BLOCK_KEYS,
+        "HAS_LIMIT": key_limit is not None,
+        "PRECISION": "ieee" if query.dtype == torch.float32 else None,
+        "num_warps": NUM_WARPS,
+    }
+    _row_log_normaliser[(batch * num_heads, row_tiles)](
+        query, key, mask, limit, lse, *common, num_heads // num_kv, *strides, **flags
+    )
     _averaged_probs[(batch * num_selectors, row_tiles, triton.cdiv(keys, BLOCK_KEYS))](
-        query, key, mask, limit, lse, probs, *common, num_selectors, num_heads // num_kv, *strides,
-        HEADS_PER_SELECTOR=num_heads // num_selectors, **flags)
+        query,
+        key,
+        mask,
+        limit,
+        lse,
+        probs,
+        *common,
+        num_selectors,
+        num_heads // num_kv,
+        *strides,
+        HEADS_PER_SELECTOR=num_heads // num_selectors,
+        **flags,
+    )
     return probs

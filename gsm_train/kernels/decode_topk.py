@@ -265,10 +265,12 @@ gsm_decode_topk(const float* __restrict__ scores, long long* __restrict__ out, i
 }
 """
 
+
 def fastest_blocks_per_row(rows: int, length: int, capacity: dict[int, int]) -> int:
     """Of the blocks-per-row sizes in `capacity` (size -> rows it runs at once), the one with the least
     estimated time for `rows` rows of `length` scores, the fewer blocks on a tie: as many waves as the rows
     need, each the size's fixed cost plus the scores one of its blocks reads (`FIXED_US`, `US_PER_SCORE`)."""
+
     def estimated_us(size: int) -> float:
         return -(-rows // capacity[size]) * (FIXED_US[size] + US_PER_SCORE * length / size)
 
@@ -277,10 +279,19 @@ def fastest_blocks_per_row(rows: int, length: int, capacity: dict[int, int]) -> 
 
 class _LaunchConfig(ctypes.Structure):
     """The driver's ``CUlaunchConfig`` (for ``cuOccupancyMaxActiveClusters``)."""
-    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
-                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
-                ("shared_bytes", ctypes.c_uint), ("stream", ctypes.c_void_p), ("attributes", ctypes.c_void_p),
-                ("attribute_count", ctypes.c_uint)]
+
+    _fields_ = [
+        ("grid_x", ctypes.c_uint),
+        ("grid_y", ctypes.c_uint),
+        ("grid_z", ctypes.c_uint),
+        ("block_x", ctypes.c_uint),
+        ("block_y", ctypes.c_uint),
+        ("block_z", ctypes.c_uint),
+        ("shared_bytes", ctypes.c_uint),
+        ("stream", ctypes.c_void_p),
+        ("attributes", ctypes.c_void_p),
+        ("attribute_count", ctypes.c_uint),
+    ]
 
 
 class _Launcher:
@@ -294,9 +305,11 @@ class _Launcher:
         self.shared_limit = properties.shared_memory_per_block_optin
         self._driver = torch.cuda._utils._get_gpu_runtime_library()
         self._launch = self._driver.cuLaunchKernel
-        self._launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p,
-                                                                            ctypes.POINTER(ctypes.c_void_p),
-                                                                            ctypes.c_void_p]
+        self._launch.argtypes = (
+            [ctypes.c_void_p]
+            + [ctypes.c_uint] * 7
+            + [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+        )
         self._compiled = {}  # blocks per row -> the compiled kernel (which holds the module it lives in)
         self._capacity = {1: properties.multi_processor_count}  # blocks per row -> rows in flight at once
         self._choice: dict[tuple[int, int], int] = {}  # (rows, length) -> blocks per row
@@ -323,8 +336,7 @@ class _Launcher:
         once: a cluster's blocks share one GPC, so this is not simply SMs / cluster."""
         config = _LaunchConfig(cluster, 1, 1, THREADS, 1, 1, self.shared_limit, None, None, 0)
         count = ctypes.c_int()
-        error = self._driver.cuOccupancyMaxActiveClusters(ctypes.byref(count), kernel.func,
-                                                          ctypes.byref(config))
+        error = self._driver.cuOccupancyMaxActiveClusters(ctypes.byref(count), kernel.func, ctypes.byref(config))
         if error:
             raise RuntimeError(f"cuOccupancyMaxActiveClusters failed with CUDA error {error}")
         return count.value
@@ -366,17 +378,31 @@ class _Launcher:
             out = torch.empty(*scores.shape[:-1], k, dtype=torch.int64, device=scores.device)
         if not rows.shape[0]:  # no launch for no rows (a grid of 0 blocks is a CUDA error)
             return out
-        args = (ctypes.c_void_p(rows.data_ptr()), ctypes.c_void_p(out.data_ptr()), ctypes.c_int(length),
-                ctypes.c_int(k))
+        args = (
+            ctypes.c_void_p(rows.data_ptr()),
+            ctypes.c_void_p(out.data_ptr()),
+            ctypes.c_int(length),
+            ctypes.c_int(k),
+        )
         params = (ctypes.c_void_p * 4)(*(ctypes.addressof(arg) for arg in args))
         cluster = cluster or self.blocks_per_row(rows.shape[0], length)
         with torch.cuda.device(rows.device):  # the function belongs to its device's context
             stream = torch.cuda.current_stream(rows.device).cuda_stream
-            error = self._launch(self._compiled[cluster].func, rows.shape[0] * cluster, 1, 1, THREADS, 1, 1,
-                                 self._shared_bytes(cluster, length), stream, params, None)
+            error = self._launch(
+                self._compiled[cluster].func,
+                rows.shape[0] * cluster,
+                1,
+                1,
+                THREADS,
+                1,
+                1,
+                self._shared_bytes(cluster, length),
+                stream,
+                params,
+                None,
+            )
         if error:
-            raise RuntimeError(f"decode_topk: cuLaunchKernel failed with CUDA error {error} ({cluster} blocks "
-                               "per row)")
+            raise RuntimeError(f"decode_topk: cuLaunchKernel failed with CUDA error {error} ({cluster} blocks per row)")
         return out
 
 
@@ -456,17 +482,24 @@ def decode_topk(scores: Tensor, k: int, out: Tensor | None = None, blocks_per_ro
         raise ValueError(f"decode_topk: k must be in [1, {length}] (the row length), got {k}")
     launcher = _launcher(scores.device)
     if blocks_per_row is not None and not launcher.holds(blocks_per_row, length):
-        raise ValueError(f"decode_topk: blocks_per_row must be one of {launcher.cluster_sizes} (this GPU's) "
-                         f"whose blocks hold a row of {length} scores, got {blocks_per_row}")
+        raise ValueError(
+            f"decode_topk: blocks_per_row must be one of {launcher.cluster_sizes} (this GPU's) "
+            f"whose blocks hold a row of {length} scores, got {blocks_per_row}"
+        )
     if not launcher.fits(length):
-        raise ValueError(f"decode_topk: a row of {length} scores does not fit the shared memory of "
-                         f"{max(launcher.cluster_sizes)} blocks; "
-                         "use unordered_top_k, which takes torch.topk for such rows")
+        raise ValueError(
+            f"decode_topk: a row of {length} scores does not fit the shared memory of "
+            f"{max(launcher.cluster_sizes)} blocks; "
+            "use unordered_top_k, which takes torch.topk for such rows"
+        )
     shape = (*scores.shape[:-1], k)
-    if out is not None and (out.shape != shape or out.dtype != torch.int64 or out.device != scores.device
-                            or not out.is_contiguous()):
-        raise ValueError(f"decode_topk: out must be a contiguous int64 tensor of shape {shape} on {scores.device}, "
-                         f"got {out.dtype} {tuple(out.shape)} on {out.device}")
+    if out is not None and (
+        out.shape != shape or out.dtype != torch.int64 or out.device != scores.device or not out.is_contiguous()
+    ):
+        raise ValueError(
+            f"decode_topk: out must be a contiguous int64 tensor of shape {shape} on {scores.device}, "
+            f"got {out.dtype} {tuple(out.shape)} on {out.device}"
+        )
     return launcher(scores, k, out, blocks_per_row)
 
 

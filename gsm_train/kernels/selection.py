@@ -41,18 +41,43 @@ def kernel_runs(scores: Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _top_k_selection_kernel(scores_ptr, allowed_ptr, query_pos_ptr, key_pos_ptr, out_ptr, length, queries,
-                                selectors, k, sink_tokens, recent_tokens, allowed_batch_stride,
-                                allowed_selector_stride, allowed_query_stride, allowed_key_stride,
-                                BLOCK: tl.constexpr, SEARCH_BITS: tl.constexpr):
+    def _top_k_selection_kernel(
+        scores_ptr,
+        allowed_ptr,
+        query_pos_ptr,
+        key_pos_ptr,
+        out_ptr,
+        length,
+        queries,
+        selectors,
+        k,
+        sink_tokens,
+        recent_tokens,
+        allowed_batch_stride,
+        allowed_selector_stride,
+        allowed_query_stride,
+        allowed_key_stride,
+        BLOCK: tl.constexpr,
+        SEARCH_BITS: tl.constexpr,
+    ):
         row = tl.program_id(0).to(tl.int64)  # (batch, selector, query) of scores [B, n, T, S]; int64 offsets
         query = row % queries
         selector = (row // queries) % selectors
         batch = row // (queries * selectors)
         offs = tl.arange(0, BLOCK)
         live = offs < length
-        allowed = tl.load(allowed_ptr + batch * allowed_batch_stride + selector * allowed_selector_stride
-                          + query * allowed_query_stride + offs * allowed_key_stride, mask=live, other=0) != 0
+        allowed = (
+            tl.load(
+                allowed_ptr
+                + batch * allowed_batch_stride
+                + selector * allowed_selector_stride
+                + query * allowed_query_stride
+                + offs * allowed_key_stride,
+                mask=live,
+                other=0,
+            )
+            != 0
+        )
         query_pos = tl.load(query_pos_ptr + query)
         key_pos = tl.load(key_pos_ptr + offs, mask=live, other=0)
         distance = query_pos - key_pos
@@ -76,8 +101,15 @@ if triton is not None:
         tl.store(out_ptr + row * length + offs, (keep | forced) & allowed, mask=live)
 
 
-def top_k_selection(scores: Tensor, allowed: Tensor, k: int, query_positions: Tensor, key_positions: Tensor,
-                    sink_tokens: int = 0, recent_tokens: int = 0) -> Tensor:
+def top_k_selection(
+    scores: Tensor,
+    allowed: Tensor,
+    k: int,
+    query_positions: Tensor,
+    key_positions: Tensor,
+    sink_tokens: int = 0,
+    recent_tokens: int = 0,
+) -> Tensor:
     """`select_top_k`'s selection [B, n, T, S] for a k every query keeps, in one pass over the scores: each
     row's k best allowed keys (at a tie with the k-th largest, the lowest positions; all of a row when k
     covers it), plus its forced ones (own position, the first `sink_tokens`, the `recent_tokens` latest),
@@ -89,7 +121,20 @@ def top_k_selection(scores: Tensor, allowed: Tensor, k: int, query_positions: Te
     out = torch.empty(scores.shape, dtype=torch.bool, device=scores.device)
     search_bits = 16 if scores.dtype == torch.bfloat16 else 32
     _top_k_selection_kernel[(batch * selectors * queries,)](
-        rows, allowed, query_positions.to(torch.int32), key_positions.to(torch.int32), out, length, queries, selectors, k,
-        sink_tokens, recent_tokens, *allowed.stride(), BLOCK=triton.next_power_of_2(length),
-        SEARCH_BITS=search_bits, num_warps=4 if length <= 2048 else 8)
+        rows,
+        allowed,
+        query_positions.to(torch.int32),
+        key_positions.to(torch.int32),
+        out,
+        length,
+        queries,
+        selectors,
+        k,
+        sink_tokens,
+        recent_tokens,
+        *allowed.stride(),
+        BLOCK=triton.next_power_of_2(length),
+        SEARCH_BITS=search_bits,
+        num_warps=4 if length <= 2048 else 8,
+    )
     return out

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -90,16 +91,33 @@ if triton is not None:
         return tl.load(ids_ptr + bh * capacity + pos, mask=in_packed, other=0).to(tl.int32)
 
     @triton.jit
-    def _packed_parts(cluster, res_ptr, scale_ptr, proto_ptr, bh, pos, in_packed, capacity, n_blocks, dims,
-                      D: tl.constexpr, BITS: tl.constexpr, C: tl.constexpr, TOKENS_PER_BLOCK: tl.constexpr):
+    def _packed_parts(
+        cluster,
+        res_ptr,
+        scale_ptr,
+        proto_ptr,
+        bh,
+        pos,
+        in_packed,
+        capacity,
+        n_blocks,
+        dims,
+        D: tl.constexpr,
+        BITS: tl.constexpr,
+        C: tl.constexpr,
+        TOKENS_PER_BLOCK: tl.constexpr,
+    ):
         """What the store holds for the packed rows at `pos` with prototype ids `cluster` (zeros elsewhere):
         prototype rows [N, D], residual codes as words [N, D * BITS / 32] (int32, read whole) and scales [N];
         the buffers hold `capacity` tokens and `n_blocks` blocks per (batch, head)."""
         flat = bh * capacity + pos
         NWORDS: tl.constexpr = D * BITS // 32
         # one expression: naming the word pointers made Triton 3.6's layout pass fail on the ids' load
-        word = tl.load(res_ptr.to(tl.pointer_type(tl.int32)) + flat[:, None] * NWORDS
-                       + tl.arange(0, NWORDS)[None, :], mask=in_packed[:, None], other=0)
+        word = tl.load(
+            res_ptr.to(tl.pointer_type(tl.int32)) + flat[:, None] * NWORDS + tl.arange(0, NWORDS)[None, :],
+            mask=in_packed[:, None],
+            other=0,
+        )
         scale = tl.load(scale_ptr + flat, mask=in_packed, other=0.0)
         proto_row = (bh * n_blocks + pos // TOKENS_PER_BLOCK) * C + cluster
         proto = tl.load(proto_ptr + proto_row[:, None] * D + dims[None, :], mask=in_packed[:, None], other=0.0)
@@ -116,8 +134,17 @@ if triton is not None:
         return x * tl.rsqrt(tl.full([1, 1], D, tl.float32))
 
     @triton.jit
-    def _packed_rows(proto, word, scale, in_packed, D: tl.constexpr, BITS: tl.constexpr, CENTER: tl.constexpr,
-                     PACKED: tl.constexpr, DTYPE: tl.constexpr):
+    def _packed_rows(
+        proto,
+        word,
+        scale,
+        in_packed,
+        D: tl.constexpr,
+        BITS: tl.constexpr,
+        CENTER: tl.constexpr,
+        PACKED: tl.constexpr,
+        DTYPE: tl.constexpr,
+    ):
         """Rows [N, D] (DTYPE) rebuilt from `_packed_parts` (prototype + residual) where `in_packed`, zeros
         elsewhere (in the rotated basis when the store rotates its residuals): the parts' masked loads give
         zero prototypes and scales there, so no select is spent on it."""
@@ -131,8 +158,11 @@ if triton is not None:
     def _tail_rows(tail_ptr, bh, pos, in_tail, packed_len, tail_slots, dims, D: tl.constexpr, DTYPE: tl.constexpr):
         """The raw rows [N, D] (DTYPE, never rotated) at `pos` where `in_tail` (slot pos - packed_len of
         `tail_slots` per (batch, head)), zeros elsewhere."""
-        return tl.load(tail_ptr + (bh * tail_slots + (pos - packed_len))[:, None] * D + dims[None, :],
-                       mask=in_tail[:, None], other=0.0).to(DTYPE)
+        return tl.load(
+            tail_ptr + (bh * tail_slots + (pos - packed_len))[:, None] * D + dims[None, :],
+            mask=in_tail[:, None],
+            other=0.0,
+        ).to(DTYPE)
 
     # Gathers of scattered rows are latency-bound: how many rows a program takes (BLOCK_N x TILES),
     # how many warps it runs and how deep Triton pipelines its loop trade parallelism against
@@ -145,24 +175,67 @@ if triton is not None:
     # `benchmarks/decode_configs.py` times (docs/design-decisions.md, 'At batch 1 the fused decode
     # kernel is bound by its instructions').
     @triton.autotune(
-        configs=[triton.Config({"BLOCK_N": block, "TILES": tiles}, num_warps=warps, num_stages=stages)
-                 for block, tiles, warps, stages in ((32, 1, 8, 3), (64, 1, 8, 3), (32, 2, 4, 3), (64, 1, 4, 3),
-                                                     (64, 16, 4, 3), (64, 16, 4, 1))],
-        key=["size_class", "rows", "D", "G", "PACKED", "ROTATED"])
+        configs=[
+            triton.Config({"BLOCK_N": block, "TILES": tiles}, num_warps=warps, num_stages=stages)
+            for block, tiles, warps, stages in (
+                (32, 1, 8, 3),
+                (64, 1, 8, 3),
+                (32, 2, 4, 3),
+                (64, 1, 4, 3),
+                (64, 16, 4, 3),
+                (64, 16, 4, 1),
+            )
+        ],
+        key=["size_class", "rows", "D", "G", "PACKED", "ROTATED"],
+    )
     @triton.jit
-    def _sparse_decode_kernel(q_ptr, signs_ptr, index_ptr, valid_ptr,
-                              k_ids, k_res, k_scales, k_protos, k_tail,
-                              v_ids, v_res, v_scales, v_protos, v_tail,
-                              acc_ptr, raw_ptr, max_ptr, sum_ptr, lengths_ptr,
-                              capacity, tail_slots, n_blocks, selected, size_class, rows, scaling,
-                              KV_HEADS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, GQ: tl.constexpr,
-                              D: tl.constexpr, LOG_D: tl.constexpr,
-                              K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_CENTER: tl.constexpr,
-                              V_CENTER: tl.constexpr, C: tl.constexpr,
-                              TOKENS_PER_BLOCK: tl.constexpr,
-                              PACKED: tl.constexpr, ROTATED: tl.constexpr, HAS_VALID: tl.constexpr,
-                              PRECISION: tl.constexpr,
-                              SHARED_SELECTION: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr):
+    def _sparse_decode_kernel(
+        q_ptr,
+        signs_ptr,
+        index_ptr,
+        valid_ptr,
+        k_ids,
+        k_res,
+        k_scales,
+        k_protos,
+        k_tail,
+        v_ids,
+        v_res,
+        v_scales,
+        v_protos,
+        v_tail,
+        acc_ptr,
+        raw_ptr,
+        max_ptr,
+        sum_ptr,
+        lengths_ptr,
+        capacity,
+        tail_slots,
+        n_blocks,
+        selected,
+        size_class,
+        rows,
+        scaling,
+        KV_HEADS: tl.constexpr,
+        G: tl.constexpr,
+        GP: tl.constexpr,
+        GQ: tl.constexpr,
+        D: tl.constexpr,
+        LOG_D: tl.constexpr,
+        K_BITS: tl.constexpr,
+        V_BITS: tl.constexpr,
+        K_CENTER: tl.constexpr,
+        V_CENTER: tl.constexpr,
+        C: tl.constexpr,
+        TOKENS_PER_BLOCK: tl.constexpr,
+        PACKED: tl.constexpr,
+        ROTATED: tl.constexpr,
+        HAS_VALID: tl.constexpr,
+        PRECISION: tl.constexpr,
+        SHARED_SELECTION: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        TILES: tl.constexpr,
+    ):
         bh = tl.program_id(0)
         split = tl.program_id(1)
         splits = tl.num_programs(1)
@@ -178,8 +251,9 @@ if triton is not None:
         if ROTATED:  # rows in the rotated basis: the query too. R = diag(signs) H / sqrt(D) (`hadamard_rotation`),
             signs = tl.load(signs_ptr + dims).to(tl.float32)  # so q R = ((q * signs) H) / sqrt(D)
             group = tl.arange(0, GQ)  # the group's heads without the dot's padding: 4x fewer rows to rotate at G 4
-            q_group = tl.load(q_ptr + ((bh * G + group) * D)[:, None] + dims[None, :], mask=(group < G)[:, None],
-                              other=0.0)
+            q_group = tl.load(
+                q_ptr + ((bh * G + group) * D)[:, None] + dims[None, :], mask=(group < G)[:, None], other=0.0
+            )
             q_group = _walsh_hadamard(q_group.to(tl.float32) * signs[None, :], GQ, D, LOG_D)
             q = tl.reshape(tl.broadcast_to(q_group[None, :, :], [GP // GQ, GQ, D]), [GP, D])
             q = tl.where((heads < G)[:, None], q, 0.0).to(q_ptr.dtype.element_ty)
@@ -203,18 +277,47 @@ if triton is not None:
         for start in range(0, BLOCK_N * TILES, BLOCK_N):
             in_packed = live & (pos < packed_len)
             if PACKED:  # every load of the tile is issued before any of it is used
-                k_proto, k_word, k_scale = _packed_parts(k_cluster, k_res, k_scales, k_protos, bh, pos, in_packed,
-                                                         capacity, n_blocks, dims, D, K_BITS, C, TOKENS_PER_BLOCK)
-                v_proto, v_word, v_scale = _packed_parts(v_cluster, v_res, v_scales, v_protos, bh, pos, in_packed,
-                                                         capacity, n_blocks, dims, D, V_BITS, C, TOKENS_PER_BLOCK)
+                k_proto, k_word, k_scale = _packed_parts(
+                    k_cluster,
+                    k_res,
+                    k_scales,
+                    k_protos,
+                    bh,
+                    pos,
+                    in_packed,
+                    capacity,
+                    n_blocks,
+                    dims,
+                    D,
+                    K_BITS,
+                    C,
+                    TOKENS_PER_BLOCK,
+                )
+                v_proto, v_word, v_scale = _packed_parts(
+                    v_cluster,
+                    v_res,
+                    v_scales,
+                    v_protos,
+                    bh,
+                    pos,
+                    in_packed,
+                    capacity,
+                    n_blocks,
+                    dims,
+                    D,
+                    V_BITS,
+                    C,
+                    TOKENS_PER_BLOCK,
+                )
                 next_k_cluster = _cluster_ids(k_ids, bh, next_pos, next_live, packed_len, capacity)
                 next_v_cluster = _cluster_ids(v_ids, bh, next_pos, next_live, packed_len, capacity)
             else:
                 k_proto, k_word, k_scale = pos, pos, pos
                 v_proto, v_word, v_scale = pos, pos, pos
                 next_k_cluster, next_v_cluster = pos, pos
-            after_pos, after_live = _tile_positions(index_ptr, valid_ptr, row_start, offs + start + 2 * BLOCK_N, hi,
-                                                    HAS_VALID)
+            after_pos, after_live = _tile_positions(
+                index_ptr, valid_ptr, row_start, offs + start + 2 * BLOCK_N, hi, HAS_VALID
+            )
             in_tail = live & (pos >= packed_len)
             has_tail = tl.max(in_tail.to(tl.int32), 0) > 0  # only the tiles holding newest rows read the tail
             keys = _packed_rows(k_proto, k_word, k_scale, in_packed, D, K_BITS, K_CENTER, PACKED, q.dtype)
@@ -248,9 +351,20 @@ if triton is not None:
         tl.store(sum_ptr + part, l_i, mask=real)
 
     @triton.jit
-    def _merge_splits_kernel(acc_ptr, raw_ptr, max_ptr, sum_ptr, signs_ptr, out_ptr, splits,
-                             G: tl.constexpr, D: tl.constexpr, LOG_D: tl.constexpr, ROTATED: tl.constexpr,
-                             SPLIT_BLOCK: tl.constexpr):
+    def _merge_splits_kernel(
+        acc_ptr,
+        raw_ptr,
+        max_ptr,
+        sum_ptr,
+        signs_ptr,
+        out_ptr,
+        splits,
+        G: tl.constexpr,
+        D: tl.constexpr,
+        LOG_D: tl.constexpr,
+        ROTATED: tl.constexpr,
+        SPLIT_BLOCK: tl.constexpr,
+    ):
         """One query head: the softmax-weighted sum of its splits' partial results, SPLIT_BLOCK splits
         per load (one round trip to memory for up to SPLIT_BLOCK splits, not one per split). With ROTATED
         the packed rows' partial sums are in the rotated basis: their sum is rotated back here, once per
@@ -285,9 +399,23 @@ if triton is not None:
         tl.store(out_ptr + row * D + dims[None, :], out.to(out_ptr.dtype.element_ty))
 
     @triton.jit
-    def _gate_scores_kernel(q_ptr, k_ptr, scale_ptr, valid_ptr, out_ptr, lengths_ptr, capacity, selectors, scale,
-                            sink_end, recent, DG: tl.constexpr, BLOCK_S: tl.constexpr, SCALED: tl.constexpr,
-                            HAS_VALID: tl.constexpr):
+    def _gate_scores_kernel(
+        q_ptr,
+        k_ptr,
+        scale_ptr,
+        valid_ptr,
+        out_ptr,
+        lengths_ptr,
+        capacity,
+        selectors,
+        scale,
+        sink_end,
+        recent,
+        DG: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+        SCALED: tl.constexpr,
+        HAS_VALID: tl.constexpr,
+    ):
         row = tl.program_id(0)  # one (batch, selector)
         tile = tl.program_id(1)
         length = tl.load(lengths_ptr)  # the keys held, read when the kernel runs
@@ -296,8 +424,9 @@ if triton is not None:
         in_buffer = keys_at < capacity
         live = keys_at < length
         q = tl.load(q_ptr + row * DG + dims).to(tl.float32)
-        keys = tl.load(k_ptr + ((row * capacity + keys_at) * DG)[:, None] + dims[None, :], mask=live[:, None],
-                       other=0).to(tl.float32)
+        keys = tl.load(
+            k_ptr + ((row * capacity + keys_at) * DG)[:, None] + dims[None, :], mask=live[:, None], other=0
+        ).to(tl.float32)
         logits = tl.sum(keys * q[None, :], 1) * scale
         if SCALED:  # int8 codes: one fp16 scale per key
             logits = logits * tl.load(scale_ptr + row * capacity + keys_at, mask=live, other=0.0).to(tl.float32)
@@ -331,8 +460,9 @@ def _store_args(rows: PackedRows, like: Tensor) -> tuple[Tensor, ...]:
     return rows.ids, rows.residual, rows.scales, rows.prototypes, rows.tail
 
 
-def kernel_constants(query: Tensor, k_store: PackedRows, v_store: PackedRows, shared_selection: bool,
-                     has_valid: bool) -> dict[str, object]:
+def kernel_constants(
+    query: Tensor, k_store: PackedRows, v_store: PackedRows, shared_selection: bool, has_valid: bool
+) -> dict[str, object]:
     """The fused decode kernel's compile-time arguments for a query [B, Hq, 1, D] over these stores, with
     one selection for all KV heads or not and with a valid mask or not: what a launch specializes on
     (`benchmarks/decode_sass.py` compiles the same)."""
@@ -341,19 +471,37 @@ def kernel_constants(query: Tensor, k_store: PackedRows, v_store: PackedRows, sh
     groups = q_heads // kv_heads
     packed = k_store.packed
     k_bits, v_bits = (k_store.bits, v_store.bits) if packed else (8, 8)  # no codes read unpacked
-    return dict(KV_HEADS=kv_heads, G=groups, GP=max(16, triton.next_power_of_2(groups)),
-                GQ=triton.next_power_of_2(groups), D=dim,
-                LOG_D=dim.bit_length() - 1, K_BITS=k_bits, V_BITS=v_bits, K_CENTER=code_center(k_bits),
-                V_CENTER=code_center(v_bits), C=k_store.cluster_num if packed else 1,
-                TOKENS_PER_BLOCK=k_store.block_size if packed else 1, PACKED=packed,
-                # prototypes and residual codes in the rotated basis, K's and V's alike
-                ROTATED=packed and k_store.rotation_signs is not None, HAS_VALID=has_valid,
-                PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # fp32: exact
-                SHARED_SELECTION=shared_selection)
+    return dict(
+        KV_HEADS=kv_heads,
+        G=groups,
+        GP=max(16, triton.next_power_of_2(groups)),
+        GQ=triton.next_power_of_2(groups),
+        D=dim,
+        LOG_D=dim.bit_length() - 1,
+        K_BITS=k_bits,
+        V_BITS=v_bits,
+        K_CENTER=code_center(k_bits),
+        V_CENTER=code_center(v_bits),
+        C=k_store.cluster_num if packed else 1,
+        TOKENS_PER_BLOCK=k_store.block_size if packed else 1,
+        PACKED=packed,
+        # prototypes and residual codes in the rotated basis, K's and V's alike
+        ROTATED=packed and k_store.rotation_signs is not None,
+        HAS_VALID=has_valid,
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # fp32: exact
+        SHARED_SELECTION=shared_selection,
+    )
 
 
-def fused_decode_attention(query: Tensor, k_store: PackedRows, v_store: PackedRows, index: Tensor, valid: Tensor | None,
-                           scaling: float, config: triton.Config | None = None) -> Tensor:
+def fused_decode_attention(
+    query: Tensor,
+    k_store: PackedRows,
+    v_store: PackedRows,
+    index: Tensor,
+    valid: Tensor | None,
+    scaling: float,
+    config: triton.Config | None = None,
+) -> Tensor:
     """Attention of query [B, Hq, 1, D] over the rows `index` [B, n, k] of the stores (n = 1: one selection
     for all KV heads; n = Hkv: one per KV head; `valid` alike or None; every position below the stores'
     `lengths[0]`) -> [B, 1, Hq, D]. The lengths are read on the device: no host value of the step's enters
@@ -361,8 +509,10 @@ def fused_decode_attention(query: Tensor, k_store: PackedRows, v_store: PackedRo
     autotuned configurations (`decode_configs()`) to run instead of the autotuner's pick."""
     k_rotates, v_rotates = (store.rotation_signs is not None for store in (k_store, v_store))
     if k_rotates != v_rotates:
-        raise ValueError(f"k_store and v_store must both rotate residuals or neither (got {k_rotates} and "
-                         f"{v_rotates}); build both compressors with the same rotate_residuals")
+        raise ValueError(
+            f"k_store and v_store must both rotate residuals or neither (got {k_rotates} and "
+            f"{v_rotates}); build both compressors with the same rotate_residuals"
+        )
     batch, q_heads, _, dim = query.shape
     constants = kernel_constants(query, k_store, v_store, index.shape[1] == 1, valid is not None)
     kv_heads, groups, packed = constants["KV_HEADS"], constants["G"], constants["PACKED"]
@@ -383,27 +533,35 @@ def fused_decode_attention(query: Tensor, k_store: PackedRows, v_store: PackedRo
     def grid(meta: dict) -> tuple[int, int]:
         return batch * kv_heads, math.ceil(selected / (meta["BLOCK_N"] * meta["TILES"]))
 
-    if config is None and os.environ.get("TRITON_INTERPRET") == "1":  # no device to time configurations on
-        config = triton.Config({"BLOCK_N": 32, "TILES": 2})
-    kernel, fixed = _sparse_decode_kernel, {}
-    if config is not None:
-        rows = config.kwargs.get("BLOCK_N", 0) * config.kwargs.get("TILES", 0)
-        if rows < SMALLEST_CHUNK:  # the partial results are sized for programs of at least this many rows
-            raise ValueError(f"fused_decode_attention: config must take at least {SMALLEST_CHUNK} rows per program "
-                             f"(BLOCK_N x TILES), got {config}; pick one of decode_configs()")
-        kernel, fixed = _sparse_decode_kernel.fn, {**config.kwargs, "num_warps": config.num_warps,
-                                                   "num_stages": config.num_stages}
+    kernel, fixed = _kernel_for(config)
     kernel[grid](
-        q, signs, index, valid_arg, *_store_args(k_store, index),
-        *_store_args(v_store, index), acc, raw, maxes, sums, k_store.lengths,
-        capacity, k_store.tail.shape[2], n_blocks, selected, triton.next_power_of_2(selected),
-        batch * kv_heads, scaling, **constants, **fixed)
+        q, signs, index, valid_arg, *_store_args(k_store, index), *_store_args(v_store, index),
+        acc, raw, maxes, sums, k_store.lengths, capacity, k_store.tail.shape[2], n_blocks, selected,
+        triton.next_power_of_2(selected), batch * kv_heads, scaling, **constants, **fixed,
+    )  # fmt: skip
     splits = grid(fixed or _sparse_decode_kernel.best_config.kwargs)[1]
     out = torch.empty(batch, q_heads, dim, device=query.device, dtype=query.dtype)
-    _merge_splits_kernel[(batch * q_heads,)](acc, raw, maxes, sums, signs, out, splits, G=groups, D=dim,
-                                             LOG_D=constants["LOG_D"], ROTATED=constants["ROTATED"],
-                                             SPLIT_BLOCK=min(64, triton.next_power_of_2(splits)))
+    _merge_splits_kernel[(batch * q_heads,)](
+        acc, raw, maxes, sums, signs, out, splits, G=groups, D=dim, LOG_D=constants["LOG_D"],
+        ROTATED=constants["ROTATED"], SPLIT_BLOCK=min(64, triton.next_power_of_2(splits)),
+    )  # fmt: skip
     return out.reshape(batch, 1, q_heads, dim)
+
+
+def _kernel_for(config: triton.Config | None) -> tuple[Any, dict[str, Any]]:
+    """The decode kernel to launch and the meta-parameters to fix: the autotuner's pick (config None on
+    a GPU), or `config` (and under Triton's interpreter, which has no device to time on, a default)."""
+    if config is None and os.environ.get("TRITON_INTERPRET") == "1":
+        config = triton.Config({"BLOCK_N": 32, "TILES": 2})
+    if config is None:
+        return _sparse_decode_kernel, {}
+    rows = config.kwargs.get("BLOCK_N", 0) * config.kwargs.get("TILES", 0)
+    if rows < SMALLEST_CHUNK:  # the partial results are sized for programs of at least this many rows
+        raise ValueError(
+            f"fused_decode_attention: config must take at least {SMALLEST_CHUNK} rows per program "
+            f"(BLOCK_N x TILES), got {config}; pick one of decode_configs()"
+        )
+    return _sparse_decode_kernel.fn, {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
 
 
 def decode_configs() -> list[triton.Config]:
@@ -418,8 +576,15 @@ def autotuned_config() -> triton.Config:
     return _sparse_decode_kernel.best_config
 
 
-def gate_scores(gate_q: Tensor, gate_keys: Tensor, key_scales: Tensor | None, lengths: Tensor, sink_tokens: int,
-                recent_tokens: int, key_valid: Tensor | None = None) -> Tensor:
+def gate_scores(
+    gate_q: Tensor,
+    gate_keys: Tensor,
+    key_scales: Tensor | None,
+    lengths: Tensor,
+    sink_tokens: int,
+    recent_tokens: int,
+    key_valid: Tensor | None = None,
+) -> Tensor:
     """fp32 gate logits [B, n, C] of one query per row, gate_q [B, n, 1, dg], over the cached gate keys
     [B, n, C, dg] of a cache of capacity C (bf16, or int8 codes with fp16 `key_scales` [B, n, C, 1]): the
     same products as `SparseGateHead.score_stored`, reading the keys once as stored. `lengths[0]` (int32,
@@ -432,7 +597,20 @@ def gate_scores(gate_q: Tensor, gate_keys: Tensor, key_scales: Tensor | None, le
     valid = key_valid.to(torch.int8).contiguous() if key_valid is not None else out
     block = _score_block(batch * selectors, capacity)
     _gate_scores_kernel[(batch * selectors, triton.cdiv(capacity, block))](
-        gate_q.float().contiguous(), gate_keys.contiguous(), scales, valid, out, lengths, capacity, selectors,
-        dim ** -0.5, sink_tokens, recent_tokens, DG=dim, BLOCK_S=block, SCALED=key_scales is not None,
-        HAS_VALID=key_valid is not None)
+        gate_q.float().contiguous(),
+        gate_keys.contiguous(),
+        scales,
+        valid,
+        out,
+        lengths,
+        capacity,
+        selectors,
+        dim**-0.5,
+        sink_tokens,
+        recent_tokens,
+        DG=dim,
+        BLOCK_S=block,
+        SCALED=key_scales is not None,
+        HAS_VALID=key_valid is not None,
+    )
     return out

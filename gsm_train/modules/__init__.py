@@ -1,22 +1,10 @@
-"""The GSM nn.Modules, their injection into Hugging Face causal LMs, and the per-call state of a forward."""
+"""The GSM nn.Modules: the sparse gate head, the K/V compressors (ASQ, per token) with their registry,
+and the cache bridge. How they attach to a model and run in its forwards is `gsm_train.attention`."""
 
-from gsm_train.modules.adapter import GSMAttentionAdapter
 from gsm_train.modules.cache_bridge import CacheBridge
 from gsm_train.modules.errors import GSMError
-from gsm_train.modules.forward_state import GSMRecords, LayerRecords, gsm_collect
-from gsm_train.modules.injection import (
-    gsm_adapters, gsm_parameters, gsm_state_dict, inject_cache_bridge, inject_gsm, inject_kv_compressor,
-    inject_sparse_gate,
-)
 from gsm_train.modules.kv_compressor import ASQCompressor
-from gsm_train.modules.settings import (
-    GSMSettings, configure_gsm, gsm_disabled, gsm_settings, gsm_settings_changed, has_gsm, set_gsm_mode,
-)
+from gsm_train.modules.per_token_kv import PerTokenCompressor
 from gsm_train.modules.sparse_gate import SparseGateHead
 
-__all__ = [
-    "ASQCompressor", "CacheBridge", "GSMAttentionAdapter", "GSMError", "GSMRecords", "GSMSettings", "LayerRecords",
-    "SparseGateHead", "configure_gsm", "gsm_adapters", "gsm_collect", "gsm_disabled", "gsm_parameters",
-    "gsm_settings", "gsm_settings_changed", "gsm_state_dict", "has_gsm", "inject_cache_bridge", "inject_gsm",
-    "inject_kv_compressor", "inject_sparse_gate", "set_gsm_mode",
-]
+__all__ = ["ASQCompressor", "CacheBridge", "GSMError", "PerTokenCompressor", "SparseGateHead"]

@@ -38,7 +38,9 @@ class CacheBridge(nn.Module):
         """`alpha * LN(A(src))` for K and V: [B, out_heads, S, D] from the source's [B, Hsrc, S, D]."""
         return self._map(src_key, self.k_map, self.k_norm), self._map(src_value, self.v_map, self.v_norm)
 
-    def forward(self, key: Tensor, value: Tensor, src_key: Tensor, src_value: Tensor, mode: str) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, key: Tensor, value: Tensor, src_key: Tensor, src_value: Tensor, mode: str
+    ) -> tuple[Tensor, Tensor]:
         """The target layer's K/V [B, Hkv, S, D] after bridging from the source K/V."""
         bridged_k, bridged_v = self.bridged(src_key, src_value)
         bridged_k, bridged_v = bridged_k.to(key.dtype), bridged_v.to(value.dtype)

@@ -26,10 +26,30 @@ from torch.distributed.fsdp import FSDPModule
 
 from gsm_train.compiled import compiled
 from gsm_train.config import KVCompressionConfig
-from gsm_train.functional.asq import (Encoded, PackedKV, distortion, encode_blocks, gather_prototypes,
-                                      paired_reconstruction, reconstruction_and_distortion)
-from gsm_train.quant import (EPS, STORE_DTYPE, asq_bytes, check_bits, compute_dtype, hadamard_rotation, hadamard_signs,
-                             join_blocks, pack_codes, split_blocks, stored_split, unpack_codes, unrotated)
+from gsm_train.functional.asq import (
+    Encoded,
+    PackedKV,
+    distortion,
+    encode_blocks,
+    gather_prototypes,
+    paired_reconstruction,
+    reconstruction_and_distortion,
+)
+from gsm_train.quant import (
+    EPS,
+    STORE_DTYPE,
+    asq_bytes,
+    check_bits,
+    compute_dtype,
+    hadamard_rotation,
+    hadamard_signs,
+    join_blocks,
+    pack_codes,
+    split_blocks,
+    stored_split,
+    unpack_codes,
+    unrotated,
+)
 
 __all__ = ["ASQCompressor", "PackedKV", "paired_training_pass"]
 
@@ -51,26 +71,42 @@ def _plain_parameters(module: nn.Module) -> bool:
     return not isinstance(module, FSDPModule) and not any(hasattr(p, "ds_id") for p in module.parameters())
 
 
-def paired_training_pass(asq_k: ASQCompressor, asq_v: ASQCompressor, key: Tensor,
-                         value: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
+def paired_training_pass(
+    asq_k: ASQCompressor, asq_v: ASQCompressor, key: Tensor, value: Tensor
+) -> tuple[Tensor, Tensor, Tensor] | None:
     """K's and V's training passes as one (`paired_reconstruction`, compiled on the GPU): (K's
     reconstruction, V's, the mean of their reconstruction losses), what `asq_k(key, with_loss=True)` and
     `asq_v(value, with_loss=True)` give (fp32 sums in another order); None where the two must run apart:
     outside training, before a first full block, K and V of other shapes or dtypes, compressors that differ
     in more than their bits, or parameters that only the modules' own calls gather. One pass serves
     both, which halves ASQ's kernels in a training step (docs/design-decisions.md)."""
-    if not (isinstance(asq_k, ASQCompressor) and isinstance(asq_v, ASQCompressor)
-            and asq_k.training and asq_v.training and key.shape == value.shape and key.dtype == value.dtype
-            and key.shape[2] >= asq_k.block_size and _alike(asq_k, asq_v)
-            and _plain_parameters(asq_k) and _plain_parameters(asq_v)):
+    if not (
+        isinstance(asq_k, ASQCompressor)
+        and isinstance(asq_v, ASQCompressor)
+        and asq_k.training
+        and asq_v.training
+        and key.shape == value.shape
+        and key.dtype == value.dtype
+        and key.shape[2] >= asq_k.block_size
+        and _alike(asq_k, asq_v)
+        and _plain_parameters(asq_k)
+        and _plain_parameters(asq_v)
+    ):
         return None
     asq_k._check_input(key)
     asq_v._check_input(value)
     heads = key.shape[1]
     training_pass = compiled(paired_reconstruction) if key.is_cuda else paired_reconstruction
     with torch.autocast(device_type=key.device.type, enabled=False):
-        return training_pass(key, value, (asq_k._mlp(heads), asq_v._mlp(heads)), asq_k.tau,
-                             (asq_k.quant_bits, asq_v.quant_bits), asq_k.rotation, asq_k.block_size)
+        return training_pass(
+            key,
+            value,
+            (asq_k._mlp(heads), asq_v._mlp(heads)),
+            asq_k.tau,
+            (asq_k.quant_bits, asq_v.quant_bits),
+            asq_k.rotation,
+            asq_k.block_size,
+        )
 
 
 class ASQCompressor(nn.Module):
@@ -112,8 +148,9 @@ class ASQCompressor(nn.Module):
         # kept in fp64 whatever the module is cast to (`_apply`), and rounded where it is used
         self.register_buffer("rotation", hadamard_rotation(head_dim) if rotate_residuals else None, persistent=False)
         # its row signs (+-1, exact in any dtype), for the fused decode kernel's Walsh-Hadamard transform
-        self.register_buffer("rotation_signs", hadamard_signs(head_dim).float() if rotate_residuals else None,
-                             persistent=False)
+        self.register_buffer(
+            "rotation_signs", hadamard_signs(head_dim).float() if rotate_residuals else None, persistent=False
+        )
         self.w1 = nn.Parameter(torch.randn(num_kv_heads, head_dim, hidden_dim) / math.sqrt(head_dim))
         self.b1 = nn.Parameter(torch.zeros(num_kv_heads, hidden_dim))
         self.w2 = nn.Parameter(torch.randn(num_kv_heads, hidden_dim, cluster_num) / math.sqrt(hidden_dim))
@@ -202,8 +239,7 @@ class ASQCompressor(nn.Module):
             blocks, tail = self._split_input(x)
             training_pass = compiled(reconstruction_and_distortion) if x.is_cuda else reconstruction_and_distortion
             with torch.autocast(device_type=x.device.type, enabled=False):
-                x_hat, loss = training_pass(blocks, *self._mlp(x.shape[1]), self.tau, self.quant_bits,
-                                            self.rotation)
+                x_hat, loss = training_pass(blocks, *self._mlp(x.shape[1]), self.tau, self.quant_bits, self.rotation)
             return join_blocks(x_hat, tail), loss
         enc, blocks, tail = self._encode_input(x)
         x_hat = enc.reconstruct() if enc is not None else blocks
@@ -237,8 +273,11 @@ class ASQCompressor(nn.Module):
     def compress_blocks(self, x: Tensor) -> PackedKV:
         """Pack whole blocks ``x`` [B, H, n * block_size, D] (the tail of the result is empty); ``x`` may
         hold only the first H heads (a bridge target caches only the heads it keeps)."""
-        _check(x.shape[-2] % self.block_size == 0, "x", f"must hold whole blocks of {self.block_size} tokens, "
-               f"got {x.shape[-2]}")
+        _check(
+            x.shape[-2] % self.block_size == 0,
+            "x",
+            f"must hold whole blocks of {self.block_size} tokens, got {x.shape[-2]}",
+        )
         enc, blocks, tail = self._encode_input(x, leading_heads=True)
         b, h, n, bs, d = blocks.shape
         if enc is None:
@@ -275,41 +314,72 @@ class ASQCompressor(nn.Module):
     # ---------------------------------------------------------------- the compressor interface (kv_registry)
 
     @classmethod
-    def build(cls, config: KVCompressionConfig, layer: int, num_kv_heads: int,
-              head_dim: int) -> tuple[ASQCompressor, ASQCompressor]:
+    def build(
+        cls, config: KVCompressionConfig, layer: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[ASQCompressor, ASQCompressor]:
         """K's and V's compressors of `layer` as `config` sets them (each side at its own bits)."""
-        return tuple(cls(num_kv_heads, head_dim, config.cluster_num, config.hidden_dim, bits, config.block_size,
-                         config.tau, config.rotate_residuals) for bits in config.bits(layer))
+        return tuple(
+            cls(
+                num_kv_heads,
+                head_dim,
+                config.cluster_num,
+                config.hidden_dim,
+                bits,
+                config.block_size,
+                config.tau,
+                config.rotate_residuals,
+            )
+            for bits in config.bits(layer)
+        )
 
     @staticmethod
     def bytes_per_token(config: KVCompressionConfig, layer: int, seq_len: int, head_dim: int) -> float:
         """Bytes K and V of one KV head of `layer` take per token in a cache of `seq_len` (amortised)."""
-        return sum(asq_bytes(seq_len, 1, head_dim, config.cluster_num, bits, config.block_size)["bytes_per_token"]
-                   for bits in config.bits(layer))
+        return sum(
+            asq_bytes(seq_len, 1, head_dim, config.cluster_num, bits, config.block_size)["bytes_per_token"]
+            for bits in config.bits(layer)
+        )
 
     def allocate(self, batch: int, heads: int, capacity: int, device: torch.device) -> dict[str, Tensor]:
         """Empty `pack_blocks` fields for `capacity` tokens (a whole number of blocks) of `heads` heads."""
         nbytes = math.ceil(self.head_dim * self.quant_bits / 8)
-        return {"ids": torch.zeros(batch, heads, capacity, dtype=torch.uint8, device=device),
-                "residual": torch.zeros(batch, heads, capacity, nbytes, dtype=torch.uint8, device=device),
-                "scales": torch.zeros(batch, heads, capacity, dtype=STORE_DTYPE, device=device),
-                "prototypes": torch.zeros(batch, heads, capacity // self.block_size, self.cluster_num,
-                                          self.head_dim, dtype=STORE_DTYPE, device=device)}
+        return {
+            "ids": torch.zeros(batch, heads, capacity, dtype=torch.uint8, device=device),
+            "residual": torch.zeros(batch, heads, capacity, nbytes, dtype=torch.uint8, device=device),
+            "scales": torch.zeros(batch, heads, capacity, dtype=STORE_DTYPE, device=device),
+            "prototypes": torch.zeros(
+                batch,
+                heads,
+                capacity // self.block_size,
+                self.cluster_num,
+                self.head_dim,
+                dtype=STORE_DTYPE,
+                device=device,
+            ),
+        }
 
     def pack_blocks(self, x: Tensor) -> dict[str, Tensor]:
         """Whole blocks x [B, H, n * block_size, D] as the cache stores them: `ids` uint8 [B, H, F], `residual`
         uint8 [B, H, F, ceil(D * bits / 8)], `scales` fp16 [B, H, F], `prototypes` fp16 [B, H, n, C, D]."""
         packed = self.compress_blocks(x)
-        return {"ids": packed.ids, "residual": packed.residual, "scales": packed.scales,
-                "prototypes": packed.prototypes}
+        return {
+            "ids": packed.ids,
+            "residual": packed.residual,
+            "scales": packed.scales,
+            "prototypes": packed.prototypes,
+        }
 
     def gather_packed(self, fields: dict[str, Tensor], at: Tensor, dtype: torch.dtype) -> Tensor:
         """Rows [B, H, k, D] in `dtype` at packed positions `at` [B, H, k] of `pack_blocks` fields (joined
         along dim 2): prototype plus residual, rotated back (exact but for `dtype`'s rounding)."""
         ids = torch.gather(fields["ids"], 2, at).long()
         residual = fields["residual"]
-        codes = unpack_codes(torch.gather(residual, 2, at.unsqueeze(-1).expand(*at.shape, residual.shape[-1])),
-                             self.quant_bits, self.head_dim, dtype)
+        codes = unpack_codes(
+            torch.gather(residual, 2, at.unsqueeze(-1).expand(*at.shape, residual.shape[-1])),
+            self.quant_bits,
+            self.head_dim,
+            dtype,
+        )
         scales = torch.gather(fields["scales"], 2, at).to(dtype).unsqueeze(-1)
         prototypes = fields["prototypes"]
         b, h, n_blocks, clusters, dim = prototypes.shape

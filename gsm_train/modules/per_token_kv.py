@@ -14,8 +14,16 @@ import torch
 from torch import Tensor, nn
 
 from gsm_train.config import PerTokenKVConfig
-from gsm_train.quant import STORE_DTYPE, compute_dtype, join_blocks, pack_codes, quantize, split_blocks, stored_split
-from gsm_train.quant import unpack_codes
+from gsm_train.quant import (
+    STORE_DTYPE,
+    compute_dtype,
+    join_blocks,
+    pack_codes,
+    quantize,
+    split_blocks,
+    stored_split,
+    unpack_codes,
+)
 
 
 class PerTokenCompressor(nn.Module):
@@ -26,8 +34,9 @@ class PerTokenCompressor(nn.Module):
         self.head_dim, self.quant_bits, self.block_size = head_dim, quant_bits, block_size
 
     @classmethod
-    def build(cls, config: PerTokenKVConfig, layer: int, num_kv_heads: int,
-              head_dim: int) -> tuple[PerTokenCompressor, PerTokenCompressor]:
+    def build(
+        cls, config: PerTokenKVConfig, layer: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[PerTokenCompressor, PerTokenCompressor]:
         """K's and V's compressors as `config` sets them."""
         return tuple(cls(head_dim, bits, config.block_size) for bits in config.bits(layer))
 
@@ -36,8 +45,10 @@ class PerTokenCompressor(nn.Module):
         """Bytes K and V of one KV head take per token in a cache of `seq_len`: codes and a scale per packed
         token, bf16 rows for the newest block."""
         packed = stored_split(seq_len, config.block_size)
-        per_side = [packed * (math.ceil(head_dim * bits / 8) + 2) + (seq_len - packed) * 2 * head_dim
-                    for bits in config.bits(layer)]
+        per_side = [
+            packed * (math.ceil(head_dim * bits / 8) + 2) + (seq_len - packed) * 2 * head_dim
+            for bits in config.bits(layer)
+        ]
         return sum(per_side) / max(seq_len, 1)
 
     def forward(self, x: Tensor, with_loss: bool = False) -> Tensor | tuple[Tensor, Tensor]:
@@ -51,8 +62,10 @@ class PerTokenCompressor(nn.Module):
     def allocate(self, batch: int, heads: int, capacity: int, device: torch.device) -> dict[str, Tensor]:
         """Empty `pack_blocks` fields for `capacity` tokens of `heads` heads."""
         nbytes = math.ceil(self.head_dim * self.quant_bits / 8)
-        return {"codes": torch.zeros(batch, heads, capacity, nbytes, dtype=torch.uint8, device=device),
-                "scales": torch.zeros(batch, heads, capacity, dtype=STORE_DTYPE, device=device)}
+        return {
+            "codes": torch.zeros(batch, heads, capacity, nbytes, dtype=torch.uint8, device=device),
+            "scales": torch.zeros(batch, heads, capacity, dtype=STORE_DTYPE, device=device),
+        }
 
     @torch.no_grad()
     def pack_blocks(self, x: Tensor) -> dict[str, Tensor]:

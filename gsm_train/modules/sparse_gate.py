@@ -22,8 +22,9 @@ from gsm_train.quant import compute_dtype
 class SparseGateHead(nn.Module):
     """Gate query/key projections with RoPE; `num_selectors` independent selections per layer."""
 
-    def __init__(self, hidden_size: int, gate_head_dim: int, base_head_dim: int, num_selectors: int = 1,
-                 key_bits: int = 16):
+    def __init__(
+        self, hidden_size: int, gate_head_dim: int, base_head_dim: int, num_selectors: int = 1, key_bits: int = 16
+    ):
         super().__init__()
         if gate_head_dim % 2:
             raise ValueError(f"gate_head_dim must be even, got {gate_head_dim}")
@@ -39,8 +40,9 @@ class SparseGateHead(nn.Module):
         default_index = torch.arange(pairs) % base_pairs
         self.register_buffer("rope_freq_index", default_index.repeat(num_selectors, 1), persistent=True)
 
-    def forward(self, hidden: Tensor, cos: Tensor, sin: Tensor,
-                distill: DistillTarget | None = None) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, hidden: Tensor, cos: Tensor, sin: Tensor, distill: DistillTarget | None = None
+    ) -> tuple[Tensor, Tensor]:
         """Gate queries and keys [B, n, T, gate_head_dim] from hidden [B, T, d] and the model's cos/sin.
 
         With `distill`, instead the stage-1 KL sum and the rows counted for its sampled queries, computed
@@ -49,8 +51,9 @@ class SparseGateHead(nn.Module):
         if not torch.is_autocast_enabled(hidden.device.type):
             hidden = hidden.to(self.q_proj.weight.dtype)
         if distill is not None:
-            return gate_kl_from_hidden(self.q_proj.weight, self.k_proj.weight, self.rope_freq_index, hidden, cos, sin,
-                                       distill)
+            return gate_kl_from_hidden(
+                self.q_proj.weight, self.k_proj.weight, self.rope_freq_index, hidden, cos, sin, distill
+            )
         batch, length, _ = hidden.shape
         shape = (batch, length, self.num_selectors, self.gate_head_dim)
         q = self.q_proj(hidden).view(shape).transpose(1, 2)
@@ -75,11 +78,12 @@ class SparseGateHead(nn.Module):
         are the same bits as scaling them; for other sizes they may differ in the last bit (the fused decode
         kernel's scores are computed another way again)."""
         dtype = compute_dtype(gate_q)
-        return torch.matmul(gate_q.to(dtype) * self.gate_head_dim ** -0.5, keys.to(dtype).transpose(-1, -2))
+        return torch.matmul(gate_q.to(dtype) * self.gate_head_dim**-0.5, keys.to(dtype).transpose(-1, -2))
 
     @torch.no_grad()
-    def init_from_attention(self, q_weight: Tensor, k_weight: Tensor, num_heads: int, num_kv_heads: int,
-                            head_dim: int) -> None:
+    def init_from_attention(
+        self, q_weight: Tensor, k_weight: Tensor, num_heads: int, num_kv_heads: int, head_dim: int
+    ) -> None:
         """Initialise from the layer's q/k projections so that step 0 already selects well.
 
         RoPE rotates each pair (i, i + head_dim/2) of a head as one complex number by angle

@@ -11,9 +11,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gsm_train.attention import gsm_collect, gsm_parameters, gsm_settings, inject_gsm
 from gsm_train.config import RecipeConfig
 from gsm_train.distributed import all_reduce_sum
-from gsm_train.modules import GSMError, gsm_collect, gsm_parameters, gsm_settings, inject_gsm
+from gsm_train.modules import GSMError
 from gsm_train.plots import plot_recall_per_layer
 
 _RECALL_KEYS = ("gate", "oracle", "queries")
@@ -28,8 +29,10 @@ class GateWarmupStage:
 
     def prepare(self, model: nn.Module, config: RecipeConfig) -> None:
         if not (config.gsm.gsm_enabled and config.gsm.sparse_attention.enabled):
-            raise GSMError("stage gate_warmup trains the Sparse Gate Heads, but gsm.gsm_enabled or "
-                           "gsm.sparse_attention.enabled is false; set both to true")
+            raise GSMError(
+                "stage gate_warmup trains the Sparse Gate Heads, but gsm.gsm_enabled or "
+                "gsm.sparse_attention.enabled is false; set both to true"
+            )
         self.recall = (config.logging.recall_k, config.logging.recall_min_keys)
         self.distill_queries = config.train.distill_queries
         self.attach(model, config)
@@ -57,8 +60,9 @@ class GateWarmupStage:
         was_training = model.training
         model.eval()
         layers = list(gsm_settings(model).gate_layers)
-        sums = torch.zeros(len(layers), len(_RECALL_KEYS) + 2, dtype=torch.float64,
-                           device=next(model.parameters()).device)
+        sums = torch.zeros(
+            len(layers), len(_RECALL_KEYS) + 2, dtype=torch.float64, device=next(model.parameters()).device
+        )
         for batch in batches:
             with gsm_collect(model, distill=True, recall=self.recall) as records:
                 self._forward(model, batch)
@@ -88,9 +92,12 @@ class GateWarmupStage:
     def report(self, run_dir: Path, metrics: dict[str, Any], history: list[dict[str, Any]]) -> dict[str, Any]:
         k = self.recall[0]
         plot = run_dir / "recall_per_layer.png"
-        plot_recall_per_layer(metrics["layers"], metrics[f"gate_mass_k{k}_per_layer"],
-                              metrics[f"oracle_mass_k{k}_per_layer"], k, plot)
+        plot_recall_per_layer(
+            metrics["layers"], metrics[f"gate_mass_k{k}_per_layer"], metrics[f"oracle_mass_k{k}_per_layer"], k, plot
+        )
         report = {"stage": self.name, "final": metrics, "history": history, "plot": str(plot)}
         (run_dir / "report.json").write_text(json.dumps(report, indent=2))
         return {key: metrics[key] for key in (f"recall_ratio_k{k}", f"gate_mass_k{k}", f"oracle_mass_k{k}", "kl")} | {
-            "report": str(run_dir / "report.json"), "plot": str(plot)}
+            "report": str(run_dir / "report.json"),
+            "plot": str(plot),
+        }

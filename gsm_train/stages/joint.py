@@ -17,12 +17,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gsm_train.attention import configure_gsm, gsm_adapters, gsm_collect, gsm_parameters, inject_gsm
 from gsm_train.config import RecipeConfig
 from gsm_train.distributed import all_reduce_sum
 from gsm_train.export import check_base, load_tensors, validate_export
 from gsm_train.lora import inject_lora, lora_parameters
-from gsm_train.modules import GSMError, configure_gsm, gsm_adapters, gsm_collect, gsm_parameters, inject_gsm
-
+from gsm_train.modules import GSMError
 
 ASQ_STATS = ("recon_rel_error", "cluster_usage", "dead_clusters")  # logged as asq_<name> at each evaluation
 
@@ -65,14 +65,20 @@ class JointStage:
         for param in trained:
             param.requires_grad_(True)
         if not any(p.requires_grad for p in model.parameters()):
-            raise GSMError("stage joint has nothing to train: train.base is frozen and no GSM module trains "
-                           "(GSM is off, or only the gate is on and train.loss_weights.gate_kl is 0); set train.base "
-                           "to full or lora, turn GSM on, or give the gate a KL weight")
+            raise GSMError(
+                "stage joint has nothing to train: train.base is frozen and no GSM module trains "
+                "(GSM is off, or only the gate is on and train.loss_weights.gate_kl is 0); set train.base "
+                "to full or lora, turn GSM on, or give the gate a KL weight"
+            )
 
     def loss(self, model: nn.Module, batch: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         weights = self.config.train.loss_weights
-        with gsm_collect(model, distill=weights.gate_kl > 0, distill_on_selection=True,
-                         distill_queries=self.config.train.distill_queries) as records:
+        with gsm_collect(
+            model,
+            distill=weights.gate_kl > 0,
+            distill_on_selection=True,
+            distill_queries=self.config.train.distill_queries,
+        ) as records:
             lm = model(input_ids=batch, labels=batch, use_cache=False).loss
         kl = _mean(records.gate_kl_means())
         asq = _mean(records.asq_losses())
@@ -107,8 +113,11 @@ class JointStage:
         sums = all_reduce_sum(sums).cpu()
         metrics = {"ppl": math.exp(sums[0] / sums[1]), "eval_tokens": int(sums[1])}
         if sums[4] > 0:
-            metrics |= {f"gate_mass_k{k}": float(sums[2] / sums[4]), f"oracle_mass_k{k}": float(sums[3] / sums[4]),
-                        f"recall_ratio_k{k}": float(sums[2] / sums[3])}
+            metrics |= {
+                f"gate_mass_k{k}": float(sums[2] / sums[4]),
+                f"oracle_mass_k{k}": float(sums[3] / sums[4]),
+                f"recall_ratio_k{k}": float(sums[2] / sums[3]),
+            }
         if self.config.gsm.kv_compression.enabled and self.config.gsm.kv_compression.method == "asq":
             for index, key in enumerate(ASQ_STATS):
                 metrics[f"asq_{key}"] = float(sums[5 + index] / len(batches)) if batches else float("nan")
@@ -121,19 +130,24 @@ class JointStage:
     def _asq_stats(model: nn.Module) -> list[float]:
         """Mean over the ASQ compressors of the last forward's ASQ_STATS (zeros without a full block)."""
         compressors = [asq for _, adapter in gsm_adapters(model) for asq in (adapter.asq_k, adapter.asq_v)]
-        stats = [c.last_stats for c in compressors if getattr(c, "last_stats", None)
-                 and math.isfinite(float(c.last_stats["recon_rel_error"]))]
+        stats = [
+            c.last_stats
+            for c in compressors
+            if getattr(c, "last_stats", None) and math.isfinite(float(c.last_stats["recon_rel_error"]))
+        ]
         return [sum(float(s[key]) for s in stats) / len(stats) if stats else 0.0 for key in ASQ_STATS]
 
     @staticmethod
     def _bridge_alphas(model: nn.Module) -> list[float]:
         bridges = [adapter.bridge for _, adapter in gsm_adapters(model)]
-        return [float(b.alpha.full_tensor() if hasattr(b.alpha, "full_tensor") else b.alpha)
-                for b in bridges if b is not None]
+        return [
+            float(b.alpha.full_tensor() if hasattr(b.alpha, "full_tensor") else b.alpha)
+            for b in bridges
+            if b is not None
+        ]
 
     def report(self, run_dir: Path, metrics: dict[str, Any], history: list[dict[str, Any]]) -> dict[str, Any]:
-        report = {"stage": self.name, "gsm_enabled": self.config.gsm.gsm_enabled, "final": metrics,
-                  "history": history}
+        report = {"stage": self.name, "gsm_enabled": self.config.gsm.gsm_enabled, "final": metrics, "history": history}
         (run_dir / "report.json").write_text(json.dumps(report, indent=2))
         keys = [key for key in metrics if key == "ppl" or key.startswith("recall_ratio") or key == "bridge_alpha_mean"]
         return {key: metrics[key] for key in keys} | {"report": str(run_dir / "report.json")}

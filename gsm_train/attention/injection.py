@@ -18,16 +18,16 @@ from torch import nn
 from transformers import AttentionInterface, PreTrainedModel, masking_utils
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function, sdpa_mask
 
+from gsm_train.attention.adapter import GSMAttentionAdapter
+from gsm_train.attention.dispatch import ATTN_IMPLEMENTATION, gsm_attention_forward
+from gsm_train.attention.forward_state import install_forward_hooks
+from gsm_train.attention.settings import GSMSettings, has_gsm, put_settings
 from gsm_train.config import GSMConfig
 from gsm_train.families import UnsupportedModel, attention_modules, family_of, model_dims
 from gsm_train.fingerprint import base_fingerprint
-from gsm_train.modules.adapter import GSMAttentionAdapter
-from gsm_train.modules.attention import ATTN_IMPLEMENTATION, gsm_attention_forward
 from gsm_train.modules.cache_bridge import CacheBridge
 from gsm_train.modules.errors import GSMError
-from gsm_train.modules.forward_state import install_forward_hooks
 from gsm_train.modules.kv_registry import build_compressors
-from gsm_train.modules.settings import GSMSettings, has_gsm, put_settings
 from gsm_train.modules.sparse_gate import SparseGateHead
 
 _SDPA_MASK_PARAMETERS = inspect.signature(sdpa_mask)
@@ -45,9 +45,15 @@ def gsm_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     else:
         position = given.get("cache_position")
         q_length = None if position is None else position.shape[0]
-    causal_full = (given.get("attention_mask") is None and given.get("mask_function") is causal_mask_function
-                   and given.get("local_size") is None and given.get("allow_is_causal_skip", False)
-                   and q_length is not None and q_length == given.get("kv_length") and not given.get("kv_offset"))
+    causal_full = (
+        given.get("attention_mask") is None
+        and given.get("mask_function") is causal_mask_function
+        and given.get("local_size") is None
+        and given.get("allow_is_causal_skip", False)
+        and q_length is not None
+        and q_length == given.get("kv_length")
+        and not given.get("kv_offset")
+    )
     return None if causal_full else sdpa_mask(*args, **kwargs)
 
 
@@ -85,17 +91,23 @@ def _check_against(model: PreTrainedModel, config: GSMConfig, dims: dict[str, in
         raise GSMError("this model already has GSM modules; load a fresh base model to inject again")
     bridge = config.cross_layer_sharing
     if config.gsm_enabled and bridge.enabled and bridge.bridge_to_start >= dims["layers"]:
-        raise GSMError(f"cross_layer_sharing.bridge_to_start={bridge.bridge_to_start} but the model has "
-                       f"{dims['layers']} layers; use a value below {dims['layers']}")
+        raise GSMError(
+            f"cross_layer_sharing.bridge_to_start={bridge.bridge_to_start} but the model has "
+            f"{dims['layers']} layers; use a value below {dims['layers']}"
+        )
     beyond = [layer for layer in getattr(config.kv_compression, "layer_bits", {}) if layer >= dims["layers"]]
     if config.kv_compression.enabled and beyond:
-        raise GSMError(f"kv_compression.layer_bits names layer {beyond[0]}, but the model has {dims['layers']} layers "
-                       f"(0 to {dims['layers'] - 1}); drop it or name a layer below {dims['layers']}")
+        raise GSMError(
+            f"kv_compression.layer_bits names layer {beyond[0]}, but the model has {dims['layers']} layers "
+            f"(0 to {dims['layers'] - 1}); drop it or name a layer below {dims['layers']}"
+        )
     head_dim = dims["head_dim"]
     rotates = getattr(config.kv_compression, "rotate_residuals", False)
     if config.kv_compression.enabled and rotates and head_dim & (head_dim - 1):
-        raise GSMError(f"kv_compression.rotate_residuals=true needs a power-of-two head_dim (a Hadamard rotation), "
-                       f"but this model's is {head_dim}; set kv_compression.rotate_residuals=false")
+        raise GSMError(
+            f"kv_compression.rotate_residuals=true needs a power-of-two head_dim (a Hadamard rotation), "
+            f"but this model's is {head_dim}; set kv_compression.rotate_residuals=false"
+        )
 
 
 def _build_adapter(layer_idx: int, attn: nn.Module, config: GSMConfig, dims: dict[str, int]) -> GSMAttentionAdapter:
@@ -103,19 +115,25 @@ def _build_adapter(layer_idx: int, attn: nn.Module, config: GSMConfig, dims: dic
     gate = asq_k = asq_v = bridge = None
     if sparse.enabled and layer_idx not in sparse.dense_layers:
         selectors = 1 if sparse.heads == "layer" else dims["kv_heads"]
-        gate = SparseGateHead(dims["hidden"], sparse.gate_head_dim, dims["head_dim"], selectors,
-                              sparse.gate_key_bits)
+        gate = SparseGateHead(dims["hidden"], sparse.gate_head_dim, dims["head_dim"], selectors, sparse.gate_key_bits)
         if sparse.gate_init == "qk_svd":
-            gate.init_from_attention(attn.q_proj.weight, attn.k_proj.weight, dims["heads"], dims["kv_heads"],
-                                     dims["head_dim"])
+            gate.init_from_attention(
+                attn.q_proj.weight, attn.k_proj.weight, dims["heads"], dims["kv_heads"], dims["head_dim"]
+            )
     if asq_cfg.enabled:
         asq_k, asq_v = build_compressors(asq_cfg, layer_idx, dims["kv_heads"], dims["head_dim"])
     if bridge_cfg.enabled and layer_idx >= bridge_cfg.bridge_to_start:
         out_heads = dims["kv_heads"] if bridge_cfg.mode == "mix" else min(bridge_cfg.shared_kv_heads, dims["kv_heads"])
         bridge = CacheBridge(dims["kv_heads"], dims["head_dim"], out_heads, bridge_cfg.alpha_init)
-    adapter = GSMAttentionAdapter(layer_idx, gate, asq_k, asq_v, bridge,
-                                  is_bridge_source=bridge_cfg.enabled and layer_idx == bridge_cfg.bridge_from,
-                                  dense_layer=layer_idx in sparse.dense_layers)
+    adapter = GSMAttentionAdapter(
+        layer_idx,
+        gate,
+        asq_k,
+        asq_v,
+        bridge,
+        is_bridge_source=bridge_cfg.enabled and layer_idx == bridge_cfg.bridge_from,
+        dense_layer=layer_idx in sparse.dense_layers,
+    )
     return adapter.to(device=attn.q_proj.weight.device, dtype=torch.float32)
 
 
@@ -137,8 +155,13 @@ def inject_gsm(model: PreTrainedModel, config: GSMConfig, mode: str = "dense") -
             gate_layers.append(layer_idx)
     install_forward_hooks(model)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    settings = GSMSettings(config=config, base_fingerprint=fingerprint, gate_layers=tuple(gate_layers), mode=mode,
-                           enabled=config.gsm_enabled)
+    settings = GSMSettings(
+        config=config,
+        base_fingerprint=fingerprint,
+        gate_layers=tuple(gate_layers),
+        mode=mode,
+        enabled=config.gsm_enabled,
+    )
     put_settings(model, settings)
     return settings
 
@@ -148,18 +171,23 @@ def gsm_adapters(model: nn.Module) -> list[tuple[str, GSMAttentionAdapter]]:
     return [(name, module) for name, module in model.named_modules() if isinstance(module, GSMAttentionAdapter)]
 
 
-def gsm_parameters(model: nn.Module, parts: tuple[str, ...] = ("gate", "compressor", "bridge")
-                   ) -> Iterator[tuple[str, nn.Parameter]]:
+def gsm_parameters(
+    model: nn.Module, parts: tuple[str, ...] = ("gate", "compressor", "bridge")
+) -> Iterator[tuple[str, nn.Parameter]]:
     """Named GSM parameters of the given parts (`gate`, `compressor`, `bridge`), as the model names them."""
-    wanted = {id(p) for _, adapter in gsm_adapters(model) for part in parts
-              for p in getattr(adapter, f"{part}_parameters")()}
+    wanted = {
+        id(p) for _, adapter in gsm_adapters(model) for part in parts for p in getattr(adapter, f"{part}_parameters")()
+    }
     return ((name, p) for name, p in model.named_parameters() if id(p) in wanted)
 
 
 def gsm_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The GSM tensors (parameters and persistent buffers) by the model's names for them."""
-    return {f"{prefix}.{name}": tensor for prefix, adapter in gsm_adapters(model)
-            for name, tensor in adapter.state_dict().items()}
+    return {
+        f"{prefix}.{name}": tensor
+        for prefix, adapter in gsm_adapters(model)
+        for name, tensor in adapter.state_dict().items()
+    }
 
 
 def inject_only(model: PreTrainedModel, section: str, values: dict[str, Any]) -> GSMSettings:
@@ -169,21 +197,26 @@ def inject_only(model: PreTrainedModel, section: str, values: dict[str, Any]) ->
     return inject_gsm(model, GSMConfig.model_validate(blocks))
 
 
-def inject_sparse_gate(model: PreTrainedModel, top_k_schedule: str = "constant", k_max: int = 64,
-                       **options: Any) -> GSMSettings:
+def inject_sparse_gate(
+    model: PreTrainedModel, top_k_schedule: str = "constant", k_max: int = 64, **options: Any
+) -> GSMSettings:
     """Attach only Sparse Gate Heads (seed API); `options` are `sparse_attention` fields."""
     return inject_only(model, "sparse_attention", {"top_k_schedule": top_k_schedule, "top_k": k_max, **options})
 
 
-def inject_kv_compressor(model: PreTrainedModel, cluster_num: int = 32, quant_bits: int = 8,
-                         **options: Any) -> GSMSettings:
+def inject_kv_compressor(
+    model: PreTrainedModel, cluster_num: int = 32, quant_bits: int = 8, **options: Any
+) -> GSMSettings:
     """Attach only ASQ compressors (seed API); `options` are `kv_compression` fields."""
     return inject_only(model, "kv_compression", {"cluster_num": cluster_num, "quant_bits": quant_bits, **options})
 
 
-def inject_cache_bridge(model: PreTrainedModel, bridge_layers: tuple[int, int] = (8, 24), alpha_init: float = 0.3,
-                        **options: Any) -> GSMSettings:
+def inject_cache_bridge(
+    model: PreTrainedModel, bridge_layers: tuple[int, int] = (8, 24), alpha_init: float = 0.3, **options: Any
+) -> GSMSettings:
     """Attach only the cache bridge from `bridge_layers[0]` to layers `bridge_layers[1]`.. (seed API)."""
-    return inject_only(model, "cross_layer_sharing", {"bridge_from": bridge_layers[0],
-                                                      "bridge_to_start": bridge_layers[1],
-                                                      "alpha_init": alpha_init, **options})
+    return inject_only(
+        model,
+        "cross_layer_sharing",
+        {"bridge_from": bridge_layers[0], "bridge_to_start": bridge_layers[1], "alpha_init": alpha_init, **options},
+    )

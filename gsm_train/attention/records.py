@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from gsm_train.attention.layer_pass import LayerPass
+from gsm_train.attention.layout import Layout, kl_rows
+from gsm_train.attention.selection import GateSelector
 from gsm_train.functional.attention_targets import captured_mass, gate_distill_loss
 from gsm_train.functional.gate_distill import DistillTarget, reads_weights_directly
-from gsm_train.modules.layer_pass import LayerPass
-from gsm_train.modules.layout import Layout, kl_rows
-from gsm_train.modules.selection import GateSelector
 
 
 def kl_from_hidden(layer: LayerPass, index: Tensor | None) -> bool:
@@ -23,13 +23,21 @@ def kl_from_hidden(layer: LayerPass, index: Tensor | None) -> bool:
     the hidden states need no gradient from it."""
     state, gate = layer.state, layer.adapter.gate
     hidden = layer.inputs[0]
-    return (layer.mode == "dense" and layer.own is None and state.request.recall is None and state.cache is None
-            and index is not None and len(index) <= state.settings.config.sparse_attention.query_chunk
-            and reads_weights_directly(gate) and (state.settings.detach_gate_input or not hidden.requires_grad))
+    return (
+        layer.mode == "dense"
+        and layer.own is None
+        and state.request.recall is None
+        and state.cache is None
+        and index is not None
+        and len(index) <= state.settings.config.sparse_attention.query_chunk
+        and reads_weights_directly(gate)
+        and (state.settings.detach_gate_input or not hidden.requires_grad)
+    )
 
 
-def record_gate_kl(layer: LayerPass, layout: Layout, index: Tensor | None, selector: GateSelector | None,
-                   selection: Tensor) -> None:
+def record_gate_kl(
+    layer: LayerPass, layout: Layout, index: Tensor | None, selector: GateSelector | None, selection: Tensor
+) -> None:
     """Record the layer's KL(main attention || gate) sum over its counted query rows and the rows counted
     (`index`: the sampled rows, or None for all)."""
     state, gate, query, key = layer.state, layer.adapter.gate, layer.query, layer.key
@@ -42,11 +50,22 @@ def record_gate_kl(layer: LayerPass, layout: Layout, index: Tensor | None, selec
         target = DistillTarget(rows_q.detach(), key.detach(), rows_allowed, rows_counted, index, layer.scaling)
         total, count = gate(hidden, cos, sin, target)
     else:  # sampled rows were drawn on the device: every key is in bounds (the mask holds each row to its own)
-        rows_gq, rows_visible = (selector.gate_q, layout.visible) if index is None else (
-            selector.gate_q[:, :, index], torch.full((len(index),), key.shape[2]))
-        total, count = gate_distill_loss(rows_q.detach(), key.detach(), rows_gq, selector.gate_k, rows_allowed,
-                                         rows_counted, layer.scaling, state.settings.config.sparse_attention.query_chunk,
-                                         rows_visible)
+        rows_gq, rows_visible = (
+            (selector.gate_q, layout.visible)
+            if index is None
+            else (selector.gate_q[:, :, index], torch.full((len(index),), key.shape[2]))
+        )
+        total, count = gate_distill_loss(
+            rows_q.detach(),
+            key.detach(),
+            rows_gq,
+            selector.gate_k,
+            rows_allowed,
+            rows_counted,
+            layer.scaling,
+            state.settings.config.sparse_attention.query_chunk,
+            rows_visible,
+        )
     state.records.add_gate_kl(layer.adapter.layer_idx, total, count)
 
 
@@ -62,11 +81,19 @@ def record_captured_mass(layer: LayerPass, layout: Layout, selector: GateSelecto
         k = layout.k_host
     else:
         constant_k = torch.full_like(layout.k, k)
-        pick = None if selector is None else (
-            lambda a, b: selector.select(a, b, constant_k, k, uniform=True))
+        pick = None if selector is None else (lambda a, b: selector.select(a, b, constant_k, k, uniform=True))
     buckets = torch.tensor(request.recall_buckets) if request.recall_buckets else None
-    sums = captured_mass(layer.query.detach(), layer.key.detach(), layout.allowed, layer.scaling, k,
-                         min_keys, layer.state.settings.config.sparse_attention.query_chunk,
-                         gate.num_selectors if gate is not None else 1, pick, layout.visible,
-                         buckets)
+    sums = captured_mass(
+        layer.query.detach(),
+        layer.key.detach(),
+        layout.allowed,
+        layer.scaling,
+        k,
+        min_keys,
+        layer.state.settings.config.sparse_attention.query_chunk,
+        gate.num_selectors if gate is not None else 1,
+        pick,
+        layout.visible,
+        buckets,
+    )
     layer.state.records.add_captured_mass(layer.adapter.layer_idx, sums)

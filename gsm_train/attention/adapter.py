@@ -12,9 +12,9 @@ from collections.abc import Iterator
 
 from torch import Tensor, nn
 
+from gsm_train.attention.forward_state import ForwardState
 from gsm_train.modules.cache_bridge import CacheBridge
 from gsm_train.modules.errors import GSMError
-from gsm_train.modules.forward_state import ForwardState
 from gsm_train.modules.kv_compressor import paired_training_pass
 from gsm_train.modules.kv_registry import KVCompressor
 from gsm_train.modules.sparse_gate import SparseGateHead
@@ -28,9 +28,16 @@ class GSMAttentionAdapter(nn.Module):
     `asq_k` / `asq_v` hold K's and V's compressors of any `kv_compression.method` (named for ASQ, the
     first, since exports name their tensors so)."""
 
-    def __init__(self, layer_idx: int, gate: SparseGateHead | None, asq_k: KVCompressor | None,
-                 asq_v: KVCompressor | None, bridge: CacheBridge | None, is_bridge_source: bool,
-                 dense_layer: bool):
+    def __init__(
+        self,
+        layer_idx: int,
+        gate: SparseGateHead | None,
+        asq_k: KVCompressor | None,
+        asq_v: KVCompressor | None,
+        bridge: CacheBridge | None,
+        is_bridge_source: bool,
+        dense_layer: bool,
+    ):
         super().__init__()
         self.layer_idx = layer_idx
         self.gate = gate
@@ -92,13 +99,18 @@ class GSMAttentionAdapter(nn.Module):
         return paired[0], paired[1], raw
 
 
-def plain_kv_quant(key: Tensor, value: Tensor, kind: str, bits: tuple[int, int],
-                   block_size: int) -> tuple[Tensor, Tensor]:
+def plain_kv_quant(
+    key: Tensor, value: Tensor, kind: str, bits: tuple[int, int], block_size: int
+) -> tuple[Tensor, Tensor]:
     """The baselines ASQ must beat, at its (K, V) bits: `per_token` (K and V per token) or `kivi` (K per
     channel over blocks, V per token), newest incomplete block kept as is for `kivi`."""
     key_bits, value_bits = bits
     if kind == "per_token":
-        return (fake_quant_per_token(key, key_bits).to(key.dtype),
-                fake_quant_per_token(value, value_bits).to(value.dtype))
-    return (fake_quant_kivi(key, key_bits, block_size, per_channel=True).to(key.dtype),
-            fake_quant_kivi(value, value_bits, block_size, per_channel=False).to(value.dtype))
+        return (
+            fake_quant_per_token(key, key_bits).to(key.dtype),
+            fake_quant_per_token(value, value_bits).to(value.dtype),
+        )
+    return (
+        fake_quant_kivi(key, key_bits, block_size, per_channel=True).to(key.dtype),
+        fake_quant_kivi(value, value_bits, block_size, per_channel=False).to(value.dtype),
+    )

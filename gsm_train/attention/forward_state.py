@@ -28,9 +28,9 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
+from gsm_train.attention.settings import GSMSettings, gsm_settings
 from gsm_train.families import attention_modules, decoder_stack
 from gsm_train.modules.errors import GSMError
-from gsm_train.modules.settings import GSMSettings, gsm_settings
 
 FORWARD_KWARG = "gsm_forward"
 CACHE_KWARGS = ("cache", "past_key_values")  # the cache's name in transformers 5.24+ and before
@@ -165,8 +165,13 @@ class ForwardState:
     for one) rebuild dataclasses field by field, which would give each layer a copy instead of the one
     state of the forward."""
 
-    def __init__(self, settings: GSMSettings, request: CollectRequest | None = None,
-                 records: GSMRecords | None = None, cache: GSMGenerationCache | None = None) -> None:
+    def __init__(
+        self,
+        settings: GSMSettings,
+        request: CollectRequest | None = None,
+        records: GSMRecords | None = None,
+        cache: GSMGenerationCache | None = None,
+    ) -> None:
         self.settings = settings
         self.request = request or CollectRequest()
         self.records = records
@@ -186,22 +191,29 @@ class ForwardState:
         return inputs
 
 
-_ACTIVE: ContextVar[tuple[tuple[nn.Module, CollectRequest, GSMRecords], ...]] = ContextVar("gsm_collect",
-                                                                                             default=())
+_ACTIVE: ContextVar[tuple[tuple[nn.Module, CollectRequest, GSMRecords], ...]] = ContextVar("gsm_collect", default=())
 
 
 @contextmanager
-def gsm_collect(model: nn.Module, *, distill: bool = False, distill_on_selection: bool = False,
-                distill_queries: int = 0, recall: tuple[int | None, int] | None = None,
-                recall_buckets: Sequence[int] = ()) -> Iterator[GSMRecords]:
+def gsm_collect(
+    model: nn.Module,
+    *,
+    distill: bool = False,
+    distill_on_selection: bool = False,
+    distill_queries: int = 0,
+    recall: tuple[int | None, int] | None = None,
+    recall_buckets: Sequence[int] = (),
+) -> Iterator[GSMRecords]:
     """Within: the model's forwards record what is asked (`CollectRequest`) into the yielded records."""
     stack = decoder_stack(model)
     gsm_settings(model)  # refuses a model without GSM modules
     buckets = tuple(int(start) for start in recall_buckets)
     ascending = all(b > a for a, b in zip(buckets, buckets[1:]))
     if buckets and (recall is None or buckets[0] != 0 or not ascending):
-        raise GSMError(f"recall_buckets {buckets}: give them with recall, as the ascending query "
-                       "positions where buckets start, the first 0, e.g. (0, 2048, 4096)")
+        raise GSMError(
+            f"recall_buckets {buckets}: give them with recall, as the ascending query "
+            "positions where buckets start, the first 0, e.g. (0, 2048, 4096)"
+        )
     request = CollectRequest(distill, distill_on_selection, distill_queries, recall, buckets)
     records = GSMRecords()
     token = _ACTIVE.set((*_ACTIVE.get(), (stack, request, records)))

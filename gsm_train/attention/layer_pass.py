@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-from gsm_train.modules.adapter import GSMAttentionAdapter
-from gsm_train.modules.forward_state import ForwardState
+from gsm_train.attention.adapter import GSMAttentionAdapter
+from gsm_train.attention.forward_state import ForwardState
 
 
 @dataclass

@@ -17,31 +17,41 @@ import torch
 from torch import Tensor, nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from gsm_train.attention.adapter import GSMAttentionAdapter
+from gsm_train.attention.forward_state import FORWARD_KWARG, CachedStep, ForwardState
+from gsm_train.attention.layer_pass import LayerPass
+from gsm_train.attention.layout import Layout, block_causal_kv, forward_layout, sampled_rows
+from gsm_train.attention.records import kl_from_hidden, record_captured_mass, record_gate_kl
+from gsm_train.attention.selection import GateSelector, chunks, oracle_selection
 from gsm_train.functional import own_block_attention as own_block
-from gsm_train.modules.adapter import GSMAttentionAdapter
 from gsm_train.modules.errors import GSMError
-from gsm_train.modules.forward_state import FORWARD_KWARG, CachedStep, ForwardState
-from gsm_train.modules.layer_pass import LayerPass
-from gsm_train.modules.layout import Layout, block_causal_kv, forward_layout, sampled_rows
-from gsm_train.modules.records import kl_from_hidden, record_captured_mass, record_gate_kl
-from gsm_train.modules.selection import GateSelector, chunks, oracle_selection
 
 ATTN_IMPLEMENTATION = "gsm"
 
 
-def gsm_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
-                          attention_mask: Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                          **kwargs: Any) -> tuple[Tensor, None]:
+def gsm_attention_forward(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
     """The registered attention function (signature of transformers' attention interface)."""
     state: ForwardState | None = kwargs.pop(FORWARD_KWARG, None)
     adapter: GSMAttentionAdapter | None = getattr(module, "gsm", None)
     if adapter is not None and state is None:
-        raise GSMError(f"layer {module.layer_idx} of a GSM model was called outside the model's forward; "
-                       "call the model (or its decoder stack), not a layer")
+        raise GSMError(
+            f"layer {module.layer_idx} of a GSM model was called outside the model's forward; "
+            "call the model (or its decoder stack), not a layer"
+        )
     inputs = state.layer_inputs.pop(module.layer_idx, None) if state is not None else None
     if adapter is None or not state.settings.enabled:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     if inputs is None:
         raise GSMError(f"layer {module.layer_idx}: the gate's input was not kept; was the model injected?")
     scale = module.scaling if scaling is None else scaling
@@ -54,35 +64,44 @@ def gsm_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
     mode = "dense" if adapter.dense_layer or not sparse_cfg.enabled else state.settings.mode
     layer = LayerPass(module, adapter, state, query, key, value, own, inputs, scale, mode)
     if mode == "dense" and own is None and not _gate_runs_in_dense(layer):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     return teacher_forced_attention(layer, attention_mask, dropout, kwargs), None
 
 
 def _gate_runs_in_dense(layer: LayerPass) -> bool:
     """Whether a dense layer's gate must run: to record its KL or recall, or to fill a generation cache."""
     request = layer.state.request
-    return layer.adapter.gate is not None and (request.distill or request.recall is not None
-                                               or layer.state.cache is not None)
+    return layer.adapter.gate is not None and (
+        request.distill or request.recall is not None or layer.state.cache is not None
+    )
 
 
-def teacher_forced_attention(layer: LayerPass, attention_mask: Tensor | None, dropout: float,
-                             sdpa_kwargs: dict[str, Any]) -> Tensor:
+def teacher_forced_attention(
+    layer: LayerPass, attention_mask: Tensor | None, dropout: float, sdpa_kwargs: dict[str, Any]
+) -> Tensor:
     """Main attention of a whole-sequence pass [B, T, Hq, D], and the records asked for."""
     query, key, request = layer.query, layer.key, layer.state.request
     q_len, kv_len = query.shape[2], key.shape[2]
     if q_len != kv_len:
-        raise GSMError(f"layer {layer.adapter.layer_idx}: {layer.mode} attention, distillation and recall need the "
-                       f"whole sequence (got {q_len} queries over {kv_len} cached keys); call the model with "
-                       "use_cache=False for teacher-forced passes")
+        raise GSMError(
+            f"layer {layer.adapter.layer_idx}: {layer.mode} attention, distillation and recall need the "
+            f"whole sequence (got {q_len} queries over {kv_len} cached keys); call the model with "
+            "use_cache=False for teacher-forced passes"
+        )
     layout = forward_layout(layer.state, attention_mask, q_len, kv_len, query.device)
     gate = layer.adapter.gate
-    index = sampled_rows(layer.state, layout.visible >= layout.k_host, query.device) \
-        if request.distill and gate is not None else None
+    index = (
+        sampled_rows(layer.state, layout.visible >= layout.k_host, query.device)
+        if request.distill and gate is not None
+        else None
+    )
     selector = _gate_selector(layer, layout, index)
     if layer.mode == "dense" and layer.own is None:
-        out = sdpa_attention_forward(layer.module, query, key, layer.value, attention_mask, dropout=dropout,
-                                     scaling=layer.scaling, **sdpa_kwargs)[0]
+        out = sdpa_attention_forward(
+            layer.module, query, key, layer.value, attention_mask, dropout=dropout, scaling=layer.scaling, **sdpa_kwargs
+        )[0]
         selection = layout.allowed
     else:
         selection = _selection(layer, layout, selector)
@@ -109,8 +128,7 @@ def _gate_selector(layer: LayerPass, layout: Layout, index: Tensor | None) -> Ga
         layer_cache.keep_gate_keys(gate_k, gate.key_bits)
     stored_k = gate.stored_keys(gate_k) if layer.mode == "sparse" or state.request.recall is not None else None
     training_shapes = layer.query.is_cuda and layer.module.training
-    return GateSelector(gate, gate_q, gate_k, stored_k, layout, state.settings.config.sparse_attention,
-                        training_shapes)
+    return GateSelector(gate, gate_q, gate_k, stored_k, layout, state.settings.config.sparse_attention, training_shapes)
 
 
 def _selection(layer: LayerPass, layout: Layout, selector: GateSelector | None) -> Tensor:
@@ -122,9 +140,21 @@ def _selection(layer: LayerPass, layout: Layout, selector: GateSelector | None) 
     if layer.mode == "sparse":
         pick = selector.select
     else:
+
         def pick(start: int, stop: int) -> Tensor:
-            return oracle_selection(layer.query, layer.key, layer.own, layout, config, layer.block_size,
-                                    layer.scaling, num_selectors, start, stop)
+            return oracle_selection(
+                layer.query,
+                layer.key,
+                layer.own,
+                layout,
+                config,
+                layer.block_size,
+                layer.scaling,
+                num_selectors,
+                start,
+                stop,
+            )
+
     with torch.no_grad():
         return torch.cat([pick(a, b) for a, b in chunks(layer.query.shape[2], config.query_chunk)], dim=2)
 
@@ -135,19 +165,20 @@ def attend_selected(layer: LayerPass, selection: Tensor, layout: Layout) -> Tens
     module, query, own = layer.module, layer.query, layer.own
     gqa = module.num_key_value_groups > 1
     if own is not None and layer.state.settings.captured_steps and module.training and own_block.fits(query):
-        return own_block.own_block_attention(query, (layer.key, layer.value), own, selection, layer.block_size,
-                                             layer.scaling, gqa)
+        return own_block.own_block_attention(
+            query, (layer.key, layer.value), own, selection, layer.block_size, layer.scaling, gqa
+        )
     keys, values, mask = block_causal_kv(layer.key, layer.value, own, selection, layout.positions, layer.block_size)
     return masked_sdpa(query, keys, values, mask, layer.scaling, gqa)
 
 
-def masked_sdpa(query: Tensor, key: Tensor, value: Tensor, selection: Tensor, scaling: float,
-                gqa: bool) -> Tensor:
+def masked_sdpa(query: Tensor, key: Tensor, value: Tensor, selection: Tensor, scaling: float, gqa: bool) -> Tensor:
     """SDPA restricted to the selected keys -> [B, T, Hq, D]; selection [B|1, n, T, S] is shared by the n
     head groups. One selection for all heads (n = 1) goes in as a broadcast mask with the KV heads as they
     are (`enable_gqa`), which needs no copy of K/V per head; one per KV group needs the mask per head."""
     heads = query.shape[1]
     mask = selection if selection.shape[1] == 1 else selection.repeat_interleave(heads // selection.shape[1], dim=1)
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
-                                                           enable_gqa=gqa)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa
+    )
     return out.transpose(1, 2).contiguous()

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from gsm_train.attention.forward_state import ForwardState
 from gsm_train.config import SparseAttentionConfig
 from gsm_train.functional.attention_targets import causal_visible, full_batch
-from gsm_train.modules.errors import GSMError
-from gsm_train.modules.forward_state import ForwardState
 from gsm_train.functional.top_k import scheduled_k
+from gsm_train.modules.errors import GSMError
 
 
 @dataclass(frozen=True)
@@ -49,8 +49,14 @@ def earlier_blocks(query_positions: Tensor, kv_len: int, block_size: int) -> Ten
     return keys[None, :] // block_size < query_positions[:, None] // block_size
 
 
-def block_causal_kv(key: Tensor, value: Tensor | None, own: tuple[Tensor, Tensor] | None, selection: Tensor,
-                    query_positions: Tensor, block_size: int) -> tuple[Tensor, Tensor | None, Tensor]:
+def block_causal_kv(
+    key: Tensor,
+    value: Tensor | None,
+    own: tuple[Tensor, Tensor] | None,
+    selection: Tensor,
+    query_positions: Tensor,
+    block_size: int,
+) -> tuple[Tensor, Tensor | None, Tensor]:
     """Keys, values and selection [.., T, S'] for queries that see earlier blocks as stored and their
     own block uncompressed (as at decode): with `own`, both versions side by side (S' = 2S)."""
     if own is None:
@@ -60,8 +66,9 @@ def block_causal_kv(key: Tensor, value: Tensor | None, own: tuple[Tensor, Tensor
     return torch.cat((key, own[0]), 2), both_values, torch.cat((selection & earlier, selection & ~earlier), -1)
 
 
-def forward_layout(state: ForwardState, attention_mask: Tensor | None, q_len: int, kv_len: int,
-                   device: torch.device) -> Layout:
+def forward_layout(
+    state: ForwardState, attention_mask: Tensor | None, q_len: int, kv_len: int, device: torch.device
+) -> Layout:
     """The layout of this forward's pass (built once per forward when there is no padding mask)."""
     cfg: SparseAttentionConfig = state.settings.config.sparse_attention
     key = ("layout", q_len, kv_len, str(device))
@@ -69,8 +76,13 @@ def forward_layout(state: ForwardState, attention_mask: Tensor | None, q_len: in
         return state.scratch[key]
     positions = torch.arange(kv_len, device=device)
     visible = causal_visible(q_len, kv_len)
-    layout = Layout(allowed_keys(attention_mask, q_len, kv_len, device), positions,
-                    scheduled_k(positions, cfg), visible, scheduled_k(visible - 1, cfg))
+    layout = Layout(
+        allowed_keys(attention_mask, q_len, kv_len, device),
+        positions,
+        scheduled_k(positions, cfg),
+        visible,
+        scheduled_k(visible - 1, cfg),
+    )
     if attention_mask is None:
         state.scratch[key] = layout
     return layout
@@ -92,8 +104,10 @@ def sampled_rows(state: ForwardState, counted_host: Tensor, device: torch.device
         uncounted = (~counted_host).nonzero()
         first = int(uncounted[-1]) + 1 if len(uncounted) else 0  # start of the counted suffix
         if counted_host[:first].any():
-            raise GSMError("the positions with at least k keys are not a suffix of the sequence; "
-                           "use train.distill_queries=0 with this top-k schedule")
+            raise GSMError(
+                "the positions with at least k keys are not a suffix of the sequence; "
+                "use train.distill_queries=0 with this top-k schedule"
+            )
         if length - first <= wanted:
             rows = torch.arange(first, length, device=device)
         else:
@@ -102,8 +116,7 @@ def sampled_rows(state: ForwardState, counted_host: Tensor, device: torch.device
     return state.scratch["sampled_rows"]
 
 
-def kl_rows(state: ForwardState, allowed: Tensor, k: Tensor, index: Tensor | None,
-            batch: int) -> tuple[Tensor, Tensor]:
+def kl_rows(state: ForwardState, allowed: Tensor, k: Tensor, index: Tensor | None, batch: int) -> tuple[Tensor, Tensor]:
     """The gate KL's query rows: their allowed keys [B|1, 1, R, S] and whether each has at least k of them
     [B|1, 1, R]; all rows, or the sampled `index` (then at the full batch and contiguous, the one shape
     the compiled KL takes). Shared by the layers of a forward that use the same `allowed` and `index`."""

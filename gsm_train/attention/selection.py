@@ -14,12 +14,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from gsm_train.attention.layout import Layout, block_causal_kv
+from gsm_train.compiled import compiled
 from gsm_train.config import SparseAttentionConfig
 from gsm_train.functional.attention_targets import head_averaged_probs
-from gsm_train.compiled import compiled
-from gsm_train.modules.layout import Layout, block_causal_kv
-from gsm_train.modules.sparse_gate import SparseGateHead
 from gsm_train.functional.top_k import select_top_k
+from gsm_train.modules.sparse_gate import SparseGateHead
 
 
 def chunks(length: int, chunk: int) -> list[tuple[int, int]]:
@@ -43,8 +43,9 @@ class GateSelector:
     config: SparseAttentionConfig
     training_shapes: bool
 
-    def select(self, start: int, stop: int, k: Tensor | None = None, k_max: int | None = None,
-               uniform: bool | None = None) -> Tensor:
+    def select(
+        self, start: int, stop: int, k: Tensor | None = None, k_max: int | None = None, uniform: bool | None = None
+    ) -> Tensor:
         """Boolean selection [B, n, stop - start, S] of queries [start, stop): each keeps its `k` (default:
         the schedule's) best-scored keys; `k_max` the largest k on the host, `uniform` whether all equal it."""
         layout, cfg = self.layout, self.config
@@ -56,21 +57,47 @@ class GateSelector:
         if uniform is None:
             uniform = bool((layout.k_host[start:stop] == k_max).all())
         select = compiled(select_top_k) if self.training_shapes else select_top_k
-        return select(scores, layout.allowed[..., start:stop, :], k[start:stop], layout.positions[start:stop],
-                      layout.positions, cfg.sink_tokens, cfg.recent_tokens, k_max, uniform)
+        return select(
+            scores,
+            layout.allowed[..., start:stop, :],
+            k[start:stop],
+            layout.positions[start:stop],
+            layout.positions,
+            cfg.sink_tokens,
+            cfg.recent_tokens,
+            k_max,
+            uniform,
+        )
 
 
 @torch.no_grad()
-def oracle_selection(query: Tensor, key: Tensor, own: tuple[Tensor, Tensor] | None, layout: Layout,
-                     config: SparseAttentionConfig, block_size: int, scaling: float, num_selectors: int,
-                     start: int, stop: int) -> Tensor:
+def oracle_selection(
+    query: Tensor,
+    key: Tensor,
+    own: tuple[Tensor, Tensor] | None,
+    layout: Layout,
+    config: SparseAttentionConfig,
+    block_size: int,
+    scaling: float,
+    num_selectors: int,
+    start: int,
+    stop: int,
+) -> Tensor:
     """Boolean selection [B, n, stop - start, S]: the true top-k of the head-averaged attention of queries
     [start, stop) (query [B, Hq, T, D], keys [B, Hkv, S, D] as stored, `own` the raw pair or None)."""
     kv_len = key.shape[2]
-    keys, _, mask = block_causal_kv(key, None, own, layout.allowed[..., start:stop, :],
-                                    layout.positions[start:stop], block_size)
+    keys, _, mask = block_causal_kv(
+        key, None, own, layout.allowed[..., start:stop, :], layout.positions[start:stop], block_size
+    )
     probs = head_averaged_probs(query[:, :, start:stop], keys, mask, scaling, num_selectors)
     probs = probs[..., :kv_len] + probs[..., kv_len:] if own is not None else probs  # fold the two versions
-    return select_top_k(probs, layout.allowed[..., start:stop, :], layout.k[start:stop],
-                        layout.positions[start:stop], layout.positions, config.sink_tokens, config.recent_tokens,
-                        int(layout.k_host[start:stop].max()))
+    return select_top_k(
+        probs,
+        layout.allowed[..., start:stop, :],
+        layout.k[start:stop],
+        layout.positions[start:stop],
+        layout.positions,
+        config.sink_tokens,
+        config.recent_tokens,
+        int(layout.k_host[start:stop].max()),
+    )
