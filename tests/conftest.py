@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -34,10 +35,19 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _runs_on_the_cpu() -> Iterator[None]:
+    """Training runs, evaluations and generations the tests start, their module-scoped fixtures' included,
+    go to the CPU on every machine (as in CI), so their figures compare with CPU-built references on a GPU
+    machine too. Tests of GPU code paths use CUDA tensors themselves; those that train on the GPU are marked
+    `gpu_training` (see `_gpu_training_on_the_gpu`)."""
+    with pytest.MonkeyPatch.context() as session_patch:
+        session_patch.setenv("ACCELERATE_USE_CPU", "1")
+        yield
+
+
 @pytest.fixture(autouse=True)
-def _runs_on_the_cpu(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Training runs, evaluations and generations the tests start go to the CPU on every machine (as in CI),
-    so their figures compare with CPU-built references on a GPU machine too. Tests of GPU code paths use
-    CUDA tensors themselves; those that train on the GPU are marked `gpu_training`."""
-    if request.node.get_closest_marker("gpu_training") is None:
-        monkeypatch.setenv("ACCELERATE_USE_CPU", "1")
+def _gpu_training_on_the_gpu(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test marked `gpu_training` trains where the trainer would put it (the GPU when there is one)."""
+    if request.node.get_closest_marker("gpu_training") is not None:
+        monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)

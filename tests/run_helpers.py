@@ -99,6 +99,16 @@ def resume_after_crash(recipe: str, overrides: list[str], tmp_path: Path, step: 
     return straight, train_recipe(recipe, [*overrides, f"output.dir={crashed}"], resume="auto")
 
 
+def child_env(**settings: str) -> dict[str, str]:
+    """This process's environment for a child Python process: this checkout's gsm_train first on
+    PYTHONPATH (any path already there is kept after it: an install by PYTHONPATH, as on the GPU
+    image, stays importable), on the CPU as the suite's own runs are (conftest.py; a GPU run would
+    not match their figures), then `settings`."""
+    python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))
+    cpu_only = {"ACCELERATE_USE_CPU": "1", "CUDA_VISIBLE_DEVICES": ""}
+    return {**os.environ, "PYTHONPATH": python_path, **cpu_only, **settings}
+
+
 def free_port() -> int:
     """A TCP port nothing listens on now (for a rendezvous that must not meet another run's)."""
     with socket.socket() as probe:
@@ -110,13 +120,7 @@ def torchrun(count: int, args: list[str], timeout: int = 300) -> subprocess.Comp
     """`torchrun --nproc_per_node COUNT ARGS` on the CPU (gloo; one thread a process), also on a machine
     with GPUs (one GPU cannot host two ranks), this checkout's gsm_train first on the path. Returns
     the finished process (not checked)."""
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": str(REPO),
-        "ACCELERATE_USE_CPU": "1",
-        "CUDA_VISIBLE_DEVICES": "",
-    }
+    env = child_env(OMP_NUM_THREADS="1")
     command = [
         sys.executable,
         "-m",

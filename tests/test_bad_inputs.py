@@ -13,7 +13,7 @@ from pathlib import Path
 
 import huggingface_hub.constants
 import pytest
-from run_helpers import GATE_RECIPE, REPO, TINY_GATE, file_digests
+from run_helpers import GATE_RECIPE, TINY_GATE, child_env, file_digests
 
 from gsm_train import cli, session
 
@@ -124,7 +124,7 @@ def test_a_full_disk_is_refused_with_exit_2_from_a_fresh_process(tmp_path: Path)
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (256 << 10, 256 << 10))
 
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONDONTWRITEBYTECODE": "1"}
+    env = child_env(PYTHONDONTWRITEBYTECODE="1")
     run = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "gsm_train.cli", "train", GATE_RECIPE, *TINY_GATE, f"output.dir={run}"],

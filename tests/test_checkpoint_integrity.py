@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from run_helpers import GATE_RECIPE, REPO, TINY_GATE, file_digests, losses, records
+from run_helpers import GATE_RECIPE, REPO, TINY_GATE, child_env, file_digests, losses, records
 from safetensors.torch import load_file
 
 from gsm_train import cli, session
@@ -178,7 +178,7 @@ def test_a_kill_during_a_save_loses_nothing_and_resume_is_exact(
     straight: Path, tmp_path: Path, point: str, n: int
 ) -> None:
     run = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = child_env(OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, FAULT_SCRIPT, point, str(n), "--recipe", GATE_RECIPE, *STEPS, f"output.dir={run}"],
         capture_output=True,

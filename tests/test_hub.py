@@ -14,7 +14,6 @@ import base64
 import hashlib
 import json
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -27,6 +26,7 @@ import torch
 from hub_stand_in import Request, StandInHub, serve_stand_in
 from huggingface_hub import HfApi, ModelCard, ModelCardData, constants, snapshot_download
 from huggingface_hub.utils import validate_repo_id
+from run_helpers import child_env
 
 from gsm_train import GSMModel, cli
 from gsm_train.adapter_format import CARD_FILE, CONFIG_FILE, GSM_FILE, ExportError
@@ -449,14 +449,12 @@ def test_from_pretrained_by_repo_id_with_hf_endpoint_matches_the_local_export(
         "from test_hub import _logits; "
         f"gsm = GSMModel.from_pretrained({REPO!r}); torch.save(_logits(gsm.model), {str(out)!r})"
     )
-    env = {
-        **os.environ,
-        "HF_ENDPOINT": hub.url,
-        "HF_HOME": str(tmp_path / "fresh_home"),
-        "HF_HUB_DISABLE_XET": "1",
-        "HF_HUB_DISABLE_TELEMETRY": "1",
-        "PYTHONPATH": str(REPO_ROOT),
-    }
+    env = child_env(
+        HF_ENDPOINT=hub.url,
+        HF_HOME=str(tmp_path / "fresh_home"),
+        HF_HUB_DISABLE_XET="1",
+        HF_HUB_DISABLE_TELEMETRY="1",
+    )
     done = subprocess.run(
         [sys.executable, "-c", code],
         cwd=REPO_ROOT,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from run_helpers import GATE_RECIPE, REPO, TINY_GATE, file_digests, records
+from run_helpers import GATE_RECIPE, TINY_GATE, child_env, file_digests, records
 from safetensors.torch import load_file
 
 from gsm_train import cli
@@ -140,7 +140,7 @@ def test_two_runs_started_together_on_one_folder(tmp_path: Path) -> None:
     """Two processes on one output.dir: one runs, the other exits 2 (on the lock, or, if the first
     already finished, on the run it left); the first run's records are not mixed with another's."""
     run = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = child_env(OMP_NUM_THREADS="1")
     command = [
         sys.executable,
         "-m",
