@@ -172,8 +172,8 @@ def train_unless_exported(recipe: Path, overrides: list[str], run_dir: Path) -> 
 
 
 def write_result(path: Path, result: dict) -> None:
-    """Write the JSON result with the command line that produced it."""
-    result = {"command": "python " + shlex.join(sys.argv), "device": device_name(), **result}
+    """Write the JSON result with the command line, commit and device that produced it (keys of `result` win)."""
+    result = {"command": "python " + shlex.join(sys.argv), "commit": git_commit(), "device": device_name(), **result}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))
     print(f"wrote {path}")
