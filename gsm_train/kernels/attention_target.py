@@ -46,31 +46,19 @@ def kernel_runs(query: Tensor, key: Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
+    def _allowed_tile(mask_row0, sm_r, rows, keys, row_ok, key_ok):
+        """Which of `keys` each of `rows` may attend to ([rows, keys] bool) from one batch row's mask
+        (`mask_row0`, rows `sm_r` apart; nonzero allows); False outside the bounds."""
+        tile = mask_row0 + rows[:, None] * sm_r + keys[None, :]
+        return tl.load(tile, mask=row_ok[:, None] & key_ok[None, :], other=0) != 0
+
+    @triton.jit
     def _row_log_normaliser(
-        q_ptr,
-        k_ptr,
-        mask_ptr,
-        limit_ptr,
-        lse_ptr,
-        rows_total,
-        keys_total,
-        num_heads,
-        groups,
-        sq_b,
-        sq_h,
-        sq_r,
-        sk_b,
-        sk_h,
-        sk_s,
-        sm_b,
-        sm_r,
-        scale,
-        D: tl.constexpr,
-        BLOCK_R: tl.constexpr,
-        BLOCK_S: tl.constexpr,
-        HAS_LIMIT: tl.constexpr,
+        q_ptr, k_ptr, mask_ptr, limit_ptr, lse_ptr, rows_total, keys_total, num_heads, groups,
+        sq_b, sq_h, sq_r, sk_b, sk_h, sk_s, sm_b, sm_r, scale,  # strides of q, k and the mask
+        D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, HAS_LIMIT: tl.constexpr,
         PRECISION: tl.constexpr,
-    ):
+    ):  # fmt: skip
         """lse[b, h, r] = log sum_j allowed exp(scale * q.k_j) for one head and a tile of rows (+inf for a
         row that sees no key, so that its probabilities come out 0)."""
         pid_bh = tl.program_id(0)
@@ -93,14 +81,7 @@ if triton is not None:
                 key_ok = keys < keys_total
                 k = tl.load(k_base + keys[:, None] * sk_s + dims[None, :], mask=key_ok[:, None], other=0.0)
                 logits = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-                allowed = (
-                    tl.load(
-                        mask_ptr + b * sm_b + rows[:, None] * sm_r + keys[None, :],
-                        mask=row_ok[:, None] & key_ok[None, :],
-                        other=0,
-                    )
-                    != 0
-                )
+                allowed = _allowed_tile(mask_ptr + b * sm_b, sm_r, rows, keys, row_ok, key_ok)
                 logits = tl.where(allowed, logits, float("-inf"))
                 m_new = tl.maximum(m, tl.max(logits, 1))
                 finite = m_new > float("-inf")
@@ -113,33 +94,12 @@ if triton is not None:
 
     @triton.jit
     def _averaged_probs(
-        q_ptr,
-        k_ptr,
-        mask_ptr,
-        limit_ptr,
-        lse_ptr,
-        out_ptr,
-        rows_total,
-        keys_total,
-        num_heads,
-        num_selectors,
-        groups,
-        sq_b,
-        sq_h,
-        sq_r,
-        sk_b,
-        sk_h,
-        sk_s,
-        sm_b,
-        sm_r,
-        scale,
-        HEADS_PER_SELECTOR: tl.constexpr,
-        D: tl.constexpr,
-        BLOCK_R: tl.constexpr,
-        BLOCK_S: tl.constexpr,
-        HAS_LIMIT: tl.constexpr,
-        PRECISION: tl.constexpr,
-    ):
+        q_ptr, k_ptr, mask_ptr, limit_ptr, lse_ptr, out_ptr, rows_total, keys_total, num_heads,
+        num_selectors, groups,
+        sq_b, sq_h, sq_r, sk_b, sk_h, sk_s, sm_b, sm_r, scale,  # strides of q, k and the mask
+        HEADS_PER_SELECTOR: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
+        HAS_LIMIT: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
         """out[b, s, rows, keys] = mean over the selector's heads of exp(scale * q.k - lse), 0 where not
         allowed; tiles past every row's key bound stay as allocated (zeros)."""
         pid_bs = tl.program_id(0)
@@ -155,14 +115,7 @@ if triton is not None:
             stop = keys_total
         if tl.program_id(2) * BLOCK_S < stop:
             dims = tl.arange(0, D)
-            allowed = (
-                tl.load(
-                    mask_ptr + b * sm_b + rows[:, None] * sm_r + keys[None, :],
-                    mask=row_ok[:, None] & key_ok[None, :],
-                    other=0,
-                )
-                != 0
-            )
+            allowed = _allowed_tile(mask_ptr + b * sm_b, sm_r, rows, keys, row_ok, key_ok)
             acc = tl.zeros([BLOCK_R, BLOCK_S], tl.float32)
             for i in tl.static_range(HEADS_PER_SELECTOR):
                 h = selector * HEADS_PER_SELECTOR + i

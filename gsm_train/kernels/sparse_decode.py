@@ -164,6 +164,45 @@ if triton is not None:
             other=0.0,
         ).to(DTYPE)
 
+    @triton.jit
+    def _group_query(
+        q_ptr, signs_ptr, bh, G: tl.constexpr, GP: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr,
+        LOG_D: tl.constexpr, ROTATED: tl.constexpr,
+    ):  # fmt: skip
+        """The queries of KV head `bh`'s group, transposed for the dots: q_t [D, GP] (in the rotated basis
+        where ROTATED) and q_raw_t [D, GP] (as given, for the newest block's raw rows, which are never
+        rotated); rows past the group's G heads (the dot's padding to GP) are zero; the queries' dtype."""
+        heads = tl.arange(0, GP)
+        dims = tl.arange(0, D)
+        q = tl.load(q_ptr + ((bh * G + heads) * D)[:, None] + dims[None, :], mask=(heads < G)[:, None], other=0.0)
+        q_raw_t = tl.trans(q)
+        if ROTATED:  # rows in the rotated basis: the query too. R = diag(signs) H / sqrt(D) (`hadamard_rotation`),
+            signs = tl.load(signs_ptr + dims).to(tl.float32)  # so q R = ((q * signs) H) / sqrt(D)
+            group = tl.arange(0, GQ)  # the group's heads without the dot's padding: 4x fewer rows to rotate at G 4
+            q_group = tl.load(
+                q_ptr + ((bh * G + group) * D)[:, None] + dims[None, :], mask=(group < G)[:, None], other=0.0
+            )
+            q_group = _walsh_hadamard(q_group.to(tl.float32) * signs[None, :], GQ, D, LOG_D)
+            q = tl.reshape(tl.broadcast_to(q_group[None, :, :], [GP // GQ, GQ, D]), [GP, D])
+            q = tl.where((heads < G)[:, None], q, 0.0).to(q_ptr.dtype.element_ty)
+        return tl.trans(q), q_raw_t
+
+    @triton.jit
+    def _store_partials(
+        acc_ptr, raw_ptr, max_ptr, sum_ptr, part, real, dims, acc, acc_raw, m_i, l_i, D: tl.constexpr,
+        ROTATED: tl.constexpr,
+    ):  # fmt: skip
+        """One split's partials of the heads `part` where `real`: the running max and sum of the softmax
+        and the weighted value sums [GP, D] (fp32). With ROTATED the packed rows' sum (rotated basis) and
+        the raw rows' sum go apart, for the merge to rotate the first back once per head."""
+        if ROTATED:
+            tl.store(acc_ptr + (part * D)[:, None] + dims[None, :], acc, mask=real[:, None])
+            tl.store(raw_ptr + (part * D)[:, None] + dims[None, :], acc_raw, mask=real[:, None])
+        else:
+            tl.store(acc_ptr + (part * D)[:, None] + dims[None, :], acc + acc_raw, mask=real[:, None])
+        tl.store(max_ptr + part, m_i, mask=real)
+        tl.store(sum_ptr + part, l_i, mask=real)
+
     # Gathers of scattered rows are latency-bound: how many rows a program takes (BLOCK_N x TILES),
     # how many warps it runs and how deep Triton pipelines its loop trade parallelism against
     # per-program overhead; Triton picks per shape. Long programs without pipelining (64 x 16 rows
@@ -190,52 +229,16 @@ if triton is not None:
     )
     @triton.jit
     def _sparse_decode_kernel(
-        q_ptr,
-        signs_ptr,
-        index_ptr,
-        valid_ptr,
-        k_ids,
-        k_res,
-        k_scales,
-        k_protos,
-        k_tail,
-        v_ids,
-        v_res,
-        v_scales,
-        v_protos,
-        v_tail,
-        acc_ptr,
-        raw_ptr,
-        max_ptr,
-        sum_ptr,
-        lengths_ptr,
-        capacity,
-        tail_slots,
-        n_blocks,
-        selected,
-        size_class,
-        rows,
-        scaling,
-        KV_HEADS: tl.constexpr,
-        G: tl.constexpr,
-        GP: tl.constexpr,
-        GQ: tl.constexpr,
-        D: tl.constexpr,
-        LOG_D: tl.constexpr,
-        K_BITS: tl.constexpr,
-        V_BITS: tl.constexpr,
-        K_CENTER: tl.constexpr,
-        V_CENTER: tl.constexpr,
-        C: tl.constexpr,
-        TOKENS_PER_BLOCK: tl.constexpr,
-        PACKED: tl.constexpr,
-        ROTATED: tl.constexpr,
-        HAS_VALID: tl.constexpr,
-        PRECISION: tl.constexpr,
-        SHARED_SELECTION: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        TILES: tl.constexpr,
-    ):
+        q_ptr, signs_ptr, index_ptr, valid_ptr,  # the queries, the rotation's signs, the selection
+        k_ids, k_res, k_scales, k_protos, k_tail, v_ids, v_res, v_scales, v_protos, v_tail,  # the store
+        acc_ptr, raw_ptr, max_ptr, sum_ptr,  # the split partials out
+        lengths_ptr, capacity, tail_slots, n_blocks, selected, size_class, rows, scaling,
+        KV_HEADS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr,
+        LOG_D: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_CENTER: tl.constexpr,
+        V_CENTER: tl.constexpr, C: tl.constexpr, TOKENS_PER_BLOCK: tl.constexpr, PACKED: tl.constexpr,
+        ROTATED: tl.constexpr, HAS_VALID: tl.constexpr, PRECISION: tl.constexpr,
+        SHARED_SELECTION: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
+    ):  # fmt: skip
         bh = tl.program_id(0)
         split = tl.program_id(1)
         splits = tl.num_programs(1)
@@ -245,19 +248,7 @@ if triton is not None:
         selection_row = bh // KV_HEADS if SHARED_SELECTION else bh  # one selection per layer or per KV head
         heads = tl.arange(0, GP)
         dims = tl.arange(0, D)
-        q = tl.load(q_ptr + ((bh * G + heads) * D)[:, None] + dims[None, :], mask=(heads < G)[:, None], other=0.0)
-        q_raw_t = tl.trans(q)  # [D, GP], for the newest block's raw rows, which are never rotated
-        signs = tl.full([D], 1.0, tl.float32)
-        if ROTATED:  # rows in the rotated basis: the query too. R = diag(signs) H / sqrt(D) (`hadamard_rotation`),
-            signs = tl.load(signs_ptr + dims).to(tl.float32)  # so q R = ((q * signs) H) / sqrt(D)
-            group = tl.arange(0, GQ)  # the group's heads without the dot's padding: 4x fewer rows to rotate at G 4
-            q_group = tl.load(
-                q_ptr + ((bh * G + group) * D)[:, None] + dims[None, :], mask=(group < G)[:, None], other=0.0
-            )
-            q_group = _walsh_hadamard(q_group.to(tl.float32) * signs[None, :], GQ, D, LOG_D)
-            q = tl.reshape(tl.broadcast_to(q_group[None, :, :], [GP // GQ, GQ, D]), [GP, D])
-            q = tl.where((heads < G)[:, None], q, 0.0).to(q_ptr.dtype.element_ty)
-        q_t = tl.trans(q)  # [D, GP]: the tile's rows stay [BLOCK_N, D], as read
+        q_t, q_raw_t = _group_query(q_ptr, signs_ptr, bh, G, GP, GQ, D, LOG_D, ROTATED)
         m_i = tl.full([GP], -1.0e30, tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)  # the packed rows' sum: with ROTATED, in the rotated basis until the end
@@ -278,37 +269,13 @@ if triton is not None:
             in_packed = live & (pos < packed_len)
             if PACKED:  # every load of the tile is issued before any of it is used
                 k_proto, k_word, k_scale = _packed_parts(
-                    k_cluster,
-                    k_res,
-                    k_scales,
-                    k_protos,
-                    bh,
-                    pos,
-                    in_packed,
-                    capacity,
-                    n_blocks,
-                    dims,
-                    D,
-                    K_BITS,
-                    C,
-                    TOKENS_PER_BLOCK,
-                )
+                    k_cluster, k_res, k_scales, k_protos, bh, pos, in_packed, capacity, n_blocks, dims, D,
+                    K_BITS, C, TOKENS_PER_BLOCK,
+                )  # fmt: skip
                 v_proto, v_word, v_scale = _packed_parts(
-                    v_cluster,
-                    v_res,
-                    v_scales,
-                    v_protos,
-                    bh,
-                    pos,
-                    in_packed,
-                    capacity,
-                    n_blocks,
-                    dims,
-                    D,
-                    V_BITS,
-                    C,
-                    TOKENS_PER_BLOCK,
-                )
+                    v_cluster, v_res, v_scales, v_protos, bh, pos, in_packed, capacity, n_blocks, dims, D,
+                    V_BITS, C, TOKENS_PER_BLOCK,
+                )  # fmt: skip
                 next_k_cluster = _cluster_ids(k_ids, bh, next_pos, next_live, packed_len, capacity)
                 next_v_cluster = _cluster_ids(v_ids, bh, next_pos, next_live, packed_len, capacity)
             else:
@@ -320,35 +287,28 @@ if triton is not None:
             )
             in_tail = live & (pos >= packed_len)
             has_tail = tl.max(in_tail.to(tl.int32), 0) > 0  # only the tiles holding newest rows read the tail
-            keys = _packed_rows(k_proto, k_word, k_scale, in_packed, D, K_BITS, K_CENTER, PACKED, q.dtype)
+            keys = _packed_rows(k_proto, k_word, k_scale, in_packed, D, K_BITS, K_CENTER, PACKED, q_t.dtype)
             logits = tl.dot(keys, q_t, input_precision=PRECISION)  # [BLOCK_N, GP]; (k R) . (q R) = k . q
             if has_tail:  # raw rows against the unrotated query; zero rows on either side add nothing
-                raw_keys = _tail_rows(k_tail, bh, pos, in_tail, packed_len, tail_slots, dims, D, q.dtype)
+                raw_keys = _tail_rows(k_tail, bh, pos, in_tail, packed_len, tail_slots, dims, D, q_t.dtype)
                 logits += tl.dot(raw_keys, q_raw_t, input_precision=PRECISION)
             logits = logits * scaling
             logits = tl.where(live[:, None], logits, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(logits, 0))
             alpha = tl.exp(m_i - m_new)
             p = tl.trans(tl.exp(logits - m_new[None, :]))
-            values = _packed_rows(v_proto, v_word, v_scale, in_packed, D, V_BITS, V_CENTER, PACKED, q.dtype)
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), values, input_precision=PRECISION)
+            values = _packed_rows(v_proto, v_word, v_scale, in_packed, D, V_BITS, V_CENTER, PACKED, q_t.dtype)
+            acc = acc * alpha[:, None] + tl.dot(p.to(q_t.dtype), values, input_precision=PRECISION)
             acc_raw = acc_raw * alpha[:, None]
             if has_tail:
-                raw_values = _tail_rows(v_tail, bh, pos, in_tail, packed_len, tail_slots, dims, D, q.dtype)
-                acc_raw += tl.dot(p.to(q.dtype), raw_values, input_precision=PRECISION)
+                raw_values = _tail_rows(v_tail, bh, pos, in_tail, packed_len, tail_slots, dims, D, q_t.dtype)
+                acc_raw += tl.dot(p.to(q_t.dtype), raw_values, input_precision=PRECISION)
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
             pos, live, next_pos, next_live = next_pos, next_live, after_pos, after_live
             k_cluster, v_cluster = next_k_cluster, next_v_cluster
         part = (bh * splits + split) * G + heads  # the group's real heads only, not the dot's padding
-        real = heads < G
-        if ROTATED:  # the merge sums the splits in the rotated basis and rotates the sum back, once per head
-            tl.store(acc_ptr + (part * D)[:, None] + dims[None, :], acc, mask=real[:, None])
-            tl.store(raw_ptr + (part * D)[:, None] + dims[None, :], acc_raw, mask=real[:, None])
-        else:
-            tl.store(acc_ptr + (part * D)[:, None] + dims[None, :], acc + acc_raw, mask=real[:, None])
-        tl.store(max_ptr + part, m_i, mask=real)
-        tl.store(sum_ptr + part, l_i, mask=real)
+        _store_partials(acc_ptr, raw_ptr, max_ptr, sum_ptr, part, heads < G, dims, acc, acc_raw, m_i, l_i, D, ROTATED)
 
     @triton.jit
     def _merge_splits_kernel(
