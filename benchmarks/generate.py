@@ -38,7 +38,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from benchmarks.common import write_result
-from gsm_train.attention import gsm_adapters, inject_gsm, set_gsm_mode
+from gsm_train.attention import gsm_adapters, gsm_disabled, inject_gsm, set_gsm_mode
 from gsm_train.config import load_recipe
 from gsm_train.data import load_text_dataset, pack_tokens
 from gsm_train.export import load_gsm
@@ -234,6 +234,8 @@ def run_row(name: str, model: torch.nn.Module, prompts: torch.Tensor, new_tokens
         for method, options in (("dense_eager", {}), ("dense_static_compiled", {"cache_implementation": "static"})):
             result = _measure(model, ids, new_tokens, warm=batch == 1, **options, **chunking)
             row[method] = {k: v for k, v in result.items() if k != "tokens"}
+            if method == "dense_static_compiled":
+                row["dense_tokens"] = result["tokens"]
             row[method]["bandwidth_share"] = row[method]["decode_tokens_per_s"] / row["bound_tokens_per_s_dense"]
             print(f"{name} {method}: {row[method]['decode_tokens_per_s']:.1f} tokens/s", flush=True)
             torch._dynamo.reset()
@@ -256,19 +258,28 @@ def run_row(name: str, model: torch.nn.Module, prompts: torch.Tensor, new_tokens
     return row
 
 
-def smollm2_extras(model: torch.nn.Module, row: dict, new_tokens: int) -> dict:
-    """Token agreement of GSM's generation with the teacher-forced GSM model (bf16), and whether the
-    captured token steps give the eager steps' tokens."""
-    generated = row.pop("gsm_tokens")[:4]
+def _agreement(model: torch.nn.Module, generated: torch.Tensor, new_tokens: int) -> tuple[float, float]:
+    """The share of the last `new_tokens` of `generated` [B, T] that are the teacher-forced model's argmax,
+    and the share that are, or are within 0.1 of its top logit (a near-tie)."""
     with torch.no_grad():
         logits = model(generated, use_cache=False, logits_to_keep=new_tokens + 1).logits[:, :-1].float()
     tokens = generated[:, -new_tokens:]
     gap = logits.max(-1).values - logits.gather(-1, tokens[..., None])[..., 0]
     agree = logits.argmax(-1) == tokens
-    extras = {
-        "token_agreement": agree.float().mean().item(),
-        "token_agreement_outside_near_ties": (agree | (gap <= 0.1)).float().mean().item(),
-    }
+    return agree.float().mean().item(), (agree | (gap <= 0.1)).float().mean().item()
+
+
+def smollm2_extras(model: torch.nn.Module, row: dict, new_tokens: int) -> dict:
+    """Token agreement of GSM's generation with the teacher-forced GSM model (bf16), the same for the dense
+    static-cache generation against the dense model (how far bf16 alone moves the tokens), and whether
+    the captured token steps give the eager steps' tokens."""
+    generated = row.pop("gsm_tokens")[:4]
+    agree, outside_ties = _agreement(model, generated, new_tokens)
+    extras = {"token_agreement": agree, "token_agreement_outside_near_ties": outside_ties}
+    dense = row.pop("dense_tokens", None)
+    if dense is not None:
+        with gsm_disabled(model):
+            extras["dense_token_agreement"], _ = _agreement(model, dense[:4], new_tokens)
     if row["batch"] == 1:
         prompt = generated[:, : generated.shape[1] - new_tokens]
         enable_gsm_generation(model, cuda_graphs=False)
@@ -331,6 +342,7 @@ def main() -> None:
             if family == "smollm2":
                 row |= smollm2_extras(model, row, args.new_tokens)
             row.pop("gsm_tokens", None)
+            row.pop("dense_tokens", None)
             result["rows"][name] = row
             write_result(result_path, {k: v for k, v in result.items() if k not in ("command", "device")})
             model = _fresh(model, family)
