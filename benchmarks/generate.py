@@ -19,7 +19,8 @@ rows, after a warm-up call that compiles the kernels), peak device memory, the K
 bandwidth bound: the bytes one decode step must read (weights plus the KV it touches) over the H200's
 4.8 TB/s, as tokens/s. Batch-16 GSM rows prefill one prompt at batch 1 and copy the cache to every row
 (rows then decode alike; the time of a 16-row sparse prefill is not what the row measures).
-Resumable: rows already in --result are skipped.
+Resumable: rows already in --result are skipped, and a row cut short keeps the methods it measured
+(progress lines give the seconds since the start).
 
 python -m benchmarks.generate --eval-data DATA/wikitext-2/valid.txt [--smollm2-export EXPORT] --result OUT.json
 """
@@ -31,6 +32,7 @@ import gc
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +61,15 @@ ROWS = {
     "smollm2_8k_bs1": ("smollm2", 8192, 1),
     "smollm2_8k_bs16": ("smollm2", 8192, 16),
 }
+
+
+STARTED = time.perf_counter()
+
+
+def say(message: str) -> None:
+    """A progress line with the seconds since the benchmark started (a run cut by a time limit still
+    tells where its time went)."""
+    print(f"[{time.perf_counter() - STARTED:7.1f} s] {message}", flush=True)
 
 
 class StepTimes(StoppingCriteria):
@@ -180,15 +191,19 @@ def gsm_row(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int) -> dict:
     """The GSM method's figures; batch > 1: one prompt prefilled at batch 1, its cache copied to every row."""
     batch = ids.shape[0]
     if batch == 1:
+        say(f"gsm warm-up: prefill of {ids.shape[1]} tokens and 3 new")
         _generate(model, ids, 3)  # warm-up: kernels compiled and autotuned
+        say("gsm warm-up done; the timed call")
         cache = GSMCache(model, capacity=ids.shape[1] + new_tokens)
         result = _measure(model, ids, new_tokens, warm=False, **cache_kwargs(model, cache))
         result["time_to_first_token_s"] = result.pop("first_call_time_to_first_token_s")
         return result | {"kv_bytes": cache.nbytes()}
     prompt = ids[:1]
     prefilled = GSMCache(model, capacity=ids.shape[1] + new_tokens)
+    say(f"gsm: prefill of {ids.shape[1]} tokens at batch 1")
     with torch.no_grad():
         model(input_ids=prompt[:, :-1], use_cache=True, logits_to_keep=1, **cache_kwargs(model, prefilled))
+    say(f"gsm: prefill done; the cache copied to {batch} rows and the timed call")
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -212,12 +227,21 @@ def fits_dense(model: torch.nn.Module, context: int, batch: int) -> tuple[bool, 
     return per_row * batch <= free, int(free // per_row)
 
 
-def run_row(name: str, model: torch.nn.Module, prompts: torch.Tensor, new_tokens: int, gsm_ready: Any) -> dict:
-    """Dense eager, dense static + compile, then GSM (after `gsm_ready(model)` attaches the modules)."""
+def run_row(
+    name: str,
+    model: torch.nn.Module,
+    prompts: torch.Tensor,
+    new_tokens: int,
+    gsm_ready: Callable[[torch.nn.Module], None],
+    measured: dict,
+    save: Callable[[dict], None],
+) -> dict:
+    """Dense eager, dense static + compile, then GSM (after `gsm_ready(model)` attaches the modules); a
+    dense method already in `measured` (a cut run's row) is not measured again. `save(row)` after each."""
     _, context, batch = ROWS[name]
     ids = prompts[:batch, : context - new_tokens].cuda()
     weights = weight_bytes(model)
-    row: dict[str, Any] = {
+    row: dict[str, Any] = measured | {
         "context": context,
         "batch": batch,
         "new_tokens": new_tokens,
@@ -232,12 +256,17 @@ def run_row(name: str, model: torch.nn.Module, prompts: torch.Tensor, new_tokens
     chunking = {"prefill_chunk_size": DENSE_PREFILL_CHUNK} if ROWS[name][0] == "8b" else {}
     if fits:
         for method, options in (("dense_eager", {}), ("dense_static_compiled", {"cache_implementation": "static"})):
+            if method in row:
+                say(f"{name} {method}: measured by an earlier run")
+                continue
+            say(f"{name} {method}")
             result = _measure(model, ids, new_tokens, warm=batch == 1, **options, **chunking)
             row[method] = {k: v for k, v in result.items() if k != "tokens"}
             if method == "dense_static_compiled":
                 row["dense_tokens"] = result["tokens"]
             row[method]["bandwidth_share"] = row[method]["decode_tokens_per_s"] / row["bound_tokens_per_s_dense"]
-            print(f"{name} {method}: {row[method]['decode_tokens_per_s']:.1f} tokens/s", flush=True)
+            say(f"{name} {method}: {row[method]['decode_tokens_per_s']:.1f} tokens/s")
+            save(row)
             torch._dynamo.reset()
             gc.collect()
             torch.cuda.empty_cache()
@@ -251,7 +280,7 @@ def run_row(name: str, model: torch.nn.Module, prompts: torch.Tensor, new_tokens
     result = gsm_row(model, ids, new_tokens)
     row["gsm_tokens"] = result.pop("tokens")
     row["gsm"] = result | {"bandwidth_share": result["decode_tokens_per_s"] / row["bound_tokens_per_s_gsm"]}
-    print(f"{name} gsm: {result['decode_tokens_per_s']:.1f} tokens/s", flush=True)
+    say(f"{name} gsm: {result['decode_tokens_per_s']:.1f} tokens/s")
     for method in ("dense_static_compiled", "dense_eager"):
         if method in row:
             row[f"speedup_vs_{method}"] = result["decode_tokens_per_s"] / row[method]["decode_tokens_per_s"]
@@ -306,7 +335,12 @@ def main() -> None:
     args = parser.parse_args()
     result_path = Path(args.result)
     result = json.loads(result_path.read_text()) if result_path.exists() else {"rows": {}}
-    wanted = [name for name in args.rows.split(",") if name not in result["rows"]]
+    wanted = [name for name in args.rows.split(",") if "gsm" not in result["rows"].get(name, {})]
+
+    def save(name: str, row: dict) -> None:
+        result["rows"][name] = {k: v for k, v in row.items() if k not in ("gsm_tokens", "dense_tokens")}
+        write_result(result_path, {k: v for k, v in result.items() if k not in ("command", "commit", "device")})
+
     for family in ("smollm2", "8b"):
         names = [name for name in wanted if ROWS[name][0] == family]
         if not names:
@@ -338,13 +372,13 @@ def main() -> None:
                     set_gsm_mode(m, "sparse")
 
         for name in names:
-            row = run_row(name, model, prompts, args.new_tokens, ready)
+            measured = result["rows"].get(name, {})
+            row = run_row(
+                name, model, prompts, args.new_tokens, ready, measured, lambda row, name=name: save(name, row)
+            )
             if family == "smollm2":
                 row |= smollm2_extras(model, row, args.new_tokens)
-            row.pop("gsm_tokens", None)
-            row.pop("dense_tokens", None)
-            result["rows"][name] = row
-            write_result(result_path, {k: v for k, v in result.items() if k not in ("command", "device")})
+            save(name, row)
             model = _fresh(model, family)
         del model
         gc.collect()
@@ -384,7 +418,7 @@ def _summary(result: dict, path: Path) -> None:
             f"{name:>16} {eager:12.1f} {static:13.1f} {row['gsm']['decode_tokens_per_s']:9.1f} "
             f"{row.get('speedup_vs_dense_static_compiled', float('nan')):9.2f} {row['bound_tokens_per_s_gsm']:10.1f}"
         )
-    write_result(path, {k: v for k, v in result.items() if k not in ("command", "device")})
+    write_result(path, {k: v for k, v in result.items() if k not in ("command", "commit", "device")})
 
 
 if __name__ == "__main__":
