@@ -177,25 +177,35 @@ def _publish(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gsm-train", description=__doc__)
-    parser.add_argument("--version", action="version", version=f"gsm-train {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True)
+def _add_validate_command(commands: argparse._SubParsersAction) -> None:
+    """The `validate` subcommand's arguments."""
     validate = commands.add_parser("validate", help="check a recipe and print it fully resolved")
     validate.add_argument("recipe")
     validate.add_argument("overrides", nargs="*", help="key.sub=value")
     validate.set_defaults(run=_validate)
+
+
+def _add_train_command(commands: argparse._SubParsersAction) -> None:
+    """The `train` subcommand's arguments."""
     train = commands.add_parser("train", help="run a recipe (same code path as accelerate launch -m gsm_train.train)")
     train.add_argument("recipe")
     train.add_argument("overrides", nargs="*", help="key.sub=value")
     add_start_flags(train)
     train.set_defaults(run=_train)
+
+
+def _add_inspect_command(commands: argparse._SubParsersAction) -> None:
+    """The `inspect` subcommand's arguments."""
     inspect = commands.add_parser("inspect", help="per layer: GSM modules, parameters, KV bytes per token")
     inspect.add_argument("--model", required=True, help="tiny-llama, smollm2-135m, a folder or a hub id")
     inspect.add_argument("--recipe", default=None, help="take the gsm block from this recipe")
     inspect.add_argument("--seq-len", type=_positive_int, default=2048, help="context for the KV byte account")
     inspect.add_argument("overrides", nargs="*", help="key.sub=value applied to the recipe")
     inspect.set_defaults(run=_inspect)
+
+
+def _add_eval_command(commands: argparse._SubParsersAction) -> None:
+    """The `eval` subcommand's arguments."""
     evaluate = commands.add_parser("eval", help="perplexity, KV bytes and gate recall of the base and exports")
     evaluate.add_argument("--model", default=None, help="the base model (default: the one the first export names)")
     evaluate.add_argument("--data", required=True, help="evaluation text (file, folder, glob, embedded:NAME, hf://...)")
@@ -232,6 +242,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     evaluate.add_argument("--out", default="runs/eval")
     evaluate.set_defaults(run=_eval)
+
+
+def _add_passkey_command(commands: argparse._SubParsersAction) -> None:
+    """The `passkey` subcommand's arguments."""
     passkey = commands.add_parser(
         "passkey", help="retrieval of a key hidden in long filler text, for the base and exports"
     )
@@ -252,6 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
     passkey.add_argument("--mode", choices=("sparse", "dense"), default="sparse", help="main attention of the exports")
     passkey.add_argument("--out", default="runs/passkey")
     passkey.set_defaults(run=_passkey)
+
+
+def _add_generate_command(commands: argparse._SubParsersAction) -> None:
+    """The `generate` subcommand's arguments."""
     gen = commands.add_parser(
         "generate",
         help="greedy generation with an adapter over the GSM cache, streamed, "
@@ -273,12 +291,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="also run the dense base on the prompt (static cache on a GPU) and report both",
     )
     gen.set_defaults(run=_generate)
+
+
+def _add_export_command(commands: argparse._SubParsersAction) -> None:
+    """The `export` subcommand's arguments."""
     export = commands.add_parser("export", help="write the adapter export of a checkpoint")
     export.add_argument("checkpoint", help="RUN/checkpoints/step_N")
     export.add_argument(
         "out", help="folder to write: new, empty, or a previous export (replaced once the new one is complete)"
     )
     export.set_defaults(run=_export)
+
+
+def _add_publish_command(commands: argparse._SubParsersAction) -> None:
+    """The `publish` subcommand's arguments."""
     publish = commands.add_parser("publish", help="upload an export to the Hugging Face Hub (one commit)")
     publish.add_argument("export", help="an export folder")
     publish.add_argument("--repo-id", required=True, help="ORG/NAME")
@@ -291,6 +317,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="the base's Hub id (ORG/NAME), for an export whose base was a local folder",
     )
     publish.set_defaults(run=_publish)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """`gsm-train` and its subcommands (each added by its `_add_*_command`)."""
+    parser = argparse.ArgumentParser(prog="gsm-train", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"gsm-train {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+    for add_command in (
+        _add_validate_command,
+        _add_train_command,
+        _add_inspect_command,
+        _add_eval_command,
+        _add_passkey_command,
+        _add_generate_command,
+        _add_export_command,
+        _add_publish_command,
+    ):
+        add_command(commands)
     return parser
 
 

@@ -128,6 +128,28 @@ def _refuse_non_finite(tensors: dict[str, Tensor], out_dir: Path) -> None:
         )
 
 
+def _export_config(
+    gsm: dict, base: dict, lora: dict | None, include_base: bool, files: dict[str, dict[str, Tensor]]
+) -> dict:
+    """`gsm_config.json`'s content: the format, the GSM settings (`gsm`, as JSON), the base model's
+    description, the LoRA settings, and each file's tensor names and shapes."""
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        **gsm,
+        "base_model": base,
+        "lora": lora,
+        "includes_base_weights": include_base,
+        "files": {
+            file: {
+                "names": "peft" if file == PEFT_FILE else "model",
+                "tensors": {n: list(t.shape) for n, t in sorted(content.items())},
+            }
+            for file, content in files.items()
+        },
+    }
+
+
 def export_adapter(
     model: nn.Module,
     out_dir: str | Path,
@@ -161,21 +183,7 @@ def export_adapter(
     settings = gsm_settings(model)
     files = _split_files(tensors, names)
     base = base_description(model, settings.base_fingerprint, base_name, base_revision)
-    config = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        **settings.config.model_dump(mode="json"),
-        "base_model": base,
-        "lora": lora,
-        "includes_base_weights": include_base,
-        "files": {
-            file: {
-                "names": "peft" if file == PEFT_FILE else "model",
-                "tensors": {n: list(t.shape) for n, t in sorted(content.items())},
-            }
-            for file, content in files.items()
-        },
-    }
+    config = _export_config(settings.config.model_dump(mode="json"), base, lora, include_base, files)
     training_args = json.loads(json.dumps({"recipe": recipe, "metrics": metrics}, default=float))
 
     def write(folder: Path) -> None:
