@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from gsm_train.durable import write_durable
 from gsm_train.train import train_recipe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -175,5 +176,5 @@ def write_result(path: Path, result: dict) -> None:
     """Write the JSON result with the command line, commit and device that produced it (keys of `result` win)."""
     result = {"command": "python " + shlex.join(sys.argv), "commit": git_commit(), "device": device_name(), **result}
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2))
+    write_durable(path, json.dumps(result, indent=2))  # a run killed while writing keeps the last result
     print(f"wrote {path}")
