@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from benchmarks.agreement import agreement
 from benchmarks.common import write_result
 from gsm_train.attention import gsm_adapters, gsm_disabled, inject_gsm, set_gsm_mode
 from gsm_train.config import load_recipe
@@ -290,28 +291,17 @@ def run_row(
     return row
 
 
-def _agreement(model: torch.nn.Module, generated: torch.Tensor, new_tokens: int) -> tuple[float, float]:
-    """The share of the last `new_tokens` of `generated` [B, T] that are the teacher-forced model's argmax,
-    and the share that are, or are within 0.1 of its top logit (a near-tie)."""
-    with torch.no_grad():
-        logits = model(generated, use_cache=False, logits_to_keep=new_tokens + 1).logits[:, :-1].float()
-    tokens = generated[:, -new_tokens:]
-    gap = logits.max(-1).values - logits.gather(-1, tokens[..., None])[..., 0]
-    agree = logits.argmax(-1) == tokens
-    return agree.float().mean().item(), (agree | (gap <= 0.1)).float().mean().item()
-
-
 def smollm2_extras(model: torch.nn.Module, row: dict, new_tokens: int) -> dict:
     """Token agreement of GSM's generation with the teacher-forced GSM model (bf16), the same for the dense
     static-cache generation against the dense model (how far bf16 alone moves the tokens), and whether
     the captured token steps give the eager steps' tokens."""
     generated = row.pop("gsm_tokens")[:4]
-    agree, outside_ties = _agreement(model, generated, new_tokens)
+    agree, outside_ties = agreement(model, generated, new_tokens)
     extras = {"token_agreement": agree, "token_agreement_outside_near_ties": outside_ties}
     dense = row.pop("dense_tokens", None)
     if dense is not None:
         with gsm_disabled(model):
-            extras["dense_token_agreement"], _ = _agreement(model, dense[:4], new_tokens)
+            extras["dense_token_agreement"], _ = agreement(model, dense[:4], new_tokens)
     if row["batch"] == 1:
         prompt = generated[:, : generated.shape[1] - new_tokens]
         enable_gsm_generation(model, cuda_graphs=False)

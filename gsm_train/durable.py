@@ -4,7 +4,9 @@ the filesystem honours fsync: some network filesystems do not)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 
 def fsync_path(path: Path) -> None:
@@ -16,13 +18,20 @@ def fsync_path(path: Path) -> None:
         os.close(handle)
 
 
-def write_durable(path: Path, text: str) -> None:
-    """Replace `path` with `text` atomically and durably: written beside, fsync'ed, renamed, and the
-    folder fsync'ed (a crash leaves the old content or the new, never a mix)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as handle:
-        handle.write(text)
+def replace_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """Replace `path` with what `write(handle)` writes: into a file beside it (named by this process, so
+    that processes writing the same path do not meet), fsync'ed, then renamed over `path` (a crash
+    leaves the old content or the new, never a mix)."""
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    with tmp.open("wb") as handle:
+        write(handle)
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, path)
+
+
+def write_durable(path: Path, text: str) -> None:
+    """Replace `path` with `text` atomically and durably (`replace_atomically`, then the folder
+    fsync'ed, so the rename itself survives a power cut)."""
+    replace_atomically(path, lambda handle: handle.write(text.encode()))
     fsync_path(path.parent)

@@ -30,6 +30,7 @@ from datasets.fingerprint import Hasher
 from gsm_train.config import DataSourceConfig
 from gsm_train.data import load_text_dataset, pack_tokens
 from gsm_train.distributed import DistInfo, raise_on_any_rank
+from gsm_train.durable import replace_atomically
 
 CACHE_VERSION = 1  # part of every key: a change to how rows are made invalidates the cache
 
@@ -46,15 +47,6 @@ def tokenizer_digest(tokenizer: Any) -> str:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     spec = backend.to_str() if backend is not None else Hasher.hash(tokenizer)
     return hashlib.sha256(f"{type(tokenizer).__name__}\n{tokenizer.eos_token_id}\n{spec}".encode()).hexdigest()
-
-
-def _write_atomic(path: Path, write: Any) -> None:
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    with tmp.open("wb") as handle:
-        write(handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
 
 
 def _build(
@@ -77,8 +69,8 @@ def _build(
         return tokens, json.loads(header.read_text())["rows"]
     rows = pack_tokens(documents, tokenizer, seq_len, num_proc=num_proc)
     folder.mkdir(parents=True, exist_ok=True)
-    _write_atomic(tokens, lambda handle: handle.write(rows.to(torch.int32).numpy().tobytes()))
-    _write_atomic(header, lambda handle: handle.write(json.dumps({"rows": len(rows), **described}).encode()))
+    replace_atomically(tokens, lambda handle: handle.write(rows.to(torch.int32).numpy().tobytes()))
+    replace_atomically(header, lambda handle: handle.write(json.dumps({"rows": len(rows), **described}).encode()))
     return tokens, len(rows)
 
 
