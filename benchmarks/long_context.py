@@ -361,6 +361,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help=f"train the runs missing: all, or those named and the runs they start from ({', '.join(RUNS)})",
     )
     parser.add_argument(
+        "--train-only",
+        action="store_true",
+        help="stop after training (two calls that train different runs into one --out can run side by side)",
+    )
+    parser.add_argument(
         "--override", nargs="*", default=[], metavar="KEY=VALUE", help="recipe settings for every run trained"
     )
     parser.add_argument(
@@ -420,6 +425,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     stages = Stages(out)
     exports = find_exports(args)
     training = train_missing(args, exports)
+    if args.train_only:
+        return {"exports": exports, "training": training}
     names, selections = variants(exports, args.lengths)
     unknown = sorted(set(args.probe) - set(names))
     if unknown:

@@ -251,7 +251,11 @@ def test_benchmark_trains_the_full_context_runs_from_the_long_recipes(tmp_path: 
         "--long-override",
         *TINY_LONG,
     )
-    result = long_context.main(argv)
+    trained = long_context.main([*argv, "--train-only"])  # as a call that trains beside another would
+    assert set(trained) == {"exports", "training"}
+    assert not list((tmp_path / "out" / "stages").glob("eval_*")) and not (tmp_path / "long_context.json").exists()
+    result = long_context.main(argv)  # measures what the first call trained, training nothing again
+    assert result["training"] == trained["training"]
     runs = tmp_path / "out" / "runs"
     assert sorted(result["exports"]) == ["control_long", "gate_only_long", "joint_long"]
     for name in ("gate_only_long", "joint_long", "control_long"):
