@@ -93,8 +93,9 @@ class StepTimes(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
     def mark(self) -> None:
-        """A new token is ready."""
-        torch.cuda.synchronize()
+        """A new token is ready (on CUDA once the device has computed it)."""
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         self.times.append(time.perf_counter() - self.start)
 
     def decode_tokens_per_s(self, batch: int) -> float:
