@@ -110,7 +110,7 @@ def llama8b() -> torch.nn.Module:
     return random_model("random-llama3-8b", torch.bfloat16, "cuda", max_position_embeddings=131072 + 1024)
 
 
-def _generate(
+def generate_timed(
     model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, **kwargs: Any
 ) -> tuple[torch.Tensor, StepTimes]:
     """Greedy `model.generate` of `new_tokens` after `ids` [B, T] (every position real: an explicit mask, so
@@ -134,9 +134,9 @@ def _measure(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, warm: b
     """One method's figures on `ids` [B, T]: with `warm`, a short call first (compiles, autotunes), then
     time to first token and decode tokens/s of the main call, its peak memory."""
     if warm:  # as long as the timed call: a static cache of another length would compile again
-        _generate(model, ids, new_tokens, **kwargs)
+        generate_timed(model, ids, new_tokens, **kwargs)
     _fresh_peak()
-    out, timer = _generate(model, ids, new_tokens, **kwargs)
+    out, timer = generate_timed(model, ids, new_tokens, **kwargs)
     return {
         "decode_tokens_per_s": timer.decode_tokens_per_s(ids.shape[0]),
         "time_to_first_token_s": timer.times[0] if warm else None,
@@ -170,7 +170,7 @@ def gsm_row(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int) -> dict:
     batch = ids.shape[0]
     if batch == 1:
         say(f"gsm warm-up: prefill of {ids.shape[1]} tokens and 3 new")
-        _generate(model, ids, 3)  # warm-up: kernels compiled and autotuned
+        generate_timed(model, ids, 3)  # warm-up: kernels compiled and autotuned
         say("gsm warm-up done; the timed call")
         cache = GSMCache(model, capacity=ids.shape[1] + new_tokens)
         result = _measure(model, ids, new_tokens, warm=False, **cache_kwargs(model, cache))
@@ -185,7 +185,7 @@ def gsm_row(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int) -> dict:
         _fresh_peak()
         cache = _copy_rows(prefilled, model, batch)
         del prefilled
-        out, timer = _generate(model, prompt.expand(batch, -1), new_tokens, **cache_kwargs(model, cache))
+        out, timer = generate_timed(model, prompt.expand(batch, -1), new_tokens, **cache_kwargs(model, cache))
         result = {
             "decode_tokens_per_s": timer.decode_tokens_per_s(batch),
             "time_to_first_token_s": None,
@@ -329,7 +329,7 @@ def smollm2_extras(model: torch.nn.Module, row: dict, new_tokens: int, prompts: 
     if row["batch"] == 1:
         prompt = generated[:, : generated.shape[1] - new_tokens]
         enable_gsm_generation(model, cuda_graphs=False)
-        eager, _ = _generate(model, prompt, new_tokens)
+        eager, _ = generate_timed(model, prompt, new_tokens)
         enable_gsm_generation(model, cuda_graphs=True)
         extras["captured_step_tokens_equal_eager"] = bool(torch.equal(eager, generated[:1]))
         say("step KL of GSM and the dense model against teacher forcing")

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from benchmarks.common import write_result
-from benchmarks.generate import StepTimes
+from benchmarks.generate import generate_timed
 from gsm_train.attention import gsm_adapters, gsm_settings
 from gsm_train.attention.settings import configure_gsm
 from gsm_train.config import ConfigError
@@ -107,10 +107,10 @@ def timed_generation(model: nn.Module, prompts: torch.Tensor, new_tokens: int) -
     call: end-to-end tokens/s (every new token over the calls' whole time), decode tokens/s, and the P95
     and median time between consecutive new tokens."""
     device = next(model.parameters()).device
-    _generate(model, prompts[:1].to(device), new_tokens)  # warm-up: kernels, captured steps
+    generate_timed(model, prompts[:1].to(device), new_tokens)  # warm-up: kernels, captured steps
     total_time, gaps = 0.0, []
     for prompt in prompts:
-        timer = _generate(model, prompt[None].to(device), new_tokens)
+        _, timer = generate_timed(model, prompt[None].to(device), new_tokens)
         total_time += timer.times[-1]
         gaps += [later - earlier for earlier, later in zip(timer.times, timer.times[1:], strict=False)]
     count = len(prompts) * new_tokens
@@ -129,21 +129,6 @@ def _percentile(values: list[float], q: float) -> float:
     """The `q` quantile of `values` (nearest rank)."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
-
-def _generate(model: nn.Module, ids: torch.Tensor, new_tokens: int) -> StepTimes:
-    timer = StepTimes()
-    with torch.no_grad():
-        model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
-            pad_token_id=0,
-            stopping_criteria=[timer],
-        )
-    return timer
 
 
 class Sweep:
