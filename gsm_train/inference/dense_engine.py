@@ -125,6 +125,13 @@ class DenseCache(Cache):
         self.before, self.length = self.length, self.length + new_tokens
         self.device_length.add_(new_tokens)
 
+    def clear_unwritten(self) -> None:
+        """Zero every slot past the tokens held: the masked decode path weighs them by 0, and 0 times an
+        uninitialised NaN would still be NaN."""
+        for layer in self.layers:
+            layer.keys[:, self.length :].zero_()
+            layer.values[:, self.length :].zero_()
+
     def nbytes(self) -> int:
         """Bytes the tokens held occupy (K and V of every layer)."""
         return sum(2 * layer.keys[:, : self.length].numel() * layer.keys.element_size() for layer in self.layers)
@@ -214,12 +221,13 @@ def _dense_attention(
     return cache.layers[module.layer_idx].attend(query, scale), None
 
 
-AttentionInterface.register(ATTN_IMPLEMENTATION, _dense_attention)
-
-
 @contextlib.contextmanager
 def _routed(model: nn.Module, cache: DenseCache) -> Iterator[None]:
-    """Attention of `model` through `cache` for the block; the model's own implementation after."""
+    """Attention of `model` through `cache` for the block; the model's own implementation after. Inside a
+    block that routes it already (a captured step's warm-up and capture), nothing changes."""
+    if _ACTIVE.get() is cache and model.config._attn_implementation == ATTN_IMPLEMENTATION:
+        yield
+        return
     previous = model.config._attn_implementation
     token = _ACTIVE.set(cache)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
@@ -246,6 +254,7 @@ class DenseEngine:
             raise GSMError("DenseEngine runs full causal attention only; this model has sliding-window layers")
         if decode_path not in ("auto", "host", "masked", "flash"):
             raise GSMError(f"decode_path={decode_path!r} is not one of auto, host, masked, flash")
+        AttentionInterface.register(ATTN_IMPLEMENTATION, _dense_attention)
         self.model, self.prefill_chunk = model, prefill_chunk
         parameter = next(model.parameters())
         on_cuda = parameter.device.type == "cuda"
@@ -287,6 +296,7 @@ class DenseEngine:
     def token_step(self, cache: DenseCache) -> Callable[[Tensor], Tensor]:
         """The step `step(token [B, 1]) -> logits [B, 1, V]` that feeds one token per row after what `cache`
         holds: captured in a CUDA graph (with `cuda_graphs` on CUDA), else eager."""
+        cache.clear_unwritten()
         if not self.cuda_graphs:
             return lambda token: self.forward(cache, token, torch.full_like(token, cache.length))
         return CapturedDenseStep(self, cache)
@@ -320,14 +330,15 @@ class CapturedDenseStep:
         saved = cache.length, cache.before, cache.device_length.clone()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP_STEPS):
-                engine.forward(cache, self.token, self.position)
-                self._restore(saved)
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = engine.forward(cache, self.token, self.position)
+        with _routed(engine.model, cache):  # switched once, outside the capture
+            with torch.cuda.stream(side):
+                for _ in range(WARMUP_STEPS):
+                    engine.forward(cache, self.token, self.position)
+                    self._restore(saved)
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = engine.forward(cache, self.token, self.position)
         self._restore(saved)
 
     def _restore(self, saved: tuple[int, int, Tensor]) -> None:
