@@ -12,8 +12,8 @@ Rows (`--rows`, default all):
   random, since speed does not depend on their values); random prompt tokens. At 128k and batch 16 the
   dense cache does not fit one H200: the row says what does.
 - `smollm2_8k_bs1`, `smollm2_8k_bs16`: SmolLM2-135M with `--smollm2-export` (or the recipe's modules,
-  untrained) on held-out text (`--eval-data`), plus token agreement with teacher forcing (bf16) and the
-  captured step against the eager one.
+  untrained) on held-out text (`--eval-data`), plus token agreement with teacher forcing (bf16), the
+  captured step against the eager one, and (batch 1) the step KL of GSM and the dense model.
 
 Per row and method: decode tokens/s over the new tokens after the second (the first comes from the
 prompt; the second's step is where a graph is captured or a step compiled), time to first token (batch-1
@@ -54,6 +54,7 @@ from gsm_train.config import load_recipe
 from gsm_train.data import load_text_dataset, pack_tokens
 from gsm_train.export import load_gsm
 from gsm_train.inference.cache import GSMCache, cache_kwargs
+from gsm_train.inference.dense_engine import PREFILL_CHUNK as ENGINE_PREFILL_CHUNK
 from gsm_train.inference.dense_engine import DenseEngine
 from gsm_train.inference.engine import enable_gsm_generation
 from gsm_train.model_zoo import load_model_and_tokenizer, random_model
@@ -232,8 +233,9 @@ def fits_dense(model: torch.nn.Module, context: int, batch: int) -> tuple[bool, 
 def _dense_method(name: str, model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, method: str) -> dict:
     """One dense method's figures (with its tokens)."""
     chunk = DENSE_PREFILL_CHUNK if ROWS[name][0] == "8b" else None
-    if method == "dense_engine":
-        return dense_engine_row(model, ids, new_tokens, chunk or ids.shape[1])
+    if method == "dense_engine":  # its flash prefill holds no [T, T] mask: larger chunks at batch 1
+        engine_chunk = chunk if chunk and ids.shape[0] > 1 else ENGINE_PREFILL_CHUNK
+        return dense_engine_row(model, ids, new_tokens, min(engine_chunk, ids.shape[1]))
     # the 8B model's prompt in one forward of 16 x 32k does not fit beside its cache: prefill in chunks, as
     # transformers offers (`prefill_chunk_size`)
     options = {"cache_implementation": "static"} if method == "dense_static_compiled" else {}
