@@ -44,12 +44,11 @@ def say(message: str) -> None:
     print(f"[{time.perf_counter() - STARTED:7.1f} s] {message}", flush=True)
 
 
-def profile_step(step: Callable[[], object], steps: int) -> list[dict]:
-    """Per kernel (CUDA) or per op's own CPU time (CPU), over `steps` calls of `step`: name, calls per step,
-    microseconds per step and share of the total, the largest first."""
+def profile_step(step: Callable[[], object], steps: int, cuda: bool) -> list[dict]:
+    """Per kernel (`cuda`: the step runs on the GPU) or per op's own CPU time, over `steps` calls of `step`:
+    name, calls per step, microseconds per step and share of the total, the largest first."""
     from torch.profiler import ProfilerActivity, profile
 
-    cuda = torch.cuda.is_available()
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             step()
@@ -112,7 +111,7 @@ def measure(make: Callable[..., Callable[[], object]], model: nn.Module, ids: to
     step = make(model, ids, warmup + steps + 1)
     for _ in range(warmup):
         step()
-    kernels = profile_step(step, steps)
+    kernels = profile_step(step, steps, ids.is_cuda)
     total = sum(row["total_us"] for row in kernels)
     return {"step_us": total, "per_layer_us": total / model_dims(model)["layers"], "kernels": kernels}
 

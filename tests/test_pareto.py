@@ -58,7 +58,7 @@ def test_sweep_writes_points_scenarios_and_the_plot(tmp_path: Path, capsys) -> N
         "--seq-len", "64", "--ppl-windows", "1", "--batch-size", "1", "--sweep-prompts", "1",
         "--sweep-prompt-tokens", "20", "--new-tokens", "2", "--scenario-prompts", "2",
         "--scenarios", "general:24:2,long_text_over_4k:40:2,low_latency:12:2",
-        "--values", "top_k_base=32,kv_compression_ratio=0.6,bridge_alpha=0.3",
+        "--values", "top_k_base=32,kv_compression_ratio=0.6,bridge_alpha=0.3", "--device", "cpu",
     ]  # fmt: skip
     pareto.main(argv)
     result = json.loads(result_path.read_text())
