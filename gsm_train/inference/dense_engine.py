@@ -33,6 +33,7 @@ from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from gsm_train.attention import gsm_adapters
 from gsm_train.families import attention_modules, model_dims
 from gsm_train.inference.cache import cache_kwargs
 from gsm_train.modules.errors import GSMError
@@ -246,8 +247,6 @@ class DenseEngine:
     def __init__(
         self, model: nn.Module, cuda_graphs: bool = True, prefill_chunk: int = PREFILL_CHUNK, decode_path: str = "auto"
     ) -> None:
-        from gsm_train.attention import gsm_adapters
-
         if any(True for _ in gsm_adapters(model)):
             raise GSMError("DenseEngine runs a model without GSM modules; use it before inject_gsm or load_gsm")
         if any(kind != "full_attention" for kind in getattr(model.config, "layer_types", None) or ()):
