@@ -72,12 +72,8 @@ class GSMModel:
         folder. `GSMModel.from_pretrained` of it gives the same logits. The folder must be new,
         empty or a previous export (`export.export_destination`)."""
         base = self.config["base_model"]
-        merged = base.get(MERGED_FIELD)
-        state = None
-        if merged and not self.config.get("includes_base_weights"):  # the merged weights, not the whole base
-            names = AdapterNames.of(self.model)
-            wanted = names.gsm | names.lora | set(merged["weights"])
-            state = {name: t for name, t in self.model.state_dict().items() if name in wanted}
+        state = self._saved_state()
+        names = AdapterNames.of(self.model)
         return export_adapter(
             self.model,
             save_directory,
@@ -86,10 +82,21 @@ class GSMModel:
             recipe=self.training_args.get("recipe"),
             metrics=self.training_args.get("metrics"),
             lora=self.config.get("lora"),
-            include_base=bool(self.config.get("includes_base_weights") or merged),
+            include_base=any(name not in names for name in state),
             state=state,
             base_model=base,
         )
+
+    def _saved_state(self) -> dict[str, torch.Tensor]:
+        """The tensors an export of the model holds: its GSM tensors and LoRA deltas, the base
+        tensors the export it came from held (all of them for a base trained in full) and the
+        weights `merge_and_unload` merged."""
+        state = self.model.state_dict()
+        names = AdapterNames.of(self.model)
+        listed = {name for entry in self.config["files"].values() for name in entry["tensors"]}
+        merged = self.config["base_model"].get(MERGED_FIELD) or {}
+        wanted = names.gsm | names.lora | ((listed | set(merged.get("weights", ()))) & state.keys())
+        return {name: tensor for name, tensor in state.items() if name in wanted}
 
     def merge_and_unload(self) -> GSMModel:
         """Merge the LoRA deltas into the base's weights and remove the LoRA layers (as peft's

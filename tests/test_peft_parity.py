@@ -94,6 +94,18 @@ def test_save_pretrained_round_trips_the_model_in_memory(lora_export: Path, tmp_
     assert again.config["base_model"] == gsm.config["base_model"]
 
 
+def test_save_pretrained_keeps_a_base_trained_in_full(tmp_path: Path) -> None:
+    """An export with the whole base (a base trained in full) is saved again with the whole base."""
+    model = tiny_model("llama")
+    inject_gsm(model, GSMConfig.model_validate(GSM))
+    _nudge(model, "mlp.down_proj", 6)
+    folder = export_adapter(model, tmp_path / "export", base_name="tiny-llama", include_base=True)
+    gsm = GSMModel.from_pretrained(folder)
+    again = gsm.save_pretrained(tmp_path / "again")
+    assert load_file(str(again / BASE_FILE)).keys() == load_file(str(folder / BASE_FILE)).keys()
+    assert torch.equal(_logits(GSMModel.from_pretrained(again).model), _logits(gsm.model))
+
+
 def test_the_models_own_save_pretrained_refuses(lora_export: Path, tmp_path: Path) -> None:
     """transformers' save_pretrained of the attached model would write LoRA-wrapped projections as
     `base_layer` and GSM tensors a plain reload drops: it refuses, naming GSMModel.save_pretrained,
@@ -193,7 +205,10 @@ def test_merge_and_unload_keeps_the_logits_and_loads_back(lora_export: Path, tmp
     weights = load_file(str(folder / BASE_FILE))
     assert sorted(weights) == record["weights"] and len(weights) == 4 * len(LORA.target_modules)
     assert not (folder / PEFT_CONFIG_FILE).exists()
-    assert torch.equal(_logits(GSMModel.from_pretrained(folder).model), merged)
+    reloaded = GSMModel.from_pretrained(folder)
+    assert torch.equal(_logits(reloaded.model), merged)
+    again = reloaded.save_pretrained(tmp_path / "merged_again")
+    assert load_file(str(again / BASE_FILE)).keys() == weights.keys(), "saved again: still the merged weights only"
 
     merged_base = tiny_model("llama")
     merged_base.load_state_dict(weights, strict=False)
