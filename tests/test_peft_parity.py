@@ -31,7 +31,7 @@ from gsm_train.export import export_adapter, load_gsm
 from gsm_train.hub import publish_export
 from gsm_train.lora import PEFT_NOTE_KEY, inject_lora, lora_parameters
 from gsm_train.model_card import PLACEHOLDER, build_card, usage_snippet
-from gsm_train.model_zoo import SMOLLM2_FILE, SMOLLM2_SHA256, tiny_model
+from gsm_train.model_zoo import SMOLLM2_FILE, SMOLLM2_SHA256, byte_tokenizer, tiny_model
 from gsm_train.modules import GSMError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -210,10 +210,12 @@ def test_merge_and_unload_keeps_the_logits_and_loads_back(lora_export: Path, tmp
     again = reloaded.save_pretrained(tmp_path / "merged_again")
     assert load_file(str(again / BASE_FILE)).keys() == weights.keys(), "saved again: still the merged weights only"
 
-    merged_base = tiny_model("llama")
+    merged_base = tiny_model("llama")  # saved as a plain transformers folder, as a PEFT user saves a merge
     merged_base.load_state_dict(weights, strict=False)
-    load_gsm(merged_base, folder, mode="sparse")
-    assert torch.equal(_logits(merged_base), merged)
+    merged_base.save_pretrained(tmp_path / "merged_base")
+    byte_tokenizer().save_pretrained(tmp_path / "merged_base")
+    onto_merged = GSMModel.from_pretrained(folder, base=str(tmp_path / "merged_base"))
+    assert torch.equal(_logits(onto_merged.model), merged)
     with pytest.raises(ExportError, match="nor the merged base's"):
         load_gsm(tiny_model("llama", seed=1), folder)
 
