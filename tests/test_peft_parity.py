@@ -11,6 +11,7 @@ onto the merged base; the model card passes huggingface_hub's card checks and it
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import re
@@ -28,10 +29,18 @@ from gsm_train.adapter_format import BASE_FILE, CARD_FILE, CONFIG_FILE, GSM_FILE
 from gsm_train.attention import gsm_disabled, gsm_state_dict, inject_gsm
 from gsm_train.config import GSMConfig, LoraSettings
 from gsm_train.export import export_adapter, load_gsm
+from gsm_train.fingerprint import base_fingerprint
 from gsm_train.hub import publish_export
 from gsm_train.lora import PEFT_NOTE_KEY, inject_lora, lora_parameters
 from gsm_train.model_card import PLACEHOLDER, build_card, usage_snippet
-from gsm_train.model_zoo import SMOLLM2_FILE, SMOLLM2_SHA256, byte_tokenizer, tiny_model
+from gsm_train.model_zoo import (
+    SMOLLM2_FILE,
+    SMOLLM2_SHA256,
+    byte_tokenizer,
+    fetch_smollm2,
+    load_model_and_tokenizer,
+    tiny_model,
+)
 from gsm_train.modules import GSMError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -267,3 +276,22 @@ def test_the_cards_snippet_runs_and_is_the_readmes(hub, endpoint: str, lora_expo
         exec(compile(code, "card-snippet", "exec"), {})
     assert printed.getvalue().startswith("The capital of France is") and len(printed.getvalue()) > 30
     assert usage_snippet("ORG/NAME") in (REPO_ROOT / "README.md").read_text()
+
+
+def test_a_smollm2_export_names_the_gguf_it_was_trained_on(tmp_path: Path) -> None:
+    """On the real built-in SmolLM2: the export records the GGUF file this machine de-quantized (its
+    sha256 is the file's) and the fingerprint of the weights it loads, and PEFT is not pointed at the
+    Hub weights. (Saving and loading back are checked on the tiny model above.)"""
+    model, _ = load_model_and_tokenizer("smollm2-135m")
+    expected_fingerprint = base_fingerprint(model.state_dict())
+    gates = {"sparse_attention": {"top_k": 16, "k_min": 16, "gate_init": "random"}}
+    inject_gsm(model, GSMConfig.model_validate(gates))
+    lora = LoraSettings(r=2, alpha=4, target_modules=["q_proj"])
+    inject_lora(model, lora)
+    folder = export_adapter(model, tmp_path / "export", base_name="smollm2-135m", lora=lora.model_dump())
+    base = json.loads((folder / CONFIG_FILE).read_text())["base_model"]
+    gguf = fetch_smollm2()
+    assert base["weights"]["file"] == gguf.name
+    assert base["weights"]["sha256"] == hashlib.sha256(gguf.read_bytes()).hexdigest()
+    assert base["fingerprint"] == expected_fingerprint
+    assert json.loads((folder / PEFT_CONFIG_FILE).read_text())["base_model_name_or_path"] == "smollm2-135m"
