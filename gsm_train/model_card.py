@@ -157,9 +157,15 @@ def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
 
 def _about(config: dict[str, Any], base_name: str) -> list[str]:
     on = [section for section in _MODULES if config[section].get("enabled")] if config.get("gsm_enabled") else []
+    holds = (
+        "It holds the base weights it changed too (`base_weights.safetensors`): loading fetches the base, "
+        "checks its weights and replaces those."
+        if config.get("includes_base_weights")
+        else "It does not hold the base model: loading fetches the base and checks its weights."
+    )
     lines = [
         f"A GSM adapter for `{base_name}`, trained with gsm-train: small modules attached to the attention "
-        "layers of the base model, which it does not contain (loading fetches the base and checks its weights)."
+        f"layers of the base model. {holds}"
     ]
     lines += (
         ["", *(f"- `{section}`: {_MODULES[section]}" for section in on)]
