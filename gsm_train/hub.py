@@ -21,12 +21,12 @@ from huggingface_hub import CommitOperationAdd, HfApi, constants, get_token
 from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
 from gsm_train.adapter_format import (
-    ARGS_FILE,
     CARD_FILE,
     CONFIG_FILE,
     EXPORT_FILES,
     FORMAT_VERSION,
     ExportError,
+    read_training_args,
     validate_export,
 )
 from gsm_train.hub_ids import REPO_ID_FIX, is_builtin, repo_id_problem
@@ -98,14 +98,10 @@ def _export_files(folder: Path) -> list[Path]:
 
 
 def _training_args(folder: Path) -> dict[str, Any]:
-    path = folder / ARGS_FILE
-    if not path.is_file():
-        return {}
     try:
-        args = json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise PublishError(f"{path}: not UTF-8 JSON ({err}). Fix: re-export the adapter.") from None
-    return args if isinstance(args, dict) else {}
+        return read_training_args(folder)
+    except ExportError as err:
+        raise PublishError(str(err)) from None
 
 
 def _operations(
