@@ -92,6 +92,22 @@ def test_a_failing_overwrite_run_puts_the_previous_run_back(
     assert [r["step"] for r in records(run) if r["kind"] == "setup"] == [0, 2]
 
 
+def test_a_start_where_a_killed_overwrite_left_the_previous_run_aside_is_refused(
+    finished_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """As a SIGKILL between setting the previous run aside and the new run's first checkpoint leaves it."""
+    run = shutil.copytree(finished_run, tmp_path / "run")
+    aside = run / "checkpoints" / ".overwritten"
+    aside.mkdir()
+    (run / "checkpoints" / "step_00000002").rename(aside / "step_00000002")
+    before = file_digests(run)
+    for flags in (["--overwrite"], ["--resume", "auto"]):
+        assert cli.main(["train", GATE_RECIPE, *TWO_STEPS, f"output.dir={run}", *flags]) == 2
+        err = capsys.readouterr().err
+        assert f"{aside} holds the files of the run that an --overwrite run set aside" in err, err
+    assert file_digests(run) == before
+
+
 def _card_export(folder: Path, scale: float) -> Path:
     """An export of the tiny Llama with GSM tensors set from `scale` (each export of another scale differs)."""
     model = tiny_model("llama")
