@@ -14,16 +14,21 @@ import pytest
 import torch
 from run_helpers import GATE_RECIPE, REPO, TINY_GATE, file_digests, records
 from safetensors.torch import load_file
-from test_finite_guard import QUICKSTART_JOINT, TINY_JOINT
+from test_finite_guard import QUICKSTART_JOINT, TINY_JOINT, NaNAtSteps
 
 from gsm_train import cli
 from gsm_train.adapter_format import ARGS_FILE, CARD_FILE, CONFIG_FILE, GSM_FILE
 from gsm_train.attention import inject_gsm
-from gsm_train.config import GSMConfig
+from gsm_train.checkpoint import read_state
+from gsm_train.config import GSMConfig, load_recipe
 from gsm_train.export import export_adapter
+from gsm_train.finite_guard import NonFiniteError
 from gsm_train.model_card import build_card
 from gsm_train.model_zoo import tiny_model
+from gsm_train.preflight import StartOptions
+from gsm_train.run_folder import read_run_id
 from gsm_train.train import train_recipe
+from gsm_train.trainer import run_training
 
 MATH_GATE = str(REPO / "recipes" / "math_gate.yaml")
 TWO_STEPS = [*TINY_GATE, "train.steps=2", "output.checkpoint_every=1"]
@@ -90,6 +95,21 @@ def test_a_failing_overwrite_run_puts_the_previous_run_back(
     # and it still continues: its checkpoint verifies and --resume auto takes it
     assert cli.main(["train", GATE_RECIPE, *TWO_STEPS, "train.steps=3", f"output.dir={run}", "--resume", "auto"]) == 0
     assert [r["step"] for r in records(run) if r["kind"] == "setup"] == [0, 2]
+
+
+def test_an_overwrite_run_failing_after_its_first_checkpoint_keeps_its_own(finished_run: Path, tmp_path: Path) -> None:
+    """Once the new run has a good checkpoint, the previous run's files are gone and a later failure
+    leaves the new run to resume; the previous export stays until the new run exports."""
+    run = shutil.copytree(finished_run, tmp_path / "run")
+    old_id, old_export = read_run_id(run), file_digests(run / "export")
+    config = load_recipe(GATE_RECIPE, [*TWO_STEPS, "train.steps=3", f"output.dir={run}"])
+    with pytest.raises(NonFiniteError, match="step 2: non-finite loss=nan"):
+        run_training(config, NaNAtSteps({2}), options=StartOptions(overwrite=True))
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_00000001"]
+    new_id = read_state(run / "checkpoints" / "step_00000001")["run_id"]
+    assert new_id == read_run_id(run) != old_id
+    assert [r["step"] for r in records(run) if r["kind"] == "setup"] == [0], "the new run's log only"
+    assert file_digests(run / "export") == old_export and _no_aside_left(run)
 
 
 def test_a_start_where_a_killed_overwrite_left_the_previous_run_aside_is_refused(
