@@ -1,8 +1,9 @@
 """The run folder (`output.dir`): one run per folder, a lock while it runs, what a run may remove.
 
 - A folder that holds a run's files (`RUN_MARKERS`) is refused unless `--resume` continues that
-  run or `--overwrite` starts over. `--overwrite` removes only what a run writes (`RUN_OUTPUTS`),
-  never another file, and only once the new run has a good checkpoint (`set_aside`).
+  run or `--overwrite` starts over. `--overwrite` removes only what a run writes (`RUN_OUTPUTS`; in
+  `checkpoints/` only the checkpoints), never another file, and only once the new run has a good
+  checkpoint (`set_aside`).
 - `run.lock` is created with O_EXCL when a run starts and removed when it ends; it holds the pid,
   host and start time. A second run on the folder exits with an error naming them. A lock left by
   a process that no longer runs on this host (a run killed with SIGKILL) is taken over with a
@@ -311,9 +312,9 @@ def _without_resume(recipe: dict[str, Any]) -> dict[str, Any]:
 def record_run(run_dir: Path, run_id: str, resolved: str, start_step: int) -> None:
     """Write what a starting run leaves in its folder (rank 0), once its model and data are ready
     (with --overwrite, after `set_aside` has moved the previous run's files away): `run.json` (if
-    missing) and the resolved recipe: `recipe.resolved.yaml` the first time, never replaced; a later start whose
-    resolved recipe differs (besides output.resume_from) writes `recipe.resolved.step_N.yaml`
-    beside it, N the step it starts from."""
+    missing) and the resolved recipe: `recipe.resolved.yaml` the first time, never replaced; a later
+    start whose resolved recipe differs (besides output.resume_from) writes
+    `recipe.resolved.step_N.yaml` beside it, N the step it starts from."""
     if not (run_dir / RUN_FILE).exists():
         (run_dir / RUN_FILE).write_text(json.dumps({"run_id": run_id}, indent=2) + "\n")
     first = run_dir / RECIPE_FILE

@@ -37,7 +37,7 @@ def _checkpoint_entries(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.name == LATEST or p.name.startswith(STEP_PREFIX))
 
 
-def run_entries(run_dir: Path) -> dict[Path, list[Path]]:
+def _run_entries(run_dir: Path) -> dict[Path, list[Path]]:
     """What a run wrote into `run_dir` that --overwrite sets aside, by the folder it lies in (the run
     folder, and `checkpoints/` when it is a folder)."""
     top = [
@@ -74,7 +74,7 @@ class SetAside:
     def move(cls, run_dir: Path) -> SetAside:
         """Move what the previous run wrote into the `ASIDE` folder of the folder it lies in."""
         moved: dict[Path, list[str]] = {}
-        for folder, paths in run_entries(run_dir).items():
+        for folder, paths in _run_entries(run_dir).items():
             if not paths:
                 continue
             (folder / ASIDE).mkdir()
@@ -94,7 +94,7 @@ class SetAside:
         previous run's files back where they were."""
         if not self.moved:
             return
-        for paths in run_entries(self.run_dir).values():
+        for paths in _run_entries(self.run_dir).values():
             for path in paths:
                 _remove(path)
         for folder, names in self.moved.items():
