@@ -24,13 +24,12 @@ from gsm_train.adapter_format import (
     CARD_FILE,
     CONFIG_FILE,
     EXPORT_FILES,
-    FORMAT_VERSION,
     ExportError,
     read_training_args,
     validate_export,
 )
 from gsm_train.hub_ids import REPO_ID_FIX, is_builtin, repo_id_problem
-from gsm_train.model_card import build_card
+from gsm_train.model_card import build_card, card_is_users
 
 DEFAULT_COMMIT_MESSAGE = "Upload GSM adapter (gsm-train)"
 _LOGIN_FIX = "run `hf auth login`, set the HF_TOKEN environment variable, or pass a token"
@@ -116,13 +115,7 @@ def _operations(
         base = {**stored["base_model"], "hub_id": published["base_model"]["hub_id"]}
         contents[CONFIG_FILE] = json.dumps({**stored, "base_model": base}, indent=2, sort_keys=True).encode()
     args = _training_args(folder)
-    card = folder / CARD_FILE
-    as_written = (
-        stored["format_version"] < FORMAT_VERSION
-        or not card.is_file()
-        or card.read_bytes() == build_card(exported, args).encode()
-    )
-    if as_written:
+    if not card_is_users(folder / CARD_FILE, stored, args):
         contents[CARD_FILE] = build_card(published, args, repo_id).encode()
     return [CommitOperationAdd(path_in_repo=name, path_or_fileobj=content) for name, content in contents.items()]
 

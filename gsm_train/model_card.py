@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 from typing import Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from gsm_train.adapter_format import GSM_SECTIONS, MERGED_FIELD
+from gsm_train.adapter_format import FORMAT_VERSION, GSM_SECTIONS, MERGED_FIELD
 from gsm_train.config import HUB_PREFIX, GSMConfig
 from gsm_train.kv_budget import kv_bytes_ratio
 from gsm_train.lora import PEFT_NOTE_KEY
@@ -341,3 +342,19 @@ def build_card(config: dict[str, Any], training_args: dict[str, Any], repo_id: s
     )
     ModelCard(text, ignore_metadata_errors=False)  # parses as the Hub's client does, or raises
     return text
+
+
+def card_is_users(card: Path, stored_config: dict[str, Any], training_args: dict[str, Any]) -> bool:
+    """Whether an export's README.md `card` was edited after gsm-train wrote it, and so is the user's:
+    it exists and differs from the card `build_card` makes of the export's gsm_config.json as stored
+    (`stored_config`) and its training_args.json. The card of an export of an earlier format version
+    cannot be told apart and counts as gsm-train's; a config the card cannot be built from, as the
+    user's."""
+    version = stored_config.get("format_version")
+    if not card.is_file() or not isinstance(version, int) or version < FORMAT_VERSION:
+        return False
+    try:
+        built = build_card(stored_config, training_args).encode()
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return True
+    return card.read_bytes() != built

@@ -5,7 +5,8 @@ In order: the optional packages the recipe needs; the base model's config (read 
 Hub id is first accessed here) against `data.seq_len` and the layer indices; the checkpoint to
 resume from (it must verify against its manifest; its backend and recipe must match this run's, and
 a different number of processes must take the same rows a micro-step: `checkpoint.check_resumable`);
-the run folder (no live lock, no other run's files unless told). The result says where the run
+the run folder (no live lock, no other run's files unless told, nothing an --overwrite run that was
+killed left set aside; its export/ holds an export or nothing). The result says where the run
 starts and under which run id.
 """
 
@@ -21,7 +22,8 @@ from gsm_train.checkpoint import check_resumable, read_state, resolve_resume
 from gsm_train.config import ConfigError, Problem, RecipeConfig, check_against_model
 from gsm_train.export_folder import export_destination
 from gsm_train.model_zoo import read_model_config
-from gsm_train.run_folder import check_run_folder, read_run_id
+from gsm_train.run_folder import check_folder_usable, check_run_folder, read_run_id
+from gsm_train.set_aside import check_nothing_aside
 
 # recipe fields a resumed run may change without --allow-recipe-change: they do not alter the
 # trained weights (how long it runs, what it logs, how often it saves, where)
@@ -153,6 +155,8 @@ def plan_run(config: RecipeConfig, backend: str, world_size: int, options: Start
     check_model_config(config)
     run_dir = Path(config.output.dir)
     resume_from = config.output.resume_from
+    check_folder_usable(run_dir, resume_from, options.overwrite)
+    check_nothing_aside(run_dir)
     resume = resolve_resume(resume_from, run_dir)
     state = read_state(resume) if resume is not None else None
     if resume is not None and state is not None:
@@ -161,8 +165,9 @@ def plan_run(config: RecipeConfig, backend: str, world_size: int, options: Start
             state, recipe, resume, options.allow_recipe_change, resized=state.get("world_size") != world_size
         )
     check_run_folder(run_dir, resume_from, resume, state, options.overwrite)
-    if not options.overwrite:  # the run's own export goes there at the end: refused now, not after training
-        export_destination(run_dir / "export")
+    # the run's own export goes there at the end (--overwrite leaves a previous one in place until
+    # then): a folder holding anything else is refused now, not after training
+    export_destination(run_dir / "export")
     run_id = (state or {}).get("run_id")
     if run_id is None and resume_from == "auto":
         run_id = read_run_id(run_dir)
