@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from gsm_train.adapter_format import (
     ARGS_FILE,
@@ -222,7 +222,7 @@ def check_base(config: dict, model: nn.Module, adapter_dir: str | Path) -> None:
         )
 
 
-def _build_settings(config: dict) -> tuple[GSMConfig, GSMConfig]:
+def build_settings(config: dict) -> tuple[GSMConfig, GSMConfig]:
     """(the GSM settings as trained, the same with gates built at random: their tensors come from
     the export)."""
     gsm = GSMConfig.model_validate({k: config[k] for k in GSM_SECTIONS if k in config})
@@ -230,14 +230,14 @@ def _build_settings(config: dict) -> tuple[GSMConfig, GSMConfig]:
     return gsm, gsm.model_copy(update={"sparse_attention": sparse})
 
 
-def _skeleton_state(
-    model: nn.Module, build: GSMConfig, lora: LoraSettings | None
+def skeleton_state(
+    model_config: PretrainedConfig, build: GSMConfig, lora: LoraSettings | None
 ) -> tuple[dict[str, Tensor], AdapterNames]:
-    """The state dict (meta tensors: names, shapes, dtypes) `model` would have after `build` and
-    `lora` were attached, and its adapter tensors' names, computed on a skeleton of its architecture;
-    `model` itself is not touched."""
+    """The state dict (meta tensors: names, shapes, dtypes) a model of `model_config` would have
+    after `build` and `lora` were attached, and its adapter tensors' names, computed on a skeleton
+    of its architecture (no weights are loaded or allocated)."""
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(copy.deepcopy(model.config))
+        skeleton = AutoModelForCausalLM.from_config(copy.deepcopy(model_config))
     inject_gsm(skeleton, build)
     if lora is not None:
         inject_lora(skeleton, lora)
@@ -310,9 +310,9 @@ def load_gsm(model: nn.Module, adapter: str | Path, mode: str = "sparse", revisi
     config = read_config(folder)
     loaded = read_tensors(folder, config)
     check_base(config, model, folder)
-    gsm, build = _build_settings(config)
+    gsm, build = build_settings(config)
     lora = LoraSettings.model_validate(config["lora"]) if config.get("lora") else None
-    planned, names = _skeleton_state(model, build, lora)
+    planned, names = skeleton_state(model.config, build, lora)
     _check_fit(loaded, planned, names.__contains__, False, folder)
     inject_gsm(model, build, mode=mode)
     settings = configure_gsm(model, config=gsm)
