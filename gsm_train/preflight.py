@@ -2,13 +2,12 @@
 status 2) naming the field, file or folder, and nothing has been written yet.
 
 In order: the optional packages the recipe needs; the base model's config (read without weights: a
-Hub id is first accessed here) against `data.seq_len` and the layer indices; the checkpoint to
-resume from (it must verify against its manifest, and its index read without running code; its
-backend and recipe must match this run's, or with --allow-recipe-change leave every trained tensor's
-shape as it is; a different number of processes must take the same rows a micro-step:
-`checkpoint.check_resumable`);
-the run folder (no live lock, no other run's files unless told). The result says where the run
-starts and under which run id.
+Hub id is first accessed here) against `data.seq_len` and the layer indices; the token cache's
+folder; the checkpoint to resume from (it must verify against its manifest, and its index read
+without running code; its backend and recipe must match this run's, or with --allow-recipe-change
+leave every trained tensor's shape as it is; a different number of processes must take the same
+rows a micro-step: `checkpoint.check_resumable`); the run folder (no live lock, no other run's files
+unless told). The result says where the run starts and under which run id.
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ from gsm_train.export_folder import export_destination
 from gsm_train.model_zoo import read_model_config
 from gsm_train.recipe_shapes import check_shapes_fit
 from gsm_train.run_folder import check_run_folder, read_run_id
+from gsm_train.token_cache import token_cache_dir
 
 # recipe fields a resumed run may change without --allow-recipe-change: they do not alter the
 # trained weights (how long it runs, what it logs, how often it saves, where)
@@ -157,6 +157,8 @@ def plan_run(config: RecipeConfig, backend: str, world_size: int, options: Start
     recipe = config.model_dump(mode="json")
     check_optional_packages(config)
     model_config = check_model_config(config)
+    if not config.data.streaming:
+        token_cache_dir()  # a file there is refused now, not once the model has loaded
     run_dir = Path(config.output.dir)
     resume_from = config.output.resume_from
     resume = resolve_resume(resume_from, run_dir)

@@ -7,6 +7,7 @@ exports of one checkpoint are byte-identical and name no local path."""
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import shutil
 from pathlib import Path
@@ -16,11 +17,16 @@ import torch
 from run_helpers import GATE_RECIPE, TINY_GATE, file_digests
 from safetensors.torch import load_file
 
-from gsm_train import checkpoint_export, cli, session
+from gsm_train import checkpoint_export, cli, session, token_cache
 from gsm_train.checkpoint import verify_checkpoint, write_manifest
+from gsm_train.config import DataSourceConfig
+from gsm_train.distributed import DistInfo
+from gsm_train.model_zoo import byte_tokenizer
 
 STEPS = [*TINY_GATE, "train.steps=2", "output.checkpoint_every=2"]
 STEP = "step_00000002"
+SOURCE = "embedded:sample_prose"
+ONE = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
 
 @pytest.fixture(scope="module")
@@ -131,3 +137,56 @@ def test_a_recipe_change_that_alters_a_trained_shape_is_refused_before_the_model
     assert "model.layers.0.self_attn.gsm.gate.k_proj.weight is [16, 64] there, [8, 64] here" in err
     assert "changed fields: gsm.sparse_attention.gate_head_dim" in err
     assert file_digests(run) == before
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    folder = tmp_path / "tokens"
+    monkeypatch.setenv("GSM_TOKEN_CACHE", str(folder))
+    return folder
+
+
+def _rows() -> torch.Tensor:
+    return token_cache.cached_rows(DataSourceConfig(path=SOURCE), byte_tokenizer(), 64, ONE)
+
+
+@pytest.mark.parametrize("damage", ["zero-filled", "truncated"])
+def test_a_damaged_token_cache_entry_is_tokenized_again(
+    cache: Path, damage: str, capsys: pytest.CaptureFixture
+) -> None:
+    expected = _rows().clone()
+    (tokens,) = cache.glob("*.tokens")
+    size = tokens.stat().st_size
+    if damage == "zero-filled":
+        tokens.write_bytes(b"\0" * size)
+    else:
+        os.truncate(tokens, size // 3)
+    rows = _rows()
+    assert torch.equal(rows, expected)
+    err = capsys.readouterr().err
+    assert f"warning: damaged token cache entry: {tokens}" in err and f"tokenizing {SOURCE} again" in err, err
+    assert tokens.stat().st_size == size
+    assert torch.equal(_rows(), expected) and "damaged" not in capsys.readouterr().err
+
+
+def test_the_token_cache_digest_samples_a_large_file(tmp_path: Path) -> None:
+    big = tmp_path / "big.tokens"
+    big.write_bytes(bytes(range(256)) * (1 << 15))  # 8 MiB: above the 4 MiB read whole
+    digest = token_cache.sampled_digest(big)
+    with big.open("r+b") as handle:
+        handle.seek(big.stat().st_size - 1)  # the last byte is always sampled
+        handle.write(b"\1")
+    assert token_cache.sampled_digest(big) != digest
+
+
+def test_a_token_cache_that_names_a_file_is_one_error_before_the_model_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_model_load: None, capsys: pytest.CaptureFixture
+) -> None:
+    file = tmp_path / "cache-file"
+    file.write_text("mine")
+    monkeypatch.setenv("GSM_TOKEN_CACHE", str(file))
+    status = cli.main(["train", GATE_RECIPE, *STEPS, f"output.dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert status == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"GSM_TOKEN_CACHE={file}: names a file, not a folder" in err
+    assert file.read_text() == "mine" and not (tmp_path / "run").exists()
