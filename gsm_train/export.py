@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import AutoModelForCausalLM, PretrainedConfig
@@ -54,6 +53,7 @@ from gsm_train.inference.engine import enable_gsm_generation
 from gsm_train.lora import inject_lora, lora_parameters, peft_name, write_peft_config
 from gsm_train.model_card import build_card
 from gsm_train.modules import GSMError
+from gsm_train.published_bytes import redact_local_paths, save_reproducible
 
 __all__ = [
     "ExportError",
@@ -184,12 +184,12 @@ def export_adapter(
     files = _split_files(tensors, names)
     base = base_description(model, settings.base_fingerprint, base_name, base_revision)
     config = _export_config(settings.config.model_dump(mode="json"), base, lora, include_base, files)
-    training_args = json.loads(json.dumps({"recipe": recipe, "metrics": metrics}, default=float))
+    training_args = redact_local_paths(json.loads(json.dumps({"recipe": recipe, "metrics": metrics}, default=float)))
 
     def write(folder: Path) -> None:
         metadata = {"format": FORMAT, "format_version": str(FORMAT_VERSION)}
         for file, content in files.items():
-            save_file(content, str(folder / file), metadata=metadata)
+            save_reproducible(content, folder / file, metadata)
         if lora:
             write_peft_config(
                 folder,

@@ -15,6 +15,7 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from gsm_train.config import HUB_PREFIX
 from gsm_train.hub_ids import BUILTIN_BASES
+from gsm_train.published_bytes import redact_path
 
 LIBRARY = "gsm-train"
 _MODULES = ("sparse_attention", "kv_compression", "cross_layer_sharing")
@@ -76,14 +77,14 @@ def card_data(config: dict[str, Any], training_args: dict[str, Any], repo_id: st
         pipeline_tag="text-generation",
         tags=tags,
         datasets=datasets or None,
-        model_name=(repo_id or f"GSM adapter for {base['name_or_path']}") if results else None,
+        model_name=(repo_id or f"GSM adapter for {redact_path(base['name_or_path'])}") if results else None,
         eval_results=results or None,
     )
 
 
 def _body(config: dict[str, Any], training_args: dict[str, Any], repo_id: str | None) -> list[str]:
     base = config["base_model"]
-    name, hub_id = base["name_or_path"], base.get("hub_id")
+    name, hub_id = redact_path(base["name_or_path"]), base.get("hub_id")
     recipe, metrics = training_args.get("recipe") or {}, training_args.get("metrics") or {}
     modules = [section for section in _MODULES if config[section].get("enabled")] if config.get("gsm_enabled") else []
     files = config["files"]

@@ -6,22 +6,30 @@ exports of one checkpoint are byte-identical and name no local path."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import pickle
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from hub_stand_in import StandInHub, serve_stand_in
 from run_helpers import GATE_RECIPE, TINY_GATE, file_digests
 from safetensors.torch import load_file
+from test_hub import hub_env  # noqa: F401 (the Hub client's settings, autouse)
 
 from gsm_train import checkpoint_export, cli, session, token_cache
+from gsm_train.attention import inject_gsm
 from gsm_train.checkpoint import verify_checkpoint, write_manifest
-from gsm_train.config import DataSourceConfig
+from gsm_train.config import DataSourceConfig, GSMConfig
 from gsm_train.distributed import DistInfo
-from gsm_train.model_zoo import byte_tokenizer
+from gsm_train.export import export_adapter
+from gsm_train.hub import publish_export
+from gsm_train.model_zoo import byte_tokenizer, tiny_model
+from gsm_train.published_bytes import redact_local_paths
 
 STEPS = [*TINY_GATE, "train.steps=2", "output.checkpoint_every=2"]
 STEP = "step_00000002"
@@ -190,3 +198,87 @@ def test_a_token_cache_that_names_a_file_is_one_error_before_the_model_loads(
     assert status == 2 and len(err.strip().splitlines()) == 1, err
     assert f"GSM_TOKEN_CACHE={file}: names a file, not a folder" in err
     assert file.read_text() == "mine" and not (tmp_path / "run").exists()
+
+
+def _header(path: Path) -> bytes:
+    length = int.from_bytes(path.read_bytes()[:8], "little")
+    return path.read_bytes()[8 : 8 + length]
+
+
+def test_exports_of_one_checkpoint_are_byte_identical(trained: Path, tmp_path: Path) -> None:
+    checkpoint = trained / "checkpoints" / STEP
+    for out in ("a", "b"):
+        assert cli.main(["export", str(checkpoint), str(tmp_path / out)]) == 0
+    assert file_digests(tmp_path / "a") == file_digests(tmp_path / "b")
+    model = tiny_model("llama", num_layers=2)
+    inject_gsm(model, GSMConfig(), mode="sparse")
+    headers = set()
+    for n in range(8):  # safetensors orders its metadata at random: 8 exports agree by chance 1 time in 128
+        export = export_adapter(model, tmp_path / f"direct{n}", base_name="tiny-llama")
+        headers.add(_header(export / "gsm_modules.safetensors"))
+    (header,) = headers
+    assert header.rstrip() == json.dumps(json.loads(header), sort_keys=True, separators=(",", ":")).encode()
+
+
+def _absolute_paths(text: str, *roots: Path) -> list[str]:
+    return [str(root) for root in roots if str(root) in text]
+
+
+def test_an_export_names_no_local_path(trained: Path, tmp_path: Path) -> None:
+    home = Path.home()
+    exports = [trained / "export"]
+    assert cli.main(["export", str(trained / "checkpoints" / STEP), str(tmp_path / "out")]) == 0
+    exports.append(tmp_path / "out")
+    for export in exports:
+        for file in export.iterdir():
+            text = file.read_bytes().decode("utf-8", errors="replace")
+            assert not _absolute_paths(text, trained, tmp_path, home), f"{file} names a local path"
+        recipe = json.loads((export / "training_args.json").read_text())["recipe"]
+        assert recipe["output"]["dir"] == "<local>/run"
+        assert recipe["data"]["train"]["path"] == SOURCE
+
+
+def test_local_paths_are_redacted_and_relative_ones_kept() -> None:
+    recipe = {
+        "model": {"name_or_path": "/home/alice/models/base"},
+        "data": {"train": {"path": "/srv/corpus/*.jsonl"}, "eval": {"path": "data/eval.txt"}},
+        "init_from": "~/runs/gate/export",
+        "output": {"dir": "runs/joint"},
+        "layers": [1, "/x/y"],
+    }
+    assert redact_local_paths(recipe) == {
+        "model": {"name_or_path": "<local>/base"},
+        "data": {"train": {"path": "<local>/*.jsonl"}, "eval": {"path": "data/eval.txt"}},
+        "init_from": "<local>/export",
+        "output": {"dir": "runs/joint"},
+        "layers": [1, "<local>/y"],
+    }
+
+
+@pytest.fixture
+def stand_in() -> Iterator[StandInHub]:
+    with serve_stand_in() as state:
+        yield state
+
+
+def test_publish_names_no_local_path(stand_in: StandInHub, tmp_path: Path) -> None:
+    base = tmp_path / "my-base"
+    model = tiny_model("llama")
+    model.save_pretrained(base)
+    inject_gsm(model, GSMConfig(), mode="sparse")
+    recipe = {"data": {"train": {"path": str(tmp_path / "corpus.txt")}}, "output": {"dir": str(tmp_path / "run")}}
+    folder = export_adapter(model, tmp_path / "export", base_name=str(base), recipe=recipe)
+    publish_export(
+        folder,
+        "my-org/gsm",
+        token="hf_standInToken0123456789",
+        endpoint=stand_in.url,
+        base_model_id="my-org/local-base",
+    )
+    lines = stand_in.requests[-1].ndjson()
+    files = {line["value"]["path"]: base64.b64decode(line["value"]["content"]) for line in lines[1:]}
+    assert files.keys() >= {"gsm_config.json", "training_args.json", "README.md"}
+    for name, content in files.items():
+        assert str(tmp_path) not in content.decode("utf-8", errors="replace"), f"{name} names a local path"
+    config = json.loads(files["gsm_config.json"])["base_model"]
+    assert config["name_or_path"] == "<local>/my-base" and config["hub_id"] == "my-org/local-base"
