@@ -51,9 +51,10 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
+from torch.distributed.checkpoint import CheckpointException
 
 from gsm_train.backend_protocol import FULL_TRAINABLES_FILE, Backend
-from gsm_train.dcp_safe import UnsafeCheckpointError
+from gsm_train.dcp_safe import UnsafeCheckpointError, unsafe_reason
 from gsm_train.distributed import DistInfo, barrier
 from gsm_train.durable import fsync_path, write_durable
 from gsm_train.finite_guard import refuse_non_finite
@@ -378,8 +379,10 @@ def _refusing_unsafe(folder: Path) -> Iterator[None]:
     checkpoint."""
     try:
         yield
-    except (UnsafeCheckpointError, pickle.UnpicklingError) as err:
-        reason = " ".join(str(err).split())[:300]
+    except (UnsafeCheckpointError, pickle.UnpicklingError, CheckpointException) as err:
+        reason = unsafe_reason(err)
+        if reason is None:
+            raise
         raise CheckpointError(
             f"{folder / DCP_FOLDER}: refused, {reason}; do not use this checkpoint (take one you or your runs wrote)"
         ) from None
@@ -402,5 +405,7 @@ def checkpoint_shapes(folder: Path) -> dict[str, list[int]]:
     if (folder / DCP_FOLDER).is_dir():
         with _refusing_unsafe(folder):
             return tensor_shapes(folder)
+    if not (folder / FULL_TRAINABLES_FILE).is_file():
+        raise CheckpointError(f"{folder}: holds neither {DCP_FOLDER}/ nor {FULL_TRAINABLES_FILE}; not a checkpoint")
     with safe_open(str(folder / FULL_TRAINABLES_FILE), framework="pt") as handle:
         return {name: list(handle.get_slice(name).get_shape()) for name in handle.keys()}

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import io
 import pickle
+import re
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
@@ -65,7 +67,7 @@ class MetadataUnpickler(pickle.Unpickler):
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise UnsafeCheckpointError(
-            f"it refers to {module}.{name}, which a checkpoint's metadata never holds (it was altered to run "
+            f"its index (.metadata) refers to {module}.{name}, which a checkpoint never holds (it was altered to run "
             "code, or is damaged); nothing of it was run"
         )
 
@@ -77,10 +79,10 @@ def read_dcp_metadata(stream: io.BufferedIOBase) -> Metadata:
         metadata = MetadataUnpickler(stream).load()
     except UnsafeCheckpointError:
         raise
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError) as err:
-        raise UnsafeCheckpointError(f"it cannot be read ({type(err).__name__}: {err})") from None
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as err:
+        raise UnsafeCheckpointError(f"its index (.metadata) cannot be read ({type(err).__name__}: {err})") from None
     if not isinstance(metadata, Metadata):
-        raise UnsafeCheckpointError(f"it holds a {type(metadata).__name__}, not a checkpoint index")
+        raise UnsafeCheckpointError(f"its index (.metadata) holds a {type(metadata).__name__}, not a checkpoint index")
     return metadata
 
 
@@ -101,8 +103,32 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, its non-tensor items read with `torch.load(weights_only=True)`."""
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        loaded = torch.load(value, weights_only=True)
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as err:
+            raise UnsafeCheckpointError(
+                f"its item {read_item.dest_index.fqn} {_weights_only_detail(err)}; nothing of it was run"
+            ) from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
         else:
             self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+def _weights_only_detail(err: pickle.UnpicklingError) -> str:
+    """What torch's weights-only unpickler refused, in one line (its message is a page long and
+    suggests loading without it)."""
+    found = re.search(r"WeightsUnpickler error: ([^\n]*?)(?:\. |\.?$|\n)", str(err))
+    return f"holds what a checkpoint never holds ({found.group(1) if found else 'refused by weights_only'})"
+
+
+def unsafe_reason(err: BaseException) -> str | None:
+    """The one-line reason when `err` (or, for DCP's CheckpointException, any rank's failure) is a
+    refusal of something that would run code; None for any other failure."""
+    found = [exc for exc, _ in err.failures.values()] if isinstance(err, CheckpointException) else [err]
+    for exc in found:
+        if isinstance(exc, UnsafeCheckpointError):
+            return str(exc)
+        if isinstance(exc, pickle.UnpicklingError):  # a tensor item, read by DCP with weights_only=True
+            return f"an item {_weights_only_detail(exc)}; nothing of it was run"
+    return None

@@ -168,10 +168,10 @@ def plan_run(config: RecipeConfig, backend: str, world_size: int, options: Start
         check_recipe_unchanged(
             state, recipe, resume, options.allow_recipe_change, resized=state.get("world_size") != world_size
         )
-        checkpoint_shapes(resume)  # its index read without running code, or refused
+        saved = checkpoint_shapes(resume)  # its index read without running code, or refused
         changed = [key for key, _, _ in recipe_changes(state.get("recipe") or {}, recipe)]
         if changed and model_config is not None:
-            check_shapes_fit(config, model_config, resume, changed)
+            check_shapes_fit(config, model_config, saved, resume, changed)
     check_run_folder(run_dir, resume_from, resume, state, options.overwrite)
     if not options.overwrite:  # the run's own export goes there at the end: refused now, not after training
         export_destination(run_dir / "export")

@@ -32,7 +32,7 @@ def save_reproducible(tensors: dict[str, Tensor], path: Path, metadata: dict[str
     with path.open("r+b") as handle:
         length = int.from_bytes(handle.read(_HEADER_LENGTH_BYTES), "little")
         header = json.loads(handle.read(length))
-        canonical = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+        canonical = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
         assert len(canonical) <= length, "a header of the same content is never longer"
         handle.seek(_HEADER_LENGTH_BYTES)
         handle.write(canonical.ljust(length))

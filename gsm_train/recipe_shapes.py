@@ -12,23 +12,27 @@ from pathlib import Path
 from transformers import PretrainedConfig
 
 from gsm_train.adapter_format import read_config
-from gsm_train.checkpoint import CheckpointError, checkpoint_shapes
+from gsm_train.checkpoint import CheckpointError
 from gsm_train.config import LoraSettings, RecipeConfig
 from gsm_train.export import build_settings, skeleton_state
 from gsm_train.families import config_dims
 from gsm_train.kv_budget import apply_kv_budget
 
 
-def recipe_shapes(config: RecipeConfig, model_config: PretrainedConfig) -> dict[str, list[int]]:
+def recipe_shapes(config: RecipeConfig, model_config: PretrainedConfig) -> dict[str, list[int]] | None:
     """Name -> shape of every tensor of the model `config` trains (the base described by
     `model_config` with the stage's modules: the recipe's gsm block after its KV budget, or for
-    `math_gate` the `init_from` export's; LoRA as the recipe or export says)."""
-    if config.stage == "math_gate" and config.init_from:
+    `math_gate` the `init_from` export's; LoRA as the recipe or export says). None where that
+    cannot be known without downloading (a `math_gate` starting from a Hub repo)."""
+    if config.stage == "math_gate":
+        if not (config.init_from and Path(config.init_from).is_dir()):
+            return None
         export = read_config(Path(config.init_from))
         _, build = build_settings(export)
         lora = LoraSettings.model_validate(export["lora"]) if export.get("lora") else None
     else:
-        build = config.gsm.model_copy(deep=True)
+        sparse = config.gsm.sparse_attention.model_copy(update={"gate_init": "random"})  # no weights to start from
+        build = config.gsm.model_copy(update={"sparse_attention": sparse}, deep=True)
         apply_kv_budget(build, config.tuning.kv_compression_ratio, config_dims(model_config), config.data.seq_len)
         lora = config.train.lora if config.train.base == "lora" else None
     state, _ = skeleton_state(model_config, build, lora)
@@ -36,15 +40,21 @@ def recipe_shapes(config: RecipeConfig, model_config: PretrainedConfig) -> dict[
 
 
 def check_shapes_fit(
-    config: RecipeConfig, model_config: PretrainedConfig, checkpoint: Path, changed: list[str]
+    config: RecipeConfig,
+    model_config: PretrainedConfig,
+    saved: dict[str, list[int]],
+    checkpoint: Path,
+    changed: list[str],
 ) -> None:
-    """Refuse (CheckpointError, one line) a checkpoint holding a tensor whose shape differs from the
-    same tensor of the model `config` builds; `changed`: the recipe fields that differ from the
-    checkpoint's, named in the message."""
+    """Refuse (CheckpointError, one line) the checkpoint whose tensors have the shapes `saved`
+    (`checkpoint.checkpoint_shapes`) when one differs from the same tensor of the model `config`
+    builds; `changed`: the recipe fields that differ from the checkpoint's, named in the message."""
     planned = recipe_shapes(config, model_config)
+    if planned is None:
+        return
     misfits = [
         f"{name} is {shape} there, {planned[name]} here"
-        for name, shape in sorted(checkpoint_shapes(checkpoint).items())
+        for name, shape in sorted(saved.items())
         if name in planned and planned[name] != shape
     ]
     if misfits:

@@ -87,7 +87,9 @@ def _damage(tokens: Path, header: Path, seq_len: int) -> tuple[int | None, str |
         return None, f"{header} cannot be read as a verified entry ({type(err).__name__}: {err})"
     if not isinstance(rows, int) or size != rows * seq_len * _ROW_ITEM:
         return None, f"{header} is inconsistent ({rows} rows of {seq_len} tokens, {size} bytes)"
-    actual = tokens.stat().st_size if tokens.is_file() else None
+    if not tokens.is_file():
+        return None, f"{tokens} is missing"
+    actual = tokens.stat().st_size
     if actual != size:
         return None, f"{tokens} has {actual} bytes, its header says {size} (truncated or replaced)"
     if sampled_digest(tokens) != digest:

@@ -7,10 +7,13 @@ exports of one checkpoint are byte-identical and name no local path."""
 from __future__ import annotations
 
 import base64
+import dataclasses
+import io
 import json
 import os
 import pickle
 import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +28,7 @@ from gsm_train import checkpoint_export, cli, session, token_cache
 from gsm_train.attention import inject_gsm
 from gsm_train.checkpoint import verify_checkpoint, write_manifest
 from gsm_train.config import DataSourceConfig, GSMConfig
+from gsm_train.dcp_safe import UnsafeCheckpointError, read_dcp_metadata
 from gsm_train.distributed import DistInfo
 from gsm_train.export import export_adapter
 from gsm_train.hub import publish_export
@@ -97,6 +101,55 @@ def test_a_checkpoint_whose_index_would_run_code_is_refused_by_export_and_resume
     status = cli.main(["train", GATE_RECIPE, *STEPS, "train.steps=4", f"output.dir={run}", "--resume", "auto"])
     err = capsys.readouterr().err
     assert status == 2 and "refers to builtins.exec" in err, err
+    assert not marker.exists(), "the payload ran on resume"
+    assert file_digests(run) == before
+
+
+def test_the_index_reader_builds_a_real_index_and_refuses_any_other_global(trained: Path) -> None:
+    data = (trained / "checkpoints" / STEP / "dcp" / ".metadata").read_bytes()
+    assert read_dcp_metadata(io.BytesIO(data)) == pickle.loads(data)
+    hostile = {
+        "builtins.exec": pickle.dumps(_Payload("pass")),
+        "posix.system": pickle.dumps(os.system),
+        "subprocess.Popen": pickle.dumps(subprocess.Popen),
+    }
+    for name, payload in hostile.items():
+        with pytest.raises(UnsafeCheckpointError, match=f"refers to {name}, which a checkpoint never holds"):
+            read_dcp_metadata(io.BytesIO(payload))
+    with pytest.raises(UnsafeCheckpointError, match="holds a dict, not a checkpoint index"):
+        read_dcp_metadata(io.BytesIO(pickle.dumps({"a": 1})))
+    with pytest.raises(UnsafeCheckpointError, match="cannot be read"):
+        read_dcp_metadata(io.BytesIO(data[: len(data) // 2]))
+
+
+def _plant_item_payload(checkpoint: Path, marker: Path) -> None:
+    """Point the checkpoint's optimizer learning rate (a non-tensor item, read with torch.load) at a
+    payload appended to its shard, and make its manifest match again."""
+    index, shard = checkpoint / "dcp" / ".metadata", checkpoint / "dcp" / "__0_0.distcp"
+    metadata = pickle.loads(index.read_bytes())
+    (key,) = [key for key in metadata.storage_data if key.fqn == "optim.param_groups.0.lr"]
+    buffer = io.BytesIO()
+    torch.save(_Payload(f"open({str(marker)!r}, 'w').write('ran')"), buffer)
+    offset = shard.stat().st_size
+    with shard.open("ab") as handle:
+        handle.write(buffer.getvalue())
+    metadata.storage_data[key] = dataclasses.replace(
+        metadata.storage_data[key], offset=offset, length=len(buffer.getvalue())
+    )
+    index.write_bytes(pickle.dumps(metadata))
+    write_manifest(checkpoint)
+
+
+def test_a_checkpoint_item_that_would_run_code_is_refused_on_resume(
+    run: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    marker = tmp_path / "payload-ran"
+    _plant_item_payload(run / "checkpoints" / STEP, marker)
+    before = file_digests(run)
+    status = cli.main(["train", GATE_RECIPE, *STEPS, "train.steps=4", f"output.dir={run}", "--resume", "auto"])
+    err = capsys.readouterr().err
+    assert status == 2 and "its item optim.param_groups.0.lr holds what a checkpoint never holds" in err, err
+    assert len(err.strip().splitlines()) == 1, err
     assert not marker.exists(), "the payload ran on resume"
     assert file_digests(run) == before
 
