@@ -15,16 +15,16 @@ same way. A crash at any point leaves every earlier checkpoint whole; weights ho
 infinities are never written (`finite_guard`).
 
 Resuming verifies a checkpoint against its manifest: `auto` takes the newest one that verifies and
-warns about each newer one that does not; a checkpoint named explicitly must verify. It needs the
-backend that wrote it. An FSDP2 checkpoint resumes on any number of processes (DCP reshards the
-trainables and the optimizer state) provided each micro-step still takes the same rows: the data
-position counts global micro-batches of `train.batch_size` x processes, so that product must stay
-the same (2 processes at batch 3 -> 3 processes at batch 2 or 1 at batch 6; `train.batch_size` may
-change for that without --allow-recipe-change); every rank then takes rank 0's random state (ranks
-are seeded alike). A DeepSpeed checkpoint resumes on the number of processes that wrote it. Pruning
-(`output.keep_checkpoints`) removes only older checkpoints of the same run (same run id), never the
-one `latest` names. `read_trainables` reads a checkpoint's trainables in one process (export),
-`checkpoint_shapes` their shapes alone.
+warns about each newer one that does not (none verifying is refused); a checkpoint named explicitly
+must verify. It needs the backend that wrote it. An FSDP2 checkpoint resumes on any number of
+processes (DCP reshards the trainables and the optimizer state) provided each micro-step still takes
+the same rows: the data position counts global micro-batches of `train.batch_size` x processes, so
+that product must stay the same (2 processes at batch 3 -> 3 processes at batch 2 or 1 at batch 6;
+`train.batch_size` may change for that without --allow-recipe-change); every rank then takes rank
+0's random state (ranks are seeded alike). A DeepSpeed checkpoint resumes on the number of processes
+that wrote it. Pruning (`output.keep_checkpoints`) removes only older checkpoints of the same run
+(same run id), never the one `latest` names. `read_trainables` reads a checkpoint's trainables in
+one process (export), `checkpoint_shapes` their shapes alone.
 
 Nothing read from a checkpoint runs code: DCP's index is unpickled admitting only its own classes,
 its other items and the random states are read with `torch.load(weights_only=True)` (`dcp_safe`); an
@@ -190,15 +190,21 @@ def newest_good_checkpoint(run_dir: Path) -> tuple[Path | None, list[str]]:
 
 def resolve_resume(resume_from: str | None, run_dir: Path) -> Path | None:
     """`auto` -> the run's newest checkpoint that verifies (a warning on stderr for each newer one
-    skipped; None if there is none); a path -> that checkpoint, which must verify (else
-    CheckpointError)."""
+    skipped), CheckpointError if none does: starting over is asked for by leaving --resume out; a
+    path -> that checkpoint, which must verify (else CheckpointError)."""
     if resume_from is None:
         return None
     if resume_from == "auto":
         found, problems = newest_good_checkpoint(run_dir)
+        if found is None:
+            held = f"none verifies: {problems[0]}" if problems else "none was written"
+            raise CheckpointError(
+                f"--resume auto: {run_dir / 'checkpoints'} holds no checkpoint to continue from ({held}); "
+                "to start the run over from step 0, run without --resume (with --overwrite if the folder "
+                "holds the run's files)"
+            )
         for problem in problems:
-            fallback = f"resuming from {found.name}" if found else "no checkpoint verifies"
-            print(f"warning: skipping a damaged checkpoint: {problem}; {fallback}", file=sys.stderr)
+            print(f"warning: skipping a damaged checkpoint: {problem}; resuming from {found.name}", file=sys.stderr)
         return found
     path = Path(resume_from)
     if not (path / STATE).is_file() and not (path / MANIFEST).is_file():

@@ -25,12 +25,12 @@ from gsm_train.adapter_format import (
     CARD_FILE,
     CONFIG_FILE,
     EXPORT_FILES,
-    FORMAT_VERSION,
     ExportError,
+    read_training_args,
     validate_export,
 )
 from gsm_train.hub_ids import REPO_ID_FIX, is_builtin, repo_id_problem
-from gsm_train.model_card import build_card
+from gsm_train.model_card import build_card, card_is_users
 from gsm_train.published_bytes import redact_local_paths, redact_path
 
 DEFAULT_COMMIT_MESSAGE = "Upload GSM adapter (gsm-train)"
@@ -99,14 +99,10 @@ def _export_files(folder: Path) -> list[Path]:
 
 
 def _training_args(folder: Path) -> dict[str, Any]:
-    path = folder / ARGS_FILE
-    if not path.is_file():
-        return {}
     try:
-        args = json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise PublishError(f"{path}: not UTF-8 JSON ({err}). Fix: re-export the adapter.") from None
-    return args if isinstance(args, dict) else {}
+        return read_training_args(folder)
+    except ExportError as err:
+        raise PublishError(str(err)) from None
 
 
 def _operations(
@@ -128,13 +124,7 @@ def _operations(
     shown = redact_local_paths(args)
     if shown != args:
         contents[ARGS_FILE] = json.dumps(shown, indent=2, sort_keys=True).encode()
-    card = folder / CARD_FILE
-    as_written = (
-        stored["format_version"] < FORMAT_VERSION
-        or not card.is_file()
-        or card.read_bytes() == build_card(exported, args).encode()
-    )
-    if as_written:
+    if not card_is_users(folder / CARD_FILE, stored, args):
         contents[CARD_FILE] = build_card(published, shown, repo_id).encode()
     return [CommitOperationAdd(path_in_repo=name, path_or_fileobj=content) for name, content in contents.items()]
 

@@ -7,7 +7,8 @@ folder; the checkpoint to resume from (it must verify against its manifest, and 
 without running code; its backend and recipe must match this run's, or with --allow-recipe-change
 leave every trained tensor's shape as it is; a different number of processes must take the same
 rows a micro-step: `checkpoint.check_resumable`); the run folder (no live lock, no other run's files
-unless told). The result says where the run starts and under which run id.
+unless told, nothing an --overwrite run that was killed left set aside; its export/ holds an export
+or nothing). The result says where the run starts and under which run id.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from gsm_train.config import ConfigError, Problem, RecipeConfig, check_against_m
 from gsm_train.export_folder import export_destination
 from gsm_train.model_zoo import read_model_config
 from gsm_train.recipe_shapes import check_shapes_fit
-from gsm_train.run_folder import check_run_folder, read_run_id
+from gsm_train.run_folder import check_folder_usable, check_run_folder, read_run_id
+from gsm_train.set_aside import check_nothing_aside
 from gsm_train.token_cache import token_cache_dir
 
 # recipe fields a resumed run may change without --allow-recipe-change: they do not alter the
@@ -161,6 +163,8 @@ def plan_run(config: RecipeConfig, backend: str, world_size: int, options: Start
         token_cache_dir()  # a file there is refused now, not once the model has loaded
     run_dir = Path(config.output.dir)
     resume_from = config.output.resume_from
+    check_folder_usable(run_dir, resume_from, options.overwrite)
+    check_nothing_aside(run_dir)
     resume = resolve_resume(resume_from, run_dir)
     state = read_state(resume) if resume is not None else None
     if resume is not None and state is not None:
@@ -173,8 +177,9 @@ def plan_run(config: RecipeConfig, backend: str, world_size: int, options: Start
         if changed and model_config is not None:
             check_shapes_fit(config, model_config, saved, resume, changed)
     check_run_folder(run_dir, resume_from, resume, state, options.overwrite)
-    if not options.overwrite:  # the run's own export goes there at the end: refused now, not after training
-        export_destination(run_dir / "export")
+    # the run's own export goes there at the end (--overwrite leaves a previous one in place until
+    # then): a folder holding anything else is refused now, not after training
+    export_destination(run_dir / "export")
     run_id = (state or {}).get("run_id")
     if run_id is None and resume_from == "auto":
         run_id = read_run_id(run_dir)

@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from gsm_train.checkpoint import CheckpointError
-from gsm_train.config import ConfigError, Problem, load_recipe
+from gsm_train.config import ConfigError, Problem, load_recipe, path_arg
 from gsm_train.data import DataError
 from gsm_train.distributed import OtherRankFailed
 from gsm_train.export import ExportError
@@ -54,12 +54,14 @@ def add_start_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--resume",
         default=None,
-        help="'auto' (the newest checkpoint of output.dir that verifies) or a checkpoint folder",
+        type=path_arg,
+        help="'auto' (the newest checkpoint of output.dir that verifies; refused if none does) or a checkpoint folder",
     )
     parser.add_argument(
         "--overwrite",
         action="store_true",
-        help="start over in an output.dir that holds a run: removes only the files a run writes",
+        help="start over in an output.dir that holds a run: only the files a run writes are removed, once this "
+        "run has a checkpoint (put back if it fails before)",
     )
     parser.add_argument(
         "--allow-recipe-change",

@@ -321,6 +321,8 @@ def test_publish_names_no_local_path(stand_in: StandInHub, tmp_path: Path) -> No
     inject_gsm(model, GSMConfig(), mode="sparse")
     recipe = {"data": {"train": {"path": str(tmp_path / "corpus.txt")}}, "output": {"dir": str(tmp_path / "run")}}
     folder = export_adapter(model, tmp_path / "export", base_name=str(base), recipe=recipe)
+    card = (folder / "README.md").read_text()
+    assert str(tmp_path) not in card and "`<local>/my-base`" in card  # the card as exported, too
     publish_export(
         folder,
         "my-org/gsm",
