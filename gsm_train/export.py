@@ -22,10 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from gsm_train.adapter_format import (
     ARGS_FILE,
@@ -56,6 +55,7 @@ from gsm_train.lora import inject_lora, lora_parameters, peft_base_name, peft_na
 from gsm_train.model_card import build_card
 from gsm_train.model_zoo import builtin_weights
 from gsm_train.modules import GSMError
+from gsm_train.published_bytes import redact_local_paths, save_reproducible
 
 __all__ = [
     "ExportError",
@@ -192,12 +192,12 @@ def export_adapter(
     files = _split_files(tensors, names)
     base = base_model or base_description(model, settings.base_fingerprint, base_name, base_revision)
     config = _export_config(settings.config.model_dump(mode="json"), base, lora, include_base, files)
-    training_args = json.loads(json.dumps({"recipe": recipe, "metrics": metrics}, default=float))
+    training_args = redact_local_paths(json.loads(json.dumps({"recipe": recipe, "metrics": metrics}, default=float)))
 
     def write(folder: Path) -> None:
         metadata = {"format": FORMAT, "format_version": str(FORMAT_VERSION)}
         for file, content in files.items():
-            save_file(content, str(folder / file), metadata=metadata)
+            save_reproducible(content, folder / file, metadata)
         if lora:
             write_peft_config(
                 folder,
@@ -233,7 +233,7 @@ def check_base(config: dict, model: nn.Module, adapter_dir: str | Path) -> None:
         )
 
 
-def _build_settings(config: dict) -> tuple[GSMConfig, GSMConfig]:
+def build_settings(config: dict) -> tuple[GSMConfig, GSMConfig]:
     """(the GSM settings as trained, the same with gates built at random: their tensors come from
     the export)."""
     gsm = GSMConfig.model_validate({k: config[k] for k in GSM_SECTIONS if k in config})
@@ -241,14 +241,14 @@ def _build_settings(config: dict) -> tuple[GSMConfig, GSMConfig]:
     return gsm, gsm.model_copy(update={"sparse_attention": sparse})
 
 
-def _skeleton_state(
-    model: nn.Module, build: GSMConfig, lora: LoraSettings | None
+def skeleton_state(
+    model_config: PretrainedConfig, build: GSMConfig, lora: LoraSettings | None
 ) -> tuple[dict[str, Tensor], AdapterNames]:
-    """The state dict (meta tensors: names, shapes, dtypes) `model` would have after `build` and
-    `lora` were attached, and its adapter tensors' names, computed on a skeleton of its architecture;
-    `model` itself is not touched."""
+    """The state dict (meta tensors: names, shapes, dtypes) a model of `model_config` would have
+    after `build` and `lora` were attached, and its adapter tensors' names, computed on a skeleton
+    of its architecture (no weights are loaded or allocated)."""
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(copy.deepcopy(model.config))
+        skeleton = AutoModelForCausalLM.from_config(copy.deepcopy(model_config))
     inject_gsm(skeleton, build)
     if lora is not None:
         inject_lora(skeleton, lora)
@@ -321,9 +321,9 @@ def load_gsm(model: nn.Module, adapter: str | Path, mode: str = "sparse", revisi
     config = read_config(folder)
     loaded = read_tensors(folder, config)
     check_base(config, model, folder)
-    gsm, build = _build_settings(config)
+    gsm, build = build_settings(config)
     lora = LoraSettings.model_validate(config["lora"]) if config.get("lora") else None
-    planned, names = _skeleton_state(model, build, lora)
+    planned, names = skeleton_state(model.config, build, lora)
     _check_fit(loaded, planned, names.__contains__, False, folder)
     inject_gsm(model, build, mode=mode)
     settings = configure_gsm(model, config=gsm)

@@ -110,7 +110,11 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
 
 def model_dims(model: nn.Module) -> dict[str, int]:
     """hidden size, query heads, KV heads, head_dim, layers and context length of a causal LM's config."""
-    cfg = _unwrapped(model).config
+    return config_dims(_unwrapped(model).config)
+
+
+def config_dims(cfg: Any) -> dict[str, int]:
+    """`model_dims` from a causal LM's config alone (no model needed)."""
     heads = cfg.num_attention_heads
     return {
         "hidden": cfg.hidden_size,

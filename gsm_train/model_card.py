@@ -6,7 +6,8 @@ snippet of `usage_snippet`, which the README's Python example shows too), the ba
 on, the KV cache it saves and its speed where measured, its metrics with their meaning, its intended
 use and its limitations. The card is a pure function of the export's gsm_config.json and
 training_args.json (and the repo id, once published), so that publishing can write it again with
-the repo id in its snippet.
+the repo id in its snippet. It names no folder of the machine that made it: absolute and `~` paths
+(a base loaded from a folder, the data) are written as `<local>/NAME` (`published_bytes.redact_path`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from gsm_train.config import HUB_PREFIX, GSMConfig
 from gsm_train.kv_budget import kv_bytes_ratio
 from gsm_train.lora import PEFT_NOTE_KEY
 from gsm_train.model_zoo import builtin_weights
+from gsm_train.published_bytes import redact_local_paths, redact_path
 
 LIBRARY = "gsm-train"
 PLACEHOLDER = "PATH/TO/THIS/FOLDER"  # where the snippet loads from before the export has a repo id
@@ -336,7 +338,11 @@ def _body(config: dict[str, Any], training_args: dict[str, Any], repo_id: str | 
 
 def build_card(config: dict[str, Any], training_args: dict[str, Any], repo_id: str | None = None) -> str:
     """README.md of an export: metadata front matter, then what it is, its metrics and how to load
-    it."""
+    it. It names no local folder: the base's `name_or_path` and every path in `training_args` are
+    written as `published_bytes.redact_path` gives them (an absolute or `~` path as `<local>/NAME`)."""
+    base = config["base_model"]
+    config = {**config, "base_model": {**base, "name_or_path": redact_path(base["name_or_path"])}}
+    training_args = redact_local_paths(training_args)
     text = f"---\n{card_data(config, training_args, repo_id).to_yaml()}\n---\n\n" + "\n".join(
         _body(config, training_args, repo_id)
     )
