@@ -26,7 +26,7 @@ def _is_export_config(path: Path) -> bool:
     elsewhere)."""
     try:
         config = json.loads(path.read_bytes().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         return False
     return isinstance(config, dict) and config.get("format") == FORMAT
 
@@ -55,6 +55,20 @@ def export_destination(out_dir: str | Path) -> Path:
             f"{', '.join(held[:5])}{', ...' if len(held) > 5 else ''}); {_REFUSED_FIX}"
         )
     return path
+
+
+def check_writable(out_dir: str | Path) -> None:
+    """ExportError unless this process may create files in the folder `out_dir` goes in (where the
+    export is built before it moves into place): checked before a model loads."""
+    path = Path(out_dir).expanduser().resolve()
+    parent = next((p for p in path.parents if p.exists()), path.parent)
+    if not parent.is_dir():
+        raise ExportError(f"{out_dir}: {parent} is a file, not a folder; give a folder for the export")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ExportError(
+            f"{out_dir}: cannot write in {parent} (no permission or a read-only file system); "
+            "give a folder you can write to"
+        )
 
 
 def write_export_folder(out_dir: str | Path, write: Callable[[Path], None]) -> Path:

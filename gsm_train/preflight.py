@@ -20,6 +20,7 @@ from typing import Any
 from gsm_train.checkpoint import check_resumable, read_state, resolve_resume
 from gsm_train.config import ConfigError, Problem, RecipeConfig, check_against_model
 from gsm_train.export_folder import export_destination
+from gsm_train.families import config_dims
 from gsm_train.model_zoo import read_model_config
 from gsm_train.run_folder import check_run_folder, read_run_id
 
@@ -100,9 +101,8 @@ def check_model_config(config: RecipeConfig) -> None:
             [Problem("model.name_or_path", model.name_or_path, f"its config cannot be read ({reason})", fix)],
         ) from None
     if model_config is not None:
-        check_against_model(
-            config, model_config.num_hidden_layers, getattr(model_config, "max_position_embeddings", None)
-        )
+        dims = config_dims(model_config)
+        check_against_model(config, dims["layers"], dims["context"] or None, dims["kv_heads"], dims["head_dim"])
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -146,6 +146,25 @@ def check_recipe_unchanged(
         raise ConfigError(f"resume from {checkpoint}", problems)
 
 
+def check_steps_ahead(config: RecipeConfig, state: dict[str, Any], checkpoint: Path) -> None:
+    """Refuse `train.steps` below the step of the checkpoint a run resumes from (ConfigError): the run
+    would train no step and export the checkpoint as if it were the run's end."""
+    step = state.get("step")
+    if isinstance(step, int) and config.train.steps < step:
+        raise ConfigError(
+            f"resume from {checkpoint}",
+            [
+                Problem(
+                    "train.steps",
+                    config.train.steps,
+                    f"below the step of the checkpoint to resume from ({step})",
+                    f"set train.steps above {step} to train on, or export that checkpoint: "
+                    f"gsm-train export {checkpoint} OUT",
+                )
+            ],
+        )
+
+
 def plan_run(config: RecipeConfig, backend: str, world_size: int, options: StartOptions) -> RunPlan:
     """Every check that can run before the model loads (read only: nothing is written); the plan."""
     recipe = config.model_dump(mode="json")
@@ -157,6 +176,7 @@ def plan_run(config: RecipeConfig, backend: str, world_size: int, options: Start
     state = read_state(resume) if resume is not None else None
     if resume is not None and state is not None:
         check_resumable(state, resume, backend, world_size, config.train.batch_size)
+        check_steps_ahead(config, state, resume)
         check_recipe_unchanged(
             state, recipe, resume, options.allow_recipe_change, resized=state.get("world_size") != world_size
         )
