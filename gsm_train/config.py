@@ -504,9 +504,11 @@ class RecipeConfig(StrictModel):
         return self
 
     def _fits_the_window(self) -> None:
-        """top_k and recall_k within a window of data.seq_len keys (a query has no more to choose)."""
+        """top_k and recall_k within a window of data.seq_len keys (a query has no more to choose);
+        stage math_gate takes its top_k with the export's modules, not from the recipe."""
         seq_len, sparse = self.data.seq_len, self.gsm.sparse_attention
-        if self.gsm.gsm_enabled and sparse.enabled and sparse.top_k > seq_len:
+        from_recipe = self.gsm.gsm_enabled and sparse.enabled and self.stage != "math_gate"
+        if from_recipe and sparse.top_k > seq_len:
             raise _problem(
                 f"gsm.sparse_attention.top_k ({sparse.top_k}) exceeds data.seq_len ({seq_len}): no query has "
                 "that many keys, so every query would keep all of them (dense attention)",
@@ -887,8 +889,11 @@ def check_positions(source: str, option: str, value: int, tokens: int, max_posit
 
 def _shape_problems(config: RecipeConfig, kv_heads: int | None, head_dim: int | None) -> list[Problem]:
     """The GSM settings wider than the model's attention: a gate key wider than its heads (the gate
-    would repeat the heads' RoPE frequencies), more shared K/V heads than it has."""
+    would repeat the heads' RoPE frequencies), more shared K/V heads than it has. None for stage
+    math_gate, whose modules come from the export it starts from."""
     gsm, problems = config.gsm, []
+    if config.stage == "math_gate":
+        return problems
     sparse, sharing = gsm.sparse_attention, gsm.cross_layer_sharing
     if gsm.gsm_enabled and sparse.enabled and head_dim is not None and sparse.gate_head_dim > head_dim:
         problems.append(
