@@ -7,11 +7,9 @@ import argparse
 import sys
 from pathlib import Path
 
-import yaml
-
 from gsm_train import __version__
 from gsm_train.checkpoint_export import export_checkpoint
-from gsm_train.config import load_recipe, resolved_yaml
+from gsm_train.config import load_recipe, override_value, resolved_yaml
 from gsm_train.data import DataError
 from gsm_train.entry import run_command
 from gsm_train.evaluate import check_report_folder, evaluate_exports, write_report
@@ -93,7 +91,7 @@ def _eval(args: argparse.Namespace) -> int:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ExportError(f"--select {item!r}: give FIELD=VALUE, e.g. --select top_k=1024")
-        selection[key] = yaml.safe_load(value)
+        selection[key] = override_value(f"--select {key}", value)
     report = evaluate_exports(
         args.model,
         exports,

@@ -664,9 +664,9 @@ def _parse_yaml(text: str, source: str) -> tuple[dict, list[Problem]]:
     return data, problems
 
 
-def _override_value(key: str, raw: str) -> Any:
-    """An override's value parsed as YAML (safely: no tags that build objects, aliases checked as a
-    recipe's); empty is null."""
+def override_value(key: str, raw: str) -> Any:
+    """An override's value (or `eval --select`'s) parsed as YAML (safely: no tags that build objects,
+    aliases checked as a recipe's); empty is null. ConfigError naming `key` if it cannot be."""
     if not raw.strip():
         return None
     try:
@@ -690,7 +690,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> list[Problem]:
             )
             continue
         try:
-            value = _override_value(key, raw)
+            value = override_value(key, raw)
         except ConfigError as err:
             problems.extend(err.problems)
             continue

@@ -62,6 +62,9 @@ def train(run: Path, *args: str) -> int:
     return cli.main(["train", GATE_RECIPE, *TINY_GATE, f"output.dir={run}", *args])
 
 
+EVAL = ["eval", "--model", "tiny-llama", "--data", "embedded:sample_prose", "--windows", "1"]
+
+
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A two-step run of the tiny gate recipe with a checkpoint at each step."""
@@ -107,6 +110,15 @@ def test_an_alias_bomb_in_an_override_is_refused(tmp_path: Path, capsys: pytest.
     assert status == 2 and "data.train.fields" in err and "aliases expand" in err, err
 
 
+def test_an_alias_bomb_in_an_eval_selection_is_refused(
+    tmp_path: Path, no_model_load: None, capsys: pytest.CaptureFixture
+) -> None:
+    argv = [*EVAL, "--select", f"top_k={alias_bomb(9)}", "--out", str(tmp_path / "eval")]
+    with within(20):
+        assert cli.main(argv) == 2
+    assert "--select top_k" in one_line_error(capsys)
+
+
 def test_a_recursive_alias_is_one_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     recipe = tmp_path / "recursive.yaml"
     recipe.write_text(
@@ -136,8 +148,6 @@ def test_merge_keys_are_accepted_and_the_mapping_s_own_keys_win(tmp_path: Path, 
 
 
 # --- eval, passkey and generate within the model -----------------------------------------------
-
-EVAL = ["eval", "--model", "tiny-llama", "--data", "embedded:sample_prose", "--windows", "1"]
 
 
 def test_eval_past_the_model_s_positions_is_refused_before_it_loads(
