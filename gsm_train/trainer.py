@@ -64,7 +64,7 @@ def _plan(config: RecipeConfig, backend: Backend, info: DistInfo, options: Start
     plan, error = None, None
     try:
         plan = plan_run(config, backend.name, info.world_size, options)
-    except GSMError as err:  # ConfigError, CheckpointError, RunFolderError, ...
+    except (GSMError, ValueError) as err:  # ConfigError, CheckpointError, RunFolderError, ...
         error = err
     raise_on_any_rank(info, error)
     assert plan is not None
