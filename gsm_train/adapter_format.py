@@ -47,6 +47,10 @@ NAMINGS = (
     "model",
     "peft",
 )  # a file's tensor names: the model's state_dict keys, or PEFT's adapter-file keys
+# base_model.merged_lora: the LoRA deltas were merged into the base; the export holds the merged
+# weights in base_weights.safetensors and records the merged base's fingerprint (the loader accepts
+# the base as trained or the merged base)
+MERGED_FIELD = "merged_lora"
 GSM_SECTIONS = ("gsm_enabled", "sparse_attention", "kv_compression", "cross_layer_sharing")
 BASE_CHECKED = (
     "model_type",
@@ -78,6 +82,13 @@ def read_config(folder: str | Path) -> dict[str, Any]:
     """`gsm_config.json` of an export folder, checked and migrated to the current format."""
     folder = Path(folder)
     path = folder / CONFIG_FILE
+    if folder.is_dir() and not path.is_file() and (folder / PEFT_CONFIG_FILE).is_file():
+        raise ExportError(
+            f"{folder}: a PEFT adapter ({PEFT_CONFIG_FILE}) without {CONFIG_FILE} or {GSM_FILE}: "
+            "the LoRA deltas alone, as PeftModel.save_pretrained writes them, which drops the GSM "
+            "modules. Fix: load the export it came from (gsm-train export, or GSMModel.save_pretrained "
+            "of a GSMModel), or apply this folder with PeftModel.from_pretrained for a dense model"
+        )
     if not folder.is_dir() or not path.is_file():
         raise ExportError(
             f"{folder}: not a GSM export, missing {CONFIG_FILE}; give the folder written at the "
@@ -189,6 +200,12 @@ def _check_fields(config: dict[str, Any], path: Path) -> None:
             f"{path}: base_model.fingerprint_rule {base['fingerprint_rule']!r} with fingerprint "
             f"{base['fingerprint']!r}; rules 1 and 2 exist; {_RE_EXPORT}"
         )
+    merged = base.get(MERGED_FIELD)
+    if merged is not None and not (isinstance(merged, dict) and isinstance(merged.get("fingerprint"), str)):
+        raise ExportError(
+            f"{path}: base_model.{MERGED_FIELD} is {merged!r}, not an object with the merged base's "
+            f"fingerprint; {_RE_EXPORT}"
+        )
     lora = config.get("lora")
     if lora is not None:
         try:
@@ -263,6 +280,18 @@ def read_tensors(folder: str | Path, config: dict[str, Any]) -> ExportTensors:
             result.tensors[own] = tensor
             result.files[own] = path
     return result
+
+
+def read_training_args(folder: str | Path) -> dict[str, Any]:
+    """`training_args.json` of an export (`{"recipe": ..., "metrics": ...}`); {} when it has none."""
+    path = Path(folder) / ARGS_FILE
+    if not path.is_file():
+        return {}
+    try:
+        args = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ExportError(f"{path}: not UTF-8 JSON ({err}); {_RE_EXPORT}") from None
+    return args if isinstance(args, dict) else {}
 
 
 def validate_export(folder: str | Path) -> dict[str, Any]:

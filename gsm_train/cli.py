@@ -9,7 +9,7 @@ from pathlib import Path
 
 from gsm_train import __version__
 from gsm_train.checkpoint_export import export_checkpoint
-from gsm_train.config import load_recipe, override_value, resolved_yaml
+from gsm_train.config import expand_user_path, load_recipe, override_value, path_arg, resolved_yaml
 from gsm_train.data import DataError
 from gsm_train.entry import run_command
 from gsm_train.evaluate import check_report_folder, evaluate_exports, write_report
@@ -72,14 +72,17 @@ def _exports(items: list[str]) -> dict[str, str]:
     exports = {}
     for item in items:
         name, sep, folder = item.partition("=")
-        if not sep or not name or not folder:
+        if not sep or not name or not folder.strip():
             raise ExportError(f"--export {item!r}: give NAME=FOLDER, e.g. --export gsm=runs/joint/export")
         if name in exports:
             raise ExportError(
                 f"--export {item!r}: the name {name!r} is given twice (also --export {name}={exports[name]}); "
                 "give each export its own name"
             )
-        exports[name] = folder
+        try:
+            exports[name] = expand_user_path(folder)
+        except ValueError as err:
+            raise ExportError(f"--export {item!r}: {err}") from None
     return exports
 
 
@@ -185,7 +188,7 @@ def _publish(args: argparse.Namespace) -> int:
 def _add_validate_command(commands: argparse._SubParsersAction) -> None:
     """The `validate` subcommand's arguments."""
     validate = commands.add_parser("validate", help="check a recipe and print it fully resolved")
-    validate.add_argument("recipe")
+    validate.add_argument("recipe", type=path_arg)
     validate.add_argument("overrides", nargs="*", help="key.sub=value")
     validate.set_defaults(run=_validate)
 
@@ -193,7 +196,7 @@ def _add_validate_command(commands: argparse._SubParsersAction) -> None:
 def _add_train_command(commands: argparse._SubParsersAction) -> None:
     """The `train` subcommand's arguments."""
     train = commands.add_parser("train", help="run a recipe (same code path as accelerate launch -m gsm_train.train)")
-    train.add_argument("recipe")
+    train.add_argument("recipe", type=path_arg)
     train.add_argument("overrides", nargs="*", help="key.sub=value")
     add_start_flags(train)
     train.set_defaults(run=_train)
@@ -202,8 +205,8 @@ def _add_train_command(commands: argparse._SubParsersAction) -> None:
 def _add_inspect_command(commands: argparse._SubParsersAction) -> None:
     """The `inspect` subcommand's arguments."""
     inspect = commands.add_parser("inspect", help="per layer: GSM modules, parameters, KV bytes per token")
-    inspect.add_argument("--model", required=True, help="tiny-llama, smollm2-135m, a folder or a hub id")
-    inspect.add_argument("--recipe", default=None, help="take the gsm block from this recipe")
+    inspect.add_argument("--model", required=True, type=path_arg, help="tiny-llama, smollm2-135m, a folder or a hub id")
+    inspect.add_argument("--recipe", default=None, type=path_arg, help="take the gsm block from this recipe")
     inspect.add_argument("--seq-len", type=_positive_int, default=2048, help="context for the KV byte account")
     inspect.add_argument("overrides", nargs="*", help="key.sub=value applied to the recipe")
     inspect.set_defaults(run=_inspect)
@@ -212,8 +215,12 @@ def _add_inspect_command(commands: argparse._SubParsersAction) -> None:
 def _add_eval_command(commands: argparse._SubParsersAction) -> None:
     """The `eval` subcommand's arguments."""
     evaluate = commands.add_parser("eval", help="perplexity, KV bytes and gate recall of the base and exports")
-    evaluate.add_argument("--model", default=None, help="the base model (default: the one the first export names)")
-    evaluate.add_argument("--data", required=True, help="evaluation text (file, folder, glob, embedded:NAME, hf://...)")
+    evaluate.add_argument(
+        "--model", default=None, type=path_arg, help="the base model (default: the one the first export names)"
+    )
+    evaluate.add_argument(
+        "--data", required=True, type=path_arg, help="evaluation text (file, folder, glob, embedded:NAME, hf://...)"
+    )
     evaluate.add_argument(
         "--export", action="append", default=[], help="NAME=FOLDER or NAME=ORG/REPO (a Hub repo id), repeatable"
     )
@@ -245,7 +252,7 @@ def _add_eval_command(commands: argparse._SubParsersAction) -> None:
         "top_k_fraction, decay_rate, sink_tokens, recent_tokens, "
         "query_chunk), e.g. --select top_k=1024; repeatable",
     )
-    evaluate.add_argument("--out", default="runs/eval")
+    evaluate.add_argument("--out", default="runs/eval", type=path_arg)
     evaluate.set_defaults(run=_eval)
 
 
@@ -254,12 +261,17 @@ def _add_passkey_command(commands: argparse._SubParsersAction) -> None:
     passkey = commands.add_parser(
         "passkey", help="retrieval of a key hidden in long filler text, for the base and exports"
     )
-    passkey.add_argument("--model", default=None, help="the base model (default: the one the first export names)")
+    passkey.add_argument(
+        "--model", default=None, type=path_arg, help="the base model (default: the one the first export names)"
+    )
     passkey.add_argument(
         "--export", action="append", default=[], help="NAME=FOLDER or NAME=ORG/REPO (a Hub repo id), repeatable"
     )
     passkey.add_argument(
-        "--filler", default="embedded:sample_prose", help="prose the key hides in (file, folder, glob, embedded:NAME)"
+        "--filler",
+        default="embedded:sample_prose",
+        type=path_arg,
+        help="prose the key hides in (file, folder, glob, embedded:NAME)",
     )
     passkey.add_argument("--length", type=_positive_int, default=8192, help="tokens per case")
     passkey.add_argument("--cases", type=_positive_int, default=100)
@@ -269,7 +281,7 @@ def _add_passkey_command(commands: argparse._SubParsersAction) -> None:
         "--generate", action="store_true", help="also generate greedily through the GSM cache (slow at long lengths)"
     )
     passkey.add_argument("--mode", choices=("sparse", "dense"), default="sparse", help="main attention of the exports")
-    passkey.add_argument("--out", default="runs/passkey")
+    passkey.add_argument("--out", default="runs/passkey", type=path_arg)
     passkey.set_defaults(run=_passkey)
 
 
@@ -281,13 +293,18 @@ def _add_generate_command(commands: argparse._SubParsersAction) -> None:
         "with time to first token, decode tokens/s, memory and KV bytes",
     )
     gen.add_argument(
-        "--model", default=None, help="the base model (default: the one the adapter names; needed without --adapter)"
+        "--model",
+        default=None,
+        type=path_arg,
+        help="the base model (default: the one the adapter names; needed without --adapter)",
     )
-    gen.add_argument("--adapter", default=None, help="an export folder or Hub repo id (without it: the dense base)")
+    gen.add_argument(
+        "--adapter", default=None, type=path_arg, help="an export folder or Hub repo id (without it: the dense base)"
+    )
     gen.add_argument("--revision", default=None, help="branch, tag or commit of a Hub repo --adapter")
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", default=None)
-    source.add_argument("--prompt-file", default=None)
+    source.add_argument("--prompt-file", default=None, type=path_arg)
     gen.add_argument("--max-new-tokens", type=_positive_int, default=64)
     gen.add_argument("--mode", choices=("sparse", "dense"), default="sparse", help="main attention of the adapter")
     gen.add_argument(
@@ -301,9 +318,11 @@ def _add_generate_command(commands: argparse._SubParsersAction) -> None:
 def _add_export_command(commands: argparse._SubParsersAction) -> None:
     """The `export` subcommand's arguments."""
     export = commands.add_parser("export", help="write the adapter export of a checkpoint")
-    export.add_argument("checkpoint", help="RUN/checkpoints/step_N")
+    export.add_argument("checkpoint", type=path_arg, help="RUN/checkpoints/step_N")
     export.add_argument(
-        "out", help="folder to write: new, empty, or a previous export (replaced once the new one is complete)"
+        "out",
+        type=path_arg,
+        help="folder to write: new, empty, or a previous export (replaced once the new one is complete)",
     )
     export.set_defaults(run=_export)
 
@@ -311,7 +330,7 @@ def _add_export_command(commands: argparse._SubParsersAction) -> None:
 def _add_publish_command(commands: argparse._SubParsersAction) -> None:
     """The `publish` subcommand's arguments."""
     publish = commands.add_parser("publish", help="upload an export to the Hugging Face Hub (one commit)")
-    publish.add_argument("export", help="an export folder")
+    publish.add_argument("export", type=path_arg, help="an export folder")
     publish.add_argument("--repo-id", required=True, help="ORG/NAME")
     publish.add_argument("--private", action="store_true")
     publish.add_argument("--revision", default=None, help="branch to commit to (created if missing)")

@@ -7,7 +7,9 @@ and checking that input files exist.
 
 from __future__ import annotations
 
+import argparse
 import glob
+import os
 import types
 import typing
 from dataclasses import dataclass
@@ -17,6 +19,7 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Discriminator,
     Field,
@@ -37,6 +40,40 @@ HUB_PREFIX = "hf://"
 def _problem(message: str, fix: str) -> ValueError:
     """A validation error whose text carries its fix, split again by `format_problems`."""
     return ValueError(f"{message}; fix: {fix}")
+
+
+def expand_user_path(value: Any) -> Any:
+    """A path as given (a recipe's path field, a path on a command line), `~` and `~user` expanded as
+    a shell would (`output.dir: ~/x` is a folder in the home folder, never one named `~`); an empty,
+    blank or null path is refused. Hub ids and `embedded:` names pass unchanged, and so does anything
+    but a string (the type check follows)."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        raise _problem("an empty path", "give a path (relative ones start at the current folder)")
+    if not isinstance(value, str):
+        return value
+    expanded = os.path.expanduser(value) if value.startswith("~") else value
+    if expanded.startswith("~"):
+        raise _problem("no home folder is known for that ~user", "give the path without ~")
+    return expanded
+
+
+def _expand_optional_path(value: Any) -> Any:
+    """`expand_user_path`, where null means the field is not set."""
+    return None if value is None else expand_user_path(value)
+
+
+def path_arg(text: str) -> str:
+    """`expand_user_path` as an argparse type: a path on a command line (argparse names the option in
+    the error)."""
+    try:
+        return expand_user_path(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err).replace("; fix: ", "; ")) from None
+
+
+# a local path (or another name the field accepts) in a recipe: `~` expanded, empty refused
+UserPath = Annotated[str, BeforeValidator(expand_user_path)]
+OptionalUserPath = Annotated[str | None, BeforeValidator(_expand_optional_path)]
 
 
 def _leaf_types(annotation: Any) -> set[Any]:
@@ -77,7 +114,7 @@ class StrictModel(BaseModel):
 class ModelConfig(StrictModel):
     """The base model: a local folder, a hub id, or a built-in name (see `gsm_train.model_loading`)."""
 
-    name_or_path: str = "smollm2-135m"
+    name_or_path: UserPath = "smollm2-135m"
     gguf_file: str | None = None
     revision: str | None = None
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
@@ -262,7 +299,7 @@ def _check_data_path(path: str) -> str:
 class DataSourceConfig(StrictModel):
     """One text source: a file, folder, glob, `embedded:NAME` or `hf://NAME[:CONFIG][@SPLIT]`."""
 
-    path: str
+    path: UserPath
     format: Literal["auto", "text", "jsonl", "json", "parquet"] = "auto"
     fields: list[str] | None = None
 
@@ -405,10 +442,10 @@ class LoggingConfig(StrictModel):
 class OutputConfig(StrictModel):
     """Run folder, checkpoints and resume."""
 
-    dir: str = "runs/gate_only"
+    dir: UserPath = "runs/gate_only"
     checkpoint_every: int = Field(50, ge=1)
     keep_checkpoints: int = Field(2, ge=1)
-    resume_from: str | None = None
+    resume_from: OptionalUserPath = None
     export_base_weights: bool = False
 
 
@@ -427,7 +464,7 @@ class RecipeConfig(StrictModel):
     """A whole recipe: which stage, on which model and data, with which GSM modules."""
 
     stage: Literal["gate_warmup", "joint", "math_gate"]
-    init_from: str | None = None
+    init_from: OptionalUserPath = None
     model: ModelConfig = Field(default_factory=ModelConfig)
     gsm: GSMConfig = Field(default_factory=GSMConfig)
     tuning: TuningConfig = Field(default_factory=TuningConfig)
@@ -790,7 +827,7 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> RecipeC
     """Read a recipe YAML, apply overrides, validate everything; raise ConfigError listing all problems."""
     source = str(path)
     try:
-        text = Path(path).read_bytes().decode("utf-8")
+        text = Path(path).expanduser().read_bytes().decode("utf-8")
     except OSError as err:
         raise ConfigError(
             source,

@@ -116,8 +116,8 @@ def model_dims(model: nn.Module) -> dict[str, int]:
 
 
 def config_dims(cfg: Any) -> dict[str, int]:
-    """`model_dims` from a model's config (a transformers `PretrainedConfig`), without the model;
-    context 0 where the config names none."""
+    """`model_dims` from a causal LM's config alone (a transformers `PretrainedConfig`, no model
+    needed); context 0 where the config names none."""
     heads = cfg.num_attention_heads
     return {
         "hidden": cfg.hidden_size,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from gsm_train.config import ConfigError, Problem, load_recipe
+from gsm_train.config import ConfigError, Problem, load_recipe, path_arg
 from gsm_train.entry import run_command
 from gsm_train.preflight import StartOptions
 from gsm_train.stages import STAGES
@@ -46,12 +46,14 @@ def add_start_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--resume",
         default=None,
-        help="'auto' (the newest checkpoint of output.dir that verifies) or a checkpoint folder",
+        type=path_arg,
+        help="'auto' (the newest checkpoint of output.dir that verifies; refused if none does) or a checkpoint folder",
     )
     parser.add_argument(
         "--overwrite",
         action="store_true",
-        help="start over in an output.dir that holds a run: removes only the files a run writes",
+        help="start over in an output.dir that holds a run: only the files a run writes are removed, once this "
+        "run has a checkpoint (put back if it fails before)",
     )
     parser.add_argument(
         "--allow-recipe-change",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import shutil
 import signal
@@ -15,12 +16,11 @@ from pathlib import Path
 
 import huggingface_hub.constants
 import pytest
-import yaml
 from run_helpers import GATE_RECIPE, TINY_GATE
 
 from gsm_train import checkpoint, checkpoint_export, cli, evaluate, session, trainer
 from gsm_train import train as train_entry
-from gsm_train.checkpoint import verify_checkpoint
+from gsm_train.checkpoint import verify_checkpoint, write_manifest
 
 
 @contextlib.contextmanager
@@ -328,11 +328,13 @@ def test_an_export_whose_base_cannot_be_loaded_is_refused(
 ) -> None:
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
-    recipe = yaml.safe_load((run / "recipe.resolved.yaml").read_text())
-    recipe["model"]["name_or_path"] = "nobody-gsm/no-such-model"
-    (run / "recipe.resolved.yaml").write_text(yaml.safe_dump(recipe))
+    checkpoint = run / "checkpoints" / "step_00000002"
+    state = json.loads((checkpoint / "state.json").read_text())  # export rebuilds from the recipe kept here
+    state["recipe"]["model"]["name_or_path"] = "nobody-gsm/no-such-model"
+    (checkpoint / "state.json").write_text(json.dumps(state))
+    write_manifest(checkpoint)  # a checkpoint that verifies: only its base cannot be had
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    assert cli.main(["export", str(run / "checkpoints" / "step_00000002"), str(tmp_path / "export")]) == 2
+    assert cli.main(["export", str(checkpoint), str(tmp_path / "export")]) == 2
     assert "model.name_or_path = 'nobody-gsm/no-such-model': its config cannot be read" in one_line_error(capsys)
 
 
