@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from gsm_train.config import GSMConfig, LoraSettings
+from gsm_train.errors import GSMError
 from gsm_train.lora import model_name
 
 FORMAT = "gsm-train-adapter"
@@ -64,7 +65,7 @@ BASE_CHECKED = (
 _RE_EXPORT = "re-export the adapter with this version (gsm-train export RUN/checkpoints/step_N OUT)"
 
 
-class ExportError(ValueError):
+class ExportError(ValueError, GSMError):
     """An export that cannot be written, read or applied; the message names the problem and the
     fix."""
 
@@ -99,6 +100,8 @@ def read_config(folder: str | Path) -> dict[str, Any]:
         raise ExportError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start}); {_RE_EXPORT}") from None
     except json.JSONDecodeError as err:
         raise ExportError(f"{path}: not valid JSON ({err}); {_RE_EXPORT}") from None
+    except RecursionError:
+        raise ExportError(f"{path}: JSON nested too deeply to be a GSM export's config; {_RE_EXPORT}") from None
     if not isinstance(config, dict):
         raise ExportError(f"{path}: holds a JSON {type(config).__name__}, not an object; {_RE_EXPORT}")
     version = config.get("format_version")

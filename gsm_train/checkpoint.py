@@ -57,6 +57,7 @@ from gsm_train.backend_protocol import FULL_TRAINABLES_FILE, Backend
 from gsm_train.dcp_safe import UnsafeCheckpointError, unsafe_reason
 from gsm_train.distributed import DistInfo, barrier
 from gsm_train.durable import fsync_path, write_durable
+from gsm_train.errors import GSMError
 from gsm_train.finite_guard import refuse_non_finite
 from gsm_train.sharded_checkpoint import DCP_FOLDER, DCP_FORMAT, read_full_tensors, tensor_shapes
 
@@ -66,7 +67,7 @@ STATE = "state.json"
 STEP_PREFIX = "step_"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(ValueError, GSMError):
     """A checkpoint that cannot be resumed from; the message names the folder or file, and the
     fix."""
 

@@ -3,7 +3,8 @@ trained with, load the checkpoint's trainable tensors (read whole in this one pr
 number of processes wrote them: `checkpoint.read_trainables`) and write the adapter export.
 
 Before the model loads, the checkpoint is verified against its manifest (a flipped bit is refused,
-as on resume) and its index is read without running code (`dcp_safe`)."""
+as on resume), its index is read without running code (`dcp_safe`), the destination must be
+writable and the base model's config readable."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from gsm_train.backend_protocol import FULL_TRAINABLES_FILE
 from gsm_train.checkpoint import CheckpointError, checkpoint_shapes, read_state, read_trainables, verify_checkpoint
 from gsm_train.config import RecipeConfig, load_recipe, validate_recipe_dict
 from gsm_train.export import ExportError, export_adapter, export_destination
+from gsm_train.export_folder import check_writable
 from gsm_train.model_zoo import load_model_and_tokenizer
+from gsm_train.preflight import check_model_config
 from gsm_train.session import export_options
 from gsm_train.sharded_checkpoint import DCP_FOLDER
 from gsm_train.stages import STAGES
@@ -32,7 +35,8 @@ def checkpoint_recipe(checkpoint: Path) -> RecipeConfig:
     stored = read_state(checkpoint).get("recipe")
     if isinstance(stored, dict):
         return validate_recipe_dict(stored, f"{checkpoint / 'state.json'} (its recipe)")
-    recipe = checkpoint.parents[1] / RUN_RECIPE
+    run_dir = checkpoint.parents[1] if len(checkpoint.parents) > 1 else checkpoint
+    recipe = run_dir / RUN_RECIPE
     if not recipe.is_file():
         raise ExportError(
             f"{checkpoint}: its state.json carries no recipe and there is no {RUN_RECIPE} two folders up; "
@@ -68,6 +72,8 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path) -> Path:
     checkpoint = Path(checkpoint_dir).resolve()
     config = _checked(checkpoint)
     export_destination(out_dir)  # refused before the model loads when it holds anything else
+    check_writable(out_dir)
+    check_model_config(config)  # a base that cannot be read (offline, a wrong name): refused before loading
     torch.manual_seed(config.train.seed)  # as the run did: frozen modules initialised at random are not in checkpoints
     model, _ = load_model_and_tokenizer(config.model.name_or_path, config.model.gguf_file, config.model.revision)
     STAGES[config.stage]().attach(model, config)

@@ -7,18 +7,16 @@ import argparse
 import sys
 from pathlib import Path
 
-import yaml
-
 from gsm_train import __version__
 from gsm_train.checkpoint_export import export_checkpoint
-from gsm_train.config import ConfigError, expand_user_path, load_recipe, path_arg, resolved_yaml
+from gsm_train.config import expand_user_path, load_recipe, override_value, path_arg, resolved_yaml
 from gsm_train.data import DataError
-from gsm_train.evaluate import evaluate_exports, write_report
+from gsm_train.entry import run_command
+from gsm_train.evaluate import check_report_folder, evaluate_exports, write_report
 from gsm_train.export import ExportError
 from gsm_train.generate import generate
-from gsm_train.hub import PublishError, publish_export
+from gsm_train.hub import publish_export
 from gsm_train.inspect_model import inspect_model
-from gsm_train.modules.errors import GSMError
 from gsm_train.passkey import evaluate_passkey
 from gsm_train.passkey import markdown_table as passkey_table
 from gsm_train.train import add_start_flags
@@ -76,6 +74,11 @@ def _exports(items: list[str]) -> dict[str, str]:
         name, sep, folder = item.partition("=")
         if not sep or not name or not folder.strip():
             raise ExportError(f"--export {item!r}: give NAME=FOLDER, e.g. --export gsm=runs/joint/export")
+        if name in exports:
+            raise ExportError(
+                f"--export {item!r}: the name {name!r} is given twice (also --export {name}={exports[name]}); "
+                "give each export its own name"
+            )
         try:
             exports[name] = expand_user_path(folder)
         except ValueError as err:
@@ -85,12 +88,13 @@ def _exports(items: list[str]) -> dict[str, str]:
 
 def _eval(args: argparse.Namespace) -> int:
     exports = _exports(args.export)
+    check_report_folder(args.out)
     selection = {}
     for item in args.select:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ExportError(f"--select {item!r}: give FIELD=VALUE, e.g. --select top_k=1024")
-        selection[key] = yaml.safe_load(value)
+        selection[key] = override_value(f"--select {key}", value)
     report = evaluate_exports(
         args.model,
         exports,
@@ -107,6 +111,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _passkey(args: argparse.Namespace) -> int:
+    check_report_folder(args.out)
     report = evaluate_passkey(
         args.model,
         _exports(args.export),
@@ -358,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console entry point; exit status 2 on a bad recipe."""
+    """Console entry point; exit status 2 on a bad input, others as `gsm_train.entry` says."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if (
@@ -369,14 +374,9 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides += extra  # key=value after a flag: argparse ends the positionals at the flag
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    try:
+    if args.run is _train:  # the run's own entry point says how a stopped run continues
         return args.run(args)
-    except ConfigError as err:
-        print(err, file=sys.stderr)
-        return 2
-    except (ExportError, PublishError, DataError, GSMError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    return run_command(lambda: args.run(args))
 
 
 if __name__ == "__main__":

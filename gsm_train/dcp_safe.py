@@ -26,6 +26,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
+from gsm_train.errors import GSMError
+
 # (module, name) of every global a DCP `.metadata` pickle is made of
 ADMITTED = frozenset(
     {
@@ -53,7 +55,7 @@ ADMITTED = frozenset(
 )
 
 
-class UnsafeCheckpointError(ValueError):
+class UnsafeCheckpointError(ValueError, GSMError):
     """A DCP checkpoint whose metadata refers to something a checkpoint never holds (it was made
     to run code, or is damaged); nothing of it was run."""
 

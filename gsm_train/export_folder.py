@@ -28,11 +28,8 @@ _REFUSED_FIX = "gsm-train replaces only its own exports: give a new or empty fol
 def _is_export_config(path: Path) -> bool:
     """Whether `path` is a gsm_config.json that gsm-train wrote (any format version, even if damaged
     elsewhere)."""
-    try:
-        config = json.loads(path.read_bytes().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return False
-    return isinstance(config, dict) and config.get("format") == FORMAT
+    config = _json_object(path)
+    return config is not None and config.get("format") == FORMAT
 
 
 def export_destination(out_dir: str | Path) -> Path:
@@ -61,13 +58,27 @@ def export_destination(out_dir: str | Path) -> Path:
     return path
 
 
+def check_writable(out_dir: str | Path) -> None:
+    """ExportError unless this process may create files in the folder `out_dir` goes in (where the
+    export is built before it moves into place): checked before a model loads."""
+    path = Path(out_dir).expanduser().resolve()
+    parent = next((p for p in path.parents if p.exists()), path.parent)
+    if not parent.is_dir():
+        raise ExportError(f"{out_dir}: {parent} is a file, not a folder; give a folder for the export")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ExportError(
+            f"{out_dir}: cannot write in {parent} (no permission or a read-only file system); "
+            "give a folder you can write to"
+        )
+
+
 def _json_object(path: Path) -> dict | None:
     """The JSON object in `path`; {} if there is no such file; None if it cannot be read as one."""
     if not path.is_file():
         return {}
     try:
         value = json.loads(path.read_bytes().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):  # RecursionError: nested too deeply
         return None
     return value if isinstance(value, dict) else None
 

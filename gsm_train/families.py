@@ -18,8 +18,10 @@ from typing import Any
 
 from torch import nn
 
+from gsm_train.errors import GSMError
 
-class UnsupportedModel(ValueError):
+
+class UnsupportedModel(ValueError, GSMError):
     """The model is not of a family in `FAMILIES`, or not laid out as its row says."""
 
 
@@ -114,7 +116,8 @@ def model_dims(model: nn.Module) -> dict[str, int]:
 
 
 def config_dims(cfg: Any) -> dict[str, int]:
-    """`model_dims` from a causal LM's config alone (no model needed)."""
+    """`model_dims` from a causal LM's config alone (a transformers `PretrainedConfig`, no model
+    needed); context 0 where the config names none."""
     heads = cfg.num_attention_heads
     return {
         "hidden": cfg.hidden_size,

@@ -29,6 +29,7 @@ from gsm_train.adapter_format import (
     read_training_args,
     validate_export,
 )
+from gsm_train.errors import GSMError
 from gsm_train.hub_ids import REPO_ID_FIX, is_builtin, repo_id_problem
 from gsm_train.model_card import build_card, card_is_users
 from gsm_train.published_bytes import redact_local_paths, redact_path
@@ -42,7 +43,7 @@ _HTTP_FIXES = {
 }
 
 
-class PublishError(RuntimeError):
+class PublishError(GSMError):
     """Publishing failed; the message names the problem and the fix, and never holds the token."""
 
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from gsm_train.attention import gsm_state_dict
-from gsm_train.config import LoraSettings
+from gsm_train.config import ConfigError, LoraSettings, Problem
 
 
 def base_modules_pattern(names: list[str]) -> str:
@@ -31,6 +31,7 @@ def inject_lora(model: nn.Module, settings: LoraSettings) -> None:
         from peft import LoraConfig, inject_adapter_in_model
     except ImportError as err:
         raise RuntimeError("train.base: lora needs peft: pip install 'gsm-train[lora]'") from err
+    check_targets(model, settings.target_modules)
     config = LoraConfig(
         r=settings.r,
         lora_alpha=settings.alpha,
@@ -38,6 +39,26 @@ def inject_lora(model: nn.Module, settings: LoraSettings) -> None:
         target_modules=base_modules_pattern(settings.target_modules),
     )
     inject_adapter_in_model(config, model)
+
+
+def check_targets(model: nn.Module, names: list[str]) -> None:
+    """ConfigError naming those of `names` that no linear layer of the base (outside the GSM modules)
+    matches as peft matches them, with the names that would."""
+    linear = [name for name, module in model.named_modules() if isinstance(module, nn.Linear) and ".gsm." not in name]
+    unknown = [n for n in names if not any(re.fullmatch(base_modules_pattern([n]), m) for m in linear)]
+    if unknown:
+        known = sorted({m.rsplit(".", 1)[-1] for m in linear})
+        raise ConfigError(
+            "recipe vs model",
+            [
+                Problem(
+                    "train.lora.target_modules",
+                    unknown,
+                    "no linear layer of the base model has this name",
+                    f"use names of its linear layers: {', '.join(known)}",
+                )
+            ],
+        )
 
 
 def _lora_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:

@@ -2,13 +2,14 @@
 status 2) naming the field, file or folder, and nothing has been written yet.
 
 In order: the optional packages the recipe needs; the base model's config (read without weights: a
-Hub id is first accessed here) against `data.seq_len` and the layer indices; the token cache's
-folder; the checkpoint to resume from (it must verify against its manifest, and its index read
-without running code; its backend and recipe must match this run's, or with --allow-recipe-change
-leave every trained tensor's shape as it is; a different number of processes must take the same
-rows a micro-step: `checkpoint.check_resumable`); the run folder (no live lock, no other run's files
-unless told, nothing an --overwrite run that was killed left set aside; its export/ holds an export
-or nothing). The result says where the run starts and under which run id.
+Hub id is first accessed here) against `data.seq_len`, the layer indices and the heads; the token
+cache's folder; the checkpoint to resume from (it must verify against its manifest, and its index
+read without running code; train.steps must not lie below its step; its backend and recipe must
+match this run's, or with --allow-recipe-change leave every trained tensor's shape as it is; a
+different number of processes must take the same rows a micro-step: `checkpoint.check_resumable`);
+the run folder (no live lock, no other run's files unless told, nothing an --overwrite run that was
+killed left set aside; its export/ holds an export or nothing). The result says where the run
+starts and under which run id.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from transformers import PretrainedConfig
 from gsm_train.checkpoint import check_resumable, checkpoint_shapes, read_state, resolve_resume
 from gsm_train.config import ConfigError, Problem, RecipeConfig, check_against_model
 from gsm_train.export_folder import export_destination
+from gsm_train.families import config_dims
 from gsm_train.model_zoo import read_model_config
 from gsm_train.recipe_shapes import check_shapes_fit
 from gsm_train.run_folder import check_folder_usable, check_run_folder, read_run_id
@@ -107,9 +109,8 @@ def check_model_config(config: RecipeConfig) -> PretrainedConfig | None:
             [Problem("model.name_or_path", model.name_or_path, f"its config cannot be read ({reason})", fix)],
         ) from None
     if model_config is not None:
-        check_against_model(
-            config, model_config.num_hidden_layers, getattr(model_config, "max_position_embeddings", None)
-        )
+        dims = config_dims(model_config)
+        check_against_model(config, dims["layers"], dims["context"] or None, dims["kv_heads"], dims["head_dim"])
     return model_config
 
 
@@ -154,6 +155,25 @@ def check_recipe_unchanged(
         raise ConfigError(f"resume from {checkpoint}", problems)
 
 
+def check_steps_ahead(config: RecipeConfig, state: dict[str, Any], checkpoint: Path) -> None:
+    """Refuse `train.steps` below the step of the checkpoint a run resumes from (ConfigError): the run
+    would train no step and export the checkpoint as if it were the run's end."""
+    step = state.get("step")
+    if isinstance(step, int) and config.train.steps < step:
+        raise ConfigError(
+            f"resume from {checkpoint}",
+            [
+                Problem(
+                    "train.steps",
+                    config.train.steps,
+                    f"below the step of the checkpoint to resume from ({step})",
+                    f"set train.steps above {step} to train on, or export that checkpoint: "
+                    f"gsm-train export {checkpoint} OUT",
+                )
+            ],
+        )
+
+
 def plan_run(config: RecipeConfig, backend: str, world_size: int, options: StartOptions) -> RunPlan:
     """Every check that can run before the model loads (read only: nothing is written); the plan."""
     recipe = config.model_dump(mode="json")
@@ -169,6 +189,7 @@ def plan_run(config: RecipeConfig, backend: str, world_size: int, options: Start
     state = read_state(resume) if resume is not None else None
     if resume is not None and state is not None:
         check_resumable(state, resume, backend, world_size, config.train.batch_size)
+        check_steps_ahead(config, state, resume)
         check_recipe_unchanged(
             state, recipe, resume, options.allow_recipe_change, resized=state.get("world_size") != world_size
         )

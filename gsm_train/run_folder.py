@@ -33,6 +33,7 @@ import yaml
 
 from gsm_train.checkpoint import checkpoint_folders, checkpoint_step, verify_checkpoint
 from gsm_train.distributed import DistInfo, raise_on_any_rank
+from gsm_train.errors import GSMError
 
 LOCK = "run.lock"
 RUN_FILE = "run.json"
@@ -47,7 +48,7 @@ _PROBE_BYTES = 1 << 20
 _UNREADABLE_LOCK_GRACE_S = 10.0  # a lock another process has created but not yet filled in
 
 
-class RunFolderError(ValueError):
+class RunFolderError(ValueError, GSMError):
     """A run folder that cannot be used as asked; the message names the folder and the fix."""
 
 
@@ -95,8 +96,15 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 
 def read_lock(run_dir: Path) -> dict[str, Any] | None:
-    """The lock's owner ({pid, host, started}), {} if the lock cannot be read, None if none."""
-    return _read_json(run_dir / LOCK)
+    """The lock's owner ({pid, host, started}), {} if the lock cannot be read, None if none.
+    RunFolderError if `run.lock` is a folder or anything else but a file (no run wrote it)."""
+    path = run_dir / LOCK
+    if (path.exists() or path.is_symlink()) and (path.is_symlink() or not path.is_file()):
+        raise RunFolderError(
+            f"output.dir={run_dir}: {path} is not a lock file a run wrote (a folder, a link or a "
+            "special file); move it away, or pick another output.dir"
+        )
+    return _read_json(path)
 
 
 def _is_stale(run_dir: Path, owner: dict[str, Any]) -> bool:

@@ -19,8 +19,9 @@ from torch.distributed.tensor import DTensor
 from gsm_train.attention import gsm_settings
 from gsm_train.backend import select_backend
 from gsm_train.backend_protocol import Backend
-from gsm_train.config import ConfigError, RecipeConfig, resolved_yaml
+from gsm_train.config import RecipeConfig, resolved_yaml
 from gsm_train.distributed import DistInfo, init_distributed, raise_on_any_rank, teardown
+from gsm_train.errors import GSMError
 from gsm_train.families import model_dims
 from gsm_train.finite_guard import NonFiniteError, NonFiniteGuard
 from gsm_train.kv_budget import kv_bytes_ratio
@@ -65,7 +66,7 @@ def _plan(config: RecipeConfig, backend: Backend, info: DistInfo, options: Start
     plan, error = None, None
     try:
         plan = plan_run(config, backend.name, info.world_size, options)
-    except (ConfigError, ValueError) as err:  # ValueError: CheckpointError, RunFolderError
+    except (GSMError, ValueError) as err:  # ConfigError, CheckpointError, RunFolderError, ...
         error = err
     raise_on_any_rank(info, error)
     assert plan is not None
