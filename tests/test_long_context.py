@@ -291,3 +291,15 @@ def test_benchmark_refuses_inconsistent_arguments(
         long_context.main(_base_args(tmp_path, *more))
     assert info.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the CPU has one device")
+def test_rope_interpolation_stays_on_the_device_of_the_models_tables() -> None:
+    """The interpolated tables are built where the model's are (the first GPU run mixed CPU and GPU
+    tensors here)."""
+    positions = torch.arange(64, dtype=torch.float64)[None, :, None]
+    theta = 10000.0 ** (-torch.arange(4, dtype=torch.float64) / 4)
+    angles = torch.cat((positions * theta, positions * theta), -1)
+    cos, sin = angles.cos().float().cuda(), angles.sin().float().cuda()
+    new_cos, new_sin = interpolated_rope(cos, sin, train_len=20, seq_len=64)
+    assert new_cos.is_cuda and new_sin.is_cuda and new_cos.shape == cos.shape
