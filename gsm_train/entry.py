@@ -6,6 +6,8 @@ error: one line on stderr, no traceback, and an exit status that says what happe
 - 4: a write failed (a full disk, a quota or file-size limit, a read-only or forbidden folder): the
   files written before are intact (a run's checkpoints are written atomically), the message says
   where and, for a run, how to continue;
+- 5: out of memory (the GPU's or the host's): the message says which settings to lower and, for a
+  run, how to continue;
 - 130: interrupted (Ctrl-C), as a shell reports SIGINT.
 
 Any other error is a bug and keeps its traceback."""
@@ -16,11 +18,14 @@ import errno
 import sys
 from collections.abc import Callable
 
+import torch
+
 from gsm_train.errors import GSMError
 from gsm_train.finite_guard import NONFINITE_EXIT, NonFiniteError
 
 REFUSED_EXIT = 2
 WRITE_FAILED_EXIT = 4
+OUT_OF_MEMORY_EXIT = 5
 INTERRUPTED_EXIT = 130
 # the errors of a write the machine refuses, not the code: no space, a quota, a file-size limit, a
 # read-only file system, no permission
@@ -50,6 +55,16 @@ def run_command(command: Callable[[], int], run: bool = False) -> int:
         fix = RESUME_HINT if run else "free space, or write to a folder you can write to, and run it again"
         print(f"error: {_failed_write(err)}; {fix}", file=sys.stderr)
         return WRITE_FAILED_EXIT
+    except (torch.OutOfMemoryError, MemoryError) as err:
+        where = "GPU" if isinstance(err, torch.OutOfMemoryError) else "host"
+        lower = (
+            "lower train.batch_size or data.seq_len, or set train.activation_checkpointing: true; " + RESUME_HINT
+            if run
+            else "lower --max-new-tokens, --batch-size or --seq-len, or run on a larger device"
+        )
+        detail = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+        print(f"error: out of {where} memory ({detail}); {lower}", file=sys.stderr)
+        return OUT_OF_MEMORY_EXIT
     except KeyboardInterrupt:
         print(f"interrupted{'; ' + RESUME_HINT if run else ''}", file=sys.stderr)
         return INTERRUPTED_EXIT
