@@ -15,7 +15,7 @@ from gsm_train.config import ConfigError, load_recipe, resolved_yaml
 from gsm_train.data import DataError
 from gsm_train.evaluate import evaluate_exports, write_report
 from gsm_train.export import ExportError
-from gsm_train.generate import generate
+from gsm_train.generate import Sampling, generate
 from gsm_train.hub import PublishError, publish_export
 from gsm_train.inspect_model import inspect_model
 from gsm_train.modules.errors import GSMError
@@ -40,6 +40,25 @@ def _positive_int(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number above 0, got {text!r}")
+    return value
+
+
+def _probability(text: str) -> float:
+    """argparse type: a number in (0, 1]."""
+    value = _positive_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
     return value
 
 
@@ -151,6 +170,8 @@ def _generate(args: argparse.Namespace) -> int:
         revision=args.revision,
         compare_dense=args.compare_dense,
         echo=True,
+        sampling=Sampling(args.temperature, args.top_p, args.top_k, args.seed),
+        chat=args.chat,
     )
     print()
     for run in runs:
@@ -290,7 +311,22 @@ def _add_generate_command(commands: argparse._SubParsersAction) -> None:
         action="store_true",
         help="also run the dense base on the prompt (static cache on a GPU) and report both",
     )
+    _add_sampling_flags(gen)
     gen.set_defaults(run=_generate)
+
+
+def _add_sampling_flags(gen: argparse.ArgumentParser) -> None:
+    """`generate`'s sampling flags (greedy unless one of --temperature, --top-p, --top-k is given) and --chat."""
+    sampling = gen.add_argument_group("sampling (greedy unless --temperature, --top-p or --top-k is given)")
+    sampling.add_argument("--temperature", type=_positive_float, default=None, help="sample at this temperature")
+    sampling.add_argument("--top-p", type=_probability, default=None, help="sample from the top-p nucleus")
+    sampling.add_argument("--top-k", type=_positive_int, default=None, help="sample from the k likeliest tokens")
+    sampling.add_argument("--seed", type=int, default=None, help="seed torch before each run (reproducible samples)")
+    gen.add_argument(
+        "--chat",
+        action="store_true",
+        help="wrap the prompt in the tokenizer's chat template as a user message (instruct models)",
+    )
 
 
 def _add_export_command(commands: argparse._SubParsersAction) -> None:
