@@ -20,6 +20,7 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    PrivateAttr,
     Tag,
     ValidationError,
     ValidationInfo,
@@ -31,6 +32,7 @@ from gsm_train.assets import EMBEDDED_PREFIX, embedded_asset_path
 from gsm_train.model_names import model_name_problem
 
 HUB_PREFIX = "hf://"
+DATASET_PREFIX = "datasets.Dataset:"  # the path of a source given as a `datasets.Dataset` in Python
 
 
 def _problem(message: str, fix: str) -> ValueError:
@@ -237,6 +239,11 @@ class GSMConfig(StrictModel):
 
 def _check_data_path(path: str) -> str:
     """Accept hub names and embedded assets; local paths and globs must exist now."""
+    if path.startswith(DATASET_PREFIX):
+        raise _problem(
+            f"{path!r} names a datasets.Dataset given in Python, which a recipe cannot hold",
+            "pass the dataset again: train_recipe(RECIPE, train_dataset=DATASET), or give a file, folder or hf:// name",
+        )
     if path.startswith(HUB_PREFIX):
         return path
     if path.startswith(EMBEDDED_PREFIX):
@@ -259,11 +266,27 @@ def _check_data_path(path: str) -> str:
 
 
 class DataSourceConfig(StrictModel):
-    """One text source: a file, folder, glob, `embedded:NAME` or `hf://NAME[:CONFIG][@SPLIT]`."""
+    """One text source: a file, folder (a `Dataset.save_to_disk` folder too), glob, `embedded:NAME` or
+    `hf://NAME[:CONFIG][@SPLIT]`; from Python also a `datasets.Dataset` (`from_dataset`)."""
 
     path: str
     format: Literal["auto", "text", "jsonl", "json", "parquet"] = "auto"
     fields: list[str] | None = None
+    _dataset: Any = PrivateAttr(default=None)
+
+    @classmethod
+    def from_dataset(cls, dataset: Any, fields: list[str] | None = None) -> DataSourceConfig:
+        """A source that is a `datasets.Dataset` given in Python. Its `path` names it by its `datasets`
+        fingerprint (what a run's saved recipe shows); the dataset itself is not part of the recipe, so
+        a resumed run is given it again."""
+        source = cls.model_construct(path=f"{DATASET_PREFIX}{dataset._fingerprint}", format="auto", fields=fields)
+        source._dataset = dataset
+        return source
+
+    @property
+    def dataset(self) -> Any:
+        """The `datasets.Dataset` given in Python (`from_dataset`), else None."""
+        return self._dataset
 
     @field_validator("path")
     @classmethod

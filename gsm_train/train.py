@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from gsm_train.checkpoint import CheckpointError
-from gsm_train.config import ConfigError, Problem, load_recipe
+from gsm_train.config import ConfigError, DataSourceConfig, Problem, RecipeConfig, load_recipe
 from gsm_train.data import DataError
 from gsm_train.distributed import OtherRankFailed
 from gsm_train.export import ExportError
@@ -21,19 +22,30 @@ from gsm_train.run_folder import RunFolderError
 from gsm_train.stages import STAGES
 from gsm_train.trainer import TrainResult, run_training
 
+if TYPE_CHECKING:
+    import datasets
+
 REFUSED_EXIT = 2
 # errors that refuse the input with a message of their own (no traceback)
 REFUSALS = (ConfigError, DataError, GSMError, ExportError, CheckpointError, RunFolderError, OtherRankFailed)
 
 
 def train_recipe(
-    recipe: str, overrides: list[str], resume: str | None = None, options: StartOptions | None = None
+    recipe: str,
+    overrides: list[str],
+    resume: str | None = None,
+    options: StartOptions | None = None,
+    *,
+    train_dataset: datasets.Dataset | None = None,
+    eval_dataset: datasets.Dataset | None = None,
 ) -> TrainResult:
     """Validate the recipe and run its stage (raises ConfigError before anything is written);
-    `options`: --overwrite and --allow-recipe-change (default: neither)."""
+    `options`: --overwrite and --allow-recipe-change (default: neither). `train_dataset` /
+    `eval_dataset`: `datasets.Dataset`s to train / evaluate on instead of the recipe's
+    `data.train` / `data.eval` (read with the recipe's `fields`; `with_datasets`)."""
     if resume is not None:
         overrides = [*overrides, f"output.resume_from={resume}"]
-    config = load_recipe(recipe, overrides)
+    config = with_datasets(load_recipe(recipe, overrides), train_dataset, eval_dataset)
     if config.stage not in STAGES:
         raise ConfigError(
             recipe,
@@ -47,6 +59,19 @@ def train_recipe(
             ],
         )
     return run_training(config, STAGES[config.stage](), options=options)
+
+
+def with_datasets(
+    config: RecipeConfig, train_dataset: datasets.Dataset | None, eval_dataset: datasets.Dataset | None
+) -> RecipeConfig:
+    """The recipe with `data.train` / `data.eval` replaced by the datasets given (None: kept), each read
+    with the `fields` of the source it replaces (`data.train`'s for an eval set the recipe lacks)."""
+    data, sources = config.data, {}
+    if train_dataset is not None:
+        sources["train"] = DataSourceConfig.from_dataset(train_dataset, data.train.fields)
+    if eval_dataset is not None:
+        sources["eval"] = DataSourceConfig.from_dataset(eval_dataset, (data.eval or data.train).fields)
+    return config.model_copy(update={"data": data.model_copy(update=sources)}) if sources else config
 
 
 def add_start_flags(parser: argparse.ArgumentParser) -> None:

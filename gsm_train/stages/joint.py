@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from gsm_train.attention import configure_gsm, gsm_adapters, gsm_collect, gsm_parameters, inject_gsm
+from gsm_train.chat_data import IGNORE_INDEX, inputs_and_labels
 from gsm_train.config import RecipeConfig
 from gsm_train.distributed import all_reduce_sum
 from gsm_train.export import check_base, load_tensors, validate_export
@@ -79,7 +80,8 @@ class JointStage:
             distill_on_selection=True,
             distill_queries=self.config.train.distill_queries,
         ) as records:
-            lm = model(input_ids=batch, labels=batch, use_cache=False).loss
+            inputs, labels = inputs_and_labels(batch)
+            lm = model(input_ids=inputs, labels=labels, use_cache=False).loss
         kl = _mean(records.gate_kl_means())
         asq = _mean(records.asq_losses())
         loss = weights.lm * lm
@@ -100,10 +102,11 @@ class JointStage:
         device = next(model.parameters()).device
         sums = torch.zeros(8, dtype=torch.float64, device=device)  # nll, tokens, gate, oracle, queries, ASQ x3
         for batch in batches:
+            inputs, labels = inputs_and_labels(batch)
             with gsm_collect(model, recall=recall) as records:
-                loss = model(input_ids=batch, labels=batch, use_cache=False).loss
-            tokens = batch.shape[0] * (batch.shape[1] - 1)
-            sums[0] += loss.double() * tokens
+                loss = model(input_ids=inputs, labels=labels, use_cache=False).loss
+            tokens = (labels[:, 1:] != IGNORE_INDEX).sum()  # the tokens the loss averages over
+            sums[0] += torch.where(tokens > 0, loss.double() * tokens, 0.0)  # no token in the loss: NaN loss
             sums[1] += tokens
             mass = records.captured_mass_total()
             if mass is not None:
