@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from gsm_train.checkpoint import CheckpointError
 from gsm_train.config import ConfigError, DataSourceConfig, Problem, RecipeConfig, load_recipe
 from gsm_train.data import DataError
-from gsm_train.distributed import OtherRankFailed
+from gsm_train.distributed import LaunchError, OtherRankFailed
 from gsm_train.export import ExportError
 from gsm_train.finite_guard import NONFINITE_EXIT, NonFiniteError
 from gsm_train.modules import GSMError
@@ -27,7 +27,16 @@ if TYPE_CHECKING:
 
 REFUSED_EXIT = 2
 # errors that refuse the input with a message of their own (no traceback)
-REFUSALS = (ConfigError, DataError, GSMError, ExportError, CheckpointError, RunFolderError, OtherRankFailed)
+REFUSALS = (
+    ConfigError,
+    DataError,
+    GSMError,
+    ExportError,
+    CheckpointError,
+    RunFolderError,
+    OtherRankFailed,
+    LaunchError,
+)
 
 
 def train_recipe(
