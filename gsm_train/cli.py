@@ -10,6 +10,7 @@ from pathlib import Path
 import yaml
 
 from gsm_train import __version__
+from gsm_train.builtin_recipes import builtin_recipes, copy_recipe, recipe_summary
 from gsm_train.checkpoint_export import export_checkpoint
 from gsm_train.config import ConfigError, load_recipe, resolved_yaml
 from gsm_train.data import DataError
@@ -198,6 +199,34 @@ def _publish(args: argparse.Namespace) -> int:
     return 0
 
 
+def _recipes(args: argparse.Namespace) -> int:
+    """`recipes list`: each built-in recipe's name and description; `recipes copy NAME DEST`: a copy to edit."""
+    if args.action == "list":
+        recipes = builtin_recipes()
+        width = max(map(len, recipes))
+        for name, path in recipes.items():
+            print(f"{name:<{width}}  {recipe_summary(path)}")
+        return 0
+    try:
+        written = copy_recipe(args.name, args.destination)
+    except (FileNotFoundError, FileExistsError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"copied {args.name} to {written}; run it with: gsm-train train {written}")
+    return 0
+
+
+def _add_recipes_command(commands: argparse._SubParsersAction) -> None:
+    """The `recipes` subcommand's arguments (`list`, `copy NAME DEST`)."""
+    recipes = commands.add_parser("recipes", help="the built-in recipes: list them, or copy one to edit")
+    actions = recipes.add_subparsers(dest="action", required=True)
+    actions.add_parser("list", help="each built-in recipe's name and description")
+    copy = actions.add_parser("copy", help="copy a built-in recipe to a file or folder (never overwrites)")
+    copy.add_argument("name", help="a built-in recipe's name, e.g. gate_only")
+    copy.add_argument("destination", help="a file to write, or a folder to write NAME.yaml in")
+    recipes.set_defaults(run=_recipes)
+
+
 def _add_validate_command(commands: argparse._SubParsersAction) -> None:
     """The `validate` subcommand's arguments."""
     validate = commands.add_parser("validate", help="check a recipe and print it fully resolved")
@@ -209,7 +238,7 @@ def _add_validate_command(commands: argparse._SubParsersAction) -> None:
 def _add_train_command(commands: argparse._SubParsersAction) -> None:
     """The `train` subcommand's arguments."""
     train = commands.add_parser("train", help="run a recipe (same code path as accelerate launch -m gsm_train.train)")
-    train.add_argument("recipe")
+    train.add_argument("recipe", help="a recipe YAML, or a built-in recipe's name (gsm-train recipes list)")
     train.add_argument("overrides", nargs="*", help="key.sub=value")
     add_start_flags(train)
     train.set_defaults(run=_train)
@@ -369,6 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_generate_command,
         _add_export_command,
         _add_publish_command,
+        _add_recipes_command,
     ):
         add_command(commands)
     return parser

@@ -29,6 +29,7 @@ from pydantic import (
 )
 
 from gsm_train.assets import EMBEDDED_PREFIX, embedded_asset_path
+from gsm_train.builtin_recipes import resolve_recipe
 from gsm_train.model_names import model_name_problem
 
 HUB_PREFIX = "hf://"
@@ -713,7 +714,9 @@ def validate_recipe_dict(data: dict, source: str = "<recipe>", problems: list[Pr
 
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> RecipeConfig:
-    """Read a recipe YAML, apply overrides, validate everything; raise ConfigError listing all problems."""
+    """Read a recipe YAML (a file, or a built-in recipe's name: `builtin_recipes.resolve_recipe`), apply
+    overrides, validate everything; raise ConfigError listing all problems."""
+    path = resolve_recipe(path)
     source = str(path)
     try:
         text = Path(path).read_bytes().decode("utf-8")
@@ -725,7 +728,8 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> RecipeC
                     "<file>",
                     source,
                     f"cannot read the recipe: {err.strerror}",
-                    "give the path of a recipe YAML, e.g. recipes/gate_only.yaml",
+                    "give the path of a recipe YAML, e.g. recipes/gate_only.yaml, or a built-in recipe's "
+                    "name (gsm-train recipes list)",
                 )
             ],
         ) from None

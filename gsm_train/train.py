@@ -108,7 +108,11 @@ def start_options(args: argparse.Namespace) -> StartOptions:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="gsm_train.train", description=__doc__)
-    parser.add_argument("--recipe", required=True, help="recipe YAML, e.g. recipes/gate_only.yaml")
+    parser.add_argument(
+        "--recipe",
+        required=True,
+        help="recipe YAML, e.g. recipes/gate_only.yaml, or a built-in recipe's name (gate_only)",
+    )
     add_start_flags(parser)
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, validated like the recipe")
     return parser.parse_intermixed_args(argv)  # overrides may follow --resume
