@@ -15,7 +15,8 @@ from run_helpers import TINY_MODEL, records
 from gsm_train import model_zoo
 from gsm_train.chat_data import IGNORE_INDEX, encode_conversation, inputs_and_labels
 from gsm_train.config import ConfigError, load_recipe
-from gsm_train.data import DataError, load_text_dataset, pack_tokens, split_eval_ids
+from gsm_train.data import DataError, load_text_dataset, pack_tokens, split_eval_ids, stream_records
+from gsm_train.streaming import first_rows
 from gsm_train.train import train_recipe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -145,3 +146,12 @@ def test_a_dataset_dict_folder_names_its_splits(tmp_path: Path) -> None:
     datasets.DatasetDict({"train": datasets.Dataset.from_list(_conversations(2))}).save_to_disk(tmp_path / "dd")
     with pytest.raises(DataError, match=r"a DatasetDict saved with save_to_disk, with splits \['train'\]"):
         load_text_dataset(str(tmp_path / "dd"), fields=["messages"])
+
+
+def test_streamed_conversations_give_the_packed_rows(tmp_path: Path) -> None:
+    tokenizer = chat_tokenizer()
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(record) + "\n" for record in _conversations(6)))
+    packed = pack_tokens(load_text_dataset(str(path), fields=["messages"]), tokenizer, 16)
+    streamed = first_rows(stream_records(str(path)), tokenizer, 16, len(packed), fields=["messages"])
+    assert torch.equal(streamed, packed) and bool((packed < 0).any())
