@@ -113,8 +113,8 @@ def wandb_resume_kwargs(run_id: str | None) -> dict[str, Any]:
 
 def tracked_scalars(values: dict[str, Any]) -> dict[str, float]:
     """The finite numbers of a record, as trackers take them: numbers as they are, and each list of
-    numbers as `NAME/layer_L`, L from the record's `layers` where the list has one value per layer (a
-    position otherwise); `layers` itself is not sent."""
+    numbers as `NAME/layer_L`: L from the record's `layers` for a `*_per_layer` list of one value per
+    layer, the position in the list otherwise (e.g. `bridge_alphas`); `layers` itself is not sent."""
     layers = values.get("layers")
     scalars: dict[str, float] = {}
     for name, value in values.items():
@@ -123,6 +123,7 @@ def tracked_scalars(values: dict[str, Any]) -> dict[str, float]:
         if isinstance(value, (int, float)):
             scalars[name] = value
         elif isinstance(value, list) and value and all(isinstance(v, (int, float)) for v in value):
-            labels = layers if isinstance(layers, list) and len(layers) == len(value) else range(len(value))
+            per_layer = name.endswith("_per_layer") and isinstance(layers, list) and len(layers) == len(value)
+            labels = layers if per_layer else range(len(value))
             scalars |= {f"{name}/layer_{label}": v for label, v in zip(labels, value)}
     return {name: value for name, value in scalars.items() if math.isfinite(value)}

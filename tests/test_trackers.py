@@ -69,8 +69,13 @@ def test_a_resumed_run_continues_its_wandb_run(tmp_path: Path, wandb_runs: list[
 
 
 def test_per_layer_lists_become_one_scalar_per_layer() -> None:
-    values = {"layers": [2, 5], "kl": 0.5, "kl_per_layer": [0.25, float("nan")], "alphas": [0.1], "flag": True}
-    assert tracked_scalars(values) == {"kl": 0.5, "kl_per_layer/layer_2": 0.25, "alphas/layer_0": 0.1}
+    values = {"layers": [2, 5], "kl": 0.5, "kl_per_layer": [0.25, float("nan")], "alphas": [0.1, 0.2], "on": True}
+    assert tracked_scalars(values) == {
+        "kl": 0.5,
+        "kl_per_layer/layer_2": 0.25,  # NaN is not sent
+        "alphas/layer_0": 0.1,  # not a per-layer list of the `layers`: by position
+        "alphas/layer_1": 0.2,
+    }
 
 
 def test_without_a_progress_bar_each_logged_step_prints_a_line(
