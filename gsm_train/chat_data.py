@@ -90,8 +90,7 @@ def mark_context(token: int) -> int:
 def inputs_and_labels(batch: Tensor) -> tuple[Tensor, Tensor]:
     """A batch of packed rows as (`input_ids`, `labels`): marked tokens restored in the inputs and
     IGNORE_INDEX in the labels; other tokens are their own labels."""
-    context = batch < 0
-    return torch.where(context, -1 - batch, batch), torch.where(context, IGNORE_INDEX, batch)
+    return input_ids(batch), torch.where(batch < 0, IGNORE_INDEX, batch)
 
 
 def input_ids(batch: Tensor) -> Tensor:

@@ -155,3 +155,13 @@ def test_streamed_conversations_give_the_packed_rows(tmp_path: Path) -> None:
     packed = pack_tokens(load_text_dataset(str(path), fields=["messages"]), tokenizer, 16)
     streamed = first_rows(stream_records(str(path)), tokenizer, 16, len(packed), fields=["messages"])
     assert torch.equal(streamed, packed) and bool((packed < 0).any())
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused() -> None:
+    tokenizer = chat_tokenizer()  # this one drops every assistant turn but the last, as reasoning templates do
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if m['role'] != 'assistant' or loop.last %}<{{ m['role'] }}>{{ m['content'] }}"
+        "{{ eos_token }}{% endif %}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    with pytest.raises(DataError, match="renders assistant turn 2 differently alone than within the conversation"):
+        encode_conversation(tokenizer, CHAT, "chat")
