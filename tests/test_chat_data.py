@@ -165,3 +165,15 @@ def test_a_template_that_rewrites_earlier_turns_is_refused() -> None:
     )
     with pytest.raises(DataError, match="renders assistant turn 2 differently alone than within the conversation"):
         encode_conversation(tokenizer, CHAT, "chat")
+
+
+def test_smollm2s_own_template_trains_the_replies_and_their_end_of_turn() -> None:
+    from transformers import AutoTokenizer
+
+    from gsm_train.model_zoo import fetch_smollm2
+
+    gguf = fetch_smollm2()
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    ids, labels = inputs_and_labels(torch.tensor([encode_conversation(tokenizer, CHAT[1:], "smollm2")]))
+    assert tokenizer.decode(ids[0]).startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+    assert tokenizer.decode(labels[0][labels[0] != IGNORE_INDEX]) == "Hello!<|im_end|>\n4<|im_end|>\n"
