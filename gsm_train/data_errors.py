@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from gsm_train.errors import GSMError
 
-class DataError(ValueError):
+
+class DataError(ValueError, GSMError):
     """A data problem stated as `SOURCE: PROBLEM. Fix: FIX.`; the parts are kept as attributes."""
 
     def __init__(self, source: str, problem: str, fix: str) -> None:

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from gsm_train.errors import GSMError
 from gsm_train.families import decoder_layers
 
 
@@ -38,7 +39,7 @@ def cuda_wanted() -> bool:
     return torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_CPU", "").lower() not in ("1", "true", "yes")
 
 
-class LaunchError(RuntimeError):
+class LaunchError(GSMError):
     """The launcher started this process alone where the command asked for several."""
 
 
@@ -108,7 +109,7 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-class OtherRankFailed(RuntimeError):
+class OtherRankFailed(GSMError):
     """Raised on the ranks that had no error when another rank of the launch had one."""
 
 

@@ -23,6 +23,7 @@ from torch import nn
 from transformers import TextStreamer
 
 from gsm_train.adapter_format import ExportError
+from gsm_train.config import check_positions
 from gsm_train.data import DataError
 from gsm_train.distributed import cuda_wanted
 from gsm_train.families import model_dims
@@ -180,6 +181,13 @@ def _run(
     )
 
 
+def _check_positions(model: nn.Module, prompt_tokens: int, max_new_tokens: int) -> None:
+    """Refuse a prompt and `max_new_tokens` beyond the model's positions (ConfigError), before a cache
+    for them is allocated."""
+    tokens = prompt_tokens + max_new_tokens
+    check_positions("generate", "--max-new-tokens", max_new_tokens, tokens, model_dims(model)["context"])
+
+
 def generate(
     model_name: str | None,
     adapter: str | Path | None,
@@ -206,6 +214,7 @@ def generate(
             adapter, revision=revision, base=model_name, mode=mode, dtype=dtype, device=device
         )
         ids = prompt_ids(gsm.tokenizer, prompt, chat)
+        _check_positions(gsm.model, ids.shape[1], max_new_tokens)
         cache = GSMCache(gsm.model, capacity=ids.shape[1] + max_new_tokens)
         runs.append(_run("GSM cache", gsm.model, gsm.tokenizer, ids, max_new_tokens, echo, cache, sampling))
         model_name = model_name or base_to_load(gsm.config["base_model"])[0]
@@ -214,6 +223,8 @@ def generate(
         raise ExportError("generate needs a model: give --adapter (an export, whose base it loads) or --model")
     if adapter is None or compare_dense:
         model, tokenizer = load_model_and_tokenizer(model_name, dtype=dtype)
+        ids = prompt_ids(tokenizer, prompt, chat)
+        _check_positions(model, ids.shape[1], max_new_tokens)
         model.to(device)
         options = {"cache_implementation": "static"} if device.startswith("cuda") else {}
         runs.append(
@@ -221,7 +232,7 @@ def generate(
                 "dense base" + (", static cache" if options else ""),
                 model,
                 tokenizer,
-                prompt_ids(tokenizer, prompt, chat),
+                ids,
                 max_new_tokens,
                 echo and adapter is None,
                 None,

@@ -97,12 +97,14 @@ class RunLogger:
             print(f"step {step}/{self.total_steps} {shown} ({time.time() - self._start:.1f} s)", file=sys.stderr)
 
     def close(self) -> None:
+        """Close the bar, TensorBoard and wandb; a second call does nothing."""
         if self._bar is not None:
             self._bar.close()
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+        self._bar = self._tb = self._wandb = None
 
 
 def wandb_resume_kwargs(run_id: str | None) -> dict[str, Any]:

@@ -49,3 +49,19 @@ def test_accelerate_launch_cpu_with_two_processes_is_refused_before_anything_is_
     )
     assert run.returncode != 0 and "error: accelerate launch --cpu with --num_processes above 1" in run.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_refused_launch_is_a_refusal_of_the_entry_point(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """LaunchError is a GSMError: `python -m gsm_train.train` ends with status 2 and one line, no traceback."""
+    from gsm_train.errors import GSMError
+    from gsm_train.train import main as train_main
+
+    assert issubclass(LaunchError, GSMError)
+    monkeypatch.setenv("PMI_SIZE", "2")
+    monkeypatch.setenv("PMI_RANK", "1")
+    status = train_main(["--recipe", "gate_only", *TINY_GATE, f"output.dir={tmp_path / 'run'}"])
+    assert status == 2
+    assert capsys.readouterr().err.startswith("error: mpirun started 2 processes")
+    assert not (tmp_path / "run").exists()
