@@ -8,13 +8,14 @@ import sys
 from pathlib import Path
 
 from gsm_train import __version__
+from gsm_train.builtin_recipes import builtin_recipes, copy_recipe, recipe_summary
 from gsm_train.checkpoint_export import export_checkpoint
 from gsm_train.config import expand_user_path, load_recipe, override_value, path_arg, resolved_yaml
 from gsm_train.data import DataError
 from gsm_train.entry import run_command
 from gsm_train.evaluate import check_report_folder, evaluate_exports, write_report
 from gsm_train.export import ExportError
-from gsm_train.generate import generate
+from gsm_train.generate import Sampling, generate
 from gsm_train.hub import publish_export
 from gsm_train.inspect_model import inspect_model
 from gsm_train.passkey import evaluate_passkey
@@ -38,6 +39,25 @@ def _positive_int(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number above 0, got {text!r}")
+    return value
+
+
+def _probability(text: str) -> float:
+    """argparse type: a number in (0, 1]."""
+    value = _positive_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
     return value
 
 
@@ -159,6 +179,8 @@ def _generate(args: argparse.Namespace) -> int:
         revision=args.revision,
         compare_dense=args.compare_dense,
         echo=True,
+        sampling=Sampling(args.temperature, args.top_p, args.top_k, args.seed),
+        chat=args.chat,
     )
     print()
     for run in runs:
@@ -185,6 +207,34 @@ def _publish(args: argparse.Namespace) -> int:
     return 0
 
 
+def _recipes(args: argparse.Namespace) -> int:
+    """`recipes list`: each built-in recipe's name and description; `recipes copy NAME DEST`: a copy to edit."""
+    if args.action == "list":
+        recipes = builtin_recipes()
+        width = max(map(len, recipes))
+        for name, path in recipes.items():
+            print(f"{name:<{width}}  {recipe_summary(path)}")
+        return 0
+    try:
+        written = copy_recipe(args.name, args.destination)
+    except (FileNotFoundError, FileExistsError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"copied {args.name} to {written}; run it with: gsm-train train {written}")
+    return 0
+
+
+def _add_recipes_command(commands: argparse._SubParsersAction) -> None:
+    """The `recipes` subcommand's arguments (`list`, `copy NAME DEST`)."""
+    recipes = commands.add_parser("recipes", help="the built-in recipes: list them, or copy one to edit")
+    actions = recipes.add_subparsers(dest="action", required=True)
+    actions.add_parser("list", help="each built-in recipe's name and description")
+    copy = actions.add_parser("copy", help="copy a built-in recipe to a file or folder (never overwrites)")
+    copy.add_argument("name", help="a built-in recipe's name, e.g. gate_only")
+    copy.add_argument("destination", type=path_arg, help="a file to write, or a folder to write NAME.yaml in")
+    recipes.set_defaults(run=_recipes)
+
+
 def _add_validate_command(commands: argparse._SubParsersAction) -> None:
     """The `validate` subcommand's arguments."""
     validate = commands.add_parser("validate", help="check a recipe and print it fully resolved")
@@ -196,7 +246,9 @@ def _add_validate_command(commands: argparse._SubParsersAction) -> None:
 def _add_train_command(commands: argparse._SubParsersAction) -> None:
     """The `train` subcommand's arguments."""
     train = commands.add_parser("train", help="run a recipe (same code path as accelerate launch -m gsm_train.train)")
-    train.add_argument("recipe", type=path_arg)
+    train.add_argument(
+        "recipe", type=path_arg, help="a recipe YAML, or a built-in recipe's name (gsm-train recipes list)"
+    )
     train.add_argument("overrides", nargs="*", help="key.sub=value")
     add_start_flags(train)
     train.set_defaults(run=_train)
@@ -312,7 +364,22 @@ def _add_generate_command(commands: argparse._SubParsersAction) -> None:
         action="store_true",
         help="also run the dense base on the prompt (static cache on a GPU) and report both",
     )
+    _add_sampling_flags(gen)
     gen.set_defaults(run=_generate)
+
+
+def _add_sampling_flags(gen: argparse.ArgumentParser) -> None:
+    """`generate`'s sampling flags (greedy unless one of --temperature, --top-p, --top-k is given) and --chat."""
+    sampling = gen.add_argument_group("sampling (greedy unless --temperature, --top-p or --top-k is given)")
+    sampling.add_argument("--temperature", type=_positive_float, default=None, help="sample at this temperature")
+    sampling.add_argument("--top-p", type=_probability, default=None, help="sample from the top-p nucleus")
+    sampling.add_argument("--top-k", type=_positive_int, default=None, help="sample from the k likeliest tokens")
+    sampling.add_argument("--seed", type=int, default=None, help="seed torch before each run (reproducible samples)")
+    gen.add_argument(
+        "--chat",
+        action="store_true",
+        help="wrap the prompt in the tokenizer's chat template as a user message (instruct models)",
+    )
 
 
 def _add_export_command(commands: argparse._SubParsersAction) -> None:
@@ -357,6 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_generate_command,
         _add_export_command,
         _add_publish_command,
+        _add_recipes_command,
     ):
         add_command(commands)
     return parser

@@ -23,6 +23,7 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    PrivateAttr,
     Tag,
     ValidationError,
     ValidationInfo,
@@ -31,10 +32,12 @@ from pydantic import (
 )
 
 from gsm_train.assets import EMBEDDED_PREFIX, embedded_asset_path
+from gsm_train.builtin_recipes import resolve_recipe
 from gsm_train.errors import GSMError
 from gsm_train.model_names import model_name_problem
 
 HUB_PREFIX = "hf://"
+DATASET_PREFIX = "datasets.Dataset:"  # the path of a source given as a `datasets.Dataset` in Python
 
 
 def _problem(message: str, fix: str) -> ValueError:
@@ -275,6 +278,11 @@ class GSMConfig(StrictModel):
 
 def _check_data_path(path: str) -> str:
     """Accept hub names and embedded assets; local paths and globs must exist now."""
+    if path.startswith(DATASET_PREFIX):
+        raise _problem(
+            f"{path!r} names a datasets.Dataset given in Python, which a recipe cannot hold",
+            "pass the dataset again: train_recipe(RECIPE, train_dataset=DATASET), or give a file, folder or hf:// name",
+        )
     if path.startswith(HUB_PREFIX):
         return path
     if path.startswith(EMBEDDED_PREFIX):
@@ -297,11 +305,27 @@ def _check_data_path(path: str) -> str:
 
 
 class DataSourceConfig(StrictModel):
-    """One text source: a file, folder, glob, `embedded:NAME` or `hf://NAME[:CONFIG][@SPLIT]`."""
+    """One text source: a file, folder (a `Dataset.save_to_disk` folder too), glob, `embedded:NAME` or
+    `hf://NAME[:CONFIG][@SPLIT]`; from Python also a `datasets.Dataset` (`from_dataset`)."""
 
     path: UserPath
     format: Literal["auto", "text", "jsonl", "json", "parquet"] = "auto"
     fields: list[str] | None = None
+    _dataset: Any = PrivateAttr(default=None)
+
+    @classmethod
+    def from_dataset(cls, dataset: Any, fields: list[str] | None = None) -> DataSourceConfig:
+        """A source that is a `datasets.Dataset` given in Python. Its `path` names it by its `datasets`
+        fingerprint (what a run's saved recipe shows); the dataset itself is not part of the recipe, so
+        a resumed run is given it again."""
+        source = cls.model_construct(path=f"{DATASET_PREFIX}{dataset._fingerprint}", format="auto", fields=fields)
+        source._dataset = dataset
+        return source
+
+    @property
+    def dataset(self) -> Any:
+        """The `datasets.Dataset` given in Python (`from_dataset`), else None."""
+        return self._dataset
 
     @field_validator("path")
     @classmethod
@@ -824,7 +848,9 @@ def validate_recipe_dict(data: dict, source: str = "<recipe>", problems: list[Pr
 
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> RecipeConfig:
-    """Read a recipe YAML, apply overrides, validate everything; raise ConfigError listing all problems."""
+    """Read a recipe YAML (a file, or a built-in recipe's name: `builtin_recipes.resolve_recipe`), apply
+    overrides, validate everything; raise ConfigError listing all problems."""
+    path = resolve_recipe(path)
     source = str(path)
     try:
         text = Path(path).expanduser().read_bytes().decode("utf-8")
@@ -836,7 +862,8 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> RecipeC
                     "<file>",
                     source,
                     f"cannot read the recipe: {err.strerror}",
-                    "give the path of a recipe YAML, e.g. recipes/gate_only.yaml",
+                    "give the path of a recipe YAML, e.g. recipes/gate_only.yaml, or a built-in recipe's "
+                    "name (gsm-train recipes list)",
                 )
             ],
         ) from None

@@ -27,8 +27,9 @@ import datasets
 import torch
 
 from gsm_train.assets import EMBEDDED_PREFIX, embedded_asset_path
-from gsm_train.config import HUB_PREFIX
-from gsm_train.errors import GSMError
+from gsm_train.chat_data import encode_conversation, is_conversation
+from gsm_train.config import DATASET_PREFIX, HUB_PREFIX
+from gsm_train.data_errors import DataError  # defined apart (chat_data raises it too); importable from here
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -36,15 +37,8 @@ if TYPE_CHECKING:
 _FORMATS = {"text": "text", "txt": "text", "json": "json", "jsonl": "json", "parquet": "parquet"}
 _EXTENSIONS = {".txt": "text", ".json": "json", ".jsonl": "json", ".ndjson": "json", ".parquet": "parquet"}
 _COMPRESSIONS = (".gz", ".xz", ".bz2", ".zst")
+CHAT_COLUMN = "messages"  # the column of conversations `load_text_dataset` returns for chat data
 _SOURCE_HINT = "give an existing file, folder or glob, embedded:sample_prose, or hf://NAME[:CONFIG][@SPLIT]"
-
-
-class DataError(ValueError, GSMError):
-    """A data problem stated as `SOURCE: PROBLEM. Fix: FIX.`; the parts are kept as attributes."""
-
-    def __init__(self, source: str, problem: str, fix: str) -> None:
-        super().__init__(f"{source}: {problem}. Fix: {fix}.")
-        self.source, self.problem, self.fix = source, problem, fix
 
 
 def _format_of(file: Path) -> str | None:
@@ -139,7 +133,8 @@ def join_fields(values: list[Any], separator: str) -> str:
 
 
 def _documents(ds: datasets.Dataset, fields: list[str], separator: str, source: str) -> datasets.Dataset:
-    """One `text` column: each record's `fields` joined by `separator`; blank documents dropped."""
+    """One `text` column: each record's `fields` joined by `separator`; blank documents dropped. A single
+    field of conversations (`chat_data.is_conversation`) becomes one `messages` column instead."""
     missing = [field for field in fields if field not in ds.column_names]
     if missing and len(ds):
         raise DataError(
@@ -147,6 +142,10 @@ def _documents(ds: datasets.Dataset, fields: list[str], separator: str, source: 
             f"field {missing[0]!r} is missing from the records, which have {ds.column_names}",
             f"set fields to names among {ds.column_names}",
         )
+    if len(ds) and _conversation_fields(ds[0], fields, source):
+        kept = ds.select_columns(fields)
+        kept = kept if fields[0] == CHAT_COLUMN else kept.rename_column(fields[0], CHAT_COLUMN)
+        return kept.filter(lambda record: bool(record[CHAT_COLUMN]), desc="collecting conversations")
 
     def join(batch: dict[str, list[Any]]) -> dict[str, list[str]]:
         texts = (join_fields(values, separator) for values in zip(*(batch[f] for f in fields)))
@@ -159,6 +158,36 @@ def _documents(ds: datasets.Dataset, fields: list[str], separator: str, source: 
     return ds
 
 
+def _conversation_fields(record: dict[str, Any], fields: list[str], source: str) -> bool:
+    """Whether `fields` name one field of conversations (judged on a record); DataError when a
+    conversation field comes with others (its messages would be joined as Python text)."""
+    chats = [field for field in fields if is_conversation(record[field])]
+    if chats and len(fields) > 1:
+        raise DataError(
+            source,
+            f"field {chats[0]!r} holds conversations (lists of role/content messages), given with {fields}",
+            f"set fields to [{chats[0]}] alone: a conversation is rendered with the tokenizer's chat template",
+        )
+    return bool(chats)
+
+
+def _saved_dataset(path: str) -> datasets.Dataset | None:
+    """The dataset of a folder written by `Dataset.save_to_disk` (None for any other path); DataError
+    for a `DatasetDict`'s folder, which names its splits' folders."""
+    folder = Path(os.path.expanduser(path))
+    if (folder / "dataset_dict.json").is_file():
+        splits = sorted(p.name for p in folder.iterdir() if (p / "state.json").is_file())
+        raise DataError(
+            path,
+            f"a DatasetDict saved with save_to_disk, with splits {splits}",
+            f"give one split's folder, e.g. {folder / (splits[0] if splits else 'train')}",
+        )
+    if not ((folder / "state.json").is_file() and (folder / "dataset_info.json").is_file()):
+        return None
+    fix = "write it again with Dataset.save_to_disk (its arrow files or state.json are damaged)"
+    return _load(path, fix, lambda: datasets.load_from_disk(str(folder)))
+
+
 def _records(path: str, format: str, streaming: bool) -> datasets.Dataset | datasets.IterableDataset:
     """A source's raw records through `datasets` (text sources: one record `text` per file)."""
     if format != "auto" and format not in _FORMATS:
@@ -168,6 +197,9 @@ def _records(path: str, format: str, streaming: bool) -> datasets.Dataset | data
         name, config, split = _parse_hub_name(path)
         fix = "check the name, config and split; go online (unset HF_HUB_OFFLINE) or give a local copy of the data"
         return _load(path, fix, lambda: datasets.load_dataset(name, config, split=split, streaming=streaming))
+    saved = _saved_dataset(path)
+    if saved is not None:
+        return saved.to_iterable_dataset() if streaming else saved
     files = [file for file in _resolve_files(path, fmt) if file.stat().st_size > 0]
     if not files:
         raise DataError(path, "holds no non-blank text (its files are empty)", "give files that contain text")
@@ -183,22 +215,39 @@ def _records(path: str, format: str, streaming: bool) -> datasets.Dataset | data
 
 
 def load_text_dataset(
-    path: str, *, format: str = "auto", fields: list[str] | None = None, separator: str = "\n\n"
+    path: str | datasets.Dataset,
+    *,
+    format: str = "auto",
+    fields: list[str] | None = None,
+    separator: str = "\n\n",
 ) -> datasets.Dataset:
-    """Load documents from a file, folder, glob, `embedded:NAME` or `hf://NAME[:CONFIG][@SPLIT]`.
+    """Load documents from a file, folder (a `save_to_disk` folder too), glob, `embedded:NAME`,
+    `hf://NAME[:CONFIG][@SPLIT]`, or take the records of a `datasets.Dataset` given itself.
 
     Returns a `datasets.Dataset` with one string column `text`, one row per non-blank document:
     a whole file for text sources, a record's `fields` (default `["text"]`) joined by `separator`
-    otherwise. Raises DataError for a missing path, unknown format, missing field or no text.
+    otherwise; or, where `fields` names one field of conversations (lists of role/content
+    messages), one column `messages` of the non-empty conversations (`chat_data`). Raises
+    DataError for a missing path, unknown format, missing field or no text.
     """
-    records = _records(path, format, streaming=False)
-    return _documents(records, list(fields) if fields else ["text"], separator, path)
+    if isinstance(path, datasets.Dataset):
+        records, source = path, dataset_source_name(path)
+    else:
+        records, source = _records(path, format, streaming=False), path
+    return _documents(records, list(fields) if fields else ["text"], separator, source)
 
 
-def stream_records(path: str, *, format: str = "auto") -> datasets.IterableDataset:
+def dataset_source_name(dataset: datasets.Dataset) -> str:
+    """How messages name a `datasets.Dataset` given as a source: by its `datasets` fingerprint."""
+    return f"{DATASET_PREFIX}{dataset._fingerprint}"
+
+
+def stream_records(path: str | datasets.Dataset, *, format: str = "auto") -> datasets.IterableDataset:
     """The raw records of a source as `load_text_dataset` reads it, streamed: read as they are
     iterated, never whole in memory (`datasets` streaming; `state_dict()` marks where the iteration
     stands). Records become documents through `join_fields` (`streaming.StreamedBatches`)."""
+    if isinstance(path, datasets.Dataset):
+        return path.to_iterable_dataset()
     return _records(path, format, streaming=True)
 
 
@@ -212,23 +261,28 @@ def pack_tokens(
 ) -> torch.Tensor:
     """Tokenize the `text` documents, end each with EOS, concatenate, cut into rows of `seq_len`.
 
-    No other special tokens are added. The remainder shorter than a row is dropped. Returns a
-    LongTensor [rows, seq_len]; raises DataError without an EOS token or a single full row.
+    No other special tokens are added. The remainder shorter than a row is dropped. Conversations (a
+    `messages` column, `load_text_dataset`) are tokenized in the chat template instead, their tokens
+    outside the loss marked (`chat_data.encode_conversation`; no EOS: the template ends its turns).
+    Returns a LongTensor [rows, seq_len]; raises DataError without an EOS token or a single full row.
     """
     source = f"packing {getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__}"
     if seq_len < 1:
         raise DataError(source, f"seq_len is {seq_len}", "use a positive seq_len")
-    if "text" not in dataset.column_names:
+    encode = _conversation_encoder(tokenizer, source) if CHAT_COLUMN in dataset.column_names else None
+    if encode is None and "text" not in dataset.column_names:
         raise DataError(source, f"the dataset has no text column, only {dataset.column_names}", "use load_text_dataset")
     eos = [tokenizer.eos_token_id] if add_eos else []
-    if add_eos and eos[0] is None:
+    if encode is None and add_eos and eos[0] is None:
         raise DataError(
             source, "the tokenizer has no eos token to end documents", "set its eos_token, or add_eos=False"
         )
 
-    def encode(batch: dict[str, list[str]]) -> dict[str, list[list[int]]]:
+    def encode_text(batch: dict[str, list[str]]) -> dict[str, list[list[int]]]:
         encoding = tokenizer(batch["text"], add_special_tokens=False, return_attention_mask=False, verbose=False)
         return {"input_ids": [doc + eos for doc in encoding["input_ids"]]}
+
+    encode = encode or encode_text
 
     encoded = dataset.map(
         encode, batched=True, num_proc=num_proc, remove_columns=dataset.column_names, desc="tokenizing"
@@ -240,6 +294,15 @@ def pack_tokens(
             source, f"{len(flat)} tokens do not fill one row of seq_len={seq_len}", "use a smaller seq_len or more text"
         )
     return torch.from_numpy(flat[: n_rows * seq_len].astype("int64")).view(n_rows, seq_len)
+
+
+def _conversation_encoder(tokenizer: PreTrainedTokenizerBase, source: str) -> Callable[..., dict[str, list]]:
+    """A batched `map` function from a `messages` column to the conversations' marked token ids."""
+
+    def encode(batch: dict[str, list[Any]]) -> dict[str, list[list[int]]]:
+        return {"input_ids": [encode_conversation(tokenizer, chat, source) for chat in batch[CHAT_COLUMN]]}
+
+    return encode
 
 
 def tokens_in_rows(rows: torch.Tensor) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -38,8 +39,40 @@ def cuda_wanted() -> bool:
     return torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_CPU", "").lower() not in ("1", "true", "yes")
 
 
+class LaunchError(GSMError):
+    """The launcher started this process alone where the command asked for several."""
+
+
+_TRUE = ("1", "true", "yes")
+_MPI_SIZES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")  # as accelerate's PartialState reads them
+_TORCHRUN = "torchrun --nproc_per_node N -m gsm_train.train --recipe RECIPE [key=value ...]"
+
+
+def check_launch(env: Mapping[str, str]) -> None:
+    """Raise LaunchError for a launch whose processes would each run alone, unaware of the others:
+    `accelerate launch --cpu --num_processes N` (N > 1), which starts one process (accelerate runs
+    several CPU processes only through mpirun; its one process gets MASTER_PORT but no WORLD_SIZE), or
+    mpirun, whose ranks get no WORLD_SIZE either. torchrun (or accelerate on GPUs) sets WORLD_SIZE."""
+    if "WORLD_SIZE" in env:
+        return
+    mpi = next((env[name] for name in _MPI_SIZES if name in env), "1")
+    if mpi.isdigit() and int(mpi) > 1:
+        raise LaunchError(
+            f"mpirun started {mpi} processes, but gsm-train joins a process group through torchrun's "
+            f"variables (WORLD_SIZE, RANK), which mpirun does not set: each would train alone. Fix: {_TORCHRUN}"
+        )
+    if env.get("ACCELERATE_USE_CPU", "").lower() in _TRUE and "MASTER_PORT" in env:
+        raise LaunchError(
+            "accelerate launch --cpu with --num_processes above 1 started this one process only (accelerate "
+            "runs several CPU processes only through mpirun), so it would train alone. Fix: for several CPU "
+            f"processes (gloo, the GPU code path): {_TORCHRUN}; or drop --num_processes for one"
+        )
+
+
 def init_distributed(force_cpu: bool = False) -> DistInfo:
-    """Join the process group that `accelerate launch`/`torchrun` set up (gloo on CPU, NCCL on GPU)."""
+    """Join the process group that `accelerate launch`/`torchrun` set up (gloo on CPU, NCCL on GPU);
+    LaunchError for a launch that started fewer processes than asked (`check_launch`)."""
+    check_launch(os.environ)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import ValidationError
 from torch import Tensor, nn
+from tqdm.auto import tqdm
 
 from gsm_train.adapter_format import GSM_SECTIONS, ExportError, read_config
 from gsm_train.attention import GSMSettings, configure_gsm, gsm_collect
@@ -81,8 +82,10 @@ def perplexity_and_recall(
     batch_size: int,
     recall: tuple[int | None, int] | None,
     buckets: list[tuple[int, int]] | None = None,
+    label: str | None = None,
 ) -> dict[str, Any]:
-    """Perplexity over all predicted tokens of `rows` [N, T]; with `recall` (k, min_keys) on a GSM
+    """Perplexity over all predicted tokens of `rows` [N, T] (with `label`, a progress bar of that name
+    over the windows on stderr); with `recall` (k, min_keys) on a GSM
     model, the gate's and the oracle's captured attention mass too (k None: at each query's k of the
     top-k schedule).
 
@@ -99,8 +102,10 @@ def perplexity_and_recall(
     tokens = torch.zeros(len(buckets), dtype=torch.float64)
     mass = torch.zeros(3, len(buckets), dtype=torch.float64)  # gate, oracle, queries
     autocast = inference_autocast(device)
+    bar = tqdm(total=len(rows), desc=label, unit="window", disable=label is None, dynamic_ncols=True)
     for start in range(0, len(rows), batch_size):
         batch = rows[start : start + batch_size].to(device)
+        bar.update(len(batch))
         collect = (
             gsm_collect(model, recall=recall, recall_buckets=starts) if recall is not None else contextlib.nullcontext()
         )
@@ -111,6 +116,7 @@ def perplexity_and_recall(
         sums = records.captured_mass_total() if records is not None else None
         if sums is not None:
             mass += torch.stack([sums[f"{key}_by_bucket"] for key in MASS_SUMS]).cpu()
+    bar.close()
     parts = [
         {
             "start": a,
@@ -309,12 +315,12 @@ def evaluate_exports(
         if rows is None:
             rows = pack_tokens(load_text_dataset(data), evaluation.tokenizer, seq_len)[:windows]
         if item.settings is None or not item.settings.enabled:  # the base, or a dense control
-            results[item.name] = perplexity_and_recall(item.model, rows, batch_size, None, buckets)
+            results[item.name] = perplexity_and_recall(item.model, rows, batch_size, None, buckets, item.name)
         else:
             sparse = item.settings.config.sparse_attention
             k = sparse.top_k if sparse.top_k_schedule == "constant" else None  # None: scheduled
             recall = (k, min(min_keys, seq_len))
-            measured = perplexity_and_recall(item.model, rows, batch_size, recall, buckets)
+            measured = perplexity_and_recall(item.model, rows, batch_size, recall, buckets, item.name)
             kv_bytes = kv_bytes_ratio(item.model, item.settings, seq_len)
             results[item.name] = measured | kv_bytes | {"k": k or sparse.top_k_schedule}
         if item.export is not None:

@@ -2,6 +2,10 @@
 the text streamed as it is generated, and what it cost: time to first token, decode tokens/s, peak
 device memory and KV bytes; with `--compare-dense`, the dense base on the same prompt beside it.
 
+Greedy by default; `Sampling` turns sampling on (temperature, top-p, top-k, a seed set before each
+run, so that the GSM run and the dense one draw from the same generator state). `chat=True` wraps the
+prompt in the tokenizer's chat template as one user message, with the generation prompt added.
+
 The adapter's model is `GSMModel.from_pretrained` (its `generate` runs over a GSM cache, token steps
 replayed from CUDA graphs on a GPU: `inference.engine`). The dense base runs as a user would run it
 instead: on a GPU with transformers' static cache, whose step transformers compiles.
@@ -20,6 +24,7 @@ from transformers import TextStreamer
 
 from gsm_train.adapter_format import ExportError
 from gsm_train.config import check_positions
+from gsm_train.data import DataError
 from gsm_train.distributed import cuda_wanted
 from gsm_train.families import model_dims
 from gsm_train.hub_ids import base_to_load
@@ -83,6 +88,42 @@ class TimedStreamer(TextStreamer):
             super().on_finalized_text(text, stream_end)
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How new tokens are chosen: greedy when no field is set, else sampled with the fields given
+    (the others at transformers' defaults); `seed` seeds torch before each run (also when greedy)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+
+    def generate_kwargs(self) -> dict[str, Any]:
+        """`model.generate` keyword arguments for this choice."""
+        chosen = (("temperature", self.temperature), ("top_p", self.top_p), ("top_k", self.top_k))
+        given = {name: value for name, value in chosen if value is not None}
+        return {"do_sample": True, **given} if given else {"do_sample": False}
+
+
+def prompt_ids(tokenizer: Any, prompt: str, chat: bool) -> torch.Tensor:
+    """[1, n] token ids of `prompt`: as text (with the tokenizer's special tokens), or with `chat` the
+    tokenizer's chat template applied to it as one user message, generation prompt added (the
+    template writes its special tokens itself); DataError if the tokenizer has no chat template."""
+    if not chat:
+        return tokenizer(prompt, return_tensors="pt").input_ids
+    if not getattr(tokenizer, "chat_template", None):
+        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        raise DataError(
+            f"--chat with {name}",
+            "the tokenizer has no chat template",
+            "drop --chat to continue the prompt as plain text, or use a chat (instruct) model",
+        )
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+    )
+    return tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+
+
 def dense_cache_bytes(model: nn.Module, tokens: int, batch: int = 1) -> int:
     """Bytes a bf16 K/V cache of `tokens` takes for this model."""
     dims = model_dims(model)
@@ -99,15 +140,18 @@ def _run(
     label: str,
     model: nn.Module,
     tokenizer: Any,
-    prompt: str,
+    ids: torch.Tensor,
     max_new_tokens: int,
     echo: bool,
     cache: GSMCache | None,
+    sampling: Sampling,
     **options: Any,
 ) -> Generation:
-    """Greedy generation of `model` on `prompt`, streamed and timed."""
+    """Generation of `model` from the prompt's `ids` as `sampling` says, streamed and timed."""
     device = next(model.parameters()).device
-    ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)
+    ids = ids.to(device)
+    if sampling.seed is not None:
+        torch.manual_seed(sampling.seed)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     streamer = TimedStreamer(tokenizer, echo)
@@ -115,10 +159,10 @@ def _run(
     out = model.generate(
         ids,
         max_new_tokens=max_new_tokens,
-        do_sample=False,
         streamer=streamer,
         pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id or 0,
         **extra,
+        **sampling.generate_kwargs(),
         **options,
     )
     seconds = time.perf_counter() - streamer.start
@@ -154,28 +198,33 @@ def generate(
     revision: str | None = None,
     compare_dense: bool = False,
     echo: bool = False,
+    sampling: Sampling | None = None,
+    chat: bool = False,
 ) -> list[Generation]:
-    """Greedy continuation of `prompt`: with `adapter` (an export folder or a Hub repo id at `revision`),
+    """Continuation of `prompt` (greedy, or as `sampling` says; with `chat` in the tokenizer's chat
+    template, `prompt_ids`): with `adapter` (an export folder or a Hub repo id at `revision`),
     GSM attention over the GSM cache on the base the export names (or `model_name`), and with
     `compare_dense` the dense base after it; without an adapter, the base `model_name`. `echo` streams
     the text to stdout."""
     device, dtype = _device_and_dtype(device)
+    sampling = sampling or Sampling()
     runs = []
     if adapter is not None:
         gsm = GSMModel.from_pretrained(
             adapter, revision=revision, base=model_name, mode=mode, dtype=dtype, device=device
         )
-        length = len(gsm.tokenizer(prompt).input_ids)
-        _check_positions(gsm.model, length, max_new_tokens)
-        cache = GSMCache(gsm.model, capacity=length + max_new_tokens)
-        runs.append(_run("GSM cache", gsm.model, gsm.tokenizer, prompt, max_new_tokens, echo, cache))
+        ids = prompt_ids(gsm.tokenizer, prompt, chat)
+        _check_positions(gsm.model, ids.shape[1], max_new_tokens)
+        cache = GSMCache(gsm.model, capacity=ids.shape[1] + max_new_tokens)
+        runs.append(_run("GSM cache", gsm.model, gsm.tokenizer, ids, max_new_tokens, echo, cache, sampling))
         model_name = model_name or base_to_load(gsm.config["base_model"])[0]
         del gsm
     elif model_name is None:
         raise ExportError("generate needs a model: give --adapter (an export, whose base it loads) or --model")
     if adapter is None or compare_dense:
         model, tokenizer = load_model_and_tokenizer(model_name, dtype=dtype)
-        _check_positions(model, len(tokenizer(prompt).input_ids), max_new_tokens)
+        ids = prompt_ids(tokenizer, prompt, chat)
+        _check_positions(model, ids.shape[1], max_new_tokens)
         model.to(device)
         options = {"cache_implementation": "static"} if device.startswith("cuda") else {}
         runs.append(
@@ -183,10 +232,11 @@ def generate(
                 "dense base" + (", static cache" if options else ""),
                 model,
                 tokenizer,
-                prompt,
+                ids,
                 max_new_tokens,
                 echo and adapter is None,
                 None,
+                sampling,
                 **options,
             )
         )

@@ -27,6 +27,7 @@ import datasets
 import torch
 from torch import Tensor
 
+from gsm_train.chat_data import encode_conversation, is_conversation
 from gsm_train.data import DataError, join_fields
 
 
@@ -86,13 +87,21 @@ class StreamedBatches:
                     f"field {missing[0]!r} is missing from a record, which has {sorted(record)}",
                     f"set fields to names among {sorted(record)}",
                 )
-            text = join_fields([record[field] for field in self.fields], self.separator)
-            if text.strip():
-                ids = self.tokenizer(text, add_special_tokens=False, return_attention_mask=False, verbose=False)[
-                    "input_ids"
-                ]
-                yield before, [*ids, self.tokenizer.eos_token_id]
+            tokens = self._tokens([record[field] for field in self.fields])
+            if tokens:
+                yield before, tokens
             before = after
+
+    def _tokens(self, values: list[Any]) -> list[int]:
+        """A record's tokens as `data.pack_tokens` makes them: a conversation in the chat template (its
+        context marked), else the values joined as text and ended with EOS; [] for blank text."""
+        if len(values) == 1 and is_conversation(values[0]):
+            return encode_conversation(self.tokenizer, values[0], self.source)
+        text = join_fields(values, self.separator)
+        if not text.strip():
+            return []
+        ids = self.tokenizer(text, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
+        return [*ids, self.tokenizer.eos_token_id]
 
     def _stream_rows(self, state: dict[str, Any], offset: int) -> Iterator[Tensor]:
         """Rows of `seq_len` from the document at `state`, its first `offset` tokens left out, to

@@ -39,7 +39,7 @@ import torch
 from datasets.fingerprint import Hasher
 
 from gsm_train.config import DataSourceConfig
-from gsm_train.data import DataError, load_text_dataset, pack_tokens
+from gsm_train.data import CHAT_COLUMN, DataError, load_text_dataset, pack_tokens
 from gsm_train.distributed import DistInfo, raise_on_any_rank
 from gsm_train.durable import replace_atomically
 
@@ -111,7 +111,9 @@ def _build(
 ) -> tuple[Path, int]:
     """(the cache file of `source`'s rows, their count), tokenizing them first if they are not
     cached."""
-    documents = load_text_dataset(source.path, format=source.format, fields=source.fields)
+    documents = load_text_dataset(
+        source.path if source.dataset is None else source.dataset, format=source.format, fields=source.fields
+    )
     described = {
         "version": CACHE_VERSION,
         "data": documents._fingerprint,
@@ -120,6 +122,8 @@ def _build(
         "seq_len": seq_len,
         "eos": True,
     }
+    if CHAT_COLUMN in documents.column_names:  # conversations: the template decides the tokens too
+        described["chat_template"] = tokenizer.chat_template
     key = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:32]
     tokens, header = folder / f"{key}.tokens", folder / f"{key}.json"
     if header.is_file():

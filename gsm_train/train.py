@@ -10,22 +10,34 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
-from gsm_train.config import ConfigError, Problem, load_recipe, path_arg
+from gsm_train.config import ConfigError, DataSourceConfig, Problem, RecipeConfig, load_recipe, path_arg
 from gsm_train.entry import run_command
 from gsm_train.preflight import StartOptions
 from gsm_train.stages import STAGES
 from gsm_train.trainer import TrainResult, run_training
 
+if TYPE_CHECKING:
+    import datasets
+
 
 def train_recipe(
-    recipe: str, overrides: list[str], resume: str | None = None, options: StartOptions | None = None
+    recipe: str,
+    overrides: list[str],
+    resume: str | None = None,
+    options: StartOptions | None = None,
+    *,
+    train_dataset: datasets.Dataset | None = None,
+    eval_dataset: datasets.Dataset | None = None,
 ) -> TrainResult:
     """Validate the recipe and run its stage (raises ConfigError before anything is written);
-    `options`: --overwrite and --allow-recipe-change (default: neither)."""
+    `options`: --overwrite and --allow-recipe-change (default: neither). `train_dataset` /
+    `eval_dataset`: `datasets.Dataset`s to train / evaluate on instead of the recipe's
+    `data.train` / `data.eval` (read with the recipe's `fields`; `with_datasets`)."""
     if resume is not None:
         overrides = [*overrides, f"output.resume_from={resume}"]
-    config = load_recipe(recipe, overrides)
+    config = with_datasets(load_recipe(recipe, overrides), train_dataset, eval_dataset)
     if config.stage not in STAGES:
         raise ConfigError(
             recipe,
@@ -39,6 +51,19 @@ def train_recipe(
             ],
         )
     return run_training(config, STAGES[config.stage](), options=options)
+
+
+def with_datasets(
+    config: RecipeConfig, train_dataset: datasets.Dataset | None, eval_dataset: datasets.Dataset | None
+) -> RecipeConfig:
+    """The recipe with `data.train` / `data.eval` replaced by the datasets given (None: kept), each read
+    with the `fields` of the source it replaces (`data.train`'s for an eval set the recipe lacks)."""
+    data, sources = config.data, {}
+    if train_dataset is not None:
+        sources["train"] = DataSourceConfig.from_dataset(train_dataset, data.train.fields)
+    if eval_dataset is not None:
+        sources["eval"] = DataSourceConfig.from_dataset(eval_dataset, (data.eval or data.train).fields)
+    return config.model_copy(update={"data": data.model_copy(update=sources)}) if sources else config
 
 
 def add_start_flags(parser: argparse.ArgumentParser) -> None:
@@ -68,7 +93,11 @@ def start_options(args: argparse.Namespace) -> StartOptions:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="gsm_train.train", description=__doc__)
-    parser.add_argument("--recipe", required=True, help="recipe YAML, e.g. recipes/gate_only.yaml")
+    parser.add_argument(
+        "--recipe",
+        required=True,
+        help="recipe YAML, e.g. recipes/gate_only.yaml, or a built-in recipe's name (gate_only)",
+    )
     add_start_flags(parser)
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, validated like the recipe")
     return parser.parse_intermixed_args(argv)  # overrides may follow --resume

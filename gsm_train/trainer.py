@@ -48,6 +48,7 @@ def run_training(
     config: RecipeConfig, stage: Stage, run_name: str | None = None, options: StartOptions | None = None
 ) -> TrainResult:
     """Run `stage` as the recipe says, resuming if asked; return losses, final metrics and summary.
+    `run_name`: what trackers call the run (default: the run folder's name).
     Bad input raises before the model loads (`preflight`), with nothing written; the run holds its
     folder's lock throughout (`run_folder`). `options`: --overwrite and --allow-recipe-change
     (default: neither)."""
@@ -56,7 +57,7 @@ def run_training(
     try:
         plan = _plan(config, backend, info, options or StartOptions())
         with hold_run_folder(plan.run_dir, info), fp32_matmul_precision(config.train.fp32_matmul, info.device):
-            return _run(config, stage, info, backend, run_name or config.stage, plan)
+            return _run(config, stage, info, backend, run_name or plan.run_dir.resolve().name, plan)
     finally:
         teardown()
 
@@ -113,6 +114,7 @@ def _run(
             info.is_main,
             run_name,
             config.model_dump(mode="json"),
+            plan.run_id,
         )
         try:
             logger.log("setup", start, _setup_record(session, plan, capture_step))

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from gsm_train.attention import gsm_collect, gsm_parameters, gsm_settings, inject_gsm
+from gsm_train.chat_data import input_ids
 from gsm_train.config import RecipeConfig
 from gsm_train.distributed import all_reduce_sum
 from gsm_train.modules import GSMError
@@ -45,7 +46,7 @@ class GateWarmupStage:
         inject_gsm(model, config.gsm, mode="dense")
 
     def _forward(self, model: nn.Module, batch: Tensor) -> None:
-        model(input_ids=batch, use_cache=False, logits_to_keep=1)
+        model(input_ids=input_ids(batch), use_cache=False, logits_to_keep=1)
 
     def loss(self, model: nn.Module, batch: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         with gsm_collect(model, distill=True, distill_queries=self.distill_queries) as records:

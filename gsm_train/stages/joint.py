@@ -17,13 +17,24 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gsm_train.attention import configure_gsm, gsm_adapters, gsm_collect, gsm_parameters, inject_gsm
+from gsm_train.attention import (
+    GSMRecords,
+    configure_gsm,
+    gsm_adapters,
+    gsm_collect,
+    gsm_parameters,
+    gsm_settings,
+    inject_gsm,
+)
+from gsm_train.chat_data import IGNORE_INDEX, inputs_and_labels
 from gsm_train.config import RecipeConfig
 from gsm_train.distributed import all_reduce_sum
 from gsm_train.export import check_base, load_tensors, validate_export
 from gsm_train.lora import inject_lora, lora_parameters
 from gsm_train.modules import GSMError
+from gsm_train.plots import plot_recall_per_layer
 
+_MASS_KEYS = ("gate", "oracle", "queries")
 ASQ_STATS = ("recon_rel_error", "cluster_usage", "dead_clusters")  # logged as asq_<name> at each evaluation
 
 
@@ -79,7 +90,8 @@ class JointStage:
             distill_on_selection=True,
             distill_queries=self.config.train.distill_queries,
         ) as records:
-            lm = model(input_ids=batch, labels=batch, use_cache=False).loss
+            inputs, labels = inputs_and_labels(batch)
+            lm = model(input_ids=inputs, labels=labels, use_cache=False).loss
         kl = _mean(records.gate_kl_means())
         asq = _mean(records.asq_losses())
         loss = weights.lm * lm
@@ -99,24 +111,32 @@ class JointStage:
         recall = (k, min_keys) if self.config.gsm.gsm_enabled else None
         device = next(model.parameters()).device
         sums = torch.zeros(8, dtype=torch.float64, device=device)  # nll, tokens, gate, oracle, queries, ASQ x3
+        layers = list(gsm_settings(model).gate_layers) if recall is not None else []
+        per_layer = torch.zeros(len(layers), len(_MASS_KEYS), dtype=torch.float64, device=device)
         for batch in batches:
+            inputs, labels = inputs_and_labels(batch)
             with gsm_collect(model, recall=recall) as records:
-                loss = model(input_ids=batch, labels=batch, use_cache=False).loss
-            tokens = batch.shape[0] * (batch.shape[1] - 1)
-            sums[0] += loss.double() * tokens
+                loss = model(input_ids=inputs, labels=labels, use_cache=False).loss
+            tokens = (labels[:, 1:] != IGNORE_INDEX).sum()  # the tokens the loss averages over
+            sums[0] += torch.where(tokens > 0, loss.double() * tokens, 0.0)  # no token in the loss: NaN loss
             sums[1] += tokens
+            per_layer += self._layer_mass(records, layers, device)
             mass = records.captured_mass_total()
             if mass is not None:
                 sums[2:5] += torch.stack([mass[key] for key in ("gate", "oracle", "queries")])
             sums[5:8] += torch.tensor(self._asq_stats(model), dtype=torch.float64, device=device)
         model.train(was_training)
-        sums = all_reduce_sum(sums).cpu()
+        sums, per_layer = all_reduce_sum(sums).cpu(), all_reduce_sum(per_layer).cpu()
         metrics = {"ppl": math.exp(sums[0] / sums[1]), "eval_tokens": int(sums[1])}
         if sums[4] > 0:
+            queries = per_layer[:, 2].clamp_min(1)
             metrics |= {
                 f"gate_mass_k{k}": float(sums[2] / sums[4]),
                 f"oracle_mass_k{k}": float(sums[3] / sums[4]),
                 f"recall_ratio_k{k}": float(sums[2] / sums[3]),
+                "layers": layers,
+                f"gate_mass_k{k}_per_layer": (per_layer[:, 0] / queries).tolist(),
+                f"oracle_mass_k{k}_per_layer": (per_layer[:, 1] / queries).tolist(),
             }
         if self.config.gsm.kv_compression.enabled and self.config.gsm.kv_compression.method == "asq":
             for index, key in enumerate(ASQ_STATS):
@@ -125,6 +145,17 @@ class JointStage:
         if alphas:
             metrics |= {"bridge_alpha_mean": sum(alphas) / len(alphas), "bridge_alphas": alphas}
         return metrics
+
+    @staticmethod
+    def _layer_mass(records: GSMRecords, layers: list[int], device: torch.device) -> Tensor:
+        """[len(layers), 3] captured-mass sums (gate, oracle, queries) of each layer in `records`."""
+        rows = [
+            torch.stack([record.captured_mass[key] for key in _MASS_KEYS]).to(device)
+            if (record := records.layers.get(layer)) is not None and record.captured_mass
+            else torch.zeros(len(_MASS_KEYS), dtype=torch.float64, device=device)
+            for layer in layers
+        ]
+        return torch.stack(rows) if rows else torch.zeros(0, len(_MASS_KEYS), dtype=torch.float64, device=device)
 
     @staticmethod
     def _asq_stats(model: nn.Module) -> list[float]:
@@ -147,7 +178,14 @@ class JointStage:
         ]
 
     def report(self, run_dir: Path, metrics: dict[str, Any], history: list[dict[str, Any]]) -> dict[str, Any]:
+        """report.json, and with the gate's recall measured, recall_per_layer.png (as stage 1 writes)."""
         report = {"stage": self.name, "gsm_enabled": self.config.gsm.gsm_enabled, "final": metrics, "history": history}
-        (run_dir / "report.json").write_text(json.dumps(report, indent=2))
+        k = self.config.logging.recall_k
+        plotted = {}
+        if f"gate_mass_k{k}_per_layer" in metrics:
+            plot = run_dir / "recall_per_layer.png"
+            gate, oracle = metrics[f"gate_mass_k{k}_per_layer"], metrics[f"oracle_mass_k{k}_per_layer"]
+            plotted = {"plot": str(plot_recall_per_layer(metrics["layers"], gate, oracle, k, plot))}
+        (run_dir / "report.json").write_text(json.dumps(report | plotted, indent=2))
         keys = [key for key in metrics if key == "ppl" or key.startswith("recall_ratio") or key == "bridge_alpha_mean"]
-        return {key: metrics[key] for key in keys} | {"report": str(run_dir / "report.json")}
+        return {key: metrics[key] for key in keys} | {"report": str(run_dir / "report.json")} | plotted
