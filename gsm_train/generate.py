@@ -22,7 +22,7 @@ from gsm_train.adapter_format import ExportError
 from gsm_train.distributed import cuda_wanted
 from gsm_train.families import model_dims
 from gsm_train.hub_ids import base_to_load
-from gsm_train.inference.cache import GSMCache, cache_kwargs
+from gsm_train.inference.cache import DEFAULT_PREFILL, GSMCache, cache_kwargs
 from gsm_train.kv_budget import bf16_layer_kv_bytes
 from gsm_train.model_zoo import load_model_and_tokenizer
 from gsm_train.pretrained import GSMModel
@@ -146,16 +146,17 @@ def generate(
     revision: str | None = None,
     compare_dense: bool = False,
     echo: bool = False,
+    prefill: str = DEFAULT_PREFILL,
 ) -> list[Generation]:
     """Greedy continuation of `prompt`: with `adapter` (an export folder or a Hub repo id at `revision`),
     GSM attention over the GSM cache on the base the export names (or `model_name`), and with
     `compare_dense` the dense base after it; without an adapter, the base `model_name`. `echo` streams
-    the text to stdout."""
+    the text to stdout; `prefill` how the adapter's prompt attends (dense / sparse: `load_gsm`)."""
     device, dtype = _device_and_dtype(device)
     runs = []
     if adapter is not None:
         gsm = GSMModel.from_pretrained(
-            adapter, revision=revision, base=model_name, mode=mode, dtype=dtype, device=device
+            adapter, revision=revision, base=model_name, mode=mode, prefill=prefill, dtype=dtype, device=device
         )
         length = len(gsm.tokenizer(prompt).input_ids)
         cache = GSMCache(gsm.model, capacity=length + max_new_tokens)

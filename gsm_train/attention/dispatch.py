@@ -1,8 +1,9 @@
 """The attention function registered with transformers: one dispatcher for every GSM layer.
 
-Per call it takes one of three paths:
+Per call it takes one of these paths:
 - the base path (transformers' SDPA): GSM switched off, or a dense layer with nothing to record;
 - a decode step over a generation cache: the cache computes it (`GSMLayerCache.decode_attention`);
+- a prompt into a generation cache in dense prefill: the base path, the cache keeping the gate keys;
 - a teacher-forced pass (training, evaluation, a prompt): the K/V path (ASQ, bridge), main attention
   `dense`, `sparse` (the gate's top-k) or `oracle` (the true top-k), then the training-time records the
   forward was asked for (gate KL, captured mass).
@@ -59,6 +60,12 @@ def gsm_attention_forward(
     if layer_cache is not None and layer_cache.attends_itself():
         step = CachedStep(module, adapter, query, *inputs, attention_mask, scale, state.settings)
         return layer_cache.cached_attention(step), None
+    if layer_cache is not None and layer_cache.prompt_attends_densely():  # dense prefill: the base's attention
+        if adapter.gate is not None:  # the cache keeps the prompt's gate keys for the token steps
+            layer_cache.keep_gate_keys(adapter.gate.keys(*inputs), adapter.gate.key_bits)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     key, value, own = adapter.transform_kv(key, value, state)
     sparse_cfg = state.settings.config.sparse_attention
     mode = "dense" if adapter.dense_layer or not sparse_cfg.enabled else state.settings.mode
