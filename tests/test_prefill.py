@@ -35,16 +35,13 @@ EVERYTHING = {
     "sparse_attention": {**GATE, "heads": "kv", "gate_key_bits": 8, "sink_tokens": 1, "recent_tokens": 2},
     "kv_compression": {**ASQ, "value_quant_bits": 2, "rotate_residuals": True},
 }
+TOKENS = torch.randint(0, 256, (3, LENGTH), generator=torch.Generator().manual_seed(0))  # prompt and continuation
 
 
 def _model(sections: dict[str, Any], mode: str, family: str = "llama") -> torch.nn.Module:
     model = tiny_model(family)
     inject_gsm(model, GSMConfig.model_validate(sections), mode=mode)
     return model
-
-
-def _ids(length: int = LENGTH, batch: int = 2) -> Tensor:
-    return torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(0))
 
 
 @torch.no_grad()
@@ -76,7 +73,7 @@ def test_with_nothing_that_changes_attention_both_prefills_are_identical(chunks:
     """Gate on (its keys stored) in dense main attention, no compressor: both modes give the same cache and
     logits, bit for bit, for the prompt and the token steps after it, in one call or in chunks."""
     model = _model(NOTHING_CHANGES_ATTENTION, mode="dense")
-    ids = _ids()
+    ids = TOKENS[:2]
     dense_cache, dense_logits = _run(model, ids, "dense", chunks)
     sparse_cache, sparse_logits = _run(model, ids, "sparse", chunks)
     assert torch.equal(dense_logits, sparse_logits)
@@ -90,7 +87,7 @@ def test_with_a_top_k_that_keeps_every_key_both_prefills_agree_in_fp64() -> None
     """Sparse main attention whose k covers every key selects nothing away: the two modes then compute the
     same attention through different kernels (masked SDPA against causal SDPA), equal to fp64 rounding."""
     model = _model({"sparse_attention": {**GATE, "top_k": LENGTH, "k_min": LENGTH}}, mode="sparse").double()
-    ids = _ids()
+    ids = TOKENS[:2]
     dense_cache, dense_logits = _run(model, ids, "dense", (8, 21))
     sparse_cache, sparse_logits = _run(model, ids, "sparse", (8, 21))
     torch.testing.assert_close(dense_logits, sparse_logits, atol=1e-12, rtol=0)
@@ -127,7 +124,7 @@ def test_a_dense_prefill_stores_what_the_cache_writer_makes_of_the_dense_models_
     one call gives the dense model's logits exactly, and the cache holds exactly what a fresh store packs
     from the dense model's own K/V of each layer, and the gate keys of its own hidden states."""
     model = _model(EVERYTHING, mode="sparse", family=family)
-    ids = _ids(PROMPT)
+    ids = TOKENS[:2, :PROMPT]
     cache, logits = _run(model, ids, "dense", (PROMPT,))
     dense_logits, layers = _dense_model_layers(model, ids)
     assert torch.equal(logits, dense_logits)
@@ -165,7 +162,7 @@ def test_after_a_dense_prefill_decoding_runs_and_the_first_token_is_the_dense_mo
     ASQ's error; without a compressor, chunks read raw K/V and the logits are the dense model's to fp64
     rounding (1e-10 here)."""
     model = _model(EVERYTHING, mode="sparse").double()
-    prompt = _ids(PROMPT)
+    prompt = TOKENS[:2, :PROMPT]
     with torch.no_grad():
         generated = model.generate(
             prompt,
@@ -194,10 +191,10 @@ def test_load_gsm_sets_the_prefill_of_generate(tmp_path) -> None:
     load_gsm(fresh, folder, prefill="dense")
     with torch.no_grad():
         out = fresh.generate(
-            _ids(PROMPT), max_new_tokens=3, do_sample=False, pad_token_id=0, return_dict_in_generate=True
+            TOKENS[:2, :PROMPT], max_new_tokens=3, do_sample=False, pad_token_id=0, return_dict_in_generate=True
         )
         with gsm_disabled(fresh):
-            dense_first = fresh(_ids(PROMPT), use_cache=False).logits[:, -1].argmax(-1)
+            dense_first = fresh(TOKENS[:2, :PROMPT], use_cache=False).logits[:, -1].argmax(-1)
     cache = getattr(out, "cache", None) or out.past_key_values
     assert cache.prefill == "dense" and torch.equal(out.sequences[:, PROMPT], dense_first)
     with pytest.raises(GSMError, match="prefill 'Dense'"):
@@ -209,7 +206,7 @@ def test_continuation_perplexity_through_the_cache_on_a_tiny_model() -> None:
     the continuation alike and as the dense model does (fp32 rounding); with every feature on, the first
     continuation token (scored from the prompt alone) is scored as by the dense model after a dense
     prefill (to fp32 rounding: the dense model's pass runs over the whole window), the sparse prefill's not."""
-    windows = _ids(LENGTH, batch=3)
+    windows = TOKENS
     model = _model(NOTHING_CHANGES_ATTENTION, mode="dense")
     dense, sparse, base = (continuation_nll(model, windows, PROMPT, mode) for mode in ("dense", "sparse", None))
     assert dense.shape == (3, LENGTH - PROMPT) and torch.equal(dense, sparse)
