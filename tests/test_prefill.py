@@ -14,6 +14,8 @@ from torch import Tensor
 
 from benchmarks.prefill_quality import continuation_nll
 from gsm_train.attention import gsm_disabled, inject_gsm
+from gsm_train.attention.dispatch import chunked_masked_attention, masked_sdpa
+from gsm_train.attention.layout import block_causal_kv
 from gsm_train.config import GSMConfig
 from gsm_train.export import export_adapter, load_gsm
 from gsm_train.families import attention_modules
@@ -216,3 +218,40 @@ def test_continuation_perplexity_through_the_cache_on_a_tiny_model() -> None:
     torch.testing.assert_close(dense[:, 0], base[:, 0], atol=1e-5, rtol=0)  # the base's GEMMs over more rows
     assert (sparse[:, 0] - base[:, 0]).abs().max() > 1e-3
     assert torch.isfinite(dense).all() and torch.isfinite(sparse).all()
+
+
+def _reference_attention(query: Tensor, stored: tuple, own: tuple | None, selection: Tensor, block: int) -> Tensor:
+    """The sparse prefill's attention before it went in chunks: one masked SDPA of every query over the
+    stored keys and the raw ones side by side (`block_causal_kv`)."""
+    positions = torch.arange(query.shape[2])
+    keys, values, mask = block_causal_kv(*stored, own, selection, positions, block)
+    return masked_sdpa(query, keys, values, mask, 0.125, True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("with_own", [True, False], ids=["asq", "no_compressor"])
+@pytest.mark.parametrize("selectors", [1, 2])
+def test_the_sparse_prefills_attention_in_query_chunks_equals_one_masked_sdpa(
+    dtype: torch.dtype, with_own: bool, selectors: int
+) -> None:
+    """`chunked_masked_attention` (query chunks reading only the keys they can select) computes what one masked
+    SDPA of every query over all 2S keys computed: fp64 to rounding (1e-12), fp32 to 1e-6; chunks aligned
+    to blocks or not, one chunk, a selection per KV group or one for all, a padded row."""
+    generator = torch.Generator().manual_seed(0)
+    batch, heads, kv_heads, length, dim = 2, 4, 2, LENGTH, 8
+
+    def rand(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=generator, dtype=dtype)
+
+    query = rand(batch, heads, length, dim)
+    stored = (rand(batch, kv_heads, length, dim), rand(batch, kv_heads, length, dim))
+    own = (rand(batch, kv_heads, length, dim), rand(batch, kv_heads, length, dim)) if with_own else None
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    selection = (torch.rand(batch, selectors, length, length, generator=generator) < 0.4) & causal
+    selection |= torch.eye(length, dtype=torch.bool)  # each query keeps its own position
+    selection[1, :, 3:, :3] = False  # row 1 left-padded by 3 tokens: later queries never see them
+    expected = _reference_attention(query, stored, own, selection, BLOCK)
+    tolerance = 1e-12 if dtype == torch.float64 else 1e-6
+    for chunk in (5, BLOCK, 16, length):
+        got = chunked_masked_attention(query, stored, own, selection, BLOCK, 0.125, True, chunk)
+        torch.testing.assert_close(got, expected, atol=tolerance, rtol=0, msg=f"chunk {chunk}")
