@@ -64,7 +64,7 @@ def measure(part: str, dtype: str, args: argparse.Namespace, prompts: torch.Tens
         load_gsm(model, args.export)
     else:
         inject_gsm(model, load_recipe(str(REPO / "recipes" / "joint.yaml"), PARTS[part]).gsm, mode="sparse")
-    enable_gsm_generation(model, cuda_graphs=False)
+    enable_gsm_generation(model, cuda_graphs=False, prefill="sparse")  # the prompt attends as teacher forcing
     set_gsm_mode(model, "sparse")
     ids = prompts.to(args.device)
     gsm, gsm_outside_ties = agreement(model, _greedy(model, ids, args.new_tokens), args.new_tokens)

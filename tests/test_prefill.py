@@ -6,6 +6,7 @@ benchmarks/prefill_quality.py on a tiny model, and the prefill setting's bad val
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -22,6 +23,7 @@ from gsm_train.families import attention_modules
 from gsm_train.functional.gate_keys import encode_gate_keys
 from gsm_train.inference.cache import GSMCache, cache_kwargs
 from gsm_train.inference.kv_store import CacheLengths, KVStore
+from gsm_train.inference.prefill import causal_chunk_sdpa
 from gsm_train.model_zoo import tiny_model
 from gsm_train.modules import GSMError
 from gsm_train.quant import stored_split
@@ -255,3 +257,46 @@ def test_the_sparse_prefills_attention_in_query_chunks_equals_one_masked_sdpa(
     for chunk in (5, BLOCK, 16, length):
         got = chunked_masked_attention(query, stored, own, selection, BLOCK, 0.125, True, chunk)
         torch.testing.assert_close(got, expected, atol=tolerance, rtol=0, msg=f"chunk {chunk}")
+
+
+@pytest.mark.parametrize("gqa", [True, False])
+def test_the_lower_right_causal_bias_is_the_mask_a_dense_prefill_chunk_uses(gqa: bool) -> None:
+    """`causal_chunk_sdpa`'s CUDA form (torch's lower-right causal bias, run here through its CPU fallback)
+    attends exactly as its mask form: the chunk's last T queries over all S keys, aligned lower right."""
+    generator = torch.Generator().manual_seed(0)
+    kv_heads = 2 if gqa else 4
+    query = torch.randn(2, 4, 11, 8, generator=generator, dtype=torch.float64)
+    keys, values = (torch.randn(2, kv_heads, 30, 8, generator=generator, dtype=torch.float64) for _ in range(2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the CPU fallback warns that the CUDA kernels do not run
+        biased = causal_chunk_sdpa(query, keys, values, 0.3, gqa, bias=True)
+    masked = causal_chunk_sdpa(query, keys, values, 0.3, gqa, bias=False)
+    torch.testing.assert_close(biased, masked, atol=1e-12, rtol=0)
+
+
+def test_a_left_padded_batch_prefills_densely_as_the_dense_model() -> None:
+    """Padding reaches a dense prefill in chunks (gate only, no compressor: chunks read raw K/V): the real
+    tokens' logits are the dense model's (fp64 rounding) and the token steps after it run."""
+    model = _model({"sparse_attention": GATE}, mode="sparse").double()
+    ids, mask = TOKENS[:2, :PROMPT].clone(), torch.ones(2, PROMPT, dtype=torch.long)
+    ids[1, :4], mask[1, :4] = 0, 0
+    cache, logits, start = GSMCache(model, capacity=PROMPT + 2, prefill="dense"), [], 0
+    with torch.no_grad():
+        for size in (8, 16, 5):
+            out = model(
+                ids[:, start : start + size],
+                attention_mask=mask[:, : start + size],
+                **cache_kwargs(model, cache),
+                use_cache=True,
+            )
+            logits.append(out.logits)
+            start += size
+        step = model(
+            out.logits[:, -1:].argmax(-1), attention_mask=torch.ones(2, PROMPT + 1), **cache_kwargs(model, cache)
+        )
+        with gsm_disabled(model):
+            dense = model(ids, attention_mask=mask, use_cache=False).logits
+    logits = torch.cat(logits, 1)
+    torch.testing.assert_close(logits[0], dense[0], atol=1e-10, rtol=0)
+    torch.testing.assert_close(logits[1, 4:], dense[1, 4:], atol=1e-10, rtol=0)
+    assert torch.isfinite(step.logits).all()

@@ -43,7 +43,7 @@ from gsm_train.modules.errors import GSMError
 from gsm_train.quant import stored_split
 
 PREFILL_MODES = ("dense", "sparse")
-DEFAULT_PREFILL = "sparse"  # chosen by benchmarks/prefill_quality.py (docs/design-decisions.md)
+DEFAULT_PREFILL = "dense"  # chosen by benchmarks/prefill_quality.py (docs/design-decisions.md)
 
 
 def check_prefill(prefill: str) -> str:

@@ -56,22 +56,36 @@ def _refuse_bridge(step: CachedStep) -> None:
 def dense_chunk_attention(step: CachedStep, layer_cache: ChunkedLayer) -> Tensor:
     """Attention [B, T, Hq, D] of a prompt chunk's queries [B, Hq, T, D] in dense prefill (module docstring):
     causal over every key held, those packed before the chunk as stored, the later ones raw. Keeps the
-    chunk's gate keys for later token steps. On CUDA without padding, one SDPA with a lower-right causal
-    bias (flash / memory-efficient kernels); elsewhere the same mask materialized."""
+    chunk's gate keys for later token steps (`causal_chunk_sdpa`: flash kernels on CUDA)."""
     _refuse_bridge(step)
     gate = step.adapter.gate
     if gate is not None:
         layer_cache.keep_gate_keys(gate.keys(step.hidden, step.cos, step.sin), gate.key_bits)
     keys, values, _ = _keys_as_seen(layer_cache, step.query.dtype, recent_as_stored=False)
     gqa = step.module.num_key_value_groups > 1
-    if step.query.is_cuda and layer_cache.key_valid is None:
-        bias = causal_lower_right(step.query.shape[2], keys.shape[2])
+    return causal_chunk_sdpa(step.query, keys, values, step.scaling, gqa, layer_cache.key_valid)
+
+
+def causal_chunk_sdpa(
+    query: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    scaling: float,
+    gqa: bool,
+    key_valid: Tensor | None = None,
+    bias: bool | None = None,
+) -> Tensor:
+    """Causal attention [B, T, Hq, D] of the last T positions (queries [B, Hq, T, D]) over all S keys
+    [B, Hkv, S, D], aligned lower right (query t sees keys up to S - T + t) and, with `key_valid` [B, >= S],
+    only valid keys. `bias` (default: on CUDA without `key_valid`): one SDPA with torch's lower-right
+    causal bias, which runs the flash or memory-efficient kernels; else the same mask materialized."""
+    length, held = query.shape[2], keys.shape[2]
+    if bias if bias is not None else (query.is_cuda and key_valid is None):
         out = F.scaled_dot_product_attention(
-            step.query, keys, values, attn_mask=bias, scale=step.scaling, enable_gqa=gqa
+            query, keys, values, attn_mask=causal_lower_right(length, held), scale=scaling, enable_gqa=gqa
         )
         return out.transpose(1, 2).contiguous()
-    allowed = _allowed(layer_cache, layer_cache.lengths.before, layer_cache.lengths.seq_len, step.query.device)
-    return masked_sdpa(step.query, keys, values, allowed, step.scaling, gqa)
+    return masked_sdpa(query, keys, values, _allowed(key_valid, held - length, held, query.device), scaling, gqa)
 
 
 def chunk_attention(step: CachedStep, layer_cache: ChunkedLayer) -> Tensor:
@@ -85,7 +99,7 @@ def chunk_attention(step: CachedStep, layer_cache: ChunkedLayer) -> Tensor:
     lengths = layer_cache.lengths
     before, end = lengths.before, lengths.seq_len
     keys, values, raw_from = _keys_as_seen(layer_cache, step.query.dtype)
-    allowed = _allowed(layer_cache, before, end, step.query.device)
+    allowed = _allowed(layer_cache.key_valid, before, end, step.query.device)
     selection = allowed
     if adapter.gate is not None:
         gate_q, gate_k = adapter.gate(step.hidden, step.cos, step.sin)
@@ -122,12 +136,13 @@ def _keys_as_seen(
     return sides[0], sides[1], raw_from
 
 
-def _allowed(layer_cache: ChunkedLayer, before: int, end: int, device: torch.device) -> Tensor:
-    """[B|1, 1, T, end]: causal, and the keys each row may see (padding)."""
+def _allowed(key_valid: Tensor | None, before: int, end: int, device: torch.device) -> Tensor:
+    """[B|1, 1, T, end] for queries at [before, end): causal, and the keys each row may see (`key_valid`
+    [B, >= end], padding; None: all)."""
     query_positions = torch.arange(before, end, device=device)
     allowed = (torch.arange(end, device=device)[None, :] <= query_positions[:, None])[None, None]
-    if layer_cache.key_valid is not None:
-        allowed = allowed & layer_cache.key_valid[:, None, None, :end]
+    if key_valid is not None:
+        allowed = allowed & key_valid[:, None, None, :end]
     return allowed
 
 
