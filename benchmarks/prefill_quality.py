@@ -8,7 +8,10 @@ Each window of held-out text is `--prompt` tokens of prompt and `--continuation`
   continuation fed one token per call through the cache (GSM's token steps), each token scored by the
   logits before it (the first by the prompt's last position);
 - with `--chunk N`, also `gsm_dense_prefill_chunked` / `gsm_sparse_prefill_chunked`: the prompt in calls of
-  N tokens (later chunks read the earlier ones as the cache holds them).
+  N tokens (later chunks read the earlier ones as the cache holds them), and `dense_model_chunked`'s prefill
+  time (transformers' cache, the same calls).
+Each method also times its prefill of one window's prompt (`prefill_ms_batch1`, median of 3 after one, and
+over the dense model's): on a CPU an indication of time to first token, not the GPU figure.
 
 GSM modules: an export (`--export`), or the recipe's modules as injected, untrained (`--recipe`, default
 recipes/joint.yaml; `--gsm gsm.KEY=VALUE` on top). CPU, fp32 unless a GPU is there (then bf16).
@@ -27,8 +30,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from transformers import DynamicCache
 
-from benchmarks.common import REPO, add_gsm_argument, write_result
+from benchmarks.common import REPO, add_gsm_argument, median_ms, write_result
 from gsm_train.attention import gsm_disabled, inject_gsm
 from gsm_train.config import load_recipe
 from gsm_train.data import load_text_dataset, pack_tokens
@@ -49,14 +53,36 @@ def continuation_nll(model: nn.Module, windows: Tensor, prompt_len: int, prefill
             logits = model(windows, use_cache=False).logits[:, prompt_len - 1 : -1]
     else:
         cache = cache_kwargs(model, GSMCache(model, capacity=windows.shape[1], prefill=prefill))
-        step = chunk or prompt_len
-        for start in range(0, prompt_len, step):
-            out = model(windows[:, start : min(start + step, prompt_len)], **cache, use_cache=True, logits_to_keep=1)
-        parts = [out.logits]
+        parts = [prefill_prompt(model, windows[:, :prompt_len], cache, chunk)]
         for position in range(prompt_len, windows.shape[1] - 1):
             parts.append(model(windows[:, position : position + 1], **cache, use_cache=True).logits)
         logits = torch.cat(parts, 1)
     return F.cross_entropy(logits.double().transpose(1, 2), targets, reduction="none")
+
+
+def prefill_prompt(model: nn.Module, prompt: Tensor, cache: dict, chunk: int = 0) -> Tensor:
+    """Feed `prompt` [N, P] into the cache (`cache_kwargs`) in calls of `chunk` tokens (0: one call); returns
+    the logits of its last position [N, 1, V]."""
+    step = chunk or prompt.shape[1]
+    for start in range(0, prompt.shape[1], step):
+        out = model(prompt[:, start : start + step], **cache, use_cache=True, logits_to_keep=1)
+    return out.logits
+
+
+@torch.no_grad()
+def prefill_ms(model: nn.Module, prompt: Tensor, prefill: str | None, chunk: int = 0) -> float:
+    """Median milliseconds (3 runs after one) of the prefill of `prompt` [N, P], the bulk of time to first
+    token: the dense model's (GSM off, transformers' own cache) or GSM's into a fresh cache in that mode."""
+
+    def run() -> None:
+        if prefill is None:
+            with gsm_disabled(model):
+                prefill_prompt(model, prompt, cache_kwargs(model, DynamicCache()), chunk)
+        else:
+            cache = GSMCache(model, capacity=prompt.shape[1], prefill=prefill)
+            prefill_prompt(model, prompt, cache_kwargs(model, cache), chunk)
+
+    return median_ms(run, warmup=1, repeat=3)
 
 
 def compare_prefills(model: nn.Module, windows: Tensor, prompt_len: int, chunk: int = 0) -> dict[str, dict]:
@@ -68,21 +94,30 @@ def compare_prefills(model: nn.Module, windows: Tensor, prompt_len: int, chunk: 
         "gsm_sparse_prefill": ("sparse", 0),
     }
     if chunk:
-        methods |= {"gsm_dense_prefill_chunked": ("dense", chunk), "gsm_sparse_prefill_chunked": ("sparse", chunk)}
+        methods |= {
+            "dense_model_chunked": (None, chunk),
+            "gsm_dense_prefill_chunked": ("dense", chunk),
+            "gsm_sparse_prefill_chunked": ("sparse", chunk),
+        }
     results = {}
     for name, (prefill, size) in methods.items():
+        results[name] = {"prefill_ms_batch1": prefill_ms(model, windows[:1, :prompt_len], prefill, size)}
+        if prefill is None and size:
+            continue  # the dense model's scores do not depend on how its prompt is fed
         tic = time.perf_counter()
         nll = continuation_nll(model, windows, prompt_len, prefill, size)
-        results[name] = {
+        results[name] |= {
             "perplexity": math.exp(float(nll.mean())),
             "first_token_nll": float(nll[:, 0].mean()),
             "nll_per_window": [round(float(row.mean()), 5) for row in nll],
             "seconds": round(time.perf_counter() - tic, 2),
         }
-        print(f"{name}: perplexity {results[name]['perplexity']:.4f} ({results[name]['seconds']} s)", flush=True)
-    dense = results["dense_model"]["perplexity"]
+        print(f"{name}: {results[name]}", flush=True)
+    dense = results["dense_model"]
     for row in results.values():
-        row["over_dense_model"] = row["perplexity"] / dense
+        row["prefill_over_dense_model"] = row["prefill_ms_batch1"] / dense["prefill_ms_batch1"]
+        if "perplexity" in row:
+            row["over_dense_model"] = row["perplexity"] / dense["perplexity"]
     return results
 
 
