@@ -15,7 +15,9 @@ from pathlib import Path
 
 import torch
 
+from gsm_train.checkpoint import newest_good_checkpoint
 from gsm_train.durable import write_durable
+from gsm_train.preflight import StartOptions
 from gsm_train.train import train_recipe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -161,11 +163,14 @@ def git_commit(repo: Path = REPO, paths: tuple[str, ...] = CODE_PATHS) -> str:
 
 def train_unless_exported(recipe: Path, overrides: list[str], run_dir: Path) -> None:
     """Train `recipe` into `run_dir` unless its export is there (exports are written to a temporary
-    folder and renamed when complete); a run with checkpoints resumes from its latest one."""
+    folder and renamed when complete); a run with a checkpoint that verifies resumes from the newest
+    one, any other (killed before its first) starts over."""
     if (run_dir / "export").is_dir():
         print(f"{run_dir / 'export'} exists: {recipe.name} is not trained again", flush=True)
         return
-    result = train_recipe(str(recipe), [*overrides, f"output.dir={run_dir}"], resume="auto")
+    good, _ = newest_good_checkpoint(run_dir)
+    resume, options = ("auto", None) if good is not None else (None, StartOptions(overwrite=True))
+    result = train_recipe(str(recipe), [*overrides, f"output.dir={run_dir}"], resume=resume, options=options)
     del result
     gc.collect()
     if torch.cuda.is_available():

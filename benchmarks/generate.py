@@ -1,7 +1,9 @@
 """End-to-end generation as users run it, on one GPU: `model.generate` over the GSM cache (after `load_gsm`
 or `enable_gsm_generation`: chunked prefill, token steps replayed from CUDA graphs) against the dense
 base with transformers' static cache, whose decode step transformers compiles (what a user would pick),
-and with its default dynamic cache (eager).
+with its default dynamic cache (eager), and through our own dense engine (`dense_engine`:
+`gsm_train.inference.dense_engine`, a preallocated bf16 cache, the token step captured in a CUDA graph,
+SDPA / flash decode over the valid prefix): what a serving engine gives the dense model.
 
 Rows (`--rows`, default all):
 - `8b_32k_bs1`, `8b_32k_bs16`, `8b_128k_bs1`, `8b_128k_bs16`: a Llama-3-8B-shaped model (32 layers, 32 / 8
@@ -10,17 +12,26 @@ Rows (`--rows`, default all):
   random, since speed does not depend on their values); random prompt tokens. At 128k and batch 16 the
   dense cache does not fit one H200: the row says what does.
 - `smollm2_8k_bs1`, `smollm2_8k_bs16`: SmolLM2-135M with `--smollm2-export` (or the recipe's modules,
-  untrained) on held-out text (`--eval-data`), plus token agreement with teacher forcing (bf16) and the
-  captured step against the eager one.
+  untrained) on held-out text (`--eval-data`), plus token agreement with teacher forcing (bf16), the
+  captured step against the eager one, and (batch 1) the step KL of GSM and the dense model.
 
 Per row and method: decode tokens/s over the new tokens after the second (the first comes from the
 prompt; the second's step is where a graph is captured or a step compiled), time to first token (batch-1
 rows, after a warm-up call that compiles the kernels), peak device memory, the KV bytes held, and the
-bandwidth bound: the bytes one decode step must read (weights plus the KV it touches) over the H200's
-4.8 TB/s, as tokens/s. Batch-16 GSM rows prefill one prompt at batch 1 and copy the cache to every row
-(rows then decode alike; the time of a 16-row sparse prefill is not what the row measures).
-Resumable: rows already in --result are skipped, and a row cut short keeps the methods it measured
-(progress lines give the seconds since the start).
+share of the bandwidth bound it runs at: the bytes one decode step must read (`benchmarks.bandwidth`:
+weights plus the KV it reads, for GSM from the cache's own buffers) over the step's time, against the
+peak a device-to-device copy reaches in the same run. Batch-16 GSM rows prefill one prompt at batch 1
+and copy the cache to every row (rows then decode alike; the time of a 16-row sparse prefill is not
+what the row measures). The GSM rows prefill with `--prefill` (default `dense`, the library's default:
+the prompt attends as the base model and fills the GSM cache from its K/V; `sparse`: the teacher-forced GSM
+pass), recorded in the row settings. Token agreement and the step KL compare cached decoding with GSM's own
+teacher-forced pass, so they prefill sparsely whatever `--prefill` says (the same function on both sides).
+The summary: `e2e_speedup_<row>` (GSM over the fastest dense method of the
+row), `bandwidth_share_<method>_<row>`, `ttft_ratio_<row>` (GSM's time to first token over the fastest
+dense one), and from the SmolLM2 rows `step_kl_gsm_over_dense` (`benchmarks.step_kl`).
+Resumable: the JSON is written atomically after every method; a row with the same settings is skipped
+when complete and keeps the methods it measured when cut short (progress lines give the seconds since
+the start).
 
 python -m benchmarks.generate --eval-data DATA/wikitext-2/valid.txt [--smollm2-export EXPORT] --result OUT.json
 """
@@ -30,7 +41,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -39,20 +49,24 @@ from typing import Any
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from benchmarks import bandwidth
 from benchmarks.agreement import agreement
 from benchmarks.common import write_result
+from benchmarks.step_kl import step_kl
 from gsm_train.attention import gsm_adapters, gsm_disabled, inject_gsm, set_gsm_mode
 from gsm_train.config import load_recipe
 from gsm_train.data import load_text_dataset, pack_tokens
 from gsm_train.export import load_gsm
-from gsm_train.families import model_dims
-from gsm_train.inference.cache import GSMCache, cache_kwargs
+from gsm_train.inference.cache import DEFAULT_PREFILL, PREFILL_MODES, GSMCache, cache_kwargs
+from gsm_train.inference.dense_engine import PREFILL_CHUNK as ENGINE_PREFILL_CHUNK
+from gsm_train.inference.dense_engine import DenseEngine
 from gsm_train.inference.engine import enable_gsm_generation
 from gsm_train.model_zoo import load_model_and_tokenizer, random_model
 
 REPO = Path(__file__).resolve().parents[1]
-HBM_BYTES_PER_S = 4.8e12  # the H200's HBM3e bandwidth (spec); a device copy measured 4.3 TB/s here
 DENSE_PREFILL_CHUNK = 4096  # the dense 8B rows' prefill chunk (run_row)
+DENSE_METHODS = ("dense_eager", "dense_static_compiled", "dense_engine")
+ROW_VERSION = 2  # what a row holds; a row measured by another version starts over
 FIRST_TIMED = 2  # decode tokens/s from the third new token on (see the module docstring)
 ROWS = {
     "8b_32k_bs1": ("8b", 32768, 1),
@@ -80,9 +94,14 @@ class StepTimes(StoppingCriteria):
         self.start, self.times = time.perf_counter(), []
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        torch.cuda.synchronize()
-        self.times.append(time.perf_counter() - self.start)
+        self.mark()
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def mark(self) -> None:
+        """A new token is ready (on CUDA once the device has computed it)."""
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.times.append(time.perf_counter() - self.start)
 
     def decode_tokens_per_s(self, batch: int) -> float:
         times = self.times[FIRST_TIMED:]
@@ -96,7 +115,7 @@ def llama8b() -> torch.nn.Module:
     return random_model("random-llama3-8b", torch.bfloat16, "cuda", max_position_embeddings=131072 + 1024)
 
 
-def _generate(
+def generate_timed(
     model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, **kwargs: Any
 ) -> tuple[torch.Tensor, StepTimes]:
     """Greedy `model.generate` of `new_tokens` after `ids` [B, T] (every position real: an explicit mask, so
@@ -120,11 +139,9 @@ def _measure(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, warm: b
     """One method's figures on `ids` [B, T]: with `warm`, a short call first (compiles, autotunes), then
     time to first token and decode tokens/s of the main call, its peak memory."""
     if warm:  # as long as the timed call: a static cache of another length would compile again
-        _generate(model, ids, new_tokens, **kwargs)
-    gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    out, timer = _generate(model, ids, new_tokens, **kwargs)
+        generate_timed(model, ids, new_tokens, **kwargs)
+    _fresh_peak()
+    out, timer = generate_timed(model, ids, new_tokens, **kwargs)
     return {
         "decode_tokens_per_s": timer.decode_tokens_per_s(ids.shape[0]),
         "time_to_first_token_s": timer.times[0] if warm else None,
@@ -132,45 +149,6 @@ def _measure(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, warm: b
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
         "tokens": out,
     }
-
-
-def dense_kv_bytes(model: torch.nn.Module, tokens: int, batch: int) -> int:
-    dims = model_dims(model)
-    return 2 * 2 * dims["kv_heads"] * dims["head_dim"] * dims["layers"] * tokens * batch
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
-def gsm_step_bytes(model: torch.nn.Module, context: int, batch: int) -> int:
-    """Bytes one GSM decode step reads besides the weights: per layer and row, the gate keys of every
-    position and the selected rows (cluster id, residual codes, scale and the prototype row in full, K
-    and V, per KV head), or every row in the dense layers."""
-    dims = model_dims(model)
-    total = 0
-    for _, adapter in gsm_adapters(model):
-        per_row = (
-            sum(
-                1 + math.ceil(dims["head_dim"] * asq.quant_bits / 8) + 2 + 2 * dims["head_dim"]
-                for asq in (adapter.asq_k, adapter.asq_v)
-            )
-            * dims["kv_heads"]
-        )
-        gate = adapter.gate
-        if gate is None:
-            total += per_row * context
-            continue
-        key_bytes = gate.gate_head_dim + 2 if gate.key_bits == 8 else 2 * gate.gate_head_dim
-        k = gsm_k(model)
-        total += gate.num_selectors * key_bytes * context + per_row * min(k, context)
-    return total * batch
-
-
-def gsm_k(model: torch.nn.Module) -> int:
-    from gsm_train.attention import gsm_settings
-
-    return gsm_settings(model).config.sparse_attention.top_k
 
 
 def _copy_rows(prefilled: GSMCache, model: torch.nn.Module, batch: int) -> GSMCache:
@@ -192,33 +170,58 @@ def _copy_rows(prefilled: GSMCache, model: torch.nn.Module, batch: int) -> GSMCa
 
 
 def gsm_row(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int) -> dict:
-    """The GSM method's figures; batch > 1: one prompt prefilled at batch 1, its cache copied to every row."""
+    """The GSM method's figures; batch > 1: one prompt prefilled at batch 1, its cache copied to every row.
+    `step_bytes`: what the last token step read (weights and `bandwidth.gsm_kv_read_bytes`)."""
     batch = ids.shape[0]
     if batch == 1:
         say(f"gsm warm-up: prefill of {ids.shape[1]} tokens and 3 new")
-        _generate(model, ids, 3)  # warm-up: kernels compiled and autotuned
+        generate_timed(model, ids, 3)  # warm-up: kernels compiled and autotuned
         say("gsm warm-up done; the timed call")
         cache = GSMCache(model, capacity=ids.shape[1] + new_tokens)
         result = _measure(model, ids, new_tokens, warm=False, **cache_kwargs(model, cache))
         result["time_to_first_token_s"] = result.pop("first_call_time_to_first_token_s")
-        return result | {"kv_bytes": cache.nbytes()}
-    prompt = ids[:1]
-    prefilled = GSMCache(model, capacity=ids.shape[1] + new_tokens)
-    say(f"gsm: prefill of {ids.shape[1]} tokens at batch 1")
-    with torch.no_grad():
-        model(input_ids=prompt[:, :-1], use_cache=True, logits_to_keep=1, **cache_kwargs(model, prefilled))
-    say(f"gsm: prefill done; the cache copied to {batch} rows and the timed call")
+    else:
+        prompt = ids[:1]
+        prefilled = GSMCache(model, capacity=ids.shape[1] + new_tokens)
+        say(f"gsm: prefill of {ids.shape[1]} tokens at batch 1")
+        with torch.no_grad():
+            model(input_ids=prompt[:, :-1], use_cache=True, logits_to_keep=1, **cache_kwargs(model, prefilled))
+        say(f"gsm: prefill done; the cache copied to {batch} rows and the timed call")
+        _fresh_peak()
+        cache = _copy_rows(prefilled, model, batch)
+        del prefilled
+        out, timer = generate_timed(model, prompt.expand(batch, -1), new_tokens, **cache_kwargs(model, cache))
+        result = {
+            "decode_tokens_per_s": timer.decode_tokens_per_s(batch),
+            "time_to_first_token_s": None,
+            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "tokens": out,
+        }
+    step_bytes = bandwidth.weight_bytes(model) + bandwidth.gsm_kv_read_bytes(model, cache)
+    return result | {"kv_bytes": cache.nbytes(), "step_bytes": step_bytes}
+
+
+def _fresh_peak() -> None:
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    cache = _copy_rows(prefilled, model, batch)
-    del prefilled
-    out, timer = _generate(model, prompt.expand(batch, -1), new_tokens, **cache_kwargs(model, cache))
+
+
+def dense_engine_row(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, prefill_chunk: int) -> dict:
+    """The dense engine's figures: at batch 1 a warm-up call first (library handles, autotuning), then the
+    timed call's time to first token and decode tokens/s."""
+    engine = DenseEngine(model, prefill_chunk=prefill_chunk)
+    if ids.shape[0] == 1:
+        say(f"dense_engine warm-up ({engine.decode_path} decode)")
+        engine.generate(ids, 3)
+    _fresh_peak()
+    timer = StepTimes()
+    out = engine.generate(ids, new_tokens, on_token=timer.mark)
     return {
-        "decode_tokens_per_s": timer.decode_tokens_per_s(batch),
-        "time_to_first_token_s": None,
+        "decode_tokens_per_s": timer.decode_tokens_per_s(ids.shape[0]),
+        "time_to_first_token_s": timer.times[0] if ids.shape[0] == 1 else None,
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
-        "kv_bytes": cache.nbytes(),
+        "decode_path": engine.decode_path,
         "tokens": out,
     }
 
@@ -226,9 +229,25 @@ def gsm_row(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int) -> dict:
 def fits_dense(model: torch.nn.Module, context: int, batch: int) -> tuple[bool, int]:
     """Whether a dense bf16 cache of `batch` rows of `context` fits beside the weights (10% headroom), and
     the most rows that would."""
-    free = torch.cuda.get_device_properties(0).total_memory * 0.9 - weight_bytes(model)
-    per_row = dense_kv_bytes(model, context, 1)
+    free = torch.cuda.get_device_properties(0).total_memory * 0.9 - bandwidth.weight_bytes(model)
+    per_row = bandwidth.dense_kv_bytes(model, context, 1)
     return per_row * batch <= free, int(free // per_row)
+
+
+def _dense_method(name: str, model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, method: str) -> dict:
+    """One dense method's figures (with its tokens)."""
+    chunk = DENSE_PREFILL_CHUNK if ROWS[name][0] == "8b" else None
+    if method == "dense_engine":  # its flash prefill holds no [T, T] mask: larger chunks at batch 1
+        engine_chunk = chunk if chunk and ids.shape[0] > 1 else ENGINE_PREFILL_CHUNK
+        return dense_engine_row(model, ids, new_tokens, min(engine_chunk, ids.shape[1]))
+    # the 8B model's prompt in one forward of 16 x 32k does not fit beside its cache: prefill in chunks, as
+    # transformers offers (`prefill_chunk_size`)
+    options = {"cache_implementation": "static"} if method == "dense_static_compiled" else {}
+    if chunk:
+        options["prefill_chunk_size"] = chunk
+    result = _measure(model, ids, new_tokens, warm=ids.shape[0] == 1, **options)
+    torch._dynamo.reset()
+    return result
 
 
 def run_row(
@@ -239,75 +258,102 @@ def run_row(
     gsm_ready: Callable[[torch.nn.Module], None],
     measured: dict,
     save: Callable[[dict], None],
+    peak: tuple[float, str],
+    prefill: str = DEFAULT_PREFILL,
 ) -> dict:
-    """Dense eager, dense static + compile, then GSM (after `gsm_ready(model)` attaches the modules); a
-    dense method already in `measured` (a cut run's row) is not measured again. `save(row)` after each."""
+    """The dense methods (`DENSE_METHODS`), then GSM (after `gsm_ready(model)` attaches the modules); a
+    method already in `measured` (a cut run's row of the same settings) is not measured again.
+    `save(row)` after each. Every method's `bandwidth_share` against `peak` (bytes/s, its source). `prefill`:
+    the GSM method's prefill mode, which `gsm_ready` set on the model (recorded in the row's settings)."""
     _, context, batch = ROWS[name]
     ids = prompts[:batch, : context - new_tokens].cuda()
-    weights = weight_bytes(model)
+    peak, peak_source = peak
     row: dict[str, Any] = measured | {
+        "settings": row_settings(new_tokens, prefill),
         "context": context,
         "batch": batch,
         "new_tokens": new_tokens,
         "prompt_tokens": ids.shape[1],
-        "weight_bytes": weights,
+        "weight_bytes": bandwidth.weight_bytes(model),
+        "peak_bytes_per_s": peak,
+        "peak_source": peak_source,
     }
     fits, most = fits_dense(model, context, batch)
-    dense_step = weights + dense_kv_bytes(model, context, batch)
-    row["bound_tokens_per_s_dense"] = batch * HBM_BYTES_PER_S / dense_step
-    # the 8B model's prompt in one forward of 16 x 32k does not fit beside its cache: prefill in chunks, as
-    # transformers offers (`prefill_chunk_size`)
-    chunking = {"prefill_chunk_size": DENSE_PREFILL_CHUNK} if ROWS[name][0] == "8b" else {}
+    # the last token step reads the K/V of every token held before it: context - 1
+    row["dense_step_bytes"] = row["weight_bytes"] + bandwidth.dense_kv_bytes(model, context - 1, batch)
+    row["bound_tokens_per_s_dense"] = batch * peak / row["dense_step_bytes"]
     if fits:
-        for method, options in (("dense_eager", {}), ("dense_static_compiled", {"cache_implementation": "static"})):
+        for method in DENSE_METHODS:
             if method in row:
                 say(f"{name} {method}: measured by an earlier run")
                 continue
             say(f"{name} {method}")
-            result = _measure(model, ids, new_tokens, warm=batch == 1, **options, **chunking)
-            row[method] = {k: v for k, v in result.items() if k != "tokens"}
+            result = _dense_method(name, model, ids, new_tokens, method)
             if method == "dense_static_compiled":
                 row["dense_tokens"] = result["tokens"]
-            row[method]["bandwidth_share"] = row[method]["decode_tokens_per_s"] / row["bound_tokens_per_s_dense"]
+            row[method] = {k: v for k, v in result.items() if k != "tokens"} | {
+                "kv_bytes": bandwidth.dense_kv_bytes(model, context - 1, batch),
+                "bandwidth_share": bandwidth.share(result["decode_tokens_per_s"], batch, row["dense_step_bytes"], peak),
+            }
             say(f"{name} {method}: {row[method]['decode_tokens_per_s']:.1f} tokens/s")
             save(row)
-            torch._dynamo.reset()
             gc.collect()
             torch.cuda.empty_cache()
     else:
         row["dense_fits"] = (
-            f"no: {dense_kv_bytes(model, context, batch) / 1e9:.0f} GB of bf16 KV; at most {most} rows fit"
+            f"no: {bandwidth.dense_kv_bytes(model, context, batch) / 1e9:.0f} GB of bf16 KV; at most {most} rows fit"
         )
     gsm_ready(model)
-    gsm_bytes = gsm_step_bytes(model, context, batch)
-    row["bound_tokens_per_s_gsm"] = batch * HBM_BYTES_PER_S / (weight_bytes(model) + gsm_bytes)
     result = gsm_row(model, ids, new_tokens)
     row["gsm_tokens"] = result.pop("tokens")
-    row["gsm"] = result | {"bandwidth_share": result["decode_tokens_per_s"] / row["bound_tokens_per_s_gsm"]}
+    row["bound_tokens_per_s_gsm"] = batch * peak / result["step_bytes"]
+    row["gsm"] = result | {
+        "bandwidth_share": bandwidth.share(result["decode_tokens_per_s"], batch, result["step_bytes"], peak)
+    }
     say(f"{name} gsm: {result['decode_tokens_per_s']:.1f} tokens/s")
-    for method in ("dense_static_compiled", "dense_eager"):
+    for method in DENSE_METHODS:
         if method in row:
             row[f"speedup_vs_{method}"] = result["decode_tokens_per_s"] / row[method]["decode_tokens_per_s"]
     return row
 
 
-def smollm2_extras(model: torch.nn.Module, row: dict, new_tokens: int) -> dict:
+def row_settings(new_tokens: int, prefill: str = DEFAULT_PREFILL) -> dict:
+    """What a row's figures depend on besides its name: a stored row of other settings is measured again.
+    `prefill`: the GSM method's prefill mode (`--prefill`)."""
+    return {
+        "version": ROW_VERSION,
+        "new_tokens": new_tokens,
+        "methods": [*DENSE_METHODS, "gsm"],
+        "gsm_prefill": prefill,
+    }
+
+
+def smollm2_extras(model: torch.nn.Module, row: dict, new_tokens: int, prompts: torch.Tensor, prefill: str) -> dict:
     """Token agreement of GSM's generation with the teacher-forced GSM model (bf16), the same for the dense
-    static-cache generation against the dense model (how far bf16 alone moves the tokens), and whether
-    the captured token steps give the eager steps' tokens."""
+    static-cache generation against the dense model (how far bf16 alone moves the tokens), and at batch 1
+    whether the captured token steps give the eager steps' tokens and the step KL (`benchmarks.step_kl`)
+    of 4 held-out windows, their last `new_tokens` fed one per step. The agreement and the step KL prefill
+    sparsely (the teacher-forced GSM pass: the module docstring); with `prefill` "dense" (the timed row's
+    mode) the agreement's tokens are generated again with a sparse-prefilled cache."""
     generated = row.pop("gsm_tokens")[:4]
-    agree, outside_ties = agreement(model, generated, new_tokens)
+    prompt = generated[:, : generated.shape[1] - new_tokens]
+    teacher_forced = generated
+    if prefill != "sparse":
+        cache = GSMCache(model, capacity=generated.shape[1], prefill="sparse")
+        teacher_forced, _ = generate_timed(model, prompt, new_tokens, **cache_kwargs(model, cache))
+    agree, outside_ties = agreement(model, teacher_forced, new_tokens)
     extras = {"token_agreement": agree, "token_agreement_outside_near_ties": outside_ties}
     dense = row.pop("dense_tokens", None)
     if dense is not None:
         with gsm_disabled(model):
             extras["dense_token_agreement"], _ = agreement(model, dense[:4], new_tokens)
     if row["batch"] == 1:
-        prompt = generated[:, : generated.shape[1] - new_tokens]
-        enable_gsm_generation(model, cuda_graphs=False)
-        eager, _ = _generate(model, prompt, new_tokens)
-        enable_gsm_generation(model, cuda_graphs=True)
+        enable_gsm_generation(model, cuda_graphs=False, prefill=prefill)
+        eager, _ = generate_timed(model, prompt, new_tokens)
+        enable_gsm_generation(model, cuda_graphs=True, prefill=prefill)
         extras["captured_step_tokens_equal_eager"] = bool(torch.equal(eager, generated[:1]))
+        say("step KL of GSM and the dense model against teacher forcing")
+        extras["step_kl"] = step_kl(model, prompts[:4].cuda(), new_tokens)
     return extras
 
 
@@ -324,11 +370,20 @@ def main() -> None:
     parser.add_argument("--smollm2-export", default=None)
     parser.add_argument("--rows", default=",".join(ROWS))
     parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument(
+        "--prefill",
+        choices=PREFILL_MODES,
+        default=DEFAULT_PREFILL,
+        help="the GSM rows' prefill (dense: as the base model; sparse: the teacher-forced GSM pass)",
+    )
     parser.add_argument("--result", required=True)
     args = parser.parse_args()
     result_path = Path(args.result)
     result = json.loads(result_path.read_text()) if result_path.exists() else {"rows": {}}
-    wanted = [name for name in args.rows.split(",") if "gsm" not in result["rows"].get(name, {})]
+    settings = row_settings(args.new_tokens, args.prefill)
+    wanted = [name for name in args.rows.split(",") if not _complete(result["rows"].get(name, {}), settings)]
+    peak = bandwidth.peak_bandwidth()
+    say(f"peak bandwidth {peak[0] / 1e12:.2f} TB/s ({peak[1]})")
 
     def save(name: str, row: dict) -> None:
         result["rows"][name] = {k: v for k, v in row.items() if k not in ("gsm_tokens", "dense_tokens")}
@@ -338,47 +393,65 @@ def main() -> None:
         names = [name for name in wanted if ROWS[name][0] == family]
         if not names:
             continue
-        if family == "8b":
-            model = llama8b()
-            prompts = torch.randint(0, 128256, (16, 131072), generator=torch.Generator().manual_seed(1))
-
-            def ready(m: torch.nn.Module) -> None:
-                torch.manual_seed(0)
-                if not any(True for _ in gsm_adapters(m)):
-                    inject_gsm(m, _gsm_config(), mode="sparse")
-                    enable_gsm_generation(m)
-        else:
-            model, tokenizer = load_model_and_tokenizer("smollm2-135m", dtype=torch.bfloat16)
-            model.cuda()
-            prompts = pack_tokens(load_text_dataset(args.eval_data), tokenizer, 8192)[:16]
-            if len(prompts) < 16:
-                prompts = prompts.repeat(-(-16 // len(prompts)), 1)[:16]
-
-            def ready(m: torch.nn.Module) -> None:
-                if not any(True for _ in gsm_adapters(m)):
-                    if args.smollm2_export:
-                        load_gsm(m, args.smollm2_export)
-                    else:
-                        torch.manual_seed(0)
-                        inject_gsm(m, load_recipe(str(REPO / "recipes" / "joint.yaml")).gsm, mode="sparse")
-                        enable_gsm_generation(m)
-                    set_gsm_mode(m, "sparse")
-
+        model, prompts, ready = _family(family, args)
         for name in names:
             measured = result["rows"].get(name, {})
-            if measured.get("new_tokens") != args.new_tokens:  # a cut row of other settings starts over
+            if measured.get("settings") != settings:  # a cut row of other settings starts over
                 measured = {}
             row = run_row(
-                name, model, prompts, args.new_tokens, ready, measured, lambda row, name=name: save(name, row)
+                name,
+                model,
+                prompts,
+                args.new_tokens,
+                ready,
+                measured,
+                lambda row, name=name: save(name, row),
+                peak,
+                args.prefill,
             )
             if family == "smollm2":
-                row |= smollm2_extras(model, row, args.new_tokens)
+                row |= smollm2_extras(model, row, args.new_tokens, prompts, args.prefill)
             save(name, row)
             model = _fresh(model, family)
         del model
         gc.collect()
         torch.cuda.empty_cache()
     _summary(result, result_path)
+
+
+def _complete(row: dict, settings: dict) -> bool:
+    return row.get("settings") == settings and "gsm" in row
+
+
+def _family(family: str, args: argparse.Namespace) -> tuple[torch.nn.Module, torch.Tensor, Callable]:
+    """The dense model of `family`, its 16 prompts, and the function that attaches GSM's modules to it."""
+    if family == "8b":
+        prompts = torch.randint(0, 128256, (16, 131072), generator=torch.Generator().manual_seed(1))
+
+        def ready(m: torch.nn.Module) -> None:
+            torch.manual_seed(0)
+            if not any(True for _ in gsm_adapters(m)):
+                inject_gsm(m, _gsm_config(), mode="sparse")
+                enable_gsm_generation(m, prefill=args.prefill)
+
+        return llama8b(), prompts, ready
+    model, tokenizer = load_model_and_tokenizer("smollm2-135m", dtype=torch.bfloat16)
+    model.cuda()
+    prompts = pack_tokens(load_text_dataset(args.eval_data), tokenizer, 8192)[:16]
+    if len(prompts) < 16:
+        prompts = prompts.repeat(-(-16 // len(prompts)), 1)[:16]
+
+    def ready(m: torch.nn.Module) -> None:
+        if not any(True for _ in gsm_adapters(m)):
+            if args.smollm2_export:
+                load_gsm(m, args.smollm2_export, prefill=args.prefill)
+            else:
+                torch.manual_seed(0)
+                inject_gsm(m, load_recipe(str(REPO / "recipes" / "joint.yaml")).gsm, mode="sparse")
+                enable_gsm_generation(m, prefill=args.prefill)
+            set_gsm_mode(m, "sparse")
+
+    return model, prompts, ready
 
 
 def _fresh(model: torch.nn.Module, family: str) -> torch.nn.Module:
@@ -392,32 +465,47 @@ def _fresh(model: torch.nn.Module, family: str) -> torch.nn.Module:
     return model.cuda()
 
 
+def summarize(rows: dict[str, dict]) -> dict[str, float]:
+    """The summary of complete rows: `e2e_speedup_<row>` (GSM's decode tokens/s over the fastest dense
+    method's), `bandwidth_share_<method>_<row>`, `ttft_ratio_<row>` (GSM's time to first token over the
+    fastest dense one, where both were timed) and `step_kl_gsm_over_dense` (the first SmolLM2 row's)."""
+    summary: dict[str, float] = {}
+    for name, row in rows.items():
+        if "gsm" not in row:
+            continue
+        dense = [method for method in DENSE_METHODS if method in row]
+        for method in [*dense, "gsm"]:
+            summary[f"bandwidth_share_{method}_{name}"] = row[method]["bandwidth_share"]
+        if dense:
+            fastest = max(row[method]["decode_tokens_per_s"] for method in dense)
+            summary[f"e2e_speedup_{name}"] = row["gsm"]["decode_tokens_per_s"] / fastest
+        ttfts = [row[method]["time_to_first_token_s"] for method in dense]
+        ttfts = [ttft for ttft in ttfts if ttft is not None]
+        if ttfts and row["gsm"]["time_to_first_token_s"] is not None:
+            summary[f"ttft_ratio_{name}"] = row["gsm"]["time_to_first_token_s"] / min(ttfts)
+        if "step_kl" in row and "step_kl_gsm_over_dense" not in summary:
+            summary["step_kl_gsm_over_dense"] = row["step_kl"]["gsm_over_dense"]
+    return summary
+
+
 def _summary(result: dict, path: Path) -> None:
+    """Print the rows' table and write the result with its summary (keys of an earlier summary dropped)."""
     rows = result["rows"]
-    keys = {
-        "e2e_speedup_8b_32k_bs1": "8b_32k_bs1",
-        "e2e_speedup_8b_32k_bs16": "8b_32k_bs16",
-        "e2e_speedup_8b_128k_bs1": "8b_128k_bs1",
-        "smollm2_8k_bs1": "smollm2_8k_bs1",
-        "smollm2_8k_bs16": "smollm2_8k_bs16",
-    }
-    for key, name in keys.items():
-        if name in rows:
-            result[key] = rows[name].get("speedup_vs_dense_static_compiled")
-            result[key + "_vs_eager"] = rows[name].get("speedup_vs_dense_eager")
-    print(f"{'row':>16} {'dense eager':>12} {'dense static':>13} {'gsm':>9} {'x static':>9} {'gsm bound':>10}")
+    methods = [*DENSE_METHODS, "gsm"]
+    print(f"{'row':>16} " + " ".join(f"{method:>22}" for method in methods) + f" {'GSM / fastest':>14}")
+    summary = summarize(rows)
     for name, row in rows.items():
         if "gsm" not in row:  # a row cut short: its dense methods are kept for the next run
-            kept = [method for method in ("dense_eager", "dense_static_compiled") if method in row]
+            kept = [method for method in DENSE_METHODS if method in row]
             print(f"{name:>16} (incomplete; measured: {', '.join(kept) or 'nothing'})")
             continue
-        eager = row.get("dense_eager", {}).get("decode_tokens_per_s", float("nan"))
-        static = row.get("dense_static_compiled", {}).get("decode_tokens_per_s", float("nan"))
-        print(
-            f"{name:>16} {eager:12.1f} {static:13.1f} {row['gsm']['decode_tokens_per_s']:9.1f} "
-            f"{row.get('speedup_vs_dense_static_compiled', float('nan')):9.2f} {row['bound_tokens_per_s_gsm']:10.1f}"
-        )
-    write_result(path, {k: v for k, v in result.items() if k not in ("command", "commit", "device")})
+        cells = [
+            f"{row[m]['decode_tokens_per_s']:9.1f} ({row[m]['bandwidth_share']:.2f} bw)" if m in row else "-"
+            for m in methods
+        ]
+        speedup = summary.get(f"e2e_speedup_{name}", float("nan"))
+        print(f"{name:>16} " + " ".join(f"{cell:>22}" for cell in cells) + f" {speedup:14.2f}")
+    write_result(path, {"rows": rows, **summary})
 
 
 if __name__ == "__main__":

@@ -113,7 +113,7 @@ def interpolated_rope(cos: Tensor, sin: Tensor, train_len: int, seq_len: int) ->
     other pairs keep the model's values exactly."""
     theta, scale = rope_frequencies(cos, sin)
     long_wave = 2 * math.pi / theta.abs() > train_len
-    positions = torch.arange(cos.shape[1], dtype=torch.float64)
+    positions = torch.arange(cos.shape[1], dtype=torch.float64, device=theta.device)
     angles = positions[:, None] * (theta * train_len / seq_len)
     angles = torch.cat((angles, angles), dim=-1)[None].to(cos.device)
     keep = ~torch.cat((long_wave, long_wave)).to(cos.device)

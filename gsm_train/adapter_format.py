@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from gsm_train.config import GSMConfig, LoraSettings
+from gsm_train.errors import GSMError
 from gsm_train.lora import model_name
 
 FORMAT = "gsm-train-adapter"
@@ -46,6 +47,10 @@ NAMINGS = (
     "model",
     "peft",
 )  # a file's tensor names: the model's state_dict keys, or PEFT's adapter-file keys
+# base_model.merged_lora: the LoRA deltas were merged into the base; the export holds the merged
+# weights in base_weights.safetensors and records the merged base's fingerprint (the loader accepts
+# the base as trained or the merged base)
+MERGED_FIELD = "merged_lora"
 GSM_SECTIONS = ("gsm_enabled", "sparse_attention", "kv_compression", "cross_layer_sharing")
 BASE_CHECKED = (
     "model_type",
@@ -60,7 +65,7 @@ BASE_CHECKED = (
 _RE_EXPORT = "re-export the adapter with this version (gsm-train export RUN/checkpoints/step_N OUT)"
 
 
-class ExportError(ValueError):
+class ExportError(ValueError, GSMError):
     """An export that cannot be written, read or applied; the message names the problem and the
     fix."""
 
@@ -77,6 +82,13 @@ def read_config(folder: str | Path) -> dict[str, Any]:
     """`gsm_config.json` of an export folder, checked and migrated to the current format."""
     folder = Path(folder)
     path = folder / CONFIG_FILE
+    if folder.is_dir() and not path.is_file() and (folder / PEFT_CONFIG_FILE).is_file():
+        raise ExportError(
+            f"{folder}: a PEFT adapter ({PEFT_CONFIG_FILE}) without {CONFIG_FILE} or {GSM_FILE}: "
+            "the LoRA deltas alone, as PeftModel.save_pretrained writes them, which drops the GSM "
+            "modules. Fix: load the export it came from (gsm-train export, or GSMModel.save_pretrained "
+            "of a GSMModel), or apply this folder with PeftModel.from_pretrained for a dense model"
+        )
     if not folder.is_dir() or not path.is_file():
         raise ExportError(
             f"{folder}: not a GSM export, missing {CONFIG_FILE}; give the folder written at the "
@@ -88,6 +100,8 @@ def read_config(folder: str | Path) -> dict[str, Any]:
         raise ExportError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start}); {_RE_EXPORT}") from None
     except json.JSONDecodeError as err:
         raise ExportError(f"{path}: not valid JSON ({err}); {_RE_EXPORT}") from None
+    except RecursionError:
+        raise ExportError(f"{path}: JSON nested too deeply to be a GSM export's config; {_RE_EXPORT}") from None
     if not isinstance(config, dict):
         raise ExportError(f"{path}: holds a JSON {type(config).__name__}, not an object; {_RE_EXPORT}")
     version = config.get("format_version")
@@ -186,6 +200,12 @@ def _check_fields(config: dict[str, Any], path: Path) -> None:
             f"{path}: base_model.fingerprint_rule {base['fingerprint_rule']!r} with fingerprint "
             f"{base['fingerprint']!r}; rules 1 and 2 exist; {_RE_EXPORT}"
         )
+    merged = base.get(MERGED_FIELD)
+    if merged is not None and not (isinstance(merged, dict) and isinstance(merged.get("fingerprint"), str)):
+        raise ExportError(
+            f"{path}: base_model.{MERGED_FIELD} is {merged!r}, not an object with the merged base's "
+            f"fingerprint; {_RE_EXPORT}"
+        )
     lora = config.get("lora")
     if lora is not None:
         try:
@@ -260,6 +280,18 @@ def read_tensors(folder: str | Path, config: dict[str, Any]) -> ExportTensors:
             result.tensors[own] = tensor
             result.files[own] = path
     return result
+
+
+def read_training_args(folder: str | Path) -> dict[str, Any]:
+    """`training_args.json` of an export (`{"recipe": ..., "metrics": ...}`); {} when it has none."""
+    path = Path(folder) / ARGS_FILE
+    if not path.is_file():
+        return {}
+    try:
+        args = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ExportError(f"{path}: not UTF-8 JSON ({err}); {_RE_EXPORT}") from None
+    return args if isinstance(args, dict) else {}
 
 
 def validate_export(folder: str | Path) -> dict[str, Any]:

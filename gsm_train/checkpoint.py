@@ -15,38 +15,51 @@ same way. A crash at any point leaves every earlier checkpoint whole; weights ho
 infinities are never written (`finite_guard`).
 
 Resuming verifies a checkpoint against its manifest: `auto` takes the newest one that verifies and
-warns about each newer one that does not; a checkpoint named explicitly must verify. It needs the
-backend that wrote it. An FSDP2 checkpoint resumes on any number of processes (DCP reshards the
-trainables and the optimizer state) provided each micro-step still takes the same rows: the data
-position counts global micro-batches of `train.batch_size` x processes, so that product must stay
-the same (2 processes at batch 3 -> 3 processes at batch 2 or 1 at batch 6; `train.batch_size` may
-change for that without --allow-recipe-change); every rank then takes rank 0's random state (ranks
-are seeded alike). A DeepSpeed checkpoint resumes on the number of processes that wrote it. Pruning
-(`output.keep_checkpoints`) removes only older checkpoints of the same run (same run id), never the
-one `latest` names. `read_trainables` reads a checkpoint's trainables in one process (export).
+warns about each newer one that does not (none verifying is refused); a checkpoint named explicitly
+must verify. It needs the backend that wrote it. An FSDP2 checkpoint resumes on any number of
+processes (DCP reshards the trainables and the optimizer state) provided each micro-step still takes
+the same rows: the data position counts global micro-batches of `train.batch_size` x processes, so
+that product must stay the same (2 processes at batch 3 -> 3 processes at batch 2 or 1 at batch 6;
+`train.batch_size` may change for that without --allow-recipe-change); every rank then takes rank
+0's random state (ranks are seeded alike). A DeepSpeed checkpoint resumes on the number of processes
+that wrote it. Pruning (`output.keep_checkpoints`) removes only older checkpoints of the same run
+(same run id), never the one `latest` names. `read_trainables` reads a checkpoint's trainables in
+one process (export), `checkpoint_shapes` their shapes alone.
+
+Nothing read from a checkpoint runs code: DCP's index is unpickled admitting only its own classes,
+its other items and the random states are read with `torch.load(weights_only=True)` (`dcp_safe`); an
+index that refers to anything else is a CheckpointError. A DeepSpeed checkpoint's `deepspeed/`
+folder is read by DeepSpeed itself, which unpickles it: resume only DeepSpeed checkpoints you made.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import pickle
 import random
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
+from torch.distributed.checkpoint import CheckpointException
 
 from gsm_train.backend_protocol import FULL_TRAINABLES_FILE, Backend
+from gsm_train.dcp_safe import UnsafeCheckpointError, unsafe_reason
 from gsm_train.distributed import DistInfo, barrier
 from gsm_train.durable import fsync_path, write_durable
+from gsm_train.errors import GSMError
 from gsm_train.finite_guard import refuse_non_finite
-from gsm_train.sharded_checkpoint import DCP_FOLDER, DCP_FORMAT, read_full_tensors
+from gsm_train.sharded_checkpoint import DCP_FOLDER, DCP_FORMAT, read_full_tensors, tensor_shapes
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
@@ -54,7 +67,7 @@ STATE = "state.json"
 STEP_PREFIX = "step_"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(ValueError, GSMError):
     """A checkpoint that cannot be resumed from; the message names the folder or file, and the
     fix."""
 
@@ -178,15 +191,21 @@ def newest_good_checkpoint(run_dir: Path) -> tuple[Path | None, list[str]]:
 
 def resolve_resume(resume_from: str | None, run_dir: Path) -> Path | None:
     """`auto` -> the run's newest checkpoint that verifies (a warning on stderr for each newer one
-    skipped; None if there is none); a path -> that checkpoint, which must verify (else
-    CheckpointError)."""
+    skipped), CheckpointError if none does: starting over is asked for by leaving --resume out; a
+    path -> that checkpoint, which must verify (else CheckpointError)."""
     if resume_from is None:
         return None
     if resume_from == "auto":
         found, problems = newest_good_checkpoint(run_dir)
+        if found is None:
+            held = f"none verifies: {problems[0]}" if problems else "none was written"
+            raise CheckpointError(
+                f"--resume auto: {run_dir / 'checkpoints'} holds no checkpoint to continue from ({held}); "
+                "to start the run over from step 0, run without --resume (with --overwrite if the folder "
+                "holds the run's files)"
+            )
         for problem in problems:
-            fallback = f"resuming from {found.name}" if found else "no checkpoint verifies"
-            print(f"warning: skipping a damaged checkpoint: {problem}; {fallback}", file=sys.stderr)
+            print(f"warning: skipping a damaged checkpoint: {problem}; resuming from {found.name}", file=sys.stderr)
         return found
     path = Path(resume_from)
     if not (path / STATE).is_file() and not (path / MANIFEST).is_file():
@@ -353,16 +372,47 @@ def load_checkpoint(
     `train.batch_size` (checked, with the number of processes, by `check_resumable`)."""
     meta = read_state(path)
     check_resumable(meta, path, backend.name, info.world_size, batch_size)
-    backend.load_state(model, optimizer, path, trainable, info)
+    with _refusing_unsafe(path):
+        backend.load_state(model, optimizer, path, trainable, info)
     scheduler.load_state_dict(meta["scheduler"])
     rank = info.rank if meta["world_size"] == info.world_size else 0
     _set_rng_state(torch.load(path / f"rng_rank{rank}.pt", weights_only=True))
     return meta
 
 
+@contextlib.contextmanager
+def _refusing_unsafe(folder: Path) -> Iterator[None]:
+    """Turn a DCP index or item that would run code (`dcp_safe`) into a CheckpointError naming the
+    checkpoint."""
+    try:
+        yield
+    except (UnsafeCheckpointError, pickle.UnpicklingError, CheckpointException) as err:
+        reason = unsafe_reason(err)
+        if reason is None:
+            raise
+        raise CheckpointError(
+            f"{folder / DCP_FOLDER}: refused, {reason}; do not use this checkpoint (take one you or your runs wrote)"
+        ) from None
+
+
 def read_trainables(folder: Path) -> dict[str, torch.Tensor]:
     """The trainables of checkpoint `folder` as whole CPU tensors by name, read in this process (no
-    process group): from `dcp/` (FSDP2) or `trainable.safetensors` (DeepSpeed, and FSDP2 before)."""
+    process group): from `dcp/` (FSDP2) or `trainable.safetensors` (DeepSpeed, and FSDP2 before).
+    Verify the checkpoint first (`verify_checkpoint`); CheckpointError for an index that would
+    run code."""
     if (folder / DCP_FOLDER).is_dir():
-        return read_full_tensors(folder)
+        with _refusing_unsafe(folder):
+            return read_full_tensors(folder)
     return load_file(str(folder / FULL_TRAINABLES_FILE))
+
+
+def checkpoint_shapes(folder: Path) -> dict[str, list[int]]:
+    """The shapes of checkpoint `folder`'s trainables by name, read from the DCP index or the
+    safetensors header alone (CheckpointError for an index that would run code)."""
+    if (folder / DCP_FOLDER).is_dir():
+        with _refusing_unsafe(folder):
+            return tensor_shapes(folder)
+    if not (folder / FULL_TRAINABLES_FILE).is_file():
+        raise CheckpointError(f"{folder}: holds neither {DCP_FOLDER}/ nor {FULL_TRAINABLES_FILE}; not a checkpoint")
+    with safe_open(str(folder / FULL_TRAINABLES_FILE), framework="pt") as handle:
+        return {name: list(handle.get_slice(name).get_shape()) for name in handle.keys()}

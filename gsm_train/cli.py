@@ -7,19 +7,17 @@ import argparse
 import sys
 from pathlib import Path
 
-import yaml
-
 from gsm_train import __version__
 from gsm_train.checkpoint_export import export_checkpoint
-from gsm_train.config import ConfigError, load_recipe, resolved_yaml
+from gsm_train.config import expand_user_path, load_recipe, override_value, path_arg, resolved_yaml
 from gsm_train.data import DataError
-from gsm_train.evaluate import evaluate_exports, write_report
+from gsm_train.entry import run_command
+from gsm_train.evaluate import check_report_folder, evaluate_exports, write_report
 from gsm_train.export import ExportError
 from gsm_train.generate import generate
-from gsm_train.hub import PublishError, publish_export
+from gsm_train.hub import publish_export
 from gsm_train.inference.cache import DEFAULT_PREFILL, PREFILL_MODES
 from gsm_train.inspect_model import inspect_model
-from gsm_train.modules.errors import GSMError
 from gsm_train.passkey import evaluate_passkey
 from gsm_train.passkey import markdown_table as passkey_table
 from gsm_train.train import add_start_flags
@@ -75,20 +73,29 @@ def _exports(items: list[str]) -> dict[str, str]:
     exports = {}
     for item in items:
         name, sep, folder = item.partition("=")
-        if not sep or not name or not folder:
+        if not sep or not name or not folder.strip():
             raise ExportError(f"--export {item!r}: give NAME=FOLDER, e.g. --export gsm=runs/joint/export")
-        exports[name] = folder
+        if name in exports:
+            raise ExportError(
+                f"--export {item!r}: the name {name!r} is given twice (also --export {name}={exports[name]}); "
+                "give each export its own name"
+            )
+        try:
+            exports[name] = expand_user_path(folder)
+        except ValueError as err:
+            raise ExportError(f"--export {item!r}: {err}") from None
     return exports
 
 
 def _eval(args: argparse.Namespace) -> int:
     exports = _exports(args.export)
+    check_report_folder(args.out)
     selection = {}
     for item in args.select:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ExportError(f"--select {item!r}: give FIELD=VALUE, e.g. --select top_k=1024")
-        selection[key] = yaml.safe_load(value)
+        selection[key] = override_value(f"--select {key}", value)
     report = evaluate_exports(
         args.model,
         exports,
@@ -105,6 +112,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _passkey(args: argparse.Namespace) -> int:
+    check_report_folder(args.out)
     report = evaluate_passkey(
         args.model,
         _exports(args.export),
@@ -182,7 +190,7 @@ def _publish(args: argparse.Namespace) -> int:
 def _add_validate_command(commands: argparse._SubParsersAction) -> None:
     """The `validate` subcommand's arguments."""
     validate = commands.add_parser("validate", help="check a recipe and print it fully resolved")
-    validate.add_argument("recipe")
+    validate.add_argument("recipe", type=path_arg)
     validate.add_argument("overrides", nargs="*", help="key.sub=value")
     validate.set_defaults(run=_validate)
 
@@ -190,7 +198,7 @@ def _add_validate_command(commands: argparse._SubParsersAction) -> None:
 def _add_train_command(commands: argparse._SubParsersAction) -> None:
     """The `train` subcommand's arguments."""
     train = commands.add_parser("train", help="run a recipe (same code path as accelerate launch -m gsm_train.train)")
-    train.add_argument("recipe")
+    train.add_argument("recipe", type=path_arg)
     train.add_argument("overrides", nargs="*", help="key.sub=value")
     add_start_flags(train)
     train.set_defaults(run=_train)
@@ -199,8 +207,8 @@ def _add_train_command(commands: argparse._SubParsersAction) -> None:
 def _add_inspect_command(commands: argparse._SubParsersAction) -> None:
     """The `inspect` subcommand's arguments."""
     inspect = commands.add_parser("inspect", help="per layer: GSM modules, parameters, KV bytes per token")
-    inspect.add_argument("--model", required=True, help="tiny-llama, smollm2-135m, a folder or a hub id")
-    inspect.add_argument("--recipe", default=None, help="take the gsm block from this recipe")
+    inspect.add_argument("--model", required=True, type=path_arg, help="tiny-llama, smollm2-135m, a folder or a hub id")
+    inspect.add_argument("--recipe", default=None, type=path_arg, help="take the gsm block from this recipe")
     inspect.add_argument("--seq-len", type=_positive_int, default=2048, help="context for the KV byte account")
     inspect.add_argument("overrides", nargs="*", help="key.sub=value applied to the recipe")
     inspect.set_defaults(run=_inspect)
@@ -209,8 +217,12 @@ def _add_inspect_command(commands: argparse._SubParsersAction) -> None:
 def _add_eval_command(commands: argparse._SubParsersAction) -> None:
     """The `eval` subcommand's arguments."""
     evaluate = commands.add_parser("eval", help="perplexity, KV bytes and gate recall of the base and exports")
-    evaluate.add_argument("--model", default=None, help="the base model (default: the one the first export names)")
-    evaluate.add_argument("--data", required=True, help="evaluation text (file, folder, glob, embedded:NAME, hf://...)")
+    evaluate.add_argument(
+        "--model", default=None, type=path_arg, help="the base model (default: the one the first export names)"
+    )
+    evaluate.add_argument(
+        "--data", required=True, type=path_arg, help="evaluation text (file, folder, glob, embedded:NAME, hf://...)"
+    )
     evaluate.add_argument(
         "--export", action="append", default=[], help="NAME=FOLDER or NAME=ORG/REPO (a Hub repo id), repeatable"
     )
@@ -242,7 +254,7 @@ def _add_eval_command(commands: argparse._SubParsersAction) -> None:
         "top_k_fraction, decay_rate, sink_tokens, recent_tokens, "
         "query_chunk), e.g. --select top_k=1024; repeatable",
     )
-    evaluate.add_argument("--out", default="runs/eval")
+    evaluate.add_argument("--out", default="runs/eval", type=path_arg)
     evaluate.set_defaults(run=_eval)
 
 
@@ -251,12 +263,17 @@ def _add_passkey_command(commands: argparse._SubParsersAction) -> None:
     passkey = commands.add_parser(
         "passkey", help="retrieval of a key hidden in long filler text, for the base and exports"
     )
-    passkey.add_argument("--model", default=None, help="the base model (default: the one the first export names)")
+    passkey.add_argument(
+        "--model", default=None, type=path_arg, help="the base model (default: the one the first export names)"
+    )
     passkey.add_argument(
         "--export", action="append", default=[], help="NAME=FOLDER or NAME=ORG/REPO (a Hub repo id), repeatable"
     )
     passkey.add_argument(
-        "--filler", default="embedded:sample_prose", help="prose the key hides in (file, folder, glob, embedded:NAME)"
+        "--filler",
+        default="embedded:sample_prose",
+        type=path_arg,
+        help="prose the key hides in (file, folder, glob, embedded:NAME)",
     )
     passkey.add_argument("--length", type=_positive_int, default=8192, help="tokens per case")
     passkey.add_argument("--cases", type=_positive_int, default=100)
@@ -266,7 +283,7 @@ def _add_passkey_command(commands: argparse._SubParsersAction) -> None:
         "--generate", action="store_true", help="also generate greedily through the GSM cache (slow at long lengths)"
     )
     passkey.add_argument("--mode", choices=("sparse", "dense"), default="sparse", help="main attention of the exports")
-    passkey.add_argument("--out", default="runs/passkey")
+    passkey.add_argument("--out", default="runs/passkey", type=path_arg)
     passkey.set_defaults(run=_passkey)
 
 
@@ -278,13 +295,18 @@ def _add_generate_command(commands: argparse._SubParsersAction) -> None:
         "with time to first token, decode tokens/s, memory and KV bytes",
     )
     gen.add_argument(
-        "--model", default=None, help="the base model (default: the one the adapter names; needed without --adapter)"
+        "--model",
+        default=None,
+        type=path_arg,
+        help="the base model (default: the one the adapter names; needed without --adapter)",
     )
-    gen.add_argument("--adapter", default=None, help="an export folder or Hub repo id (without it: the dense base)")
+    gen.add_argument(
+        "--adapter", default=None, type=path_arg, help="an export folder or Hub repo id (without it: the dense base)"
+    )
     gen.add_argument("--revision", default=None, help="branch, tag or commit of a Hub repo --adapter")
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", default=None)
-    source.add_argument("--prompt-file", default=None)
+    source.add_argument("--prompt-file", default=None, type=path_arg)
     gen.add_argument("--max-new-tokens", type=_positive_int, default=64)
     gen.add_argument("--mode", choices=("sparse", "dense"), default="sparse", help="main attention of the adapter")
     gen.add_argument(
@@ -305,9 +327,11 @@ def _add_generate_command(commands: argparse._SubParsersAction) -> None:
 def _add_export_command(commands: argparse._SubParsersAction) -> None:
     """The `export` subcommand's arguments."""
     export = commands.add_parser("export", help="write the adapter export of a checkpoint")
-    export.add_argument("checkpoint", help="RUN/checkpoints/step_N")
+    export.add_argument("checkpoint", type=path_arg, help="RUN/checkpoints/step_N")
     export.add_argument(
-        "out", help="folder to write: new, empty, or a previous export (replaced once the new one is complete)"
+        "out",
+        type=path_arg,
+        help="folder to write: new, empty, or a previous export (replaced once the new one is complete)",
     )
     export.set_defaults(run=_export)
 
@@ -315,7 +339,7 @@ def _add_export_command(commands: argparse._SubParsersAction) -> None:
 def _add_publish_command(commands: argparse._SubParsersAction) -> None:
     """The `publish` subcommand's arguments."""
     publish = commands.add_parser("publish", help="upload an export to the Hugging Face Hub (one commit)")
-    publish.add_argument("export", help="an export folder")
+    publish.add_argument("export", type=path_arg, help="an export folder")
     publish.add_argument("--repo-id", required=True, help="ORG/NAME")
     publish.add_argument("--private", action="store_true")
     publish.add_argument("--revision", default=None, help="branch to commit to (created if missing)")
@@ -348,7 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console entry point; exit status 2 on a bad recipe."""
+    """Console entry point; exit status 2 on a bad input, others as `gsm_train.entry` says."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if (
@@ -359,14 +383,9 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides += extra  # key=value after a flag: argparse ends the positionals at the flag
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    try:
+    if args.run is _train:  # the run's own entry point says how a stopped run continues
         return args.run(args)
-    except ConfigError as err:
-        print(err, file=sys.stderr)
-        return 2
-    except (ExportError, PublishError, DataError, GSMError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    return run_command(lambda: args.run(args))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ and checking that input files exist.
 
 from __future__ import annotations
 
+import argparse
 import glob
+import os
 import types
 import typing
 from dataclasses import dataclass
@@ -17,6 +19,7 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Discriminator,
     Field,
@@ -28,6 +31,7 @@ from pydantic import (
 )
 
 from gsm_train.assets import EMBEDDED_PREFIX, embedded_asset_path
+from gsm_train.errors import GSMError
 from gsm_train.model_names import model_name_problem
 
 HUB_PREFIX = "hf://"
@@ -36,6 +40,40 @@ HUB_PREFIX = "hf://"
 def _problem(message: str, fix: str) -> ValueError:
     """A validation error whose text carries its fix, split again by `format_problems`."""
     return ValueError(f"{message}; fix: {fix}")
+
+
+def expand_user_path(value: Any) -> Any:
+    """A path as given (a recipe's path field, a path on a command line), `~` and `~user` expanded as
+    a shell would (`output.dir: ~/x` is a folder in the home folder, never one named `~`); an empty,
+    blank or null path is refused. Hub ids and `embedded:` names pass unchanged, and so does anything
+    but a string (the type check follows)."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        raise _problem("an empty path", "give a path (relative ones start at the current folder)")
+    if not isinstance(value, str):
+        return value
+    expanded = os.path.expanduser(value) if value.startswith("~") else value
+    if expanded.startswith("~"):
+        raise _problem("no home folder is known for that ~user", "give the path without ~")
+    return expanded
+
+
+def _expand_optional_path(value: Any) -> Any:
+    """`expand_user_path`, where null means the field is not set."""
+    return None if value is None else expand_user_path(value)
+
+
+def path_arg(text: str) -> str:
+    """`expand_user_path` as an argparse type: a path on a command line (argparse names the option in
+    the error)."""
+    try:
+        return expand_user_path(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err).replace("; fix: ", "; ")) from None
+
+
+# a local path (or another name the field accepts) in a recipe: `~` expanded, empty refused
+UserPath = Annotated[str, BeforeValidator(expand_user_path)]
+OptionalUserPath = Annotated[str | None, BeforeValidator(_expand_optional_path)]
 
 
 def _leaf_types(annotation: Any) -> set[Any]:
@@ -76,7 +114,7 @@ class StrictModel(BaseModel):
 class ModelConfig(StrictModel):
     """The base model: a local folder, a hub id, or a built-in name (see `gsm_train.model_loading`)."""
 
-    name_or_path: str = "smollm2-135m"
+    name_or_path: UserPath = "smollm2-135m"
     gguf_file: str | None = None
     revision: str | None = None
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
@@ -261,7 +299,7 @@ def _check_data_path(path: str) -> str:
 class DataSourceConfig(StrictModel):
     """One text source: a file, folder, glob, `embedded:NAME` or `hf://NAME[:CONFIG][@SPLIT]`."""
 
-    path: str
+    path: UserPath
     format: Literal["auto", "text", "jsonl", "json", "parquet"] = "auto"
     fields: list[str] | None = None
 
@@ -327,7 +365,7 @@ class LoraSettings(StrictModel):
     r: int = Field(16, ge=1, le=4096)
     alpha: float = Field(32.0, gt=0.0)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1)
 
 
 class LossWeights(StrictModel):
@@ -404,10 +442,10 @@ class LoggingConfig(StrictModel):
 class OutputConfig(StrictModel):
     """Run folder, checkpoints and resume."""
 
-    dir: str = "runs/gate_only"
+    dir: UserPath = "runs/gate_only"
     checkpoint_every: int = Field(50, ge=1)
     keep_checkpoints: int = Field(2, ge=1)
-    resume_from: str | None = None
+    resume_from: OptionalUserPath = None
     export_base_weights: bool = False
 
 
@@ -426,7 +464,7 @@ class RecipeConfig(StrictModel):
     """A whole recipe: which stage, on which model and data, with which GSM modules."""
 
     stage: Literal["gate_warmup", "joint", "math_gate"]
-    init_from: str | None = None
+    init_from: OptionalUserPath = None
     model: ModelConfig = Field(default_factory=ModelConfig)
     gsm: GSMConfig = Field(default_factory=GSMConfig)
     tuning: TuningConfig = Field(default_factory=TuningConfig)
@@ -493,6 +531,7 @@ class RecipeConfig(StrictModel):
                 "stage math_gate starts from an exported adapter but init_from is empty",
                 "set init_from: path/to/export",
             )
+        self._fits_the_window()
         if self.logging.recall_min_keys > self.data.seq_len:
             raise _problem(
                 f"logging.recall_min_keys ({self.logging.recall_min_keys}) exceeds data.seq_len "
@@ -500,6 +539,24 @@ class RecipeConfig(StrictModel):
                 f"set logging.recall_min_keys to at most {self.data.seq_len // 2}",
             )
         return self
+
+    def _fits_the_window(self) -> None:
+        """top_k and recall_k within a window of data.seq_len keys (a query has no more to choose);
+        stage math_gate takes its top_k with the export's modules, not from the recipe."""
+        seq_len, sparse = self.data.seq_len, self.gsm.sparse_attention
+        from_recipe = self.gsm.gsm_enabled and sparse.enabled and self.stage != "math_gate"
+        if from_recipe and sparse.top_k > seq_len:
+            raise _problem(
+                f"gsm.sparse_attention.top_k ({sparse.top_k}) exceeds data.seq_len ({seq_len}): no query has "
+                "that many keys, so every query would keep all of them (dense attention)",
+                f"set gsm.sparse_attention.top_k to at most {seq_len} (and k_min to at most top_k)",
+            )
+        if self.logging.recall_k > seq_len:
+            raise _problem(
+                f"logging.recall_k ({self.logging.recall_k}) exceeds data.seq_len ({seq_len}): no query has "
+                "that many keys to recall",
+                f"set logging.recall_k to at most {seq_len}",
+            )
 
 
 @dataclass(frozen=True)
@@ -519,7 +576,7 @@ class Problem:
 _MISSING = object()
 
 
-class ConfigError(Exception):
+class ConfigError(GSMError):
     """All problems of one recipe, reported together."""
 
     def __init__(self, source: str, problems: list[Problem]):
@@ -530,8 +587,15 @@ class ConfigError(Exception):
         super().__init__("\n".join(lines))
 
 
+# the values a recipe's YAML may hold once its aliases are expanded: far above any recipe (about a
+# hundred), far below what hangs validation (an alias bomb: a few lines expanding to billions)
+MAX_YAML_VALUES = 100_000
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that records duplicate mapping keys instead of silently keeping the last."""
+    """SafeLoader that records duplicate mapping keys instead of silently keeping the last (merge
+    keys, `<<: *base`, are not duplicates: the mapping's own keys override the merged ones)."""
 
     def __init__(self, stream: Any):
         super().__init__(stream)
@@ -540,26 +604,93 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: set[Any] = set()
         for key_node, _ in node.value:
+            if key_node.tag == _MERGE_TAG:
+                continue
             key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, typing.Hashable):
+                continue  # the base class refuses it with its line
             if key in seen:
                 self.duplicates.append((str(key), key_node.start_mark.line + 1))
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
 
-def _parse_yaml(text: str, source: str) -> tuple[dict, list[Problem]]:
+class _YAMLRefused(Exception):
+    """A YAML document refused before it is built: `message` and `fix`."""
+
+    def __init__(self, message: str, fix: str):
+        super().__init__(message)
+        self.message, self.fix = message, fix
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.MappingNode):
+        return [child for pair in node.value for child in pair]
+    return list(node.value) if isinstance(node, yaml.SequenceNode) else []
+
+
+def _alias_problem(root: yaml.Node) -> tuple[str, str] | None:
+    """(message, fix) when the document's aliases refer to a node that holds them (a recursive
+    alias) or expand it beyond `MAX_YAML_VALUES` values; None otherwise. Counts each node once
+    (depth first, without recursion), so a few lines of aliases cost a few steps."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, finished = stack.pop()
+        if finished:
+            open_nodes.discard(id(node))
+            sizes[id(node)] = 1 + sum(sizes[id(child)] for child in _children(node))
+            if sizes[id(node)] > MAX_YAML_VALUES:
+                return (
+                    f"its aliases expand to more than {MAX_YAML_VALUES} values (from line "
+                    f"{node.start_mark.line + 1}): an alias bomb, or far more than a recipe holds",
+                    "write the values out, or use fewer aliases",
+                )
+            continue
+        if id(node) in sizes:
+            continue
+        if id(node) in open_nodes:
+            return (
+                f"a recursive alias: the value from line {node.start_mark.line + 1} holds an alias of itself",
+                "remove the alias (*NAME) that refers to the anchor (&NAME) it is inside",
+            )
+        open_nodes.add(id(node))
+        stack.append((node, True))
+        stack.extend((child, False) for child in _children(node))
+    return None
+
+
+def _load_yaml(text: str) -> tuple[Any, list[tuple[str, int]]]:
+    """The value of a YAML document and its duplicate keys (key, line); yaml.YAMLError if it is not
+    valid YAML, _YAMLRefused if its aliases are recursive or expand too far, or it nests too deeply.
+    Safe: no tag builds an object."""
     loader = _UniqueKeyLoader(text)
     try:
-        data = loader.get_single_data()
+        node = loader.get_single_node()
+        problem = _alias_problem(node) if node is not None else None
+        if problem is not None:
+            raise _YAMLRefused(*problem)
+        data = loader.construct_document(node) if node is not None else None
+    except RecursionError:
+        raise _YAMLRefused("nested too deeply", "write mappings and lists a few levels deep") from None
+    finally:
+        loader.dispose()
+    return data, loader.duplicates
+
+
+def _parse_yaml(text: str, source: str) -> tuple[dict, list[Problem]]:
+    try:
+        data, duplicates = _load_yaml(text)
     except yaml.YAMLError as err:
         raise ConfigError(
             source, [Problem("<file>", _MISSING, f"not valid YAML: {err}", "fix the YAML syntax")]
         ) from None
-    finally:
-        loader.dispose()
+    except _YAMLRefused as err:
+        raise ConfigError(source, [Problem("<file>", _MISSING, err.message, err.fix)]) from None
     problems = [
         Problem(key, _MISSING, f"duplicate key (again on line {line})", "keep one of the two entries")
-        for key, line in loader.duplicates
+        for key, line in duplicates
     ]
     if data is None:
         data = {}
@@ -570,16 +701,19 @@ def _parse_yaml(text: str, source: str) -> tuple[dict, list[Problem]]:
     return data, problems
 
 
-def _override_value(key: str, raw: str) -> Any:
-    """An override's value parsed as YAML (safely: no tags that build objects); empty is null."""
+def override_value(key: str, raw: str) -> Any:
+    """An override's value (or `eval --select`'s) parsed as YAML (safely: no tags that build objects,
+    aliases checked as a recipe's); empty is null. ConfigError naming `key` if it cannot be."""
     if not raw.strip():
         return None
     try:
-        return yaml.safe_load(raw)
+        return _load_yaml(raw)[0]
     except yaml.YAMLError as err:
         reason = " ".join(str(getattr(err, "problem", None) or err).split())
         fix = "quote it or fix the brackets, e.g. train.steps=50 or model.name_or_path='a b'"
         raise ConfigError("<overrides>", [Problem(key, raw, f"not a valid YAML value ({reason})", fix)]) from None
+    except _YAMLRefused as err:
+        raise ConfigError("<overrides>", [Problem(key, raw, err.message, err.fix)]) from None
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> list[Problem]:
@@ -593,7 +727,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> list[Problem]:
             )
             continue
         try:
-            value = _override_value(key, raw)
+            value = override_value(key, raw)
         except ConfigError as err:
             problems.extend(err.problems)
             continue
@@ -693,7 +827,7 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> RecipeC
     """Read a recipe YAML, apply overrides, validate everything; raise ConfigError listing all problems."""
     source = str(path)
     try:
-        text = Path(path).read_bytes().decode("utf-8")
+        text = Path(path).expanduser().read_bytes().decode("utf-8")
     except OSError as err:
         raise ConfigError(
             source,
@@ -716,11 +850,18 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> RecipeC
     return validate_recipe_dict(data, source, problems)
 
 
-def check_against_model(config: RecipeConfig, num_layers: int, max_positions: int | None = None) -> None:
-    """Checks that need the model's config: layer indices inside the model, and `data.seq_len`
-    within its context (`max_positions`, its max_position_embeddings, when it has one). Raise
-    ConfigError if any fail."""
-    problems = []
+def check_against_model(
+    config: RecipeConfig,
+    num_layers: int,
+    max_positions: int | None = None,
+    kv_heads: int | None = None,
+    head_dim: int | None = None,
+) -> None:
+    """Checks that need the model's config: layer indices inside the model, `data.seq_len` within
+    its context (`max_positions`, its max_position_embeddings, when it has one), and the GSM modules
+    no wider than the model's attention (`kv_heads`, `head_dim`, when given). Raise ConfigError if any
+    fail."""
+    problems = _shape_problems(config, kv_heads, head_dim)
     if max_positions is not None and config.data.seq_len > max_positions:
         problems.append(
             Problem(
@@ -763,6 +904,53 @@ def check_against_model(config: RecipeConfig, num_layers: int, max_positions: in
     ]
     if problems:
         raise ConfigError("recipe vs model", problems)
+
+
+def check_positions(source: str, option: str, value: int, tokens: int, max_positions: int | None) -> None:
+    """Refuse a run over `tokens` positions (asked for by `option` = `value`) beyond the model's
+    `max_positions` (its max_position_embeddings; None: no limit known): ConfigError from `source`."""
+    if max_positions and tokens > max_positions:
+        beyond = f" ({tokens} tokens in all)" if tokens != value else ""
+        raise ConfigError(
+            source,
+            [
+                Problem(
+                    option,
+                    value,
+                    f"runs past the model's context{beyond}: {max_positions} positions, its max_position_embeddings",
+                    f"keep it within {max_positions} positions",
+                )
+            ],
+        )
+
+
+def _shape_problems(config: RecipeConfig, kv_heads: int | None, head_dim: int | None) -> list[Problem]:
+    """The GSM settings wider than the model's attention: a gate key wider than its heads (the gate
+    would repeat the heads' RoPE frequencies), more shared K/V heads than it has. None for stage
+    math_gate, whose modules come from the export it starts from."""
+    gsm, problems = config.gsm, []
+    if config.stage == "math_gate":
+        return problems
+    sparse, sharing = gsm.sparse_attention, gsm.cross_layer_sharing
+    if gsm.gsm_enabled and sparse.enabled and head_dim is not None and sparse.gate_head_dim > head_dim:
+        problems.append(
+            Problem(
+                "gsm.sparse_attention.gate_head_dim",
+                sparse.gate_head_dim,
+                f"wider than the model's attention heads ({head_dim}): the gate would repeat their RoPE frequencies",
+                f"use gsm.sparse_attention.gate_head_dim <= {head_dim}",
+            )
+        )
+    if gsm.gsm_enabled and sharing.enabled and kv_heads is not None and sharing.shared_kv_heads > kv_heads:
+        problems.append(
+            Problem(
+                "gsm.cross_layer_sharing.shared_kv_heads",
+                sharing.shared_kv_heads,
+                f"more than the model's {kv_heads} K/V heads",
+                f"use gsm.cross_layer_sharing.shared_kv_heads <= {kv_heads}",
+            )
+        )
+    return problems
 
 
 def resolved_yaml(config: RecipeConfig) -> str:

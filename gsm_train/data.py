@@ -28,6 +28,7 @@ import torch
 
 from gsm_train.assets import EMBEDDED_PREFIX, embedded_asset_path
 from gsm_train.config import HUB_PREFIX
+from gsm_train.errors import GSMError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -38,7 +39,7 @@ _COMPRESSIONS = (".gz", ".xz", ".bz2", ".zst")
 _SOURCE_HINT = "give an existing file, folder or glob, embedded:sample_prose, or hf://NAME[:CONFIG][@SPLIT]"
 
 
-class DataError(ValueError):
+class DataError(ValueError, GSMError):
     """A data problem stated as `SOURCE: PROBLEM. Fix: FIX.`; the parts are kept as attributes."""
 
     def __init__(self, source: str, problem: str, fix: str) -> None:

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from gsm_train.errors import GSMError
 from gsm_train.families import decoder_layers
 
 
@@ -75,7 +76,7 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-class OtherRankFailed(RuntimeError):
+class OtherRankFailed(GSMError):
     """Raised on the ranks that had no error when another rank of the launch had one."""
 
 

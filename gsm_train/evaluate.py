@@ -20,15 +20,23 @@ from torch import Tensor, nn
 
 from gsm_train.adapter_format import GSM_SECTIONS, ExportError, read_config
 from gsm_train.attention import GSMSettings, configure_gsm, gsm_collect
-from gsm_train.config import ConfigError, GSMConfig, Problem, SparseAttentionConfig, format_problems
+from gsm_train.config import (
+    ConfigError,
+    GSMConfig,
+    Problem,
+    SparseAttentionConfig,
+    check_positions,
+    format_problems,
+)
 from gsm_train.data import load_text_dataset, pack_tokens
 from gsm_train.distributed import cuda_wanted
 from gsm_train.export import load_gsm
+from gsm_train.families import config_dims
 from gsm_train.functional.attention_targets import MASS_SUMS
 from gsm_train.hub_download import resolve_export
 from gsm_train.hub_ids import base_to_load
 from gsm_train.inspect_model import layer_reports
-from gsm_train.model_zoo import load_model_and_tokenizer
+from gsm_train.model_zoo import load_model_and_tokenizer, read_model_config
 
 BASE = "base"
 
@@ -213,6 +221,13 @@ class Evaluation:
     kv_baseline: str | None
     tokenizer: Any = None
 
+    def check_positions(self, source: str, option: str, tokens: int) -> None:
+        """Refuse sequences of `tokens` beyond the base model's positions (ConfigError naming
+        `option`), from its config, before any model loads."""
+        model_config = read_model_config(self.model_name, revision=self.revision)
+        if model_config is not None:
+            check_positions(source, option, tokens, tokens, config_dims(model_config)["context"])
+
     def models(self) -> Iterator[Evaluated]:
         """The base, then each export on a fresh copy of it, each loaded when asked for."""
         for name in (BASE, *self.folders):
@@ -281,7 +296,12 @@ def evaluate_exports(
     `top_k` on a constant schedule, at each query's k on another. `selection`: sparse_attention
     fields the exports run with instead of their own (`with_selection`), e.g. {"top_k": 1024};
     `selections`: the same per export name."""
+    if seq_len < 2:
+        raise ConfigError(
+            "eval", [Problem("--seq-len", seq_len, "a window of one token predicts nothing", "use --seq-len 2 or more")]
+        )
     evaluation = prepare_evaluation(model_name, exports, mode, kv_baseline, selection, selections)
+    evaluation.check_positions("eval", "--seq-len", seq_len)
     buckets = position_buckets(seq_len, first_bucket)
     results: dict[str, dict[str, Any]] = {}
     rows = None
@@ -356,6 +376,18 @@ def markdown_table(report: dict[str, Any]) -> str:
         mass = [f"{p['recall_ratio']:.3f}" if "recall_ratio" in p else "-" for p in r["buckets"]]
         lines.append(f"| {name} | " + " | ".join(ppl + mass) + " |")
     return "\n".join(lines) + "\n"
+
+
+def check_report_folder(out_dir: str | Path, option: str = "--out") -> None:
+    """Refuse an `--out` that names a file or lies below one, before anything runs (ConfigError)."""
+    path = Path(out_dir)
+    blocking = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        where = "names a file" if blocking == path else f"lies below the file {blocking}"
+        raise ConfigError(
+            option.lstrip("-"),
+            [Problem(option, str(out_dir), f"{where}, not a folder", "give a folder for the report (new or existing)")],
+        )
 
 
 def write_report(

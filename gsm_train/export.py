@@ -22,10 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from gsm_train.adapter_format import (
     ARGS_FILE,
@@ -37,6 +36,7 @@ from gsm_train.adapter_format import (
     FORMAT_VERSION,
     GSM_FILE,
     GSM_SECTIONS,
+    MERGED_FIELD,
     PEFT_FILE,
     ExportError,
     ExportTensors,
@@ -52,9 +52,11 @@ from gsm_train.hub_download import resolve_export
 from gsm_train.hub_ids import base_identity
 from gsm_train.inference.cache import DEFAULT_PREFILL, check_prefill
 from gsm_train.inference.engine import enable_gsm_generation
-from gsm_train.lora import inject_lora, lora_parameters, peft_name, write_peft_config
+from gsm_train.lora import inject_lora, lora_parameters, peft_base_name, peft_name, write_peft_config
 from gsm_train.model_card import build_card
+from gsm_train.model_zoo import builtin_weights
 from gsm_train.modules import GSMError
+from gsm_train.published_bytes import redact_local_paths, save_reproducible
 
 __all__ = [
     "ExportError",
@@ -86,15 +88,18 @@ class AdapterNames:
 
 def base_description(model: nn.Module, fingerprint: str, name: str, revision: str | None) -> dict:
     """What a loader checks the base model against, and where the base comes from (its Hub id and
-    license where they can be known: gsm_train/hub_ids.py)."""
+    license where they can be known: gsm_train/hub_ids.py; for a built-in whose weights differ from
+    its Hub original, which weights they are: `model_zoo.builtin_weights`)."""
     cfg = model.config
     heads = cfg.num_attention_heads
     identity = base_identity(name, revision) if name else {"hub_id": None, "revision": revision, "license": None}
+    weights = builtin_weights(name)
     return {
         "name_or_path": name,
         "revision": identity["revision"] or revision,
         "hub_id": identity["hub_id"],
         "license": identity["license"],
+        **({"weights": weights} if weights else {}),
         "model_type": cfg.model_type,
         "architectures": list(getattr(cfg, "architectures", None) or [type(model).__name__]),
         "num_hidden_layers": cfg.num_hidden_layers,
@@ -163,6 +168,7 @@ def export_adapter(
     include_base: bool = False,
     is_main: bool = True,
     state: dict[str, Tensor] | None = None,
+    base_model: dict | None = None,
 ) -> Path:
     """Write the export (collective under FSDP: every rank calls it; rank 0 writes). Returns the
     folder (resolved, on rank 0).
@@ -170,7 +176,9 @@ def export_adapter(
     The export holds the GSM tensors and LoRA deltas (`lora`: the LoRA settings, if the base was
     trained with LoRA); the base weights only with `include_base` (a base trained in full). `state`:
     the model's full state dict on rank 0 when the caller gathered it (the training backend);
-    otherwise it is gathered here from FSDP2 shards. Refuses (ExportError, nothing written) a
+    otherwise it is gathered here from FSDP2 shards. `base_model`: the base's description as an
+    export recorded it (a model loaded from an export and saved again keeps it); by default it is
+    described from the model, `base_name` and `base_revision`. Refuses (ExportError, nothing written) a
     destination that holds anything but a previous export, and tensors that are not finite.
     """
     if state is None:
@@ -183,19 +191,19 @@ def export_adapter(
     _refuse_non_finite(tensors, destination)
     settings = gsm_settings(model)
     files = _split_files(tensors, names)
-    base = base_description(model, settings.base_fingerprint, base_name, base_revision)
+    base = base_model or base_description(model, settings.base_fingerprint, base_name, base_revision)
     config = _export_config(settings.config.model_dump(mode="json"), base, lora, include_base, files)
-    training_args = json.loads(json.dumps({"recipe": recipe, "metrics": metrics}, default=float))
+    training_args = redact_local_paths(json.loads(json.dumps({"recipe": recipe, "metrics": metrics}, default=float)))
 
     def write(folder: Path) -> None:
         metadata = {"format": FORMAT, "format_version": str(FORMAT_VERSION)}
         for file, content in files.items():
-            save_file(content, str(folder / file), metadata=metadata)
+            save_reproducible(content, folder / file, metadata)
         if lora:
             write_peft_config(
                 folder,
                 LoraSettings.model_validate(lora),
-                base["hub_id"] or base_name,
+                peft_base_name(base),
                 base["revision"],
             )
         (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True))
@@ -211,19 +219,22 @@ def check_base(config: dict, model: nn.Module, adapter_dir: str | Path) -> None:
     expected = config["base_model"]
     rule = expected.get("fingerprint_rule", FINGERPRINT_RULE)
     actual = base_description(model, base_fingerprint(model.state_dict(), rule), "", None)
+    merged = expected.get(MERGED_FIELD) or {}
     mismatches = [
         f"{k}: adapter {expected.get(k)!r}, model {actual.get(k)!r}"
+        + (f" (nor the merged base's {merged['fingerprint']!r})" if k == "fingerprint" and merged else "")
         for k in BASE_CHECKED
-        if expected.get(k) != actual.get(k)
+        if expected.get(k) != actual.get(k) and not (k == "fingerprint" and merged.get("fingerprint") == actual[k])
     ]
     if mismatches:
         raise ExportError(
             f"{adapter_dir} was trained on {expected['name_or_path']!r}, which differs from this "
             f"model: {'; '.join(mismatches)}. Load the adapter onto that base model"
+            + (" (or onto that base with the export's LoRA deltas merged)" if merged else "")
         )
 
 
-def _build_settings(config: dict) -> tuple[GSMConfig, GSMConfig]:
+def build_settings(config: dict) -> tuple[GSMConfig, GSMConfig]:
     """(the GSM settings as trained, the same with gates built at random: their tensors come from
     the export)."""
     gsm = GSMConfig.model_validate({k: config[k] for k in GSM_SECTIONS if k in config})
@@ -231,14 +242,14 @@ def _build_settings(config: dict) -> tuple[GSMConfig, GSMConfig]:
     return gsm, gsm.model_copy(update={"sparse_attention": sparse})
 
 
-def _skeleton_state(
-    model: nn.Module, build: GSMConfig, lora: LoraSettings | None
+def skeleton_state(
+    model_config: PretrainedConfig, build: GSMConfig, lora: LoraSettings | None
 ) -> tuple[dict[str, Tensor], AdapterNames]:
-    """The state dict (meta tensors: names, shapes, dtypes) `model` would have after `build` and
-    `lora` were attached, and its adapter tensors' names, computed on a skeleton of its architecture;
-    `model` itself is not touched."""
+    """The state dict (meta tensors: names, shapes, dtypes) a model of `model_config` would have
+    after `build` and `lora` were attached, and its adapter tensors' names, computed on a skeleton
+    of its architecture (no weights are loaded or allocated)."""
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(copy.deepcopy(model.config))
+        skeleton = AutoModelForCausalLM.from_config(copy.deepcopy(model_config))
     inject_gsm(skeleton, build)
     if lora is not None:
         inject_lora(skeleton, lora)
@@ -319,9 +330,9 @@ def load_gsm(
     config = read_config(folder)
     loaded = read_tensors(folder, config)
     check_base(config, model, folder)
-    gsm, build = _build_settings(config)
+    gsm, build = build_settings(config)
     lora = LoraSettings.model_validate(config["lora"]) if config.get("lora") else None
-    planned, names = _skeleton_state(model, build, lora)
+    planned, names = skeleton_state(model.config, build, lora)
     _check_fit(loaded, planned, names.__contains__, False, folder)
     inject_gsm(model, build, mode=mode)
     settings = configure_gsm(model, config=gsm)
@@ -329,4 +340,23 @@ def load_gsm(
         inject_lora(model, lora)
     model.load_state_dict(loaded.tensors, strict=False)
     enable_gsm_generation(model, prefill=prefill)  # a plain model.generate now runs over the GSM cache
+    refuse_plain_save(model)
     return settings
+
+
+PLAIN_SAVE_REFUSED = (
+    "this model carries GSM modules (and LoRA layers, if the adapter has them), which transformers' "
+    "save_pretrained writes under names a plain reload drops: the folder would load with freshly "
+    "initialised projections and no GSM. Fix: save the adapter with GSMModel.save_pretrained(FOLDER) "
+    "(gsm_train.GSMModel), which GSMModel.from_pretrained(FOLDER) loads back"
+)
+
+
+def refuse_plain_save(model: nn.Module) -> None:
+    """Make `model.save_pretrained` (and so transformers' `push_to_hub`) raise GSMError
+    `PLAIN_SAVE_REFUSED` instead of writing a folder that reloads without the adapter."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise GSMError(PLAIN_SAVE_REFUSED)
+
+    model.save_pretrained = refuse

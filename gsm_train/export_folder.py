@@ -3,20 +3,24 @@
 `export_destination` resolves the folder (`..` and symlinks first) and accepts it only when it is
 new, empty, or a previous gsm-train export holding nothing but export files. `write_export_folder`
 writes the new export into a temporary folder beside it, syncs it to disk, moves the previous export
-aside, renames the new one into place, and only then deletes the previous one's files (by name).
+aside, renames the new one into place, and only then deletes the previous one's files (by name). A
+model card (README.md) the user edited in the previous export is the user's (`model_card.card_is_users`,
+as publishing judges it): the new export keeps it instead of its own, with a note on stderr.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from gsm_train.adapter_format import CONFIG_FILE, EXPORT_FILES, FORMAT, ExportError
+from gsm_train.adapter_format import ARGS_FILE, CARD_FILE, CONFIG_FILE, EXPORT_FILES, FORMAT, ExportError
 from gsm_train.durable import fsync_path
+from gsm_train.model_card import card_is_users
 
 _REFUSED_FIX = "gsm-train replaces only its own exports: give a new or empty folder, or move those files away first"
 
@@ -24,11 +28,8 @@ _REFUSED_FIX = "gsm-train replaces only its own exports: give a new or empty fol
 def _is_export_config(path: Path) -> bool:
     """Whether `path` is a gsm_config.json that gsm-train wrote (any format version, even if damaged
     elsewhere)."""
-    try:
-        config = json.loads(path.read_bytes().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return False
-    return isinstance(config, dict) and config.get("format") == FORMAT
+    config = _json_object(path)
+    return config is not None and config.get("format") == FORMAT
 
 
 def export_destination(out_dir: str | Path) -> Path:
@@ -57,6 +58,44 @@ def export_destination(out_dir: str | Path) -> Path:
     return path
 
 
+def check_writable(out_dir: str | Path) -> None:
+    """ExportError unless this process may create files in the folder `out_dir` goes in (where the
+    export is built before it moves into place): checked before a model loads."""
+    path = Path(out_dir).expanduser().resolve()
+    parent = next((p for p in path.parents if p.exists()), path.parent)
+    if not parent.is_dir():
+        raise ExportError(f"{out_dir}: {parent} is a file, not a folder; give a folder for the export")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ExportError(
+            f"{out_dir}: cannot write in {parent} (no permission or a read-only file system); "
+            "give a folder you can write to"
+        )
+
+
+def _json_object(path: Path) -> dict | None:
+    """The JSON object in `path`; {} if there is no such file; None if it cannot be read as one."""
+    if not path.is_file():
+        return {}
+    try:
+        value = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):  # RecursionError: nested too deeply
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _users_card(previous: Path) -> bytes | None:
+    """The README.md of the previous export in `previous` when it is the user's (edited after
+    gsm-train wrote it; kept too when the export's JSON files are damaged and so cannot tell), else
+    None."""
+    card = previous / CARD_FILE
+    if not card.is_file():
+        return None
+    config, args = _json_object(previous / CONFIG_FILE), _json_object(previous / ARGS_FILE)
+    if config is None or args is None or card_is_users(card, config, args):
+        return card.read_bytes()
+    return None
+
+
 def write_export_folder(out_dir: str | Path, write: Callable[[Path], None]) -> Path:
     """Write an export with `write(folder)` and put it at `out_dir` (checked by
     `export_destination`), replacing a previous export only once the new one is complete on disk.
@@ -66,9 +105,17 @@ def write_export_folder(out_dir: str | Path, write: Callable[[Path], None]) -> P
     `.NAME.tmp-*` or at NAME, the previous one in `.NAME.old-*`."""
     destination = export_destination(out_dir)
     destination.parent.mkdir(parents=True, exist_ok=True)
+    users_card = _users_card(destination) if destination.is_dir() else None
     tmp = Path(tempfile.mkdtemp(prefix=f".{destination.name}.tmp-", dir=destination.parent))
     try:
         write(tmp)
+        if users_card is not None:
+            (tmp / CARD_FILE).write_bytes(users_card)
+            print(
+                f"note: kept {destination / CARD_FILE}, edited after gsm-train wrote it; remove it before "
+                "exporting to have the card written anew",
+                file=sys.stderr,
+            )
         for file in tmp.iterdir():
             fsync_path(file)
         fsync_path(tmp)

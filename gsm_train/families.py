@@ -18,8 +18,10 @@ from typing import Any
 
 from torch import nn
 
+from gsm_train.errors import GSMError
 
-class UnsupportedModel(ValueError):
+
+class UnsupportedModel(ValueError, GSMError):
     """The model is not of a family in `FAMILIES`, or not laid out as its row says."""
 
 
@@ -110,7 +112,12 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
 
 def model_dims(model: nn.Module) -> dict[str, int]:
     """hidden size, query heads, KV heads, head_dim, layers and context length of a causal LM's config."""
-    cfg = _unwrapped(model).config
+    return config_dims(_unwrapped(model).config)
+
+
+def config_dims(cfg: Any) -> dict[str, int]:
+    """`model_dims` from a causal LM's config alone (a transformers `PretrainedConfig`, no model
+    needed); context 0 where the config names none."""
     heads = cfg.num_attention_heads
     return {
         "hidden": cfg.hidden_size,

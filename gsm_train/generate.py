@@ -19,6 +19,7 @@ from torch import nn
 from transformers import TextStreamer
 
 from gsm_train.adapter_format import ExportError
+from gsm_train.config import check_positions
 from gsm_train.distributed import cuda_wanted
 from gsm_train.families import model_dims
 from gsm_train.hub_ids import base_to_load
@@ -136,6 +137,13 @@ def _run(
     )
 
 
+def _check_positions(model: nn.Module, prompt_tokens: int, max_new_tokens: int) -> None:
+    """Refuse a prompt and `max_new_tokens` beyond the model's positions (ConfigError), before a cache
+    for them is allocated."""
+    tokens = prompt_tokens + max_new_tokens
+    check_positions("generate", "--max-new-tokens", max_new_tokens, tokens, model_dims(model)["context"])
+
+
 def generate(
     model_name: str | None,
     adapter: str | Path | None,
@@ -159,6 +167,7 @@ def generate(
             adapter, revision=revision, base=model_name, mode=mode, prefill=prefill, dtype=dtype, device=device
         )
         length = len(gsm.tokenizer(prompt).input_ids)
+        _check_positions(gsm.model, length, max_new_tokens)
         cache = GSMCache(gsm.model, capacity=length + max_new_tokens)
         runs.append(_run("GSM cache", gsm.model, gsm.tokenizer, prompt, max_new_tokens, echo, cache))
         model_name = model_name or base_to_load(gsm.config["base_model"])[0]
@@ -167,6 +176,7 @@ def generate(
         raise ExportError("generate needs a model: give --adapter (an export, whose base it loads) or --model")
     if adapter is None or compare_dense:
         model, tokenizer = load_model_and_tokenizer(model_name, dtype=dtype)
+        _check_positions(model, len(tokenizer(prompt).input_ids), max_new_tokens)
         model.to(device)
         options = {"cache_implementation": "static"} if device.startswith("cuda") else {}
         runs.append(

@@ -25,12 +25,14 @@ from gsm_train.adapter_format import (
     CARD_FILE,
     CONFIG_FILE,
     EXPORT_FILES,
-    FORMAT_VERSION,
     ExportError,
+    read_training_args,
     validate_export,
 )
+from gsm_train.errors import GSMError
 from gsm_train.hub_ids import REPO_ID_FIX, is_builtin, repo_id_problem
-from gsm_train.model_card import build_card
+from gsm_train.model_card import build_card, card_is_users
+from gsm_train.published_bytes import redact_local_paths, redact_path
 
 DEFAULT_COMMIT_MESSAGE = "Upload GSM adapter (gsm-train)"
 _LOGIN_FIX = "run `hf auth login`, set the HF_TOKEN environment variable, or pass a token"
@@ -41,7 +43,7 @@ _HTTP_FIXES = {
 }
 
 
-class PublishError(RuntimeError):
+class PublishError(GSMError):
     """Publishing failed; the message names the problem and the fix, and never holds the token."""
 
 
@@ -98,36 +100,33 @@ def _export_files(folder: Path) -> list[Path]:
 
 
 def _training_args(folder: Path) -> dict[str, Any]:
-    path = folder / ARGS_FILE
-    if not path.is_file():
-        return {}
     try:
-        args = json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise PublishError(f"{path}: not UTF-8 JSON ({err}). Fix: re-export the adapter.") from None
-    return args if isinstance(args, dict) else {}
+        return read_training_args(folder)
+    except ExportError as err:
+        raise PublishError(str(err)) from None
 
 
 def _operations(
     folder: Path, exported: dict[str, Any], published: dict[str, Any], repo_id: str
 ) -> list[CommitOperationAdd]:
-    """One upload per export file. gsm_config.json carries the base's Hub id when publishing set it;
-    README.md is written again (with the repo id in its snippet) unless it was edited after a
-    format-6 export wrote it."""
+    """One upload per export file. gsm_config.json carries the base's Hub id when publishing set it,
+    and no local path (a base loaded from a folder is named `<local>/NAME`: its Hub id is what a
+    downloader loads); training_args.json names no local path either (an export from before they
+    were redacted is redacted here); README.md is written again (with the repo id in its snippet)
+    unless it was edited after a format-6 export wrote it."""
     contents: dict[str, str | bytes] = {file.name: str(file) for file in _export_files(folder)}
     stored = json.loads((folder / CONFIG_FILE).read_text())
+    base = {**stored["base_model"], "name_or_path": redact_path(stored["base_model"]["name_or_path"])}
     if published is not exported:
-        base = {**stored["base_model"], "hub_id": published["base_model"]["hub_id"]}
+        base["hub_id"] = published["base_model"]["hub_id"]
+    if base != stored["base_model"]:
         contents[CONFIG_FILE] = json.dumps({**stored, "base_model": base}, indent=2, sort_keys=True).encode()
     args = _training_args(folder)
-    card = folder / CARD_FILE
-    as_written = (
-        stored["format_version"] < FORMAT_VERSION
-        or not card.is_file()
-        or card.read_bytes() == build_card(exported, args).encode()
-    )
-    if as_written:
-        contents[CARD_FILE] = build_card(published, args, repo_id).encode()
+    shown = redact_local_paths(args)
+    if shown != args:
+        contents[ARGS_FILE] = json.dumps(shown, indent=2, sort_keys=True).encode()
+    if not card_is_users(folder / CARD_FILE, stored, args):
+        contents[CARD_FILE] = build_card(published, shown, repo_id).encode()
     return [CommitOperationAdd(path_in_repo=name, path_or_fileobj=content) for name, content in contents.items()]
 
 

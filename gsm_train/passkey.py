@@ -228,6 +228,7 @@ def evaluate_passkey(
     loads; `model_name` None: the base the first export names; `selections`: sparse_attention
     fields an export runs with instead of its own, by name (`evaluate.with_selection`)."""
     evaluation = prepare_evaluation(model_name, exports, mode, selections=selections)
+    evaluation.check_positions("passkey", "--length", length)
     results: dict[str, dict[str, Any]] = {}
     cases = None
     for item in evaluation.models():

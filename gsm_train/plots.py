@@ -148,3 +148,35 @@ def plot_layer_sensitivity(increase: dict[str, list[float]], bits: int, path: Pa
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def plot_pareto(points: list[dict[str, Any]], path: Path) -> Path:
+    """Perplexity against end-to-end tokens/s of a tuning sweep: one series per knob (each point a dict with
+    `knob`, `value`, `tokens_per_s` and `ppl`; knob None: the export as trained), values annotated."""
+    if not points:
+        raise ValueError("plot_pareto: no points to plot")
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    knobs = sorted({str(p["knob"]) for p in points})
+    for knob in knobs:
+        series = sorted((p for p in points if str(p["knob"]) == knob), key=lambda p: p["tokens_per_s"])
+        marker = "*" if knob == "None" else "o-"
+        label = "as exported" if knob == "None" else knob
+        ax.plot([p["tokens_per_s"] for p in series], [p["ppl"] for p in series], marker, label=label, ms=7)
+        for p in series:
+            if p["value"] is not None:
+                ax.annotate(
+                    f"{p['value']:g}",
+                    (p["tokens_per_s"], p["ppl"]),
+                    fontsize=7,
+                    xytext=(4, 4),
+                    textcoords="offset points",
+                )
+    ax.set_xlabel("end-to-end tokens/s (generation)")
+    ax.set_ylabel("perplexity (held-out text)")
+    ax.set_title("tuning knobs one at a time: quality against speed", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

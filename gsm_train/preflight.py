@@ -2,10 +2,13 @@
 status 2) naming the field, file or folder, and nothing has been written yet.
 
 In order: the optional packages the recipe needs; the base model's config (read without weights: a
-Hub id is first accessed here) against `data.seq_len` and the layer indices; the checkpoint to
-resume from (it must verify against its manifest; its backend and recipe must match this run's, and
-a different number of processes must take the same rows a micro-step: `checkpoint.check_resumable`);
-the run folder (no live lock, no other run's files unless told). The result says where the run
+Hub id is first accessed here) against `data.seq_len`, the layer indices and the heads; the token
+cache's folder; the checkpoint to resume from (it must verify against its manifest, and its index
+read without running code; train.steps must not lie below its step; its backend and recipe must
+match this run's, or with --allow-recipe-change leave every trained tensor's shape as it is; a
+different number of processes must take the same rows a micro-step: `checkpoint.check_resumable`);
+the run folder (no live lock, no other run's files unless told, nothing an --overwrite run that was
+killed left set aside; its export/ holds an export or nothing). The result says where the run
 starts and under which run id.
 """
 
@@ -17,11 +20,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gsm_train.checkpoint import check_resumable, read_state, resolve_resume
+from transformers import PretrainedConfig
+
+from gsm_train.checkpoint import check_resumable, checkpoint_shapes, read_state, resolve_resume
 from gsm_train.config import ConfigError, Problem, RecipeConfig, check_against_model
 from gsm_train.export_folder import export_destination
+from gsm_train.families import config_dims
 from gsm_train.model_zoo import read_model_config
-from gsm_train.run_folder import check_run_folder, read_run_id
+from gsm_train.recipe_shapes import check_shapes_fit
+from gsm_train.run_folder import check_folder_usable, check_run_folder, read_run_id
+from gsm_train.set_aside import check_nothing_aside
+from gsm_train.token_cache import token_cache_dir
 
 # recipe fields a resumed run may change without --allow-recipe-change: they do not alter the
 # trained weights (how long it runs, what it logs, how often it saves, where)
@@ -82,10 +91,10 @@ def check_optional_packages(config: RecipeConfig) -> None:
         raise ConfigError("recipe vs installed packages", problems)
 
 
-def check_model_config(config: RecipeConfig) -> None:
-    """Read the base model's config (not its weights) and check the recipe against it; a config
-    that cannot be read (a wrong Hub id or revision, no network, a damaged folder) is a
-    ConfigError."""
+def check_model_config(config: RecipeConfig) -> PretrainedConfig | None:
+    """Read the base model's config (not its weights) and check the recipe against it; return it
+    (None where it cannot be had without the weights). A config that cannot be read (a wrong Hub id
+    or revision, no network, a damaged folder) is a ConfigError."""
     model = config.model
     try:
         model_config = read_model_config(model.name_or_path, model.gguf_file, model.revision)
@@ -100,9 +109,9 @@ def check_model_config(config: RecipeConfig) -> None:
             [Problem("model.name_or_path", model.name_or_path, f"its config cannot be read ({reason})", fix)],
         ) from None
     if model_config is not None:
-        check_against_model(
-            config, model_config.num_hidden_layers, getattr(model_config, "max_position_embeddings", None)
-        )
+        dims = config_dims(model_config)
+        check_against_model(config, dims["layers"], dims["context"] or None, dims["kv_heads"], dims["head_dim"])
+    return model_config
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -146,23 +155,52 @@ def check_recipe_unchanged(
         raise ConfigError(f"resume from {checkpoint}", problems)
 
 
+def check_steps_ahead(config: RecipeConfig, state: dict[str, Any], checkpoint: Path) -> None:
+    """Refuse `train.steps` below the step of the checkpoint a run resumes from (ConfigError): the run
+    would train no step and export the checkpoint as if it were the run's end."""
+    step = state.get("step")
+    if isinstance(step, int) and config.train.steps < step:
+        raise ConfigError(
+            f"resume from {checkpoint}",
+            [
+                Problem(
+                    "train.steps",
+                    config.train.steps,
+                    f"below the step of the checkpoint to resume from ({step})",
+                    f"set train.steps above {step} to train on, or export that checkpoint: "
+                    f"gsm-train export {checkpoint} OUT",
+                )
+            ],
+        )
+
+
 def plan_run(config: RecipeConfig, backend: str, world_size: int, options: StartOptions) -> RunPlan:
     """Every check that can run before the model loads (read only: nothing is written); the plan."""
     recipe = config.model_dump(mode="json")
     check_optional_packages(config)
-    check_model_config(config)
+    model_config = check_model_config(config)
+    if not config.data.streaming:
+        token_cache_dir()  # a file there is refused now, not once the model has loaded
     run_dir = Path(config.output.dir)
     resume_from = config.output.resume_from
+    check_folder_usable(run_dir, resume_from, options.overwrite)
+    check_nothing_aside(run_dir)
     resume = resolve_resume(resume_from, run_dir)
     state = read_state(resume) if resume is not None else None
     if resume is not None and state is not None:
         check_resumable(state, resume, backend, world_size, config.train.batch_size)
+        check_steps_ahead(config, state, resume)
         check_recipe_unchanged(
             state, recipe, resume, options.allow_recipe_change, resized=state.get("world_size") != world_size
         )
+        saved = checkpoint_shapes(resume)  # its index read without running code, or refused
+        changed = [key for key, _, _ in recipe_changes(state.get("recipe") or {}, recipe)]
+        if changed and model_config is not None:
+            check_shapes_fit(config, model_config, saved, resume, changed)
     check_run_folder(run_dir, resume_from, resume, state, options.overwrite)
-    if not options.overwrite:  # the run's own export goes there at the end: refused now, not after training
-        export_destination(run_dir / "export")
+    # the run's own export goes there at the end (--overwrite leaves a previous one in place until
+    # then): a folder holding anything else is refused now, not after training
+    export_destination(run_dir / "export")
     run_id = (state or {}).get("run_id")
     if run_id is None and resume_from == "auto":
         run_id = read_run_id(run_dir)

@@ -1,36 +1,43 @@
-"""`GSMModel.from_pretrained(export_or_repo_id)`: the base model an export names, with the export's
-GSM modules (and LoRA deltas) loaded and checked, and its tokenizer; `push_to_hub` publishes the
-export it came from."""
+"""`GSMModel`, the PEFT-like face of an export: `from_pretrained(export_or_repo_id)` gives the base
+model an export names, with the export's GSM modules (and LoRA deltas) loaded and checked, and its
+tokenizer; `save_pretrained` writes the model as it is in memory in the export format (it round-trips
+through `from_pretrained`); `push_to_hub` publishes what `save_pretrained` writes; `merge_and_unload`
+merges the LoRA deltas into the base weights."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from gsm_train.adapter_format import read_config
+from gsm_train.adapter_format import MERGED_FIELD, read_config, read_training_args
 from gsm_train.attention import GSMSettings
-from gsm_train.export import load_gsm
+from gsm_train.export import AdapterNames, export_adapter, load_gsm
+from gsm_train.fingerprint import base_fingerprint
 from gsm_train.hub import publish_export
 from gsm_train.hub_download import resolve_export
 from gsm_train.hub_ids import base_to_load
 from gsm_train.inference.cache import DEFAULT_PREFILL
+from gsm_train.lora import merge_lora
 from gsm_train.model_zoo import load_model_and_tokenizer
+from gsm_train.modules import GSMError
 
 
 @dataclass
 class GSMModel:
-    """A base model with an export's GSM modules attached, its tokenizer, and where the export
-    is."""
+    """A base model with an export's GSM modules attached, its tokenizer, where the export is, and
+    what it records (`config`, `training_args`), which saving writes again."""
 
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     settings: GSMSettings
     folder: Path  # the export folder (a snapshot folder of the Hub cache for a repo id)
-    config: dict[str, Any]  # its gsm_config.json, in the current format
+    config: dict[str, Any]  # its gsm_config.json, in the current format (updated by merge_and_unload)
+    training_args: dict[str, Any] = field(default_factory=dict)  # its training_args.json (recipe, metrics)
 
     @classmethod
     def from_pretrained(
@@ -58,7 +65,65 @@ class GSMModel:
         if device is not None:
             model.to(device)  # before the modules attach: they are built on the model's device
         settings = load_gsm(model, folder, mode=mode, prefill=prefill)
-        return cls(model, tokenizer, settings, folder, config)
+        return cls(model, tokenizer, settings, folder, config, read_training_args(folder))
+
+    def save_pretrained(self, save_directory: str | Path) -> Path:
+        """Write the model as it is in memory (its GSM tensors, LoRA deltas and, after
+        `merge_and_unload`, the merged weights) as an export folder (docs/adapter-format.md), with
+        the base description, recipe and metrics of the export it was loaded from; returns the
+        folder. `GSMModel.from_pretrained` of it gives the same logits. The folder must be new,
+        empty or a previous export (`export.export_destination`)."""
+        base = self.config["base_model"]
+        state = self._saved_state()
+        names = AdapterNames.of(self.model)
+        return export_adapter(
+            self.model,
+            save_directory,
+            base_name=base["name_or_path"],
+            base_revision=base.get("revision"),
+            recipe=self.training_args.get("recipe"),
+            metrics=self.training_args.get("metrics"),
+            lora=self.config.get("lora"),
+            include_base=any(name not in names for name in state),
+            state=state,
+            base_model=base,
+        )
+
+    def _saved_state(self) -> dict[str, torch.Tensor]:
+        """The tensors an export of the model holds: its GSM tensors and LoRA deltas, the base
+        tensors the export it came from held (all of them for a base trained in full) and the
+        weights `merge_and_unload` merged."""
+        state = self.model.state_dict()
+        names = AdapterNames.of(self.model)
+        listed = {name for entry in self.config["files"].values() for name in entry["tensors"]}
+        merged = self.config["base_model"].get(MERGED_FIELD) or {}
+        wanted = names.gsm | names.lora | ((listed | set(merged.get("weights", ()))) & state.keys())
+        return {name: tensor for name, tensor in state.items() if name in wanted}
+
+    def merge_and_unload(self) -> GSMModel:
+        """Merge the LoRA deltas into the base's weights and remove the LoRA layers (as peft's
+        `merge_and_unload`), in place; returns this GSMModel. The model computes what it computed, up
+        to rounding in the weights' dtype. Its `config` then records the merge (`base_model.merged_lora`:
+        the LoRA settings, the merged weights' names and the merged base's fingerprint) and no LoRA:
+        `save_pretrained` writes the merged weights to base_weights.safetensors, and loading accepts
+        either the base as trained or a base with these deltas merged. Raises GSMError for an adapter
+        without LoRA deltas."""
+        lora = self.config.get("lora")
+        if not lora:
+            raise GSMError(
+                f"{self.folder}: this adapter has no LoRA deltas to merge (its gsm_config.json lora is null)"
+            )
+        weights = merge_lora(self.model)
+        names = AdapterNames.of(self.model)
+        base = self.config["base_model"]
+        merged_state = {name: t for name, t in self.model.state_dict().items() if name not in names}
+        record = {
+            "lora": lora,
+            "weights": sorted(weights),
+            "fingerprint": base_fingerprint(merged_state, base["fingerprint_rule"]),
+        }
+        self.config = {**self.config, "lora": None, "base_model": {**base, MERGED_FIELD: record}}
+        return self
 
     def push_to_hub(
         self,
@@ -71,15 +136,17 @@ class GSMModel:
         commit_message: str | None = None,
         base_model_id: str | None = None,
     ) -> str:
-        """Publish the export this model was loaded from to `repo_id` (gsm_train/hub.py); returns
+        """Publish the model as it is in memory to `repo_id` in one commit (gsm_train/hub.py): it is
+        saved with `save_pretrained` to a temporary folder, which is uploaded and removed. Returns
         the commit URL."""
-        return publish_export(
-            self.folder,
-            repo_id,
-            private=private,
-            revision=revision,
-            token=token,
-            endpoint=endpoint,
-            commit_message=commit_message,
-            base_model_id=base_model_id,
-        )
+        with tempfile.TemporaryDirectory(prefix="gsm-push-") as tmp:
+            return publish_export(
+                self.save_pretrained(Path(tmp) / "export"),
+                repo_id,
+                private=private,
+                revision=revision,
+                token=token,
+                endpoint=endpoint,
+                commit_message=commit_message,
+                base_model_id=base_model_id,
+            )

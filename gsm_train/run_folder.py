@@ -1,8 +1,9 @@
 """The run folder (`output.dir`): one run per folder, a lock while it runs, what a run may remove.
 
 - A folder that holds a run's files (`RUN_MARKERS`) is refused unless `--resume` continues that
-  run or `--overwrite` starts over. `--overwrite` removes only what a run writes (`RUN_OUTPUTS`),
-  never another file, and only once the new run has loaded its model and data.
+  run or `--overwrite` starts over. `--overwrite` removes only what a run writes (`RUN_OUTPUTS`; in
+  `checkpoints/` only the checkpoints), never another file, and only once the new run has a good
+  checkpoint (`set_aside`).
 - `run.lock` is created with O_EXCL when a run starts and removed when it ends; it holds the pid,
   host and start time. A second run on the folder exits with an error naming them. A lock left by
   a process that no longer runs on this host (a run killed with SIGKILL) is taken over with a
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import sys
 import time
@@ -33,6 +33,7 @@ import yaml
 
 from gsm_train.checkpoint import checkpoint_folders, checkpoint_step, verify_checkpoint
 from gsm_train.distributed import DistInfo, raise_on_any_rank
+from gsm_train.errors import GSMError
 
 LOCK = "run.lock"
 RUN_FILE = "run.json"
@@ -42,12 +43,12 @@ RUN_MARKERS = ("metrics.jsonl", "checkpoints", RECIPE_FILE, RUN_FILE, "report.js
 # everything a run writes into its folder (what --overwrite may remove); the recipes written beside
 # the first one are named recipe.resolved.step_NNNNNNNN.yaml
 RUN_OUTPUTS = (*RUN_MARKERS, "export.tmp", "tensorboard", "wandb", "recall_per_layer.png")
-_RECIPES_BESIDE = "recipe.resolved.step_*.yaml"
+RECIPES_BESIDE = "recipe.resolved.step_*.yaml"
 _PROBE_BYTES = 1 << 20
 _UNREADABLE_LOCK_GRACE_S = 10.0  # a lock another process has created but not yet filled in
 
 
-class RunFolderError(ValueError):
+class RunFolderError(ValueError, GSMError):
     """A run folder that cannot be used as asked; the message names the folder and the fix."""
 
 
@@ -95,8 +96,15 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 
 def read_lock(run_dir: Path) -> dict[str, Any] | None:
-    """The lock's owner ({pid, host, started}), {} if the lock cannot be read, None if none."""
-    return _read_json(run_dir / LOCK)
+    """The lock's owner ({pid, host, started}), {} if the lock cannot be read, None if none.
+    RunFolderError if `run.lock` is a folder or anything else but a file (no run wrote it)."""
+    path = run_dir / LOCK
+    if (path.exists() or path.is_symlink()) and (path.is_symlink() or not path.is_file()):
+        raise RunFolderError(
+            f"output.dir={run_dir}: {path} is not a lock file a run wrote (a folder, a link or a "
+            "special file); move it away, or pick another output.dir"
+        )
+    return _read_json(path)
 
 
 def _is_stale(run_dir: Path, owner: dict[str, Any]) -> bool:
@@ -140,11 +148,8 @@ def _newer_good(run_dir: Path, step: int) -> list[str]:
     ]
 
 
-def check_run_folder(
-    run_dir: Path, resume_from: str | None, resume: Path | None, resume_state: dict[str, Any] | None, overwrite: bool
-) -> None:
-    """Refuse to start where the run would mix with, or remove, another run (RunFolderError).
-    `resume`: the verified checkpoint to resume from and its state (None: a fresh start)."""
+def check_folder_usable(run_dir: Path, resume_from: str | None, overwrite: bool) -> None:
+    """Refuse (RunFolderError) a run folder that is a file or in use, and --overwrite with --resume auto."""
     if run_dir.exists() and not run_dir.is_dir():
         raise RunFolderError(f"output.dir={run_dir} is a file, not a folder; pick a folder")
     check_not_locked(run_dir)
@@ -152,6 +157,14 @@ def check_run_folder(
         raise RunFolderError(
             "--overwrite starts the run in output.dir over and --resume auto continues it; give one of them"
         )
+
+
+def check_run_folder(
+    run_dir: Path, resume_from: str | None, resume: Path | None, resume_state: dict[str, Any] | None, overwrite: bool
+) -> None:
+    """Refuse to start where the run would mix with, or remove, another run (RunFolderError), once
+    `check_folder_usable` has passed. `resume`: the verified checkpoint to resume from and its state
+    (None: a fresh start)."""
     if overwrite and resume is not None and resume.resolve().is_relative_to(run_dir.resolve()):
         raise RunFolderError(
             f"--overwrite would remove {resume}, the checkpoint to resume from; resume into another output.dir instead"
@@ -181,21 +194,6 @@ def check_run_folder(
             f"({', '.join(newer)}) than {resume.name}; resuming there would "
             "replace them: use --resume auto, or resume into a new output.dir"
         )
-
-
-def remove_run_outputs(run_dir: Path) -> list[str]:
-    """Remove what a run writes in `run_dir` (`RUN_OUTPUTS` and the recipes beside the first; not
-    the lock, which the caller holds); leave every other file. Returns the names removed."""
-    removed = []
-    for path in [*(run_dir / name for name in RUN_OUTPUTS), *sorted(run_dir.glob(_RECIPES_BESIDE))]:
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        elif path.exists() or path.is_symlink():
-            path.unlink()
-        else:
-            continue
-        removed.append(path.name)
-    return removed
 
 
 def _create_folder(run_dir: Path) -> list[Path]:
@@ -319,14 +317,12 @@ def _without_resume(recipe: dict[str, Any]) -> dict[str, Any]:
     return {**recipe, "output": output}
 
 
-def record_run(run_dir: Path, run_id: str, resolved: str, start_step: int, overwrite: bool) -> None:
-    """Write what a starting run leaves in its folder (rank 0), once its model and data are ready:
-    with `overwrite`, first remove the previous run's files; then `run.json` (if missing) and the
-    resolved recipe: `recipe.resolved.yaml` the first time, never replaced; a later start whose
-    resolved recipe differs (besides output.resume_from) writes `recipe.resolved.step_N.yaml`
-    beside it, N the step it starts from."""
-    if overwrite:
-        remove_run_outputs(run_dir)
+def record_run(run_dir: Path, run_id: str, resolved: str, start_step: int) -> None:
+    """Write what a starting run leaves in its folder (rank 0), once its model and data are ready
+    (with --overwrite, after `set_aside` has moved the previous run's files away): `run.json` (if
+    missing) and the resolved recipe: `recipe.resolved.yaml` the first time, never replaced; a later
+    start whose resolved recipe differs (besides output.resume_from) writes
+    `recipe.resolved.step_N.yaml` beside it, N the step it starts from."""
     if not (run_dir / RUN_FILE).exists():
         (run_dir / RUN_FILE).write_text(json.dumps({"run_id": run_id}, indent=2) + "\n")
     first = run_dir / RECIPE_FILE

@@ -80,9 +80,11 @@ class RunLogger:
             self._bar.set_postfix({k: f"{v:.4g}" for k, v in postfix.items()}, refresh=False)
 
     def close(self) -> None:
+        """Close the bar, TensorBoard and wandb; a second call does nothing."""
         if self._bar is not None:
             self._bar.close()
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+        self._bar = self._tb = self._wandb = None

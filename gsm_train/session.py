@@ -162,8 +162,9 @@ def prepared_model(config: RecipeConfig, stage: Stage, device: torch.device) -> 
     model, tokenizer = load_model_and_tokenizer(
         config.model.name_or_path, config.model.gguf_file, config.model.revision, load_dtype, device
     )
-    check_against_model(config, model.config.num_hidden_layers, getattr(model.config, "max_position_embeddings", None))
-    apply_kv_budget(config.gsm, config.tuning.kv_compression_ratio, model_dims(model), config.data.seq_len)
+    dims = model_dims(model)
+    check_against_model(config, dims["layers"], dims["context"] or None, dims["kv_heads"], dims["head_dim"])
+    apply_kv_budget(config.gsm, config.tuning.kv_compression_ratio, dims, config.data.seq_len)
     stage.prepare(model, config)
     if config.train.activation_checkpointing:
         checkpoint_decoder_layers(model)

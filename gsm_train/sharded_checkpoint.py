@@ -11,6 +11,8 @@ Loading builds the same structure from the model and optimizer as they are now a
 DCP reads each rank's part of every tensor from whichever shards hold it, so a checkpoint written by
 N processes loads on M (resharding). `read_full_tensors` reads the trainables back as whole tensors
 in one process, without a process group (for `gsm-train export CHECKPOINT` and inspection).
+`tensor_shapes` reads only the index. Every read goes through `dcp_safe`: nothing in the folder can
+run code (an altered index raises `UnsafeCheckpointError`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -34,6 +36,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+
+from gsm_train.dcp_safe import SafeFileSystemReader, SafeLoadPlanner
 
 DCP_FOLDER = "dcp"
 DCP_FORMAT = "dcp"  # state.json's `format` of a checkpoint written so
@@ -79,7 +83,12 @@ def load_sharded(folder: Path, model: nn.Module, optimizer: torch.optim.Optimize
         OPTIM_KEY: get_optimizer_state_dict(model, optimizer),
     }
     with _quiet_single_process():
-        dcp.load(state, storage_reader=FileSystemReader(folder / DCP_FOLDER), no_dist=_single_process())
+        dcp.load(
+            state,
+            storage_reader=SafeFileSystemReader(folder / DCP_FOLDER),
+            planner=SafeLoadPlanner(),
+            no_dist=_single_process(),
+        )
     set_model_state_dict(model, state[MODEL_KEY], options=StateDictOptions(strict=False))
     set_optimizer_state_dict(model, optimizer, state[OPTIM_KEY])
 
@@ -88,13 +97,24 @@ def read_full_tensors(folder: Path, part: str = MODEL_KEY) -> dict[str, Tensor]:
     """The tensors of one part of the DCP checkpoint in `folder/dcp` (`model`: the trainables by
     name; `optim`: the optimizer's, e.g. `state.NAME.exp_avg`) as whole CPU tensors, read in this
     process alone (no process group needed)."""
-    reader = FileSystemReader(folder / DCP_FOLDER)
+    reader = SafeFileSystemReader(folder / DCP_FOLDER)
+    tensors = {name: torch.empty(size, dtype=dtype) for name, (size, dtype) in _tensor_entries(reader, part).items()}
+    with _quiet_single_process():
+        dcp.load({part: tensors}, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+    return tensors
+
+
+def _tensor_entries(reader: SafeFileSystemReader, part: str) -> dict[str, tuple[torch.Size, torch.dtype]]:
     prefix = f"{part}."
-    tensors = {
-        key.removeprefix(prefix): torch.empty(entry.size, dtype=entry.properties.dtype)
+    return {
+        key.removeprefix(prefix): (entry.size, entry.properties.dtype)
         for key, entry in reader.read_metadata().state_dict_metadata.items()
         if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)
     }
-    with _quiet_single_process():
-        dcp.load({part: tensors}, storage_reader=reader, no_dist=True)
-    return tensors
+
+
+def tensor_shapes(folder: Path, part: str = MODEL_KEY) -> dict[str, list[int]]:
+    """The shapes of one part's tensors in the DCP checkpoint in `folder/dcp`, read from its index
+    alone."""
+    entries = _tensor_entries(SafeFileSystemReader(folder / DCP_FOLDER), part)
+    return {name: list(size) for name, (size, _) in entries.items()}

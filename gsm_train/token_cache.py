@@ -7,12 +7,22 @@ processes wait meanwhile, then map the same file. The rows are memory-mapped (co
 node holds one copy of them in its page cache whatever its number of processes, and only the batches
 taken are read.
 
-The cache (`GSM_TOKEN_CACHE`, default ~/.cache/gsm-train/tokens) holds `KEY.tokens` (raw int32,
-row after row) and `KEY.json` (the row count and what the key was made of), written last, each
-written beside and renamed into place. KEY is a sha256 of: the dataset's `datasets` fingerprint
-(which changes with the files' contents, paths and modification times, or a Hub dataset's revision,
-and with the fields joined), the tokenizer (its full definition for fast tokenizers), `seq_len` and
-the EOS rule. A changed input gives a new key; old entries stay until removed by hand.
+The cache (`GSM_TOKEN_CACHE`, default ~/.cache/gsm-train/tokens; a file there is refused) holds
+`KEY.tokens` (raw int32, row after row) and `KEY.json` (the row count, the byte count, a sampled
+digest and what the key was made of), written last, each written beside and renamed into place.
+
+Every open checks the entry: the header parses, the file has the bytes the rows need, and the
+sampled digest matches (sha256 over the size and `SAMPLE_BLOCKS` blocks of `SAMPLE_BYTES` spread
+evenly over the file: the whole file up to 4 MiB). A damaged entry (zero-filled, truncated,
+replaced, from a gsm-train before digests) is tokenized again, with a warning. Sampled rather than
+whole: a whole digest would read a many-GB cache on every start, undoing what mapping it saves
+(only the batches taken are read); the damage seen in practice (a file truncated, zero-filled or
+replaced) is caught by the size and the samples, while a few bytes altered between samples are not.
+
+KEY is a sha256 of: the dataset's `datasets` fingerprint (which changes with the files' contents,
+paths and modification times, or a Hub dataset's revision, and with the fields joined), the
+tokenizer (its full definition for fast tokenizers), `seq_len` and the EOS rule. A changed input
+gives a new key; old entries stay until removed by hand.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,16 +39,62 @@ import torch
 from datasets.fingerprint import Hasher
 
 from gsm_train.config import DataSourceConfig
-from gsm_train.data import load_text_dataset, pack_tokens
+from gsm_train.data import DataError, load_text_dataset, pack_tokens
 from gsm_train.distributed import DistInfo, raise_on_any_rank
 from gsm_train.durable import replace_atomically
 
 CACHE_VERSION = 1  # part of every key: a change to how rows are made invalidates the cache
+SAMPLE_BLOCKS = 64
+SAMPLE_BYTES = 1 << 16
+_ROW_ITEM = 4  # bytes of one int32 token
 
 
 def token_cache_dir() -> Path:
-    """Where token rows are cached (`GSM_TOKEN_CACHE`, default ~/.cache/gsm-train/tokens)."""
-    return Path(os.environ.get("GSM_TOKEN_CACHE", Path.home() / ".cache" / "gsm-train" / "tokens"))
+    """Where token rows are cached (`GSM_TOKEN_CACHE`, default ~/.cache/gsm-train/tokens); a
+    DataError if that is something other than a folder (or a place one can be made)."""
+    folder = Path(os.environ.get("GSM_TOKEN_CACHE", Path.home() / ".cache" / "gsm-train" / "tokens"))
+    if folder.exists() and not folder.is_dir():
+        raise DataError(
+            f"GSM_TOKEN_CACHE={folder}",
+            "names a file, not a folder",
+            "point GSM_TOKEN_CACHE at a folder (created if missing), or unset it to cache in ~/.cache/gsm-train/tokens",
+        )
+    return folder
+
+
+def sampled_digest(path: Path) -> str:
+    """sha256 of `path`'s size and `SAMPLE_BLOCKS` blocks of `SAMPLE_BYTES` at evenly spread
+    offsets (first and last included): the whole file when it is no larger than those blocks."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with path.open("rb") as handle:
+        if size <= SAMPLE_BLOCKS * SAMPLE_BYTES:
+            digest.update(handle.read())
+            return digest.hexdigest()
+        for block in range(SAMPLE_BLOCKS):
+            handle.seek(block * (size - SAMPLE_BYTES) // (SAMPLE_BLOCKS - 1))
+            digest.update(handle.read(SAMPLE_BYTES))
+    return digest.hexdigest()
+
+
+def _damage(tokens: Path, header: Path, seq_len: int) -> tuple[int | None, str | None]:
+    """(the entry's row count, None) when `tokens` is whole as `header` describes it; else (None,
+    what is wrong)."""
+    try:
+        meta = json.loads(header.read_text())
+        rows, size, digest = meta["rows"], meta["bytes"], meta["sample_sha256"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return None, f"{header} cannot be read as a verified entry ({type(err).__name__}: {err})"
+    if not isinstance(rows, int) or size != rows * seq_len * _ROW_ITEM:
+        return None, f"{header} is inconsistent ({rows} rows of {seq_len} tokens, {size} bytes)"
+    if not tokens.is_file():
+        return None, f"{tokens} is missing"
+    actual = tokens.stat().st_size
+    if actual != size:
+        return None, f"{tokens} has {actual} bytes, its header says {size} (truncated or replaced)"
+    if sampled_digest(tokens) != digest:
+        return None, f"{tokens} does not match its digest (overwritten or damaged)"
+    return rows, None
 
 
 def tokenizer_digest(tokenizer: Any) -> str:
@@ -66,11 +123,15 @@ def _build(
     key = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:32]
     tokens, header = folder / f"{key}.tokens", folder / f"{key}.json"
     if header.is_file():
-        return tokens, json.loads(header.read_text())["rows"]
+        count, problem = _damage(tokens, header, seq_len)
+        if count is not None:
+            return tokens, count
+        print(f"warning: damaged token cache entry: {problem}; tokenizing {source.path} again", file=sys.stderr)
     rows = pack_tokens(documents, tokenizer, seq_len, num_proc=num_proc)
     folder.mkdir(parents=True, exist_ok=True)
     replace_atomically(tokens, lambda handle: handle.write(rows.to(torch.int32).numpy().tobytes()))
-    replace_atomically(header, lambda handle: handle.write(json.dumps({"rows": len(rows), **described}).encode()))
+    verified = {"rows": len(rows), "bytes": tokens.stat().st_size, "sample_sha256": sampled_digest(tokens)}
+    replace_atomically(header, lambda handle: handle.write(json.dumps({**verified, **described}).encode()))
     return tokens, len(rows)
 
 

@@ -2,28 +2,20 @@
 
 Exit status: 0 done; 2 refused (a bad recipe, override, checkpoint or run folder: nothing ran,
 nothing was written); 3 stopped by the NaN guard (a non-finite loss or gradient norm; earlier
-checkpoints are intact)."""
+checkpoints are intact); 4 a write failed (a full disk, a file-size limit; earlier checkpoints are
+intact: continue with --resume auto); 130 interrupted (Ctrl-C). Each with one line on stderr
+(`gsm_train.entry`)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from gsm_train.checkpoint import CheckpointError
-from gsm_train.config import ConfigError, Problem, load_recipe
-from gsm_train.data import DataError
-from gsm_train.distributed import OtherRankFailed
-from gsm_train.export import ExportError
-from gsm_train.finite_guard import NONFINITE_EXIT, NonFiniteError
-from gsm_train.modules import GSMError
+from gsm_train.config import ConfigError, Problem, load_recipe, path_arg
+from gsm_train.entry import run_command
 from gsm_train.preflight import StartOptions
-from gsm_train.run_folder import RunFolderError
 from gsm_train.stages import STAGES
 from gsm_train.trainer import TrainResult, run_training
-
-REFUSED_EXIT = 2
-# errors that refuse the input with a message of their own (no traceback)
-REFUSALS = (ConfigError, DataError, GSMError, ExportError, CheckpointError, RunFolderError, OtherRankFailed)
 
 
 def train_recipe(
@@ -54,12 +46,14 @@ def add_start_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--resume",
         default=None,
-        help="'auto' (the newest checkpoint of output.dir that verifies) or a checkpoint folder",
+        type=path_arg,
+        help="'auto' (the newest checkpoint of output.dir that verifies; refused if none does) or a checkpoint folder",
     )
     parser.add_argument(
         "--overwrite",
         action="store_true",
-        help="start over in an output.dir that holds a run: removes only the files a run writes",
+        help="start over in an output.dir that holds a run: only the files a run writes are removed, once this "
+        "run has a checkpoint (put back if it fails before)",
     )
     parser.add_argument(
         "--allow-recipe-change",
@@ -82,17 +76,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        result = train_recipe(args.recipe, args.overrides, args.resume, start_options(args))
-    except REFUSALS as err:
-        print(f"error: {err}", file=sys.stderr)
-        return REFUSED_EXIT
-    except NonFiniteError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return NONFINITE_EXIT
-    if result.summary:
-        for key, value in result.summary.items():
-            print(f"{key}: {value}")
+    return run_command(lambda: _train_and_report(args), run=True)
+
+
+def _train_and_report(args: argparse.Namespace) -> int:
+    """Run the recipe the arguments name and print its summary; exit status 0."""
+    result = train_recipe(args.recipe, args.overrides, args.resume, start_options(args))
+    for key, value in (result.summary or {}).items():
+        print(f"{key}: {value}")
     return 0
 
 

@@ -1,5 +1,6 @@
 """The training loop: a stage's `TrainingSession` stepped, evaluated, checkpointed and exported, with the
-run's checks (`preflight`), its folder's lock (`run_folder`), the NaN guard and the run log.
+run's checks (`preflight`), its folder's lock (`run_folder`), the previous run kept aside by --overwrite until
+this one has a good checkpoint (`set_aside`), the NaN guard and the run log.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from torch.distributed.tensor import DTensor
 from gsm_train.attention import gsm_settings
 from gsm_train.backend import select_backend
 from gsm_train.backend_protocol import Backend
-from gsm_train.config import ConfigError, RecipeConfig, resolved_yaml
+from gsm_train.config import RecipeConfig, resolved_yaml
 from gsm_train.distributed import DistInfo, init_distributed, raise_on_any_rank, teardown
+from gsm_train.errors import GSMError
 from gsm_train.families import model_dims
 from gsm_train.finite_guard import NonFiniteError, NonFiniteGuard
 from gsm_train.kv_budget import kv_bytes_ratio
@@ -27,6 +29,7 @@ from gsm_train.preflight import RunPlan, StartOptions, plan_run
 from gsm_train.run_folder import hold_run_folder, record_run
 from gsm_train.run_log import RunLogger
 from gsm_train.session import Stage, TrainingSession
+from gsm_train.set_aside import SetAside
 from gsm_train.step_graph import cuda_graph_blockers, use_cuda_graph
 
 
@@ -63,7 +66,7 @@ def _plan(config: RecipeConfig, backend: Backend, info: DistInfo, options: Start
     plan, error = None, None
     try:
         plan = plan_run(config, backend.name, info.world_size, options)
-    except (ConfigError, ValueError) as err:  # ValueError: CheckpointError, RunFolderError
+    except (GSMError, ValueError) as err:  # ConfigError, CheckpointError, RunFolderError, ...
         error = err
     raise_on_any_rank(info, error)
     assert plan is not None
@@ -97,12 +100,46 @@ def _run(
     capture_step = use_cuda_graph(config.train.cuda_graph, blockers)
     session = TrainingSession.setup(config, stage, info, backend)
     start = session.resume(plan.resume) if plan.resume is not None else 0
-    if info.is_main:
-        record_run(plan.run_dir, plan.run_id, resolved_yaml(config), start, plan.overwrite)
-    logger = RunLogger(
-        plan.run_dir, config.logging, config.train.steps, start, info.is_main, run_name, config.model_dump(mode="json")
-    )
-    logger.log("setup", start, _setup_record(session, plan, capture_step))
+    # --overwrite: the previous run's files go aside until this run has a good checkpoint
+    aside = SetAside.move(plan.run_dir) if info.is_main and plan.overwrite else None
+    try:
+        if info.is_main:
+            record_run(plan.run_dir, plan.run_id, resolved_yaml(config), start)
+        logger = RunLogger(
+            plan.run_dir,
+            config.logging,
+            config.train.steps,
+            start,
+            info.is_main,
+            run_name,
+            config.model_dump(mode="json"),
+        )
+        try:
+            logger.log("setup", start, _setup_record(session, plan, capture_step))
+            result = _train(session, stage, logger, plan, start, capture_step, aside)
+        finally:
+            logger.close()
+    except BaseException:
+        if aside is not None:
+            aside.restore()
+        raise
+    if aside is not None:
+        aside.discard()
+    return result
+
+
+def _train(
+    session: TrainingSession,
+    stage: Stage,
+    logger: RunLogger,
+    plan: RunPlan,
+    start: int,
+    capture_step: bool,
+    aside: SetAside | None,
+) -> TrainResult:
+    """Steps `start + 1` to `train.steps`, evaluated and checkpointed as the recipe says, then the export;
+    `aside` (the previous run's files, with --overwrite) is discarded once the first checkpoint is written."""
+    config, info = session.config, session.info
     if capture_step:
         session.capture()
     result = TrainResult(run_dir=plan.run_dir, model=session.unwrapped)
@@ -116,13 +153,14 @@ def _run(
             logger.log("eval", done, result.final_metrics)
         if done % config.output.checkpoint_every == 0 or done == config.train.steps:
             session.save(plan.run_dir, done, {"run_id": plan.run_id, "recipe": plan.recipe})
+            if aside is not None:
+                aside.discard()
     if not result.final_metrics:
         result.final_metrics = session.evaluate()
     export_dir = session.export(plan.run_dir / "export", result.final_metrics)
     if info.is_main:
         result.summary = stage.report(plan.run_dir, result.final_metrics, history) | {"export": str(export_dir)}
         logger.log("report", config.train.steps, {"summary": result.summary})
-    logger.close()
     return result
 
 
@@ -165,7 +203,6 @@ def _train_step(
         skipped = guard.observe(done, record)
     except NonFiniteError:
         logger.log("stopped", done, record)  # the values that stopped it
-        logger.close()
         raise
     if skipped:
         logger.log("skipped", done, record)

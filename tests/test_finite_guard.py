@@ -33,6 +33,7 @@ TINY_JOINT = [
     "logging.recall_k=8",
     "gsm.sparse_attention.top_k=8",
     "gsm.sparse_attention.k_min=8",
+    "gsm.sparse_attention.gate_head_dim=16",  # the tiny model's head_dim (the recipe's 64 is SmolLM2's)
     "gsm.sparse_attention.dense_layers=[0]",
     "gsm.kv_compression.block_size=16",
     "gsm.cross_layer_sharing.bridge_from=1",

@@ -188,10 +188,21 @@ def test_benchmark_measures_given_exports_and_their_other_schedules_and_resumes(
     assert set(targets) == {"joint", "joint_fraction", "joint_long", "joint_long_constant"}
     assert {
         "ppl_over_control_160",
+        "max_bucket_ppl_over_control_160",
         "kv_bytes_ratio_160",
-        "min_bucket_gate_over_oracle_160",
         "passkey_points_below_control",
     } <= set(targets["joint_long"])
+    by_bucket = [
+        mine["ppl"] / theirs["ppl"]
+        for mine, theirs in zip(full["results"]["joint_long"]["buckets"], full["results"]["control_long"]["buckets"])
+    ]
+    assert targets["joint_long"]["max_bucket_ppl_over_control_160"]["value"] == pytest.approx(max(by_bucket))
+    headline = result["summary"]["headline"]
+    assert headline["ppl_gsm_over_control_160_64-128"] == pytest.approx(by_bucket[1])
+    assert headline["ppl_gsm_over_control_64_2k_recipe"] == pytest.approx(models["joint"]["64"]["ppl_over_control"])
+    assert headline["passkey_gsm_160"] == result["passkey"]["results"]["joint_long"]["accuracy"]
+    assert headline["passkey_control_160_2k_recipe"] == result["passkey"]["results"]["control"]["accuracy"]
+    assert headline["all_targets_met"] == all(c["met"] for c in targets["joint_long"].values())
     assert result["probes"]["joint"]["train_len"] == 64
     written = json.loads((tmp_path / "long_context.json").read_text())
     assert {"command", "commit", "device"} <= set(written)
@@ -240,7 +251,11 @@ def test_benchmark_trains_the_full_context_runs_from_the_long_recipes(tmp_path: 
         "--long-override",
         *TINY_LONG,
     )
-    result = long_context.main(argv)
+    trained = long_context.main([*argv, "--train-only"])  # as a call that trains beside another would
+    assert set(trained) == {"exports", "training"}
+    assert not list((tmp_path / "out" / "stages").glob("eval_*")) and not (tmp_path / "long_context.json").exists()
+    result = long_context.main(argv)  # measures what the first call trained, training nothing again
+    assert result["training"] == trained["training"]
     runs = tmp_path / "out" / "runs"
     assert sorted(result["exports"]) == ["control_long", "gate_only_long", "joint_long"]
     for name in ("gate_only_long", "joint_long", "control_long"):
@@ -276,3 +291,15 @@ def test_benchmark_refuses_inconsistent_arguments(
         long_context.main(_base_args(tmp_path, *more))
     assert info.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the CPU has one device")
+def test_rope_interpolation_stays_on_the_device_of_the_models_tables() -> None:
+    """The interpolated tables are built where the model's are (the first GPU run mixed CPU and GPU
+    tensors here)."""
+    positions = torch.arange(64, dtype=torch.float64)[None, :, None]
+    theta = 10000.0 ** (-torch.arange(4, dtype=torch.float64) / 4)
+    angles = torch.cat((positions * theta, positions * theta), -1)
+    cos, sin = angles.cos().float().cuda(), angles.sin().float().cuda()
+    new_cos, new_sin = interpolated_rope(cos, sin, train_len=20, seq_len=64)
+    assert new_cos.is_cuda and new_sin.is_cuda and new_cos.shape == cos.shape

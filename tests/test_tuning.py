@@ -22,6 +22,7 @@ TINY = [
     "data.seq_len=64",
     "logging.recall_min_keys=16",
     "logging.recall_k=8",
+    "gsm.sparse_attention.top_k=64",  # the recipe's 512 is above the tiny window
     "gsm.sparse_attention.k_min=8",
     "gsm.sparse_attention.dense_layers=[0]",
     "gsm.sparse_attention.gate_head_dim=4",
@@ -48,9 +49,10 @@ def _problem(overrides: list[str]) -> str:
 
 
 def test_knobs_set_the_fields_they_name() -> None:
-    config = load_recipe(JOINT, [*TINY, "tuning.top_k_base=128", "tuning.bridge_alpha=0.2"])
+    wide = [*TINY, "data.seq_len=512"]  # a window that holds the top_k set here
+    config = load_recipe(JOINT, [*wide, "tuning.top_k_base=128", "tuning.bridge_alpha=0.2"])
     assert config.gsm.sparse_attention.top_k == 128 and config.gsm.cross_layer_sharing.alpha_init == 0.2
-    plain = load_recipe(JOINT, TINY)
+    plain = load_recipe(JOINT, [*wide, "gsm.sparse_attention.top_k=512"])
     assert (plain.gsm.sparse_attention.top_k, plain.gsm.cross_layer_sharing.alpha_init) == (512, 0.3)
 
 

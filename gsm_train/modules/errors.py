@@ -1,5 +1,6 @@
-"""The error GSM modules raise when used in a way they cannot serve."""
+"""The error GSM modules raise when used in a way they cannot serve: the refusal every gsm-train
+error derives from (`gsm_train.errors`)."""
 
+from gsm_train.errors import GSMError
 
-class GSMError(RuntimeError):
-    """A GSM model was used in a way the modules cannot serve."""
+__all__ = ["GSMError"]

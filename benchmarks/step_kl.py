@@ -1,0 +1,123 @@
+"""How far a cached decode step's next-token distribution is from teacher forcing's, step by step, on the
+same tokens: a held-out prompt, then its real continuation fed one token per step (teacher-forced), so
+both paths see the same sequence and the comparison is not thrown off by one changed token.
+
+Per step, KL(teacher forcing || cached step) of the next-token distributions: teacher forcing is the same
+model's forward over the whole sequence; the cached step is GSM's engine over its cache (prefill, then token
+steps: captured CUDA graphs on CUDA) for GSM, and transformers' own cache for the dense model (GSM switched
+off). GSM's cache is prefilled with `prefill="sparse"`, the teacher-forced GSM pass, so the KL measures the
+cache against the same function (the default dense prefill attends as the base model and would add the two
+prompt passes' difference). Exact token agreement is not a fair test in bf16 while ASQ rounds to a few bits;
+the KL says how much each step's distribution moves, and `gsm_over_dense` sets GSM's against what bf16 alone
+moves the dense model's.
+
+    python -m benchmarks.step_kl --eval-data DATA/wikitext-2/valid.txt --result OUT.json \\
+        [--export FOLDER] [--context 2048] [--steps 32] [--rows 4] [--dtype bfloat16] [--device cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from benchmarks.common import write_result
+from gsm_train.attention import gsm_disabled, inject_gsm, set_gsm_mode
+from gsm_train.config import load_recipe
+from gsm_train.data import load_text_dataset, pack_tokens
+from gsm_train.export import load_gsm
+from gsm_train.inference.cache import GSMCache, cache_kwargs
+from gsm_train.inference.engine import enable_gsm_generation
+from gsm_train.model_zoo import load_model_and_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _log_probs(logits: Tensor) -> Tensor:
+    """Log-probabilities in fp32 (fp64 for an fp64 model)."""
+    return torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), -1)
+
+
+def teacher_log_probs(model: nn.Module, ids: Tensor, steps: int) -> Tensor:
+    """Next-token log-probs [B, steps, V] after each of the last `steps` tokens of `ids` [B, T], from one
+    forward over the whole sequence."""
+    with torch.no_grad():
+        logits = model(ids, use_cache=False, logits_to_keep=steps).logits
+    return _log_probs(logits)
+
+
+def cached_log_probs(model: nn.Module, ids: Tensor, steps: int, cache: object | None) -> Tensor:
+    """The same from cached steps: the prompt `ids[:, :-steps]` in one call, then each of the last `steps`
+    tokens alone over `cache` (None: the model's default cache)."""
+    prompt = ids.shape[1] - steps
+    kwargs = cache_kwargs(model, cache) if cache is not None else {}
+    parts = []
+    with torch.no_grad():
+        out = model(input_ids=ids[:, :prompt], use_cache=True, logits_to_keep=1, **kwargs)
+        cache = cache if cache is not None else getattr(out, "cache", None) or out.past_key_values
+        for position in range(prompt, ids.shape[1]):
+            out = model(input_ids=ids[:, position : position + 1], use_cache=True, **cache_kwargs(model, cache))
+            parts.append(out.logits[:, -1:])
+    return _log_probs(torch.cat(parts, 1))
+
+
+def kl_per_step(teacher: Tensor, cached: Tensor) -> Tensor:
+    """KL(teacher || cached) [steps], the mean over rows, from log-probs [B, steps, V]."""
+    return (teacher.exp() * (teacher - cached)).sum(-1).mean(0)
+
+
+def step_kl(model: nn.Module, ids: Tensor, steps: int) -> dict:
+    """Per-step KL of GSM's cached steps and of the dense model's (GSM off), each against its own teacher
+    forcing, on `ids` [B, T] (the last `steps` tokens fed one by one); `model` carries GSM's modules. GSM's
+    prompt is prefilled sparsely (module docstring), whatever prefill the model generates with."""
+    cache = GSMCache(model, ids.shape[1], prefill="sparse")
+    gsm = kl_per_step(teacher_log_probs(model, ids, steps), cached_log_probs(model, ids, steps, cache))
+    with gsm_disabled(model):
+        dense = kl_per_step(teacher_log_probs(model, ids, steps), cached_log_probs(model, ids, steps, None))
+    gsm_mean, dense_mean = gsm.mean().item(), dense.mean().item()
+    return {
+        "steps": steps,
+        "rows": ids.shape[0],
+        "gsm_mean_kl": gsm_mean,
+        "dense_mean_kl": dense_mean,
+        "gsm_over_dense": gsm_mean / dense_mean if dense_mean > 0 else float("inf"),
+        "gsm_kl_per_step": gsm.tolist(),
+        "dense_kl_per_step": dense.tolist(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--eval-data", required=True)
+    parser.add_argument("--export", default=None, help="an export's folder (default: recipes/joint.yaml, untrained)")
+    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--rows", type=int, default=4)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float64"])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--result", required=True)
+    args = parser.parse_args()
+    model, tokenizer = load_model_and_tokenizer("smollm2-135m", dtype=getattr(torch, args.dtype))
+    windows = pack_tokens(load_text_dataset(args.eval_data), tokenizer, args.context)
+    if len(windows) < args.rows:
+        raise SystemExit(f"error: --eval-data {args.eval_data} holds {len(windows)} windows of {args.context}")
+    model.to(args.device).eval()
+    torch.manual_seed(0)
+    if args.export:
+        load_gsm(model, args.export, prefill="sparse")
+    else:
+        inject_gsm(model, load_recipe(str(REPO / "recipes" / "joint.yaml")).gsm, mode="sparse")
+        enable_gsm_generation(model, prefill="sparse")
+    set_gsm_mode(model, "sparse")
+    result = step_kl(model, windows[: args.rows].to(args.device), args.steps)
+    print(
+        f"mean KL per step: GSM {result['gsm_mean_kl']:.3e}, dense {result['dense_mean_kl']:.3e}, "
+        f"GSM / dense {result['gsm_over_dense']:.2f}"
+    )
+    write_result(Path(args.result), {"export": args.export, "dtype": args.dtype, "context": args.context, **result})
+
+
+if __name__ == "__main__":
+    main()
