@@ -353,7 +353,7 @@ def smollm2_extras(model: torch.nn.Module, row: dict, new_tokens: int, prompts: 
         enable_gsm_generation(model, cuda_graphs=True, prefill=prefill)
         extras["captured_step_tokens_equal_eager"] = bool(torch.equal(eager, generated[:1]))
         say("step KL of GSM and the dense model against teacher forcing")
-        extras["step_kl"] = step_kl(model, prompts[:4].cuda(), new_tokens)
+        extras["step_kl"] = step_kl(model, prompts[:4].to(generated.device), new_tokens)
     return extras
 
 
