@@ -1,11 +1,13 @@
 """Where cached generation and teacher forcing part ways: token agreement per dtype and per GSM part.
 
-`model.generate` over the GSM cache (the generation engine, eager steps; on the CPU the PyTorch decode
-path) against the argmax of the same model run on the whole generated sequence (teacher forcing), for
-recipes/joint.yaml's modules (untrained, seeded) or an export, each part alone and together, in fp64,
-fp32 and bf16, beside the dense model's own agreement in the same dtype. Both paths compute the same
-function (fp64 is exact), so what is left is how far each part turns last-bit differences into other
-tokens: ASQ rounds residuals to a few bits and the gate keeps a top-k, both discrete decisions.
+`model.generate` over the GSM cache (the generation engine, eager steps; on the CPU the PyTorch decode path)
+against the argmax of the same model run on the whole generated sequence (teacher forcing), for
+recipes/joint.yaml's modules (untrained, seeded) or an export, each part alone and together, in fp64, fp32
+and bf16, beside the dense model's own agreement in the same dtype. The GSM prompt is prefilled with
+`prefill="sparse"` (the teacher-forced GSM pass; the default dense prefill attends as the base model), so
+both paths compute the same function (fp64 is exact), so what is left is how far each part turns last-bit
+differences into other tokens: ASQ rounds residuals to a few bits and the gate keeps a top-k, both discrete
+decisions.
 
     python -m benchmarks.agreement --eval-data DATA/wikitext-2/valid.txt --result OUT.json \\
         [--context 2048] [--new-tokens 32] [--rows 2] [--export FOLDER] [--device cpu]
@@ -64,7 +66,7 @@ def measure(part: str, dtype: str, args: argparse.Namespace, prompts: torch.Tens
         load_gsm(model, args.export)
     else:
         inject_gsm(model, load_recipe(str(REPO / "recipes" / "joint.yaml"), PARTS[part]).gsm, mode="sparse")
-    enable_gsm_generation(model, cuda_graphs=False)
+    enable_gsm_generation(model, cuda_graphs=False, prefill="sparse")  # the prompt attends as teacher forcing
     set_gsm_mode(model, "sparse")
     ids = prompts.to(args.device)
     gsm, gsm_outside_ties = agreement(model, _greedy(model, ids, args.new_tokens), args.new_tokens)

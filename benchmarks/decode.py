@@ -310,11 +310,12 @@ def exact_agreement(prompt: torch.Tensor, adapter: str | None, new_tokens: int, 
     """Token agreement of cached GSM decoding with teacher forcing in fp32 or fp64 (batch 1, the PyTorch decode
     path for fp64, which the kernels do not take). In fp64 the two paths differ only by fp64 rounding, which
     no ASQ code rounding or top-k boundary meets in practice: agreement there shows they compute the same
-    function; fp32 shows how much of the bf16 disagreement rounding alone explains."""
+    function (the prompt prefilled with `prefill="sparse"`, the teacher-forced pass, not the default dense
+    prefill); fp32 shows how much of the bf16 disagreement rounding alone explains."""
     gsm = _gsm_model(adapter, torch.device("cuda"), torch.float32)
     if dtype == torch.float64:
         gsm.double()
-    cache = GSMCache(gsm, capacity=prompt.shape[1] + new_tokens)  # fp64: the PyTorch decode path
+    cache = GSMCache(gsm, capacity=prompt.shape[1] + new_tokens, prefill="sparse")  # fp64: the PyTorch decode path
     out = gsm.generate(
         prompt.cuda(),
         **cache_kwargs(gsm, cache),

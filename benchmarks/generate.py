@@ -22,7 +22,11 @@ share of the bandwidth bound it runs at: the bytes one decode step must read (`b
 weights plus the KV it reads, for GSM from the cache's own buffers) over the step's time, against the
 peak a device-to-device copy reaches in the same run. Batch-16 GSM rows prefill one prompt at batch 1
 and copy the cache to every row (rows then decode alike; the time of a 16-row sparse prefill is not
-what the row measures). The summary: `e2e_speedup_<row>` (GSM over the fastest dense method of the
+what the row measures). The GSM rows prefill with `--prefill` (default `dense`, the library's default:
+the prompt attends as the base model and fills the GSM cache from its K/V; `sparse`: the teacher-forced GSM
+pass), recorded in the row settings. Token agreement and the step KL compare cached decoding with GSM's own
+teacher-forced pass, so they prefill sparsely whatever `--prefill` says (the same function on both sides).
+The summary: `e2e_speedup_<row>` (GSM over the fastest dense method of the
 row), `bandwidth_share_<method>_<row>`, `ttft_ratio_<row>` (GSM's time to first token over the fastest
 dense one), and from the SmolLM2 rows `step_kl_gsm_over_dense` (`benchmarks.step_kl`).
 Resumable: the JSON is written atomically after every method; a row with the same settings is skipped
@@ -53,7 +57,7 @@ from gsm_train.attention import gsm_adapters, gsm_disabled, inject_gsm, set_gsm_
 from gsm_train.config import load_recipe
 from gsm_train.data import load_text_dataset, pack_tokens
 from gsm_train.export import load_gsm
-from gsm_train.inference.cache import GSMCache, cache_kwargs
+from gsm_train.inference.cache import DEFAULT_PREFILL, PREFILL_MODES, GSMCache, cache_kwargs
 from gsm_train.inference.dense_engine import PREFILL_CHUNK as ENGINE_PREFILL_CHUNK
 from gsm_train.inference.dense_engine import DenseEngine
 from gsm_train.inference.engine import enable_gsm_generation
@@ -255,15 +259,17 @@ def run_row(
     measured: dict,
     save: Callable[[dict], None],
     peak: tuple[float, str],
+    prefill: str = DEFAULT_PREFILL,
 ) -> dict:
     """The dense methods (`DENSE_METHODS`), then GSM (after `gsm_ready(model)` attaches the modules); a
     method already in `measured` (a cut run's row of the same settings) is not measured again.
-    `save(row)` after each. Every method's `bandwidth_share` against `peak` (bytes/s, its source)."""
+    `save(row)` after each. Every method's `bandwidth_share` against `peak` (bytes/s, its source). `prefill`:
+    the GSM method's prefill mode, which `gsm_ready` set on the model (recorded in the row's settings)."""
     _, context, batch = ROWS[name]
     ids = prompts[:batch, : context - new_tokens].cuda()
     peak, peak_source = peak
     row: dict[str, Any] = measured | {
-        "settings": row_settings(new_tokens),
+        "settings": row_settings(new_tokens, prefill),
         "context": context,
         "batch": batch,
         "new_tokens": new_tokens,
@@ -311,31 +317,43 @@ def run_row(
     return row
 
 
-def row_settings(new_tokens: int) -> dict:
-    """What a row's figures depend on besides its name: a stored row of other settings is measured again."""
-    return {"version": ROW_VERSION, "new_tokens": new_tokens, "methods": [*DENSE_METHODS, "gsm"]}
+def row_settings(new_tokens: int, prefill: str = DEFAULT_PREFILL) -> dict:
+    """What a row's figures depend on besides its name: a stored row of other settings is measured again.
+    `prefill`: the GSM method's prefill mode (`--prefill`)."""
+    return {
+        "version": ROW_VERSION,
+        "new_tokens": new_tokens,
+        "methods": [*DENSE_METHODS, "gsm"],
+        "gsm_prefill": prefill,
+    }
 
 
-def smollm2_extras(model: torch.nn.Module, row: dict, new_tokens: int, prompts: torch.Tensor) -> dict:
+def smollm2_extras(model: torch.nn.Module, row: dict, new_tokens: int, prompts: torch.Tensor, prefill: str) -> dict:
     """Token agreement of GSM's generation with the teacher-forced GSM model (bf16), the same for the dense
     static-cache generation against the dense model (how far bf16 alone moves the tokens), and at batch 1
     whether the captured token steps give the eager steps' tokens and the step KL (`benchmarks.step_kl`)
-    of 4 held-out windows, their last `new_tokens` fed one per step."""
+    of 4 held-out windows, their last `new_tokens` fed one per step. The agreement and the step KL prefill
+    sparsely (the teacher-forced GSM pass: the module docstring); with `prefill` "dense" (the timed row's
+    mode) the agreement's tokens are generated again with a sparse-prefilled cache."""
     generated = row.pop("gsm_tokens")[:4]
-    agree, outside_ties = agreement(model, generated, new_tokens)
+    prompt = generated[:, : generated.shape[1] - new_tokens]
+    teacher_forced = generated
+    if prefill != "sparse":
+        cache = GSMCache(model, capacity=generated.shape[1], prefill="sparse")
+        teacher_forced, _ = generate_timed(model, prompt, new_tokens, **cache_kwargs(model, cache))
+    agree, outside_ties = agreement(model, teacher_forced, new_tokens)
     extras = {"token_agreement": agree, "token_agreement_outside_near_ties": outside_ties}
     dense = row.pop("dense_tokens", None)
     if dense is not None:
         with gsm_disabled(model):
             extras["dense_token_agreement"], _ = agreement(model, dense[:4], new_tokens)
     if row["batch"] == 1:
-        prompt = generated[:, : generated.shape[1] - new_tokens]
-        enable_gsm_generation(model, cuda_graphs=False)
+        enable_gsm_generation(model, cuda_graphs=False, prefill=prefill)
         eager, _ = generate_timed(model, prompt, new_tokens)
-        enable_gsm_generation(model, cuda_graphs=True)
+        enable_gsm_generation(model, cuda_graphs=True, prefill=prefill)
         extras["captured_step_tokens_equal_eager"] = bool(torch.equal(eager, generated[:1]))
         say("step KL of GSM and the dense model against teacher forcing")
-        extras["step_kl"] = step_kl(model, prompts[:4].cuda(), new_tokens)
+        extras["step_kl"] = step_kl(model, prompts[:4].to(generated.device), new_tokens)
     return extras
 
 
@@ -352,11 +370,17 @@ def main() -> None:
     parser.add_argument("--smollm2-export", default=None)
     parser.add_argument("--rows", default=",".join(ROWS))
     parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument(
+        "--prefill",
+        choices=PREFILL_MODES,
+        default=DEFAULT_PREFILL,
+        help="the GSM rows' prefill (dense: as the base model; sparse: the teacher-forced GSM pass)",
+    )
     parser.add_argument("--result", required=True)
     args = parser.parse_args()
     result_path = Path(args.result)
     result = json.loads(result_path.read_text()) if result_path.exists() else {"rows": {}}
-    settings = row_settings(args.new_tokens)
+    settings = row_settings(args.new_tokens, args.prefill)
     wanted = [name for name in args.rows.split(",") if not _complete(result["rows"].get(name, {}), settings)]
     peak = bandwidth.peak_bandwidth()
     say(f"peak bandwidth {peak[0] / 1e12:.2f} TB/s ({peak[1]})")
@@ -375,10 +399,18 @@ def main() -> None:
             if measured.get("settings") != settings:  # a cut row of other settings starts over
                 measured = {}
             row = run_row(
-                name, model, prompts, args.new_tokens, ready, measured, lambda row, name=name: save(name, row), peak
+                name,
+                model,
+                prompts,
+                args.new_tokens,
+                ready,
+                measured,
+                lambda row, name=name: save(name, row),
+                peak,
+                args.prefill,
             )
             if family == "smollm2":
-                row |= smollm2_extras(model, row, args.new_tokens, prompts)
+                row |= smollm2_extras(model, row, args.new_tokens, prompts, args.prefill)
             save(name, row)
             model = _fresh(model, family)
         del model
@@ -400,7 +432,7 @@ def _family(family: str, args: argparse.Namespace) -> tuple[torch.nn.Module, tor
             torch.manual_seed(0)
             if not any(True for _ in gsm_adapters(m)):
                 inject_gsm(m, _gsm_config(), mode="sparse")
-                enable_gsm_generation(m)
+                enable_gsm_generation(m, prefill=args.prefill)
 
         return llama8b(), prompts, ready
     model, tokenizer = load_model_and_tokenizer("smollm2-135m", dtype=torch.bfloat16)
@@ -412,11 +444,11 @@ def _family(family: str, args: argparse.Namespace) -> tuple[torch.nn.Module, tor
     def ready(m: torch.nn.Module) -> None:
         if not any(True for _ in gsm_adapters(m)):
             if args.smollm2_export:
-                load_gsm(m, args.smollm2_export)
+                load_gsm(m, args.smollm2_export, prefill=args.prefill)
             else:
                 torch.manual_seed(0)
                 inject_gsm(m, load_recipe(str(REPO / "recipes" / "joint.yaml")).gsm, mode="sparse")
-                enable_gsm_generation(m)
+                enable_gsm_generation(m, prefill=args.prefill)
             set_gsm_mode(m, "sparse")
 
     return model, prompts, ready

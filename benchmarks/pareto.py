@@ -5,10 +5,10 @@ Sweep: for each knob of the recipe's `tuning` block (`tuning.top_k_base`, `tunin
 `tuning.bridge_alpha`) and each of its values, the export on a fresh base with that knob applied as the
 recipe would set it (`apply_knob`: the selection's top_k; ASQ's residual bits and the gate keys' bits the
 budget picks, `gsm_train.kv_budget.apply_kv_budget`; the bridges' alpha), the others as exported.
-Per point: perplexity on held-out windows (teacher forcing, which prefill equals) and end-to-end
-generation tokens/s (`model.generate` over the GSM cache, batch 1, all new tokens over the whole call,
-prefill included; after one warm-up call). A knob the export cannot take (a bridge alpha without a
-bridge) is recorded with the reason. `pareto.png`: perplexity against tokens/s.
+Per point: perplexity on held-out windows (teacher forcing, which the sparse prefill equals) and end-to-end
+generation tokens/s (`model.generate` over the GSM cache with the default dense prefill, batch 1, all new
+tokens over the whole call, prefill included; after one warm-up call). A knob the export cannot take (a
+bridge alpha without a bridge) is recorded with the reason. `pareto.png`: perplexity against tokens/s.
 
 Scenarios (the export as trained), each over `--scenario-prompts` held-out prompts (100 on a GPU;
 windows are reused when the text holds fewer): general, long text over 4k tokens, low latency (short

@@ -2,12 +2,14 @@
 same tokens: a held-out prompt, then its real continuation fed one token per step (teacher-forced), so
 both paths see the same sequence and the comparison is not thrown off by one changed token.
 
-Per step, KL(teacher forcing || cached step) of the next-token distributions: teacher forcing is the
-same model's forward over the whole sequence; the cached step is GSM's engine over its cache (prefill,
-then token steps: captured CUDA graphs on CUDA) for GSM, and transformers' own cache for the dense model
-(GSM switched off). Exact token agreement is not a fair test in bf16 while ASQ rounds to a few bits;
-the KL says how much each step's distribution moves, and `gsm_over_dense` sets GSM's against what bf16
-alone moves the dense model's.
+Per step, KL(teacher forcing || cached step) of the next-token distributions: teacher forcing is the same
+model's forward over the whole sequence; the cached step is GSM's engine over its cache (prefill, then token
+steps: captured CUDA graphs on CUDA) for GSM, and transformers' own cache for the dense model (GSM switched
+off). GSM's cache is prefilled with `prefill="sparse"`, the teacher-forced GSM pass, so the KL measures the
+cache against the same function (the default dense prefill attends as the base model and would add the two
+prompt passes' difference). Exact token agreement is not a fair test in bf16 while ASQ rounds to a few bits;
+the KL says how much each step's distribution moves, and `gsm_over_dense` sets GSM's against what bf16 alone
+moves the dense model's.
 
     python -m benchmarks.step_kl --eval-data DATA/wikitext-2/valid.txt --result OUT.json \\
         [--export FOLDER] [--context 2048] [--steps 32] [--rows 4] [--dtype bfloat16] [--device cuda]
@@ -68,10 +70,10 @@ def kl_per_step(teacher: Tensor, cached: Tensor) -> Tensor:
 
 def step_kl(model: nn.Module, ids: Tensor, steps: int) -> dict:
     """Per-step KL of GSM's cached steps and of the dense model's (GSM off), each against its own teacher
-    forcing, on `ids` [B, T] (the last `steps` tokens fed one by one); `model` carries GSM's modules."""
-    gsm = kl_per_step(
-        teacher_log_probs(model, ids, steps), cached_log_probs(model, ids, steps, GSMCache(model, ids.shape[1]))
-    )
+    forcing, on `ids` [B, T] (the last `steps` tokens fed one by one); `model` carries GSM's modules. GSM's
+    prompt is prefilled sparsely (module docstring), whatever prefill the model generates with."""
+    cache = GSMCache(model, ids.shape[1], prefill="sparse")
+    gsm = kl_per_step(teacher_log_probs(model, ids, steps), cached_log_probs(model, ids, steps, cache))
     with gsm_disabled(model):
         dense = kl_per_step(teacher_log_probs(model, ids, steps), cached_log_probs(model, ids, steps, None))
     gsm_mean, dense_mean = gsm.mean().item(), dense.mean().item()
@@ -104,10 +106,10 @@ def main() -> None:
     model.to(args.device).eval()
     torch.manual_seed(0)
     if args.export:
-        load_gsm(model, args.export)
+        load_gsm(model, args.export, prefill="sparse")
     else:
         inject_gsm(model, load_recipe(str(REPO / "recipes" / "joint.yaml")).gsm, mode="sparse")
-        enable_gsm_generation(model)
+        enable_gsm_generation(model, prefill="sparse")
     set_gsm_mode(model, "sparse")
     result = step_kl(model, windows[: args.rows].to(args.device), args.steps)
     print(

@@ -17,6 +17,7 @@ from gsm_train.evaluate import check_report_folder, evaluate_exports, write_repo
 from gsm_train.export import ExportError
 from gsm_train.generate import Sampling, generate
 from gsm_train.hub import publish_export
+from gsm_train.inference.cache import DEFAULT_PREFILL, PREFILL_MODES
 from gsm_train.inspect_model import inspect_model
 from gsm_train.passkey import evaluate_passkey
 from gsm_train.passkey import markdown_table as passkey_table
@@ -181,6 +182,7 @@ def _generate(args: argparse.Namespace) -> int:
         echo=True,
         sampling=Sampling(args.temperature, args.top_p, args.top_k, args.seed),
         chat=args.chat,
+        prefill=args.prefill,
     )
     print()
     for run in runs:
@@ -359,6 +361,13 @@ def _add_generate_command(commands: argparse._SubParsersAction) -> None:
     source.add_argument("--prompt-file", default=None, type=path_arg)
     gen.add_argument("--max-new-tokens", type=_positive_int, default=64)
     gen.add_argument("--mode", choices=("sparse", "dense"), default="sparse", help="main attention of the adapter")
+    gen.add_argument(
+        "--prefill",
+        choices=PREFILL_MODES,
+        default=DEFAULT_PREFILL,
+        help="how the prompt attends: dense (as the base model, flash kernels on a GPU; the GSM cache is filled "
+        "from its K/V) or sparse (as --mode, the teacher-forced GSM pass)",
+    )
     gen.add_argument(
         "--compare-dense",
         action="store_true",

@@ -50,6 +50,7 @@ from gsm_train.export_folder import export_destination, write_export_folder
 from gsm_train.fingerprint import FINGERPRINT_RULE, base_fingerprint
 from gsm_train.hub_download import resolve_export
 from gsm_train.hub_ids import base_identity
+from gsm_train.inference.cache import DEFAULT_PREFILL, check_prefill
 from gsm_train.inference.engine import enable_gsm_generation
 from gsm_train.lora import inject_lora, lora_parameters, peft_base_name, peft_name, write_peft_config
 from gsm_train.model_card import build_card
@@ -305,7 +306,13 @@ def load_tensors(
     return [name for name in loaded.tensors if name not in state]
 
 
-def load_gsm(model: nn.Module, adapter: str | Path, mode: str = "sparse", revision: str | None = None) -> GSMSettings:
+def load_gsm(
+    model: nn.Module,
+    adapter: str | Path,
+    mode: str = "sparse",
+    revision: str | None = None,
+    prefill: str = DEFAULT_PREFILL,
+) -> GSMSettings:
     """Attach an export's GSM modules (and LoRA deltas, and base weights if exported) to `model`, a
     fresh base, and load their tensors exactly; `model.generate` then decodes over a GSM cache
     (`inference.engine.enable_gsm_generation`). `adapter`: an export folder, or a Hub repo id
@@ -313,8 +320,10 @@ def load_gsm(model: nn.Module, adapter: str | Path, mode: str = "sparse", revisi
 
     Refuses a base that differs from the one the adapter was trained on (architecture, dims, weights
     fingerprint), and any damaged export, before changing `model`. `mode` sets how main attention
-    runs (dense / sparse / oracle).
+    runs (dense / sparse / oracle); `prefill` how a prompt attends in generation (`dense`: as the base
+    model, the GSM cache filled from its K/V; `sparse`: as `mode` does; `inference.cache.GSMCache`).
     """
+    check_prefill(prefill)
     if has_gsm(model):
         raise GSMError("this model already has GSM modules; load the adapter onto a fresh base model")
     folder = resolve_export(adapter, revision)
@@ -330,7 +339,7 @@ def load_gsm(model: nn.Module, adapter: str | Path, mode: str = "sparse", revisi
     if lora is not None:
         inject_lora(model, lora)
     model.load_state_dict(loaded.tensors, strict=False)
-    enable_gsm_generation(model)  # a plain model.generate now runs over the GSM cache
+    enable_gsm_generation(model, prefill=prefill)  # a plain model.generate now runs over the GSM cache
     refuse_plain_save(model)
     return settings
 

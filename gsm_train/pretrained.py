@@ -21,6 +21,7 @@ from gsm_train.fingerprint import base_fingerprint
 from gsm_train.hub import publish_export
 from gsm_train.hub_download import resolve_export
 from gsm_train.hub_ids import base_to_load
+from gsm_train.inference.cache import DEFAULT_PREFILL
 from gsm_train.lora import merge_lora
 from gsm_train.model_zoo import load_model_and_tokenizer
 from gsm_train.modules import GSMError
@@ -47,6 +48,7 @@ class GSMModel:
         base: str | None = None,
         base_revision: str | None = None,
         mode: str = "sparse",
+        prefill: str = DEFAULT_PREFILL,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device | None = None,
     ) -> GSMModel:
@@ -55,14 +57,14 @@ class GSMModel:
         this machine has it, else its Hub id at its recorded revision; `base` / `base_revision`
         override), and attach the adapter. A base that differs from the one the adapter was trained
         on is refused (ExportError) as by `load_gsm`. `mode`: dense / sparse / oracle main
-        attention."""
+        attention; `prefill`: how a prompt attends in generation, dense / sparse (`load_gsm`)."""
         folder = resolve_export(adapter, revision)
         config = read_config(folder)
         name, recorded_revision = (base, base_revision) if base is not None else base_to_load(config["base_model"])
         model, tokenizer = load_model_and_tokenizer(name, revision=recorded_revision, dtype=dtype)
         if device is not None:
             model.to(device)  # before the modules attach: they are built on the model's device
-        settings = load_gsm(model, folder, mode=mode)
+        settings = load_gsm(model, folder, mode=mode, prefill=prefill)
         return cls(model, tokenizer, settings, folder, config, read_training_args(folder))
 
     def save_pretrained(self, save_directory: str | Path) -> Path:

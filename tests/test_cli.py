@@ -35,8 +35,20 @@ def test_version_is_the_packages(capsys: pytest.CaptureFixture[str]) -> None:
 def test_generate_and_eval_take_the_base_from_the_export(
     export: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert cli.main(["generate", "--adapter", str(export), "--prompt", "Once", "--max-new-tokens", "3"]) == 0
-    assert "3 tokens" in capsys.readouterr().err
+    for prefill in ("dense", "sparse"):  # how the prompt attends
+        command = [
+            "generate",
+            "--adapter",
+            str(export),
+            "--prompt",
+            "Once",
+            "--max-new-tokens",
+            "3",
+            "--prefill",
+            prefill,
+        ]
+        assert cli.main(command) == 0
+        assert "3 tokens" in capsys.readouterr().err
     argv = [
         "eval",
         "--data",

@@ -1,5 +1,7 @@
 """Generation with the GSM cache (CPU, fp32 tiny models): cached decoding equals the teacher-forced
-GSM pass, the cache holds exactly the byte account, and the fused kernel equals the PyTorch path."""
+GSM pass, the cache holds exactly the byte account, and the fused kernel equals the PyTorch path.
+The caches prefill sparsely (the prompt attends as the teacher-forced pass; tests/test_prefill.py
+checks the dense prefill)."""
 
 from __future__ import annotations
 
@@ -96,7 +98,10 @@ def _assert_fused_decoding_is_teacher_forcing(model: torch.nn.Module) -> None:
     with torch.no_grad():
         teacher_forced = model(ids, use_cache=False).logits
     torch.testing.assert_close(
-        _step_by_step(model, ids, GSMCache(model, capacity=ids.shape[1], fused=True)), teacher_forced, atol=1e-3, rtol=0
+        _step_by_step(model, ids, GSMCache(model, capacity=ids.shape[1], fused=True, prefill="sparse")),
+        teacher_forced,
+        atol=1e-3,
+        rtol=0,
     )
 
 
@@ -117,7 +122,9 @@ def test_cached_decoding_equals_teacher_forced(family: str, config: str, mode: s
     ids = _ids()
     with torch.no_grad():
         teacher_forced = model(ids, use_cache=False).logits
-    torch.testing.assert_close(_step_by_step(model, ids, GSMCache(model)), teacher_forced, atol=1e-3, rtol=0)
+    torch.testing.assert_close(
+        _step_by_step(model, ids, GSMCache(model, prefill="sparse")), teacher_forced, atol=1e-3, rtol=0
+    )
 
 
 @pytest.mark.parametrize(("family", "config"), CASES)
@@ -130,7 +137,9 @@ def test_cached_decoding_equals_teacher_forced_exactly_in_fp64(family: str, conf
     ids = _ids()
     with torch.no_grad():
         teacher_forced = model(ids, use_cache=False).logits
-    torch.testing.assert_close(_step_by_step(model, ids, GSMCache(model)), teacher_forced, atol=1e-10, rtol=0)
+    torch.testing.assert_close(
+        _step_by_step(model, ids, GSMCache(model, prefill="sparse")), teacher_forced, atol=1e-10, rtol=0
+    )
 
 
 CHUNKED = [name for name, sections in CONFIGS.items() if "cross_layer_sharing" not in sections]
@@ -142,7 +151,7 @@ def test_a_prompt_fed_in_chunks_equals_teacher_forcing_exactly_in_fp64(config: s
     """A prompt fed in chunks (block-aligned or not) attends as the teacher-forced pass of the whole prompt:
     earlier blocks as stored, its own block raw, the gate's top-k of them; fp64 leaves only rounding."""
     model = _model("qwen3", CONFIGS[config]).double()
-    ids, cache, logits, start = _ids(), GSMCache(model), [], 0
+    ids, cache, logits, start = _ids(), GSMCache(model, prefill="sparse"), [], 0
     with torch.no_grad():
         teacher_forced = model(ids, use_cache=False).logits
         for size in chunks:
@@ -156,7 +165,7 @@ def test_left_padded_batch_decodes_as_teacher_forced() -> None:
     model = _model("llama", CONFIGS["everything_mix_kv_gates"])
     ids, mask = _ids(), torch.ones(2, LENGTH, dtype=torch.long)
     ids[1, :3], mask[1, :3] = 0, 0
-    cache = GSMCache(model)
+    cache = GSMCache(model, prefill="sparse")
     with torch.no_grad():
         teacher_forced = model(ids, attention_mask=mask, use_cache=False).logits
         logits = [
@@ -181,7 +190,11 @@ def test_generate_matches_teacher_forced_argmax() -> None:
     prompt = _ids(13)
     with torch.no_grad():
         generated = model.generate(
-            prompt, **cache_kwargs(model, GSMCache(model)), max_new_tokens=24, do_sample=False, pad_token_id=0
+            prompt,
+            **cache_kwargs(model, GSMCache(model, prefill="sparse")),
+            max_new_tokens=24,
+            do_sample=False,
+            pad_token_id=0,
         )
         argmax = model(generated, use_cache=False).logits.argmax(-1)
     assert generated.shape == (2, 13 + 24)
@@ -193,7 +206,7 @@ def test_the_cache_goes_in_under_the_name_transformers_takes() -> None:
     the model fills it (a name it ignored would leave it empty) and no deprecated name is used (transformers
     5.24 warns on `past_key_values`; its models' forward drop it in 5.40)."""
     model = _model("llama", CONFIGS["everything_share"])
-    cache, generation_cache = GSMCache(model), GSMCache(model)
+    cache, generation_cache = GSMCache(model, prefill="sparse"), GSMCache(model, prefill="sparse")
     with torch.no_grad(), warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*past_key_values.*")
         model(_ids(), **cache_kwargs(model, cache), use_cache=True)
@@ -219,7 +232,7 @@ def test_the_cache_goes_in_under_the_name_transformers_takes() -> None:
 def test_cache_bytes_equal_the_account(config: str, length: int) -> None:
     """bf16 model: the cache's tensors hold exactly what `gsm-train inspect` counts per token."""
     model = _model("llama", CONFIGS[config]).to(torch.bfloat16)
-    cache = GSMCache(model)
+    cache = GSMCache(model, prefill="sparse")
     with torch.no_grad():
         model(_ids(length), **cache_kwargs(model, cache), use_cache=True)
     account = sum(row.gsm_bytes for row in layer_reports(model, GSMConfig.model_validate(CONFIGS[config]), length))
@@ -264,7 +277,7 @@ def test_forced_count_and_spans_match_the_rule() -> None:
 
 def test_refusals() -> None:
     model = _model("llama", CONFIGS["everything_share"])
-    cache = GSMCache(model)
+    cache = GSMCache(model, prefill="sparse")
     ids = _ids()
     with torch.no_grad():
         model(ids[:, :PROMPT], **cache_kwargs(model, cache), use_cache=True)
@@ -275,11 +288,17 @@ def test_refusals() -> None:
         model(ids, **cache_kwargs(model, small), use_cache=True)
         model(ids[:, :4], **cache_kwargs(model, small), use_cache=True)
     with pytest.raises(GSMError, match="num_beams=1"):
-        model.generate(_ids(6), **cache_kwargs(model, GSMCache(model)), max_new_tokens=2, num_beams=2, do_sample=False)
+        model.generate(
+            _ids(6),
+            **cache_kwargs(model, GSMCache(model, prefill="sparse")),
+            max_new_tokens=2,
+            num_beams=2,
+            do_sample=False,
+        )
     with pytest.raises(GSMError, match="fused=False"):
         GSMCache(_model("llama", CONFIGS["everything_share"]).double(), fused=True)
     with gsm_disabled(model), pytest.raises(GSMError, match="default cache"):
-        GSMCache(model)
+        GSMCache(model, prefill="sparse")
 
 
 def _filled_stores(compressors: list, rows: list[Tensor], capacity: int | None = None) -> list[KVStore]:

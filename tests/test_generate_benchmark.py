@@ -9,11 +9,12 @@ import math
 import torch
 
 from benchmarks import bandwidth
-from benchmarks.generate import row_settings, summarize
+from benchmarks.generate import generate_timed, row_settings, smollm2_extras, summarize
 from gsm_train.attention import gsm_adapters, inject_gsm
 from gsm_train.config import GSMConfig
 from gsm_train.families import model_dims
 from gsm_train.inference.cache import GSMCache, cache_kwargs
+from gsm_train.inference.engine import enable_gsm_generation
 from gsm_train.model_zoo import tiny_model
 
 BLOCK, TOP_K = 8, 6
@@ -52,6 +53,7 @@ def test_summary_sets_gsm_against_the_fastest_dense_method() -> None:
     assert not any(key.endswith("8b_32k_bs16") for key in summary)
     assert summary["step_kl_gsm_over_dense"] == 1.5
     assert row_settings(48) != row_settings(32)
+    assert row_settings(48)["gsm_prefill"] == "dense" and row_settings(48) != row_settings(48, "sparse")
 
 
 def test_gsm_step_bytes_follow_the_caches_buffers() -> None:
@@ -86,3 +88,22 @@ def test_share_is_bytes_over_time_over_peak() -> None:
     assert bandwidth.share(100.0, 4, 10**9, 1e11) == 0.25
     peak, source = bandwidth.peak_bandwidth()
     assert peak > 0 and source
+
+
+def test_smollm2_extras_compare_against_the_sparse_prefill_when_the_row_prefills_densely() -> None:
+    """The timed GSM row prefills densely (the default), its token agreement and step KL against teacher
+    forcing prefill sparsely: in fp64 both are exact (agreement 1, KL ~ 0) while the dense prefill is not
+    the teacher-forced function; the eager steps keep the row's own (dense) prefill."""
+    model = tiny_model("llama").to(torch.float64)
+    torch.manual_seed(0)
+    inject_gsm(model, GSMConfig.model_validate(GSM), mode="sparse")
+    enable_gsm_generation(model, cuda_graphs=False, prefill="dense")
+    prompts = torch.randint(0, 256, (4, 40), generator=torch.Generator().manual_seed(0))
+    new_tokens = 8
+    generated, _ = generate_timed(model, prompts[:1, :-new_tokens], new_tokens)
+    row = {"gsm_tokens": generated, "batch": 1}
+    extras = smollm2_extras(model, row, new_tokens, prompts, "dense")
+    assert extras["token_agreement"] == 1.0
+    assert extras["captured_step_tokens_equal_eager"]
+    assert abs(extras["step_kl"]["gsm_mean_kl"]) < 1e-12
+    assert model.gsm_generation["prefill"] == "dense"

@@ -35,7 +35,7 @@ def export(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _loaded(export: Path) -> torch.nn.Module:
     model = tiny_model("llama")
-    load_gsm(model, export)
+    load_gsm(model, export, prefill="sparse")  # the prompt attends as teacher forcing does
     return model
 
 
@@ -77,7 +77,7 @@ def test_a_left_padded_batch_generates_as_teacher_forcing(export: Path) -> None:
 
 def test_a_long_prompt_is_fed_in_chunks_as_teacher_forcing(export: Path) -> None:
     model = _loaded(export)
-    enable_gsm_generation(model, prefill_chunk=5)  # 37 prompt tokens in 8 forwards, not block-aligned
+    enable_gsm_generation(model, prefill_chunk=5, prefill="sparse")  # 37 prompt tokens in 8 forwards, not block-aligned
     ids = _prompt(37)
     assert torch.equal(_generate(model, ids, do_sample=False), _generate(model, ids, do_sample=False, use_cache=False))
 
@@ -129,13 +129,13 @@ def test_captured_token_steps_equal_eager_steps_on_the_gpu(export: Path, padded:
     """On CUDA, token steps replay from a CUDA graph over the fused kernels: the same tokens as the eager
     steps, and as teacher forcing (fp32; block packing happens between replays)."""
     model = tiny_model("llama").cuda()
-    load_gsm(model, export)
+    load_gsm(model, export, prefill="sparse")
     ids, mask = _prompt(37).cuda(), torch.ones(2, 37, dtype=torch.long, device="cuda")
     if padded:
         ids[1, :5], mask[1, :5] = 256, 0
     captured = _generate(model, ids, attention_mask=mask, do_sample=False)
     assert model.gsm_generation["cuda_graphs"]
-    enable_gsm_generation(model, cuda_graphs=False)
+    enable_gsm_generation(model, cuda_graphs=False, prefill="sparse")
     eager = _generate(model, ids, attention_mask=mask, do_sample=False)
     teacher_forced = _generate(model, ids, attention_mask=mask, do_sample=False, use_cache=False)
     assert torch.equal(captured, eager) and torch.equal(captured, teacher_forced)

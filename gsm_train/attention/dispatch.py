@@ -1,8 +1,9 @@
 """The attention function registered with transformers: one dispatcher for every GSM layer.
 
-Per call it takes one of three paths:
+Per call it takes one of these paths:
 - the base path (transformers' SDPA): GSM switched off, or a dense layer with nothing to record;
 - a decode step over a generation cache: the cache computes it (`GSMLayerCache.decode_attention`);
+- a prompt into a generation cache in dense prefill: the base path, the cache keeping the gate keys;
 - a teacher-forced pass (training, evaluation, a prompt): the K/V path (ASQ, bridge), main attention
   `dense`, `sparse` (the gate's top-k) or `oracle` (the true top-k), then the training-time records the
   forward was asked for (gate KL, captured mass).
@@ -20,13 +21,14 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from gsm_train.attention.adapter import GSMAttentionAdapter
 from gsm_train.attention.forward_state import FORWARD_KWARG, CachedStep, ForwardState
 from gsm_train.attention.layer_pass import LayerPass
-from gsm_train.attention.layout import Layout, block_causal_kv, forward_layout, sampled_rows
+from gsm_train.attention.layout import Layout, earlier_blocks, forward_layout, sampled_rows
 from gsm_train.attention.records import kl_from_hidden, record_captured_mass, record_gate_kl
 from gsm_train.attention.selection import GateSelector, chunks, oracle_selection
 from gsm_train.functional import own_block_attention as own_block
 from gsm_train.modules.errors import GSMError
 
 ATTN_IMPLEMENTATION = "gsm"
+ATTENTION_CHUNK = 512  # queries per masked SDPA of a teacher-forced pass (`chunked_masked_attention`)
 
 
 def gsm_attention_forward(
@@ -59,6 +61,12 @@ def gsm_attention_forward(
     if layer_cache is not None and layer_cache.attends_itself():
         step = CachedStep(module, adapter, query, *inputs, attention_mask, scale, state.settings)
         return layer_cache.cached_attention(step), None
+    if layer_cache is not None and layer_cache.prompt_attends_densely():  # dense prefill: the base's attention
+        if adapter.gate is not None:  # the cache keeps the prompt's gate keys for the token steps
+            layer_cache.keep_gate_keys(adapter.gate.keys(*inputs), adapter.gate.key_bits)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     key, value, own = adapter.transform_kv(key, value, state)
     sparse_cfg = state.settings.config.sparse_attention
     mode = "dense" if adapter.dense_layer or not sparse_cfg.enabled else state.settings.mode
@@ -105,7 +113,7 @@ def teacher_forced_attention(
         selection = layout.allowed
     else:
         selection = _selection(layer, layout, selector)
-        out = attend_selected(layer, selection, layout)
+        out = attend_selected(layer, selection)
     if request.distill and gate is not None:
         record_gate_kl(layer, layout, index, selector, selection)
     if request.recall is not None:
@@ -159,17 +167,51 @@ def _selection(layer: LayerPass, layout: Layout, selector: GateSelector | None) 
         return torch.cat([pick(a, b) for a, b in chunks(layer.query.shape[2], config.query_chunk)], dim=2)
 
 
-def attend_selected(layer: LayerPass, selection: Tensor, layout: Layout) -> Tensor:
+def attend_selected(layer: LayerPass, selection: Tensor) -> Tensor:
     """Attention [B, T, Hq, D] over the selected keys: earlier blocks as stored, the own block raw. From a
-    captured training step on CUDA, FlexAttention over only the tiles queries see; else a masked SDPA."""
+    captured training step on CUDA, FlexAttention over only the tiles queries see; else masked SDPAs of
+    ATTENTION_CHUNK queries each (`chunked_masked_attention`)."""
     module, query, own = layer.module, layer.query, layer.own
     gqa = module.num_key_value_groups > 1
     if own is not None and layer.state.settings.captured_steps and module.training and own_block.fits(query):
         return own_block.own_block_attention(
             query, (layer.key, layer.value), own, selection, layer.block_size, layer.scaling, gqa
         )
-    keys, values, mask = block_causal_kv(layer.key, layer.value, own, selection, layout.positions, layer.block_size)
-    return masked_sdpa(query, keys, values, mask, layer.scaling, gqa)
+    return chunked_masked_attention(
+        query, (layer.key, layer.value), own, selection, layer.block_size, layer.scaling, gqa
+    )
+
+
+def chunked_masked_attention(
+    query: Tensor,
+    stored: tuple[Tensor, Tensor],
+    own: tuple[Tensor, Tensor] | None,
+    selection: Tensor,
+    block_size: int,
+    scaling: float,
+    gqa: bool,
+    chunk: int = ATTENTION_CHUNK,
+) -> Tensor:
+    """What one masked SDPA of every query over `block_causal_kv`'s 2S keys computes, [B, T, Hq, D], in
+    query chunks that read only the keys they can select: for queries [a, b), the stored keys [0, b) (the
+    selection is causal) and the raw keys of the blocks they own, [a rounded down to a block, b). For a
+    prompt of T tokens that is about T^2 / 2 + T * chunk (query, key) pairs instead of 2 T^2. query
+    [B, Hq, T, D] at positions 0..T-1; stored and own K/V [B, Hkv, T, D]; selection [B|1, n, T, T]."""
+    length = query.shape[2]
+    parts = []
+    for start in range(0, length, chunk):
+        stop = min(start + chunk, length)
+        keys, values = (side[:, :, :stop] for side in stored)
+        rows = selection[..., start:stop, :stop]
+        if own is not None:
+            first = start // block_size * block_size
+            earlier = earlier_blocks(torch.arange(start, stop, device=query.device), stop, block_size)
+            keys, values = (
+                torch.cat((side, raw[:, :, first:stop]), 2) for side, raw in ((keys, own[0]), (values, own[1]))
+            )
+            rows = torch.cat((rows & earlier, (rows & ~earlier)[..., first:]), -1)
+        parts.append(masked_sdpa(query[:, :, start:stop], keys, values, rows, scaling, gqa))
+    return torch.cat(parts, 1)
 
 
 def masked_sdpa(query: Tensor, key: Tensor, value: Tensor, selection: Tensor, scaling: float, gqa: bool) -> Tensor:

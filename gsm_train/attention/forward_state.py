@@ -132,6 +132,10 @@ class GSMLayerCache(Protocol):
         """Whether this call's attention runs over the cache (new tokens after earlier ones); else the
         training-time attention runs over the call's own tokens (a prompt into an empty cache)."""
 
+    def prompt_attends_densely(self) -> bool:
+        """Whether this call is a prompt (not a token step) that attends as the base model (dense prefill:
+        the base's SDPA over its raw K/V), the cache being filled as in any mode."""
+
     def keep_gate_keys(self, gate_keys: Tensor, bits: int) -> None:
         """Store the call's gate keys [B, n, T, dg] at `bits`."""
 

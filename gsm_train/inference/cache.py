@@ -14,7 +14,10 @@ see (`key_valid`, from the attention mask: left padding).
 cache.) How a call's tokens are attended depends on what the cache holds when it starts
 (`GSMCache.begin_forward`, called by GSM's per-forward hook): a prompt into an empty cache runs through
 the training-time attention (so prefill equals the teacher-forced pass); one new token after earlier
-ones runs `decode_attention`; a further prompt chunk runs `prefill.chunk_attention`.
+ones runs `decode_attention`; a further prompt chunk runs `prefill.chunk_attention`. That is the
+`sparse` prefill; in `dense` prefill (`GSMCache(prefill=...)`; default DEFAULT_PREFILL) a prompt attends as the base
+model does (causal SDPA over raw K/V: `prefill.dense_chunk_attention`), and the cache is filled the
+same way: the stores, the gate keys and the lengths hold what a sparse prefill of the same K/V holds.
 """
 
 from __future__ import annotations
@@ -34,10 +37,23 @@ from gsm_train.families import attention_modules, model_dims
 from gsm_train.functional.gate_keys import GATE_KEY_DTYPE, encode_gate_keys
 from gsm_train.inference.decode_attention import decode_attention
 from gsm_train.inference.kv_store import CacheLengths, KVStore
-from gsm_train.inference.prefill import chunk_attention
+from gsm_train.inference.prefill import chunk_attention, dense_chunk_attention
 from gsm_train.kernels.decode_topk import kernel_ready
 from gsm_train.modules.errors import GSMError
 from gsm_train.quant import stored_split
+
+PREFILL_MODES = ("dense", "sparse")
+DEFAULT_PREFILL = "dense"  # chosen by benchmarks/prefill_quality.py (docs/design-decisions.md)
+
+
+def check_prefill(prefill: str) -> str:
+    """`prefill` if it names a prefill mode, else a GSMError naming the modes."""
+    if prefill not in PREFILL_MODES:
+        raise GSMError(
+            f"prefill {prefill!r} is not a prefill mode; use 'dense' (the prompt attends as the base model, "
+            "the cache is filled from its K/V) or 'sparse' (the prompt attends as the teacher-forced GSM pass)"
+        )
+    return prefill
 
 
 class GSMLayerCache(CacheLayerMixin):
@@ -127,10 +143,16 @@ class GSMLayerCache(CacheLayerMixin):
         tokens); else the training-time attention runs over the call's own tokens."""
         return self.lengths.before > 0
 
+    def prompt_attends_densely(self) -> bool:
+        """Whether a prompt (a call that is not a token step) attends as the base model: dense prefill."""
+        return self.cache.prefill == "dense" and not self.cache.token_step
+
     def cached_attention(self, step: CachedStep) -> Tensor:
         """Attention [B, T, Hq, D] of the call's new tokens over what the cache holds."""
         if self.cache.token_step:
             return decode_attention(step, self)
+        if self.prompt_attends_densely():
+            return dense_chunk_attention(step, self)
         return chunk_attention(step, self)
 
     def get_seq_length(self) -> int:
@@ -165,12 +187,18 @@ class GSMLayerCache(CacheLayerMixin):
 
 class GSMCache(Cache):
     """Generation cache of a GSM-injected model (one `GSMLayerCache` per decoder layer) holding at most
-    `capacity` tokens per row (default: the model's context length); more is a GSMError."""
+    `capacity` tokens per row (default: the model's context length); more is a GSMError. `prefill`: how
+    prompts attend, `dense` or `sparse` (module docstring; default: what `enable_gsm_generation` set on the
+    model, else DEFAULT_PREFILL)."""
 
-    def __init__(self, model: nn.Module, capacity: int | None = None, fused: bool | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, capacity: int | None = None, fused: bool | None = None, prefill: str | None = None
+    ) -> None:
         settings = gsm_settings(model)
         if not settings.enabled:
             raise GSMError("GSM is switched off on this model; generate with the default cache instead")
+        generation = getattr(model, "gsm_generation", None) or {}
+        self.prefill = check_prefill(prefill or generation.get("prefill", DEFAULT_PREFILL))
         config = settings.config
         self.capacity = _round_capacity(capacity or model_dims(model)["context"] or 4096, config)
         self.bridge_mode = config.cross_layer_sharing.mode

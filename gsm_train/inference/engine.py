@@ -7,6 +7,8 @@ untouched):
   EOS and stop strings, and streamers all run over it;
 - `forward` feeds a long prompt in chunks (no [T, T] selection of the whole prompt: `prefill`), and on
   CUDA replays each token step from a CUDA graph (`decode_graph`) instead of running it layer by layer.
+The prompt attends as the base model (`prefill="dense"`: causal SDPA, flash kernels on a GPU) or as the
+teacher-forced GSM pass (`"sparse"`); either way the cache is filled from its K/V alike.
 Everything else goes to the model's own forward.
 """
 
@@ -22,21 +24,25 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from gsm_train.attention.forward_state import CACHE_KWARGS
 from gsm_train.attention.settings import gsm_settings
-from gsm_train.inference.cache import GSMCache, cache_kwargs
+from gsm_train.inference.cache import DEFAULT_PREFILL, GSMCache, cache_kwargs, check_prefill
 from gsm_train.inference.decode_graph import StepGraphs, graphs_supported
 from gsm_train.modules.errors import GSMError
 
 PREFILL_CHUNK = 4096  # prompt tokens per forward: memory O(chunk x context) per layer, not O(context^2)
 
 
-def enable_gsm_generation(model: nn.Module, cuda_graphs: bool = True, prefill_chunk: int = PREFILL_CHUNK) -> None:
+def enable_gsm_generation(
+    model: nn.Module, cuda_graphs: bool = True, prefill_chunk: int = PREFILL_CHUNK, prefill: str = DEFAULT_PREFILL
+) -> None:
     """Make `model.generate` and `model.forward` use GSM's cache as the module docstring says (idempotent).
-    `cuda_graphs`: replay token steps from CUDA graphs where they can be captured (`graphs_supported`)."""
+    `cuda_graphs`: replay token steps from CUDA graphs where they can be captured (`graphs_supported`).
+    `prefill`: how prompts attend, `dense` or `sparse` (the default of every `GSMCache` of this model)."""
+    check_prefill(prefill)
     if not hasattr(model, "gsm_base_forward"):
         model.gsm_base_forward = model.forward
         model.forward = _bound(_forward, model, model.gsm_base_forward)
         model.generate = _bound(_generate, model, model.generate)
-    model.gsm_generation = {"cuda_graphs": cuda_graphs, "prefill_chunk": prefill_chunk}
+    model.gsm_generation = {"cuda_graphs": cuda_graphs, "prefill_chunk": prefill_chunk, "prefill": prefill}
 
 
 def _bound(wrapper: Any, model: nn.Module, original: Any) -> Any:

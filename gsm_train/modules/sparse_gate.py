@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from gsm_train.compiled import compiled
 from gsm_train.functional.gate_distill import DistillTarget, gate_kl_from_hidden
 from gsm_train.functional.gate_keys import decode_gate_keys, encode_gate_keys, int8_stored_keys
-from gsm_train.functional.gate_rope import rope_pair
+from gsm_train.functional.gate_rope import rope_pair, rope_tables, rotate
 from gsm_train.quant import compute_dtype
 
 
@@ -60,6 +60,16 @@ class SparseGateHead(nn.Module):
         k = self.k_proj(hidden).view(shape).transpose(1, 2)
         rope = compiled(rope_pair) if q.is_cuda and q.requires_grad else rope_pair  # training shapes are fixed
         return rope(q, k, cos, sin, self.rope_freq_index)
+
+    def keys(self, hidden: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """The gate keys alone [B, n, T, gate_head_dim], the same values `forward` gives (for a cache filled
+        without selecting: a dense prefill stores them for later token steps)."""
+        if not torch.is_autocast_enabled(hidden.device.type):
+            hidden = hidden.to(self.k_proj.weight.dtype)
+        batch, length, _ = hidden.shape
+        k = self.k_proj(hidden).view(batch, length, self.num_selectors, self.gate_head_dim).transpose(1, 2)
+        c, s = rope_tables(cos, sin, self.rope_freq_index, k.dtype)
+        return rotate(k, c, s)
 
     def stored_keys(self, gate_k: Tensor) -> Tensor:
         """fp32 gate keys as the cache holds them (`key_bits`), for selection: teacher-forced and cached
