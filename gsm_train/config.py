@@ -327,6 +327,11 @@ class DataSourceConfig(StrictModel):
         """The `datasets.Dataset` given in Python (`from_dataset`), else None."""
         return self._dataset
 
+    @property
+    def records(self) -> Any:
+        """What the data readers read: the `datasets.Dataset` given in Python, else `path`."""
+        return self.path if self._dataset is None else self._dataset
+
     @field_validator("path")
     @classmethod
     def _path_exists(cls, value: str) -> str:

@@ -107,13 +107,12 @@ def tokenizer_digest(tokenizer: Any) -> str:
 
 
 def _build(
-    source: DataSourceConfig, tokenizer: Any, seq_len: int, num_proc: int | None, folder: Path
+    source: DataSourceConfig, tokenizer: Any, seq_len: int, num_proc: int | None, folder: Path, verify: bool = True
 ) -> tuple[Path, int]:
     """(the cache file of `source`'s rows, their count), tokenizing them first if they are not
-    cached."""
-    documents = load_text_dataset(
-        source.path if source.dataset is None else source.dataset, format=source.format, fields=source.fields
-    )
+    cached. `verify`: check the entry against its header (`_damage`) first; the processes that wait for
+    their node's main process, which has verified or written it, read the count alone."""
+    documents = load_text_dataset(source.records, format=source.format, fields=source.fields)
     described = {
         "version": CACHE_VERSION,
         "data": documents._fingerprint,
@@ -127,7 +126,7 @@ def _build(
     key = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:32]
     tokens, header = folder / f"{key}.tokens", folder / f"{key}.json"
     if header.is_file():
-        count, problem = _damage(tokens, header, seq_len)
+        count, problem = _damage(tokens, header, seq_len) if verify else (json.loads(header.read_text())["rows"], None)
         if count is not None:
             return tokens, count
         print(f"warning: damaged token cache entry: {problem}; tokenizing {source.path} again", file=sys.stderr)
@@ -156,6 +155,6 @@ def cached_rows(
         except ValueError as err:  # DataError: the source cannot be read or packed
             error = err
     raise_on_any_rank(info, error)  # a barrier: the local main processes have written
-    path, count = built if built is not None else _build(source, tokenizer, seq_len, num_proc, folder)
+    path, count = built if built is not None else _build(source, tokenizer, seq_len, num_proc, folder, verify=False)
     mapped = np.memmap(path, dtype=np.int32, mode="c", shape=(count, seq_len))
     return torch.from_numpy(mapped)

@@ -68,7 +68,7 @@ def load_training_data(config: RecipeConfig, tokenizer: Any, info: DistInfo) -> 
 
 def _stream(source: DataSourceConfig) -> dict[str, Any]:
     return {
-        "records": stream_records(source.path if source.dataset is None else source.dataset, format=source.format),
+        "records": stream_records(source.records, format=source.format),
         "fields": source.fields,
         "source": source.path,
     }

@@ -29,13 +29,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from gsm_train.attention import gsm_adapters
 from gsm_train.families import attention_modules, model_dims
 from gsm_train.inference.cache import cache_kwargs
+from gsm_train.inference.prefill import causal_chunk_sdpa
 from gsm_train.modules.errors import GSMError
 
 ATTN_IMPLEMENTATION = "gsm_dense_engine"
@@ -76,7 +76,7 @@ class DenseLayer(CacheLayerMixin):
         """Attention [B, T, Hq, D] of the call's queries [B, Hq, T, D] over the keys held (its own included)."""
         cache = self.cache
         if not cache.token_step:
-            return _prefill_attention(query, self.keys, self.values, cache.before, cache.length, scaling)
+            return _prefill_attention(query, self.keys, self.values, cache.length, scaling)
         if cache.decode_path == "flash":
             return _flash_decode(query, self.keys, self.values, cache.device_length, scaling)
         if cache.decode_path == "masked":
@@ -138,15 +138,12 @@ class DenseCache(Cache):
         return sum(2 * layer.keys[:, : self.length].numel() * layer.keys.element_size() for layer in self.layers)
 
 
-def _prefill_attention(query: Tensor, keys: Tensor, values: Tensor, before: int, end: int, scaling: float) -> Tensor:
-    """Causal SDPA of a chunk's queries (positions [before, end)) over keys [0, end)."""
-    k, v = keys[:, :end].transpose(1, 2), values[:, :end].transpose(1, 2)
-    if before == 0:
-        out = F.scaled_dot_product_attention(query, k, v, is_causal=True, scale=scaling, enable_gqa=True)
-    else:
-        bias = causal_lower_right(query.shape[2], end)
-        out = F.scaled_dot_product_attention(query, k, v, attn_mask=bias, scale=scaling, enable_gqa=True)
-    return out.transpose(1, 2)
+def _prefill_attention(query: Tensor, keys: Tensor, values: Tensor, end: int, scaling: float) -> Tensor:
+    """Causal SDPA [B, T, Hq, D] of a chunk's T queries (the positions before `end`) over keys [0, end), with
+    torch's lower-right causal bias (`causal_chunk_sdpa`; it runs plain `is_causal` where the chunk starts at 0)."""
+    return causal_chunk_sdpa(
+        query, keys[:, :end].transpose(1, 2), values[:, :end].transpose(1, 2), scaling, True, bias=True
+    )
 
 
 def _grouped_decode(query: Tensor, keys: Tensor, values: Tensor, scaling: float, valid: Tensor | None) -> Tensor:
