@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from gsm_train import __version__
 from gsm_train.builtin_recipes import builtin_recipes, copy_recipe, recipe_summary
@@ -107,15 +108,20 @@ def _exports(items: list[str]) -> dict[str, str]:
     return exports
 
 
-def _eval(args: argparse.Namespace) -> int:
-    exports = _exports(args.export)
-    check_report_folder(args.out)
+def _selection(items: list[str]) -> dict[str, Any]:
+    """The sparse_attention fields `--select FIELD=VALUE` gives (values parsed as recipe overrides)."""
     selection = {}
-    for item in args.select:
+    for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ExportError(f"--select {item!r}: give FIELD=VALUE, e.g. --select top_k=1024")
         selection[key] = override_value(f"--select {key}", value)
+    return selection
+
+
+def _eval(args: argparse.Namespace) -> int:
+    exports = _exports(args.export)
+    check_report_folder(args.out)
     report = evaluate_exports(
         args.model,
         exports,
@@ -126,7 +132,7 @@ def _eval(args: argparse.Namespace) -> int:
         args.mode,
         args.min_keys,
         first_bucket=args.first_bucket,
-        selection=selection,
+        selection=_selection(args.select),
     )
     return _print_written(write_report(report, args.out))
 
@@ -143,6 +149,7 @@ def _passkey(args: argparse.Namespace) -> int:
         args.batch_size,
         args.generate,
         args.mode,
+        selection=_selection(args.select),
     )
     return _print_written(write_report(report, args.out, "passkey", passkey_table))
 
@@ -296,7 +303,14 @@ def _add_eval_command(commands: argparse._SubParsersAction) -> None:
         default=2048,
         help="figures also per query-position bucket: [0, N), [N, 2N), [2N, 4N), ... up to --seq-len",
     )
-    evaluate.add_argument(
+    _add_select_argument(evaluate)
+    evaluate.add_argument("--out", default="runs/eval", type=path_arg)
+    evaluate.set_defaults(run=_eval)
+
+
+def _add_select_argument(parser: argparse.ArgumentParser) -> None:
+    """`--select FIELD=VALUE`: a selection field the exports run with instead of their own."""
+    parser.add_argument(
         "--select",
         action="append",
         default=[],
@@ -306,8 +320,6 @@ def _add_eval_command(commands: argparse._SubParsersAction) -> None:
         "top_k_fraction, decay_rate, sink_tokens, recent_tokens, "
         "query_chunk), e.g. --select top_k=1024; repeatable",
     )
-    evaluate.add_argument("--out", default="runs/eval", type=path_arg)
-    evaluate.set_defaults(run=_eval)
 
 
 def _add_passkey_command(commands: argparse._SubParsersAction) -> None:
@@ -334,7 +346,13 @@ def _add_passkey_command(commands: argparse._SubParsersAction) -> None:
     passkey.add_argument(
         "--generate", action="store_true", help="also generate greedily through the GSM cache (slow at long lengths)"
     )
-    passkey.add_argument("--mode", choices=("sparse", "dense"), default="sparse", help="main attention of the exports")
+    passkey.add_argument(
+        "--mode",
+        choices=("sparse", "oracle", "dense"),
+        default="sparse",
+        help="main attention of the exports: the gate's top-k (as inference runs), the true top-k, or all keys",
+    )
+    _add_select_argument(passkey)
     passkey.add_argument("--out", default="runs/passkey", type=path_arg)
     passkey.set_defaults(run=_passkey)
 

@@ -222,12 +222,14 @@ def evaluate_passkey(
     generate: bool = False,
     mode: str = "sparse",
     selections: dict[str, dict[str, Any]] | None = None,
+    selection: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The passkey test for the base and every export (name -> folder or Hub repo id), on the same
     cases (`passkey_cases` from `seed`, filler from `prose`). Exports are checked before a model
-    loads; `model_name` None: the base the first export names; `selections`: sparse_attention
-    fields an export runs with instead of its own, by name (`evaluate.with_selection`)."""
-    evaluation = prepare_evaluation(model_name, exports, mode, selections=selections)
+    loads; `model_name` None: the base the first export names; `mode`: main attention of the
+    exports (`sparse`, `oracle`, `dense`); `selection`: sparse_attention fields every export runs
+    with instead of its own (`evaluate.with_selection`), `selections`: the same by export name."""
+    evaluation = prepare_evaluation(model_name, exports, mode, selection=selection, selections=selections)
     evaluation.check_positions("passkey", "--length", length)
     results: dict[str, dict[str, Any]] = {}
     cases = None
@@ -246,6 +248,7 @@ def evaluate_passkey(
         "seed": seed,
         "mode": mode,
         "generate": generate,
+        "selection": selection or None,
         "selections": selections or None,
         "results": results,
     }

@@ -153,3 +153,21 @@ def test_cli_writes_json_and_table(tmp_path: Path, capsys: pytest.CaptureFixture
     assert report["results"]["base"]["cases"] == 2
     assert cli_main([*argv[:-2], "--length", "20", "--out", str(tmp_path / "short")]) == 2
     assert "use a length above" in capsys.readouterr().err
+
+
+def test_cli_runs_exports_on_the_oracle_s_selection_and_a_selection_given(tmp_path: Path) -> None:
+    """`--mode oracle` and `--select` reach the exports: with every key kept (k = the case's
+    length), the gate's and the oracle's selections are the same set, so the scores are equal;
+    with 8 keys they are not."""
+    export = _export(tmp_path, "gsm", {"sparse_attention": {"top_k": 8, "k_min": 8}})
+
+    def scores(mode: str, k: int) -> list[dict]:
+        out = tmp_path / f"{mode}_{k}"
+        argv = ["passkey", "--export", f"gsm={export}", "--length", str(LENGTH), "--cases", "2", "--mode", mode]
+        assert cli_main([*argv, "--select", f"top_k={k}", "--select", f"k_min={k}", "--out", str(out)]) == 0
+        report = json.loads((out / "passkey.json").read_text())
+        assert report["mode"] == mode and report["selection"] == {"top_k": k, "k_min": k}
+        return report["results"]["gsm"]["per_case"]
+
+    assert scores("oracle", LENGTH) == scores("sparse", LENGTH)
+    assert scores("oracle", 8) != scores("sparse", 8)
