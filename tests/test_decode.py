@@ -19,7 +19,15 @@ from gsm_train.cli import main as cli_main
 from gsm_train.config import GSMConfig
 from gsm_train.export import export_adapter
 from gsm_train.inference.cache import GSMCache, cache_kwargs
-from gsm_train.inference.decode_attention import attend, forced_count, forced_spans, top_k_positions
+from gsm_train.inference.decode_attention import (
+    K_STEP,
+    attend,
+    captured_k,
+    forced_count,
+    forced_spans,
+    ranked_selection,
+    top_k_positions,
+)
 from gsm_train.inference.kv_store import CacheLengths, KVStore
 from gsm_train.inspect_model import layer_reports
 from gsm_train.model_zoo import TINY_FAMILIES, tiny_model
@@ -273,6 +281,39 @@ def test_forced_count_and_spans_match_the_rule() -> None:
                 assert forced_count(position, sinks, recent) == int(forced.sum()), (position, sinks, recent)
                 sink_end, start, end = forced_spans(position, sinks, recent)
                 assert torch.equal((keys < sink_end) | ((keys >= start) & (keys < end)), forced)
+
+
+def test_a_varying_schedule_is_captured_per_k_step_and_keeps_the_position_s_own_k() -> None:
+    """A fraction schedule changes k every 1 / fraction tokens: the fused step is built for k rounded up
+    to a multiple of K_STEP (within top_k) and keeps, by rank, exactly the keys `top_k_positions` keeps
+    for the position's own k (forced keys +inf, keys not held -inf)."""
+    config = GSMConfig.model_validate(
+        {"sparse_attention": {"top_k_schedule": "fraction", "top_k_fraction": 0.25, "top_k": 2048, "k_min": 512}}
+    )
+    sizes = [captured_k(config, position) for position in range(8192)]
+    assert sizes[0] == 512 and sizes[-1] == 2048 and all(size % K_STEP == 0 for size in sizes)
+    assert len(set(sizes)) == (2048 - 512) // K_STEP + 1  # 7 captured steps for 8192 tokens, not 1537
+    assert captured_k(GSMConfig.model_validate({"sparse_attention": {"top_k": 100}}), 5000) == 100  # constant
+    generator = torch.Generator().manual_seed(0)
+    for position, k in ((40, 3), (40, 11), (10, 30)):
+        scores = torch.randn(2, 3, 64, generator=generator)
+        scores[..., position + 1 :] = float("-inf")  # not held yet
+        held = scores[..., : position + 1].clone()  # the PyTorch path scores the held keys only
+        index, valid = top_k_positions(held, None, k, position, sink_tokens=2, recent_tokens=4)
+        expected = torch.zeros_like(scores, dtype=torch.bool).scatter(-1, index, True)
+        scores[..., :2] = scores[..., position - 3 : position + 1] = float("inf")  # as the score kernel marks them
+        ranked, kept = ranked_selection(scores, 32, torch.tensor([k]))
+        chosen = torch.zeros_like(scores, dtype=torch.int).scatter_add(-1, ranked, kept.int())
+        assert valid is None and torch.equal(chosen.bool(), expected), (position, k)
+
+
+@triton_kernel_test
+def test_fused_cache_decodes_a_fraction_schedule_as_teacher_forcing() -> None:
+    """k grows with the keys held (a quarter, from 2 up to 8): the fused step reads each position's k on
+    the device and keeps the same keys as teacher forcing."""
+    sparse = {**SPARSE, "top_k_schedule": "fraction", "top_k_fraction": 0.25, "top_k": 8, "k_min": 2}
+    model = _model("llama", {"sparse_attention": sparse, "kv_compression": ASQ}).to(KERNEL_DEVICE)
+    _assert_fused_decoding_is_teacher_forcing(model)
 
 
 def test_refusals() -> None:

@@ -139,3 +139,23 @@ def test_captured_token_steps_equal_eager_steps_on_the_gpu(export: Path, padded:
     eager = _generate(model, ids, attention_mask=mask, do_sample=False)
     teacher_forced = _generate(model, ids, attention_mask=mask, do_sample=False, use_cache=False)
     assert torch.equal(captured, eager) and torch.equal(captured, teacher_forced)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_a_fraction_schedule_replays_one_captured_step_for_many_k(tmp_path: Path) -> None:
+    """k grows by one every 4 tokens (a quarter of the keys held): the token steps replay one captured
+    step built for the schedule's ceiling, reading each position's k on the device, and decode as
+    teacher forcing does (a step captured per k made this path 30x slower than the dense base)."""
+    sparse = {**GSM["sparse_attention"], "top_k_schedule": "fraction", "top_k_fraction": 0.25, "top_k": 12}
+    model = tiny_model("llama")
+    torch.manual_seed(1)
+    inject_gsm(model, GSMConfig.model_validate({**GSM, "sparse_attention": sparse}), mode="sparse")
+    export = export_adapter(model, tmp_path / "export", base_name="tiny-llama")
+    model = tiny_model("llama").cuda()
+    load_gsm(model, export, prefill="sparse")
+    ids = _prompt(37).cuda()
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=20, pad_token_id=256, do_sample=False, return_dict_in_generate=True)
+    cache = getattr(out, "cache", None) or out.past_key_values
+    assert list(cache.step_graphs.steps) == [12]  # k from 10 to 14 (capped at 12): one step
+    assert torch.equal(out.sequences, _generate(model, ids, do_sample=False, use_cache=False))

@@ -162,6 +162,32 @@ def decode_k(settings_config, position: int) -> int:
     return int(scheduled_k(torch.tensor([position]), settings_config.sparse_attention))
 
 
+K_STEP = 256  # a schedule whose k varies is captured for k rounded up to a multiple of this
+
+
+def captured_k(settings_config, position: int) -> int:
+    """The top-k size the fused token step at `position` is built for: the schedule's k when it is
+    constant; when it varies (fraction, decays), that k rounded up to a multiple of `K_STEP` within
+    `top_k`, so one captured step serves every position of the same multiple (a fraction of 0.25
+    changes k every 4 tokens) and picks past the position's own k are marked invalid on the device
+    (`ranked_selection`)."""
+    k = decode_k(settings_config, position)
+    cfg = settings_config.sparse_attention
+    if cfg.top_k_schedule == "constant":
+        return k
+    return min(cfg.top_k, -(-k // K_STEP) * K_STEP)
+
+
+def ranked_selection(scores: Tensor, k_static: int, k_now: Tensor) -> tuple[Tensor, Tensor]:
+    """The `k_static` best keys [B, n, k_static] of `scores` [B, n, S] (forced keys +inf, keys not held
+    -inf) in rank order, and which are kept: held, and forced or ranked below `k_now` (int64 [1] on the
+    scores' device, the position's k; no host sync, so it runs inside a captured step). The same set as
+    `top_k_positions` keeps for k = k_now."""
+    values, index = scores.topk(k_static, dim=-1)
+    rank = torch.arange(k_static, device=scores.device)
+    return index, (values > float("-inf")) & ((values == float("inf")) | (rank < k_now))
+
+
 def decode_attention(step: CachedStep, layer_cache: CachedLayer) -> Tensor:
     """Attention output [B, 1, Hq, D] of the newest token, read from the layer's GSM cache (already holding
     its K/V): select the keys (`select_keys`), then gather, dequantize and attend over them."""
@@ -218,6 +244,10 @@ def select_keys(step: CachedStep, layer_cache: CachedLayer) -> tuple[Tensor, Ten
             cfg.recent_tokens,
             layer_cache.key_valid,
         )
+        if cfg.top_k_schedule != "constant":  # k read on the device: one captured step per K_STEP of k
+            k_static = static_k(captured_k(settings.config, position), cfg.sink_tokens, cfg.recent_tokens, capacity)
+            k_now = scheduled_k(layer_cache.lengths.device[0:1].long() - 1, cfg)
+            return ranked_selection(scores, k_static, k_now)
         k_static = static_k(k, cfg.sink_tokens, cfg.recent_tokens, capacity)
         index = unordered_top_k(scores, k_static)
         if layer_cache.key_valid is None and layer_cache.lengths.seq_len >= k_static:

@@ -6,8 +6,8 @@ host value that changes: the kernels read how many tokens the cache holds from t
 (`CacheLengths.device`, advanced by the step itself), the buffers have the cache's capacity, and the
 token's ids and RoPE positions are copied into static inputs before each replay. What cannot be
 captured runs around the replays: packing a full block (every `block_size` steps, `GSMCache.
-pack_full_tail`) and the host's copy of the lengths. The schedule's k is baked in, so a step is
-captured per k (`StepGraphs`).
+pack_full_tail`) and the host's copy of the lengths. The top-k size is baked in, so a step is
+captured per size (`StepGraphs`; a schedule whose k varies reads its k on the device within a size).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from gsm_train.attention.settings import gsm_settings
 from gsm_train.inference.cache import GSMCache, cache_kwargs
-from gsm_train.inference.decode_attention import decode_k
+from gsm_train.inference.decode_attention import captured_k
 from gsm_train.modules.errors import GSMError
 
 WARMUP_STEPS = 2  # eager steps before a capture: Triton compiles and autotunes, libraries build their handles
@@ -96,15 +96,15 @@ class CapturedStep:
 
 
 class StepGraphs:
-    """The captured token steps of one cache, by the schedule's k (a decaying schedule changes k between
-    steps; a constant one captures once)."""
+    """The captured token steps of one cache, by the top-k size they are built for (`captured_k`: a
+    constant schedule captures once, one whose k varies once per `K_STEP` of its k)."""
 
     def __init__(self, model: nn.Module, cache: GSMCache) -> None:
         self.model, self.cache = model, cache
         self.steps: dict[int, CapturedStep] = {}
 
     def __call__(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
-        k = decode_k(gsm_settings(self.model).config, self.cache.lengths.seq_len)
+        k = captured_k(gsm_settings(self.model).config, self.cache.lengths.seq_len)
         if k not in self.steps:
             self.steps[k] = CapturedStep(self.model, self.cache, input_ids.shape[0])
         return self.steps[k](input_ids, position_ids)
