@@ -177,9 +177,14 @@ def train_unless_exported(recipe: Path, overrides: list[str], run_dir: Path) -> 
         torch.cuda.empty_cache()
 
 
+def provenance() -> dict[str, str]:
+    """The command line, commit and device of this run."""
+    return {"command": "python " + shlex.join(sys.argv), "commit": git_commit(), "device": device_name()}
+
+
 def write_result(path: Path, result: dict) -> None:
     """Write the JSON result with the command line, commit and device that produced it (keys of `result` win)."""
-    result = {"command": "python " + shlex.join(sys.argv), "commit": git_commit(), "device": device_name(), **result}
+    result = {**provenance(), **result}
     path.parent.mkdir(parents=True, exist_ok=True)
     write_durable(path, json.dumps(result, indent=2))  # a run killed while writing keeps the last result
     print(f"wrote {path}")

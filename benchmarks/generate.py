@@ -30,8 +30,9 @@ The summary: `e2e_speedup_<row>` (GSM over the fastest dense method of the
 row), `bandwidth_share_<method>_<row>`, `ttft_ratio_<row>` (GSM's time to first token over the fastest
 dense one), and from the SmolLM2 rows `step_kl_gsm_over_dense` (`benchmarks.step_kl`).
 Resumable: the JSON is written atomically after every method; a row with the same settings is skipped
-when complete and keeps the methods it measured when cut short (progress lines give the seconds since
-the start).
+when complete and keeps the methods it measured when cut short; each row names the command, commit and
+device of the run that last wrote it (`measured`), since one file gathers rows of several runs
+(progress lines give the seconds since the start).
 
 python -m benchmarks.generate --eval-data DATA/wikitext-2/valid.txt [--smollm2-export EXPORT] --result OUT.json
 """
@@ -51,7 +52,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from benchmarks import bandwidth
 from benchmarks.agreement import agreement
-from benchmarks.common import write_result
+from benchmarks.common import provenance, write_result
 from benchmarks.step_kl import step_kl
 from gsm_train.attention import gsm_adapters, gsm_disabled, inject_gsm, set_gsm_mode
 from gsm_train.config import load_recipe
@@ -383,10 +384,12 @@ def main() -> None:
     settings = row_settings(args.new_tokens, args.prefill)
     wanted = [name for name in args.rows.split(",") if not _complete(result["rows"].get(name, {}), settings)]
     peak = bandwidth.peak_bandwidth()
+    measured_by = provenance()
     say(f"peak bandwidth {peak[0] / 1e12:.2f} TB/s ({peak[1]})")
 
     def save(name: str, row: dict) -> None:
-        result["rows"][name] = {k: v for k, v in row.items() if k not in ("gsm_tokens", "dense_tokens")}
+        kept = {k: v for k, v in row.items() if k not in ("gsm_tokens", "dense_tokens")}
+        result["rows"][name] = {**kept, "measured": measured_by}  # rows of earlier runs keep their own
         write_result(result_path, {k: v for k, v in result.items() if k not in ("command", "commit", "device")})
 
     for family in ("smollm2", "8b"):
