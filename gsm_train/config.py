@@ -338,6 +338,16 @@ class DataSourceConfig(StrictModel):
         return _check_data_path(value)
 
 
+class CopySpansConfig(StrictModel):
+    """Far content matches written into the training windows (`gsm_train/copy_spans.py`): in each
+    window, `count` times, a span of `length` tokens is copied from an earlier place to a later one,
+    their distance uniform from `length` to the window's length minus `length`. 0 (the default)
+    leaves the windows as they are; evaluation rows are never changed."""
+
+    count: int = Field(0, ge=0)
+    length: int = Field(32, ge=1)
+
+
 class DataConfig(StrictModel):
     """Training text, its held-out evaluation split and sequence packing.
 
@@ -354,6 +364,7 @@ class DataConfig(StrictModel):
     seed: int = 0
     num_proc: int | None = Field(None, ge=1)
     streaming: bool = False
+    copy_spans: CopySpansConfig = Field(default_factory=CopySpansConfig)
 
     @model_validator(mode="after")
     def _streamed_eval_is_counted(self) -> DataConfig:
@@ -364,6 +375,18 @@ class DataConfig(StrictModel):
                 "set data.eval_rows to a number of rows, e.g. 64",
             )
         return self
+
+    @field_validator("copy_spans")
+    @classmethod
+    def _copied_spans_fit(cls, spans: CopySpansConfig, info: ValidationInfo) -> CopySpansConfig:
+        seq_len = info.data.get("seq_len")  # absent when seq_len itself was refused
+        if seq_len is not None and spans.count > 0 and 2 * spans.length > seq_len:
+            raise _problem(
+                f"length ({spans.length}) does not fit twice in a window of data.seq_len ({seq_len}): "
+                "each span is copied to a place after its own end",
+                f"set data.copy_spans.length to at most {seq_len // 2}, or data.copy_spans.count=0",
+            )
+        return spans
 
 
 _Beta = Annotated[float, Field(ge=0.0, lt=1.0)]  # an Adam beta: in [0, 1)
