@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
 from transformers import PretrainedConfig
 
 from gsm_train.checkpoint import check_resumable, checkpoint_shapes, read_state, resolve_resume
@@ -124,9 +125,19 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def _with_defaults(stored: dict[str, Any]) -> dict[str, Any]:
+    """The stored recipe with the fields added since it was written at their defaults (it trained as
+    they do); as stored when today's schema refuses it."""
+    try:
+        return RecipeConfig.model_validate(stored).model_dump(mode="json")
+    except (ValidationError, ValueError):
+        return stored
+
+
 def recipe_changes(stored: dict[str, Any], given: dict[str, Any]) -> list[tuple[str, Any, Any]]:
-    """(field, stored value, given value) for each field that differs and alters training."""
-    old, new = _flatten(stored), _flatten(given)
+    """(field, stored value, given value) for each field that differs and alters training (a field the
+    stored recipe lacks counts at its default)."""
+    old, new = _flatten(_with_defaults(stored)), _flatten(given)
     changed = sorted(key for key in old.keys() | new.keys() if old.get(key) != new.get(key))
     return [
         (key, old.get(key), new.get(key))

@@ -27,12 +27,13 @@ from test_hub import hub_env  # noqa: F401 (the Hub client's settings, autouse)
 from gsm_train import checkpoint_export, cli, session, token_cache
 from gsm_train.attention import inject_gsm
 from gsm_train.checkpoint import verify_checkpoint, write_manifest
-from gsm_train.config import DataSourceConfig, GSMConfig
+from gsm_train.config import DataSourceConfig, GSMConfig, load_recipe
 from gsm_train.dcp_safe import UnsafeCheckpointError, read_dcp_metadata
 from gsm_train.distributed import DistInfo
 from gsm_train.export import export_adapter
 from gsm_train.hub import publish_export
 from gsm_train.model_zoo import byte_tokenizer, tiny_model
+from gsm_train.preflight import recipe_changes
 from gsm_train.published_bytes import redact_local_paths
 
 STEPS = [*TINY_GATE, "train.steps=2", "output.checkpoint_every=2"]
@@ -337,3 +338,15 @@ def test_publish_names_no_local_path(stand_in: StandInHub, tmp_path: Path) -> No
         assert str(tmp_path) not in content.decode("utf-8", errors="replace"), f"{name} names a local path"
     config = json.loads(files["gsm_config.json"])["base_model"]
     assert config["name_or_path"] == "<local>/my-base" and config["hub_id"] == "my-org/local-base"
+
+
+def test_a_field_added_since_a_checkpoint_was_written_counts_at_its_default() -> None:
+    """A checkpoint's recipe from before a field existed (here `data.copy_spans`) resumes without
+    --allow-recipe-change while the field stays at its default; set otherwise, it is a change."""
+    given = load_recipe(GATE_RECIPE, list(TINY_GATE)).model_dump(mode="json")
+    stored = json.loads(json.dumps(given))
+    del stored["data"]["copy_spans"]
+    assert recipe_changes(stored, given) == []
+    changed = json.loads(json.dumps(given))
+    changed["data"]["copy_spans"]["count"] = 2
+    assert recipe_changes(stored, changed) == [("data.copy_spans.count", 0, 2)]
