@@ -7,14 +7,17 @@ trainer does (`TrainingSession`: setup, `step()` timed over --steps after two wa
 
 - gate_warmup: stage 1 (recipes/gate_only.yaml: frozen bf16 base, dense attention, the gate learning
   its KL; the step captured in a CUDA graph where the trainer would), beside one forward of the base
-  (GSM off, bf16, no gradients); then a checkpoint of the stage (`TrainingSession.save`: the gates
-  and their optimizer state), its time and size against the base's bf16 bytes.
+  (GSM off, bf16, no gradients).
 - dense_lora / joint_lora: recipes/joint.yaml with `train.base: lora` (bf16 base), GSM off / on.
 - dense_full / joint_full: the same with `train.base: full` (fp32 weights, `optim.state_dtype:
   bf16`). Every training row but stage 1 runs with `train.activation_checkpointing: true`.
 
-Each row records the median step time, tokens/s, the peak GPU memory from before its model was built
-to its last step, and model FLOPs utilisation: model FLOPs per token over the GPU's dense bf16 peak
+After its timed steps every row saves a checkpoint (`TrainingSession.save`: the trainables and their
+optimizer state; its time and bytes against the base's bf16 bytes), takes one more step, and resumes
+from it in a stage set up again (the first one released: the time of setup and load) to take the same
+step, whose loss must be the same (`resumed_loss_abs_diff`). Each row records the median step time,
+tokens/s, the peak GPU memory from before its model was built to its last timed step, and model FLOPs
+utilisation: model FLOPs per token over the GPU's dense bf16 peak
 (989 TFLOP/s for an H100 or H200), where, with N the parameters of the matrix products (every linear
 layer and the output head; not the embedding lookup), L layers, H query heads of Dh and T = seq_len:
 
@@ -39,7 +42,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import shutil
 import statistics
 import sys
 import tempfile
@@ -52,6 +54,7 @@ import torch
 from benchmarks.common import REPO, git_commit, write_result
 from gsm_train.attention import gsm_disabled
 from gsm_train.config import RecipeConfig, load_recipe
+from gsm_train.export import AdapterNames
 from gsm_train.model_zoo import read_model_config
 from gsm_train.session import Stage, TrainingSession
 from gsm_train.stages import GateWarmupStage, JointStage
@@ -116,10 +119,12 @@ def _median_ms(fn: Any, repeat: int) -> float:
     return statistics.median(times)
 
 
-def _session(config: RecipeConfig, stage: Stage) -> tuple[TrainingSession, bool]:
-    """The stage set up as the trainer sets it up, its step captured where the trainer would capture
-    it."""
+def _session(config: RecipeConfig, stage: Stage, resume: Path | None = None) -> tuple[TrainingSession, bool]:
+    """The stage set up as the trainer sets it up (resumed from `resume`, a checkpoint, if given), its step
+    captured where the trainer would capture it."""
     session = TrainingSession.setup(config, stage)
+    if resume is not None:
+        session.resume(resume)
     blockers = cuda_graph_blockers(
         session.info.device,
         session.info.world_size,
@@ -142,24 +147,39 @@ def _time_steps(session: TrainingSession, steps: int) -> float:
     return _median_ms(step, steps)
 
 
-def _checkpoint(session: TrainingSession, scratch: Path | None) -> dict[str, Any]:
-    """Time and size of one checkpoint of the session, against the base's bytes in bf16."""
-    folder = Path(tempfile.mkdtemp(prefix="scale_8b_ckpt", dir=scratch))
-    try:
-        _sync()
-        tic = time.perf_counter()
-        path = session.save(folder, 1, {"run_id": "scale_8b", "recipe": {}})
-        seconds = time.perf_counter() - tic
-        size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-    base_bytes = 2 * session.counts["frozen_params"]
-    return {
-        "checkpoint_s": seconds,
+def _stage(recipe: str) -> Stage:
+    return GateWarmupStage() if recipe == "gate_only.yaml" else JointStage()
+
+
+def _save_and_step(session: TrainingSession, folder: Path) -> tuple[Path, dict[str, Any]]:
+    """Save a checkpoint of the session into `folder` (time, bytes on disk, against the base's bytes in
+    bf16), then take one more step: the checkpoint and its figures with that step's loss."""
+    _sync()
+    tic = time.perf_counter()
+    path = session.save(folder, WARMUP_STEPS + 1, {"run_id": "scale_8b", "recipe": {}})
+    save_s = time.perf_counter() - tic
+    size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    adapter = AdapterNames.of(session.unwrapped)
+    base_params = sum(p.numel() for n, p in session.unwrapped.named_parameters() if n not in adapter)
+    base_bytes = 2 * base_params
+    return path, {
+        "checkpoint_s": save_s,
         "checkpoint_bytes": size,
         "base_bf16_bytes": base_bytes,
         "checkpoint_over_base": size / base_bytes,
+        "next_step_loss": float(session.step().means[0]),
     }
+
+
+def _resume_and_step(config: RecipeConfig, recipe: str, checkpoint: Path, next_loss: float) -> dict[str, Any]:
+    """Set the stage up again, resume from `checkpoint` and take the step `_save_and_step` took after
+    saving it: the time of setup and load, and how far its loss is from `next_loss` (0 on the CPU; on a
+    GPU within what its non-deterministic kernels change)."""
+    tic = time.perf_counter()
+    resumed, _ = _session(config, _stage(recipe), resume=checkpoint)
+    resume_s = time.perf_counter() - tic
+    loss = float(resumed.step().means[0])
+    return {"resume_s": resume_s, "resumed_next_step_loss": loss, "resumed_loss_abs_diff": abs(loss - next_loss)}
 
 
 def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -181,7 +201,7 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     tic = time.perf_counter()
-    session, captured = _session(config, GateWarmupStage() if recipe == "gate_only.yaml" else JointStage())
+    session, captured = _session(config, _stage(recipe))
     row: dict[str, Any] = {
         "setup_s": time.perf_counter() - tic,
         "cuda_graph": captured,
@@ -199,21 +219,29 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "flops_kind": kind,
     }
     if kind == "forward":
-        batch = session.loader.next_batch().to(session.info.device)
-
-        @torch.no_grad()
-        def forward() -> None:
-            with gsm_disabled(session.unwrapped), session.autocast():
-                session.unwrapped(input_ids=batch, use_cache=False)
-
-        forward()
-        row["forward_ms"] = _median_ms(forward, args.steps)
+        row["forward_ms"] = _forward_ms(session, args.steps)
         row["step_over_forward"] = step_ms / row["forward_ms"]
-        row |= _checkpoint(session, args.scratch)
     peak = _peak_flops()
     row["mfu"] = flops * row["tokens_per_s"] / peak if peak else None
-    row["peak_gib"] = _peak_gib()
-    return row
+    row["peak_gib"] = _peak_gib()  # of the timed steps: the stage is built again below
+    with tempfile.TemporaryDirectory(prefix="scale_8b_ckpt", dir=args.scratch) as folder:
+        checkpoint, saved = _save_and_step(session, Path(folder))
+        del session  # the first stage's memory goes before the second is built
+        _release()
+        return row | saved | _resume_and_step(config, recipe, checkpoint, saved["next_step_loss"])
+
+
+def _forward_ms(session: TrainingSession, steps: int) -> float:
+    """Median time of one forward of the base (GSM off, no gradients) over a training batch."""
+    batch = session.loader.next_batch().to(session.info.device)
+
+    @torch.no_grad()
+    def forward() -> None:
+        with gsm_disabled(session.unwrapped), session.autocast():
+            session.unwrapped(input_ids=batch, use_cache=False)
+
+    forward()
+    return _median_ms(forward, steps)
 
 
 def _release() -> None:
@@ -256,6 +284,12 @@ def _summary(rows: dict[str, Any]) -> dict[str, Any]:
         "joint_full_mfu": rows.get("joint_full", {}).get("mfu"),
         "gate_checkpoint_over_base": gate.get("checkpoint_over_base"),
         "gate_checkpoint_s": gate.get("checkpoint_s"),
+        **{
+            f"{name}_{key}": rows[name][key]
+            for name in ("joint_lora", "joint_full")
+            for key in ("checkpoint_bytes", "checkpoint_s", "resume_s", "resumed_loss_abs_diff")
+            if key in rows.get(name, {})
+        },
     }
 
 
@@ -267,14 +301,16 @@ def _print_table(rows: dict[str, Any]) -> None:
             continue
         mfu = f"{row['mfu']:.3f}" if row.get("mfu") is not None else "-"
         peak = f"{row['peak_gib']:.1f}" if row.get("peak_gib") is not None else "-"
-        other = ""
-        if "forward_ms" in row:
-            other = (
-                f"forward {row['forward_ms']:.1f} ms "
-                f"(step/forward {row['step_over_forward']:.2f}); "
+        other = (
+            f"forward {row['forward_ms']:.1f} ms (step/forward {row['step_over_forward']:.2f}); "
+            if "forward_ms" in row
+            else ""
+        )
+        if "checkpoint_bytes" in row:
+            other += (
                 f"checkpoint {row['checkpoint_bytes'] / 2**20:.1f} MiB "
-                f"({row['checkpoint_over_base']:.2%} of the bf16 base) "
-                f"in {row['checkpoint_s']:.2f} s"
+                f"({row['checkpoint_over_base']:.2%} of the bf16 base) saved in {row['checkpoint_s']:.2f} s, "
+                f"resumed in {row['resume_s']:.1f} s, next-step loss off by {row['resumed_loss_abs_diff']:.2g}"
             )
         step = f"{row['step_ms']:9.1f} {row['tokens_per_s']:9.0f}"
         print(f"{name:12s} {step} {mfu:>6s} {peak:>9s}  {other}")
