@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from gsm_train.errors import GSMError
-from gsm_train.families import decoder_layers
+from gsm_train.families import attention_modules, decoder_layers
 
 
 @dataclass(frozen=True)
@@ -93,8 +93,8 @@ def shard_model(model: nn.Module, compute_dtype: torch.dtype | None) -> nn.Modul
     reduced even when the frozen decoder layer around them has no gradient to propagate.
     """
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    for layer in decoder_layers(model):
-        adapter = getattr(layer.self_attn, "gsm", None)
+    for layer, attention in zip(decoder_layers(model), attention_modules(model), strict=True):
+        adapter = getattr(attention, "gsm", None)
         for module in adapter.children() if adapter is not None else ():
             fully_shard(module, mp_policy=policy, reshard_after_forward=False)
         fully_shard(layer, mp_policy=policy)

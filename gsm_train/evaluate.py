@@ -150,7 +150,7 @@ def _mass_figures(sums: Tensor, recall: tuple[int | None, int] | None) -> dict[s
     }
 
 
-def kv_bytes_ratio(model: nn.Module, settings: GSMSettings, seq_len: int) -> dict[str, float]:
+def kv_bytes_report(model: nn.Module, settings: GSMSettings, seq_len: int) -> dict[str, float]:
     """KV cache bytes per token with GSM, bf16 without, and their ratio (gate keys included)."""
     rows = layer_reports(model, settings.config, seq_len)
     base, gsm = sum(r.base_bytes for r in rows), sum(r.gsm_bytes for r in rows)
@@ -321,7 +321,7 @@ def evaluate_exports(
             k = sparse.top_k if sparse.top_k_schedule == "constant" else None  # None: scheduled
             recall = (k, min(min_keys, seq_len))
             measured = perplexity_and_recall(item.model, rows, batch_size, recall, buckets, item.name)
-            kv_bytes = kv_bytes_ratio(item.model, item.settings, seq_len)
+            kv_bytes = kv_bytes_report(item.model, item.settings, seq_len)
             results[item.name] = measured | kv_bytes | {"k": k or sparse.top_k_schedule}
         if item.export is not None:
             results[item.name]["export"] = item.export
