@@ -31,7 +31,7 @@ from gsm_train.modules import GSMError
 @dataclass
 class GSMModel:
     """A base model with an export's GSM modules attached, its `generate` over a GSM cache, its
-    tokenizer, where the export is, and what the export records (`config`,
+    tokenizer, where the export is, which base was loaded, and what the export records (`config`,
     `training_args`), which saving writes again."""
 
     model: PreTrainedModel
@@ -39,6 +39,8 @@ class GSMModel:
     settings: GSMSettings
     folder: Path  # the export folder (a snapshot folder of the Hub cache for a repo id)
     config: dict[str, Any]  # its gsm_config.json, in the current format (updated by merge_and_unload)
+    base_name: str  # the base model loaded (`hub_ids.base_to_load` of the config's, or the one given)
+    base_revision: str | None  # and its revision
     training_args: dict[str, Any] = field(default_factory=dict)  # its training_args.json (recipe, metrics)
 
     @classmethod
@@ -74,7 +76,9 @@ class GSMModel:
             model.to(device)  # before the modules attach: they are built on the model's device
         settings = load_gsm(model, export, mode=mode)
         enable_gsm_generation(model, prefill=prefill)  # a plain model.generate now runs over the GSM cache
-        return cls(model, tokenizer, settings, export.folder, export.config, export.training_args)
+        return cls(
+            model, tokenizer, settings, export.folder, export.config, name, recorded_revision, export.training_args
+        )
 
     def save_pretrained(self, save_directory: str | Path) -> Path:
         """Write the model as it is in memory (its GSM tensors, LoRA deltas and, after

@@ -5,6 +5,8 @@ And each load reads the export's files once (`adapter_format.read_export`)."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -12,7 +14,7 @@ import pytest
 import torch
 from run_helpers import TINY_MODEL
 
-from gsm_train import GSMModel, adapter_format
+from gsm_train import GSMModel, adapter_format, generate, pretrained
 from gsm_train.adapter_format import ARGS_FILE, CONFIG_FILE, GSM_FILE
 from gsm_train.attention import inject_gsm
 from gsm_train.config import GSMConfig, load_recipe
@@ -20,7 +22,7 @@ from gsm_train.evaluate import prepare_evaluation
 from gsm_train.export import export_adapter, load_gsm
 from gsm_train.inference.cache import GSMCache
 from gsm_train.inference.engine import enable_gsm_generation
-from gsm_train.model_zoo import tiny_model
+from gsm_train.model_zoo import byte_tokenizer, tiny_model
 from gsm_train.stages import JointStage, MathGateStage
 
 REPO = Path(__file__).resolve().parents[1]
@@ -80,6 +82,7 @@ def test_the_user_path_generates_over_a_gsm_cache(export: Path) -> None:
         assert isinstance(cache, GSMCache) and cache.prefill == "sparse"
         outputs.append(out.sequences)
     assert torch.equal(outputs[0], outputs[1])
+    assert (gsm.base_name, gsm.base_revision) == ("tiny-llama", None)
 
 
 @pytest.fixture
@@ -118,3 +121,24 @@ def test_evaluation_reads_each_export_once(export: Path, reads: Counter) -> None
     evaluation = prepare_evaluation(None, {"gsm": str(export)}, "sparse")
     evaluation.load("gsm")
     assert (reads[CONFIG_FILE], reads[GSM_FILE]) == (1, 1)
+
+
+def test_generate_compares_with_the_base_gsm_ran_on(export: Path, tmp_path: Path, monkeypatch) -> None:
+    """`gsm-train generate --compare-dense` runs the dense base GSMModel loaded (name and revision, worked
+    out once), not a name worked out again from the export without its revision."""
+    pinned = tmp_path / "pinned"
+    shutil.copytree(export, pinned)
+    config = json.loads((pinned / CONFIG_FILE).read_text())
+    config["base_model"] |= {"name_or_path": "org/base", "hub_id": "org/base", "revision": "v1"}
+    (pinned / CONFIG_FILE).write_text(json.dumps(config))
+    loaded = []
+
+    def load(name: str, revision: str | None = None, **kwargs):  # the Hub's org/base at v1: the tiny Llama
+        loaded.append((name, revision))
+        return tiny_model("llama"), byte_tokenizer()
+
+    monkeypatch.setattr(pretrained, "load_model_and_tokenizer", load)
+    monkeypatch.setattr(generate, "load_model_and_tokenizer", load)
+    runs = generate.generate(None, pinned, "Once", max_new_tokens=2, compare_dense=True)
+    assert [run.label for run in runs] == ["GSM cache", "dense base"]
+    assert loaded == [("org/base", "v1"), ("org/base", "v1")]
