@@ -45,6 +45,7 @@ from gsm_train.evaluate import perplexity_and_recall, with_selection
 from gsm_train.export import load_gsm, read_export, resolve_export
 from gsm_train.families import model_dims
 from gsm_train.hub_ids import base_to_load
+from gsm_train.inference.engine import enable_gsm_generation
 from gsm_train.kv_budget import apply_kv_budget
 from gsm_train.model_zoo import load_model_and_tokenizer
 from gsm_train.plots import plot_pareto
@@ -146,6 +147,7 @@ class Sweep:
     def model(self) -> nn.Module:
         model, self.tokenizer = load_model_and_tokenizer(self.base, revision=self.revision, dtype=self.dtype)
         load_gsm(model, self.export)
+        enable_gsm_generation(model)  # tokens/s: model.generate over the GSM cache, as GSMModel has it
         return model.to(self.device).eval()
 
     def windows(self, length: int, count: int) -> torch.Tensor:
