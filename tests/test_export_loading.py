@@ -15,8 +15,8 @@ import torch
 from run_helpers import TINY_MODEL
 
 from gsm_train import GSMModel, adapter_format, generate, pretrained
-from gsm_train.adapter_format import ARGS_FILE, CONFIG_FILE, GSM_FILE
-from gsm_train.attention import inject_gsm
+from gsm_train.adapter_format import ARGS_FILE, CONFIG_FILE, GSM_FILE, ExportError, read_export
+from gsm_train.attention import has_gsm, inject_gsm
 from gsm_train.config import GSMConfig, load_recipe
 from gsm_train.evaluate import prepare_evaluation
 from gsm_train.export import export_adapter, load_gsm
@@ -83,6 +83,13 @@ def test_the_user_path_generates_over_a_gsm_cache(export: Path) -> None:
         outputs.append(out.sequences)
     assert torch.equal(outputs[0], outputs[1])
     assert (gsm.base_name, gsm.base_revision) == ("tiny-llama", None)
+
+
+def test_an_export_already_read_takes_no_revision(export: Path) -> None:
+    model = tiny_model("llama")
+    with pytest.raises(ExportError, match="already read, but a revision \\('main'\\) was given"):
+        load_gsm(model, read_export(export), revision="main")
+    assert not has_gsm(model)
 
 
 @pytest.fixture
