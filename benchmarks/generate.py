@@ -1,9 +1,9 @@
-"""End-to-end generation as users run it, on one GPU: `model.generate` over the GSM cache (after `load_gsm`
-or `enable_gsm_generation`: chunked prefill, token steps replayed from CUDA graphs) against the dense
-base with transformers' static cache, whose decode step transformers compiles (what a user would pick),
-with its default dynamic cache (eager), and through our own dense engine (`dense_engine`:
-`gsm_train.inference.dense_engine`, a preallocated bf16 cache, the token step captured in a CUDA graph,
-SDPA / flash decode over the valid prefix): what a serving engine gives the dense model.
+"""End-to-end generation as users run it, on one GPU: `model.generate` over the GSM cache (after
+`enable_gsm_generation`, as `GSMModel.from_pretrained` calls it: chunked prefill, token steps replayed
+from CUDA graphs) against the dense base with transformers' static cache, whose decode step transformers
+compiles (what a user would pick), with its default dynamic cache (eager), and through our own dense
+engine (`dense_engine`: `gsm_train.inference.dense_engine`, a preallocated bf16 cache, the token step
+captured in a CUDA graph, SDPA / flash decode over the valid prefix): what a serving engine gives the dense model.
 
 Rows (`--rows`, default all):
 - `8b_32k_bs1`, `8b_32k_bs16`, `8b_128k_bs1`, `8b_128k_bs16`: a Llama-3-8B-shaped model (32 layers, 32 / 8
@@ -447,11 +447,11 @@ def _family(family: str, args: argparse.Namespace) -> tuple[torch.nn.Module, tor
     def ready(m: torch.nn.Module) -> None:
         if not any(True for _ in gsm_adapters(m)):
             if args.smollm2_export:
-                load_gsm(m, args.smollm2_export, prefill=args.prefill)
+                load_gsm(m, args.smollm2_export)
             else:
                 torch.manual_seed(0)
                 inject_gsm(m, load_recipe(str(REPO / "recipes" / "joint.yaml")).gsm, mode="sparse")
-                enable_gsm_generation(m, prefill=args.prefill)
+            enable_gsm_generation(m, prefill=args.prefill)  # generation is enabled explicitly, as GSMModel does
             set_gsm_mode(m, "sparse")
 
     return model, prompts, ready

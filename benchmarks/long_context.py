@@ -42,7 +42,7 @@ import torch
 
 from benchmarks.common import git_commit, train_unless_exported, write_result
 from benchmarks.long_context_probe import print_tables, run_probe, trained_length
-from gsm_train.adapter_format import read_config
+from gsm_train.adapter_format import read_config, read_training_args
 from gsm_train.evaluate import bucket_label, evaluate_exports
 from gsm_train.passkey import evaluate_passkey
 
@@ -491,7 +491,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     probes = {}
     for name in args.probe:
-        train_len = trained_length(Path(names[name])) or args.lengths[0]
+        train_len = trained_length(read_training_args(Path(names[name]))) or args.lengths[0]
         settings = {
             "model": args.model,
             "export": names[name],

@@ -34,7 +34,6 @@ fall from the first bucket to the last each cause taken away gives back; all goe
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -47,7 +46,6 @@ from torch import Tensor, nn
 from transformers import AttentionInterface
 
 from benchmarks.common import git_commit, write_result
-from gsm_train.adapter_format import ARGS_FILE
 from gsm_train.attention.dispatch import ATTN_IMPLEMENTATION, gsm_attention_forward
 from gsm_train.attention.forward_state import FORWARD_KWARG
 from gsm_train.data import load_text_dataset, pack_tokens
@@ -339,12 +337,9 @@ def probing(probe: LongContextProbe) -> Iterator[None]:
         AttentionInterface.register(ATTN_IMPLEMENTATION, gsm_attention_forward)
 
 
-def trained_length(export: Path) -> int | None:
-    """The `data.seq_len` of the run that wrote the export (its training_args.json), if it says."""
-    args = export / ARGS_FILE
-    if not args.is_file():
-        return None
-    recipe = json.loads(args.read_text()).get("recipe") or {}
+def trained_length(training_args: dict[str, Any]) -> int | None:
+    """The `data.seq_len` of the run that wrote an export (from its training_args.json), if it says."""
+    recipe = training_args.get("recipe") or {}
     return (recipe.get("data") or {}).get("seq_len")
 
 
@@ -364,7 +359,7 @@ def run_probe(
     """Load the export (on the base it names, or `model_name`), run `windows` windows of
     `seq_len` tokens of `eval_data` through it while probing every gate layer; the report."""
     evaluation = prepare_evaluation(model_name, {"gate": export}, mode)
-    train_len = train_len or trained_length(evaluation.folders["gate"])
+    train_len = train_len or trained_length(evaluation.read["gate"].training_args)
     if train_len is None:
         raise SystemExit(f"{export} does not record the length it was trained at; give --train-len")
     loaded = evaluation.load("gate")

@@ -42,9 +42,10 @@ from gsm_train.attention.settings import configure_gsm
 from gsm_train.config import ConfigError
 from gsm_train.data import load_text_dataset, pack_tokens
 from gsm_train.evaluate import perplexity_and_recall, with_selection
-from gsm_train.export import load_gsm, read_config, resolve_export
+from gsm_train.export import load_gsm, read_export, resolve_export
 from gsm_train.families import model_dims
 from gsm_train.hub_ids import base_to_load
+from gsm_train.inference.engine import enable_gsm_generation
 from gsm_train.kv_budget import apply_kv_budget
 from gsm_train.model_zoo import load_model_and_tokenizer
 from gsm_train.plots import plot_pareto
@@ -136,8 +137,8 @@ class Sweep:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.folder = resolve_export(args.export)
-        self.base, self.revision = base_to_load(read_config(self.folder)["base_model"])
+        self.export = read_export(resolve_export(args.export))  # read once, loaded onto each point's model
+        self.base, self.revision = base_to_load(self.export.config["base_model"])
         self.device = torch.device(args.device)
         self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self.text = load_text_dataset(args.eval_data)
@@ -145,7 +146,8 @@ class Sweep:
 
     def model(self) -> nn.Module:
         model, self.tokenizer = load_model_and_tokenizer(self.base, revision=self.revision, dtype=self.dtype)
-        load_gsm(model, self.folder)
+        load_gsm(model, self.export)
+        enable_gsm_generation(model)  # tokens/s: model.generate over the GSM cache, as GSMModel has it
         return model.to(self.device).eval()
 
     def windows(self, length: int, count: int) -> torch.Tensor:

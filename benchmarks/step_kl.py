@@ -106,10 +106,10 @@ def main() -> None:
     model.to(args.device).eval()
     torch.manual_seed(0)
     if args.export:
-        load_gsm(model, args.export, prefill="sparse")
+        load_gsm(model, args.export)
     else:
         inject_gsm(model, load_recipe(str(REPO / "recipes" / "joint.yaml")).gsm, mode="sparse")
-        enable_gsm_generation(model, prefill="sparse")
+    enable_gsm_generation(model, prefill="sparse")
     set_gsm_mode(model, "sparse")
     result = step_kl(model, windows[: args.rows].to(args.device), args.steps)
     print(

@@ -4,7 +4,8 @@ format version into what the current code applies.
 Reading never trusts the folder: `read_config` decodes and checks `gsm_config.json` and migrates an
 older format forward (in `migrate_config`, the one place that knows earlier versions);
 `read_tensors` checks every listed safetensors file against the config (names, shapes, finite
-values) and returns the tensors under the model's own names. Every problem is an `ExportError`
+values) and returns the tensors under the model's own names; `read_export` reads a whole folder
+once into an `Export`, which loading is handed. Every problem is an `ExportError`
 naming the file and the fix.
 """
 
@@ -294,9 +295,21 @@ def read_training_args(folder: str | Path) -> dict[str, Any]:
     return args if isinstance(args, dict) else {}
 
 
-def validate_export(folder: str | Path) -> dict[str, Any]:
-    """Check an export folder (config and every tensor file); return its config in the current
-    format or raise ExportError."""
+@dataclass(frozen=True)
+class Export:
+    """An export folder read once (`read_export`): its checked config in the current format, every
+    tensor it lists (checked against the config), and its training_args.json ({} without one).
+    What loads an export takes this instead of reading the folder again."""
+
+    folder: Path
+    config: dict[str, Any]
+    tensors: ExportTensors
+    training_args: dict[str, Any]
+
+
+def read_export(folder: str | Path) -> Export:
+    """Read and check a local export folder in full (`read_config`, `read_tensors`,
+    `read_training_args`), each file once; raises ExportError naming the file and the fix."""
+    folder = Path(folder)
     config = read_config(folder)
-    read_tensors(folder, config)
-    return config
+    return Export(folder, config, read_tensors(folder, config), read_training_args(folder))

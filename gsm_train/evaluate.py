@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from gsm_train.adapter_format import GSM_SECTIONS, ExportError, read_config
+from gsm_train.adapter_format import GSM_SECTIONS, Export, ExportError, read_export
 from gsm_train.attention import GSMSettings, configure_gsm, gsm_collect
 from gsm_train.config import (
     ConfigError,
@@ -220,7 +220,7 @@ class Evaluation:
 
     model_name: str
     revision: str | None
-    folders: dict[str, Path]
+    read: dict[str, Export]  # each export, read once (`read_export`) before any model loads
     exports: dict[str, str]
     changed: dict[str, GSMConfig]
     mode: str
@@ -236,7 +236,7 @@ class Evaluation:
 
     def models(self) -> Iterator[Evaluated]:
         """The base, then each export on a fresh copy of it, each loaded when asked for."""
-        for name in (BASE, *self.folders):
+        for name in (BASE, *self.read):
             yield self.load(name)
 
     def load(self, name: str) -> Evaluated:
@@ -245,7 +245,7 @@ class Evaluation:
         model, self.tokenizer = load_model_and_tokenizer(self.model_name, revision=self.revision, dtype=dtype)
         if name == BASE:
             return Evaluated(BASE, model.to(device).eval(), None, None)
-        load_gsm(model, self.folders[name], mode=self.mode)
+        load_gsm(model, self.read[name], mode=self.mode)
         changes = {"config": self.changed[name]} if name in self.changed else {}
         settings = configure_gsm(model, kv_baseline=self.kv_baseline, **changes)
         return Evaluated(name, model.to(device).eval(), settings, self.exports[name])
@@ -259,24 +259,24 @@ def prepare_evaluation(
     selection: dict[str, Any] | None = None,
     selections: dict[str, dict[str, Any]] | None = None,
 ) -> Evaluation:
-    """Check every export (name -> folder or Hub repo id) and the selection changes before any
-    model loads: `selection` for every export, `selections` per export name (over `selection`).
+    """Read and check every export in full (name -> folder or Hub repo id; each read once, here) and
+    the selection changes before any model loads: `selection` for every export, `selections` per
+    export name (over `selection`).
     `model_name` None: the base the first export names (gsm_train/hub_ids.py, `base_to_load`);
     every export must have been trained on it."""
-    folders = {name: resolve_export(adapter) for name, adapter in exports.items()}
-    configs = {name: read_config(folder) for name, folder in folders.items()}
+    read = {name: read_export(resolve_export(adapter)) for name, adapter in exports.items()}
     changes = {name: (selection or {}) | (selections or {}).get(name, {}) for name in exports}
     changed = {
-        name: with_selection(_gsm_config(configs[name]), change, f"--export {name}")
+        name: with_selection(_gsm_config(read[name].config), change, f"--export {name}")
         for name, change in changes.items()
         if change
     }
     revision = None
     if model_name is None:
-        if not configs:
+        if not read:
             raise ExportError("eval needs a model: give --export NAME=FOLDER (whose base it loads) or --model")
-        model_name, revision = base_to_load(next(iter(configs.values()))["base_model"])
-    return Evaluation(model_name, revision, folders, dict(exports), changed, mode, kv_baseline)
+        model_name, revision = base_to_load(next(iter(read.values())).config["base_model"])
+    return Evaluation(model_name, revision, read, dict(exports), changed, mode, kv_baseline)
 
 
 def evaluate_exports(

@@ -8,9 +8,11 @@ file's tensors), a `README.md` model card and `training_args.json`. Rank 0 write
 destination and renames it into place (gsm_train/export_folder.py); nothing but a previous export is
 ever replaced.
 
-`load_gsm` is atomic: it reads and checks the whole export (config, tensors, finite values, the base
-model, every tensor's name and shape against the modules the config builds on a meta-device
-skeleton) before it changes the model; a refused export leaves the model as it was.
+`load_gsm` is atomic: it reads the export once (`adapter_format.read_export`: config, tensors, finite
+values) and checks it (the base model, every tensor's name and shape against the modules the config
+builds on a meta-device skeleton) before it changes the model; a refused export leaves the model as it
+was. It attaches modules and tensors only; generation over a GSM cache is `GSMModel`'s (or an explicit
+`inference.engine.enable_gsm_generation`).
 """
 
 from __future__ import annotations
@@ -38,11 +40,10 @@ from gsm_train.adapter_format import (
     GSM_SECTIONS,
     MERGED_FIELD,
     PEFT_FILE,
+    Export,
     ExportError,
     ExportTensors,
-    read_config,
-    read_tensors,
-    validate_export,
+    read_export,
 )
 from gsm_train.attention import GSMSettings, configure_gsm, gsm_settings, gsm_state_dict, has_gsm, inject_gsm
 from gsm_train.config import GSMConfig, LoraSettings
@@ -50,8 +51,6 @@ from gsm_train.export_folder import export_destination, write_export_folder
 from gsm_train.fingerprint import FINGERPRINT_RULE, base_fingerprint
 from gsm_train.hub_download import resolve_export
 from gsm_train.hub_ids import base_identity
-from gsm_train.inference.cache import DEFAULT_PREFILL, check_prefill
-from gsm_train.inference.engine import enable_gsm_generation
 from gsm_train.lora import inject_lora, lora_parameters, peft_base_name, peft_name, write_peft_config
 from gsm_train.model_card import build_card
 from gsm_train.model_zoo import builtin_weights
@@ -65,7 +64,7 @@ __all__ = [
     "export_destination",
     "load_gsm",
     "load_tensors",
-    "validate_export",
+    "read_export",
 ]
 
 
@@ -290,56 +289,57 @@ def _check_fit(
 
 def load_tensors(
     model: nn.Module,
-    adapter_dir: str | Path,
+    export: Export,
     required: Callable[[str], bool],
     allow_unexpected: bool = False,
 ) -> list[str]:
-    """Load the export's tensors into `model`, which already has its modules; every model tensor
-    `required` accepts must be in the export, every export tensor must fit the model's (and, unless
-    `allow_unexpected`, exist in it). Checked before anything is copied. Returns the export tensors
-    the model has no place for."""
-    folder = Path(adapter_dir)
-    loaded = read_tensors(folder, read_config(folder))
+    """Load `export`'s tensors (read by `read_export`) into `model`, which already has its modules;
+    every model tensor `required` accepts must be in the export, every export tensor must fit the
+    model's (and, unless `allow_unexpected`, exist in it). Checked before anything is copied. Returns
+    the export tensors the model has no place for."""
     state = model.state_dict()
-    _check_fit(loaded, state, required, allow_unexpected, folder)
-    model.load_state_dict({n: t for n, t in loaded.tensors.items() if n in state}, strict=False)
-    return [name for name in loaded.tensors if name not in state]
+    _check_fit(export.tensors, state, required, allow_unexpected, export.folder)
+    model.load_state_dict({n: t for n, t in export.tensors.tensors.items() if n in state}, strict=False)
+    return [name for name in export.tensors.tensors if name not in state]
 
 
 def load_gsm(
     model: nn.Module,
-    adapter: str | Path,
+    adapter: str | Path | Export,
     mode: str = "sparse",
     revision: str | None = None,
-    prefill: str = DEFAULT_PREFILL,
 ) -> GSMSettings:
     """Attach an export's GSM modules (and LoRA deltas, and base weights if exported) to `model`, a
-    fresh base, and load their tensors exactly; `model.generate` then decodes over a GSM cache
-    (`inference.engine.enable_gsm_generation`). `adapter`: an export folder, or a Hub repo id
-    (fetched at `revision`, see gsm_train/hub_download.py).
+    fresh base, and load their tensors exactly. `adapter`: an `Export` already read (`read_export`),
+    an export folder, or a Hub repo id (fetched at `revision`, see gsm_train/hub_download.py); the
+    folder is read once.
+
+    Only modules and tensors change: the model keeps its class's `forward` and `generate` (training
+    stages start from exports this way). `GSMModel.from_pretrained` is what generates over a GSM
+    cache; after `load_gsm`, `inference.engine.enable_gsm_generation(model)` does the same.
 
     Refuses a base that differs from the one the adapter was trained on (architecture, dims, weights
     fingerprint), and any damaged export, before changing `model`. `mode` sets how main attention
-    runs (dense / sparse / oracle); `prefill` how a prompt attends in generation (`dense`: as the base
-    model, the GSM cache filled from its K/V; `sparse`: as `mode` does; `inference.cache.GSMCache`).
+    runs (dense / sparse / oracle).
     """
-    check_prefill(prefill)
     if has_gsm(model):
         raise GSMError("this model already has GSM modules; load the adapter onto a fresh base model")
-    folder = resolve_export(adapter, revision)
-    config = read_config(folder)
-    loaded = read_tensors(folder, config)
-    check_base(config, model, folder)
-    gsm, build = build_settings(config)
-    lora = LoraSettings.model_validate(config["lora"]) if config.get("lora") else None
+    if isinstance(adapter, Export):
+        if revision is not None:
+            raise ExportError(f"{adapter.folder}: already read, but a revision ({revision!r}) was given; drop it")
+        export = adapter
+    else:
+        export = read_export(resolve_export(adapter, revision))
+    check_base(export.config, model, export.folder)
+    gsm, build = build_settings(export.config)
+    lora = LoraSettings.model_validate(export.config["lora"]) if export.config.get("lora") else None
     planned, names = skeleton_state(model.config, build, lora)
-    _check_fit(loaded, planned, names.__contains__, False, folder)
+    _check_fit(export.tensors, planned, names.__contains__, False, export.folder)
     inject_gsm(model, build, mode=mode)
     settings = configure_gsm(model, config=gsm)
     if lora is not None:
         inject_lora(model, lora)
-    model.load_state_dict(loaded.tensors, strict=False)
-    enable_gsm_generation(model, prefill=prefill)  # a plain model.generate now runs over the GSM cache
+    model.load_state_dict(export.tensors.tensors, strict=False)
     refuse_plain_save(model)
     return settings
 

@@ -27,7 +27,6 @@ from gsm_train.config import check_positions
 from gsm_train.data import DataError
 from gsm_train.distributed import cuda_wanted
 from gsm_train.families import model_dims
-from gsm_train.hub_ids import base_to_load
 from gsm_train.inference.cache import DEFAULT_PREFILL, GSMCache, cache_kwargs
 from gsm_train.kv_budget import bf16_layer_kv_bytes
 from gsm_train.model_zoo import load_model_and_tokenizer
@@ -206,10 +205,11 @@ def generate(
     template, `prompt_ids`): with `adapter` (an export folder or a Hub repo id at `revision`),
     GSM attention over the GSM cache on the base the export names (or `model_name`), and with
     `compare_dense` the dense base after it; without an adapter, the base `model_name`. `echo` streams
-    the text to stdout; `prefill` how the adapter's prompt attends (dense / sparse: `load_gsm`)."""
+    the text to stdout; `prefill` how the adapter's prompt attends (dense / sparse: `GSMCache`)."""
     device, dtype = _device_and_dtype(device)
     sampling = sampling or Sampling()
     runs = []
+    base_revision = None
     if adapter is not None:
         gsm = GSMModel.from_pretrained(
             adapter, revision=revision, base=model_name, mode=mode, prefill=prefill, dtype=dtype, device=device
@@ -218,12 +218,12 @@ def generate(
         _check_positions(gsm.model, ids.shape[1], max_new_tokens)
         cache = GSMCache(gsm.model, capacity=ids.shape[1] + max_new_tokens)
         runs.append(_run("GSM cache", gsm.model, gsm.tokenizer, ids, max_new_tokens, echo, cache, sampling))
-        model_name = model_name or base_to_load(gsm.config["base_model"])[0]
+        model_name, base_revision = gsm.base_name, gsm.base_revision  # the base GSM ran on, compared as it was
         del gsm
     elif model_name is None:
         raise ExportError("generate needs a model: give --adapter (an export, whose base it loads) or --model")
     if adapter is None or compare_dense:
-        model, tokenizer = load_model_and_tokenizer(model_name, dtype=dtype)
+        model, tokenizer = load_model_and_tokenizer(model_name, revision=base_revision, dtype=dtype)
         ids = prompt_ids(tokenizer, prompt, chat)
         _check_positions(model, ids.shape[1], max_new_tokens)
         model.to(device)

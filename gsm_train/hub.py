@@ -25,9 +25,9 @@ from gsm_train.adapter_format import (
     CARD_FILE,
     CONFIG_FILE,
     EXPORT_FILES,
+    Export,
     ExportError,
-    read_training_args,
-    validate_export,
+    read_export,
 )
 from gsm_train.errors import GSMError
 from gsm_train.hub_ids import REPO_ID_FIX, is_builtin, repo_id_problem
@@ -99,29 +99,21 @@ def _export_files(folder: Path) -> list[Path]:
     return files
 
 
-def _training_args(folder: Path) -> dict[str, Any]:
-    try:
-        return read_training_args(folder)
-    except ExportError as err:
-        raise PublishError(str(err)) from None
-
-
-def _operations(
-    folder: Path, exported: dict[str, Any], published: dict[str, Any], repo_id: str
-) -> list[CommitOperationAdd]:
+def _operations(export: Export, published: dict[str, Any], repo_id: str) -> list[CommitOperationAdd]:
     """One upload per export file. gsm_config.json carries the base's Hub id when publishing set it,
     and no local path (a base loaded from a folder is named `<local>/NAME`: its Hub id is what a
     downloader loads); training_args.json names no local path either (an export from before they
     were redacted is redacted here); README.md is written again (with the repo id in its snippet)
     unless it was edited after a format-6 export wrote it."""
+    folder = export.folder
     contents: dict[str, str | bytes] = {file.name: str(file) for file in _export_files(folder)}
     stored = json.loads((folder / CONFIG_FILE).read_text())
     base = {**stored["base_model"], "name_or_path": redact_path(stored["base_model"]["name_or_path"])}
-    if published is not exported:
+    if published is not export.config:
         base["hub_id"] = published["base_model"]["hub_id"]
     if base != stored["base_model"]:
         contents[CONFIG_FILE] = json.dumps({**stored, "base_model": base}, indent=2, sort_keys=True).encode()
-    args = _training_args(folder)
+    args = export.training_args
     shown = redact_local_paths(args)
     if shown != args:
         contents[ARGS_FILE] = json.dumps(shown, indent=2, sort_keys=True).encode()
@@ -145,14 +137,14 @@ def publish_export(
     URL. `base_model_id`: the base's Hub id, for an export whose base was a local folder."""
     folder = Path(export_dir)
     try:
-        config = validate_export(folder)
+        export = read_export(folder)
     except ExportError as err:
         raise PublishError(f"refusing to publish an export that does not validate: {err}") from err
     problem = repo_id_problem(repo_id)
     if problem:
         raise PublishError(f"repo id {repo_id!r} {problem}. Fix: {REPO_ID_FIX}.")
-    published = _with_base_id(config, base_model_id, folder)
-    operations = _operations(folder, config, published, repo_id)
+    published = _with_base_id(export.config, base_model_id, folder)
+    operations = _operations(export, published, repo_id)
     token = _resolve_token(token)
     where = endpoint or constants.ENDPOINT
 

@@ -14,14 +14,15 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from gsm_train.adapter_format import MERGED_FIELD, read_config, read_training_args
+from gsm_train.adapter_format import MERGED_FIELD, read_export
 from gsm_train.attention import GSMSettings
 from gsm_train.export import AdapterNames, export_adapter, load_gsm
 from gsm_train.fingerprint import base_fingerprint
 from gsm_train.hub import publish_export
 from gsm_train.hub_download import resolve_export
 from gsm_train.hub_ids import base_to_load
-from gsm_train.inference.cache import DEFAULT_PREFILL
+from gsm_train.inference.cache import DEFAULT_PREFILL, check_prefill
+from gsm_train.inference.engine import enable_gsm_generation
 from gsm_train.lora import merge_lora
 from gsm_train.model_zoo import load_model_and_tokenizer
 from gsm_train.modules import GSMError
@@ -29,14 +30,17 @@ from gsm_train.modules import GSMError
 
 @dataclass
 class GSMModel:
-    """A base model with an export's GSM modules attached, its tokenizer, where the export is, and
-    what it records (`config`, `training_args`), which saving writes again."""
+    """A base model with an export's GSM modules attached, its `generate` over a GSM cache, its
+    tokenizer, where the export is, which base was loaded, and what the export records (`config`,
+    `training_args`), which saving writes again."""
 
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     settings: GSMSettings
     folder: Path  # the export folder (a snapshot folder of the Hub cache for a repo id)
     config: dict[str, Any]  # its gsm_config.json, in the current format (updated by merge_and_unload)
+    base_name: str  # the base model loaded (`hub_ids.base_to_load` of the config's, or the one given)
+    base_revision: str | None  # and its revision
     training_args: dict[str, Any] = field(default_factory=dict)  # its training_args.json (recipe, metrics)
 
     @classmethod
@@ -57,15 +61,24 @@ class GSMModel:
         this machine has it, else its Hub id at its recorded revision; `base` / `base_revision`
         override), and attach the adapter. A base that differs from the one the adapter was trained
         on is refused (ExportError) as by `load_gsm`. `mode`: dense / sparse / oracle main
-        attention; `prefill`: how a prompt attends in generation, dense / sparse (`load_gsm`)."""
-        folder = resolve_export(adapter, revision)
-        config = read_config(folder)
-        name, recorded_revision = (base, base_revision) if base is not None else base_to_load(config["base_model"])
+        attention; `prefill`: how a prompt attends in generation, dense / sparse (`GSMCache`).
+
+        The export is read once, in full, before the base loads (`read_export`: a damaged export is
+        refused first). The returned model's `generate` decodes over a GSM cache: GSMModel owns
+        generation (`inference.engine.enable_gsm_generation`); `load_gsm` alone attaches modules."""
+        check_prefill(prefill)
+        export = read_export(resolve_export(adapter, revision))
+        name, recorded_revision = (
+            (base, base_revision) if base is not None else base_to_load(export.config["base_model"])
+        )
         model, tokenizer = load_model_and_tokenizer(name, revision=recorded_revision, dtype=dtype)
         if device is not None:
             model.to(device)  # before the modules attach: they are built on the model's device
-        settings = load_gsm(model, folder, mode=mode, prefill=prefill)
-        return cls(model, tokenizer, settings, folder, config, read_training_args(folder))
+        settings = load_gsm(model, export, mode=mode)
+        enable_gsm_generation(model, prefill=prefill)  # a plain model.generate now runs over the GSM cache
+        return cls(
+            model, tokenizer, settings, export.folder, export.config, name, recorded_revision, export.training_args
+        )
 
     def save_pretrained(self, save_directory: str | Path) -> Path:
         """Write the model as it is in memory (its GSM tensors, LoRA deltas and, after

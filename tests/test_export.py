@@ -26,7 +26,7 @@ from gsm_train.adapter_format import (
 from gsm_train.attention import gsm_disabled, gsm_state_dict, has_gsm, inject_gsm
 from gsm_train.cli import main as cli_main
 from gsm_train.config import GSMConfig, LoraSettings
-from gsm_train.export import export_adapter, load_gsm, validate_export
+from gsm_train.export import export_adapter, load_gsm, read_export
 from gsm_train.fingerprint import base_fingerprint
 from gsm_train.lora import inject_lora
 from gsm_train.model_zoo import tiny_model
@@ -461,10 +461,10 @@ def test_the_cli_refuses_a_damaged_export_with_exit_2(
     assert status == 2 and str(folder / file) in err and "Traceback" not in err
 
 
-def test_validate_export_checks_every_tensor(exported: tuple[torch.nn.Module, Path]) -> None:
+def test_read_export_checks_every_tensor(exported: tuple[torch.nn.Module, Path]) -> None:
     _nan_tensors(exported[1])
     with pytest.raises(ExportError, match="holds NaN"):
-        validate_export(exported[1])
+        read_export(exported[1])
 
 
 def test_non_finite_tensors_are_never_exported(tmp_path: Path) -> None:
@@ -560,7 +560,7 @@ def gate_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_stage_exports_and_cli_export_of_a_checkpoint_agree(gate_run: Path, tmp_path: Path) -> None:
-    validate_export(gate_run / "export")
+    read_export(gate_run / "export")
     assert cli_main(["export", str(gate_run / "checkpoints" / "step_00000002"), str(tmp_path / "again")]) == 0
     first, second = (
         load_file(str(gate_run / "export" / GSM_FILE)),

@@ -1,6 +1,7 @@
-"""`model.generate` after `load_gsm`, as users call it: over a GSM cache without extra arguments, equal
-to generating with teacher-forced passes (the same model without a cache) for greedy and seeded
-sampling, left-padded batches, EOS, stop strings, streamers and prompts fed in chunks (CPU, fp32)."""
+"""`model.generate` after `load_gsm` and `enable_gsm_generation` (what `GSMModel.from_pretrained` does),
+as users call it: over a GSM cache without extra arguments, equal to generating with teacher-forced
+passes (the same model without a cache) for greedy and seeded sampling, left-padded batches, EOS, stop
+strings, streamers and prompts fed in chunks (CPU, fp32)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ def export(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _loaded(export: Path) -> torch.nn.Module:
     model = tiny_model("llama")
-    load_gsm(model, export, prefill="sparse")  # the prompt attends as teacher forcing does
+    load_gsm(model, export)
+    enable_gsm_generation(model, prefill="sparse")  # the prompt attends as teacher forcing does
     return model
 
 
@@ -129,7 +131,8 @@ def test_captured_token_steps_equal_eager_steps_on_the_gpu(export: Path, padded:
     """On CUDA, token steps replay from a CUDA graph over the fused kernels: the same tokens as the eager
     steps, and as teacher forcing (fp32; block packing happens between replays)."""
     model = tiny_model("llama").cuda()
-    load_gsm(model, export, prefill="sparse")
+    load_gsm(model, export)
+    enable_gsm_generation(model, prefill="sparse")
     ids, mask = _prompt(37).cuda(), torch.ones(2, 37, dtype=torch.long, device="cuda")
     if padded:
         ids[1, :5], mask[1, :5] = 256, 0
@@ -152,7 +155,8 @@ def test_a_fraction_schedule_replays_one_captured_step_for_many_k(tmp_path: Path
     inject_gsm(model, GSMConfig.model_validate({**GSM, "sparse_attention": sparse}), mode="sparse")
     export = export_adapter(model, tmp_path / "export", base_name="tiny-llama")
     model = tiny_model("llama").cuda()
-    load_gsm(model, export, prefill="sparse")
+    load_gsm(model, export)
+    enable_gsm_generation(model, prefill="sparse")
     ids = _prompt(37).cuda()
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=20, pad_token_id=256, do_sample=False, return_dict_in_generate=True)

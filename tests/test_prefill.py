@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from benchmarks.prefill_quality import continuation_nll
+from gsm_train import GSMModel
 from gsm_train.attention import gsm_disabled, inject_gsm
 from gsm_train.attention.dispatch import chunked_masked_attention, masked_sdpa
 from gsm_train.attention.layout import block_causal_kv
@@ -22,6 +23,7 @@ from gsm_train.export import export_adapter, load_gsm
 from gsm_train.families import attention_modules
 from gsm_train.functional.gate_keys import encode_gate_keys
 from gsm_train.inference.cache import GSMCache, cache_kwargs
+from gsm_train.inference.engine import enable_gsm_generation
 from gsm_train.inference.kv_store import CacheLengths, KVStore
 from gsm_train.inference.prefill import causal_chunk_sdpa
 from gsm_train.model_zoo import tiny_model
@@ -185,14 +187,19 @@ def test_after_a_dense_prefill_decoding_runs_and_the_first_token_is_the_dense_mo
         torch.testing.assert_close(chunked, gate_only(prompt, use_cache=False).logits, atol=1e-10, rtol=0)
 
 
-def test_load_gsm_sets_the_prefill_of_generate(tmp_path) -> None:
-    """`load_gsm(prefill=...)` reaches the cache `model.generate` makes; a bad value is refused, naming it
-    and the modes, before the model changes."""
+def test_enable_gsm_generation_sets_the_prefill_of_generate(tmp_path) -> None:
+    """`enable_gsm_generation(prefill=...)` reaches the cache `model.generate` makes; a bad value is
+    refused, naming it and the modes, before the model changes (by `GSMModel.from_pretrained` before the
+    base loads)."""
     folder = export_adapter(_model(EVERYTHING, mode="sparse"), tmp_path / "export", base_name="tiny-llama")
     fresh = tiny_model("llama")
     with pytest.raises(GSMError, match="prefill 'flash'.*'dense'.*'sparse'"):
-        load_gsm(fresh, folder, prefill="flash")
-    load_gsm(fresh, folder, prefill="dense")
+        GSMModel.from_pretrained(folder, base="no-such-base", prefill="flash")
+    load_gsm(fresh, folder)
+    with pytest.raises(GSMError, match="prefill 'flash'.*'dense'.*'sparse'"):
+        enable_gsm_generation(fresh, prefill="flash")
+    assert not hasattr(fresh, "gsm_generation")
+    enable_gsm_generation(fresh, prefill="dense")
     with torch.no_grad():
         out = fresh.generate(
             TOKENS[:2, :PROMPT], max_new_tokens=3, do_sample=False, pad_token_id=0, return_dict_in_generate=True

@@ -10,7 +10,7 @@ see (`key_valid`, from the attention mask: left padding).
     cache = GSMCache(model, capacity=4096)
     model.generate(ids, **cache_kwargs(model, cache), max_new_tokens=64)
 
-(`gsm_train.inference.engine` does this by itself: after `load_gsm`, a plain `model.generate` uses a GSM
+(`gsm_train.inference.engine` does this: after `enable_gsm_generation`, a plain `model.generate` uses a GSM
 cache.) How a call's tokens are attended depends on what the cache holds when it starts
 (`GSMCache.begin_forward`, called by GSM's per-forward hook): a prompt into an empty cache runs through
 the training-time attention (so prefill equals the teacher-forced pass); one new token after earlier

@@ -1,4 +1,5 @@
-"""Plain `model.generate(...)` over a GSM cache: what `load_gsm` sets up on a model.
+"""Plain `model.generate(...)` over a GSM cache: what `GSMModel.from_pretrained` sets up on its model
+(generation's one owner; `load_gsm` attaches modules only, so call this after it to generate).
 
 `enable_gsm_generation(model)` wraps the model's `generate` and `forward` (on the instance; the class is
 untouched):

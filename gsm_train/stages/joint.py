@@ -29,7 +29,7 @@ from gsm_train.attention import (
 from gsm_train.chat_data import IGNORE_INDEX, inputs_and_labels
 from gsm_train.config import RecipeConfig
 from gsm_train.distributed import all_reduce_sum
-from gsm_train.export import check_base, load_tensors, validate_export
+from gsm_train.export import check_base, load_tensors, read_export
 from gsm_train.lora import inject_lora, lora_parameters
 from gsm_train.modules import GSMError
 from gsm_train.plots import plot_recall_per_layer
@@ -50,13 +50,13 @@ class JointStage:
 
     def attach(self, model: nn.Module, config: RecipeConfig) -> None:
         """GSM modules as the recipe says, gate (and any other) tensors from `init_from`, LoRA if asked."""
-        if config.init_from:
-            export = validate_export(config.init_from)
-            check_base(export, model, config.init_from)
+        export = read_export(config.init_from) if config.init_from else None  # read once, checked in full
+        if export is not None:
+            check_base(export.config, model, export.folder)
         inject_gsm(model, config.gsm, mode=config.gsm.sparse_attention.mode)
-        if config.init_from:  # e.g. the gate_only export: no tensor is required (modules new here
+        if export is not None:  # e.g. the gate_only export: no tensor is required (modules new here
             # start fresh), and gates of layers kept dense here have no place
-            load_tensors(model, config.init_from, lambda name: False, allow_unexpected=True)
+            load_tensors(model, export, lambda name: False, allow_unexpected=True)
         if config.train.base == "lora":
             inject_lora(model, config.train.lora)
 

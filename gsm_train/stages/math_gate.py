@@ -19,5 +19,5 @@ class MathGateStage(GateWarmupStage):
     graph_blocker = "its adapter may carry ASQ and the bridge in dense mode, a step not verified under capture"
 
     def attach(self, model: nn.Module, config: RecipeConfig) -> None:
-        load_gsm(model, config.init_from)
+        load_gsm(model, config.init_from)  # modules and tensors only: the model keeps its own forward
         set_gsm_mode(model, "dense")
