@@ -24,7 +24,8 @@ peak a device-to-device copy reaches in the same run. Batch-16 GSM rows prefill 
 and copy the cache to every row (rows then decode alike; the time of a 16-row sparse prefill is not
 what the row measures). The GSM rows prefill with `--prefill` (default `dense`, the library's default:
 the prompt attends as the base model and fills the GSM cache from its K/V; `sparse`: the teacher-forced GSM
-pass), recorded in the row settings. Token agreement and the step KL compare cached decoding with GSM's own
+pass), and with `--prefill-chunk` prompt tokens per forward (default the library's), recorded in the row
+settings. Token agreement and the step KL compare cached decoding with GSM's own
 teacher-forced pass, so they prefill sparsely whatever `--prefill` says (the same function on both sides).
 The summary: `e2e_speedup_<row>` (GSM over the fastest dense method of the
 row), `bandwidth_share_<method>_<row>`, `ttft_ratio_<row>` (GSM's time to first token over the fastest
@@ -61,7 +62,7 @@ from gsm_train.export import load_gsm
 from gsm_train.inference.cache import DEFAULT_PREFILL, PREFILL_MODES, GSMCache, cache_kwargs
 from gsm_train.inference.dense_engine import PREFILL_CHUNK as ENGINE_PREFILL_CHUNK
 from gsm_train.inference.dense_engine import DenseEngine
-from gsm_train.inference.engine import enable_gsm_generation
+from gsm_train.inference.engine import PREFILL_CHUNK, enable_gsm_generation
 from gsm_train.model_zoo import load_model_and_tokenizer, random_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -260,17 +261,17 @@ def run_row(
     measured: dict,
     save: Callable[[dict], None],
     peak: tuple[float, str],
-    prefill: str = DEFAULT_PREFILL,
+    settings: dict,
 ) -> dict:
     """The dense methods (`DENSE_METHODS`), then GSM (after `gsm_ready(model)` attaches the modules); a
     method already in `measured` (a cut run's row of the same settings) is not measured again.
-    `save(row)` after each. Every method's `bandwidth_share` against `peak` (bytes/s, its source). `prefill`:
-    the GSM method's prefill mode, which `gsm_ready` set on the model (recorded in the row's settings)."""
+    `save(row)` after each. Every method's `bandwidth_share` against `peak` (bytes/s, its source).
+    `settings`: `row_settings` of the run (the GSM method's prefill, which `gsm_ready` set on the model)."""
     _, context, batch = ROWS[name]
     ids = prompts[:batch, : context - new_tokens].cuda()
     peak, peak_source = peak
     row: dict[str, Any] = measured | {
-        "settings": row_settings(new_tokens, prefill),
+        "settings": settings,
         "context": context,
         "batch": batch,
         "new_tokens": new_tokens,
@@ -318,14 +319,17 @@ def run_row(
     return row
 
 
-def row_settings(new_tokens: int, prefill: str = DEFAULT_PREFILL) -> dict:
+def row_settings(new_tokens: int, prefill: str = DEFAULT_PREFILL, prefill_chunk: int = PREFILL_CHUNK) -> dict:
     """What a row's figures depend on besides its name: a stored row of other settings is measured again.
-    `prefill`: the GSM method's prefill mode (`--prefill`)."""
+    `prefill`: the GSM method's prefill mode (`--prefill`); `prefill_chunk` its prompt tokens per forward
+    (`--prefill-chunk`, named only when it is not the library's default)."""
+    chunk = {} if prefill_chunk == PREFILL_CHUNK else {"gsm_prefill_chunk": prefill_chunk}
     return {
         "version": ROW_VERSION,
         "new_tokens": new_tokens,
         "methods": [*DENSE_METHODS, "gsm"],
         "gsm_prefill": prefill,
+        **chunk,
     }
 
 
@@ -349,9 +353,10 @@ def smollm2_extras(model: torch.nn.Module, row: dict, new_tokens: int, prompts: 
         with gsm_disabled(model):
             extras["dense_token_agreement"], _ = agreement(model, dense[:4], new_tokens)
     if row["batch"] == 1:
-        enable_gsm_generation(model, cuda_graphs=False, prefill=prefill)
+        chunk = model.gsm_generation["prefill_chunk"]  # as the timed row ran
+        enable_gsm_generation(model, cuda_graphs=False, prefill=prefill, prefill_chunk=chunk)
         eager, _ = generate_timed(model, prompt, new_tokens)
-        enable_gsm_generation(model, cuda_graphs=True, prefill=prefill)
+        enable_gsm_generation(model, cuda_graphs=True, prefill=prefill, prefill_chunk=chunk)
         extras["captured_step_tokens_equal_eager"] = bool(torch.equal(eager, generated[:1]))
         say("step KL of GSM and the dense model against teacher forcing")
         extras["step_kl"] = step_kl(model, prompts[:4].to(generated.device), new_tokens)
@@ -377,11 +382,17 @@ def main() -> None:
         default=DEFAULT_PREFILL,
         help="the GSM rows' prefill (dense: as the base model; sparse: the teacher-forced GSM pass)",
     )
+    parser.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=PREFILL_CHUNK,
+        help="the GSM rows' prompt tokens per forward (the library's default: %(default)s)",
+    )
     parser.add_argument("--result", required=True)
     args = parser.parse_args()
     result_path = Path(args.result)
     result = json.loads(result_path.read_text()) if result_path.exists() else {"rows": {}}
-    settings = row_settings(args.new_tokens, args.prefill)
+    settings = row_settings(args.new_tokens, args.prefill, args.prefill_chunk)
     wanted = [name for name in args.rows.split(",") if not _complete(result["rows"].get(name, {}), settings)]
     peak = bandwidth.peak_bandwidth()
     measured_by = provenance()
@@ -410,7 +421,7 @@ def main() -> None:
                 measured,
                 lambda row, name=name: save(name, row),
                 peak,
-                args.prefill,
+                settings,
             )
             if family == "smollm2":
                 row |= smollm2_extras(model, row, args.new_tokens, prompts, args.prefill)
@@ -435,7 +446,7 @@ def _family(family: str, args: argparse.Namespace) -> tuple[torch.nn.Module, tor
             torch.manual_seed(0)
             if not any(True for _ in gsm_adapters(m)):
                 inject_gsm(m, _gsm_config(), mode="sparse")
-                enable_gsm_generation(m, prefill=args.prefill)
+                enable_gsm_generation(m, prefill=args.prefill, prefill_chunk=args.prefill_chunk)
 
         return llama8b(), prompts, ready
     model, tokenizer = load_model_and_tokenizer("smollm2-135m", dtype=torch.bfloat16)
@@ -451,7 +462,8 @@ def _family(family: str, args: argparse.Namespace) -> tuple[torch.nn.Module, tor
             else:
                 torch.manual_seed(0)
                 inject_gsm(m, load_recipe(str(REPO / "recipes" / "joint.yaml")).gsm, mode="sparse")
-            enable_gsm_generation(m, prefill=args.prefill)  # generation is enabled explicitly, as GSMModel does
+            # generation is enabled explicitly, as GSMModel does
+            enable_gsm_generation(m, prefill=args.prefill, prefill_chunk=args.prefill_chunk)
             set_gsm_mode(m, "sparse")
 
     return model, prompts, ready

@@ -54,6 +54,10 @@ def test_summary_sets_gsm_against_the_fastest_dense_method() -> None:
     assert summary["step_kl_gsm_over_dense"] == 1.5
     assert row_settings(48) != row_settings(32)
     assert row_settings(48)["gsm_prefill"] == "dense" and row_settings(48) != row_settings(48, "sparse")
+    # a prefill chunk other than the library's is part of the settings; the default leaves rows as they were
+    assert (
+        "gsm_prefill_chunk" not in row_settings(48) and row_settings(48, "dense", 32768)["gsm_prefill_chunk"] == 32768
+    )
 
 
 def test_gsm_step_bytes_follow_the_caches_buffers() -> None:
