@@ -237,12 +237,9 @@ class GSMCache(Cache):
         self.pending = new_tokens
         if self.token_step:  # the new token is always visible: padding was taken from the prompt
             self.pack_full_tail()
-            lengths.before, lengths.seq_len = lengths.seq_len, end
-            lengths.device[0:1].add_(1)
+            lengths.add_token()
             return
-        lengths.before = lengths.seq_len
-        block = self._block_size()
-        lengths.set(end, stored_split(end, block) if block else 0)
+        lengths.add_chunk(new_tokens, self._block_size())
         if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
             self._mark_padding(attention_mask)
 
@@ -261,7 +258,7 @@ class GSMCache(Cache):
             if layer.is_initialized:
                 layer.k_store.pack_tail()
                 layer.v_store.pack_tail()
-        lengths.set(lengths.seq_len, lengths.packed_len + block)
+        lengths.pack_block(block)
         return True
 
     def _block_size(self) -> int:
