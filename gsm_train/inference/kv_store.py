@@ -7,10 +7,15 @@ slot p - packed. A block is packed when the first token after it arrives, so a q
 own block exactly, as training does. Without a compressor `tail` [B, H, capacity, D] holds every token.
 
 How many tokens the store holds is the cache's `CacheLengths`, shared by every layer: on the host for
-the PyTorch paths and the driver, on the device for the kernels and captured steps.
+the PyTorch paths and the driver, on the device for the kernels and captured steps. What a layer's cache
+holds, as decode and prefill attention read it, is a `StoredLayer` (implemented by
+`inference.cache.GSMCacheLayer`, which hands itself to them).
 """
 
 from __future__ import annotations
+
+from types import ModuleType
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -29,7 +34,7 @@ class CacheLengths:
 
     The one owner of these counters: they are read-only outside this class and change only through its
     methods (`add_chunk`, `add_token`, `follow_replayed_token`, `pack_block`, `restore`), so the host and
-    device copies cannot drift apart by an assignment elsewhere."""
+    device copies cannot drift apart by an assignment elsewhere (tests/test_cache_ownership.py checks)."""
 
     def __init__(self, device: torch.device) -> None:
         self._seq_len = 0
@@ -209,3 +214,22 @@ class KVStore:
         """Bytes the store's buffers take on the device."""
         return sum(t.numel() * t.element_size() for t in [self.tail, *(self.fields or {}).values()])
 
+
+class StoredLayer(Protocol):
+    """What one layer's generation cache holds, as decode and prefill attention read it: the K and V stores,
+    the gate keys in buffers of the cache's capacity C (codes [B, n, C, dg] and, for int8, fp16 scales
+    [B, n, C, 1]), the keys each row may see (`key_valid` [B, C], None: all), the cache's lengths, the fused
+    kernels' module (None: the PyTorch path), for a bridge target the source layer's, and during a further
+    prompt chunk the raw K/V [B, Hkv, n, D] from the last block packed before it to its end (None without a
+    compressor; the chunk's attention takes it). Declared here, below the attention code that reads it,
+    since `inference.cache` (which implements it) imports that code."""
+
+    k_store: KVStore
+    v_store: KVStore
+    gate_keys: Tensor | None
+    gate_key_scales: Tensor | None
+    key_valid: Tensor | None
+    lengths: CacheLengths
+    kernels: ModuleType | None
+    source: StoredLayer | None
+    recent_raw: tuple[Tensor, Tensor] | None
