@@ -45,7 +45,6 @@ from gsm_train.kernels.sparse_decode import (
 from gsm_train.model_zoo import load_model_and_tokenizer
 from gsm_train.modules.kv_compressor import ASQCompressor
 from gsm_train.plots import plot_decode_speedup
-from gsm_train.quant import stored_split
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPES = {"smollm2": (9, 3, 64), "llama8b": (32, 8, 128)}
@@ -58,21 +57,23 @@ def config_name(config: object) -> str:
     return f"{config.kwargs['BLOCK_N']}x{config.kwargs['TILES']} w{config.num_warps} s{config.num_stages}"
 
 
-def filled_store(asq: ASQCompressor, batch: int, length: int, lengths: CacheLengths | None = None) -> KVStore:
-    """A store of capacity `length` holding `length` random tokens of `asq`'s heads, packed block by block in
-    slices (bounded memory); `lengths`: shared with the layer's other store (else its own)."""
-    kv_heads, dim = asq.num_kv_heads, asq.head_dim
-    device = next(asq.parameters()).device
-    lengths = lengths or CacheLengths(device)
-    capacity = -(-length // asq.block_size) * asq.block_size
-    store = KVStore(asq, batch, kv_heads, dim, capacity, torch.bfloat16, device, lengths)
-    slice_len = max(asq.block_size, (1 << 24) // (batch * kv_heads * dim) // asq.block_size * asq.block_size)
+def filled_stores(asqs: tuple[ASQCompressor, ...], batch: int, length: int) -> tuple[KVStore, ...]:
+    """One layer's stores (sharing one `CacheLengths`), one per compressor of `asqs` (the same heads and block
+    size), of capacity `length` rounded up to whole blocks, holding `length` random tokens each, packed block
+    by block in slices (bounded memory)."""
+    first = asqs[0]
+    kv_heads, dim, block = first.num_kv_heads, first.head_dim, first.block_size
+    device = next(first.parameters()).device
+    lengths = CacheLengths(device)
+    capacity = -(-length // block) * block
+    stores = tuple(KVStore(asq, batch, kv_heads, dim, capacity, torch.bfloat16, device, lengths) for asq in asqs)
+    slice_len = max(block, (1 << 24) // (batch * kv_heads * dim) // block * block)
     for start in range(0, length, slice_len):
         end = min(start + slice_len, length)
-        lengths.before = start
-        lengths.set(end, stored_split(end, asq.block_size))
-        store.append(torch.randn(batch, kv_heads, end - start, dim, device=device, dtype=torch.bfloat16))
-    return store
+        lengths.add_chunk(end - start, block)
+        for store in stores:
+            store.append(torch.randn(batch, kv_heads, end - start, dim, device=device, dtype=torch.bfloat16))
+    return stores
 
 
 def compressors(gsm: GSMConfig, kv_heads: int, dim: int, device: str = "cuda") -> tuple[ASQCompressor, ASQCompressor]:
@@ -138,8 +139,7 @@ def layer_caches(
     gate = gsm.sparse_attention
     caches = []
     for _ in range(layers):
-        lengths = CacheLengths(torch.device("cuda"))
-        stores = tuple(filled_store(asq, batch, length, lengths) for asq in stores_asq)
+        stores = filled_stores(stores_asq, batch, length)
         caches.append(
             (
                 *stores,

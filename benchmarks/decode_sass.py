@@ -24,7 +24,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from benchmarks.common import write_result
-from benchmarks.decode import REPO, SHAPES, compressors, config_name, filled_store
+from benchmarks.decode import REPO, SHAPES, compressors, config_name, filled_stores
 from gsm_train.config import load_recipe
 from gsm_train.kernels.sparse_decode import (
     _sparse_decode_kernel,
@@ -71,9 +71,8 @@ def _constants(q_heads: int, kv_heads: int, dim: int) -> dict[str, object]:
     """The kernel's constexpr arguments as a launch computes them for one layer shape (bf16, one selection
     for all KV heads, no valid mask) over stores holding a packed block, ASQ as recipes/joint.yaml sets it."""
     gsm = load_recipe(str(REPO / "recipes" / "joint.yaml")).gsm
-    stores = [
-        filled_store(asq, 1, asq.block_size + 1).packed_rows() for asq in compressors(gsm, kv_heads, dim, device="cpu")
-    ]
+    asqs = compressors(gsm, kv_heads, dim, device="cpu")
+    stores = [store.packed_rows() for store in filled_stores(asqs, 1, asqs[0].block_size + 1)]
     query = torch.empty(1, q_heads, 1, dim, dtype=torch.bfloat16)
     return kernel_constants(query, *stores, shared_selection=True, has_valid=False)
 

@@ -167,7 +167,7 @@ def _copy_rows(prefilled: GSMCache, model: torch.nn.Module, batch: int) -> GSMCa
         for name in ("gate_keys", "gate_key_scales"):
             if getattr(source, name) is not None:
                 getattr(layer, name).copy_(getattr(source, name).expand_as(getattr(layer, name)))
-    cache.lengths.set(prefilled.lengths.seq_len, prefilled.lengths.packed_len)
+    cache.lengths.restore(prefilled.lengths.snapshot())
     return cache
 
 

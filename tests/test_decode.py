@@ -33,7 +33,6 @@ from gsm_train.inspect_model import layer_reports
 from gsm_train.model_zoo import TINY_FAMILIES, tiny_model
 from gsm_train.modules import GSMError
 from gsm_train.modules.kv_compressor import ASQCompressor
-from gsm_train.quant import stored_split
 
 BLOCK = 8
 LENGTH = 37  # four full blocks and a partial one
@@ -255,8 +254,7 @@ def test_store_packs_every_block_but_the_newest() -> None:
     lengths = CacheLengths(torch.device("cpu"))
     store = KVStore(asq, 1, 2, 16, 3 * BLOCK, torch.float32, torch.device("cpu"), lengths)
     for position in range(3 * BLOCK):
-        lengths.before = position
-        lengths.set(position + 1, stored_split(position + 1, BLOCK))
+        lengths.add_chunk(1, BLOCK)
         store.append(states[:, :, position : position + 1])
         assert lengths.packed_len == (position // BLOCK) * BLOCK  # the newest block, full or not, stays raw
     bulk = asq.compress(states)
@@ -267,8 +265,7 @@ def test_store_packs_every_block_but_the_newest() -> None:
     index = torch.tensor([[[0, 23, 9, 16], [5, 17, 2, 20]]])
     assert torch.equal(store.gather(index), torch.gather(store.all_rows(), 2, index[..., None].expand(-1, -1, -1, 16)))
     with pytest.raises(GSMError, match="larger capacity"):
-        lengths.before = 3 * BLOCK
-        lengths.set(3 * BLOCK + 1, 3 * BLOCK)
+        lengths.add_chunk(1, BLOCK)
         store.append(states[:, :, :1])
 
 
@@ -354,8 +351,7 @@ def _filled_stores(compressors: list, rows: list[Tensor], capacity: int | None =
         for compressor, side in zip(compressors, rows, strict=True)
     ]
     for start, end in ((0, max(length - 50, 1)), (max(length - 50, 1), length)):
-        lengths.before = start
-        lengths.set(end, stored_split(end, block) if compressors[0] is not None else 0)
+        lengths.add_chunk(end - start, block if compressors[0] is not None else 0)
         for store, side in zip(stores, rows, strict=True):
             store.append(side[:, :, start:end])
     return stores

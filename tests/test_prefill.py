@@ -139,7 +139,7 @@ def test_a_dense_prefill_stores_what_the_cache_writer_makes_of_the_dense_models_
         cache.layers, attention_modules(model), layers, strict=True
     ):
         lengths = CacheLengths(key.device)
-        lengths.set(PROMPT, stored_split(PROMPT, BLOCK))
+        lengths.add_chunk(PROMPT, BLOCK)
         for store, states, compressor in (
             (layer_cache.k_store, key, attn.gsm.asq_k),
             (layer_cache.v_store, value, attn.gsm.asq_v),

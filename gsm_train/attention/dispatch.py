@@ -2,12 +2,14 @@
 
 Per call it takes one of these paths:
 - the base path (transformers' SDPA): GSM switched off, or a dense layer with nothing to record;
-- a decode step over a generation cache: the cache computes it (`GSMLayerCache.decode_attention`);
+- new tokens after earlier ones in a generation cache (a token step, a further prompt chunk): the cache
+  computes it (`LayerCache.cached_attention`);
 - a prompt into a generation cache in dense prefill: the base path, the cache keeping the gate keys;
 - a teacher-forced pass (training, evaluation, a prompt): the K/V path (ASQ, bridge), main attention
   `dense`, `sparse` (the gate's top-k) or `oracle` (the true top-k), then the training-time records the
   forward was asked for (gate KL, captured mass).
-With every GSM feature off, the output is the base SDPA's, bit for bit.
+With every GSM feature off, the output is the base SDPA's, bit for bit. Over a generation cache, every path
+that runs a gate hands the cache the call's gate keys through `run_gate`, the one place they are written.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from torch import Tensor, nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from gsm_train.attention.adapter import GSMAttentionAdapter
-from gsm_train.attention.forward_state import FORWARD_KWARG, CachedStep, ForwardState
+from gsm_train.attention.cache_protocol import CachedStep, LayerCache
+from gsm_train.attention.forward_state import FORWARD_KWARG, ForwardState
 from gsm_train.attention.layer_pass import LayerPass
 from gsm_train.attention.layout import Layout, earlier_blocks, forward_layout, sampled_rows
 from gsm_train.attention.records import kl_from_hidden, record_captured_mass, record_gate_kl
@@ -59,11 +62,14 @@ def gsm_attention_forward(
     scale = module.scaling if scaling is None else scaling
     layer_cache = state.layer_cache(module.layer_idx)
     if layer_cache is not None and layer_cache.attends_itself():
-        step = CachedStep(module, adapter, query, *inputs, attention_mask, scale, state.settings)
+        gate_query = None
+        if adapter.gate is not None:  # a dense prefill's chunk selects nothing: the keys alone
+            gate_query, _ = run_gate(adapter, inputs, layer_cache, query=not layer_cache.prompt_attends_densely())
+        step = CachedStep(module, adapter, query, *inputs, attention_mask, scale, state.settings, gate_query)
         return layer_cache.cached_attention(step), None
     if layer_cache is not None and layer_cache.prompt_attends_densely():  # dense prefill: the base's attention
         if adapter.gate is not None:  # the cache keeps the prompt's gate keys for the token steps
-            layer_cache.keep_gate_keys(adapter.gate.keys(*inputs), adapter.gate.key_bits)
+            run_gate(adapter, inputs, layer_cache, query=False)
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
@@ -76,6 +82,26 @@ def gsm_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     return teacher_forced_attention(layer, attention_mask, dropout, kwargs), None
+
+
+def run_gate(
+    adapter: GSMAttentionAdapter,
+    inputs: tuple[Tensor, Tensor, Tensor],
+    layer_cache: LayerCache | None,
+    query: bool = True,
+    detach: bool = False,
+) -> tuple[Tensor | None, Tensor]:
+    """The gate's queries and keys [B, n, T, dg] of the call's tokens from the layer input (hidden, cos, sin;
+    `detach`: the hidden states detached), the queries None without `query` (`SparseGate.keys`: the same
+    keys, without computing queries). A generation cache keeps the keys: the one place GSM writes gate keys
+    into a cache."""
+    gate = adapter.gate
+    hidden, cos, sin = inputs
+    hidden = hidden.detach() if detach else hidden
+    gate_q, gate_k = gate(hidden, cos, sin) if query else (None, gate.keys(hidden, cos, sin))
+    if layer_cache is not None:
+        layer_cache.keep_gate_keys(gate_k, gate.key_bits)
+    return gate_q, gate_k
 
 
 def _gate_runs_in_dense(layer: LayerPass) -> bool:
@@ -130,11 +156,8 @@ def _gate_selector(layer: LayerPass, layout: Layout, index: Tensor | None) -> Ga
         return None
     if layer.mode != "sparse" and not _gate_runs_in_dense(layer):
         return None
-    hidden, cos, sin = layer.inputs
-    gate_q, gate_k = gate(hidden.detach() if state.settings.detach_gate_input else hidden, cos, sin)
-    layer_cache = state.layer_cache(layer.adapter.layer_idx)
-    if layer_cache is not None:  # the prompt of a generation: the cache keeps its gate keys
-        layer_cache.keep_gate_keys(gate_k, gate.key_bits)
+    layer_cache = state.layer_cache(layer.adapter.layer_idx)  # a generation's prompt: the cache keeps its keys
+    gate_q, gate_k = run_gate(layer.adapter, layer.inputs, layer_cache, detach=state.settings.detach_gate_input)
     stored_k = gate.stored_keys(gate_k) if layer.mode == "sparse" or state.request.recall is not None else None
     training_shapes = layer.query.is_cuda and layer.module.training
     return GateSelector(gate, gate_q, gate_k, stored_k, layout, state.settings.config.sparse_attention, training_shapes)

@@ -23,11 +23,12 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from gsm_train.attention.cache_protocol import GenerationCache, LayerCache
 from gsm_train.attention.settings import GSMSettings, gsm_settings
 from gsm_train.families import attention_modules, decoder_stack
 from gsm_train.modules.errors import GSMError
@@ -110,57 +111,6 @@ class GSMRecords:
         return {key: torch.stack([s[key] for s in sums]).sum(0) for key in sums[0]}
 
 
-@runtime_checkable
-class GSMGenerationCache(Protocol):
-    """What a generation cache gives GSM's attention (implemented by `gsm_train.inference.GSMCache`)."""
-
-    def gsm_layer(self, layer_idx: int) -> GSMLayerCache:
-        """The cache of one decoder layer."""
-
-    def begin_forward(self, new_tokens: int, attention_mask: Tensor | None) -> None:
-        """A forward adding `new_tokens` per row starts (before any layer runs)."""
-
-    def end_forward(self) -> None:
-        """The forward has run through every layer."""
-
-
-@runtime_checkable
-class GSMLayerCache(Protocol):
-    """One layer's generation cache, as the attention function uses it."""
-
-    def attends_itself(self) -> bool:
-        """Whether this call's attention runs over the cache (new tokens after earlier ones); else the
-        training-time attention runs over the call's own tokens (a prompt into an empty cache)."""
-
-    def prompt_attends_densely(self) -> bool:
-        """Whether this call is a prompt (not a token step) that attends as the base model (dense prefill:
-        the base's SDPA over its raw K/V), the cache being filled as in any mode."""
-
-    def keep_gate_keys(self, gate_keys: Tensor, bits: int) -> None:
-        """Store the call's gate keys [B, n, T, dg] at `bits`."""
-
-    def cached_attention(self, step: CachedStep) -> Tensor:
-        """The new tokens' attention output [B, T, Hq, D] over this layer's cache."""
-
-
-@dataclass(frozen=True)
-class CachedStep:
-    """What one layer hands its cache when the cache attends (`GSMLayerCache.cached_attention`): the
-    attention module and its GSM adapter, the new tokens' queries [B, Hq, T, D] (post-RoPE) and their layer
-    input (hidden [B, T, d], cos, sin), the model's attention mask as transformers built it, the softmax
-    scale and the settings."""
-
-    module: nn.Module
-    adapter: nn.Module
-    query: Tensor
-    hidden: Tensor
-    cos: Tensor
-    sin: Tensor
-    attention_mask: Tensor | None
-    scaling: float
-    settings: GSMSettings
-
-
 class ForwardState:
     """One forward's GSM state (see the module docstring). `scratch` holds what the layers compute once
     per forward and share (`layout.forward_layout`, sampled rows), keyed by what they depend on.
@@ -174,7 +124,7 @@ class ForwardState:
         settings: GSMSettings,
         request: CollectRequest | None = None,
         records: GSMRecords | None = None,
-        cache: GSMGenerationCache | None = None,
+        cache: GenerationCache | None = None,
     ) -> None:
         self.settings = settings
         self.request = request or CollectRequest()
@@ -184,7 +134,7 @@ class ForwardState:
         self.bridge_source: tuple[Tensor, Tensor, tuple[Tensor, Tensor] | None] | None = None
         self.scratch: dict[Any, Any] = {}
 
-    def layer_cache(self, layer_idx: int) -> GSMLayerCache | None:
+    def layer_cache(self, layer_idx: int) -> LayerCache | None:
         return None if self.cache is None else self.cache.gsm_layer(layer_idx)
 
     def pop_layer_input(self, layer_idx: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -240,7 +190,7 @@ def _start_forward(stack: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, 
     if records is not None:
         records.forwards += 1
     cache = next((kwargs[name] for name in CACHE_KWARGS if kwargs.get(name) is not None), None)
-    cache = cache if isinstance(cache, GSMGenerationCache) else None
+    cache = cache if isinstance(cache, GenerationCache) else None
     if cache is not None and stack.gsm_settings.enabled:
         tokens = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
         tokens = tokens if tokens is not None else args[0]

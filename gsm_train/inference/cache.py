@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from gsm_train.attention.adapter import GSMAttentionAdapter
-from gsm_train.attention.forward_state import CachedStep
+from gsm_train.attention.cache_protocol import CachedStep
 from gsm_train.attention.settings import gsm_settings
 from gsm_train.families import attention_modules, model_dims
 from gsm_train.functional.gate_keys import GATE_KEY_DTYPE, encode_gate_keys
@@ -56,8 +56,12 @@ def check_prefill(prefill: str) -> str:
     return prefill
 
 
-class GSMLayerCache(CacheLayerMixin):
-    """One layer's GSM cache; its buffers are allocated at the first tokens (batch and dtype known)."""
+class GSMCacheLayer(CacheLayerMixin):
+    """One layer's GSM cache (the `attention.cache_protocol.LayerCache` the attention function uses, and what
+    decode and prefill attention read: the K/V stores, the gate keys in buffers of the cache's capacity C,
+    codes [B, n, C, dg] and for int8 fp16 scales [B, n, C, 1], the cache's lengths, the keys each row may
+    see, the fused kernels' module, and for a bridge target the source layer's cache). Its buffers are
+    allocated at the first tokens (batch and dtype known)."""
 
     is_sliding = False
     is_compileable = False
@@ -72,7 +76,7 @@ class GSMLayerCache(CacheLayerMixin):
         self.v_store: KVStore | None = None
         self.gate_keys: Tensor | None = None  # bf16, or int8 codes, [B, n, capacity, gate_head_dim]
         self.gate_key_scales: Tensor | None = None  # fp16 [B, n, capacity, 1] for int8 gate keys
-        self.source: GSMLayerCache | None = None  # the bridge source's cache, for a bridge target
+        self.source: GSMCacheLayer | None = None  # the bridge source's cache, for a bridge target
         self.recent_raw: tuple[Tensor, Tensor] | None = None  # a prompt chunk's raw K/V since the last packed block
 
     @property
@@ -125,7 +129,8 @@ class GSMLayerCache(CacheLayerMixin):
 
     def keep_gate_keys(self, gate_keys: Tensor, bits: int) -> None:
         """Store gate keys [B, n, t, gate_head_dim] of the call's new tokens as `encode_gate_keys` gives them at
-        `bits`: one token at the slot the device lengths name (capture-safe), a chunk at host positions."""
+        `bits`: one token at the slot the device lengths name (capture-safe), a chunk at host positions.
+        Called by the attention function's `run_gate` alone, before the call attends."""
         codes, scales = encode_gate_keys(gate_keys.detach(), bits)
         if self.cache.token_step:
             slot = (self.lengths.device[0] - 1).view(1).long()
@@ -186,7 +191,7 @@ class GSMLayerCache(CacheLayerMixin):
 
 
 class GSMCache(Cache):
-    """Generation cache of a GSM-injected model (one `GSMLayerCache` per decoder layer) holding at most
+    """Generation cache of a GSM-injected model (one `GSMCacheLayer` per decoder layer) holding at most
     `capacity` tokens per row (default: the model's context length); more is a GSMError. `prefill`: how
     prompts attend, `dense` or `sparse` (module docstring; default: what `enable_gsm_generation` set on the
     model, else DEFAULT_PREFILL)."""
@@ -209,7 +214,7 @@ class GSMCache(Cache):
         self.pending = 0  # tokens of the forward in progress (held already, not yet for transformers)
         dims = model_dims(model)
         layers = [
-            GSMLayerCache(self, attn.gsm, attn.k_proj.out_features // dims["head_dim"], dims["head_dim"])
+            GSMCacheLayer(self, attn.gsm, attn.k_proj.out_features // dims["head_dim"], dims["head_dim"])
             for attn in attention_modules(model)
         ]
         for layer_cache, attn in zip(layers, attention_modules(model), strict=True):
@@ -217,7 +222,7 @@ class GSMCache(Cache):
                 layer_cache.source = layers[config.cross_layer_sharing.bridge_from]
         super().__init__(layers=layers)
 
-    def gsm_layer(self, layer_idx: int) -> GSMLayerCache:
+    def gsm_layer(self, layer_idx: int) -> GSMCacheLayer:
         return self.layers[layer_idx]
 
     def begin_forward(self, new_tokens: int, attention_mask: Tensor | None) -> None:
@@ -237,12 +242,9 @@ class GSMCache(Cache):
         self.pending = new_tokens
         if self.token_step:  # the new token is always visible: padding was taken from the prompt
             self.pack_full_tail()
-            lengths.before, lengths.seq_len = lengths.seq_len, end
-            lengths.device[0:1].add_(1)
+            lengths.add_token()
             return
-        lengths.before = lengths.seq_len
-        block = self._block_size()
-        lengths.set(end, stored_split(end, block) if block else 0)
+        lengths.add_chunk(new_tokens, self._block_size())
         if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
             self._mark_padding(attention_mask)
 
@@ -261,7 +263,7 @@ class GSMCache(Cache):
             if layer.is_initialized:
                 layer.k_store.pack_tail()
                 layer.v_store.pack_tail()
-        lengths.set(lengths.seq_len, lengths.packed_len + block)
+        lengths.pack_block(block)
         return True
 
     def _block_size(self) -> int:

@@ -14,41 +14,19 @@ host lengths.
 
 from __future__ import annotations
 
-from types import ModuleType
-from typing import Protocol
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from transformers.integrations.sdpa_attention import repeat_kv
 
 from gsm_train.attention.adapter import GSMAttentionAdapter
-from gsm_train.attention.forward_state import CachedStep
+from gsm_train.attention.cache_protocol import CachedStep
 from gsm_train.functional.gate_keys import decode_gate_keys
 from gsm_train.functional.top_k import scheduled_k
-from gsm_train.inference.kv_store import CacheLengths, KVStore
+from gsm_train.inference.kv_store import StoredLayer
 from gsm_train.kernels import kernel_fits
 from gsm_train.kernels.decode_topk import unordered_top_k
 from gsm_train.modules.errors import GSMError
-
-
-class CachedLayer(Protocol):
-    """What decode attention reads of one layer's cache (`inference.cache.GSMLayerCache`): the K and V
-    stores, the gate keys as stored in buffers of the cache's capacity C (codes [B, n, C, dg] and, for int8,
-    fp16 scales [B, n, C, 1]), the keys each row may see (`key_valid` [B, C], None: all), the cache's
-    lengths, the fused kernels' module (None: the PyTorch path) and, for a bridge target, the source
-    layer's cache."""
-
-    k_store: KVStore
-    v_store: KVStore
-    gate_keys: Tensor | None
-    gate_key_scales: Tensor | None
-    key_valid: Tensor | None
-    lengths: CacheLengths
-    kernels: ModuleType | None
-    source: CachedLayer | None
-
-    def keep_gate_keys(self, gate_keys: Tensor, bits: int) -> None: ...
 
 
 def forced_spans(position: int, sink_tokens: int, recent_tokens: int) -> tuple[int, int, int]:
@@ -104,7 +82,7 @@ def _per_kv_head(index: Tensor, kv_heads: int) -> Tensor:
 
 
 def _bridged_rows(
-    adapter: GSMAttentionAdapter, layer_cache: CachedLayer, index: Tensor, shared: bool
+    adapter: GSMAttentionAdapter, layer_cache: StoredLayer, index: Tensor, shared: bool
 ) -> tuple[Tensor, Tensor]:
     """The bridge's K/V rows [B, out_heads, k, D] at the target heads' positions `index` [B, Hkv, k]
     (`shared`: every head has the same positions, so the source rows are mapped once)."""
@@ -119,7 +97,7 @@ def _bridged_rows(
 
 
 def gather_kv(
-    adapter: GSMAttentionAdapter, layer_cache: CachedLayer, index: Tensor, shared: bool, mode: str
+    adapter: GSMAttentionAdapter, layer_cache: StoredLayer, index: Tensor, shared: bool, mode: str
 ) -> tuple[Tensor, Tensor]:
     """K/V rows [B, Hkv, k, D] at `index` [B, Hkv, k]: the layer's own heads dequantized, the bridge applied
     (`mode`: the bridge's, mix or share)."""
@@ -188,7 +166,7 @@ def ranked_selection(scores: Tensor, k_static: int, k_now: Tensor) -> tuple[Tens
     return index, (values > float("-inf")) & ((values == float("inf")) | (rank < k_now))
 
 
-def decode_attention(step: CachedStep, layer_cache: CachedLayer) -> Tensor:
+def decode_attention(step: CachedStep, layer_cache: StoredLayer) -> Tensor:
     """Attention output [B, 1, Hq, D] of the newest token, read from the layer's GSM cache (already holding
     its K/V): select the keys (`select_keys`), then gather, dequantize and attend over them."""
     module, adapter, query = step.module, step.adapter, step.query
@@ -211,23 +189,20 @@ def decode_attention(step: CachedStep, layer_cache: CachedLayer) -> Tensor:
     return attend(query, keys, values, valid, step.scaling)
 
 
-def _fused_selection(layer_cache: CachedLayer) -> bool:
+def _fused_selection(layer_cache: StoredLayer) -> bool:
     """Whether this layer selects on the device path (CUDA kernels; no bridge target reading host lengths)."""
     return layer_cache.kernels is not None and layer_cache.source is None
 
 
-def select_keys(step: CachedStep, layer_cache: CachedLayer) -> tuple[Tensor, Tensor | None]:
+def select_keys(step: CachedStep, layer_cache: StoredLayer) -> tuple[Tensor, Tensor | None]:
     """The cached positions [B, n, k] the newest token attends to and which are valid ([B, n, k] or None):
-    the gate's top-k in sparse mode (its key joins the cache first), every position in dense mode."""
+    the gate's top-k in sparse mode (its key is held already), every position in dense mode."""
     adapter, settings = step.adapter, step.settings
     cfg = settings.config.sparse_attention
     mode = "dense" if adapter.dense_layer or not cfg.enabled else settings.mode
     if mode == "oracle":
         raise GSMError("oracle mode needs the whole sequence; generate in sparse or dense mode")
-    gate = adapter.gate
-    if gate is not None:
-        gate_q, gate_k = gate(step.hidden, step.cos, step.sin)
-        layer_cache.keep_gate_keys(gate_k, gate.key_bits)
+    gate, gate_q = adapter.gate, step.gate_query  # the token's gate key is in the cache already
     if mode != "sparse" or gate is None:
         return _every_position(step, layer_cache)
     position = layer_cache.lengths.seq_len - 1  # on the host: the schedule's k (a captured step bakes it)
@@ -264,7 +239,7 @@ def _held(scales: Tensor | None, length: int) -> Tensor | None:
     return None if scales is None else scales[:, :, :length]
 
 
-def _every_position(step: CachedStep, layer_cache: CachedLayer) -> tuple[Tensor, Tensor | None]:
+def _every_position(step: CachedStep, layer_cache: StoredLayer) -> tuple[Tensor, Tensor | None]:
     """Dense mode: every position held. On the device path the capacity's positions, those past the
     length (read on the device) marked invalid; on the PyTorch path the held positions (host length)."""
     batch, device = step.query.shape[0], step.query.device

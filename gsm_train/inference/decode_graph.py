@@ -47,7 +47,7 @@ class CapturedStep:
         self.position_ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.graph = torch.cuda.CUDAGraph()
         cache.pack_full_tail()  # a full newest block is packed eagerly, never inside the capture
-        saved = self._lengths()
+        saved = cache.lengths.snapshot()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -70,15 +70,10 @@ class CapturedStep:
             )
         return out.logits
 
-    def _lengths(self) -> tuple[int, int, int, Tensor]:
-        lengths = self.cache.lengths
-        return lengths.seq_len, lengths.packed_len, lengths.before, lengths.device.clone()
-
     def _restore(self, saved: tuple[int, int, int, Tensor]) -> None:
-        lengths = self.cache.lengths
-        lengths.seq_len, lengths.packed_len, lengths.before = saved[0], saved[1], saved[2]
-        lengths.device.copy_(saved[3])
-        self.cache.pending = 0
+        """The cache as before a warm-up or the capture: its lengths, and no forward in progress."""
+        self.cache.lengths.restore(saved)
+        self.cache.end_forward()
 
     def __call__(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
         if self.cache.lengths.seq_len >= self.cache.capacity:
@@ -90,8 +85,7 @@ class CapturedStep:
         self.input_ids.copy_(input_ids)
         self.position_ids.copy_(position_ids)
         self.graph.replay()
-        lengths = self.cache.lengths  # the replay advanced the device copy; the host's follows
-        lengths.before, lengths.seq_len = lengths.seq_len, lengths.seq_len + 1
+        self.cache.lengths.follow_replayed_token()  # the replay advanced the device copy
         return self.logits
 
 

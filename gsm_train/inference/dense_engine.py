@@ -126,6 +126,19 @@ class DenseCache(Cache):
         self.before, self.length = self.length, self.length + new_tokens
         self.device_length.add_(new_tokens)
 
+    def follow_replayed_token(self) -> None:
+        """A captured token step was replayed: its `begin` advanced the device length; the host's follows."""
+        self.before, self.length = self.length, self.length + 1
+
+    def snapshot(self) -> tuple[int, int, Tensor]:
+        """The lengths as they are (`restore` puts them back), the device length cloned."""
+        return self.length, self.before, self.device_length.clone()
+
+    def restore(self, saved: tuple[int, int, Tensor]) -> None:
+        """The lengths as `snapshot` took them."""
+        self.length, self.before = saved[0], saved[1]
+        self.device_length.copy_(saved[2])
+
     def clear_unwritten(self) -> None:
         """Zero every slot past the tokens held: the masked decode path weighs them by 0, and 0 times an
         uninitialised NaN would still be NaN."""
@@ -323,23 +336,19 @@ class CapturedDenseStep:
         batch = cache.device_length.shape[0]
         self.token = torch.zeros(batch, 1, dtype=torch.long, device=cache.device)
         self.position = torch.zeros(batch, 1, dtype=torch.long, device=cache.device)
-        saved = cache.length, cache.before, cache.device_length.clone()
+        saved = cache.snapshot()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with _routed(engine.model, cache):  # switched once, outside the capture
             with torch.cuda.stream(side):
                 for _ in range(WARMUP_STEPS):
                     engine.forward(cache, self.token, self.position)
-                    self._restore(saved)
+                    cache.restore(saved)
             torch.cuda.current_stream().wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
                 self.logits = engine.forward(cache, self.token, self.position)
-        self._restore(saved)
-
-    def _restore(self, saved: tuple[int, int, Tensor]) -> None:
-        self.cache.length, self.cache.before = saved[0], saved[1]
-        self.cache.device_length.copy_(saved[2])
+        cache.restore(saved)
 
     def __call__(self, token: Tensor) -> Tensor:
         cache = self.cache
@@ -348,5 +357,5 @@ class CapturedDenseStep:
         self.position.fill_(cache.length)
         self.token.copy_(token)
         self.graph.replay()
-        cache.before, cache.length = cache.length, cache.length + 1
+        cache.follow_replayed_token()
         return self.logits

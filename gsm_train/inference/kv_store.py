@@ -7,10 +7,15 @@ slot p - packed. A block is packed when the first token after it arrives, so a q
 own block exactly, as training does. Without a compressor `tail` [B, H, capacity, D] holds every token.
 
 How many tokens the store holds is the cache's `CacheLengths`, shared by every layer: on the host for
-the PyTorch paths and the driver, on the device for the kernels and captured steps.
+the PyTorch paths and the driver, on the device for the kernels and captured steps. What a layer's cache
+holds, as decode and prefill attention read it, is a `StoredLayer` (implemented by
+`inference.cache.GSMCacheLayer`, which hands itself to them).
 """
 
 from __future__ import annotations
+
+from types import ModuleType
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -25,17 +30,65 @@ from gsm_train.quant import compute_dtype, stored_split
 class CacheLengths:
     """Tokens a cache holds and how many of them are packed: `seq_len` / `packed_len` on the host, and
     `device` int32 [2] (the same two numbers) for kernels. During a forward, `before` is what the cache
-    held when it started (where its new tokens are written)."""
+    held when it started (where its new tokens are written).
+
+    The one owner of these counters: they are read-only outside this class and change only through its
+    methods (`add_chunk`, `add_token`, `follow_replayed_token`, `pack_block`, `restore`), so the host and
+    device copies cannot drift apart by an assignment elsewhere (tests/test_cache_ownership.py checks)."""
 
     def __init__(self, device: torch.device) -> None:
-        self.seq_len = 0
-        self.packed_len = 0
-        self.before = 0
+        self._seq_len = 0
+        self._packed_len = 0
+        self._before = 0
         self.device = torch.zeros(2, dtype=torch.int32, device=device)
 
-    def set(self, seq_len: int, packed_len: int) -> None:
+    @property
+    def seq_len(self) -> int:
+        return self._seq_len
+
+    @property
+    def packed_len(self) -> int:
+        return self._packed_len
+
+    @property
+    def before(self) -> int:
+        return self._before
+
+    def add_chunk(self, tokens: int, block_size: int) -> None:
+        """A call of `tokens` new tokens per row written eagerly (a prompt chunk): `before` is what was held,
+        and both copies count the new length and its packed part, every whole block of `block_size` but the
+        newest (`block_size` 0: nothing is packed)."""
+        end = self._seq_len + tokens
+        self._before = self._seq_len
+        self._set(end, stored_split(end, block_size) if block_size else 0)
+
+    def add_token(self) -> None:
+        """One new token per row, capture-safe: the device copy advances by a device op (no host value
+        enters it, so a CUDA graph captures it), the host copy follows. A full newest block is packed
+        before (`pack_block`)."""
+        self._before, self._seq_len = self._seq_len, self._seq_len + 1
+        self.device[0:1].add_(1)
+
+    def follow_replayed_token(self) -> None:
+        """A captured token step was replayed: its `add_token` advanced the device copy; the host's follows."""
+        self._before, self._seq_len = self._seq_len, self._seq_len + 1
+
+    def pack_block(self, block_size: int) -> None:
+        """The full newest block of `block_size` tokens was packed (eager)."""
+        self._set(self._seq_len, self._packed_len + block_size)
+
+    def snapshot(self) -> tuple[int, int, int, Tensor]:
+        """The counters as they are (`restore` puts them back), the device copy cloned."""
+        return self._seq_len, self._packed_len, self._before, self.device.clone()
+
+    def restore(self, saved: tuple[int, int, int, Tensor]) -> None:
+        """The counters as `snapshot` took them (of this cache, or of another on the same device)."""
+        self._seq_len, self._packed_len, self._before = saved[0], saved[1], saved[2]
+        self.device.copy_(saved[3])
+
+    def _set(self, seq_len: int, packed_len: int) -> None:
         """Both copies to these values (eager code; a captured step advances the device copy itself)."""
-        self.seq_len, self.packed_len = seq_len, packed_len
+        self._seq_len, self._packed_len = seq_len, packed_len
         self.device.copy_(torch.tensor([seq_len, packed_len], dtype=torch.int32))
 
 
@@ -160,3 +213,23 @@ class KVStore:
     def allocated_bytes(self) -> int:
         """Bytes the store's buffers take on the device."""
         return sum(t.numel() * t.element_size() for t in [self.tail, *(self.fields or {}).values()])
+
+
+class StoredLayer(Protocol):
+    """What one layer's generation cache holds, as decode and prefill attention read it: the K and V stores,
+    the gate keys in buffers of the cache's capacity C (codes [B, n, C, dg] and, for int8, fp16 scales
+    [B, n, C, 1]), the keys each row may see (`key_valid` [B, C], None: all), the cache's lengths, the fused
+    kernels' module (None: the PyTorch path), for a bridge target the source layer's, and during a further
+    prompt chunk the raw K/V [B, Hkv, n, D] from the last block packed before it to its end (None without a
+    compressor; the chunk's attention takes it). Declared here, below the attention code that reads it,
+    since `inference.cache` (which implements it) imports that code."""
+
+    k_store: KVStore
+    v_store: KVStore
+    gate_keys: Tensor | None
+    gate_key_scales: Tensor | None
+    key_valid: Tensor | None
+    lengths: CacheLengths
+    kernels: ModuleType | None
+    source: StoredLayer | None
+    recent_raw: tuple[Tensor, Tensor] | None

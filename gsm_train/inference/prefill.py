@@ -26,23 +26,16 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
+from gsm_train.attention.cache_protocol import CachedStep
 from gsm_train.attention.dispatch import masked_sdpa
-from gsm_train.attention.forward_state import CachedStep
 from gsm_train.attention.layout import earlier_blocks
 from gsm_train.attention.selection import chunks
 from gsm_train.functional.attention_targets import causal_visible
 from gsm_train.functional.gate_keys import decode_gate_keys
 from gsm_train.functional.top_k import scheduled_k, select_top_k
-from gsm_train.inference.decode_attention import CachedLayer
+from gsm_train.inference.kv_store import StoredLayer
 from gsm_train.modules.errors import GSMError
 from gsm_train.quant import stored_split
-
-
-class ChunkedLayer(CachedLayer):
-    """A layer's cache as a prompt chunk reads it: what decode attention reads, and the raw K/V [B, Hkv, n, D]
-    of the positions from the last block packed before the chunk to its end (None without a compressor)."""
-
-    recent_raw: tuple[Tensor, Tensor] | None
 
 
 def _refuse_bridge(step: CachedStep) -> None:
@@ -53,14 +46,11 @@ def _refuse_bridge(step: CachedStep) -> None:
         )
 
 
-def dense_chunk_attention(step: CachedStep, layer_cache: ChunkedLayer) -> Tensor:
+def dense_chunk_attention(step: CachedStep, layer_cache: StoredLayer) -> Tensor:
     """Attention [B, T, Hq, D] of a prompt chunk's queries [B, Hq, T, D] in dense prefill (module docstring):
-    causal over every key held, those packed before the chunk as stored, the later ones raw. Keeps the
-    chunk's gate keys for later token steps (`causal_chunk_sdpa`: flash kernels on CUDA)."""
+    causal over every key held, those packed before the chunk as stored, the later ones raw
+    (`causal_chunk_sdpa`: flash kernels on CUDA). The cache holds the chunk's gate keys already."""
     _refuse_bridge(step)
-    gate = step.adapter.gate
-    if gate is not None:
-        layer_cache.keep_gate_keys(gate.keys(step.hidden, step.cos, step.sin), gate.key_bits)
     keys, values, _ = _keys_as_seen(layer_cache, step.query.dtype, recent_as_stored=False)
     gqa = step.module.num_key_value_groups > 1
     return causal_chunk_sdpa(step.query, keys, values, step.scaling, gqa, layer_cache.key_valid)
@@ -88,7 +78,7 @@ def causal_chunk_sdpa(
     return masked_sdpa(query, keys, values, _allowed(key_valid, held - length, held, query.device), scaling, gqa)
 
 
-def chunk_attention(step: CachedStep, layer_cache: ChunkedLayer) -> Tensor:
+def chunk_attention(step: CachedStep, layer_cache: StoredLayer) -> Tensor:
     """Attention [B, T, Hq, D] of a prompt chunk's queries [B, Hq, T, D] over the cache (which holds them)."""
     adapter, settings = step.adapter, step.settings
     _refuse_bridge(step)
@@ -101,11 +91,8 @@ def chunk_attention(step: CachedStep, layer_cache: ChunkedLayer) -> Tensor:
     keys, values, raw_from = _keys_as_seen(layer_cache, step.query.dtype)
     allowed = _allowed(layer_cache.key_valid, before, end, step.query.device)
     selection = allowed
-    if adapter.gate is not None:
-        gate_q, gate_k = adapter.gate(step.hidden, step.cos, step.sin)
-        layer_cache.keep_gate_keys(gate_k, adapter.gate.key_bits)
-        if mode == "sparse":
-            selection = _gate_selection(step, layer_cache, gate_q, allowed)
+    if adapter.gate is not None and mode == "sparse":  # the chunk's gate keys are in the cache already
+        selection = _gate_selection(step, layer_cache, step.gate_query, allowed)
     query_positions = torch.arange(before, end, device=step.query.device)
     compressor = layer_cache.k_store.compressor
     mask = _block_mask(selection, query_positions, end, raw_from, compressor.block_size if compressor else None)
@@ -113,7 +100,7 @@ def chunk_attention(step: CachedStep, layer_cache: ChunkedLayer) -> Tensor:
 
 
 def _keys_as_seen(
-    layer_cache: ChunkedLayer, dtype: torch.dtype, recent_as_stored: bool = True
+    layer_cache: StoredLayer, dtype: torch.dtype, recent_as_stored: bool = True
 ) -> tuple[Tensor, Tensor, int]:
     """Keys and values [B, Hkv, S', D] in `dtype`: the positions packed before the chunk as stored, then,
     with a compressor and `recent_as_stored`, the later positions as stored too (the blocks this chunk
@@ -146,7 +133,7 @@ def _allowed(key_valid: Tensor | None, before: int, end: int, device: torch.devi
     return allowed
 
 
-def _gate_selection(step: CachedStep, layer_cache: ChunkedLayer, gate_q: Tensor, allowed: Tensor) -> Tensor:
+def _gate_selection(step: CachedStep, layer_cache: StoredLayer, gate_q: Tensor, allowed: Tensor) -> Tensor:
     """The gate's top-k per query [B, n, T, end], as the teacher-forced pass selects (`select_top_k`),
     scored against the gate keys as the cache stores them, `query_chunk` rows at a time."""
     cfg = step.settings.config.sparse_attention

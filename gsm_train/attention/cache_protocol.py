@@ -1,0 +1,72 @@
+"""The generation cache as GSM's attention sees it: the protocols `inference.cache` implements, declared
+here so that `attention/` never imports `inference/`.
+
+Two roles, one protocol each:
+- `GenerationCache`, the whole cache: the per-forward hooks (`forward_state`) tell it a forward starts
+  and ends, and hand each layer its `LayerCache`;
+- `LayerCache`, one layer's cache: the attention function (`dispatch`) asks it which path the call
+  takes, gives it the call's gate keys (the one place they are written: `dispatch.run_gate`), and lets
+  it attend over what it holds (`cached_attention`, with what the layer hands it in a `CachedStep`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from torch import Tensor, nn
+
+from gsm_train.attention.settings import GSMSettings
+
+
+@runtime_checkable
+class GenerationCache(Protocol):
+    """What a generation cache gives GSM's attention (implemented by `gsm_train.inference.GSMCache`)."""
+
+    def gsm_layer(self, layer_idx: int) -> LayerCache:
+        """The cache of one decoder layer."""
+
+    def begin_forward(self, new_tokens: int, attention_mask: Tensor | None) -> None:
+        """A forward adding `new_tokens` per row starts (before any layer runs)."""
+
+    def end_forward(self) -> None:
+        """The forward has run through every layer."""
+
+
+class LayerCache(Protocol):
+    """One layer's generation cache, as the attention function uses it (implemented by
+    `gsm_train.inference.GSMCacheLayer`)."""
+
+    def attends_itself(self) -> bool:
+        """Whether this call's attention runs over the cache (new tokens after earlier ones); else the
+        training-time attention runs over the call's own tokens (a prompt into an empty cache)."""
+
+    def prompt_attends_densely(self) -> bool:
+        """Whether this call is a prompt (not a token step) that attends as the base model (dense prefill:
+        the base's SDPA over its raw K/V), the cache being filled as in any mode."""
+
+    def keep_gate_keys(self, gate_keys: Tensor, bits: int) -> None:
+        """Store the call's gate keys [B, n, T, dg] at `bits`."""
+
+    def cached_attention(self, step: CachedStep) -> Tensor:
+        """The new tokens' attention output [B, T, Hq, D] over this layer's cache."""
+
+
+@dataclass(frozen=True)
+class CachedStep:
+    """What one layer hands its cache when the cache attends (`LayerCache.cached_attention`): the attention
+    module and its GSM adapter, the new tokens' queries [B, Hq, T, D] (post-RoPE) and their layer input
+    (hidden [B, T, d], cos, sin), the model's attention mask as transformers built it, the softmax scale,
+    the settings, and the gate's queries [B, n, T, dg] of the new tokens (None: the layer has no gate, or
+    a dense prefill, which selects nothing; their keys are in the cache already)."""
+
+    module: nn.Module
+    adapter: nn.Module
+    query: Tensor
+    hidden: Tensor
+    cos: Tensor
+    sin: Tensor
+    attention_mask: Tensor | None
+    scaling: float
+    settings: GSMSettings
+    gate_query: Tensor | None = None

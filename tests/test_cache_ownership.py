@@ -1,0 +1,223 @@
+"""One owner for each piece of the generation cache's state, checked on the sources (no model runs):
+
+- the cache's counters (`CacheLengths`: seq_len, packed_len, before and the device copy) change only
+  through their own class's methods, and the dense engine's lengths only through `DenseCache`'s;
+- gate keys reach a cache from one place, `dispatch.run_gate`, and only the layer cache writes its buffers;
+- the cache's protocols (`GenerationCache` and `LayerCache` in `attention/`, which never imports
+  `inference/`; `StoredLayer`, what decode and prefill read) describe the classes that implement them
+  and share no name with a class.
+
+Each check is a pure function of source text, so the tests below also show it refusing a violation.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+import torch
+
+from gsm_train.attention.cache_protocol import GenerationCache, LayerCache
+from gsm_train.attention.dispatch import run_gate
+from gsm_train.inference.cache import GSMCache, GSMCacheLayer
+from gsm_train.inference.kv_store import CacheLengths, StoredLayer
+
+REPO = Path(__file__).resolve().parent.parent
+SOURCES = sorted([*(REPO / "gsm_train").rglob("*.py"), *(REPO / "benchmarks").rglob("*.py")])
+COUNTERS = {"seq_len", "packed_len", "before", "_seq_len", "_packed_len", "_before", "length", "device_length"}
+DEVICE_COUNTERS = {"device": "CacheLengths", "device_length": "DenseCache"}  # tensor -> its owner class
+GATE_KEY_BUFFERS = {"gate_keys", "gate_key_scales"}
+
+
+def _parents(tree: ast.AST) -> dict[ast.AST, ast.AST]:
+    return {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+
+
+def _enclosing_class(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> str | None:
+    while node in parents:
+        node = parents[node]
+        if isinstance(node, ast.ClassDef):
+            return node.name
+    return None
+
+
+def _enclosing_function(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> str | None:
+    while node in parents:
+        node = parents[node]
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            return node.name
+    return None
+
+
+def _targets(node: ast.AST) -> list[ast.expr]:
+    """The expressions an assignment statement writes, tuples unpacked."""
+    if isinstance(node, ast.Assign):
+        pending = list(node.targets)
+    elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+        pending = [node.target]
+    else:
+        return []
+    flat = []
+    while pending:
+        target = pending.pop()
+        if isinstance(target, ast.Tuple | ast.List):
+            pending.extend(target.elts)
+        elif isinstance(target, ast.Starred):
+            pending.append(target.value)
+        else:
+            flat.append(target)
+    return flat
+
+
+def _is_self(node: ast.expr) -> bool:
+    return isinstance(node, ast.Name) and node.id == "self"
+
+
+def _attribute_under(node: ast.expr) -> ast.Attribute | None:
+    """`x.attr` for `x.attr`, `x.attr[...]` and `x.attr[...][...]`, else None."""
+    while isinstance(node, ast.Subscript):
+        node = node.value
+    return node if isinstance(node, ast.Attribute) else None
+
+
+def counter_writes(source: str) -> list[str]:
+    """Where `source` changes a cache's counters other than through their owner's methods: an assignment
+    to a counter attribute of anything but `self` (or a `setattr` of one), or an in-place op (`copy_`,
+    `add_`, ...) on a device copy (`CacheLengths.device`, `DenseCache.device_length`) outside its class."""
+    tree = ast.parse(source)
+    parents = _parents(tree)
+    found = []
+    for node in ast.walk(tree):
+        for target in _targets(node):
+            if isinstance(target, ast.Attribute) and target.attr in COUNTERS and not _is_self(target.value):
+                found.append(f"line {target.lineno}: {ast.unparse(target)} assigned")
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        if isinstance(func, ast.Name) and func.id == "setattr" and len(node.args) > 1:
+            name = node.args[1]
+            if isinstance(name, ast.Constant) and name.value in COUNTERS:
+                found.append(f"line {node.lineno}: setattr of {name.value}")
+        if isinstance(func, ast.Attribute) and func.attr.endswith("_") and not func.attr.startswith("_"):
+            owner = _attribute_under(func.value)
+            if owner is not None and owner.attr in DEVICE_COUNTERS:
+                if _enclosing_class(node, parents) != DEVICE_COUNTERS[owner.attr]:
+                    found.append(f"line {node.lineno}: {ast.unparse(func)} on a cache's device lengths")
+    return found
+
+
+def gate_key_writes(source: str) -> list[str]:
+    """Where `source` writes gate keys into a cache: every call of `keep_gate_keys` (named with the function
+    it is in), and every write into a `gate_keys` / `gate_key_scales` buffer outside `GSMCacheLayer`."""
+    tree = ast.parse(source)
+    parents = _parents(tree)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if node.func.attr == "keep_gate_keys":
+                found.append(f"keep_gate_keys called in {_enclosing_function(node, parents)}")
+            owner = _attribute_under(node.func.value)
+            in_place = node.func.attr.endswith("_") and not node.func.attr.startswith("_")
+            if in_place and owner is not None and owner.attr in GATE_KEY_BUFFERS:
+                if _enclosing_class(node, parents) != "GSMCacheLayer":
+                    found.append(f"line {node.lineno}: {ast.unparse(node.func)} outside GSMCacheLayer")
+        for target in _targets(node):
+            owner = _attribute_under(target) if isinstance(target, ast.Subscript) else None
+            if owner is not None and owner.attr in GATE_KEY_BUFFERS:
+                if _enclosing_class(node, parents) != "GSMCacheLayer":
+                    found.append(f"line {target.lineno}: {ast.unparse(target)} written outside GSMCacheLayer")
+    return found
+
+
+def _relative(path: Path) -> str:
+    return path.relative_to(REPO).as_posix()
+
+
+def test_the_counters_change_only_through_their_own_class() -> None:
+    found = {_relative(p): writes for p in SOURCES if (writes := counter_writes(p.read_text()))}
+    assert found == {}
+
+
+def test_the_counter_check_refuses_writes_from_outside() -> None:
+    outside = """
+def restore(cache, saved):
+    cache.lengths.seq_len, cache.lengths.packed_len = saved[0], saved[1]
+    lengths = cache.lengths
+    lengths.before += 1
+    lengths.device[0:1].add_(1)
+    lengths.device.copy_(saved[2])
+    setattr(lengths, "seq_len", 3)
+    cache.device_length.copy_(saved[2])
+"""
+    assert len(counter_writes(outside)) == 7
+    owner = """
+class CacheLengths:
+    def add_token(self):
+        self._before, self._seq_len = self._seq_len, self._seq_len + 1
+        self.device[0:1].add_(1)
+"""
+    assert counter_writes(owner) == []
+
+
+def test_the_counters_are_read_only_from_outside() -> None:
+    lengths = CacheLengths(torch.device("cpu"))
+    for name in ("seq_len", "packed_len", "before"):
+        with pytest.raises(AttributeError):
+            setattr(lengths, name, 1)
+
+
+def test_gate_keys_are_written_from_one_place() -> None:
+    found = {_relative(p): writes for p in SOURCES if (writes := gate_key_writes(p.read_text()))}
+    assert found == {_relative(Path(inspect.getsourcefile(run_gate))): ["keep_gate_keys called in run_gate"]}
+
+
+def test_the_gate_key_check_refuses_a_second_writer() -> None:
+    second = """
+def chunk_attention(step, layer_cache):
+    layer_cache.keep_gate_keys(step.gate_k, 8)
+    layer_cache.gate_keys[:, :, 0:4] = step.codes
+    layer_cache.gate_key_scales.index_copy_(2, step.slot, step.scales)
+"""
+    assert len(gate_key_writes(second)) == 3
+
+
+def test_the_protocols_describe_the_cache_and_share_no_class_name() -> None:
+    for protocol, implementation in ((GenerationCache, GSMCache), (LayerCache, GSMCacheLayer)):
+        members = [name for name, _ in inspect.getmembers(protocol, inspect.isfunction) if not name.startswith("_")]
+        assert members
+        for name in members:
+            expected = list(inspect.signature(getattr(protocol, name)).parameters)
+            assert list(inspect.signature(getattr(implementation, name)).parameters) == expected, name
+    layer_class = next(
+        node
+        for node in ast.walk(ast.parse(Path(inspect.getsourcefile(GSMCacheLayer)).read_text()))
+        if isinstance(node, ast.ClassDef) and node.name == GSMCacheLayer.__name__
+    )
+    defined = {node.name for node in layer_class.body if isinstance(node, ast.FunctionDef)}
+    defined |= {
+        target.attr
+        for node in ast.walk(layer_class)
+        for target in _targets(node)
+        if isinstance(target, ast.Attribute) and _is_self(target.value)
+    }
+    assert set(StoredLayer.__annotations__) - defined == set()
+    classes: dict[str, list[str]] = {}
+    protocols = set()
+    for path in sorted((REPO / "gsm_train").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                classes.setdefault(node.name, []).append(_relative(path))
+                if any(ast.unparse(base) in ("Protocol", "typing.Protocol") for base in node.bases):
+                    protocols.add(node.name)
+    assert {"GenerationCache", "LayerCache", "StoredLayer"} <= protocols
+    assert {name: classes[name] for name in protocols if len(classes[name]) > 1} == {}
+
+
+def test_attention_never_imports_inference() -> None:
+    for path in sorted((REPO / "gsm_train" / "attention").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any(name.startswith("gsm_train.inference") for name in names), _relative(path)
