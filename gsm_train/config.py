@@ -414,7 +414,7 @@ class TrainConfig(StrictModel):
 
     `cuda_graph`: capture the micro-step (loss and backward) in a CUDA graph and replay it (see
     `gsm_train/step_graph.py`). `auto` does so where it can: one CUDA GPU, the FSDP2 backend, a stage
-    whose step never waits on the device (the gate stages); `true` makes anything else an error.
+    whose step never waits on the device (stage 1, gate warm-up); `true` makes anything else an error.
 
     `fp32_matmul`: how CUDA runs the fp32 matrix products of training (ASQ computes in fp32; under
     bf16 autocast the base's run in bf16 either way): `default` as PyTorch is set (full fp32 unless
