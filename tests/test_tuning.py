@@ -165,6 +165,14 @@ def test_run_uses_the_budget_and_records_the_ratio(tmp_path: Path) -> None:
     assert exported["kv_compression"]["quant_bits"] == 4 and "tuning" not in exported
 
 
+def test_validate_prints_the_bits_the_budget_picks(capsys: pytest.CaptureFixture) -> None:
+    """`gsm-train validate` resolves the knobs against the base's config: the recipe it prints holds the
+    bits the budget picked (2-bit residuals and bf16 gate keys at 0.5, where the recipe gives 4 and 8)."""
+    assert cli.main(["validate", JOINT, *TINY, "tuning.kv_compression_ratio=0.5"]) == 0
+    gsm = yaml.safe_load(capsys.readouterr().out)["gsm"]
+    assert (gsm["kv_compression"]["quant_bits"], gsm["sparse_attention"]["gate_key_bits"]) == (2, 16)
+
+
 def test_a_checkpoint_exports_the_storage_its_run_trained_with(tmp_path: Path) -> None:
     """`gsm-train export` of a budgeted run's checkpoint rebuilds the modules with the bits the budget
     picked (2-bit residuals and bf16 gate keys at 0.5, where the recipe gives 4 and 8), as the run's
