@@ -95,7 +95,7 @@ def main() -> None:
         nargs="*",
         default=[],
         metavar="KEY=VALUE",
-        help="recipe settings for the gate_only stage alone, e.g. optim.lr=4e-3 for a smaller gate",
+        help="recipe settings for stage 1 (gate warm-up) alone, e.g. optim.lr=4e-3 for a smaller gate",
     )
     parser.add_argument(
         "--joint",

@@ -4,7 +4,7 @@ workload scenarios.
 Sweep: for each knob of the recipe's `tuning` block (`tuning.top_k_base`, `tuning.kv_compression_ratio`,
 `tuning.bridge_alpha`) and each of its values, the export on a fresh base with that knob applied as the
 recipe would set it (`apply_knob`: the selection's top_k; ASQ's residual bits and the gate keys' bits the
-budget picks, `gsm_train.kv_budget.apply_kv_budget`; the bridges' alpha), the others as exported.
+budget picks, `gsm_train.kv_budget.fit_kv_budget`; the bridges' alpha), the others as exported.
 Per point: perplexity on held-out windows (teacher forcing, which the sparse prefill equals) and end-to-end
 generation tokens/s (`model.generate` over the GSM cache with the default dense prefill, batch 1, all new
 tokens over the whole call, prefill included; after one warm-up call). A knob the export cannot take (a
@@ -46,7 +46,7 @@ from gsm_train.export import load_gsm, read_export, resolve_export
 from gsm_train.families import model_dims
 from gsm_train.hub_ids import base_to_load
 from gsm_train.inference.engine import enable_gsm_generation
-from gsm_train.kv_budget import apply_kv_budget
+from gsm_train.kv_budget import budget_choice, fit_kv_budget
 from gsm_train.model_zoo import load_model_and_tokenizer
 from gsm_train.plots import plot_pareto
 
@@ -81,7 +81,7 @@ def apply_knob(model: nn.Module, knob: str, value: float, seq_len: int) -> str:
         if config.kv_compression.value_quant_bits is not None or config.kv_compression.layer_bits:
             raise NotApplicable("the export sets its bits per layer or for V apart; one budget cannot")
         try:
-            chosen = apply_kv_budget(config, value, model_dims(model), seq_len)
+            config = fit_kv_budget(config, value, model_dims(model), seq_len)
         except ConfigError as err:
             raise NotApplicable(str(err)) from None
         for _, adapter in gsm_adapters(model):
@@ -91,7 +91,7 @@ def apply_knob(model: nn.Module, knob: str, value: float, seq_len: int) -> str:
             if adapter.gate is not None:
                 adapter.gate.key_bits = config.sparse_attention.gate_key_bits
         configure_gsm(model, config=config)
-        return chosen
+        return budget_choice(config, value, model_dims(model), seq_len)
     if knob == "bridge_alpha":
         bridges = [adapter.bridge for _, adapter in gsm_adapters(model) if adapter.bridge is not None]
         if not bridges:

@@ -20,7 +20,7 @@ from gsm_train.config import RecipeConfig, load_recipe, validate_recipe_dict
 from gsm_train.export import ExportError, export_adapter, export_destination
 from gsm_train.export_folder import check_writable
 from gsm_train.model_zoo import load_model_and_tokenizer
-from gsm_train.preflight import check_model_config
+from gsm_train.resolved_recipe import resolve_for_base
 from gsm_train.session import export_options
 from gsm_train.sharded_checkpoint import DCP_FOLDER
 from gsm_train.stages import STAGES
@@ -73,7 +73,9 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path) -> Path:
     config = _checked(checkpoint)
     export_destination(out_dir)  # refused before the model loads when it holds anything else
     check_writable(out_dir)
-    check_model_config(config)  # a base that cannot be read (offline, a wrong name): refused before loading
+    # a base that cannot be read (offline, a wrong name) is refused before loading; the tuning knobs are
+    # resolved as the run resolved them (a checkpoint's recipe may predate their resolution there)
+    config, _ = resolve_for_base(config)
     torch.manual_seed(config.train.seed)  # as the run did: frozen modules initialised at random are not in checkpoints
     model, _ = load_model_and_tokenizer(config.model.name_or_path, config.model.gguf_file, config.model.revision)
     STAGES[config.stage]().attach(model, config)

@@ -22,6 +22,7 @@ from gsm_train.inference.cache import DEFAULT_PREFILL, PREFILL_MODES
 from gsm_train.inspect_model import inspect_model
 from gsm_train.passkey import evaluate_passkey
 from gsm_train.passkey import markdown_table as passkey_table
+from gsm_train.resolved_recipe import resolve_for_base
 from gsm_train.train import add_start_flags
 from gsm_train.train import main as train_main
 
@@ -64,7 +65,8 @@ def _probability(text: str) -> float:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    config = load_recipe(args.recipe, args.overrides)
+    """Print the recipe checked against its base model's config and resolved (read without weights)."""
+    config, _ = resolve_for_base(load_recipe(args.recipe, args.overrides))
     print(resolved_yaml(config), end="")
     return 0
 
@@ -246,7 +248,10 @@ def _add_recipes_command(commands: argparse._SubParsersAction) -> None:
 
 def _add_validate_command(commands: argparse._SubParsersAction) -> None:
     """The `validate` subcommand's arguments."""
-    validate = commands.add_parser("validate", help="check a recipe and print it fully resolved")
+    validate = commands.add_parser(
+        "validate",
+        help="check a recipe against its base model's config (no weights loaded) and print it fully resolved",
+    )
     validate.add_argument("recipe", type=path_arg)
     validate.add_argument("overrides", nargs="*", help="key.sub=value")
     validate.set_defaults(run=_validate)

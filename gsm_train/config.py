@@ -437,7 +437,7 @@ class TrainConfig(StrictModel):
 
     `cuda_graph`: capture the micro-step (loss and backward) in a CUDA graph and replay it (see
     `gsm_train/step_graph.py`). `auto` does so where it can: one CUDA GPU, the FSDP2 backend, a stage
-    whose step never waits on the device (the gate stages); `true` makes anything else an error.
+    whose step never waits on the device (stage 1, gate warm-up); `true` makes anything else an error.
 
     `fp32_matmul`: how CUDA runs the fp32 matrix products of training (ASQ computes in fp32; under
     bf16 autocast the base's run in bf16 either way): `default` as PyTorch is set (full fp32 unless
@@ -503,8 +503,10 @@ class OutputConfig(StrictModel):
 
 class TuningConfig(StrictModel):
     """The three tuning knobs: each, when set, decides the gsm field it names (null: the gsm block's own
-    field stands). The resolved recipe a run saves shows the values used; exports carry only the gsm block.
-    Tensors an `init_from` export brings (e.g. a trained bridge alpha) replace the initial values."""
+    field stands), once `resolved_recipe.resolve_tuning` has resolved the recipe against the base
+    model's config, before its weights load. The resolved recipe a run saves shows the values used;
+    exports carry only the gsm block. Tensors an `init_from` export brings (e.g. a trained bridge alpha)
+    replace the initial values."""
 
     top_k_base: int | None = Field(None, ge=32, le=256)  # sets gsm.sparse_attention.top_k (the schedule's start)
     kv_compression_ratio: float | None = Field(None, ge=0.3, le=0.8)  # KV bytes / bf16 budget: picks
@@ -528,25 +530,23 @@ class RecipeConfig(StrictModel):
     output: OutputConfig = Field(default_factory=OutputConfig)
 
     @model_validator(mode="after")
-    def _apply_knobs(self) -> RecipeConfig:
+    def _knobs_fit(self) -> RecipeConfig:
+        """Each tuning knob set fits the gsm block (checked here; resolved into it, with the model's
+        shape, by `resolved_recipe.resolve_tuning`)."""
         knobs, sparse = self.tuning, self.gsm.sparse_attention
         if self.stage == "math_gate":  # takes no knobs: _stage_needs says so
             return self
-        if knobs.top_k_base is not None:
-            if sparse.k_min > knobs.top_k_base:
-                raise _problem(
-                    f"tuning.top_k_base ({knobs.top_k_base}) is below gsm.sparse_attention.k_min ({sparse.k_min})",
-                    f"set gsm.sparse_attention.k_min to at most {knobs.top_k_base}",
-                )
-            sparse.top_k = knobs.top_k_base
-        if knobs.bridge_alpha is not None:
-            if not self.gsm.cross_layer_sharing.enabled:
-                raise _problem(
-                    f"tuning.bridge_alpha ({knobs.bridge_alpha}) sets the bridge's starting weight, but "
-                    "gsm.cross_layer_sharing.enabled is false",
-                    "set gsm.cross_layer_sharing.enabled: true, or drop bridge_alpha",
-                )
-            self.gsm.cross_layer_sharing.alpha_init = knobs.bridge_alpha
+        if knobs.top_k_base is not None and sparse.k_min > knobs.top_k_base:
+            raise _problem(
+                f"tuning.top_k_base ({knobs.top_k_base}) is below gsm.sparse_attention.k_min ({sparse.k_min})",
+                f"set gsm.sparse_attention.k_min to at most {knobs.top_k_base}",
+            )
+        if knobs.bridge_alpha is not None and not self.gsm.cross_layer_sharing.enabled:
+            raise _problem(
+                f"tuning.bridge_alpha ({knobs.bridge_alpha}) sets the bridge's starting weight, but "
+                "gsm.cross_layer_sharing.enabled is false",
+                "set gsm.cross_layer_sharing.enabled: true, or drop bridge_alpha",
+            )
         if knobs.kv_compression_ratio is not None and not self.gsm.kv_compression.enabled:
             raise _problem(
                 f"tuning.kv_compression_ratio ({knobs.kv_compression_ratio}) budgets ASQ, but "
@@ -597,11 +597,16 @@ class RecipeConfig(StrictModel):
         stage math_gate takes its top_k with the export's modules, not from the recipe."""
         seq_len, sparse = self.data.seq_len, self.gsm.sparse_attention
         from_recipe = self.gsm.gsm_enabled and sparse.enabled and self.stage != "math_gate"
-        if from_recipe and sparse.top_k > seq_len:
+        field, top_k = (
+            ("gsm.sparse_attention.top_k", sparse.top_k)
+            if self.tuning.top_k_base is None
+            else ("tuning.top_k_base", self.tuning.top_k_base)
+        )
+        if from_recipe and top_k > seq_len:
             raise _problem(
-                f"gsm.sparse_attention.top_k ({sparse.top_k}) exceeds data.seq_len ({seq_len}): no query has "
+                f"{field} ({top_k}) exceeds data.seq_len ({seq_len}): no query has "
                 "that many keys, so every query would keep all of them (dense attention)",
-                f"set gsm.sparse_attention.top_k to at most {seq_len} (and k_min to at most top_k)",
+                f"set {field} to at most {seq_len} (and gsm.sparse_attention.k_min to at most it)",
             )
         if self.logging.recall_k > seq_len:
             raise _problem(

@@ -231,8 +231,7 @@ class Evaluation:
         """Refuse sequences of `tokens` beyond the base model's positions (ConfigError naming
         `option`), from its config, before any model loads."""
         model_config = read_model_config(self.model_name, revision=self.revision)
-        if model_config is not None:
-            check_positions(source, option, tokens, tokens, config_dims(model_config)["context"])
+        check_positions(source, option, tokens, tokens, config_dims(model_config)["context"])
 
     def models(self) -> Iterator[Evaluated]:
         """The base, then each export on a fresh copy of it, each loaded when asked for."""

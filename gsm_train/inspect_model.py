@@ -5,7 +5,7 @@ KV bytes are per token at `seq_len` for a bf16 cache. Without GSM a layer stores
 head for K and for V; a `share`-mode bridge target does not store its shared heads (a `mix` target
 saves nothing); a layer with a gate also stores `gate_head_dim * num_selectors` gate keys, 2 bytes per dimension
 (bf16) or, with `gate_key_bits: 8`, 1 byte per dimension plus a 2-byte scale per key. The account is
-`gsm_train.kv_budget.layer_kv_bytes`; `tuning.kv_compression_ratio` in the recipe is resolved first.
+`gsm_train.kv_budget.layer_kv_bytes`; the recipe's tuning knobs are resolved first (`resolved_recipe`).
 
 Without a recipe the GSM block enables sparse attention, ASQ and the cache bridge at their defaults;
 if the default bridge does not fit the model, `bridge_to_start` becomes `num_layers // 2` and
@@ -30,9 +30,10 @@ from gsm_train.config import (
     load_recipe,
     validate_recipe_dict,
 )
-from gsm_train.families import model_dims
-from gsm_train.kv_budget import apply_kv_budget, layer_kv_bytes
-from gsm_train.model_zoo import load_model_and_tokenizer
+from gsm_train.families import config_dims, model_dims
+from gsm_train.kv_budget import budget_choice, layer_kv_bytes
+from gsm_train.model_zoo import load_model_and_tokenizer, read_model_config
+from gsm_train.resolved_recipe import resolve_tuning
 
 
 @dataclass(frozen=True)
@@ -115,17 +116,18 @@ def render(title: str, rows: list[LayerReport]) -> str:
 
 
 def inspect_model(model_name: str, recipe: str | None, seq_len: int, overrides: list[str]) -> str:
-    """Inject the recipe's (or the default) GSM modules into `model_name` and describe them per layer."""
+    """Inject the recipe's (or the default) GSM modules into `model_name` and describe them per layer.
+    The recipe is checked and its tuning knobs resolved (as a run of it resolves them) from the
+    model's config, before its weights load."""
+    model_config = read_model_config(model_name)
+    dims = config_dims(model_config)
+    recipe_config = resolve_tuning(recipe_for(recipe, overrides, dims["layers"]), model_config)
+    config, budget = recipe_config.gsm, recipe_config.tuning.kv_compression_ratio
     model, _ = load_model_and_tokenizer(model_name)
-    recipe_config = recipe_for(recipe, overrides, model.config.num_hidden_layers)
-    config = recipe_config.gsm
-    budget = apply_kv_budget(
-        config, recipe_config.tuning.kv_compression_ratio, model_dims(model), recipe_config.data.seq_len
-    )  # as a run of this recipe resolves it
     inject_gsm(model, config)
     title = f"{model_name}: GSM modules and KV cache per token at seq_len={seq_len} (bf16 cache)"
     if budget is not None:
-        title += f"\n{budget}"
+        title += f"\n{budget_choice(config, budget, dims, recipe_config.data.seq_len)}"
     if not config.gsm_enabled:
         title += "\ngsm_enabled is false: the model runs as the base; the gsm column shows what enabling it gives"
     return render(title, layer_reports(model, config, seq_len))

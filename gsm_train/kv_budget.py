@@ -59,21 +59,22 @@ def kv_bytes_ratio(config: GSMConfig, dims: dict[str, int], seq_len: int) -> flo
     return sum(gsm for _, gsm in rows) / sum(base for base, _ in rows)
 
 
-def apply_kv_budget(config: GSMConfig, budget: float | None, dims: dict[str, int], seq_len: int) -> str | None:
-    """Set ASQ's bits and the gate keys' bits in `config` from the `tuning.kv_compression_ratio` budget
-    (None: nothing to do); returns what was chosen, in words. Raises ConfigError when no pair fits,
-    naming the smallest ratio reachable."""
-    if budget is None:
-        return None
+def fit_kv_budget(config: GSMConfig, budget: float, dims: dict[str, int], seq_len: int) -> GSMConfig:
+    """`config` with ASQ's bits and the gate keys' bits the `tuning.kv_compression_ratio` budget picks
+    (a new config: `config` is not changed). Raises ConfigError when no pair fits, naming the smallest
+    ratio reachable."""
     tried = []
     for quant_bits, key_bits in BUDGET_LADDER:
-        config.kv_compression.quant_bits, config.sparse_attention.gate_key_bits = quant_bits, key_bits
-        ratio = kv_bytes_ratio(config, dims, seq_len)
+        fitted = config.model_copy(
+            update={
+                "kv_compression": config.kv_compression.model_copy(update={"quant_bits": quant_bits}, deep=True),
+                "sparse_attention": config.sparse_attention.model_copy(update={"gate_key_bits": key_bits}, deep=True),
+            },
+            deep=True,
+        )
+        ratio = kv_bytes_ratio(fitted, dims, seq_len)
         if ratio <= budget:
-            return (
-                f"kv_compression_ratio {budget}: ASQ {quant_bits}-bit residuals, {key_bits}-bit gate keys, "
-                f"{ratio:.4f} of bf16 at seq_len {seq_len}"
-            )
+            return fitted
         tried.append(ratio)
     raise ConfigError(
         "recipe vs model",
@@ -88,4 +89,13 @@ def apply_kv_budget(config: GSMConfig, budget: float | None, dims: dict[str, int
                 "a smaller sparse_attention.gate_head_dim)",
             )
         ],
+    )
+
+
+def budget_choice(config: GSMConfig, budget: float, dims: dict[str, int], seq_len: int) -> str:
+    """What the budget chose in `config` (`fit_kv_budget`'s result), in words."""
+    quant_bits, key_bits = config.kv_compression.quant_bits, config.sparse_attention.gate_key_bits
+    return (
+        f"kv_compression_ratio {budget}: ASQ {quant_bits}-bit residuals, {key_bits}-bit gate keys, "
+        f"{kv_bytes_ratio(config, dims, seq_len):.4f} of bf16 at seq_len {seq_len}"
     )

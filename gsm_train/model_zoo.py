@@ -216,13 +216,12 @@ def load_model_and_tokenizer(
     return model.eval(), tokenizer
 
 
-def read_model_config(
-    name_or_path: str, gguf_file: str | None = None, revision: str | None = None
-) -> PretrainedConfig | None:
-    """The base model's config without its weights: built from a tiny name, read from a local
-    folder, or fetched from the Hub (the first access to a Hub id: a wrong id or revision fails
-    here). None for `smollm2-135m` until it has been fetched once (then its config comes from the
-    cache). Raises OSError or ValueError from transformers when the config cannot be read."""
+def read_model_config(name_or_path: str, gguf_file: str | None = None, revision: str | None = None) -> PretrainedConfig:
+    """The base model's config without its weights: built from a tiny or `random-*` name, read from
+    a local folder, or fetched from the Hub (the first access to a Hub id: a wrong id or revision
+    fails here). `smollm2-135m`'s comes from its converted folder, or before the first conversion
+    from the GGUF's header (the GGUF fetched once, as loading would). Raises OSError or ValueError
+    from transformers when the config cannot be read."""
     tiny = parse_tiny_name(name_or_path)
     if tiny is not None:
         return tiny_config(*tiny)
@@ -231,7 +230,8 @@ def read_model_config(
     if name_or_path == SMOLLM2_NAME:
         gguf = Path(os.environ.get("GSM_SMOLLM2_GGUF") or model_cache_dir() / SMOLLM2_FILE)
         converted = gguf.parent / f"{SMOLLM2_NAME}-hf"
-        if not (converted / "config.json").is_file():
-            return None
-        return AutoConfig.from_pretrained(str(converted))
+        if (converted / "config.json").is_file():
+            return AutoConfig.from_pretrained(str(converted))
+        gguf = fetch_smollm2()
+        return AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     return AutoConfig.from_pretrained(name_or_path, gguf_file=gguf_file, revision=revision)

@@ -2,14 +2,16 @@
 status 2) naming the field, file or folder, and nothing has been written yet.
 
 In order: the optional packages the recipe needs; the base model's config (read without weights: a
-Hub id is first accessed here) against `data.seq_len`, the layer indices and the heads; the token
-cache's folder; the checkpoint to resume from (it must verify against its manifest, and its index
-read without running code; train.steps must not lie below its step; its backend and recipe must
-match this run's, or with --allow-recipe-change leave every trained tensor's shape as it is; a
-different number of processes must take the same rows a micro-step: `checkpoint.check_resumable`);
-the run folder (no live lock, no other run's files unless told, nothing an --overwrite run that was
-killed left set aside; its export/ holds an export or nothing). The result says where the run
-starts and under which run id.
+Hub id is first accessed here) against `data.seq_len`, the layer indices and the heads, and the
+recipe's tuning knobs resolved against it (an impossible `tuning.kv_compression_ratio` is refused
+here: `resolved_recipe`); the token cache's folder; the checkpoint to resume from (it must verify
+against its manifest, and its index read without running code; train.steps must not lie below
+its step; its backend and recipe must match this run's, or with --allow-recipe-change leave every
+trained tensor's shape as it is; a different number of processes must take the same rows a
+micro-step: `checkpoint.check_resumable`); the run folder (no live lock, no other run's files
+unless told, nothing an --overwrite run that was killed left set aside; its export/ holds an export
+or nothing). The result says where the run starts, under which run id, and the resolved recipe it
+runs.
 """
 
 from __future__ import annotations
@@ -21,14 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
-from transformers import PretrainedConfig
 
 from gsm_train.checkpoint import check_resumable, checkpoint_shapes, read_state, resolve_resume
-from gsm_train.config import ConfigError, Problem, RecipeConfig, check_against_model
+from gsm_train.config import ConfigError, Problem, RecipeConfig
 from gsm_train.export_folder import export_destination
-from gsm_train.families import config_dims
-from gsm_train.model_zoo import read_model_config
 from gsm_train.recipe_shapes import check_shapes_fit
+from gsm_train.resolved_recipe import resolve_for_base
 from gsm_train.run_folder import check_folder_usable, check_run_folder, read_run_id
 from gsm_train.set_aside import check_nothing_aside
 from gsm_train.token_cache import token_cache_dir
@@ -64,9 +64,10 @@ class StartOptions:
 class RunPlan:
     """Where and how a run starts, once the checks have passed."""
 
+    config: RecipeConfig  # the recipe resolved against the base's config (`resolved_recipe`): what runs
     run_dir: Path
     run_id: str
-    recipe: dict[str, Any]  # the recipe as given, stored in every checkpoint
+    recipe: dict[str, Any]  # `config` as a mapping, stored in every checkpoint
     resume: Path | None  # the verified checkpoint to resume from
     overwrite: bool
 
@@ -90,29 +91,6 @@ def check_optional_packages(config: RecipeConfig) -> None:
     ]
     if problems:
         raise ConfigError("recipe vs installed packages", problems)
-
-
-def check_model_config(config: RecipeConfig) -> PretrainedConfig | None:
-    """Read the base model's config (not its weights) and check the recipe against it; return it
-    (None where it cannot be had without the weights). A config that cannot be read (a wrong Hub id
-    or revision, no network, a damaged folder) is a ConfigError."""
-    model = config.model
-    try:
-        model_config = read_model_config(model.name_or_path, model.gguf_file, model.revision)
-    except (OSError, ValueError) as err:
-        reason = " ".join(str(err).split())[:400]
-        fix = (
-            "check the Hub id, model.revision and the network (or HF_HUB_OFFLINE=1 with the "
-            "model in the cache), or give a local folder"
-        )
-        raise ConfigError(
-            "recipe vs model",
-            [Problem("model.name_or_path", model.name_or_path, f"its config cannot be read ({reason})", fix)],
-        ) from None
-    if model_config is not None:
-        dims = config_dims(model_config)
-        check_against_model(config, dims["layers"], dims["context"] or None, dims["kv_heads"], dims["head_dim"])
-    return model_config
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -186,10 +164,11 @@ def check_steps_ahead(config: RecipeConfig, state: dict[str, Any], checkpoint: P
 
 
 def plan_run(config: RecipeConfig, backend: str, world_size: int, options: StartOptions) -> RunPlan:
-    """Every check that can run before the model loads (read only: nothing is written); the plan."""
-    recipe = config.model_dump(mode="json")
+    """Every check that can run before the model loads (read only: nothing is written); the plan, with
+    `config` resolved against the base's config."""
     check_optional_packages(config)
-    model_config = check_model_config(config)
+    config, model_config = resolve_for_base(config)
+    recipe = config.model_dump(mode="json")
     if not config.data.streaming:
         token_cache_dir()  # a file there is refused now, not once the model has loaded
     run_dir = Path(config.output.dir)
@@ -206,7 +185,7 @@ def plan_run(config: RecipeConfig, backend: str, world_size: int, options: Start
         )
         saved = checkpoint_shapes(resume)  # its index read without running code, or refused
         changed = [key for key, _, _ in recipe_changes(state.get("recipe") or {}, recipe)]
-        if changed and model_config is not None:
+        if changed:
             check_shapes_fit(config, model_config, saved, resume, changed)
     check_run_folder(run_dir, resume_from, resume, state, options.overwrite)
     # the run's own export goes there at the end (--overwrite leaves a previous one in place until
@@ -216,5 +195,10 @@ def plan_run(config: RecipeConfig, backend: str, world_size: int, options: Start
     if run_id is None and resume_from == "auto":
         run_id = read_run_id(run_dir)
     return RunPlan(
-        run_dir=run_dir, run_id=run_id or uuid.uuid4().hex, recipe=recipe, resume=resume, overwrite=options.overwrite
+        config=config,
+        run_dir=run_dir,
+        run_id=run_id or uuid.uuid4().hex,
+        recipe=recipe,
+        resume=resume,
+        overwrite=options.overwrite,
     )

@@ -15,13 +15,11 @@ from gsm_train.adapter_format import read_config
 from gsm_train.checkpoint import CheckpointError
 from gsm_train.config import LoraSettings, RecipeConfig
 from gsm_train.export import build_settings, skeleton_state
-from gsm_train.families import config_dims
-from gsm_train.kv_budget import apply_kv_budget
 
 
 def recipe_shapes(config: RecipeConfig, model_config: PretrainedConfig) -> dict[str, list[int]] | None:
-    """Name -> shape of every tensor of the model `config` trains (the base described by
-    `model_config` with the stage's modules: the recipe's gsm block after its KV budget, or for
+    """Name -> shape of every tensor of the model `config` (resolved: `resolved_recipe`) trains (the
+    base described by `model_config` with the stage's modules: the recipe's gsm block, or for
     `math_gate` the `init_from` export's; LoRA as the recipe or export says). None where that
     cannot be known without downloading (a `math_gate` starting from a Hub repo)."""
     if config.stage == "math_gate":
@@ -33,7 +31,6 @@ def recipe_shapes(config: RecipeConfig, model_config: PretrainedConfig) -> dict[
     else:
         sparse = config.gsm.sparse_attention.model_copy(update={"gate_init": "random"})  # no weights to start from
         build = config.gsm.model_copy(update={"sparse_attention": sparse}, deep=True)
-        apply_kv_budget(build, config.tuning.kv_compression_ratio, config_dims(model_config), config.data.seq_len)
         lora = config.train.lora if config.train.base == "lora" else None
     state, _ = skeleton_state(model_config, build, lora)
     return {name: list(tensor.shape) for name, tensor in state.items()}

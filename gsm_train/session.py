@@ -30,14 +30,13 @@ from gsm_train.attention import configure_gsm, gsm_parameters
 from gsm_train.backend import FSDP2Backend, select_backend
 from gsm_train.backend_protocol import Backend
 from gsm_train.checkpoint import load_checkpoint, save_checkpoint
-from gsm_train.config import RecipeConfig, check_against_model
+from gsm_train.config import RecipeConfig
 from gsm_train.distributed import DistInfo, all_reduce_sum, init_distributed
 from gsm_train.export import AdapterNames, export_adapter
-from gsm_train.families import model_dims
 from gsm_train.finite_guard import refuse_non_finite
-from gsm_train.kv_budget import apply_kv_budget
 from gsm_train.model_zoo import load_model_and_tokenizer
 from gsm_train.optim import AdamWBF16
+from gsm_train.resolved_recipe import resolve_for_base
 from gsm_train.step_graph import GraphedLoss
 from gsm_train.training_data import TrainingData, load_training_data
 
@@ -157,14 +156,12 @@ def export_options(config: RecipeConfig) -> dict[str, Any]:
 
 
 def prepared_model(config: RecipeConfig, stage: Stage, device: torch.device) -> tuple[nn.Module, Any]:
-    """The base model with the stage's modules attached, on `device`, and its tokenizer."""
+    """The base model with the stage's modules attached, on `device`, and its tokenizer; `config`
+    resolved against the base (`resolved_recipe.resolve_for_base`)."""
     load_dtype, _ = dtypes(config, device)
     model, tokenizer = load_model_and_tokenizer(
         config.model.name_or_path, config.model.gguf_file, config.model.revision, load_dtype, device
     )
-    dims = model_dims(model)
-    check_against_model(config, dims["layers"], dims["context"] or None, dims["kv_heads"], dims["head_dim"])
-    apply_kv_budget(config.gsm, config.tuning.kv_compression_ratio, dims, config.data.seq_len)
     stage.prepare(model, config)
     if config.train.activation_checkpointing:
         checkpoint_decoder_layers(model)
@@ -198,9 +195,12 @@ class TrainingSession:
     def setup(
         cls, config: RecipeConfig, stage: Stage, info: DistInfo | None = None, backend: Backend | None = None
     ) -> TrainingSession:
-        """Load the base, attach the stage's modules, tokenize the data (once per node), wrap and
-        build the optimizer."""
+        """Resolve the recipe against the base's config (its tuning knobs; before any weights load:
+        `resolved_recipe`, which gives a resolved recipe back unchanged), load the base, attach the
+        stage's modules, tokenize the data (once per node), wrap and build the optimizer. The session's
+        `config` is the resolved recipe."""
         info = info or init_distributed()
+        config, _ = resolve_for_base(config)
         torch.manual_seed(config.train.seed)
         model, tokenizer = prepared_model(config, stage, info.device)
         return cls(

@@ -49,15 +49,15 @@ def run_training(
 ) -> TrainResult:
     """Run `stage` as the recipe says, resuming if asked; return losses, final metrics and summary.
     `run_name`: what trackers call the run (default: the run folder's name).
-    Bad input raises before the model loads (`preflight`), with nothing written; the run holds its
-    folder's lock throughout (`run_folder`). `options`: --overwrite and --allow-recipe-change
-    (default: neither)."""
+    Bad input raises before the model loads (`preflight`, which also resolves the recipe's tuning
+    knobs against the base's config), with nothing written; the run holds its folder's lock
+    throughout (`run_folder`). `options`: --overwrite and --allow-recipe-change (default: neither)."""
     backend = select_backend(config)
     info = init_distributed()
     try:
         plan = _plan(config, backend, info, options or StartOptions())
         with hold_run_folder(plan.run_dir, info), fp32_matmul_precision(config.train.fp32_matmul, info.device):
-            return _run(config, stage, info, backend, run_name or plan.run_dir.resolve().name, plan)
+            return _run(plan.config, stage, info, backend, run_name or plan.run_dir.resolve().name, plan)
     finally:
         teardown()
 

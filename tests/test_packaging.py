@@ -92,7 +92,7 @@ def test_recipes_list_and_copy(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert cli.main(["recipes", "list"]) == 0
     listed = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in listed] == sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
-    assert listed[0].split(None, 1)[1].startswith("Stage 1 - gate warm-up")
+    assert listed[0].split(None, 1)[1].startswith("Stage 1 (gate warm-up)")
     assert cli.main(["recipes", "copy", "gate_only", str(tmp_path) + "/"]) == 0
     copied = tmp_path / "gate_only.yaml"
     assert copied.read_bytes() == (REPO / "recipes" / "gate_only.yaml").read_bytes()

@@ -1,6 +1,7 @@
-"""Stage 1: the base stays frozen and runs dense; only the Sparse Gate Heads learn, by distilling
-the head-averaged main attention (KL per layer, in query chunks). Also used by the domain gate
-fine-tune, which starts from an exported adapter instead of a fresh injection."""
+"""Stage 1 (gate warm-up; `stage: gate_warmup`): the base stays frozen and runs dense; only the
+Sparse Gate Heads learn, by distilling the head-averaged main attention (KL per layer, in query
+chunks). Also used by the domain gate fine-tune, which starts from an exported adapter instead of a
+fresh injection."""
 
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ class GateWarmupStage:
     def prepare(self, model: nn.Module, config: RecipeConfig) -> None:
         if not (config.gsm.gsm_enabled and config.gsm.sparse_attention.enabled):
             raise GSMError(
-                "stage gate_warmup trains the Sparse Gate Heads, but gsm.gsm_enabled or "
-                "gsm.sparse_attention.enabled is false; set both to true"
+                "stage gate_warmup (stage 1, gate warm-up) trains the Sparse Gate Heads, but "
+                "gsm.gsm_enabled or gsm.sparse_attention.enabled is false; set both to true"
             )
         self.recall = (config.logging.recall_k, config.logging.recall_min_keys)
         self.distill_queries = config.train.distill_queries

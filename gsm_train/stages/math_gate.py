@@ -1,6 +1,6 @@
 """Domain gate fine-tune: start from an exported adapter (`init_from`) and adapt only its gate heads
 to domain text (e.g. GSM8K); the base, ASQ and bridge stay exactly as loaded. Same loss, metrics
-and report as the gate warm-up."""
+and report as stage 1 (gate warm-up)."""
 
 from __future__ import annotations
 
