@@ -22,6 +22,7 @@ from gsm_train.hub import publish_export
 from gsm_train.hub_download import resolve_export
 from gsm_train.hub_ids import base_to_load
 from gsm_train.inference.cache import DEFAULT_PREFILL
+from gsm_train.int4 import FULL, checked_group, quantize_base
 from gsm_train.lora import merge_lora
 from gsm_train.model_zoo import load_model_and_tokenizer
 from gsm_train.modules import GSMError
@@ -38,6 +39,7 @@ class GSMModel:
     folder: Path  # the export folder (a snapshot folder of the Hub cache for a repo id)
     config: dict[str, Any]  # its gsm_config.json, in the current format (updated by merge_and_unload)
     training_args: dict[str, Any] = field(default_factory=dict)  # its training_args.json (recipe, metrics)
+    weights: str = FULL  # the base's weights: as loaded, or 4-bit (gsm_train/int4.py)
 
     @classmethod
     def from_pretrained(
@@ -51,13 +53,19 @@ class GSMModel:
         prefill: str = DEFAULT_PREFILL,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device | None = None,
+        weights: str = FULL,
     ) -> GSMModel:
         """Load the export at `adapter` (a folder, or a Hub repo id at `revision`), the base model
         it names (`gsm_config.json`'s base_model: the built-in or folder it was trained with when
         this machine has it, else its Hub id at its recorded revision; `base` / `base_revision`
         override), and attach the adapter. A base that differs from the one the adapter was trained
         on is refused (ExportError) as by `load_gsm`. `mode`: dense / sparse / oracle main
-        attention; `prefill`: how a prompt attends in generation, dense / sparse (`load_gsm`)."""
+        attention; `prefill`: how a prompt attends in generation, dense / sparse (`load_gsm`).
+        `weights`: `full` (the base as loaded, in `dtype`) or `int4` / `int4-g64` / `int4-g32`: the
+        base's linear layers quantized to 4 bits after the adapter is attached and checked, the GSM
+        modules, embeddings and output head kept in `dtype` (gsm_train/int4.py; refused before
+        anything loads where it cannot run); such a model is not saved."""
+        group = checked_group(weights, device or "cpu", dtype)
         folder = resolve_export(adapter, revision)
         config = read_config(folder)
         name, recorded_revision = (base, base_revision) if base is not None else base_to_load(config["base_model"])
@@ -65,14 +73,17 @@ class GSMModel:
         if device is not None:
             model.to(device)  # before the modules attach: they are built on the model's device
         settings = load_gsm(model, folder, mode=mode, prefill=prefill)
-        return cls(model, tokenizer, settings, folder, config, read_training_args(folder))
+        if group is not None:
+            quantize_base(model, group)
+        return cls(model, tokenizer, settings, folder, config, read_training_args(folder), weights)
 
     def save_pretrained(self, save_directory: str | Path) -> Path:
         """Write the model as it is in memory (its GSM tensors, LoRA deltas and, after
         `merge_and_unload`, the merged weights) as an export folder (docs/adapter-format.md), with
         the base description, recipe and metrics of the export it was loaded from; returns the
         folder. `GSMModel.from_pretrained` of it gives the same logits. The folder must be new,
-        empty or a previous export (`export.export_destination`)."""
+        empty or a previous export (`export.export_destination`). Refused for a 4-bit base."""
+        self._refuse_quantized("save_pretrained")
         base = self.config["base_model"]
         state = self._saved_state()
         names = AdapterNames.of(self.model)
@@ -100,6 +111,16 @@ class GSMModel:
         wanted = names.gsm | names.lora | ((listed | set(merged.get("weights", ()))) & state.keys())
         return {name: tensor for name, tensor in state.items() if name in wanted}
 
+    def _refuse_quantized(self, action: str) -> None:
+        """GSMError where the base is quantized: an export holds the adapter over the base as trained,
+        never a quantized copy of the base (nor LoRA deltas merged into one)."""
+        if self.weights != FULL:
+            raise GSMError(
+                f"{action}: this model's base is quantized (weights={self.weights!r}) and its LoRA deltas, if "
+                "any, are merged into it; an export holds the adapter over the base as trained, never a "
+                f"quantized base. Fix: GSMModel.from_pretrained({str(self.folder)!r}) (weights='full'), then {action}"
+            )
+
     def merge_and_unload(self) -> GSMModel:
         """Merge the LoRA deltas into the base's weights and remove the LoRA layers (as peft's
         `merge_and_unload`), in place; returns this GSMModel. The model computes what it computed, up
@@ -107,7 +128,8 @@ class GSMModel:
         the LoRA settings, the merged weights' names and the merged base's fingerprint) and no LoRA:
         `save_pretrained` writes the merged weights to base_weights.safetensors, and loading accepts
         either the base as trained or a base with these deltas merged. Raises GSMError for an adapter
-        without LoRA deltas."""
+        without LoRA deltas, and for a 4-bit base."""
+        self._refuse_quantized("merge_and_unload")
         lora = self.config.get("lora")
         if not lora:
             raise GSMError(
