@@ -152,7 +152,7 @@ def _config(group: int, device: torch.device) -> object:
     return PrototypeInt4WeightOnlyConfig(group_size=group, set_inductor_config=False)
 
 
-def weight_bytes(model: nn.Module) -> int:
+def stored_bytes(model: nn.Module) -> int:
     """Bytes of `model`'s parameters as stored: a quantized weight's packed 4-bit values, scales and
     zero points, every other tensor at its dtype's size (tied tensors counted once)."""
     seen, total = set(), 0
