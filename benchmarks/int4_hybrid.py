@@ -5,7 +5,8 @@ base decoding densely.
 Parts (`--parts`, default both):
 - `ppl`: perplexity on held-out text (`--eval-data`, WikiText-2 validation) of SmolLM2-135M with the
   joint export `--smollm2-export`: the bf16 base, bf16 + GSM, the 4-bit base dense, 4-bit + GSM, on the
-  same windows (`gsm_train.evaluate.evaluate_exports`, once with full weights, once 4-bit). SmolLM2's
+  same windows (`gsm_train.evaluate.evaluate_exports`, once with full weights, once 4-bit; with
+  `--calibration-data`, WikiText-2's train split, once more 4-bit with AWQ scales: `int4awq`). SmolLM2's
   linears are 576 wide, which groups of 128 do not divide: its 4-bit weights take groups of 64
   (`--smollm2-weights`, recorded); the 8B rows use groups of 128.
 - `8b`: end-to-end greedy decode of `random-llama3-8b` (Llama-3-8B's shapes, random bf16 weights, then
@@ -17,7 +18,8 @@ Parts (`--parts`, default both):
   as stored, 4-bit values with their scales and zero points; the dense bf16 K/V, or what GSM's cache
   step reads: `benchmarks.bandwidth`) over the peak a device copy reaches.
 
-The summary: `ppl_int4_gsm_over_bf16_gsm`, `ppl_int4_dense_over_bf16_dense`, `e2e_speedup_int4_<row>`
+The summary: `ppl_int4_gsm_over_bf16_gsm`, `ppl_int4_dense_over_bf16_dense` (and `ppl_int4awq_...`),
+`e2e_speedup_int4_<row>`
 (GSM over the fastest 4-bit dense method of the row), `bound_speedup_int4_<row>` (GSM's bandwidth bound
 over the dense one), `bandwidth_share_<method>_int4_<row>`, `ttft_ratio_int4_<row>`. Resumable as
 benchmarks/generate.py: the JSON is written after every method and part; a complete row (or part) of the
@@ -32,10 +34,12 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from benchmarks import bandwidth
 from benchmarks.common import provenance, write_result
@@ -49,11 +53,16 @@ from benchmarks.generate import (
     say,
     summarize,
 )
+from gsm_train.adapter_format import read_config
 from gsm_train.attention import gsm_adapters, inject_gsm
-from gsm_train.evaluate import BASE, evaluate_exports
+from gsm_train.data import load_text_dataset, pack_tokens
+from gsm_train.evaluate import BASE, evaluate_exports, inference_autocast
+from gsm_train.hub_download import resolve_export
+from gsm_train.hub_ids import base_to_load
 from gsm_train.inference.cache import DEFAULT_PREFILL, PREFILL_MODES
 from gsm_train.inference.engine import enable_gsm_generation
 from gsm_train.int4 import WEIGHT_CHOICES, base_linears, group_size, quantize_base
+from gsm_train.model_zoo import load_model_and_tokenizer
 
 ROWS = ("8b_32k_bs1", "8b_128k_bs1", "8b_32k_bs16")  # benchmarks.generate's rows of these names
 METHODS = ("dense_engine", "dense_static_compiled")  # the 4-bit dense methods (eager is slower than both)
@@ -61,30 +70,70 @@ WEIGHTS_8B = "int4"  # groups of 128
 GSM_EXPORT = "gsm"  # the export's name in the perplexity reports
 
 
+def awq_calibration(data: str, tokenizer: Any, windows: int, seq_len: int) -> Callable[[nn.Module], None]:
+    """AWQ's calibration forwards (`gsm_train.int4.quantize_base`): `windows` windows of `seq_len` tokens
+    of `data` (text apart from the evaluation's: WikiText-2's train split), one forward each."""
+    rows = pack_tokens(load_text_dataset(data), tokenizer, seq_len)[:windows]
+
+    def calibrate(model: nn.Module) -> None:
+        device = model.get_input_embeddings().weight.device
+        with inference_autocast(device):
+            for row in rows:
+                model(row[None].to(device), use_cache=False, logits_to_keep=1)
+
+    return calibrate
+
+
 def perplexity(
-    export: str, data: str, seq_len: int, windows: int, weights: str, model_name: str | None = None
+    export: str,
+    data: str,
+    seq_len: int,
+    windows: int,
+    weights: str,
+    calibration: tuple[str, int, int] | None = None,
 ) -> dict[str, Any]:
-    """Perplexity of the base and `export` over it (the base the export names, or `model_name`) with full
-    weights and with `weights` (4-bit), on the same `windows` windows of `seq_len` tokens of `data`, and
-    the ratios the summary takes."""
-    runs = {
-        label: evaluate_exports(
-            model_name, {GSM_EXPORT: export}, data, seq_len, windows, 1, "sparse", min(512, seq_len), weights=chosen
+    """Perplexity of the base `export` names and of `export` over it, with full weights and with `weights`
+    (4-bit, data-free scales), and with `calibration` (text, windows, tokens per window) also 4-bit with
+    AWQ scales (`int4awq`), on the same `windows` windows of `seq_len` tokens of `data`; and the ratios."""
+    runs: dict[str, dict] = {}
+    settings = {"export": export, "data": data, "seq_len": seq_len, "windows": windows, "weights": weights}
+    chosen: list[tuple[str, str, Any]] = [("bf16", "full", None), ("int4", weights, None)]
+    if calibration is not None:
+        _, tokenizer = load_model_and_tokenizer(*base_to_load(read_config(resolve_export(export))["base_model"]))
+        text, count, length = calibration
+        chosen.append(("int4awq", weights, awq_calibration(text, tokenizer, count, length)))
+        settings["calibration"] = list(calibration)
+    for label, format_, calibrate in chosen:
+        say(f"perplexity: weights {format_}{' with AWQ scales' if calibrate else ''}")
+        runs[label] = evaluate_exports(
+            None,
+            {GSM_EXPORT: export},
+            data,
+            seq_len,
+            windows,
+            1,
+            "sparse",
+            min(512, seq_len),
+            weights=format_,
+            calibrate=calibrate,
         )
-        for label, chosen in (("bf16", "full"), ("int4", weights))
-    }
     ppl = {
         f"ppl_{label}_{part}": runs[label]["results"][name]["ppl"]
         for label in runs
         for part, name in (("dense", BASE), ("gsm", GSM_EXPORT))
     }
+    ratios = {
+        f"ppl_{label}_{part}_over_bf16_{part}": ppl[f"ppl_{label}_{part}"] / ppl[f"ppl_bf16_{part}"]
+        for label in runs
+        if label != "bf16"
+        for part in ("gsm", "dense")
+    }
     return {
-        "settings": {"export": export, "data": data, "seq_len": seq_len, "windows": windows, "weights": weights},
+        "settings": settings,
         "model": runs["bf16"]["model"],
         "windows_evaluated": runs["bf16"]["windows"],
         **ppl,
-        "ppl_int4_gsm_over_bf16_gsm": ppl["ppl_int4_gsm"] / ppl["ppl_bf16_gsm"],
-        "ppl_int4_dense_over_bf16_dense": ppl["ppl_int4_dense"] / ppl["ppl_bf16_dense"],
+        **ratios,
         "ppl_int4_gsm_over_int4_dense": ppl["ppl_int4_gsm"] / ppl["ppl_int4_dense"],
     }
 
@@ -116,8 +165,7 @@ def int4_summary(result: dict) -> dict[str, float]:
     summary: dict[str, float] = {}
     ppl = result.get("perplexity")
     if ppl:
-        for key in ("ppl_int4_gsm_over_bf16_gsm", "ppl_int4_dense_over_bf16_dense", "ppl_int4_gsm_over_int4_dense"):
-            summary[key] = ppl[key]
+        summary.update({key: value for key, value in ppl.items() if key.startswith("ppl_") and "_over_" in key})
     for key, value in summarize(result["rows"]).items():
         summary[key.replace("_8b_", "_int4_8b_")] = value
     for name, row in result["rows"].items():
@@ -188,6 +236,11 @@ def main() -> None:
     parser.add_argument("--eval-data", default=None, help="held-out text for the perplexity part")
     parser.add_argument("--smollm2-export", default=None, help="a joint SmolLM2 export for the perplexity part")
     parser.add_argument("--smollm2-weights", choices=WEIGHT_CHOICES[1:], default="int4-g64")
+    parser.add_argument(
+        "--calibration-data", default=None, help="text for AWQ scales (e.g. WikiText-2 train): adds an int4awq run"
+    )
+    parser.add_argument("--calibration-windows", type=int, default=16)
+    parser.add_argument("--calibration-len", type=int, default=512)
     parser.add_argument("--parts", default="ppl,8b")
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--windows", type=int, default=40)
@@ -218,9 +271,15 @@ def main() -> None:
             "windows": args.windows,
             "weights": args.smollm2_weights,
         }
+        calibration = None
+        if args.calibration_data:
+            calibration = (args.calibration_data, args.calibration_windows, args.calibration_len)
+            wanted["calibration"] = list(calibration)
         if result.get("perplexity", {}).get("settings") != wanted:
             say("perplexity: bf16 and 4-bit SmolLM2, dense and with GSM")
-            ppl = perplexity(args.smollm2_export, args.eval_data, args.seq_len, args.windows, args.smollm2_weights)
+            ppl = perplexity(
+                args.smollm2_export, args.eval_data, args.seq_len, args.windows, args.smollm2_weights, calibration
+            )
             result["perplexity"] = ppl | {"measured": measured_by}
             save(None, None)
         say(f"ppl int4+GSM / bf16+GSM: {result['perplexity']['ppl_int4_gsm_over_bf16_gsm']:.4f}")

@@ -228,6 +228,7 @@ class Evaluation:
     kv_baseline: str | None
     tokenizer: Any = None
     weights: str = FULL  # the base's weights in every model: as loaded, or 4-bit (gsm_train/int4.py)
+    calibrate: Callable[[nn.Module], None] | None = None  # 4-bit: AWQ's calibration forwards (`quantize_base`)
 
     def check_positions(self, source: str, option: str, tokens: int) -> None:
         """Refuse sequences of `tokens` beyond the base model's positions (ConfigError naming
@@ -254,7 +255,7 @@ class Evaluation:
         model.to(device).eval()
         group = group_size(self.weights)
         if group is not None:
-            quantize_base(model, group)
+            quantize_base(model, group, self.calibrate)
         return Evaluated(name, model, settings, self.exports.get(name))
 
 
@@ -266,12 +267,13 @@ def prepare_evaluation(
     selection: dict[str, Any] | None = None,
     selections: dict[str, dict[str, Any]] | None = None,
     weights: str = FULL,
+    calibrate: Callable[[nn.Module], None] | None = None,
 ) -> Evaluation:
     """Check every export (name -> folder or Hub repo id) and the selection changes before any
     model loads: `selection` for every export, `selections` per export name (over `selection`).
     `model_name` None: the base the first export names (gsm_train/hub_ids.py, `base_to_load`);
     every export must have been trained on it. `weights`: the base's weights (gsm_train/int4.py), a
-    4-bit base refused here where it cannot run."""
+    4-bit base refused here where it cannot run; `calibrate`: AWQ's calibration forwards for it."""
     checked_group(weights, *_device_and_dtype())
     folders = {name: resolve_export(adapter) for name, adapter in exports.items()}
     configs = {name: read_config(folder) for name, folder in folders.items()}
@@ -286,7 +288,9 @@ def prepare_evaluation(
         if not configs:
             raise ExportError("eval needs a model: give --export NAME=FOLDER (whose base it loads) or --model")
         model_name, revision = base_to_load(next(iter(configs.values()))["base_model"])
-    return Evaluation(model_name, revision, folders, dict(exports), changed, mode, kv_baseline, weights=weights)
+    return Evaluation(
+        model_name, revision, folders, dict(exports), changed, mode, kv_baseline, weights=weights, calibrate=calibrate
+    )
 
 
 def evaluate_exports(
@@ -303,6 +307,7 @@ def evaluate_exports(
     selection: dict[str, Any] | None = None,
     selections: dict[str, dict[str, Any]] | None = None,
     weights: str = FULL,
+    calibrate: Callable[[nn.Module], None] | None = None,
 ) -> dict[str, Any]:
     """Evaluate the base model and every export (name -> folder or Hub repo id) on the same windows.
 
@@ -313,12 +318,12 @@ def evaluate_exports(
     `top_k` on a constant schedule, at each query's k on another. `selection`: sparse_attention
     fields the exports run with instead of their own (`with_selection`), e.g. {"top_k": 1024};
     `selections`: the same per export name. `weights`: every model's base weights, as loaded or
-    4-bit (gsm_train/int4.py)."""
+    4-bit (gsm_train/int4.py), with AWQ scales from `calibrate(model)`'s forwards where it is given."""
     if seq_len < 2:
         raise ConfigError(
             "eval", [Problem("--seq-len", seq_len, "a window of one token predicts nothing", "use --seq-len 2 or more")]
         )
-    evaluation = prepare_evaluation(model_name, exports, mode, kv_baseline, selection, selections, weights)
+    evaluation = prepare_evaluation(model_name, exports, mode, kv_baseline, selection, selections, weights, calibrate)
     evaluation.check_positions("eval", "--seq-len", seq_len)
     buckets = position_buckets(seq_len, first_bucket)
     results: dict[str, dict[str, Any]] = {}

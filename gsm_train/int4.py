@@ -17,6 +17,8 @@ saved (`GSMModel.save_pretrained` refuses).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -112,12 +114,18 @@ def is_quantized(linear: nn.Linear) -> bool:
     return type(linear.weight.data) is not torch.Tensor
 
 
-def quantize_base(model: nn.Module, group: int) -> list[str]:
+def quantize_base(model: nn.Module, group: int, calibrate: Callable[[nn.Module], None] | None = None) -> list[str]:
     """Quantize `model`'s base linears (`base_linears`) to 4-bit weights in groups of `group` input
     features, in place, on the device they are on; LoRA deltas are merged into their layers first.
-    Returns the quantized layers' names. QuantizationError, before anything changes, where a layer's
-    input width is not a multiple of `group` (naming the group sizes that fit)."""
+    `calibrate`: AWQ scales (`_awq`), `calibrate(model)` running the forwards they are observed on;
+    None: data-free (each group's grid from its min and max). Returns the quantized layers' names.
+    QuantizationError, before anything changes, where a layer's input width is not a multiple of
+    `group` (naming the group sizes that fit)."""
     linears = base_linears(model)
+    if not linears:
+        raise QuantizationError(
+            f"weights=int4: {type(model).__name__} has no linear layers outside its head to quantize"
+        )
     misfits = {name: linear.in_features for name, linear in linears.items() if linear.in_features % group}
     if misfits:
         widths = sorted(set(misfits.values()))
@@ -134,8 +142,26 @@ def quantize_base(model: nn.Module, group: int) -> list[str]:
     from torchao.quantization import quantize_
 
     config = _config(group, next(iter(linears.values())).weight.device)
-    quantize_(model, config, filter_fn=lambda module, name: name in linears)
+    chosen = lambda module, name: name in linears  # noqa: E731
+    if calibrate is None:
+        quantize_(model, config, filter_fn=chosen)
+    else:
+        _awq(model, config, chosen, calibrate)
     return sorted(linears)
+
+
+def _awq(model: nn.Module, config: object, chosen: Callable, calibrate: Callable[[nn.Module], None]) -> None:
+    """AWQ through torchao (prototype): each chosen linear records its inputs over `calibrate(model)`,
+    then is quantized with the per-input-channel scale (a power of the inputs' mean magnitude, searched
+    over 20 exponents) that keeps its outputs on those inputs closest; the inverse scale multiplies its
+    input at run time. The recorded inputs are held on the CPU until then."""
+    from torchao.prototype.awq import AWQConfig
+    from torchao.quantization import quantize_
+
+    quantize_(model, AWQConfig(config, step="prepare"), filter_fn=chosen)
+    with torch.no_grad():
+        calibrate(model)
+    quantize_(model, AWQConfig(config, step="convert"), filter_fn=chosen)
 
 
 def _config(group: int, device: torch.device) -> object:

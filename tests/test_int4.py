@@ -35,9 +35,9 @@ IDS = torch.arange(96).reshape(2, 48) * 7 % 256
 INT4 = "int4-g64"  # the tiny models' linears have 64 or 128 inputs: groups of 128 do not fit them all
 
 
-def _export(folder: Path, lora: bool = False) -> Path:
+def _export(folder: Path, lora: bool = False, layers: int = 4) -> Path:
     """A tiny Llama's export, its GSM tensors (and LoRA deltas) moved off their initial values."""
-    model = tiny_model("llama")
+    model = tiny_model("llama", layers)
     inject_gsm(model, GSMConfig.model_validate(GSM), mode="sparse")
     if lora:
         inject_lora(model, LORA)
@@ -47,7 +47,11 @@ def _export(folder: Path, lora: bool = False) -> Path:
             if (".gsm." in name or ".lora_B." in name) and tensor.is_floating_point():
                 tensor.add_(0.02 * torch.randn(tensor.shape, generator=generator))
     return export_adapter(
-        model, folder, base_name="tiny-llama", lora=LORA.model_dump() if lora else None, recipe={"stage": "joint"}
+        model,
+        folder,
+        base_name=f"tiny-llama-{layers}",
+        lora=LORA.model_dump() if lora else None,
+        recipe={"stage": "joint"},
     )
 
 
@@ -232,3 +236,25 @@ def test_captured_token_steps_over_a_4bit_base_equal_eager_steps_on_the_gpu(expo
     assert model.gsm_generation["cuda_graphs"]
     enable_gsm_generation(model, cuda_graphs=False, prefill="sparse")
     assert torch.equal(captured, _greedy(model, ids))
+
+
+def test_awq_scales_come_from_the_calibration_forwards(tmp_path: Path) -> None:
+    """With `calibrate`, every base linear is 4-bit with AWQ's input scale (torchao's act_pre_scale, one
+    per input channel, searched on the forwards `calibrate` ran: uniform where scaling did not help);
+    the GSM tensors stay as exported."""
+    export = _export(tmp_path / "export", layers=1)  # AWQ searches 20 scales per linear: few linears
+    model = tiny_model("llama", 1)
+    load_gsm(model, export)
+    calls = []
+
+    def calibrate(m: torch.nn.Module) -> None:
+        calls.append(m(_prompt(32, 2)).logits.shape)
+
+    quantize_base(model, 64, calibrate)
+    assert calls == [(2, 32, 257)]
+    scales = [linear.weight.data.act_pre_scale for linear in base_linears(model).values()]
+    assert all(is_quantized(linear) for linear in base_linears(model).values())
+    assert all(scale.shape == (linear.in_features,) for scale, linear in zip(scales, base_linears(model).values()))
+    assert any(not torch.all(scale == scale[0]) for scale in scales)  # uniform where no scale beat none
+    exported = load_file(str(export / GSM_FILE))
+    assert all(torch.equal(gsm_state_dict(model)[name], tensor) for name, tensor in exported.items())

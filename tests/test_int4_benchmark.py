@@ -19,23 +19,29 @@ pytest.importorskip("torchao", reason="the int4 path needs torchao (pip install 
 
 
 def test_the_perplexity_part_sets_4bit_against_bf16(tmp_path: Path) -> None:
-    """Four perplexities of one tiny export's base on the same windows; 4-bit weights move them (the
-    4-bit run is not the full one again) and the ratios are those of the four."""
-    model = tiny_model("llama")
+    """Six perplexities of one tiny export's base on the same windows (full, 4-bit, 4-bit with AWQ
+    scales from other text; dense and GSM); 4-bit weights move them and AWQ's scales move them again,
+    and the ratios are those of the perplexities."""
+    model = tiny_model("llama", num_layers=1)  # AWQ searches 20 scales per linear: few linears
     gsm = {"sparse_attention": {"top_k": 8, "k_min": 8}, "kv_compression": {"enabled": True, "block_size": 8}}
     inject_gsm(model, GSMConfig.model_validate(gsm), mode="sparse")
-    export = export_adapter(model, tmp_path / "export", base_name="tiny-llama")
+    export = export_adapter(model, tmp_path / "export", base_name="tiny-llama-1")
     text = tmp_path / "valid.txt"
     text.write_text("a held-out line of text, repeated for the windows. " * 30)
 
-    ppl = perplexity(str(export), str(text), 64, 2, "int4-g64")
+    calibration = tmp_path / "train.txt"
+    calibration.write_text("other lines of text, for the scales AWQ chooses. " * 30)
+
+    ppl = perplexity(str(export), str(text), 64, 2, "int4-g64", (str(calibration), 2, 32))
 
     assert ppl["windows_evaluated"] == 2 and ppl["settings"]["weights"] == "int4-g64"
-    values = [ppl[f"ppl_{w}_{p}"] for w in ("bf16", "int4") for p in ("dense", "gsm")]
+    values = [ppl[f"ppl_{w}_{p}"] for w in ("bf16", "int4", "int4awq") for p in ("dense", "gsm")]
     assert all(math.isfinite(v) and v > 1 for v in values)
     assert ppl["ppl_int4_dense"] != ppl["ppl_bf16_dense"] and ppl["ppl_int4_gsm"] != ppl["ppl_bf16_gsm"]
     assert ppl["ppl_int4_gsm_over_bf16_gsm"] == ppl["ppl_int4_gsm"] / ppl["ppl_bf16_gsm"]
     assert ppl["ppl_int4_dense_over_bf16_dense"] == ppl["ppl_int4_dense"] / ppl["ppl_bf16_dense"]
+    assert ppl["ppl_int4awq_gsm_over_bf16_gsm"] == ppl["ppl_int4awq_gsm"] / ppl["ppl_bf16_gsm"]
+    assert ppl["ppl_int4awq_gsm"] != ppl["ppl_int4_gsm"]  # AWQ's scales change the 4-bit weights
 
 
 def _method(tokens_per_s: float) -> dict:
