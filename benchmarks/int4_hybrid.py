@@ -26,7 +26,13 @@ benchmarks/generate.py: the JSON is written after every method and part; a compl
 same settings is skipped.
 
 python -m benchmarks.int4_hybrid --eval-data DATA/wikitext-2/valid.txt --smollm2-export EXPORT \\
-    --result benchmarks/results/int4_hybrid.json
+    [--calibration-data 'DATA/prose/*.txt.xz'] --result benchmarks/results/int4_hybrid.json
+
+On the device machine (torch 2.11, no torchao): copy the torchao 0.18 wheel, WikiText-2's valid.txt, some
+prose for AWQ and the export into a folder of the repo that .git/info/exclude ignores, name it in `carry`,
+and run `pip install --no-deps FOLDER/torchao-*.whl && timeout 560 python -m benchmarks.int4_hybrid ...
+--result benchmarks/results/int4_hybrid.json; cp benchmarks/results/int4_hybrid.json $OUT/`: a call cut by
+the 10-minute limit keeps every finished method, and the next call (with the JSON copied back) resumes.
 """
 
 from __future__ import annotations
