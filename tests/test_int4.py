@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import gsm_train.generate as generate_module
 from gsm_train import GSMModel, int4
 from gsm_train.adapter_format import GSM_FILE
 from gsm_train.attention import gsm_state_dict, inject_gsm
@@ -174,13 +175,18 @@ def test_a_group_that_does_not_fit_is_refused_before_the_model_changes(export: P
 
 
 def test_the_cli_generates_and_evaluates_over_a_4bit_base(
-    export: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+    export: Path, tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`gsm-train generate --weights` and `gsm-train eval --weights` run with a 4-bit base; eval's
-    report records it and its 4-bit base and export have finite perplexities."""
+    """`gsm-train generate --weights` (with `--compare-dense`: the dense base 4-bit too) and `gsm-train
+    eval --weights` run with a 4-bit base; eval's report records it and its 4-bit base and export have
+    finite perplexities."""
+    quantized = []
+    monkeypatch.setattr(generate_module, "quantize_base", lambda m, g: quantized.append(quantize_base(m, g)))
     argv = ["generate", "--adapter", str(export), "--prompt", "hello", "--max-new-tokens", "4", "--weights", INT4]
-    assert main(argv) == 0
-    assert "GSM cache: 4 tokens" in capsys.readouterr().err
+    assert main([*argv, "--compare-dense"]) == 0
+    err = capsys.readouterr().err
+    assert "GSM cache: 4 tokens" in err and "dense base: 4 tokens" in err
+    assert len(quantized) == 1 and len(quantized[0]) == 28  # the dense base's 28 linears 4-bit too
     text = tmp_path / "text.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
     out = tmp_path / "eval"
