@@ -4,7 +4,9 @@ bits, only the base's linears are quantized, and what cannot run or must not hap
 
 from __future__ import annotations
 
+import importlib.util
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -25,7 +27,18 @@ from gsm_train.lora import inject_lora, lora_parameters
 from gsm_train.model_zoo import tiny_model
 from gsm_train.modules import GSMError
 
-pytest.importorskip("torchao", reason="the int4 path needs torchao (pip install 'gsm-train[int4]')")
+needs_torchao = pytest.mark.skipif(
+    importlib.util.find_spec("torchao") is None, reason="the int4 path needs torchao (pip install 'gsm-train[int4]')"
+)
+
+
+@pytest.fixture
+def importable_torchao(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`import torchao` succeeds (a stand-in module where it is not installed): the refusals that come
+    after that check are tested either way."""
+    if importlib.util.find_spec("torchao") is None:
+        monkeypatch.setitem(sys.modules, "torchao", types.ModuleType("torchao"))
+
 
 GSM = {
     "sparse_attention": {"top_k": 8, "k_min": 8, "gate_init": "random"},
@@ -70,6 +83,7 @@ def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
+@needs_torchao
 def test_the_int4_load_generates_over_the_gsm_cache(export: Path) -> None:
     """Base linears 4-bit, everything else as exported: the GSM tensors bit-identical to the export's
     file, the embeddings and head untouched; the logits those of the full model with its base weights
@@ -109,6 +123,7 @@ def test_the_int4_load_generates_over_the_gsm_cache(export: Path) -> None:
     assert type(model).__name__ == "LlamaForCausalLM"
 
 
+@needs_torchao
 def test_a_lora_export_is_merged_then_quantized(tmp_path: Path) -> None:
     """LoRA deltas are merged into their base layers before quantization (no LoRA layer is left, the
     merged layer is 4-bit), so the quantized model is near the full model with its deltas."""
@@ -121,6 +136,7 @@ def test_a_lora_export_is_merged_then_quantized(tmp_path: Path) -> None:
     assert 0 < error < 0.5  # random tiny weights rounded to 4 bits: near, not equal
 
 
+@needs_torchao
 def test_a_quantized_base_is_never_saved(export: Path, tmp_path: Path) -> None:
     """save_pretrained, push_to_hub (which saves first: nothing is uploaded) and merge_and_unload of a
     4-bit base refuse, naming the fix; nothing is written."""
@@ -134,7 +150,9 @@ def test_a_quantized_base_is_never_saved(export: Path, tmp_path: Path) -> None:
         gsm.merge_and_unload()
 
 
-def test_refusals_come_before_anything_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_refusals_come_before_anything_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, importable_torchao: None
+) -> None:
     """An unknown weight format, torchao missing, a device without a kernel and a dtype the kernel does
     not take are refused by name before the export is even read (the folder does not exist)."""
     missing = tmp_path / "no-export"
@@ -154,7 +172,7 @@ def test_refusals_come_before_anything_loads(tmp_path: Path, monkeypatch: pytest
             check_int4("cpu", torch.float32)
 
 
-def test_gpu_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gpu_refusals(monkeypatch: pytest.MonkeyPatch, importable_torchao: None) -> None:
     """On a GPU the tinygemm kernel needs compute capability 8.0 and bfloat16 (the capability is stood
     in for: the check reads only it and the device's name)."""
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Old GPU")
@@ -167,6 +185,7 @@ def test_gpu_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
     check_int4("cuda", torch.bfloat16)
 
 
+@needs_torchao
 def test_a_group_that_does_not_fit_is_refused_before_the_model_changes(export: Path) -> None:
     """Groups of 128 over linears of 64 inputs: refused, naming a layer, its width and the format that
     fits, instead of leaving those layers in 16 bits silently."""
@@ -174,6 +193,7 @@ def test_a_group_that_does_not_fit_is_refused_before_the_model_changes(export: P
         GSMModel.from_pretrained(export, weights="int4")
 
 
+@needs_torchao
 def test_the_cli_generates_and_evaluates_over_a_4bit_base(
     export: Path, tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -208,6 +228,7 @@ def _greedy(model: torch.nn.Module, ids: torch.Tensor, **kwargs) -> torch.Tensor
         return model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=256, **kwargs)
 
 
+@needs_torchao
 def test_generation_over_a_4bit_base_equals_teacher_forcing(export: Path) -> None:
     """The decode engine over a 4-bit base: greedy tokens over the GSM cache (prompt in chunks) equal
     those of the same quantized model without a cache."""
@@ -219,6 +240,7 @@ def test_generation_over_a_4bit_base_equals_teacher_forcing(export: Path) -> Non
     assert torch.equal(_greedy(model, ids), _greedy(model, ids, use_cache=False))
 
 
+@needs_torchao
 def test_the_dense_engine_runs_a_4bit_base() -> None:
     """Our dense engine (the INT4 dense baseline) over a 4-bit base: the tokens of transformers' greedy
     generation of the same quantized model."""
@@ -229,6 +251,7 @@ def test_the_dense_engine_runs_a_4bit_base() -> None:
     assert torch.equal(out, _greedy(model, ids, attention_mask=torch.ones_like(ids)))
 
 
+@needs_torchao
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and tinygemm's int4 kernel need a GPU")
 def test_captured_token_steps_over_a_4bit_base_equal_eager_steps_on_the_gpu(export: Path) -> None:
     """On CUDA (bf16, tinygemm), token steps replayed from CUDA graphs over a 4-bit base give the eager
@@ -244,6 +267,7 @@ def test_captured_token_steps_over_a_4bit_base_equal_eager_steps_on_the_gpu(expo
     assert torch.equal(captured, _greedy(model, ids))
 
 
+@needs_torchao
 def test_awq_scales_come_from_the_calibration_forwards(tmp_path: Path) -> None:
     """With `calibrate`, every base linear is 4-bit with AWQ's input scale (torchao's act_pre_scale, one
     per input channel, searched on the forwards `calibrate` ran: uniform where scaling did not help);
