@@ -74,6 +74,8 @@ def check_int4(device: str | torch.device, dtype: torch.dtype) -> None:
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise QuantizationError(f"weights=int4 on the CPU runs in float32, bfloat16 or float16, not {dtype}")
     elif device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise QuantizationError("weights=int4 on cuda: this machine has no CUDA device; use device='cpu'")
         capability = torch.cuda.get_device_capability(device)
         if capability < (8, 0):
             raise QuantizationError(

@@ -173,8 +173,12 @@ def test_refusals_come_before_anything_loads(
 
 
 def test_gpu_refusals(monkeypatch: pytest.MonkeyPatch, importable_torchao: None) -> None:
-    """On a GPU the tinygemm kernel needs compute capability 8.0 and bfloat16 (the capability is stood
-    in for: the check reads only it and the device's name)."""
+    """On a GPU the tinygemm kernel needs compute capability 8.0 and bfloat16 (the GPU is stood in for:
+    the check reads only its presence, capability and name); without one, cuda is refused."""
+    if not torch.cuda.is_available():
+        with pytest.raises(QuantizationError, match=r"this machine has no CUDA device; use device='cpu'"):
+            check_int4("cuda", torch.bfloat16)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Old GPU")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
     with pytest.raises(QuantizationError, match=r"compute capability 8.0 or newer.*Old GPU is 7.5"):
