@@ -1,9 +1,9 @@
 """4-bit weight-only quantization of a loaded base under a GSM adapter, through torchao.
 
 `weights="int4"` (`int4-g64`, `int4-g32`: smaller groups) quantizes the base's linear layers, each
-row's weights in groups of 128 (64, 32) input features with one bf16 scale and zero point per group
+row's weights in groups of 128 (64, 32) input features with one scale and zero point per group (model dtype)
 (torchao's `Int4WeightOnlyConfig` on a GPU, tinygemm kernels; `PrototypeInt4WeightOnlyConfig` on the
-CPU, torch's `_weight_int4pack_mm_for_cpu`). What stays in 16 bits: the GSM modules (gate heads, ASQ,
+CPU, torch's `_weight_int4pack_mm_for_cpu`). What stays as loaded: the GSM modules (gate heads, ASQ,
 bridge), the embeddings, the output head, the norms and biases. LoRA deltas are merged into their
 base layers first (`lora.merge_lora`), so the quantized layer computes base + delta.
 
