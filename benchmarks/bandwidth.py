@@ -2,7 +2,8 @@
 KV cache it reads) and the peak they are read at, so that a measured step time says how near its bound a
 method runs (`share`: 1.0 is the bound).
 
-- Dense: the weights and the bf16 K/V of every token held.
+- Dense: the weights (as stored: 4-bit ones at their packed size with their scales) and the bf16 K/V
+  of every token held.
 - GSM (`gsm_kv_read_bytes`, from the cache's own buffers): per layer that selects, the gate keys of every
   token held (codes and scales) and, per KV head, the packed rows of the k selected keys (every packed
   field of a row: cluster id, residual codes, scale, and the row of its block's prototype table) plus the
@@ -23,6 +24,7 @@ from gsm_train.families import model_dims
 from gsm_train.inference.cache import GSMCache
 from gsm_train.inference.decode_attention import decode_k, static_k
 from gsm_train.inference.kv_store import KVStore
+from gsm_train.int4 import stored_bytes
 
 STATED_PEAK_BYTES_PER_S = 4.8e12  # the H200's HBM3e (spec)
 COPY_BYTES = 2**30  # the measured copy's size: far past the L2
@@ -50,7 +52,9 @@ def peak_bandwidth() -> tuple[float, str]:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of the model's parameters as stored (a 4-bit weight: its packed values, scales and zero
+    points: `gsm_train.int4.stored_bytes`)."""
+    return stored_bytes(model)
 
 
 def dense_kv_bytes(model: nn.Module, tokens: int, batch: int, element_size: int = 2) -> int:

@@ -76,9 +76,9 @@ def _model(name: str) -> nn.Module:
 def _gsm_config(name: str) -> GSMConfig:
     if name == "tiny":
         return GSMConfig.model_validate(TINY_GSM)
-    from benchmarks.generate import _gsm_config
+    from benchmarks.generate import joint_gsm_config
 
-    return _gsm_config()
+    return joint_gsm_config()
 
 
 def dense_step(model: nn.Module, ids: torch.Tensor, extra: int) -> Callable[[], object]:

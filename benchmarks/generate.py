@@ -56,7 +56,7 @@ from benchmarks.agreement import agreement
 from benchmarks.common import provenance, write_result
 from benchmarks.step_kl import step_kl
 from gsm_train.attention import gsm_adapters, gsm_disabled, inject_gsm, set_gsm_mode
-from gsm_train.config import load_recipe
+from gsm_train.config import GSMConfig, load_recipe
 from gsm_train.data import load_text_dataset, pack_tokens
 from gsm_train.export import load_gsm
 from gsm_train.inference.cache import DEFAULT_PREFILL, PREFILL_MODES, GSMCache, cache_kwargs
@@ -262,11 +262,13 @@ def run_row(
     save: Callable[[dict], None],
     peak: tuple[float, str],
     settings: dict,
+    methods: tuple[str, ...] = DENSE_METHODS,
 ) -> dict:
-    """The dense methods (`DENSE_METHODS`), then GSM (after `gsm_ready(model)` attaches the modules); a
+    """The dense `methods` (default `DENSE_METHODS`), then GSM (after `gsm_ready(model)` attaches the modules); a
     method already in `measured` (a cut run's row of the same settings) is not measured again.
     `save(row)` after each. Every method's `bandwidth_share` against `peak` (bytes/s, its source).
-    `settings`: `row_settings` of the run (the GSM method's prefill, which `gsm_ready` set on the model)."""
+    `settings`: `row_settings` of the run (the GSM method's prefill, which `gsm_ready` set on the model, and
+    `methods`), stored with the row."""
     _, context, batch = ROWS[name]
     ids = prompts[:batch, : context - new_tokens].cuda()
     peak, peak_source = peak
@@ -285,7 +287,7 @@ def run_row(
     row["dense_step_bytes"] = row["weight_bytes"] + bandwidth.dense_kv_bytes(model, context - 1, batch)
     row["bound_tokens_per_s_dense"] = batch * peak / row["dense_step_bytes"]
     if fits:
-        for method in DENSE_METHODS:
+        for method in methods:
             if method in row:
                 say(f"{name} {method}: measured by an earlier run")
                 continue
@@ -319,15 +321,21 @@ def run_row(
     return row
 
 
-def row_settings(new_tokens: int, prefill: str = DEFAULT_PREFILL, prefill_chunk: int = PREFILL_CHUNK) -> dict:
+def row_settings(
+    new_tokens: int,
+    prefill: str = DEFAULT_PREFILL,
+    prefill_chunk: int = PREFILL_CHUNK,
+    methods: tuple[str, ...] = DENSE_METHODS,
+) -> dict:
     """What a row's figures depend on besides its name: a stored row of other settings is measured again.
     `prefill`: the GSM method's prefill mode (`--prefill`); `prefill_chunk` its prompt tokens per forward
-    (`--prefill-chunk`, named only when it is not the library's default)."""
+    (`--prefill-chunk`, named only when it is not the library's default); `methods`: the dense methods
+    measured."""
     chunk = {} if prefill_chunk == PREFILL_CHUNK else {"gsm_prefill_chunk": prefill_chunk}
     return {
         "version": ROW_VERSION,
         "new_tokens": new_tokens,
-        "methods": [*DENSE_METHODS, "gsm"],
+        "methods": [*methods, "gsm"],
         "gsm_prefill": prefill,
         **chunk,
     }
@@ -363,7 +371,8 @@ def smollm2_extras(model: torch.nn.Module, row: dict, new_tokens: int, prompts: 
     return extras
 
 
-def _gsm_config():
+def joint_gsm_config() -> GSMConfig:
+    """recipes/joint.yaml's GSM modules for a model that is not SmolLM2 (no layer_bits), gates at random."""
     return load_recipe(
         str(REPO / "recipes" / "joint.yaml"),
         ["gsm.kv_compression.layer_bits={}", "gsm.sparse_attention.gate_init=random"],
@@ -393,7 +402,7 @@ def main() -> None:
     result_path = Path(args.result)
     result = json.loads(result_path.read_text()) if result_path.exists() else {"rows": {}}
     settings = row_settings(args.new_tokens, args.prefill, args.prefill_chunk)
-    wanted = [name for name in args.rows.split(",") if not _complete(result["rows"].get(name, {}), settings)]
+    wanted = [name for name in args.rows.split(",") if not row_complete(result["rows"].get(name, {}), settings)]
     peak = bandwidth.peak_bandwidth()
     measured_by = provenance()
     say(f"peak bandwidth {peak[0] / 1e12:.2f} TB/s ({peak[1]})")
@@ -433,7 +442,7 @@ def main() -> None:
     _summary(result, result_path)
 
 
-def _complete(row: dict, settings: dict) -> bool:
+def row_complete(row: dict, settings: dict) -> bool:
     return row.get("settings") == settings and "gsm" in row
 
 
@@ -445,7 +454,7 @@ def _family(family: str, args: argparse.Namespace) -> tuple[torch.nn.Module, tor
         def ready(m: torch.nn.Module) -> None:
             torch.manual_seed(0)
             if not any(True for _ in gsm_adapters(m)):
-                inject_gsm(m, _gsm_config(), mode="sparse")
+                inject_gsm(m, joint_gsm_config(), mode="sparse")
                 enable_gsm_generation(m, prefill=args.prefill, prefill_chunk=args.prefill_chunk)
 
         return llama8b(), prompts, ready

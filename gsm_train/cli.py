@@ -20,6 +20,7 @@ from gsm_train.generate import Sampling, generate
 from gsm_train.hub import publish_export
 from gsm_train.inference.cache import DEFAULT_PREFILL, PREFILL_MODES
 from gsm_train.inspect_model import inspect_model
+from gsm_train.int4 import FULL, WEIGHT_CHOICES
 from gsm_train.passkey import evaluate_passkey
 from gsm_train.passkey import markdown_table as passkey_table
 from gsm_train.resolved_recipe import resolve_for_base
@@ -135,6 +136,7 @@ def _eval(args: argparse.Namespace) -> int:
         args.min_keys,
         first_bucket=args.first_bucket,
         selection=_selection(args.select),
+        weights=args.weights,
     )
     return _print_written(write_report(report, args.out))
 
@@ -192,6 +194,7 @@ def _generate(args: argparse.Namespace) -> int:
         sampling=Sampling(args.temperature, args.top_p, args.top_k, args.seed),
         chat=args.chat,
         prefill=args.prefill,
+        weights=args.weights,
     )
     print()
     for run in runs:
@@ -309,8 +312,19 @@ def _add_eval_command(commands: argparse._SubParsersAction) -> None:
         help="figures also per query-position bucket: [0, N), [N, 2N), [2N, 4N), ... up to --seq-len",
     )
     _add_select_argument(evaluate)
+    _add_weights_argument(evaluate)
     evaluate.add_argument("--out", default="runs/eval", type=path_arg)
     evaluate.set_defaults(run=_eval)
+
+
+def _add_weights_argument(parser: argparse.ArgumentParser) -> None:
+    """`--weights`: the base's weights as loaded, or 4-bit (gsm_train/int4.py)."""
+    parser.add_argument(
+        "--weights",
+        choices=WEIGHT_CHOICES,
+        default=FULL,
+        help="the base's weights: full (as loaded) or 4-bit in groups of 128/64/32 inputs (needs torchao)",
+    )
 
 
 def _add_select_argument(parser: argparse.ArgumentParser) -> None:
@@ -397,6 +411,7 @@ def _add_generate_command(commands: argparse._SubParsersAction) -> None:
         help="also run the dense base on the prompt (static cache on a GPU) and report both",
     )
     _add_sampling_flags(gen)
+    _add_weights_argument(gen)
     gen.set_defaults(run=_generate)
 
 

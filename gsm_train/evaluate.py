@@ -37,6 +37,7 @@ from gsm_train.functional.attention_targets import MASS_SUMS
 from gsm_train.hub_download import resolve_export
 from gsm_train.hub_ids import base_to_load
 from gsm_train.inspect_model import layer_reports
+from gsm_train.int4 import FULL, checked_group, group_size, quantize_base
 from gsm_train.model_zoo import load_model_and_tokenizer, read_model_config
 
 BASE = "base"
@@ -226,6 +227,8 @@ class Evaluation:
     mode: str
     kv_baseline: str | None
     tokenizer: Any = None
+    weights: str = FULL  # the base's weights in every model: as loaded, or 4-bit (gsm_train/int4.py)
+    calibrate: Callable[[nn.Module], None] | None = None  # 4-bit: AWQ's calibration forwards (`quantize_base`)
 
     def check_positions(self, source: str, option: str, tokens: int) -> None:
         """Refuse sequences of `tokens` beyond the base model's positions (ConfigError naming
@@ -239,15 +242,20 @@ class Evaluation:
             yield self.load(name)
 
     def load(self, name: str) -> Evaluated:
-        """The base (`BASE`) or the export `name` on a fresh base, on the evaluation device."""
+        """The base (`BASE`) or the export `name` on a fresh base, on the evaluation device (its
+        linears quantized after the adapter is attached where `weights` says so)."""
         device, dtype = _device_and_dtype()
         model, self.tokenizer = load_model_and_tokenizer(self.model_name, revision=self.revision, dtype=dtype)
-        if name == BASE:
-            return Evaluated(BASE, model.to(device).eval(), None, None)
-        load_gsm(model, self.read[name], mode=self.mode)
-        changes = {"config": self.changed[name]} if name in self.changed else {}
-        settings = configure_gsm(model, kv_baseline=self.kv_baseline, **changes)
-        return Evaluated(name, model.to(device).eval(), settings, self.exports[name])
+        settings = None
+        if name != BASE:
+            load_gsm(model, self.read[name], mode=self.mode)
+            changes = {"config": self.changed[name]} if name in self.changed else {}
+            settings = configure_gsm(model, kv_baseline=self.kv_baseline, **changes)
+        model.to(device).eval()
+        group = group_size(self.weights)
+        if group is not None:
+            quantize_base(model, group, self.calibrate)
+        return Evaluated(name, model, settings, self.exports.get(name))
 
 
 def prepare_evaluation(
@@ -257,12 +265,16 @@ def prepare_evaluation(
     kv_baseline: str | None = None,
     selection: dict[str, Any] | None = None,
     selections: dict[str, dict[str, Any]] | None = None,
+    weights: str = FULL,
+    calibrate: Callable[[nn.Module], None] | None = None,
 ) -> Evaluation:
     """Read and check every export in full (name -> folder or Hub repo id; each read once, here) and
     the selection changes before any model loads: `selection` for every export, `selections` per
     export name (over `selection`).
     `model_name` None: the base the first export names (gsm_train/hub_ids.py, `base_to_load`);
-    every export must have been trained on it."""
+    every export must have been trained on it. `weights`: the base's weights (gsm_train/int4.py), a
+    4-bit base refused here where it cannot run; `calibrate`: AWQ's calibration forwards for it."""
+    checked_group(weights, *_device_and_dtype())
     read = {name: read_export(resolve_export(adapter)) for name, adapter in exports.items()}
     changes = {name: (selection or {}) | (selections or {}).get(name, {}) for name in exports}
     changed = {
@@ -275,7 +287,9 @@ def prepare_evaluation(
         if not read:
             raise ExportError("eval needs a model: give --export NAME=FOLDER (whose base it loads) or --model")
         model_name, revision = base_to_load(next(iter(read.values())).config["base_model"])
-    return Evaluation(model_name, revision, read, dict(exports), changed, mode, kv_baseline)
+    return Evaluation(
+        model_name, revision, read, dict(exports), changed, mode, kv_baseline, weights=weights, calibrate=calibrate
+    )
 
 
 def evaluate_exports(
@@ -291,6 +305,8 @@ def evaluate_exports(
     first_bucket: int = 2048,
     selection: dict[str, Any] | None = None,
     selections: dict[str, dict[str, Any]] | None = None,
+    weights: str = FULL,
+    calibrate: Callable[[nn.Module], None] | None = None,
 ) -> dict[str, Any]:
     """Evaluate the base model and every export (name -> folder or Hub repo id) on the same windows.
 
@@ -300,12 +316,13 @@ def evaluate_exports(
     query-position bucket (`position_buckets` from `first_bucket`); the captured mass is taken at
     `top_k` on a constant schedule, at each query's k on another. `selection`: sparse_attention
     fields the exports run with instead of their own (`with_selection`), e.g. {"top_k": 1024};
-    `selections`: the same per export name."""
+    `selections`: the same per export name. `weights`: every model's base weights, as loaded or
+    4-bit (gsm_train/int4.py), with AWQ scales from `calibrate(model)`'s forwards where it is given."""
     if seq_len < 2:
         raise ConfigError(
             "eval", [Problem("--seq-len", seq_len, "a window of one token predicts nothing", "use --seq-len 2 or more")]
         )
-    evaluation = prepare_evaluation(model_name, exports, mode, kv_baseline, selection, selections)
+    evaluation = prepare_evaluation(model_name, exports, mode, kv_baseline, selection, selections, weights, calibrate)
     evaluation.check_positions("eval", "--seq-len", seq_len)
     buckets = position_buckets(seq_len, first_bucket)
     results: dict[str, dict[str, Any]] = {}
@@ -337,6 +354,7 @@ def evaluate_exports(
         "kv_baseline": kv_baseline,
         "selection": selection or None,
         "selections": selections or None,
+        "weights": weights,
         "buckets": buckets,
         "results": results,
     }

@@ -28,6 +28,7 @@ from gsm_train.data import DataError
 from gsm_train.distributed import cuda_wanted
 from gsm_train.families import model_dims
 from gsm_train.inference.cache import DEFAULT_PREFILL, GSMCache, cache_kwargs
+from gsm_train.int4 import FULL, checked_group, quantize_base
 from gsm_train.kv_budget import bf16_layer_kv_bytes
 from gsm_train.model_zoo import load_model_and_tokenizer
 from gsm_train.pretrained import GSMModel
@@ -200,19 +201,29 @@ def generate(
     sampling: Sampling | None = None,
     chat: bool = False,
     prefill: str = DEFAULT_PREFILL,
+    weights: str = FULL,
 ) -> list[Generation]:
     """Continuation of `prompt` (greedy, or as `sampling` says; with `chat` in the tokenizer's chat
     template, `prompt_ids`): with `adapter` (an export folder or a Hub repo id at `revision`),
     GSM attention over the GSM cache on the base the export names (or `model_name`), and with
     `compare_dense` the dense base after it; without an adapter, the base `model_name`. `echo` streams
-    the text to stdout; `prefill` how the adapter's prompt attends (dense / sparse: `GSMCache`)."""
+    the text to stdout; `prefill` how the adapter's prompt attends (dense / sparse: `GSMCache`);
+    `weights` the base's weights in both runs, as loaded or 4-bit (gsm_train/int4.py)."""
     device, dtype = _device_and_dtype(device)
+    group = checked_group(weights, device, dtype)
     sampling = sampling or Sampling()
     runs = []
     base_revision = None
     if adapter is not None:
         gsm = GSMModel.from_pretrained(
-            adapter, revision=revision, base=model_name, mode=mode, prefill=prefill, dtype=dtype, device=device
+            adapter,
+            revision=revision,
+            base=model_name,
+            mode=mode,
+            prefill=prefill,
+            dtype=dtype,
+            device=device,
+            weights=weights,
         )
         ids = prompt_ids(gsm.tokenizer, prompt, chat)
         _check_positions(gsm.model, ids.shape[1], max_new_tokens)
@@ -227,6 +238,8 @@ def generate(
         ids = prompt_ids(tokenizer, prompt, chat)
         _check_positions(model, ids.shape[1], max_new_tokens)
         model.to(device)
+        if group is not None:
+            quantize_base(model, group)
         options = {"cache_implementation": "static"} if device.startswith("cuda") else {}
         runs.append(
             _run(

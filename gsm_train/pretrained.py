@@ -23,6 +23,7 @@ from gsm_train.hub_download import resolve_export
 from gsm_train.hub_ids import base_to_load
 from gsm_train.inference.cache import DEFAULT_PREFILL, check_prefill
 from gsm_train.inference.engine import enable_gsm_generation
+from gsm_train.int4 import FULL, checked_group, quantize_base
 from gsm_train.lora import merge_lora
 from gsm_train.model_zoo import load_model_and_tokenizer
 from gsm_train.modules import GSMError
@@ -42,6 +43,7 @@ class GSMModel:
     base_name: str  # the base model loaded (`hub_ids.base_to_load` of the config's, or the one given)
     base_revision: str | None  # and its revision
     training_args: dict[str, Any] = field(default_factory=dict)  # its training_args.json (recipe, metrics)
+    weights: str = FULL  # the base's weights: as loaded, or 4-bit (gsm_train/int4.py)
 
     @classmethod
     def from_pretrained(
@@ -55,6 +57,7 @@ class GSMModel:
         prefill: str = DEFAULT_PREFILL,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device | None = None,
+        weights: str = FULL,
     ) -> GSMModel:
         """Load the export at `adapter` (a folder, or a Hub repo id at `revision`), the base model
         it names (`gsm_config.json`'s base_model: the built-in or folder it was trained with when
@@ -62,11 +65,16 @@ class GSMModel:
         override), and attach the adapter. A base that differs from the one the adapter was trained
         on is refused (ExportError) as by `load_gsm`. `mode`: dense / sparse / oracle main
         attention; `prefill`: how a prompt attends in generation, dense / sparse (`GSMCache`).
+        `weights`: `full` (the base as loaded, in `dtype`) or `int4` / `int4-g64` / `int4-g32`: the
+        base's linear layers quantized to 4 bits after the adapter is attached and checked, the GSM
+        modules, embeddings and output head kept in `dtype` (gsm_train/int4.py; refused before
+        anything loads where it cannot run); such a model is not saved.
 
         The export is read once, in full, before the base loads (`read_export`: a damaged export is
         refused first). The returned model's `generate` decodes over a GSM cache: GSMModel owns
         generation (`inference.engine.enable_gsm_generation`); `load_gsm` alone attaches modules."""
         check_prefill(prefill)
+        group = checked_group(weights, device or "cpu", dtype)
         export = read_export(resolve_export(adapter, revision))
         name, recorded_revision = (
             (base, base_revision) if base is not None else base_to_load(export.config["base_model"])
@@ -75,9 +83,19 @@ class GSMModel:
         if device is not None:
             model.to(device)  # before the modules attach: they are built on the model's device
         settings = load_gsm(model, export, mode=mode)
+        if group is not None:
+            quantize_base(model, group)
         enable_gsm_generation(model, prefill=prefill)  # a plain model.generate now runs over the GSM cache
         return cls(
-            model, tokenizer, settings, export.folder, export.config, name, recorded_revision, export.training_args
+            model,
+            tokenizer,
+            settings,
+            export.folder,
+            export.config,
+            name,
+            recorded_revision,
+            export.training_args,
+            weights,
         )
 
     def save_pretrained(self, save_directory: str | Path) -> Path:
@@ -85,7 +103,8 @@ class GSMModel:
         `merge_and_unload`, the merged weights) as an export folder (docs/adapter-format.md), with
         the base description, recipe and metrics of the export it was loaded from; returns the
         folder. `GSMModel.from_pretrained` of it gives the same logits. The folder must be new,
-        empty or a previous export (`export.export_destination`)."""
+        empty or a previous export (`export.export_destination`). Refused for a 4-bit base."""
+        self._refuse_quantized("save_pretrained")
         base = self.config["base_model"]
         state = self._saved_state()
         names = AdapterNames.of(self.model)
@@ -113,6 +132,16 @@ class GSMModel:
         wanted = names.gsm | names.lora | ((listed | set(merged.get("weights", ()))) & state.keys())
         return {name: tensor for name, tensor in state.items() if name in wanted}
 
+    def _refuse_quantized(self, action: str) -> None:
+        """GSMError where the base is quantized: an export holds the adapter over the base as trained,
+        never a quantized copy of the base (nor LoRA deltas merged into one)."""
+        if self.weights != FULL:
+            raise GSMError(
+                f"{action}: this model's base is quantized (weights={self.weights!r}) and its LoRA deltas, if "
+                "any, are merged into it; an export holds the adapter over the base as trained, never a "
+                f"quantized base. Fix: GSMModel.from_pretrained({str(self.folder)!r}) (weights='full'), then {action}"
+            )
+
     def merge_and_unload(self) -> GSMModel:
         """Merge the LoRA deltas into the base's weights and remove the LoRA layers (as peft's
         `merge_and_unload`), in place; returns this GSMModel. The model computes what it computed, up
@@ -120,7 +149,8 @@ class GSMModel:
         the LoRA settings, the merged weights' names and the merged base's fingerprint) and no LoRA:
         `save_pretrained` writes the merged weights to base_weights.safetensors, and loading accepts
         either the base as trained or a base with these deltas merged. Raises GSMError for an adapter
-        without LoRA deltas."""
+        without LoRA deltas, and for a 4-bit base."""
+        self._refuse_quantized("merge_and_unload")
         lora = self.config.get("lora")
         if not lora:
             raise GSMError(
