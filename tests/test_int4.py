@@ -237,7 +237,7 @@ def test_generation_over_a_4bit_base_equals_teacher_forcing(export: Path) -> Non
     """The decode engine over a 4-bit base: greedy tokens over the GSM cache (prompt in chunks) equal
     those of the same quantized model without a cache."""
     model = tiny_model("llama")
-    load_gsm(model, export, prefill="sparse")  # the prompt attends as teacher forcing does
+    load_gsm(model, export)
     quantize_base(model, 64)
     enable_gsm_generation(model, prefill_chunk=8, prefill="sparse")
     ids = _prompt()
@@ -261,8 +261,9 @@ def test_captured_token_steps_over_a_4bit_base_equal_eager_steps_on_the_gpu(expo
     """On CUDA (bf16, tinygemm), token steps replayed from CUDA graphs over a 4-bit base give the eager
     steps' tokens, and the base's linears are 4-bit there."""
     model = tiny_model("llama").to("cuda", torch.bfloat16)
-    load_gsm(model, export, prefill="sparse")
+    load_gsm(model, export)
     quantize_base(model, 64)
+    enable_gsm_generation(model, prefill="sparse")  # the prompt attends as teacher forcing does
     assert all(is_quantized(linear) for linear in base_linears(model).values())
     ids = _prompt(37).cuda()
     captured = _greedy(model, ids)
