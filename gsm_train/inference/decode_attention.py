@@ -4,7 +4,8 @@ Per layer: score the cached gate keys with the new gate query, keep the top-k po
 as training: own position, sinks and recent tokens forced; dense while k covers everything), gather and
 dequantize only those K/V rows (the bridge maps the source layer's rows on the fly), and attend.
 
-Two paths compute the same function. On CUDA with Triton (`layer_cache.kernels`), the gate scores, the
+Two paths compute the same function. On CUDA with Triton (`layer_cache.kernels`), the gate's work on
+the new token (`kernels.gate_token`: its query, and its key written into the cache), the gate scores, the
 top-k (`kernels.decode_topk`) and the fused gather / dequantize / attend (`kernels.sparse_decode`) read
 how many tokens the cache holds from the device (`CacheLengths.device`) and work on the buffers' full
 capacity (keys past the length score -inf), so one launch sequence, captured in a CUDA graph, serves
@@ -27,9 +28,10 @@ from gsm_train.attention.forward_state import CachedStep
 from gsm_train.functional.gate_keys import decode_gate_keys
 from gsm_train.functional.top_k import scheduled_k
 from gsm_train.inference.kv_store import CacheLengths, KVStore
-from gsm_train.kernels import kernel_fits
+from gsm_train.kernels import gate_token, kernel_fits
 from gsm_train.kernels.decode_topk import unordered_top_k
 from gsm_train.modules.errors import GSMError
+from gsm_train.modules.sparse_gate import SparseGateHead
 
 
 class CachedLayer(Protocol):
@@ -226,8 +228,7 @@ def select_keys(step: CachedStep, layer_cache: CachedLayer) -> tuple[Tensor, Ten
         raise GSMError("oracle mode needs the whole sequence; generate in sparse or dense mode")
     gate = adapter.gate
     if gate is not None:
-        gate_q, gate_k = gate(step.hidden, step.cos, step.sin)
-        layer_cache.keep_gate_keys(gate_k, gate.key_bits)
+        gate_q = _token_gate(step, layer_cache, gate)
     if mode != "sparse" or gate is None:
         return _every_position(step, layer_cache)
     position = layer_cache.lengths.seq_len - 1  # on the host: the schedule's k (a captured step bakes it)
@@ -258,6 +259,21 @@ def select_keys(step: CachedStep, layer_cache: CachedLayer) -> tuple[Tensor, Ten
     scores = gate.score_stored(gate_q, keys)[:, :, 0]
     allowed = None if layer_cache.key_valid is None else layer_cache.key_valid[:, :length]
     return top_k_positions(scores, allowed, k, position, cfg.sink_tokens, cfg.recent_tokens, fused=kernels is not None)
+
+
+def _token_gate(step: CachedStep, layer_cache: CachedLayer, gate: SparseGateHead) -> Tensor:
+    """The new token's gate query [B, n, 1, dg], its gate key kept in the cache: on the device path one
+    kernel (`kernels.gate_token`: projections, RoPE, encoding and the write at the device lengths' slot),
+    elsewhere the gate module and `keep_gate_keys`."""
+    q_weight, k_weight = gate.q_proj.weight, gate.k_proj.weight
+    if _fused_selection(layer_cache) and gate_token.kernel_runs(step.hidden, q_weight, k_weight, gate.gate_head_dim):
+        return gate_token.gate_token(
+            step.hidden, q_weight, k_weight, step.cos, step.sin, gate.rope_freq_index,
+            layer_cache.gate_keys, layer_cache.gate_key_scales, layer_cache.lengths.device,
+        )  # fmt: skip
+    gate_q, gate_k = gate(step.hidden, step.cos, step.sin)
+    layer_cache.keep_gate_keys(gate_k, gate.key_bits)
+    return gate_q
 
 
 def _held(scales: Tensor | None, length: int) -> Tensor | None:
