@@ -135,3 +135,35 @@ def test_gate_token_kernel_refuses_buffers_of_another_width() -> None:
             torch.zeros(1, 1, 32, device=KERNEL_DEVICE), gate.q_proj.weight, gate.k_proj.weight, cos, sin,
             gate.rope_freq_index, keys.to(torch.bfloat16), scales, lengths,
         )  # fmt: skip
+
+
+def test_a_fused_token_step_keeps_its_gate_keys_through_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A token step over a fused cache (int8 gate keys, one selector per KV head) runs the kernel once per
+    sparse layer, and the cache then holds the gate keys the PyTorch path's cache holds (codes equal or one
+    apart, scales within one fp16 step)."""
+    from gsm_train.attention import inject_gsm
+    from gsm_train.config import GSMConfig
+    from gsm_train.inference.cache import GSMCache, cache_kwargs
+    from gsm_train.kernels import gate_token as module
+    from gsm_train.model_zoo import tiny_model
+
+    calls = []
+    kernel = module.gate_token
+    monkeypatch.setattr(module, "gate_token", lambda *args: calls.append(args[6].shape) or kernel(*args))
+    model = tiny_model("llama")
+    sparse = {"top_k": 4, "k_min": 2, "gate_head_dim": 16, "dense_layers": [0], "heads": "kv", "gate_key_bits": 8}
+    inject_gsm(model, GSMConfig.model_validate({"sparse_attention": sparse}), mode="sparse")
+    model.to(KERNEL_DEVICE)
+    ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(0)).to(KERNEL_DEVICE)
+    caches = [GSMCache(model, capacity=8, fused=fused, prefill="sparse") for fused in (True, False)]
+    with torch.no_grad():
+        for cache in caches:
+            model(ids[:, :6], use_cache=True, **cache_kwargs(model, cache))
+            model(ids[:, 6:], use_cache=True, **cache_kwargs(model, cache))
+    gated = [pair for pair in zip(*(cache.layers for cache in caches), strict=True) if pair[0].adapter.gate]
+    assert len(gated) >= 2 and len(calls) == len(gated)  # the dense layer 0 has no gate
+    for fused, eager in gated:
+        assert int((fused.gate_keys[:, :, :7].int() - eager.gate_keys[:, :, :7].int()).abs().max()) <= 1
+        torch.testing.assert_close(
+            fused.gate_key_scales[:, :, :7], eager.gate_key_scales[:, :, :7], rtol=2**-10, atol=0
+        )
