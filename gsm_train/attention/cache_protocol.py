@@ -48,6 +48,10 @@ class LayerCache(Protocol):
     def keep_gate_keys(self, gate_keys: Tensor, bits: int) -> None:
         """Store the call's gate keys [B, n, T, dg] at `bits`."""
 
+    def token_gate(self, gate: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor) -> Tensor | None:
+        """A token step where the cache runs the gate itself: the new token's gate query [B, n, 1, dg], its
+        key kept; None where the gate module and `keep_gate_keys` run instead."""
+
     def cached_attention(self, step: CachedStep) -> Tensor:
         """The new tokens' attention output [B, T, Hq, D] over this layer's cache."""
 

@@ -90,14 +90,19 @@ def run_gate(
     layer_cache: LayerCache | None,
     query: bool = True,
     detach: bool = False,
-) -> tuple[Tensor | None, Tensor]:
+) -> tuple[Tensor | None, Tensor | None]:
     """The gate's queries and keys [B, n, T, dg] of the call's tokens from the layer input (hidden, cos, sin;
     `detach`: the hidden states detached), the queries None without `query` (`SparseGate.keys`: the same
     keys, without computing queries). A generation cache keeps the keys: the one place GSM writes gate keys
-    into a cache."""
+    into a cache (on a token step's device path the cache's `token_gate` runs the gate in one kernel and
+    the keys come back None)."""
     gate = adapter.gate
     hidden, cos, sin = inputs
     hidden = hidden.detach() if detach else hidden
+    if query and layer_cache is not None:
+        token_query = layer_cache.token_gate(gate, hidden, cos, sin)  # a token step's one-kernel path
+        if token_query is not None:
+            return token_query, None
     gate_q, gate_k = gate(hidden, cos, sin) if query else (None, gate.keys(hidden, cos, sin))
     if layer_cache is not None:
         layer_cache.keep_gate_keys(gate_k, gate.key_bits)

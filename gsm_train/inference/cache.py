@@ -38,6 +38,7 @@ from gsm_train.functional.gate_keys import GATE_KEY_DTYPE, encode_gate_keys
 from gsm_train.inference.decode_attention import decode_attention
 from gsm_train.inference.kv_store import CacheLengths, KVStore
 from gsm_train.inference.prefill import chunk_attention, dense_chunk_attention
+from gsm_train.kernels import gate_token
 from gsm_train.kernels.decode_topk import kernel_ready
 from gsm_train.modules.errors import GSMError
 from gsm_train.quant import stored_split
@@ -142,6 +143,24 @@ class GSMCacheLayer(CacheLayerMixin):
         self.gate_keys[:, :, start:end] = codes
         if scales is not None:
             self.gate_key_scales[:, :, start:end] = scales
+
+    def token_gate(self, gate: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor) -> Tensor | None:
+        """A token step on the device path: the gate's query [B, n, 1, dg] (fp32) of the new token, its key
+        written at the slot the device lengths name, by one kernel (`kernels.gate_token`: projections, RoPE,
+        encoding, write). None elsewhere (the PyTorch path, a prompt chunk, a bridge target, a gate the
+        kernel does not serve): then `run_gate` runs the gate module and `keep_gate_keys`."""
+        q_weight, k_weight = gate.q_proj.weight, gate.k_proj.weight
+        if not (
+            self.cache.token_step
+            and self.kernels is not None
+            and self.source is None
+            and gate_token.kernel_runs(hidden, q_weight, k_weight, gate.gate_head_dim)
+        ):
+            return None
+        return gate_token.gate_token(
+            hidden, q_weight, k_weight, cos, sin, gate.rope_freq_index,
+            self.gate_keys, self.gate_key_scales, self.lengths.device,
+        )  # fmt: skip
 
     def attends_itself(self) -> bool:
         """Whether this call's attention runs over the cache (a token or a prompt chunk after earlier

@@ -4,7 +4,8 @@ Per layer: score the cached gate keys with the new gate query, keep the top-k po
 as training: own position, sinks and recent tokens forced; dense while k covers everything), gather and
 dequantize only those K/V rows (the bridge maps the source layer's rows on the fly), and attend.
 
-Two paths compute the same function. On CUDA with Triton (`layer_cache.kernels`), the gate scores, the
+Two paths compute the same function. On CUDA with Triton (`layer_cache.kernels`), the gate's work on
+the new token (`kernels.gate_token`: its query, and its key written into the cache), the gate scores, the
 top-k (`kernels.decode_topk`) and the fused gather / dequantize / attend (`kernels.sparse_decode`) read
 how many tokens the cache holds from the device (`CacheLengths.device`) and work on the buffers' full
 capacity (keys past the length score -inf), so one launch sequence, captured in a CUDA graph, serves

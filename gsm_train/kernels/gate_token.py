@@ -1,0 +1,182 @@
+"""The new token's gate work at decode in one Triton kernel per layer: the gate's query and key projections
+of the token's normed hidden state, their RoPE by each selector's chosen frequencies, the key encoded as
+the cache stores it and written at the token's slot, the query returned for `sparse_decode.gate_scores`.
+
+In PyTorch that work (`SparseGateHead.forward` on one token, then `GSMLayerCache.keep_gate_keys`) is about
+25 small kernels per layer: casts and copies of the hidden state, two fp32 GEMVs, the gathers of the RoPE
+tables and the rotation's multiplies, negation and concatenation, the int8 encoding's abs, amax, divide,
+round and clamp, and the `index_copy_` into the buffers. On the H100 at the 8B shape (32k prompt, batch
+1) they took about 1.9 ms of a 10.9 ms step, more than the gate scores, the top-k and the sparse decode
+together (docs/design-decisions.md, 'The decode step's gate work is one kernel per layer').
+
+One program per (batch row, selector): it streams the selector's rows of both projections (fp32, 2 x dg
+rows of d) against the hidden state once, sums in fp32, rotates the pairs (i, i + dg/2) by the model's
+cos/sin at `rope_freq_index` (cast to fp32, as `rope_tables` casts them to the projections' dtype), and
+stores. The slot comes from the cache's device lengths (`lengths[0] - 1`), so no host value of the step's
+enters the launch and one captured launch serves every step.
+
+What is exact and what is not: the hidden state and the RoPE tables are taken in fp32 exactly as the
+PyTorch path takes them, and the encoding is `encode_gate_keys`' to the bit for the same fp32 key (the
+scale max|k| / 127 divided with IEEE rounding, at least fp16's smallest normal, rounded to fp16 ties to
+even; codes rounded half to even and clamped to +-127; bf16 at 16 bits rounded to nearest even).
+The projections' sums run in another order than cuBLAS's GEMV, and the rotation's products may be fused
+into FMAs, so q and k agree with the PyTorch gate's to about 1e-6 relative, not bit for bit; an int8 code
+then differs from the PyTorch path's only where that moves k / scale across a rounding boundary, by one
+(and a scale by one fp16 step where max|k| / 127 sits on a boundary of fp16's grid). Teacher forcing's
+own keys (a batched matmul) already differ from the PyTorch decode's GEMV the same way.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from gsm_train.functional.gate_keys import INT8_LEVELS
+from gsm_train.kernels import kernel_fits
+from gsm_train.quant import FP16_TINY
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # decode_attention's PyTorch gate serves
+    triton = None
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+TILE = 2048  # weight elements per program and step of each of the four row blocks (q and k, each half of the pairs)
+ROUNDER = 12582912.0  # 1.5 * 2**23: (y + ROUNDER) - ROUNDER is y rounded half to even in fp32, for |y| < 2**22
+
+
+def kernel_runs(hidden: Tensor, q_weight: Tensor, k_weight: Tensor, gate_head_dim: int) -> bool:
+    """Whether `gate_token` serves a gate with these projection weights ([n * dg, d] each) for hidden
+    [B, 1, d]: Triton with a CUDA tensor (or Triton's interpreter), fp32 weights of one shape (one query
+    row per key row: a gate with one query head per selector), a gate head the kernels fit
+    (`kernel_fits`), and no autocast (under it the PyTorch gate projects in autocast's dtype)."""
+    here = hidden.is_cuda or INTERPRETED
+    fp32 = q_weight.dtype == k_weight.dtype == torch.float32
+    autocast = torch.is_autocast_enabled(hidden.device.type)
+    one_token = hidden.dim() == 3 and hidden.shape[1] == 1
+    return (
+        triton is not None
+        and here
+        and fp32
+        and not autocast
+        and one_token
+        and q_weight.shape == k_weight.shape
+        and kernel_fits(gate_head_dim)
+    )
+
+
+if triton is not None:
+
+    @triton.jit
+    def _bf16_grid(x):
+        """fp32 `x` rounded to the nearest bf16 value, ties to even, in integer arithmetic on its bits (exact
+        on every backend: Triton's interpreter rounds a bf16 cast otherwise), still fp32."""
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _gate_token_kernel(
+        hidden_ptr, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr, freq_ptr,  # the token, the gate, RoPE
+        keys_ptr, scales_ptr, q_out_ptr, lengths_ptr,  # the cache's gate-key buffers, the query out, lengths
+        hidden_stride, rope_stride, rope_dim_stride, capacity, selectors, d,
+        DG: tl.constexpr, BLOCK_D: tl.constexpr, INT8: tl.constexpr, LEVELS: tl.constexpr, TINY: tl.constexpr,
+        ROUND: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0)  # one (batch row, selector)
+        batch = row // selectors
+        selector = row % selectors
+        HALF: tl.constexpr = DG // 2
+        pairs = tl.arange(0, HALF)
+        first = (selector * DG + pairs).to(tl.int64) * d  # the weight rows of the pairs' first halves
+        second = first + HALF * d  # and of their second halves (rotate-half layout)
+        cols = tl.arange(0, BLOCK_D)
+        q1 = tl.zeros([HALF, BLOCK_D], tl.float32)
+        q2 = tl.zeros([HALF, BLOCK_D], tl.float32)
+        k1 = tl.zeros([HALF, BLOCK_D], tl.float32)
+        k2 = tl.zeros([HALF, BLOCK_D], tl.float32)
+        for start in range(0, d, BLOCK_D):
+            at = start + cols
+            inside = at < d
+            h = tl.load(hidden_ptr + batch * hidden_stride + at, mask=inside, other=0.0).to(tl.float32)[None, :]
+            mask = inside[None, :]
+            q1 += tl.load(q_weight_ptr + first[:, None] + at[None, :], mask=mask, other=0.0) * h
+            q2 += tl.load(q_weight_ptr + second[:, None] + at[None, :], mask=mask, other=0.0) * h
+            k1 += tl.load(k_weight_ptr + first[:, None] + at[None, :], mask=mask, other=0.0) * h
+            k2 += tl.load(k_weight_ptr + second[:, None] + at[None, :], mask=mask, other=0.0) * h
+        q1, q2, k1, k2 = tl.sum(q1, 1), tl.sum(q2, 1), tl.sum(k1, 1), tl.sum(k2, 1)
+        # RoPE by the selector's frequencies: the model's cos/sin [..., head_dim] at rope_freq_index, in fp32
+        rope_at = batch * rope_stride + tl.load(freq_ptr + selector * HALF + pairs) * rope_dim_stride
+        c = tl.load(cos_ptr + rope_at).to(tl.float32)
+        s = tl.load(sin_ptr + rope_at).to(tl.float32)
+        out_at = row * DG + pairs
+        tl.store(q_out_ptr + out_at, q1 * c - q2 * s)
+        tl.store(q_out_ptr + out_at + HALF, q2 * c + q1 * s)
+        r1 = k1 * c - k2 * s
+        r2 = k2 * c + k1 * s
+        slot = tl.load(lengths_ptr).to(tl.int64) - 1  # the new token's slot, read when the kernel runs
+        held_at = row.to(tl.int64) * capacity + slot
+        key_at = held_at * DG + pairs
+        if INT8:  # encode_gate_keys at 8 bits: scale = fp16(max(max|k| / 127, fp16's smallest normal))
+            amax = tl.maximum(tl.max(tl.abs(r1), 0), tl.max(tl.abs(r2), 0))
+            scale16 = tl.maximum(tl.math.div_rn(amax, LEVELS), TINY).to(tl.float16)
+            scale = scale16.to(tl.float32)
+            code1 = (tl.math.div_rn(r1, scale) + ROUND) - ROUND  # round half to even, as torch.round
+            code2 = (tl.math.div_rn(r2, scale) + ROUND) - ROUND
+            tl.store(keys_ptr + key_at, tl.minimum(tl.maximum(code1, -LEVELS), LEVELS).to(tl.int8))
+            tl.store(keys_ptr + key_at + HALF, tl.minimum(tl.maximum(code2, -LEVELS), LEVELS).to(tl.int8))
+            tl.store(scales_ptr + held_at, scale16)
+        else:  # bf16, rounded to nearest even (then the cast is exact)
+            tl.store(keys_ptr + key_at, _bf16_grid(r1).to(tl.bfloat16))
+            tl.store(keys_ptr + key_at + HALF, _bf16_grid(r2).to(tl.bfloat16))
+
+
+def gate_token(
+    hidden: Tensor,
+    q_weight: Tensor,
+    k_weight: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    freq_index: Tensor,
+    gate_keys: Tensor,
+    key_scales: Tensor | None,
+    lengths: Tensor,
+) -> Tensor:
+    """The new token's gate query [B, n, 1, dg] (fp32), its gate key written into the cache's buffers.
+
+    hidden [B, 1, d] (bf16, fp16 or fp32): the token's normed layer input; q_weight, k_weight [n * dg, d]
+    (fp32): the gate's projections (`SparseGateHead.q_proj` / `k_proj`); cos, sin [B or 1, 1, head_dim]:
+    the model's RoPE at the token's position; freq_index [n, dg / 2] (int64): `rope_freq_index`;
+    gate_keys [B, n, C, dg]: int8 codes with `key_scales` fp16 [B, n, C, 1] (8 bits), or bf16 with
+    `key_scales` None (16 bits); lengths int32 [2] on the device (`CacheLengths.device`): the key goes to
+    slot lengths[0] - 1, read when the kernel runs (capture-safe). The query equals
+    `SparseGateHead.forward`'s and the stored key `encode_gate_keys` of its key, up to the summation
+    order of the projections (module docstring)."""
+    batch, tokens, d = hidden.shape
+    _, selectors, capacity, dim = gate_keys.shape
+    int8 = key_scales is not None
+    expected_dtype = torch.int8 if int8 else torch.bfloat16
+    if tokens != 1 or gate_keys.dtype != expected_dtype or q_weight.shape != (selectors * dim, d):
+        raise ValueError(
+            f"gate_token: takes hidden [B, 1, d], projection weights [n * dg, d] and gate-key buffers "
+            f"[B, n, C, dg] ({expected_dtype} {'with' if int8 else 'without'} scales); got hidden "
+            f"{tuple(hidden.shape)}, weights {tuple(q_weight.shape)}, "
+            f"buffers {gate_keys.dtype} {tuple(gate_keys.shape)}"
+        )
+    if hidden.stride(-1) != 1:
+        hidden = hidden.contiguous()
+    if cos.stride() != sin.stride():  # the kernel reads both at the same offsets
+        cos, sin = cos.contiguous(), sin.contiguous()
+    gate_q = torch.empty(batch, selectors, 1, dim, device=hidden.device, dtype=torch.float32)
+    half = dim // 2
+    _gate_token_kernel[(batch * selectors,)](
+        hidden, q_weight.contiguous(), k_weight.contiguous(), cos, sin, freq_index.contiguous(),
+        gate_keys, key_scales if int8 else gate_keys, gate_q, lengths,
+        hidden.stride(0), cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(-1), capacity, selectors, d,
+        DG=dim, BLOCK_D=max(16, min(triton.next_power_of_2(d), TILE // half)), INT8=int8,
+        LEVELS=float(INT8_LEVELS), TINY=FP16_TINY, ROUND=ROUNDER, num_warps=8,
+    )  # fmt: skip
+    return gate_q
