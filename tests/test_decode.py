@@ -647,3 +647,23 @@ def test_generate_command(exported_tiny: Path, capsys: pytest.CaptureFixture) ->
     assert captured.out.strip()  # the text, streamed
     assert cli_main(["generate", "--model", "tiny-llama", "--prompt", "Once", "--max-new-tokens", "3"]) == 0
     assert "dense base: 3 tokens" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("sparse", "mode", "captured"),
+    [
+        ({**SPARSE, "gate_query_heads": 3}, "sparse", False),
+        ({**SPARSE, "gate_head_dim": 12}, "sparse", False),
+        (SPARSE, "sparse", True),
+        ({**SPARSE, "gate_query_heads": 3}, "dense", True),  # dense mode scores nothing
+    ],
+)
+def test_a_gate_scored_on_the_host_is_not_captured(sparse: dict, mode: str, captured: bool) -> None:
+    """A token step whose gate `score_stored` scores (several query heads, or a size the score kernel does
+    not take) reads the host length, so it is not captured in a CUDA graph (a replay would keep the length)."""
+    from gsm_train.attention.settings import gsm_settings
+    from gsm_train.inference.decode_graph import gate_scored_on_the_host
+
+    reason = gate_scored_on_the_host(gsm_settings(_model("llama", {"sparse_attention": sparse}, mode)))
+    assert (reason is None) == captured
+    assert captured or "scored on the PyTorch path" in reason

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from gsm_train.attention.settings import gsm_settings
+from gsm_train.attention.settings import GSMSettings, gsm_settings
 from gsm_train.inference.cache import GSMCache, cache_kwargs
 from gsm_train.inference.decode_attention import captured_k, fused_scores
 from gsm_train.modules.errors import GSMError
@@ -34,11 +34,18 @@ def graphs_supported(model: nn.Module, cache: GSMCache) -> str | None:
     settings = gsm_settings(model)
     if settings.config.cross_layer_sharing.enabled:
         return "a cache bridge's targets gather their rows with host lengths"
+    return gate_scored_on_the_host(settings)
+
+
+def gate_scored_on_the_host(settings: GSMSettings) -> str | None:
+    """Why a sparse-mode token step is not captured for the gate (None: it may be): a gate the score kernel
+    does not take (several query heads, or a size the kernels do not fit) is scored by `score_stored`
+    over the keys the host length counts, which a replay would keep at the captured step's."""
     sparse = settings.config.sparse_attention
     if settings.mode == "sparse" and sparse.enabled and not fused_scores(sparse.gate_head_dim, sparse.gate_query_heads):
         return (
-            "the gate is scored on the PyTorch path (several query heads, or a size the kernels do not take), "
-            "which reads host lengths"
+            f"the gate (gate_query_heads={sparse.gate_query_heads}, gate_head_dim={sparse.gate_head_dim}) is "
+            "scored on the PyTorch path, which reads host lengths"
         )
     return None
 
