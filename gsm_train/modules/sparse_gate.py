@@ -98,7 +98,9 @@ class SparseGateHead(nn.Module):
         weights = self.weights_proj(hidden).view(batch, length, selectors, heads).transpose(1, 2)
         return pack_queries(q, weights)
 
-    def _distill_by_autograd(self, hidden: Tensor, cos: Tensor, sin: Tensor, distill: DistillTarget) -> tuple:
+    def _distill_by_autograd(
+        self, hidden: Tensor, cos: Tensor, sin: Tensor, distill: DistillTarget
+    ) -> tuple[Tensor, Tensor]:
         """Stage 1's KL sum and rows counted (as the fused path of one query head gives) for several query
         heads: queries of the sampled rows only, every key, `gate_distill_loss` in one chunk, and autograd
         back to the projections."""
