@@ -144,6 +144,8 @@ class SparseAttentionConfig(StrictModel):
     top_k_fraction: float | None = Field(None, gt=0.0, le=1.0)
     gate_head_dim: int = Field(64, ge=2, le=1024)
     gate_key_bits: Literal[8, 16] = 16  # how the KV cache stores gate keys: 16 = bf16, 8 = int8 + fp16 scale per key
+    # gate query heads over the one cached key per token: 1 = q.k; H > 1 = sum_h w_h relu(q_h.k) (DSA's indexer)
+    gate_query_heads: int = Field(1, ge=1, le=64)
     heads: Literal["layer", "kv"] = "layer"
     dense_layers: list[int] = Field(default_factory=list)
     sink_tokens: int = Field(0, ge=0)

@@ -53,6 +53,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "sparse_attention": {**SPARSE, "top_k_schedule": "fraction", "top_k_fraction": 0.5, "top_k": 8}
     },
     "asq_only": {"sparse_attention": {"enabled": False}, "kv_compression": ASQ},
+    # DSA's indexer: 3 query heads over the one cached gate key per token
+    "gate_query_heads": {
+        "sparse_attention": {**SPARSE, "gate_query_heads": 3, "gate_key_bits": 8},
+        "kv_compression": ASQ,
+    },
     "gate_asq_k4_v2": {"sparse_attention": SPARSE, "kv_compression": {**ASQ, "value_quant_bits": 2}},
     "gate_asq_rotated": {"sparse_attention": SPARSE, "kv_compression": {**ASQ, "rotate_residuals": True}},
     "gate_asq_layer_bits": {
@@ -233,6 +238,7 @@ def test_the_cache_goes_in_under_the_name_transformers_takes() -> None:
         "gate_asq_k4_v2",
         "gate_asq_layer_bits",
         "gate_per_token_share",
+        "gate_query_heads",
     ],
 )
 @pytest.mark.parametrize("length", [BLOCK * 4, LENGTH])
@@ -526,6 +532,39 @@ def test_fused_cache_leaves_odd_head_sizes_to_pytorch() -> None:
 
 
 @triton_kernel_test
+def test_fused_cache_scores_several_gate_query_heads_on_the_pytorch_path() -> None:
+    """Several gate query heads: the gate-score kernel takes one, so the fused cache scores them with
+    `score_stored` (the rest fused) and decodes as teacher forcing; the kernel itself refuses them."""
+    from gsm_train.kernels.sparse_decode import gate_scores
+
+    sparse = {**SPARSE, "gate_query_heads": 3, "heads": "kv"}
+    model = _model("llama", {"sparse_attention": sparse}).to(KERNEL_DEVICE)
+    _assert_fused_decoding_is_teacher_forcing(model)
+    keys = torch.zeros(1, 1, 8, 16, device=KERNEL_DEVICE)
+    lengths = torch.tensor([8, 0], dtype=torch.int32, device=KERNEL_DEVICE)
+    with pytest.raises(ValueError, match="one gate query head"):
+        gate_scores(torch.zeros(1, 1, 1, 3 * 17, device=KERNEL_DEVICE), keys, None, lengths, 0, 0)
+
+
+def test_an_export_with_several_gate_query_heads_decodes_as_teacher_forcing_in_fp64(tmp_path: Path) -> None:
+    """Exported and loaded, a gate of 3 query heads per KV group decodes through the cache as the
+    teacher-forced pass does, to fp64 rounding."""
+    from gsm_train.export import load_gsm
+
+    sections = {**CONFIGS["gate_query_heads"], "sparse_attention": {**SPARSE, "gate_query_heads": 3, "heads": "kv"}}
+    folder = export_adapter(_model("llama", sections), tmp_path / "export", base_name="tiny-llama")
+    model = tiny_model("llama")
+    load_gsm(model, folder, mode="sparse")
+    model = model.double()
+    ids = _ids()
+    with torch.no_grad():
+        teacher_forced = model(ids, use_cache=False).logits
+    torch.testing.assert_close(
+        _step_by_step(model, ids, GSMCache(model, prefill="sparse")), teacher_forced, atol=1e-10, rtol=0
+    )
+
+
+@triton_kernel_test
 def test_fused_cache_forces_sinks_and_recent_tokens_as_teacher_forcing() -> None:
     """Sinks, recent tokens and the newest position are forced into every selection: on the fused path the
     gate-score kernel writes their +inf with the scores (one selection per KV head, int8 gate keys here).
@@ -604,3 +643,23 @@ def test_generate_command(exported_tiny: Path, capsys: pytest.CaptureFixture) ->
     assert captured.out.strip()  # the text, streamed
     assert cli_main(["generate", "--model", "tiny-llama", "--prompt", "Once", "--max-new-tokens", "3"]) == 0
     assert "dense base: 3 tokens" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("sparse", "mode", "captured"),
+    [
+        ({**SPARSE, "gate_query_heads": 3}, "sparse", False),
+        ({**SPARSE, "gate_head_dim": 12}, "sparse", False),
+        (SPARSE, "sparse", True),
+        ({**SPARSE, "gate_query_heads": 3}, "dense", True),  # dense mode scores nothing
+    ],
+)
+def test_a_gate_scored_on_the_host_is_not_captured(sparse: dict, mode: str, captured: bool) -> None:
+    """A token step whose gate `score_stored` scores (several query heads, or a size the score kernel does
+    not take) reads the host length, so it is not captured in a CUDA graph (a replay would keep the length)."""
+    from gsm_train.attention.settings import gsm_settings
+    from gsm_train.inference.decode_graph import gate_scored_on_the_host
+
+    reason = gate_scored_on_the_host(gsm_settings(_model("llama", {"sparse_attention": sparse}, mode)))
+    assert (reason is None) == captured
+    assert captured or "scored on the PyTorch path" in reason

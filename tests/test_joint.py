@@ -16,6 +16,7 @@ from gsm_train.attention import gsm_disabled, inject_gsm
 from gsm_train.config import GSMConfig, load_recipe
 from gsm_train.export import export_adapter, load_gsm
 from gsm_train.model_zoo import tiny_model
+from gsm_train.modules import GSMError
 from gsm_train.session import param_groups as _param_groups
 from gsm_train.stages import JointStage
 from gsm_train.train import main as train_main
@@ -254,3 +255,24 @@ def test_joint_starts_from_the_gate_only_export(tmp_path: Path) -> None:
         loaded, exported = model.model.layers[layer].self_attn.gsm.gate, gated.model.layers[layer].self_attn.gsm.gate
         assert torch.equal(loaded.q_proj.weight, exported.q_proj.weight)
         assert torch.equal(loaded.rope_freq_index, exported.rope_freq_index)
+
+
+def test_joint_continues_gates_of_several_query_heads_and_refuses_a_recipe_of_another_count(tmp_path: Path) -> None:
+    """A gate export of 4 query heads (`gate_query_heads`) continues in a joint recipe that says 4, every
+    gate tensor loaded; a recipe of another count is one error naming the field and the fix before any
+    tensor loads (not a shape misfit blamed on a damaged export)."""
+    sparse = {"top_k": 8, "k_min": 8, "gate_head_dim": 16, "gate_init": "random", "gate_query_heads": 4}
+    gated = tiny_model("llama")
+    inject_gsm(gated, GSMConfig.model_validate({"sparse_attention": sparse}))
+    export = export_adapter(gated, tmp_path / "gate_only", base_name="tiny-llama")
+    overrides = [*TINY, "gsm.sparse_attention.gate_head_dim=16", f"init_from={export}"]
+    model = tiny_model("llama")
+    JointStage().attach(model, load_recipe(JOINT, [*overrides, "gsm.sparse_attention.gate_query_heads=4"]))
+    loaded, exported = model.model.layers[2].self_attn.gsm.gate, gated.model.layers[2].self_attn.gsm.gate
+    assert loaded.query_heads == 4
+    for name, tensor in exported.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    with pytest.raises(
+        GSMError, match=r"gate_query_heads=4, the recipe's 1.*set gsm.sparse_attention.gate_query_heads=4"
+    ):
+        JointStage().attach(tiny_model("llama"), load_recipe(JOINT, overrides))

@@ -115,7 +115,14 @@ def _build_adapter(layer_idx: int, attn: nn.Module, config: GSMConfig, dims: dic
     gate = asq_k = asq_v = bridge = None
     if sparse.enabled and layer_idx not in sparse.dense_layers:
         selectors = 1 if sparse.heads == "layer" else dims["kv_heads"]
-        gate = SparseGateHead(dims["hidden"], sparse.gate_head_dim, dims["head_dim"], selectors, sparse.gate_key_bits)
+        gate = SparseGateHead(
+            dims["hidden"],
+            sparse.gate_head_dim,
+            dims["head_dim"],
+            selectors,
+            sparse.gate_key_bits,
+            sparse.gate_query_heads,
+        )
         if sparse.gate_init == "qk_svd":
             gate.init_from_attention(
                 attn.q_proj.weight, attn.k_proj.weight, dims["heads"], dims["kv_heads"], dims["head_dim"]

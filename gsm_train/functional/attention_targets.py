@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from gsm_train.compiled import compiled
+from gsm_train.functional.gate_scores import gate_logits
 from gsm_train.kernels import attention_target
 
 
@@ -54,22 +55,44 @@ def head_averaged_probs(
     return probs.view(batch, num_selectors, num_heads // num_selectors, length, -1).mean(dim=2)
 
 
+def _kl_sum(logits: Tensor, target: Tensor, mask: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
+    """The sum of KL(target || softmax(logits)) over the counted `rows`, and the gate's log-probabilities."""
+    log_gate = torch.log_softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
+    log_target = torch.log(target.clamp_min(1e-30))
+    kl = torch.where(target > 0, target * (log_target - log_gate), torch.zeros_like(target)).sum(-1)
+    return (kl * rows).sum(), log_gate
+
+
 def chunk_kl(
     gate_q: Tensor, gate_k: Tensor, target: Tensor, mask: Tensor, rows: Tensor, want_grad: bool
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """One query chunk: the sum of KL(target || softmax(gate logits)) over its counted `rows`, and (if
     `want_grad`) its gradients for the chunk's gate queries and for the gate keys it sees. `target` is
-    `head_averaged_probs` of the chunk."""
+    `head_averaged_probs` of the chunk. One query head (gate_q as wide as gate_k): the logits and their
+    gradient by hand (the logits scaled after the product); several (`gate_scores`): `_chunk_kl_by_autograd`."""
+    if gate_q.shape[-1] != gate_k.shape[-1]:
+        return _chunk_kl_by_autograd(gate_q, gate_k, target, mask, rows, want_grad)
     scale = gate_q.shape[-1] ** -0.5
     logits = torch.matmul(gate_q, gate_k.transpose(-1, -2)) * scale
-    log_gate = torch.log_softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
-    log_target = torch.log(target.clamp_min(1e-30))
-    kl = torch.where(target > 0, target * (log_target - log_gate), torch.zeros_like(target)).sum(-1)
-    total = (kl * rows).sum()
+    total, log_gate = _kl_sum(logits, target, mask, rows)
     if not want_grad:
         return total, None, None
     grad_logits = (log_gate.exp() - target).masked_fill(~mask, 0.0) * (rows[..., None] * scale)
     return total, torch.matmul(grad_logits, gate_k), torch.matmul(grad_logits.transpose(-1, -2), gate_q)
+
+
+def _chunk_kl_by_autograd(
+    gate_q: Tensor, gate_k: Tensor, target: Tensor, mask: Tensor, rows: Tensor, want_grad: bool
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """`chunk_kl` of query rows with several heads: the logits of `gate_scores.gate_logits` and the
+    gradients through it by autograd, taken within the chunk (so memory stays that of one chunk)."""
+    with torch.enable_grad():
+        gq, gk = gate_q.detach().requires_grad_(want_grad), gate_k.detach().requires_grad_(want_grad)
+        total, _ = _kl_sum(gate_logits(gq, gk), target, mask, rows)
+        if not want_grad:
+            return total.detach(), None, None
+        grad_q, grad_k = torch.autograd.grad(total, (gq, gk))
+    return total.detach(), grad_q, grad_k
 
 
 def full_batch(allowed: Tensor, counted_rows: Tensor, batch: int) -> tuple[Tensor, Tensor]:
@@ -117,7 +140,8 @@ class _GateKL(GradientsFromForward):
         gq, gk = gate_q.float(), gate_k.float()
         length = query.shape[2]
         one_chunk = length <= chunk  # several chunks see different key counts: shapes a compile would chase
-        kl_of_chunk = compiled(chunk_kl) if gq.is_cuda and want_grad and one_chunk else chunk_kl
+        one_head = gq.shape[-1] == gk.shape[-1]  # several query heads take autograd, not compiled
+        kl_of_chunk = compiled(chunk_kl) if gq.is_cuda and want_grad and one_chunk and one_head else chunk_kl
         total = grad_q = grad_k = None
         for start in range(0, length, chunk):
             stop = min(start + chunk, length)

@@ -190,6 +190,12 @@ def decode_attention(step: CachedStep, layer_cache: StoredLayer) -> Tensor:
     return attend(query, keys, values, valid, step.scaling)
 
 
+def fused_scores(gate_head_dim: int, query_heads: int) -> bool:
+    """Whether the gate-score kernel scores this gate: one query head of a size the kernels take (else
+    `SparseGateHead.score_stored`, which reads the host length, so such a step is not captured)."""
+    return query_heads == 1 and kernel_fits(gate_head_dim)
+
+
 def _fused_selection(layer_cache: StoredLayer) -> bool:
     """Whether this layer selects on the device path (CUDA kernels; no bridge target reading host lengths)."""
     return layer_cache.kernels is not None and layer_cache.source is None
@@ -209,7 +215,7 @@ def select_keys(step: CachedStep, layer_cache: StoredLayer) -> tuple[Tensor, Ten
     position = layer_cache.lengths.seq_len - 1  # on the host: the schedule's k (a captured step bakes it)
     k = decode_k(settings.config, position)
     kernels = layer_cache.kernels
-    if _fused_selection(layer_cache) and kernel_fits(gate.gate_head_dim):
+    if _fused_selection(layer_cache) and fused_scores(gate.gate_head_dim, gate.query_heads):
         capacity = layer_cache.gate_keys.shape[2]
         scores = kernels.gate_scores(
             gate_q,

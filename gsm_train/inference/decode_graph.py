@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from gsm_train.attention.settings import gsm_settings
+from gsm_train.attention.settings import GSMSettings, gsm_settings
 from gsm_train.inference.cache import GSMCache, cache_kwargs
-from gsm_train.inference.decode_attention import captured_k
+from gsm_train.inference.decode_attention import captured_k, fused_scores
 from gsm_train.modules.errors import GSMError
 
 WARMUP_STEPS = 2  # eager steps before a capture: Triton compiles and autotunes, libraries build their handles
@@ -25,13 +25,28 @@ WARMUP_STEPS = 2  # eager steps before a capture: Triton compiles and autotunes,
 
 def graphs_supported(model: nn.Module, cache: GSMCache) -> str | None:
     """Why this model's token steps cannot be captured (None: they can): they need CUDA, the fused kernels,
-    and no bridge target (its rows are gathered with host lengths)."""
+    no bridge target (its rows are gathered with host lengths) and, in sparse mode, gates the score kernel
+    takes (`fused_scores`)."""
     if cache.kernels is None:
         return "the fused decode kernels do not run here (CUDA and Triton are needed)"
     if not torch.cuda.is_available() or next(model.parameters()).device.type != "cuda":
         return "the model is not on a CUDA device"
-    if gsm_settings(model).config.cross_layer_sharing.enabled:
+    settings = gsm_settings(model)
+    if settings.config.cross_layer_sharing.enabled:
         return "a cache bridge's targets gather their rows with host lengths"
+    return gate_scored_on_the_host(settings)
+
+
+def gate_scored_on_the_host(settings: GSMSettings) -> str | None:
+    """Why a sparse-mode token step is not captured for the gate (None: it may be): a gate the score kernel
+    does not take (several query heads, or a size the kernels do not fit) is scored by `score_stored`
+    over the keys the host length counts, which a replay would keep at the captured step's."""
+    sparse = settings.config.sparse_attention
+    if settings.mode == "sparse" and sparse.enabled and not fused_scores(sparse.gate_head_dim, sparse.gate_query_heads):
+        return (
+            f"the gate (gate_query_heads={sparse.gate_query_heads}, gate_head_dim={sparse.gate_head_dim}) is "
+            "scored on the PyTorch path, which reads host lengths"
+        )
     return None
 
 

@@ -550,8 +550,11 @@ def gate_scores(
     same products as `SparseGateHead.score_stored`, reading the keys once as stored. `lengths[0]` (int32,
     on the device) keys are held; the rest get -inf, as do keys `key_valid` [B, C] marks False (padding).
     The keys a selection always keeps (`decode_attention.forced_spans`: sinks, the recent tokens and the
-    newest position) get +inf, so no kernel of their own writes them."""
+    newest position) get +inf, so no kernel of their own writes them. One gate query head only (a query as
+    wide as the keys); several take the PyTorch path (`decode_attention.fused_scores`)."""
     batch, selectors, capacity, dim = gate_keys.shape
+    if gate_q.shape[-1] != dim:
+        raise ValueError(f"gate_scores takes one gate query head (queries of {dim} values), got {gate_q.shape[-1]}")
     out = torch.empty(batch, selectors, capacity, device=gate_keys.device, dtype=torch.float32)
     scales = key_scales.contiguous() if key_scales is not None else out
     valid = key_valid.to(torch.int8).contiguous() if key_valid is not None else out

@@ -29,13 +29,32 @@ from gsm_train.attention import (
 from gsm_train.chat_data import IGNORE_INDEX, inputs_and_labels
 from gsm_train.config import RecipeConfig
 from gsm_train.distributed import all_reduce_sum
-from gsm_train.export import check_base, load_tensors, read_export
+from gsm_train.export import build_settings, check_base, load_tensors, read_export
 from gsm_train.lora import inject_lora, lora_parameters
 from gsm_train.modules import GSMError
 from gsm_train.plots import plot_recall_per_layer
 
 _MASS_KEYS = ("gate", "oracle", "queries")
 ASQ_STATS = ("recon_rel_error", "cluster_usage", "dead_clusters")  # logged as asq_<name> at each evaluation
+
+
+GATE_SHAPE_FIELDS = ("gate_head_dim", "heads", "gate_query_heads")  # what sizes the gate's tensors
+
+
+def refuse_other_gate_shape(export: dict[str, Any], config: RecipeConfig) -> None:
+    """GSMError naming the field and the fix where the `init_from` export's gates and the recipe's would
+    differ in shape (`GATE_SHAPE_FIELDS`), e.g. a gate of 4 query heads continued by a recipe of 1: the
+    gate is trained as its export built it, so the recipe must say the same."""
+    theirs, ours = build_settings(export)[0].sparse_attention, config.gsm.sparse_attention
+    if not (theirs.enabled and ours.enabled):
+        return
+    for field in GATE_SHAPE_FIELDS:
+        if getattr(theirs, field) != getattr(ours, field):
+            raise GSMError(
+                f"init_from {config.init_from}: its gates have sparse_attention.{field}="
+                f"{getattr(theirs, field)}, the recipe's {getattr(ours, field)}, so their tensors do not fit; "
+                f"set gsm.sparse_attention.{field}={getattr(theirs, field)} (the export's gates continue as trained)"
+            )
 
 
 def _mean(values: list[Tensor]) -> Tensor | None:
@@ -53,6 +72,7 @@ class JointStage:
         export = read_export(config.init_from) if config.init_from else None  # read once, checked in full
         if export is not None:
             check_base(export.config, model, export.folder)
+            refuse_other_gate_shape(export.config, config)
         inject_gsm(model, config.gsm, mode=config.gsm.sparse_attention.mode)
         if export is not None:  # e.g. the gate_only export: no tensor is required (modules new here
             # start fresh), and gates of layers kept dense here have no place
