@@ -23,6 +23,7 @@ VALID_BITS = (2, 4, 8)
 STORE_DTYPE = torch.float16  # prototypes and scales are stored in fp16
 FP16_MAX = torch.finfo(torch.float16).max
 FP16_TINY = 2.0**-14  # fp16's smallest normal; below it fp16's values are multiples of 2**-24
+INT8_LEVELS = 127  # gate keys at 8 bits: symmetric int8 codes with one fp16 scale per key
 EPS = 1e-6
 RMS_SCALED_BITS = 2  # the width whose scale comes from the rms (the others: from the absmax)
 MIDRISE_STEP = 0.9957  # step / rms of the MSE-optimal uniform 4-level quantizer of a unit Gaussian

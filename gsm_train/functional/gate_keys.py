@@ -6,10 +6,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from gsm_train.quant import FP16_TINY, fp16_grid
+from gsm_train.quant import FP16_TINY, INT8_LEVELS, fp16_grid
 
 GATE_KEY_DTYPE = torch.bfloat16  # how the KV cache stores gate keys at 16 bits (2 bytes per dimension)
-INT8_LEVELS = 127  # gate keys at 8 bits: symmetric int8 codes with one fp16 scale per key
 
 
 def _int8_levels(gate_k: Tensor) -> tuple[Tensor, Tensor]:

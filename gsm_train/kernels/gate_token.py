@@ -33,9 +33,8 @@ import os
 import torch
 from torch import Tensor
 
-from gsm_train.functional.gate_keys import INT8_LEVELS
 from gsm_train.kernels import kernel_fits
-from gsm_train.quant import FP16_TINY
+from gsm_train.quant import FP16_TINY, INT8_LEVELS
 
 try:
     import triton
