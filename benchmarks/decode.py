@@ -42,7 +42,7 @@ from gsm_train.kernels.sparse_decode import (
     fused_decode_attention,
     gate_scores,
 )
-from gsm_train.model_zoo import load_model_and_tokenizer
+from gsm_train.models.model_zoo import load_model_and_tokenizer
 from gsm_train.modules.kv_compressor import ASQCompressor
 from gsm_train.plots import plot_decode_speedup
 

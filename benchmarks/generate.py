@@ -63,7 +63,7 @@ from gsm_train.inference.cache import DEFAULT_PREFILL, PREFILL_MODES, GSMCache, 
 from gsm_train.inference.dense_engine import PREFILL_CHUNK as ENGINE_PREFILL_CHUNK
 from gsm_train.inference.dense_engine import DenseEngine
 from gsm_train.inference.engine import PREFILL_CHUNK, enable_gsm_generation
-from gsm_train.model_zoo import load_model_and_tokenizer, random_model
+from gsm_train.models.model_zoo import load_model_and_tokenizer, random_model
 
 REPO = Path(__file__).resolve().parents[1]
 DENSE_PREFILL_CHUNK = 4096  # the dense 8B rows' prefill chunk (run_row)

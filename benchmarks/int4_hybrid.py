@@ -64,11 +64,11 @@ from gsm_train.attention import gsm_adapters, inject_gsm
 from gsm_train.data import load_text_dataset, pack_tokens
 from gsm_train.evaluate import BASE, evaluate_exports, inference_autocast
 from gsm_train.hub_download import resolve_export
-from gsm_train.hub_ids import base_to_load
 from gsm_train.inference.cache import DEFAULT_PREFILL, PREFILL_MODES
 from gsm_train.inference.engine import enable_gsm_generation
 from gsm_train.int4 import WEIGHT_CHOICES, base_linears, group_size, quantize_base
-from gsm_train.model_zoo import load_model_and_tokenizer
+from gsm_train.models.hub_ids import base_to_load
+from gsm_train.models.model_zoo import load_model_and_tokenizer
 
 ROWS = ("8b_32k_bs1", "8b_128k_bs1", "8b_32k_bs16")  # benchmarks.generate's rows of these names
 METHODS = ("dense_engine", "dense_static_compiled")  # the 4-bit dense methods (eager is slower than both)

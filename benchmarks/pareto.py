@@ -43,11 +43,11 @@ from gsm_train.config import ConfigError
 from gsm_train.data import load_text_dataset, pack_tokens
 from gsm_train.evaluate import perplexity_and_recall, with_selection
 from gsm_train.export import load_gsm, read_export, resolve_export
-from gsm_train.families import model_dims
-from gsm_train.hub_ids import base_to_load
 from gsm_train.inference.engine import enable_gsm_generation
 from gsm_train.kv_budget import budget_choice, fit_kv_budget
-from gsm_train.model_zoo import load_model_and_tokenizer
+from gsm_train.models.families import model_dims
+from gsm_train.models.hub_ids import base_to_load
+from gsm_train.models.model_zoo import load_model_and_tokenizer
 from gsm_train.plots import plot_pareto
 
 KNOBS = {  # the values swept, within each knob's range in the recipe's tuning block

@@ -30,7 +30,7 @@ from gsm_train.data import load_text_dataset, pack_tokens
 from gsm_train.export import load_gsm
 from gsm_train.inference.cache import GSMCache, cache_kwargs
 from gsm_train.inference.engine import enable_gsm_generation
-from gsm_train.model_zoo import load_model_and_tokenizer
+from gsm_train.models.model_zoo import load_model_and_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 

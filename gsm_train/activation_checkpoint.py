@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from gsm_train.attention.forward_state import FORWARD_KWARG, ForwardState, GSMRecords
-from gsm_train.families import decoder_layers
+from gsm_train.models.families import decoder_layers
 
 _MARK = "_gsm_activation_checkpointed"
 

@@ -34,7 +34,7 @@ from pydantic import (
 from gsm_train.assets import EMBEDDED_PREFIX, embedded_asset_path
 from gsm_train.builtin_recipes import resolve_recipe
 from gsm_train.errors import GSMError
-from gsm_train.model_names import model_name_problem
+from gsm_train.models.model_names import model_name_problem
 
 HUB_PREFIX = "hf://"
 DATASET_PREFIX = "datasets.Dataset:"  # the path of a source given as a `datasets.Dataset` in Python

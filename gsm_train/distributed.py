@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from gsm_train.errors import GSMError
-from gsm_train.families import attention_modules, decoder_layers
+from gsm_train.models.families import attention_modules, decoder_layers
 
 
 @dataclass(frozen=True)

@@ -32,13 +32,13 @@ from gsm_train.config import (
 from gsm_train.data import load_text_dataset, pack_tokens
 from gsm_train.distributed import cuda_wanted
 from gsm_train.export import load_gsm
-from gsm_train.families import config_dims
 from gsm_train.functional.attention_targets import MASS_SUMS
 from gsm_train.hub_download import resolve_export
-from gsm_train.hub_ids import base_to_load
 from gsm_train.inspect_model import layer_reports
 from gsm_train.int4 import FULL, checked_group, group_size, quantize_base
-from gsm_train.model_zoo import load_model_and_tokenizer, read_model_config
+from gsm_train.models.families import config_dims
+from gsm_train.models.hub_ids import base_to_load
+from gsm_train.models.model_zoo import load_model_and_tokenizer, read_model_config
 
 BASE = "base"
 
@@ -271,7 +271,7 @@ def prepare_evaluation(
     """Read and check every export in full (name -> folder or Hub repo id; each read once, here) and
     the selection changes before any model loads: `selection` for every export, `selections` per
     export name (over `selection`).
-    `model_name` None: the base the first export names (gsm_train/hub_ids.py, `base_to_load`);
+    `model_name` None: the base the first export names (gsm_train/models/hub_ids.py, `base_to_load`);
     every export must have been trained on it. `weights`: the base's weights (gsm_train/int4.py), a
     4-bit base refused here where it cannot run; `calibrate`: AWQ's calibration forwards for it."""
     checked_group(weights, *_device_and_dtype())

@@ -48,12 +48,12 @@ from gsm_train.adapter_format import (
 from gsm_train.attention import GSMSettings, configure_gsm, gsm_settings, gsm_state_dict, has_gsm, inject_gsm
 from gsm_train.config import GSMConfig, LoraSettings
 from gsm_train.export_folder import export_destination, write_export_folder
-from gsm_train.fingerprint import FINGERPRINT_RULE, base_fingerprint
 from gsm_train.hub_download import resolve_export
-from gsm_train.hub_ids import base_identity
 from gsm_train.lora import inject_lora, lora_parameters, peft_base_name, peft_name, write_peft_config
 from gsm_train.model_card import build_card
-from gsm_train.model_zoo import builtin_weights
+from gsm_train.models.fingerprint import FINGERPRINT_RULE, base_fingerprint
+from gsm_train.models.hub_ids import base_identity
+from gsm_train.models.model_zoo import builtin_weights
 from gsm_train.modules import GSMError
 from gsm_train.published_bytes import redact_local_paths, save_reproducible
 
@@ -87,7 +87,7 @@ class AdapterNames:
 
 def base_description(model: nn.Module, fingerprint: str, name: str, revision: str | None) -> dict:
     """What a loader checks the base model against, and where the base comes from (its Hub id and
-    license where they can be known: gsm_train/hub_ids.py; for a built-in whose weights differ from
+    license where they can be known: gsm_train/models/hub_ids.py; for a built-in whose weights differ from
     its Hub original, which weights they are: `model_zoo.builtin_weights`)."""
     cfg = model.config
     heads = cfg.num_attention_heads

@@ -26,11 +26,11 @@ from gsm_train.adapter_format import ExportError
 from gsm_train.config import check_positions
 from gsm_train.data import DataError
 from gsm_train.distributed import cuda_wanted
-from gsm_train.families import model_dims
 from gsm_train.inference.cache import DEFAULT_PREFILL, GSMCache, cache_kwargs
 from gsm_train.int4 import FULL, checked_group, quantize_base
 from gsm_train.kv_budget import bf16_layer_kv_bytes
-from gsm_train.model_zoo import load_model_and_tokenizer
+from gsm_train.models.families import model_dims
+from gsm_train.models.model_zoo import load_model_and_tokenizer
 from gsm_train.pretrained import GSMModel
 
 FIRST_TIMED_STEP = 2  # decode tokens/s from the third new token: the first is the prompt's, the second

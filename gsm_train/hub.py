@@ -30,8 +30,8 @@ from gsm_train.adapter_format import (
     read_export,
 )
 from gsm_train.errors import GSMError
-from gsm_train.hub_ids import REPO_ID_FIX, is_builtin, repo_id_problem
 from gsm_train.model_card import build_card, card_is_users
+from gsm_train.models.hub_ids import REPO_ID_FIX, is_builtin, repo_id_problem
 from gsm_train.published_bytes import redact_local_paths, redact_path
 
 DEFAULT_COMMIT_MESSAGE = "Upload GSM adapter (gsm-train)"

@@ -17,7 +17,7 @@ from huggingface_hub.errors import (
 )
 
 from gsm_train.adapter_format import EXPORT_FILES, ExportError
-from gsm_train.hub_ids import repo_id_problem
+from gsm_train.models.hub_ids import repo_id_problem
 
 
 def resolve_export(adapter: str | Path, revision: str | None = None) -> Path:

@@ -30,9 +30,9 @@ from gsm_train.config import (
     load_recipe,
     validate_recipe_dict,
 )
-from gsm_train.families import config_dims, model_dims
 from gsm_train.kv_budget import budget_choice, layer_kv_bytes
-from gsm_train.model_zoo import load_model_and_tokenizer, read_model_config
+from gsm_train.models.families import config_dims, model_dims
+from gsm_train.models.model_zoo import load_model_and_tokenizer, read_model_config
 from gsm_train.resolved_recipe import resolve_tuning
 
 

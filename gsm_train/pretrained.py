@@ -17,15 +17,15 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from gsm_train.adapter_format import MERGED_FIELD, read_export
 from gsm_train.attention import GSMSettings
 from gsm_train.export import AdapterNames, export_adapter, load_gsm
-from gsm_train.fingerprint import base_fingerprint
 from gsm_train.hub import publish_export
 from gsm_train.hub_download import resolve_export
-from gsm_train.hub_ids import base_to_load
 from gsm_train.inference.cache import DEFAULT_PREFILL, check_prefill
 from gsm_train.inference.engine import enable_gsm_generation
 from gsm_train.int4 import FULL, checked_group, quantize_base
 from gsm_train.lora import merge_lora
-from gsm_train.model_zoo import load_model_and_tokenizer
+from gsm_train.models.fingerprint import base_fingerprint
+from gsm_train.models.hub_ids import base_to_load
+from gsm_train.models.model_zoo import load_model_and_tokenizer
 from gsm_train.modules import GSMError
 
 

@@ -34,7 +34,7 @@ from gsm_train.config import RecipeConfig
 from gsm_train.distributed import DistInfo, all_reduce_sum, init_distributed
 from gsm_train.export import AdapterNames, export_adapter
 from gsm_train.finite_guard import refuse_non_finite
-from gsm_train.model_zoo import load_model_and_tokenizer
+from gsm_train.models.model_zoo import load_model_and_tokenizer
 from gsm_train.optim import AdamWBF16
 from gsm_train.resolved_recipe import resolve_for_base
 from gsm_train.step_graph import GraphedLoss

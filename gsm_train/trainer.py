@@ -22,9 +22,9 @@ from gsm_train.backend_protocol import Backend
 from gsm_train.config import RecipeConfig, resolved_yaml
 from gsm_train.distributed import DistInfo, init_distributed, raise_on_any_rank, teardown
 from gsm_train.errors import GSMError
-from gsm_train.families import model_dims
 from gsm_train.finite_guard import NonFiniteError, NonFiniteGuard
 from gsm_train.kv_budget import kv_bytes_ratio
+from gsm_train.models.families import model_dims
 from gsm_train.preflight import RunPlan, StartOptions, plan_run
 from gsm_train.run_folder import hold_run_folder, record_run
 from gsm_train.run_log import RunLogger

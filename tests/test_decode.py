@@ -30,7 +30,7 @@ from gsm_train.inference.decode_attention import (
 )
 from gsm_train.inference.kv_store import CacheLengths, KVStore
 from gsm_train.inspect_model import layer_reports
-from gsm_train.model_zoo import TINY_FAMILIES, tiny_model
+from gsm_train.models.model_zoo import TINY_FAMILIES, tiny_model
 from gsm_train.modules import GSMError
 from gsm_train.modules.kv_compressor import ASQCompressor
 

@@ -27,9 +27,9 @@ from gsm_train.attention import gsm_disabled, gsm_state_dict, has_gsm, inject_gs
 from gsm_train.cli import main as cli_main
 from gsm_train.config import GSMConfig, LoraSettings
 from gsm_train.export import export_adapter, load_gsm, read_export
-from gsm_train.fingerprint import base_fingerprint
 from gsm_train.lora import inject_lora
-from gsm_train.model_zoo import tiny_model
+from gsm_train.models.fingerprint import base_fingerprint
+from gsm_train.models.model_zoo import tiny_model
 from gsm_train.train import main as train_main
 from gsm_train.train import train_recipe
 

@@ -22,7 +22,7 @@ from gsm_train.evaluate import prepare_evaluation
 from gsm_train.export import export_adapter, load_gsm
 from gsm_train.inference.cache import GSMCache
 from gsm_train.inference.engine import enable_gsm_generation
-from gsm_train.model_zoo import byte_tokenizer, tiny_model
+from gsm_train.models.model_zoo import byte_tokenizer, tiny_model
 from gsm_train.stages import JointStage, MathGateStage
 
 REPO = Path(__file__).resolve().parents[1]

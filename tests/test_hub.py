@@ -35,7 +35,7 @@ from gsm_train.attention import gsm_state_dict, inject_gsm
 from gsm_train.config import GSMConfig
 from gsm_train.export import export_adapter, load_gsm
 from gsm_train.hub import DEFAULT_COMMIT_MESSAGE, PublishError, publish_export
-from gsm_train.model_zoo import byte_tokenizer, tiny_model
+from gsm_train.models.model_zoo import byte_tokenizer, tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "hf_standInSecretToken0123456789"

@@ -24,7 +24,7 @@ from gsm_train.inference.dense_engine import DenseEngine
 from gsm_train.inference.engine import enable_gsm_generation
 from gsm_train.int4 import QuantizationError, base_linears, check_int4, is_quantized, quantize_base, stored_bytes
 from gsm_train.lora import inject_lora, lora_parameters
-from gsm_train.model_zoo import tiny_model
+from gsm_train.models.model_zoo import tiny_model
 from gsm_train.modules import GSMError
 
 needs_torchao = pytest.mark.skipif(

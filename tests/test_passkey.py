@@ -16,7 +16,7 @@ from gsm_train.cli import main as cli_main
 from gsm_train.config import GSMConfig
 from gsm_train.data import DataError
 from gsm_train.export import export_adapter
-from gsm_train.model_zoo import byte_tokenizer, tiny_model
+from gsm_train.models.model_zoo import byte_tokenizer, tiny_model
 from gsm_train.passkey import (
     INTRO,
     NEEDLE,

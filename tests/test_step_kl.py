@@ -12,7 +12,7 @@ from gsm_train.attention import gsm_disabled, inject_gsm
 from gsm_train.config import GSMConfig
 from gsm_train.inference.cache import GSMCache
 from gsm_train.inference.engine import enable_gsm_generation
-from gsm_train.model_zoo import tiny_model
+from gsm_train.models.model_zoo import tiny_model
 
 SPARSE = {"top_k": 6, "k_min": 2, "gate_head_dim": 16, "dense_layers": [0], "mode": "sparse"}
 ASQ = {"enabled": True, "block_size": 8, "cluster_num": 4, "hidden_dim": 8}

@@ -32,7 +32,7 @@ from gsm_train.dcp_safe import UnsafeCheckpointError, read_dcp_metadata
 from gsm_train.distributed import DistInfo
 from gsm_train.export import export_adapter
 from gsm_train.hub import publish_export
-from gsm_train.model_zoo import byte_tokenizer, tiny_model
+from gsm_train.models.model_zoo import byte_tokenizer, tiny_model
 from gsm_train.preflight import recipe_changes
 from gsm_train.published_bytes import redact_local_paths
 

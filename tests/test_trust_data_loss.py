@@ -24,7 +24,7 @@ from gsm_train.config import GSMConfig, load_recipe
 from gsm_train.export import export_adapter
 from gsm_train.finite_guard import NonFiniteError
 from gsm_train.model_card import build_card
-from gsm_train.model_zoo import tiny_model
+from gsm_train.models.model_zoo import tiny_model
 from gsm_train.preflight import StartOptions
 from gsm_train.run_folder import read_run_id
 from gsm_train.train import train_recipe

@@ -13,7 +13,7 @@ import sys
 from gsm_train import token_cache
 from gsm_train.config import DataSourceConfig
 from gsm_train.distributed import init_distributed, teardown
-from gsm_train.model_zoo import byte_tokenizer
+from gsm_train.models.model_zoo import byte_tokenizer
 
 if __name__ == "__main__":
     calls = 0

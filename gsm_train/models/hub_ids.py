@@ -12,7 +12,7 @@ from pathlib import Path
 
 from huggingface_hub import ModelCard
 
-from gsm_train.model_names import SMOLLM2_NAME, TINY_PREFIX
+from gsm_train.models.model_names import SMOLLM2_NAME, TINY_PREFIX
 
 # built-in names with a Hub original: (Hub id, license). smollm2-135m is the Q4_1 GGUF of this
 # model, de-quantized (model_zoo): its weights differ from the Hub's, so loaders load the built-in

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from gsm_train.families import FAMILIES
+from gsm_train.models.families import FAMILIES
 
 SMOLLM2_NAME = "smollm2-135m"
 TINY_PREFIX = "tiny-"

@@ -35,9 +35,9 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from gsm_train.families import tiny_config_fields
-from gsm_train.model_names import RANDOM_MODELS, SMOLLM2_NAME, parse_tiny_name
-from gsm_train.model_names import (
+from gsm_train.models.families import tiny_config_fields
+from gsm_train.models.model_names import RANDOM_MODELS, SMOLLM2_NAME, parse_tiny_name
+from gsm_train.models.model_names import (
     TINY_FAMILIES as TINY_FAMILIES,  # re-exported: tests and the CLI take it from here
 )
 
