@@ -25,7 +25,7 @@ from torch import nn
 
 from benchmarks.common import write_result
 from gsm_train.attention import inject_gsm, set_gsm_mode
-from gsm_train.config import GSMConfig
+from gsm_train.config.schema import GSMConfig
 from gsm_train.inference.cache import GSMCache, cache_kwargs
 from gsm_train.inference.dense_engine import DenseEngine
 from gsm_train.inference.engine import enable_gsm_generation

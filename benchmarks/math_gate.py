@@ -12,7 +12,7 @@ import argparse
 from pathlib import Path
 
 from benchmarks.common import write_result
-from gsm_train.config import load_recipe
+from gsm_train.config.schema import load_recipe
 from gsm_train.session import TrainingSession
 from gsm_train.stages import MathGateStage
 from gsm_train.train import train_recipe

@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from torch import Tensor
 
-from gsm_train.config import GSMConfig, LoraSettings
+from gsm_train.config.schema import GSMConfig, LoraSettings
 from gsm_train.errors import GSMError
 from gsm_train.lora import model_name
 

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from gsm_train.backend_protocol import Backend, OptimizerFactory
-from gsm_train.config import ConfigError, Problem, RecipeConfig
+from gsm_train.config.schema import ConfigError, Problem, RecipeConfig
 from gsm_train.distributed import DistInfo, shard_model
 from gsm_train.sharded_checkpoint import DCP_FORMAT, load_sharded, save_sharded, trainable_state
 

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint import CheckpointException
 
 from gsm_train.backend_protocol import FULL_TRAINABLES_FILE
 from gsm_train.checkpoint import CheckpointError, checkpoint_shapes, read_state, read_trainables, verify_checkpoint
-from gsm_train.config import RecipeConfig, load_recipe, validate_recipe_dict
+from gsm_train.config.schema import RecipeConfig, load_recipe, validate_recipe_dict
 from gsm_train.export import ExportError, export_adapter, export_destination
 from gsm_train.export_folder import check_writable
 from gsm_train.models.model_zoo import load_model_and_tokenizer

@@ -28,7 +28,7 @@ import torch
 
 from gsm_train.assets import EMBEDDED_PREFIX, embedded_asset_path
 from gsm_train.chat_data import encode_conversation, is_conversation
-from gsm_train.config import DATASET_PREFIX, HUB_PREFIX
+from gsm_train.config.schema import DATASET_PREFIX, HUB_PREFIX
 from gsm_train.data_errors import DataError  # defined apart (chat_data raises it too); importable from here
 
 if TYPE_CHECKING:

@@ -44,7 +44,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from gsm_train.backend_protocol import FULL_TRAINABLES_FILE, OptimizerFactory
-from gsm_train.config import RecipeConfig
+from gsm_train.config.schema import RecipeConfig
 from gsm_train.distributed import DistInfo
 from gsm_train.lora import adapter_tensor_names
 

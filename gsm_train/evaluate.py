@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from gsm_train.adapter_format import GSM_SECTIONS, Export, ExportError, read_export
 from gsm_train.attention import GSMSettings, configure_gsm, gsm_collect
-from gsm_train.config import (
+from gsm_train.config.schema import (
     ConfigError,
     GSMConfig,
     Problem,

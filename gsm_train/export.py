@@ -46,7 +46,7 @@ from gsm_train.adapter_format import (
     read_export,
 )
 from gsm_train.attention import GSMSettings, configure_gsm, gsm_settings, gsm_state_dict, has_gsm, inject_gsm
-from gsm_train.config import GSMConfig, LoraSettings
+from gsm_train.config.schema import GSMConfig, LoraSettings
 from gsm_train.export_folder import export_destination, write_export_folder
 from gsm_train.hub_download import resolve_export
 from gsm_train.lora import inject_lora, lora_parameters, peft_base_name, peft_name, write_peft_config

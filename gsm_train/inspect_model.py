@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from gsm_train.attention import GSMAttentionAdapter, gsm_adapters, inject_gsm
-from gsm_train.config import (
+from gsm_train.config.schema import (
     CrossLayerSharingConfig,
     GSMConfig,
     RecipeConfig,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 
-from gsm_train.config import ConfigError, GSMConfig, Problem
+from gsm_train.config.schema import ConfigError, GSMConfig, Problem
 from gsm_train.functional.gate_keys import gate_key_bytes
 from gsm_train.modules.kv_registry import kv_bytes_per_token
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from gsm_train.attention import gsm_state_dict
-from gsm_train.config import ConfigError, LoraSettings, Problem
+from gsm_train.config.schema import ConfigError, LoraSettings, Problem
 
 
 def base_modules_pattern(names: list[str]) -> str:

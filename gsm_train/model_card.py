@@ -20,7 +20,7 @@ from typing import Any
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from gsm_train.adapter_format import FORMAT_VERSION, GSM_SECTIONS, MERGED_FIELD
-from gsm_train.config import HUB_PREFIX, GSMConfig
+from gsm_train.config.schema import HUB_PREFIX, GSMConfig
 from gsm_train.kv_budget import kv_bytes_ratio
 from gsm_train.lora import PEFT_NOTE_KEY
 from gsm_train.models.model_zoo import builtin_weights

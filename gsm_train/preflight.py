@@ -25,7 +25,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from gsm_train.checkpoint import check_resumable, checkpoint_shapes, read_state, resolve_resume
-from gsm_train.config import ConfigError, Problem, RecipeConfig
+from gsm_train.config.schema import ConfigError, Problem, RecipeConfig
 from gsm_train.export_folder import export_destination
 from gsm_train.recipe_shapes import check_shapes_fit
 from gsm_train.resolved_recipe import resolve_for_base

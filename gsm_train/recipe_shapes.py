@@ -13,7 +13,7 @@ from transformers import PretrainedConfig
 
 from gsm_train.adapter_format import read_config
 from gsm_train.checkpoint import CheckpointError
-from gsm_train.config import LoraSettings, RecipeConfig
+from gsm_train.config.schema import LoraSettings, RecipeConfig
 from gsm_train.export import build_settings, skeleton_state
 
 

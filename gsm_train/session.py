@@ -30,7 +30,7 @@ from gsm_train.attention import configure_gsm, gsm_parameters
 from gsm_train.backend import FSDP2Backend, select_backend
 from gsm_train.backend_protocol import Backend
 from gsm_train.checkpoint import load_checkpoint, save_checkpoint
-from gsm_train.config import RecipeConfig
+from gsm_train.config.schema import RecipeConfig
 from gsm_train.distributed import DistInfo, all_reduce_sum, init_distributed
 from gsm_train.export import AdapterNames, export_adapter
 from gsm_train.finite_guard import refuse_non_finite

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from gsm_train.attention.injection import rows_not_packed
-from gsm_train.config import ConfigError, Problem
+from gsm_train.config.schema import ConfigError, Problem
 
 WARMUP_PASSES = 3  # eager passes on a side stream before capture (library handles, autotuning, layout caches)
 CudaGraphSetting = Literal["auto"] | bool

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from datasets.fingerprint import Hasher
 
-from gsm_train.config import DataSourceConfig
+from gsm_train.config.schema import DataSourceConfig
 from gsm_train.data import CHAT_COLUMN, DataError, load_text_dataset, pack_tokens
 from gsm_train.distributed import DistInfo, raise_on_any_rank
 from gsm_train.durable import replace_atomically

@@ -12,7 +12,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
-from gsm_train.config import ConfigError, DataSourceConfig, Problem, RecipeConfig, load_recipe, path_arg
+from gsm_train.config.schema import ConfigError, DataSourceConfig, Problem, RecipeConfig, load_recipe, path_arg
 from gsm_train.entry import run_command
 from gsm_train.preflight import StartOptions
 from gsm_train.stages import STAGES

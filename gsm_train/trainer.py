@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from gsm_train.attention import gsm_settings
 from gsm_train.backend import select_backend
 from gsm_train.backend_protocol import Backend
-from gsm_train.config import RecipeConfig, resolved_yaml
+from gsm_train.config.schema import RecipeConfig, resolved_yaml
 from gsm_train.distributed import DistInfo, init_distributed, raise_on_any_rank, teardown
 from gsm_train.errors import GSMError
 from gsm_train.finite_guard import NonFiniteError, NonFiniteGuard

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from torch import Tensor
 
-from gsm_train.config import DataConfig, DataSourceConfig, RecipeConfig
+from gsm_train.config.schema import DataConfig, DataSourceConfig, RecipeConfig
 from gsm_train.copy_spans import copy_spans, window_generator
 from gsm_train.data import PackedBatches, split_eval_ids, stream_records
 from gsm_train.distributed import DistInfo

@@ -12,7 +12,7 @@ from torch import nn
 
 from gsm_train.activation_checkpoint import checkpoint_decoder_layers
 from gsm_train.attention import gsm_collect
-from gsm_train.config import load_recipe
+from gsm_train.config.schema import load_recipe
 from gsm_train.models.model_zoo import tiny_model
 from gsm_train.stages import JointStage
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gsm_train.cli import main as cli_main
-from gsm_train.config import ConfigError, GSMConfig, check_against_model, load_recipe
+from gsm_train.config.schema import ConfigError, GSMConfig, check_against_model, load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))

@@ -11,7 +11,7 @@ import pytest
 import torch
 from run_helpers import GATE_RECIPE, TINY_GATE, losses, resume_after_crash
 
-from gsm_train.config import ConfigError, load_recipe
+from gsm_train.config.schema import ConfigError, load_recipe
 from gsm_train.copy_spans import copy_spans, window_generator
 from gsm_train.data import PackedBatches, stream_records
 from gsm_train.distributed import DistInfo

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from gsm_train.attention import gsm_disabled, inject_gsm
 from gsm_train.cli import main as cli_main
-from gsm_train.config import GSMConfig
+from gsm_train.config.schema import GSMConfig
 from gsm_train.export import export_adapter
 from gsm_train.inference.cache import GSMCache, cache_kwargs
 from gsm_train.inference.decode_attention import (

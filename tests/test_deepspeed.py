@@ -18,7 +18,7 @@ from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu
 from run_helpers import TINY_MODEL, records
 
 from gsm_train import backend
-from gsm_train.config import ConfigError, load_recipe
+from gsm_train.config.schema import ConfigError, load_recipe
 from gsm_train.distributed import DistInfo
 from gsm_train.train import main as train_main
 

@@ -12,7 +12,7 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 
 from gsm_train.attention import inject_gsm
-from gsm_train.config import GSMConfig, LoraSettings
+from gsm_train.config.schema import GSMConfig, LoraSettings
 from gsm_train.export import export_adapter
 from gsm_train.lora import inject_lora
 from gsm_train.models.model_zoo import tiny_model

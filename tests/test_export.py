@@ -25,7 +25,7 @@ from gsm_train.adapter_format import (
 )
 from gsm_train.attention import gsm_disabled, gsm_state_dict, has_gsm, inject_gsm
 from gsm_train.cli import main as cli_main
-from gsm_train.config import GSMConfig, LoraSettings
+from gsm_train.config.schema import GSMConfig, LoraSettings
 from gsm_train.export import export_adapter, load_gsm, read_export
 from gsm_train.lora import inject_lora
 from gsm_train.models.fingerprint import base_fingerprint

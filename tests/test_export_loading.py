@@ -17,7 +17,7 @@ from run_helpers import TINY_MODEL
 from gsm_train import GSMModel, adapter_format, generate, pretrained
 from gsm_train.adapter_format import ARGS_FILE, CONFIG_FILE, GSM_FILE, ExportError, read_export
 from gsm_train.attention import has_gsm, inject_gsm
-from gsm_train.config import GSMConfig, load_recipe
+from gsm_train.config.schema import GSMConfig, load_recipe
 from gsm_train.evaluate import prepare_evaluation
 from gsm_train.export import export_adapter, load_gsm
 from gsm_train.inference.cache import GSMCache

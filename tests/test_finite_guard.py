@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from gsm_train.backend import FSDP2Backend
 from gsm_train.checkpoint import read_trainables, save_checkpoint, verify_checkpoint
-from gsm_train.config import load_recipe
+from gsm_train.config.schema import load_recipe
 from gsm_train.distributed import DistInfo
 from gsm_train.finite_guard import NonFiniteError, json_safe
 from gsm_train.stages import GateWarmupStage

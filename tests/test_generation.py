@@ -12,7 +12,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from gsm_train.attention import inject_gsm
-from gsm_train.config import GSMConfig
+from gsm_train.config.schema import GSMConfig
 from gsm_train.export import export_adapter, load_gsm
 from gsm_train.inference.cache import GSMCache, cache_kwargs
 from gsm_train.inference.engine import enable_gsm_generation

@@ -32,7 +32,7 @@ from safetensors.torch import load, load_file
 from gsm_train import GSMModel, cli
 from gsm_train.adapter_format import CARD_FILE, CONFIG_FILE, GSM_FILE, ExportError
 from gsm_train.attention import gsm_state_dict, inject_gsm
-from gsm_train.config import GSMConfig
+from gsm_train.config.schema import GSMConfig
 from gsm_train.export import export_adapter, load_gsm
 from gsm_train.hub import DEFAULT_COMMIT_MESSAGE, PublishError, publish_export
 from gsm_train.models.model_zoo import byte_tokenizer, tiny_model

@@ -21,7 +21,7 @@ from gsm_train.attention import (
     inject_kv_compressor,
     inject_sparse_gate,
 )
-from gsm_train.config import GSMConfig
+from gsm_train.config.schema import GSMConfig
 from gsm_train.models.model_zoo import TINY_FAMILIES, tiny_model
 from gsm_train.modules import ASQCompressor, CacheBridge, GSMError, SparseGateHead
 

@@ -18,7 +18,7 @@ from gsm_train import GSMModel, int4
 from gsm_train.adapter_format import GSM_FILE
 from gsm_train.attention import gsm_state_dict, inject_gsm
 from gsm_train.cli import main
-from gsm_train.config import GSMConfig, LoraSettings
+from gsm_train.config.schema import GSMConfig, LoraSettings
 from gsm_train.export import export_adapter, load_gsm
 from gsm_train.inference.dense_engine import DenseEngine
 from gsm_train.inference.engine import enable_gsm_generation

@@ -11,7 +11,7 @@ import torch
 
 from benchmarks.int4_hybrid import int4_summary, perplexity
 from gsm_train.attention import inject_gsm
-from gsm_train.config import GSMConfig
+from gsm_train.config.schema import GSMConfig
 from gsm_train.export import export_adapter
 from gsm_train.models.model_zoo import tiny_model
 

@@ -13,7 +13,7 @@ from peft import PeftModel
 from run_helpers import TINY_MODEL, losses, records, resume_after_crash, run_processes
 
 from gsm_train.attention import gsm_disabled, inject_gsm
-from gsm_train.config import GSMConfig, load_recipe
+from gsm_train.config.schema import GSMConfig, load_recipe
 from gsm_train.export import export_adapter, load_gsm
 from gsm_train.models.model_zoo import tiny_model
 from gsm_train.modules import GSMError

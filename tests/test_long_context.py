@@ -14,7 +14,7 @@ import torch
 from benchmarks import long_context, long_context_probe
 from benchmarks.long_context_probe import interpolated_rope, rope_frequencies
 from gsm_train.attention import inject_gsm
-from gsm_train.config import GSMConfig
+from gsm_train.config.schema import GSMConfig
 from gsm_train.data import load_text_dataset, pack_tokens
 from gsm_train.evaluate import perplexity_and_recall, position_buckets, prepare_evaluation
 from gsm_train.export import export_adapter

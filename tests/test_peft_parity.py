@@ -27,7 +27,7 @@ from test_hub import REPO, TOKEN, _committed, endpoint, hub, hub_env  # noqa: F4
 from gsm_train import GSMModel
 from gsm_train.adapter_format import BASE_FILE, CARD_FILE, CONFIG_FILE, GSM_FILE, PEFT_CONFIG_FILE, ExportError
 from gsm_train.attention import gsm_disabled, gsm_state_dict, inject_gsm
-from gsm_train.config import GSMConfig, LoraSettings
+from gsm_train.config.schema import GSMConfig, LoraSettings
 from gsm_train.export import export_adapter, load_gsm
 from gsm_train.hub import publish_export
 from gsm_train.lora import PEFT_NOTE_KEY, inject_lora, lora_parameters

@@ -26,7 +26,7 @@ from gsm_train.checkpoint import (
     verify_checkpoint,
 )
 from gsm_train.checkpoint_export import export_checkpoint
-from gsm_train.config import load_recipe
+from gsm_train.config.schema import load_recipe
 from gsm_train.session import TrainingSession
 from gsm_train.sharded_checkpoint import read_full_tensors
 from gsm_train.stages import JointStage

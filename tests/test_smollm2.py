@@ -14,7 +14,7 @@ from transformers import PreTrainedModel
 
 from gsm_train.assets import embedded_asset_path
 from gsm_train.attention import gsm_collect, gsm_disabled, inject_gsm, set_gsm_mode
-from gsm_train.config import GSMConfig
+from gsm_train.config.schema import GSMConfig
 from gsm_train.models.model_zoo import load_model_and_tokenizer
 
 WINDOW = 256

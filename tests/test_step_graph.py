@@ -15,7 +15,7 @@ from test_joint import TINY as TINY_JOINT
 from gsm_train.attention.forward_state import CollectRequest, ForwardState
 from gsm_train.attention.layout import sampled_rows
 from gsm_train.attention.settings import GSMSettings
-from gsm_train.config import ConfigError, GSMConfig, load_recipe
+from gsm_train.config.schema import ConfigError, GSMConfig, load_recipe
 from gsm_train.modules import GSMError
 from gsm_train.stages import GateWarmupStage, JointStage
 from gsm_train.stages.math_gate import MathGateStage

@@ -13,7 +13,7 @@ import torch
 from run_helpers import GATE_RECIPE, REPO, TINY_GATE, losses, resume_after_crash, torchrun
 
 from gsm_train import token_cache
-from gsm_train.config import ConfigError, DataSourceConfig, load_recipe
+from gsm_train.config.schema import ConfigError, DataSourceConfig, load_recipe
 from gsm_train.data import DataError, PackedBatches, load_text_dataset, pack_tokens, stream_records
 from gsm_train.distributed import DistInfo
 from gsm_train.models.model_zoo import byte_tokenizer

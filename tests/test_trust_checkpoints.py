@@ -27,7 +27,7 @@ from test_hub import hub_env  # noqa: F401 (the Hub client's settings, autouse)
 from gsm_train import checkpoint_export, cli, session, token_cache
 from gsm_train.attention import inject_gsm
 from gsm_train.checkpoint import verify_checkpoint, write_manifest
-from gsm_train.config import DataSourceConfig, GSMConfig, load_recipe
+from gsm_train.config.schema import DataSourceConfig, GSMConfig, load_recipe
 from gsm_train.dcp_safe import UnsafeCheckpointError, read_dcp_metadata
 from gsm_train.distributed import DistInfo
 from gsm_train.export import export_adapter

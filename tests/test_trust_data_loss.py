@@ -20,7 +20,7 @@ from gsm_train import cli
 from gsm_train.adapter_format import ARGS_FILE, CARD_FILE, CONFIG_FILE, GSM_FILE
 from gsm_train.attention import inject_gsm
 from gsm_train.checkpoint import read_state
-from gsm_train.config import GSMConfig, load_recipe
+from gsm_train.config.schema import GSMConfig, load_recipe
 from gsm_train.export import export_adapter
 from gsm_train.finite_guard import NonFiniteError
 from gsm_train.model_card import build_card

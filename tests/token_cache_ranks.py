@@ -11,7 +11,7 @@ import hashlib
 import sys
 
 from gsm_train import token_cache
-from gsm_train.config import DataSourceConfig
+from gsm_train.config.schema import DataSourceConfig
 from gsm_train.distributed import init_distributed, teardown
 from gsm_train.models.model_zoo import byte_tokenizer
 

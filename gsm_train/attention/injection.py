@@ -22,7 +22,7 @@ from gsm_train.attention.adapter import GSMAttentionAdapter
 from gsm_train.attention.dispatch import ATTN_IMPLEMENTATION, gsm_attention_forward
 from gsm_train.attention.forward_state import install_forward_hooks
 from gsm_train.attention.settings import GSMSettings, has_gsm, put_settings
-from gsm_train.config import GSMConfig
+from gsm_train.config.schema import GSMConfig
 from gsm_train.models.families import UnsupportedModel, attention_modules, family_of, model_dims
 from gsm_train.models.fingerprint import base_fingerprint
 from gsm_train.modules.cache_bridge import CacheBridge

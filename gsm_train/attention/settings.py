@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from gsm_train.config import GSMConfig
+from gsm_train.config.schema import GSMConfig
 from gsm_train.models.families import UnsupportedModel, decoder_stack
 from gsm_train.modules.errors import GSMError
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from torch import nn
 
 from gsm_train.attention import set_gsm_mode
-from gsm_train.config import RecipeConfig
+from gsm_train.config.schema import RecipeConfig
 from gsm_train.export import load_gsm
 from gsm_train.stages.gate_warmup import GateWarmupStage
 

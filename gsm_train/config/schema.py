@@ -32,7 +32,7 @@ from pydantic import (
 )
 
 from gsm_train.assets import EMBEDDED_PREFIX, embedded_asset_path
-from gsm_train.builtin_recipes import resolve_recipe
+from gsm_train.config.builtin_recipes import resolve_recipe
 from gsm_train.errors import GSMError
 from gsm_train.models.model_names import model_name_problem
 
