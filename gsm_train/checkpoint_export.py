@@ -20,10 +20,10 @@ from gsm_train.config.schema import RecipeConfig, load_recipe, validate_recipe_d
 from gsm_train.export import ExportError, export_adapter, export_destination
 from gsm_train.export_folder import check_writable
 from gsm_train.models.model_zoo import load_model_and_tokenizer
-from gsm_train.resolved_recipe import resolve_for_base
 from gsm_train.session import export_options
 from gsm_train.sharded_checkpoint import DCP_FOLDER
 from gsm_train.stages import STAGES
+from gsm_train.tuning.resolved_recipe import resolve_for_base
 
 RUN_RECIPE = "recipe.resolved.yaml"
 

@@ -23,9 +23,9 @@ from gsm_train.inspect_model import inspect_model
 from gsm_train.int4 import FULL, WEIGHT_CHOICES
 from gsm_train.passkey import evaluate_passkey
 from gsm_train.passkey import markdown_table as passkey_table
-from gsm_train.resolved_recipe import resolve_for_base
 from gsm_train.train import add_start_flags
 from gsm_train.train import main as train_main
+from gsm_train.tuning.resolved_recipe import resolve_for_base
 
 
 def _print_written(table: Path) -> int:

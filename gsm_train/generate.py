@@ -28,10 +28,10 @@ from gsm_train.data import DataError
 from gsm_train.distributed import cuda_wanted
 from gsm_train.inference.cache import DEFAULT_PREFILL, GSMCache, cache_kwargs
 from gsm_train.int4 import FULL, checked_group, quantize_base
-from gsm_train.kv_budget import bf16_layer_kv_bytes
 from gsm_train.models.families import model_dims
 from gsm_train.models.model_zoo import load_model_and_tokenizer
 from gsm_train.pretrained import GSMModel
+from gsm_train.tuning.kv_budget import bf16_layer_kv_bytes
 
 FIRST_TIMED_STEP = 2  # decode tokens/s from the third new token: the first is the prompt's, the second
 # replays a step graph captured just before it (or, for the dense base, a step compiled just before it)

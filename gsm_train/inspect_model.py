@@ -5,7 +5,7 @@ KV bytes are per token at `seq_len` for a bf16 cache. Without GSM a layer stores
 head for K and for V; a `share`-mode bridge target does not store its shared heads (a `mix` target
 saves nothing); a layer with a gate also stores `gate_head_dim * num_selectors` gate keys, 2 bytes per dimension
 (bf16) or, with `gate_key_bits: 8`, 1 byte per dimension plus a 2-byte scale per key. The account is
-`gsm_train.kv_budget.layer_kv_bytes`; the recipe's tuning knobs are resolved first (`resolved_recipe`).
+`gsm_train.tuning.kv_budget.layer_kv_bytes`; the recipe's tuning knobs are resolved first (`resolved_recipe`).
 
 Without a recipe the GSM block enables sparse attention, ASQ and the cache bridge at their defaults;
 if the default bridge does not fit the model, `bridge_to_start` becomes `num_layers // 2` and
@@ -30,10 +30,10 @@ from gsm_train.config.schema import (
     load_recipe,
     validate_recipe_dict,
 )
-from gsm_train.kv_budget import budget_choice, layer_kv_bytes
 from gsm_train.models.families import config_dims, model_dims
 from gsm_train.models.model_zoo import load_model_and_tokenizer, read_model_config
-from gsm_train.resolved_recipe import resolve_tuning
+from gsm_train.tuning.kv_budget import budget_choice, layer_kv_bytes
+from gsm_train.tuning.resolved_recipe import resolve_tuning
 
 
 @dataclass(frozen=True)

@@ -28,10 +28,10 @@ from gsm_train.checkpoint import check_resumable, checkpoint_shapes, read_state,
 from gsm_train.config.schema import ConfigError, Problem, RecipeConfig
 from gsm_train.export_folder import export_destination
 from gsm_train.recipe_shapes import check_shapes_fit
-from gsm_train.resolved_recipe import resolve_for_base
 from gsm_train.run_folder import check_folder_usable, check_run_folder, read_run_id
 from gsm_train.set_aside import check_nothing_aside
 from gsm_train.token_cache import token_cache_dir
+from gsm_train.tuning.resolved_recipe import resolve_for_base
 
 # recipe fields a resumed run may change without --allow-recipe-change: they do not alter the
 # trained weights (how long it runs, what it logs, how often it saves, where)

@@ -36,9 +36,9 @@ from gsm_train.export import AdapterNames, export_adapter
 from gsm_train.finite_guard import refuse_non_finite
 from gsm_train.models.model_zoo import load_model_and_tokenizer
 from gsm_train.optim import AdamWBF16
-from gsm_train.resolved_recipe import resolve_for_base
 from gsm_train.step_graph import GraphedLoss
 from gsm_train.training_data import TrainingData, load_training_data
+from gsm_train.tuning.resolved_recipe import resolve_for_base
 
 
 class Stage(Protocol):

@@ -23,7 +23,6 @@ from gsm_train.config.schema import RecipeConfig, resolved_yaml
 from gsm_train.distributed import DistInfo, init_distributed, raise_on_any_rank, teardown
 from gsm_train.errors import GSMError
 from gsm_train.finite_guard import NonFiniteError, NonFiniteGuard
-from gsm_train.kv_budget import kv_bytes_ratio
 from gsm_train.models.families import model_dims
 from gsm_train.preflight import RunPlan, StartOptions, plan_run
 from gsm_train.run_folder import hold_run_folder, record_run
@@ -31,6 +30,7 @@ from gsm_train.run_log import RunLogger
 from gsm_train.session import Stage, TrainingSession
 from gsm_train.set_aside import SetAside
 from gsm_train.step_graph import cuda_graph_blockers, use_cuda_graph
+from gsm_train.tuning.kv_budget import kv_bytes_ratio
 
 
 @dataclass

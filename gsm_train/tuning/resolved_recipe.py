@@ -20,9 +20,9 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 
 from gsm_train.config.schema import ConfigError, Problem, RecipeConfig, check_against_model
-from gsm_train.kv_budget import fit_kv_budget
 from gsm_train.models.families import config_dims
 from gsm_train.models.model_zoo import read_model_config
+from gsm_train.tuning.kv_budget import fit_kv_budget
 
 
 def read_base_config(config: RecipeConfig) -> PretrainedConfig:
