@@ -61,7 +61,7 @@ from benchmarks.generate import (
 )
 from gsm_train.adapter_format import read_config
 from gsm_train.attention import gsm_adapters, inject_gsm
-from gsm_train.data import load_text_dataset, pack_tokens
+from gsm_train.data.text import load_text_dataset, pack_tokens
 from gsm_train.evaluate import BASE, evaluate_exports, inference_autocast
 from gsm_train.hub_download import resolve_export
 from gsm_train.inference.cache import DEFAULT_PREFILL, PREFILL_MODES

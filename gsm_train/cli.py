@@ -12,7 +12,7 @@ from gsm_train import __version__
 from gsm_train.checkpoint_export import export_checkpoint
 from gsm_train.config.builtin_recipes import builtin_recipes, copy_recipe, recipe_summary
 from gsm_train.config.schema import expand_user_path, load_recipe, override_value, path_arg, resolved_yaml
-from gsm_train.data import DataError
+from gsm_train.data.text import DataError
 from gsm_train.entry import run_command
 from gsm_train.evaluate import check_report_folder, evaluate_exports, write_report
 from gsm_train.export import ExportError

@@ -29,7 +29,7 @@ from gsm_train.config.schema import (
     check_positions,
     format_problems,
 )
-from gsm_train.data import load_text_dataset, pack_tokens
+from gsm_train.data.text import load_text_dataset, pack_tokens
 from gsm_train.distributed import cuda_wanted
 from gsm_train.export import load_gsm
 from gsm_train.functional.attention_targets import MASS_SUMS

@@ -24,7 +24,7 @@ from transformers import TextStreamer
 
 from gsm_train.adapter_format import ExportError
 from gsm_train.config.schema import check_positions
-from gsm_train.data import DataError
+from gsm_train.data.text import DataError
 from gsm_train.distributed import cuda_wanted
 from gsm_train.inference.cache import DEFAULT_PREFILL, GSMCache, cache_kwargs
 from gsm_train.int4 import FULL, checked_group, quantize_base

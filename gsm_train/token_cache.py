@@ -39,7 +39,7 @@ import torch
 from datasets.fingerprint import Hasher
 
 from gsm_train.config.schema import DataSourceConfig
-from gsm_train.data import CHAT_COLUMN, DataError, load_text_dataset, pack_tokens
+from gsm_train.data.text import CHAT_COLUMN, DataError, load_text_dataset, pack_tokens
 from gsm_train.distributed import DistInfo, raise_on_any_rank
 from gsm_train.durable import replace_atomically
 

@@ -17,10 +17,10 @@ from typing import Any, Protocol
 from torch import Tensor
 
 from gsm_train.config.schema import DataConfig, DataSourceConfig, RecipeConfig
-from gsm_train.copy_spans import copy_spans, window_generator
-from gsm_train.data import PackedBatches, split_eval_ids, stream_records
+from gsm_train.data.copy_spans import copy_spans, window_generator
+from gsm_train.data.streaming import StreamedBatches, first_rows
+from gsm_train.data.text import PackedBatches, split_eval_ids, stream_records
 from gsm_train.distributed import DistInfo
-from gsm_train.streaming import StreamedBatches, first_rows
 from gsm_train.token_cache import cached_rows
 
 

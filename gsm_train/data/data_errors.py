@@ -1,4 +1,4 @@
-"""The error of a data problem (`gsm_train.data` re-exports it)."""
+"""The error of a data problem (`gsm_train.data.text` re-exports it)."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gsm_train.data_errors import DataError
+from gsm_train.data.data_errors import DataError
 
 IGNORE_INDEX = -100  # transformers' cross-entropy ignores labels of this value
 

@@ -27,8 +27,8 @@ import datasets
 import torch
 from torch import Tensor
 
-from gsm_train.chat_data import encode_conversation, is_conversation
-from gsm_train.data import DataError, join_fields
+from gsm_train.data.chat_data import encode_conversation, is_conversation
+from gsm_train.data.text import DataError, join_fields
 
 
 @dataclass

@@ -27,9 +27,9 @@ import datasets
 import torch
 
 from gsm_train.assets import EMBEDDED_PREFIX, embedded_asset_path
-from gsm_train.chat_data import encode_conversation, is_conversation
 from gsm_train.config.schema import DATASET_PREFIX, HUB_PREFIX
-from gsm_train.data_errors import DataError  # defined apart (chat_data raises it too); importable from here
+from gsm_train.data.chat_data import encode_conversation, is_conversation
+from gsm_train.data.data_errors import DataError  # defined apart (chat_data raises it too); importable from here
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
