@@ -341,7 +341,7 @@ class DataSourceConfig(StrictModel):
 
 
 class CopySpansConfig(StrictModel):
-    """Far content matches written into the training windows (`gsm_train/data/text/copy_spans.py`): in each
+    """Far content matches written into the training windows (`gsm_train/data/copy_spans.py`): in each
     window, `count` times, a span of `length` tokens is copied from an earlier place to a later one,
     their distance uniform from `length` to the window's length minus `length`. 0 (the default)
     leaves the windows as they are; evaluation rows are never changed."""
@@ -355,7 +355,7 @@ class DataConfig(StrictModel):
 
     The text is tokenized once per node and shared from a file (`gsm_train/token_cache.py`), by
     `num_proc` processes (null: one). `streaming: true` reads it as it trains instead, for text
-    larger than memory (`gsm_train/data/text/streaming.py`): documents in their order, unshuffled, and
+    larger than memory (`gsm_train/data/streaming.py`): documents in their order, unshuffled, and
     `eval_rows` a number of rows (the first ones of `eval`, or of `train`, which then skips
     them)."""
 
