@@ -58,7 +58,7 @@ from benchmarks.step_kl import step_kl
 from gsm_train.attention import gsm_adapters, gsm_disabled, inject_gsm, set_gsm_mode
 from gsm_train.config.schema import GSMConfig, load_recipe
 from gsm_train.data.text import load_text_dataset, pack_tokens
-from gsm_train.export import load_gsm
+from gsm_train.export.save_load import load_gsm
 from gsm_train.inference.cache import DEFAULT_PREFILL, PREFILL_MODES, GSMCache, cache_kwargs
 from gsm_train.inference.dense_engine import PREFILL_CHUNK as ENGINE_PREFILL_CHUNK
 from gsm_train.inference.dense_engine import DenseEngine

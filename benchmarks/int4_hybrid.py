@@ -1,5 +1,5 @@
 """The local deployment the seed describes, measured on one GPU in one run: a base with 4-bit weights
-(torchao's int4 weight-only path, gsm_train/int4.py) under GSM's compressed cache, against the same 4-bit
+(torchao's int4 weight-only path, gsm_train/export/int4.py) under GSM's compressed cache, against the same 4-bit
 base decoding densely.
 
 Parts (`--parts`, default both):
@@ -59,14 +59,14 @@ from benchmarks.generate import (
     say,
     summarize,
 )
-from gsm_train.adapter_format import read_config
 from gsm_train.attention import gsm_adapters, inject_gsm
 from gsm_train.data.text import load_text_dataset, pack_tokens
 from gsm_train.evaluate import BASE, evaluate_exports, inference_autocast
-from gsm_train.hub_download import resolve_export
+from gsm_train.export.adapter_format import read_config
+from gsm_train.export.hub_download import resolve_export
+from gsm_train.export.int4 import WEIGHT_CHOICES, base_linears, group_size, quantize_base
 from gsm_train.inference.cache import DEFAULT_PREFILL, PREFILL_MODES
 from gsm_train.inference.engine import enable_gsm_generation
-from gsm_train.int4 import WEIGHT_CHOICES, base_linears, group_size, quantize_base
 from gsm_train.models.hub_ids import base_to_load
 from gsm_train.models.model_zoo import load_model_and_tokenizer
 
@@ -77,7 +77,7 @@ GSM_EXPORT = "gsm"  # the export's name in the perplexity reports
 
 
 def awq_calibration(data: str, tokenizer: Any, windows: int, seq_len: int) -> Callable[[nn.Module], None]:
-    """AWQ's calibration forwards (`gsm_train.int4.quantize_base`): `windows` windows of `seq_len` tokens
+    """AWQ's calibration forwards (`gsm_train.export.int4.quantize_base`): `windows` windows of `seq_len` tokens
     of `data` (text apart from the evaluation's: WikiText-2's train split), one forward each."""
     rows = pack_tokens(load_text_dataset(data), tokenizer, seq_len)[:windows]
 

@@ -42,7 +42,7 @@ from gsm_train.attention.settings import configure_gsm
 from gsm_train.config.schema import ConfigError
 from gsm_train.data.text import load_text_dataset, pack_tokens
 from gsm_train.evaluate import perplexity_and_recall, with_selection
-from gsm_train.export import load_gsm, read_export, resolve_export
+from gsm_train.export.save_load import load_gsm, read_export, resolve_export
 from gsm_train.inference.engine import enable_gsm_generation
 from gsm_train.models.families import model_dims
 from gsm_train.models.hub_ids import base_to_load

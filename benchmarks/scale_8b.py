@@ -54,7 +54,7 @@ import torch
 from benchmarks.common import REPO, git_commit, write_result
 from gsm_train.attention import gsm_disabled
 from gsm_train.config.schema import RecipeConfig, load_recipe
-from gsm_train.export import AdapterNames
+from gsm_train.export.save_load import AdapterNames
 from gsm_train.models.model_zoo import read_model_config
 from gsm_train.session import Stage, TrainingSession
 from gsm_train.stages import GateWarmupStage, JointStage

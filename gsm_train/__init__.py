@@ -11,7 +11,7 @@ __all__ = ["GSMModel", "__version__"]
 def __getattr__(name: str) -> Any:
     """`gsm_train.GSMModel`, imported on first use (it loads torch and transformers)."""
     if name == "GSMModel":
-        from gsm_train.pretrained import GSMModel
+        from gsm_train.export.pretrained import GSMModel
 
         return GSMModel
     raise AttributeError(f"module 'gsm_train' has no attribute {name!r}")

@@ -15,12 +15,12 @@ from gsm_train.config.schema import expand_user_path, load_recipe, override_valu
 from gsm_train.data.text import DataError
 from gsm_train.entry import run_command
 from gsm_train.evaluate import check_report_folder, evaluate_exports, write_report
-from gsm_train.export import ExportError
+from gsm_train.export.hub import publish_export
+from gsm_train.export.int4 import FULL, WEIGHT_CHOICES
+from gsm_train.export.save_load import ExportError
 from gsm_train.generate import Sampling, generate
-from gsm_train.hub import publish_export
 from gsm_train.inference.cache import DEFAULT_PREFILL, PREFILL_MODES
 from gsm_train.inspect_model import inspect_model
-from gsm_train.int4 import FULL, WEIGHT_CHOICES
 from gsm_train.passkey import evaluate_passkey
 from gsm_train.passkey import markdown_table as passkey_table
 from gsm_train.train import add_start_flags
@@ -318,7 +318,7 @@ def _add_eval_command(commands: argparse._SubParsersAction) -> None:
 
 
 def _add_weights_argument(parser: argparse.ArgumentParser) -> None:
-    """`--weights`: the base's weights as loaded, or 4-bit (gsm_train/int4.py)."""
+    """`--weights`: the base's weights as loaded, or 4-bit (gsm_train/export/int4.py)."""
     parser.add_argument(
         "--weights",
         choices=WEIGHT_CHOICES,

@@ -46,7 +46,7 @@ from torch import Tensor, nn
 from gsm_train.backend_protocol import FULL_TRAINABLES_FILE, OptimizerFactory
 from gsm_train.config.schema import RecipeConfig
 from gsm_train.distributed import DistInfo
-from gsm_train.lora import adapter_tensor_names
+from gsm_train.export.lora import adapter_tensor_names
 
 CHECKPOINT_TAG = "deepspeed"
 

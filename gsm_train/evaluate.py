@@ -19,7 +19,6 @@ from pydantic import ValidationError
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from gsm_train.adapter_format import GSM_SECTIONS, Export, ExportError, read_export
 from gsm_train.attention import GSMSettings, configure_gsm, gsm_collect
 from gsm_train.config.schema import (
     ConfigError,
@@ -31,11 +30,12 @@ from gsm_train.config.schema import (
 )
 from gsm_train.data.text import load_text_dataset, pack_tokens
 from gsm_train.distributed import cuda_wanted
-from gsm_train.export import load_gsm
+from gsm_train.export.adapter_format import GSM_SECTIONS, Export, ExportError, read_export
+from gsm_train.export.hub_download import resolve_export
+from gsm_train.export.int4 import FULL, checked_group, group_size, quantize_base
+from gsm_train.export.save_load import load_gsm
 from gsm_train.functional.attention_targets import MASS_SUMS
-from gsm_train.hub_download import resolve_export
 from gsm_train.inspect_model import layer_reports
-from gsm_train.int4 import FULL, checked_group, group_size, quantize_base
 from gsm_train.models.families import config_dims
 from gsm_train.models.hub_ids import base_to_load
 from gsm_train.models.model_zoo import load_model_and_tokenizer, read_model_config
@@ -227,7 +227,7 @@ class Evaluation:
     mode: str
     kv_baseline: str | None
     tokenizer: Any = None
-    weights: str = FULL  # the base's weights in every model: as loaded, or 4-bit (gsm_train/int4.py)
+    weights: str = FULL  # the base's weights in every model: as loaded, or 4-bit (gsm_train/export/int4.py)
     calibrate: Callable[[nn.Module], None] | None = None  # 4-bit: AWQ's calibration forwards (`quantize_base`)
 
     def check_positions(self, source: str, option: str, tokens: int) -> None:
@@ -272,7 +272,7 @@ def prepare_evaluation(
     the selection changes before any model loads: `selection` for every export, `selections` per
     export name (over `selection`).
     `model_name` None: the base the first export names (gsm_train/models/hub_ids.py, `base_to_load`);
-    every export must have been trained on it. `weights`: the base's weights (gsm_train/int4.py), a
+    every export must have been trained on it. `weights`: the base's weights (gsm_train/export/int4.py), a
     4-bit base refused here where it cannot run; `calibrate`: AWQ's calibration forwards for it."""
     checked_group(weights, *_device_and_dtype())
     read = {name: read_export(resolve_export(adapter)) for name, adapter in exports.items()}
@@ -317,7 +317,7 @@ def evaluate_exports(
     `top_k` on a constant schedule, at each query's k on another. `selection`: sparse_attention
     fields the exports run with instead of their own (`with_selection`), e.g. {"top_k": 1024};
     `selections`: the same per export name. `weights`: every model's base weights, as loaded or
-    4-bit (gsm_train/int4.py), with AWQ scales from `calibrate(model)`'s forwards where it is given."""
+    4-bit (gsm_train/export/int4.py), with AWQ scales from `calibrate(model)`'s forwards where it is given."""
     if seq_len < 2:
         raise ConfigError(
             "eval", [Problem("--seq-len", seq_len, "a window of one token predicts nothing", "use --seq-len 2 or more")]

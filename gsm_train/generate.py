@@ -22,15 +22,15 @@ import torch
 from torch import nn
 from transformers import TextStreamer
 
-from gsm_train.adapter_format import ExportError
 from gsm_train.config.schema import check_positions
 from gsm_train.data.text import DataError
 from gsm_train.distributed import cuda_wanted
+from gsm_train.export.adapter_format import ExportError
+from gsm_train.export.int4 import FULL, checked_group, quantize_base
+from gsm_train.export.pretrained import GSMModel
 from gsm_train.inference.cache import DEFAULT_PREFILL, GSMCache, cache_kwargs
-from gsm_train.int4 import FULL, checked_group, quantize_base
 from gsm_train.models.families import model_dims
 from gsm_train.models.model_zoo import load_model_and_tokenizer
-from gsm_train.pretrained import GSMModel
 from gsm_train.tuning.kv_budget import bf16_layer_kv_bytes
 
 FIRST_TIMED_STEP = 2  # decode tokens/s from the third new token: the first is the prompt's, the second
@@ -208,7 +208,7 @@ def generate(
     GSM attention over the GSM cache on the base the export names (or `model_name`), and with
     `compare_dense` the dense base after it; without an adapter, the base `model_name`. `echo` streams
     the text to stdout; `prefill` how the adapter's prompt attends (dense / sparse: `GSMCache`);
-    `weights` the base's weights in both runs, as loaded or 4-bit (gsm_train/int4.py)."""
+    `weights` the base's weights in both runs, as loaded or 4-bit (gsm_train/export/int4.py)."""
     device, dtype = _device_and_dtype(device)
     group = checked_group(weights, device, dtype)
     sampling = sampling or Sampling()

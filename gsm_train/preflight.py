@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from gsm_train.checkpoint import check_resumable, checkpoint_shapes, read_state, resolve_resume
 from gsm_train.config.schema import ConfigError, Problem, RecipeConfig
-from gsm_train.export_folder import export_destination
+from gsm_train.export.export_folder import export_destination
 from gsm_train.recipe_shapes import check_shapes_fit
 from gsm_train.run_folder import check_folder_usable, check_run_folder, read_run_id
 from gsm_train.set_aside import check_nothing_aside

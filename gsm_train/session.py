@@ -32,7 +32,7 @@ from gsm_train.backend_protocol import Backend
 from gsm_train.checkpoint import load_checkpoint, save_checkpoint
 from gsm_train.config.schema import RecipeConfig
 from gsm_train.distributed import DistInfo, all_reduce_sum, init_distributed
-from gsm_train.export import AdapterNames, export_adapter
+from gsm_train.export.save_load import AdapterNames, export_adapter
 from gsm_train.finite_guard import refuse_non_finite
 from gsm_train.models.model_zoo import load_model_and_tokenizer
 from gsm_train.optim import AdamWBF16

@@ -13,8 +13,8 @@ from packaging.version import Version
 
 from gsm_train.attention import inject_gsm
 from gsm_train.config.schema import GSMConfig, LoraSettings
-from gsm_train.export import export_adapter
-from gsm_train.lora import inject_lora
+from gsm_train.export.lora import inject_lora
+from gsm_train.export.save_load import export_adapter
 from gsm_train.models.model_zoo import tiny_model
 
 peft = pytest.importorskip("peft")

@@ -9,7 +9,7 @@ import pytest
 from gsm_train import cli
 from gsm_train.attention import inject_gsm
 from gsm_train.config.schema import GSMConfig
-from gsm_train.export import export_adapter
+from gsm_train.export.save_load import export_adapter
 from gsm_train.generate import Sampling, prompt_ids
 from gsm_train.models import model_zoo
 

@@ -14,7 +14,7 @@ from run_helpers import TINY_MODEL, losses, records, resume_after_crash, run_pro
 
 from gsm_train.attention import gsm_disabled, inject_gsm
 from gsm_train.config.schema import GSMConfig, load_recipe
-from gsm_train.export import export_adapter, load_gsm
+from gsm_train.export.save_load import export_adapter, load_gsm
 from gsm_train.models.model_zoo import tiny_model
 from gsm_train.modules import GSMError
 from gsm_train.session import param_groups as _param_groups

@@ -13,7 +13,7 @@ import torch
 from benchmarks import pareto
 from gsm_train.attention import gsm_adapters, gsm_settings, inject_gsm
 from gsm_train.config.schema import GSMConfig
-from gsm_train.export import export_adapter, load_gsm
+from gsm_train.export.save_load import export_adapter, load_gsm
 from gsm_train.models.model_zoo import tiny_model
 
 GSM = {

@@ -15,7 +15,7 @@ from gsm_train.attention import inject_gsm
 from gsm_train.cli import main as cli_main
 from gsm_train.config.schema import GSMConfig
 from gsm_train.data.text import DataError
-from gsm_train.export import export_adapter
+from gsm_train.export.save_load import export_adapter
 from gsm_train.models.model_zoo import byte_tokenizer, tiny_model
 from gsm_train.passkey import (
     INTRO,

@@ -30,11 +30,11 @@ from gsm_train.checkpoint import verify_checkpoint, write_manifest
 from gsm_train.config.schema import DataSourceConfig, GSMConfig, load_recipe
 from gsm_train.dcp_safe import UnsafeCheckpointError, read_dcp_metadata
 from gsm_train.distributed import DistInfo
-from gsm_train.export import export_adapter
-from gsm_train.hub import publish_export
+from gsm_train.export.hub import publish_export
+from gsm_train.export.published_bytes import redact_local_paths
+from gsm_train.export.save_load import export_adapter
 from gsm_train.models.model_zoo import byte_tokenizer, tiny_model
 from gsm_train.preflight import recipe_changes
-from gsm_train.published_bytes import redact_local_paths
 
 STEPS = [*TINY_GATE, "train.steps=2", "output.checkpoint_every=2"]
 STEP = "step_00000002"

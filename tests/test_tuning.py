@@ -13,8 +13,8 @@ import yaml
 from run_helpers import records
 
 from gsm_train import checkpoint_export, cli, session
-from gsm_train.adapter_format import GSM_SECTIONS
 from gsm_train.config.schema import ConfigError, load_recipe
+from gsm_train.export.adapter_format import GSM_SECTIONS
 from gsm_train.models.families import model_dims
 from gsm_train.models.model_zoo import tiny_config, tiny_model
 from gsm_train.train import train_recipe

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from gsm_train.errors import GSMError
-from gsm_train.export import AdapterNames
-from gsm_train.lora import lora_parameters, merge_lora
+from gsm_train.export.lora import lora_parameters, merge_lora
+from gsm_train.export.save_load import AdapterNames
 
 FULL = "full"  # the base's weights as loaded, in the dtype asked for
 GROUP_SIZES = {"int4": 128, "int4-g64": 64, "int4-g32": 32}

@@ -19,11 +19,11 @@ from typing import Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from gsm_train.adapter_format import FORMAT_VERSION, GSM_SECTIONS, MERGED_FIELD
 from gsm_train.config.schema import HUB_PREFIX, GSMConfig
-from gsm_train.lora import PEFT_NOTE_KEY
+from gsm_train.export.adapter_format import FORMAT_VERSION, GSM_SECTIONS, MERGED_FIELD
+from gsm_train.export.lora import PEFT_NOTE_KEY
+from gsm_train.export.published_bytes import redact_local_paths, redact_path
 from gsm_train.models.model_zoo import builtin_weights
-from gsm_train.published_bytes import redact_local_paths, redact_path
 from gsm_train.tuning.kv_budget import kv_bytes_ratio
 
 LIBRARY = "gsm-train"

@@ -14,15 +14,15 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from gsm_train.adapter_format import MERGED_FIELD, read_export
 from gsm_train.attention import GSMSettings
-from gsm_train.export import AdapterNames, export_adapter, load_gsm
-from gsm_train.hub import publish_export
-from gsm_train.hub_download import resolve_export
+from gsm_train.export.adapter_format import MERGED_FIELD, read_export
+from gsm_train.export.hub import publish_export
+from gsm_train.export.hub_download import resolve_export
+from gsm_train.export.int4 import FULL, checked_group, quantize_base
+from gsm_train.export.lora import merge_lora
+from gsm_train.export.save_load import AdapterNames, export_adapter, load_gsm
 from gsm_train.inference.cache import DEFAULT_PREFILL, check_prefill
 from gsm_train.inference.engine import enable_gsm_generation
-from gsm_train.int4 import FULL, checked_group, quantize_base
-from gsm_train.lora import merge_lora
 from gsm_train.models.fingerprint import base_fingerprint
 from gsm_train.models.hub_ids import base_to_load
 from gsm_train.models.model_zoo import load_model_and_tokenizer
@@ -43,7 +43,7 @@ class GSMModel:
     base_name: str  # the base model loaded (`hub_ids.base_to_load` of the config's, or the one given)
     base_revision: str | None  # and its revision
     training_args: dict[str, Any] = field(default_factory=dict)  # its training_args.json (recipe, metrics)
-    weights: str = FULL  # the base's weights: as loaded, or 4-bit (gsm_train/int4.py)
+    weights: str = FULL  # the base's weights: as loaded, or 4-bit (gsm_train/export/int4.py)
 
     @classmethod
     def from_pretrained(
@@ -67,7 +67,7 @@ class GSMModel:
         attention; `prefill`: how a prompt attends in generation, dense / sparse (`GSMCache`).
         `weights`: `full` (the base as loaded, in `dtype`) or `int4` / `int4-g64` / `int4-g32`: the
         base's linear layers quantized to 4 bits after the adapter is attached and checked, the GSM
-        modules, embeddings and output head kept in `dtype` (gsm_train/int4.py; refused before
+        modules, embeddings and output head kept in `dtype` (gsm_train/export/int4.py; refused before
         anything loads where it cannot run); such a model is not saved.
 
         The export is read once, in full, before the base loads (`read_export`: a damaged export is
@@ -179,7 +179,7 @@ class GSMModel:
         commit_message: str | None = None,
         base_model_id: str | None = None,
     ) -> str:
-        """Publish the model as it is in memory to `repo_id` in one commit (gsm_train/hub.py): it is
+        """Publish the model as it is in memory to `repo_id` in one commit (gsm_train/export/hub.py): it is
         saved with `save_pretrained` to a temporary folder, which is uploaded and removed. Returns
         the commit URL."""
         with tempfile.TemporaryDirectory(prefix="gsm-push-") as tmp:

@@ -18,9 +18,9 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from gsm_train.adapter_format import ARGS_FILE, CARD_FILE, CONFIG_FILE, EXPORT_FILES, FORMAT, ExportError
 from gsm_train.durable import fsync_path
-from gsm_train.model_card import card_is_users
+from gsm_train.export.adapter_format import ARGS_FILE, CARD_FILE, CONFIG_FILE, EXPORT_FILES, FORMAT, ExportError
+from gsm_train.export.model_card import card_is_users
 
 _REFUSED_FIX = "gsm-train replaces only its own exports: give a new or empty folder, or move those files away first"
 

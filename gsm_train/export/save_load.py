@@ -5,7 +5,7 @@ shards), the LoRA deltas (if any) as a PEFT adapter (`adapter_config.json` and
 `adapter_model.safetensors`), the base weights (only for a base trained in full) in
 `base_weights.safetensors`, `gsm_config.json` (the GSM settings, the base model's identity and every
 file's tensors), a `README.md` model card and `training_args.json`. Rank 0 writes it beside the
-destination and renames it into place (gsm_train/export_folder.py); nothing but a previous export is
+destination and renames it into place (gsm_train/export/export_folder.py); nothing but a previous export is
 ever replaced.
 
 `load_gsm` is atomic: it reads the export once (`adapter_format.read_export`: config, tensors, finite
@@ -28,7 +28,9 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from gsm_train.adapter_format import (
+from gsm_train.attention import GSMSettings, configure_gsm, gsm_settings, gsm_state_dict, has_gsm, inject_gsm
+from gsm_train.config.schema import GSMConfig, LoraSettings
+from gsm_train.export.adapter_format import (
     ARGS_FILE,
     BASE_CHECKED,
     BASE_FILE,
@@ -45,17 +47,15 @@ from gsm_train.adapter_format import (
     ExportTensors,
     read_export,
 )
-from gsm_train.attention import GSMSettings, configure_gsm, gsm_settings, gsm_state_dict, has_gsm, inject_gsm
-from gsm_train.config.schema import GSMConfig, LoraSettings
-from gsm_train.export_folder import export_destination, write_export_folder
-from gsm_train.hub_download import resolve_export
-from gsm_train.lora import inject_lora, lora_parameters, peft_base_name, peft_name, write_peft_config
-from gsm_train.model_card import build_card
+from gsm_train.export.export_folder import export_destination, write_export_folder
+from gsm_train.export.hub_download import resolve_export
+from gsm_train.export.lora import inject_lora, lora_parameters, peft_base_name, peft_name, write_peft_config
+from gsm_train.export.model_card import build_card
+from gsm_train.export.published_bytes import redact_local_paths, save_reproducible
 from gsm_train.models.fingerprint import FINGERPRINT_RULE, base_fingerprint
 from gsm_train.models.hub_ids import base_identity
 from gsm_train.models.model_zoo import builtin_weights
 from gsm_train.modules import GSMError
-from gsm_train.published_bytes import redact_local_paths, save_reproducible
 
 __all__ = [
     "ExportError",
@@ -311,7 +311,7 @@ def load_gsm(
 ) -> GSMSettings:
     """Attach an export's GSM modules (and LoRA deltas, and base weights if exported) to `model`, a
     fresh base, and load their tensors exactly. `adapter`: an `Export` already read (`read_export`),
-    an export folder, or a Hub repo id (fetched at `revision`, see gsm_train/hub_download.py); the
+    an export folder, or a Hub repo id (fetched at `revision`, see gsm_train/export/hub_download.py); the
     folder is read once.
 
     Only modules and tensors change: the model keeps its class's `forward` and `generate` (training

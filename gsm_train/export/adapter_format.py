@@ -24,7 +24,7 @@ from torch import Tensor
 
 from gsm_train.config.schema import GSMConfig, LoraSettings
 from gsm_train.errors import GSMError
-from gsm_train.lora import model_name
+from gsm_train.export.lora import model_name
 
 FORMAT = "gsm-train-adapter"
 # 6: the GSM tensors in gsm_modules.safetensors, LoRA as a PEFT adapter (adapter_config.json +

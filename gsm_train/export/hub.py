@@ -20,7 +20,8 @@ from typing import Any
 from huggingface_hub import CommitOperationAdd, HfApi, constants, get_token
 from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
-from gsm_train.adapter_format import (
+from gsm_train.errors import GSMError
+from gsm_train.export.adapter_format import (
     ARGS_FILE,
     CARD_FILE,
     CONFIG_FILE,
@@ -29,10 +30,9 @@ from gsm_train.adapter_format import (
     ExportError,
     read_export,
 )
-from gsm_train.errors import GSMError
-from gsm_train.model_card import build_card, card_is_users
+from gsm_train.export.model_card import build_card, card_is_users
+from gsm_train.export.published_bytes import redact_local_paths, redact_path
 from gsm_train.models.hub_ids import REPO_ID_FIX, is_builtin, repo_id_problem
-from gsm_train.published_bytes import redact_local_paths, redact_path
 
 DEFAULT_COMMIT_MESSAGE = "Upload GSM adapter (gsm-train)"
 _LOGIN_FIX = "run `hf auth login`, set the HF_TOKEN environment variable, or pass a token"

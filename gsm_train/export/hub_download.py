@@ -16,7 +16,7 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
-from gsm_train.adapter_format import EXPORT_FILES, ExportError
+from gsm_train.export.adapter_format import EXPORT_FILES, ExportError
 from gsm_train.models.hub_ids import repo_id_problem
 
 
