@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 from gsm_train import __version__
-from gsm_train.checkpoint_export import export_checkpoint
 from gsm_train.config.builtin_recipes import builtin_recipes, copy_recipe, recipe_summary
 from gsm_train.config.schema import expand_user_path, load_recipe, override_value, path_arg, resolved_yaml
 from gsm_train.data.text import DataError
@@ -25,6 +24,7 @@ from gsm_train.passkey import evaluate_passkey
 from gsm_train.passkey import markdown_table as passkey_table
 from gsm_train.train import add_start_flags
 from gsm_train.train import main as train_main
+from gsm_train.training.checkpoint_export import export_checkpoint
 from gsm_train.tuning.resolved_recipe import resolve_for_base
 
 

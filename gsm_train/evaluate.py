@@ -29,7 +29,6 @@ from gsm_train.config.schema import (
     format_problems,
 )
 from gsm_train.data.text import load_text_dataset, pack_tokens
-from gsm_train.distributed import cuda_wanted
 from gsm_train.export.adapter_format import GSM_SECTIONS, Export, ExportError, read_export
 from gsm_train.export.hub_download import resolve_export
 from gsm_train.export.int4 import FULL, checked_group, group_size, quantize_base
@@ -39,6 +38,7 @@ from gsm_train.inspect_model import layer_reports
 from gsm_train.models.families import config_dims
 from gsm_train.models.hub_ids import base_to_load
 from gsm_train.models.model_zoo import load_model_and_tokenizer, read_model_config
+from gsm_train.training.distributed import cuda_wanted
 
 BASE = "base"
 

@@ -24,13 +24,13 @@ from transformers import TextStreamer
 
 from gsm_train.config.schema import check_positions
 from gsm_train.data.text import DataError
-from gsm_train.distributed import cuda_wanted
 from gsm_train.export.adapter_format import ExportError
 from gsm_train.export.int4 import FULL, checked_group, quantize_base
 from gsm_train.export.pretrained import GSMModel
 from gsm_train.inference.cache import DEFAULT_PREFILL, GSMCache, cache_kwargs
 from gsm_train.models.families import model_dims
 from gsm_train.models.model_zoo import load_model_and_tokenizer
+from gsm_train.training.distributed import cuda_wanted
 from gsm_train.tuning.kv_budget import bf16_layer_kv_bytes
 
 FIRST_TIMED_STEP = 2  # decode tokens/s from the third new token: the first is the prompt's, the second

@@ -175,7 +175,7 @@ def test_unreadable_recipe_is_one_clear_error(tmp_path: Path) -> None:
 def test_fp32_matmul_takes_tf32_only_inside_training_on_cuda() -> None:
     """`train.fp32_matmul=tf32` turns TF32 on for CUDA inside the context and gives PyTorch's setting back
     after (also after an error); `default`, or a CPU device, leaves it alone; another value is refused."""
-    from gsm_train.trainer import fp32_matmul_precision
+    from gsm_train.training.trainer import fp32_matmul_precision
 
     assert load_recipe(RECIPES[0], ["train.fp32_matmul=tf32"]).train.fp32_matmul == "tf32"
     with pytest.raises(ConfigError, match="train.fp32_matmul"):

@@ -581,7 +581,7 @@ def test_cli_export_refuses_a_folder_with_other_files_before_loading(
     (out / "f").write_text("keep")
     (tmp_path / "beside").write_text("keep")
     monkeypatch.setattr(
-        "gsm_train.checkpoint_export.load_model_and_tokenizer",
+        "gsm_train.training.checkpoint_export.load_model_and_tokenizer",
         lambda *a, **k: pytest.fail("the model loaded before the destination was checked"),
     )
     checkpoint = str(gate_run / "checkpoints" / "step_00000002")

@@ -24,7 +24,7 @@ from gsm_train.export.save_load import export_adapter, load_gsm
 from gsm_train.inference.cache import GSMCache
 from gsm_train.inference.engine import enable_gsm_generation
 from gsm_train.models.model_zoo import byte_tokenizer, tiny_model
-from gsm_train.stages import JointStage, MathGateStage
+from gsm_train.training.stages import JointStage, MathGateStage
 
 REPO = Path(__file__).resolve().parents[1]
 GSM = {"sparse_attention": {"top_k": 8, "k_min": 8, "gate_head_dim": 16, "gate_init": "random"}}  # as stage 1

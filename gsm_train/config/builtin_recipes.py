@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-RECIPES = Path(__file__).parent / "recipes"
+RECIPES = Path(__file__).parent.parent / "recipes"  # gsm_train/recipes
 
 
 def builtin_recipes() -> dict[str, Path]:

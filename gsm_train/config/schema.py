@@ -353,7 +353,7 @@ class CopySpansConfig(StrictModel):
 class DataConfig(StrictModel):
     """Training text, its held-out evaluation split and sequence packing.
 
-    The text is tokenized once per node and shared from a file (`gsm_train/token_cache.py`), by
+    The text is tokenized once per node and shared from a file (`gsm_train/training/token_cache.py`), by
     `num_proc` processes (null: one). `streaming: true` reads it as it trains instead, for text
     larger than memory (`gsm_train/data/streaming.py`): documents in their order, unshuffled, and
     `eval_rows` a number of rows (the first ones of `eval`, or of `train`, which then skips
@@ -409,7 +409,7 @@ class OptimConfig(StrictModel):
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
     max_grad_norm: float = Field(1.0, gt=0.0)
     # AdamW's two moments in fp32, or in bf16 (half their memory: 4 bytes a trainable parameter
-    # instead of 8; the update computes in fp32 and the weights stay fp32; gsm_train/optim.py)
+    # instead of 8; the update computes in fp32 and the weights stay fp32; gsm_train/training/optim.py)
     state_dtype: Literal["fp32", "bf16"] = "fp32"
 
 
@@ -438,7 +438,7 @@ class TrainConfig(StrictModel):
     Evaluation always uses every query.
 
     `cuda_graph`: capture the micro-step (loss and backward) in a CUDA graph and replay it (see
-    `gsm_train/step_graph.py`). `auto` does so where it can: one CUDA GPU, the FSDP2 backend, a stage
+    `gsm_train/training/step_graph.py`). `auto` does so where it can: one CUDA GPU, the FSDP2 backend, a stage
     whose step never waits on the device (stage 1, gate warm-up); `true` makes anything else an error.
 
     `fp32_matmul`: how CUDA runs the fp32 matrix products of training (ASQ computes in fp32; under
@@ -451,10 +451,10 @@ class TrainConfig(StrictModel):
 
     `max_skipped_steps`: how many steps whose loss, loss terms or gradient norm is NaN or infinite
     are skipped (no optimizer update) before the run stops with an error; 0 stops at the first
-    (`gsm_train/finite_guard.py`).
+    (`gsm_train/training/finite_guard.py`).
 
     `activation_checkpointing`: keep only each decoder layer's input in the forward and run the
-    layer again in the backward (`gsm_train/activation_checkpoint.py`): the activations of one layer
+    layer again in the backward (`gsm_train/training/activation_checkpoint.py`): the activations of one layer
     at a time instead of all of them, for one more forward of the layers per step. Steps with it run
     eagerly (no CUDA graph)."""
 

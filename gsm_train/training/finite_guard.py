@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from gsm_train.distributed import DistInfo
+from gsm_train.training.distributed import DistInfo
 
 # exit status of a run the guard stopped (2 is a refused input: nothing ran, nothing was written)
 NONFINITE_EXIT = 3

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from gsm_train.distributed import DistInfo
+from gsm_train.training.distributed import DistInfo
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 # a checkpoint's trainables as full tensors, where a backend writes them so (DeepSpeed; and FSDP2

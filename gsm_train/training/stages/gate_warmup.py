@@ -15,9 +15,9 @@ from torch import Tensor, nn
 from gsm_train.attention import gsm_collect, gsm_parameters, gsm_settings, inject_gsm
 from gsm_train.config.schema import RecipeConfig
 from gsm_train.data.chat_data import input_ids
-from gsm_train.distributed import all_reduce_sum
 from gsm_train.modules import GSMError
 from gsm_train.plots import plot_recall_per_layer
+from gsm_train.training.distributed import all_reduce_sum
 
 _RECALL_KEYS = ("gate", "oracle", "queries")
 

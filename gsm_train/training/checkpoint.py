@@ -53,13 +53,13 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.checkpoint import CheckpointException
 
-from gsm_train.backend_protocol import FULL_TRAINABLES_FILE, Backend
-from gsm_train.dcp_safe import UnsafeCheckpointError, unsafe_reason
-from gsm_train.distributed import DistInfo, barrier
 from gsm_train.durable import fsync_path, write_durable
 from gsm_train.errors import GSMError
-from gsm_train.finite_guard import refuse_non_finite
-from gsm_train.sharded_checkpoint import DCP_FOLDER, DCP_FORMAT, read_full_tensors, tensor_shapes
+from gsm_train.training.backend_protocol import FULL_TRAINABLES_FILE, Backend
+from gsm_train.training.dcp_safe import UnsafeCheckpointError, unsafe_reason
+from gsm_train.training.distributed import DistInfo, barrier
+from gsm_train.training.finite_guard import refuse_non_finite
+from gsm_train.training.sharded_checkpoint import DCP_FOLDER, DCP_FORMAT, read_full_tensors, tensor_shapes
 
 LATEST = "latest"
 MANIFEST = "manifest.json"

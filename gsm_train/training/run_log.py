@@ -19,7 +19,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from gsm_train.config.schema import LoggingConfig
-from gsm_train.finite_guard import json_safe
+from gsm_train.training.finite_guard import json_safe
 
 
 class RunLogger:

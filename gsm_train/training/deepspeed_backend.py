@@ -43,10 +43,10 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from gsm_train.backend_protocol import FULL_TRAINABLES_FILE, OptimizerFactory
 from gsm_train.config.schema import RecipeConfig
-from gsm_train.distributed import DistInfo
 from gsm_train.export.lora import adapter_tensor_names
+from gsm_train.training.backend_protocol import FULL_TRAINABLES_FILE, OptimizerFactory
+from gsm_train.training.distributed import DistInfo
 
 CHECKPOINT_TAG = "deepspeed"
 

@@ -9,7 +9,7 @@ from torch import nn
 from gsm_train.attention import set_gsm_mode
 from gsm_train.config.schema import RecipeConfig
 from gsm_train.export.save_load import load_gsm
-from gsm_train.stages.gate_warmup import GateWarmupStage
+from gsm_train.training.stages.gate_warmup import GateWarmupStage
 
 
 class MathGateStage(GateWarmupStage):

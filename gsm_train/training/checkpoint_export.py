@@ -14,15 +14,21 @@ import torch
 from safetensors import SafetensorError
 from torch.distributed.checkpoint import CheckpointException
 
-from gsm_train.backend_protocol import FULL_TRAINABLES_FILE
-from gsm_train.checkpoint import CheckpointError, checkpoint_shapes, read_state, read_trainables, verify_checkpoint
 from gsm_train.config.schema import RecipeConfig, load_recipe, validate_recipe_dict
 from gsm_train.export.export_folder import check_writable
 from gsm_train.export.save_load import ExportError, export_adapter, export_destination
 from gsm_train.models.model_zoo import load_model_and_tokenizer
-from gsm_train.session import export_options
-from gsm_train.sharded_checkpoint import DCP_FOLDER
-from gsm_train.stages import STAGES
+from gsm_train.training.backend_protocol import FULL_TRAINABLES_FILE
+from gsm_train.training.checkpoint import (
+    CheckpointError,
+    checkpoint_shapes,
+    read_state,
+    read_trainables,
+    verify_checkpoint,
+)
+from gsm_train.training.session import export_options
+from gsm_train.training.sharded_checkpoint import DCP_FOLDER
+from gsm_train.training.stages import STAGES
 from gsm_train.tuning.resolved_recipe import resolve_for_base
 
 RUN_RECIPE = "recipe.resolved.yaml"

@@ -8,7 +8,7 @@ exporting, shared by the training loop (`trainer`) and the benchmarks.
     session.save(run_dir, step, run)
     session.export(run_dir / "export", metrics)
 
-A stage (see `gsm_train/stages/`) says which parameters train, what the loss is, how to evaluate and
+A stage (see `gsm_train/training/stages/`) says which parameters train, what the loss is, how to evaluate and
 what to report; the session does everything else, the same way for every stage, through the
 distributed backend (`backend.py`: FSDP2, or DeepSpeed ZeRO when the accelerate config asks for it).
 """
@@ -25,19 +25,19 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from gsm_train.activation_checkpoint import checkpoint_decoder_layers
 from gsm_train.attention import configure_gsm, gsm_parameters
-from gsm_train.backend import FSDP2Backend, select_backend
-from gsm_train.backend_protocol import Backend
-from gsm_train.checkpoint import load_checkpoint, save_checkpoint
 from gsm_train.config.schema import RecipeConfig
-from gsm_train.distributed import DistInfo, all_reduce_sum, init_distributed
 from gsm_train.export.save_load import AdapterNames, export_adapter
-from gsm_train.finite_guard import refuse_non_finite
 from gsm_train.models.model_zoo import load_model_and_tokenizer
-from gsm_train.optim import AdamWBF16
-from gsm_train.step_graph import GraphedLoss
-from gsm_train.training_data import TrainingData, load_training_data
+from gsm_train.training.activation_checkpoint import checkpoint_decoder_layers
+from gsm_train.training.backend import FSDP2Backend, select_backend
+from gsm_train.training.backend_protocol import Backend
+from gsm_train.training.checkpoint import load_checkpoint, save_checkpoint
+from gsm_train.training.distributed import DistInfo, all_reduce_sum, init_distributed
+from gsm_train.training.finite_guard import refuse_non_finite
+from gsm_train.training.optim import AdamWBF16
+from gsm_train.training.step_graph import GraphedLoss
+from gsm_train.training.training_data import TrainingData, load_training_data
 from gsm_train.tuning.resolved_recipe import resolve_for_base
 
 
@@ -124,7 +124,7 @@ def build_optimizer(model: nn.Module, config: RecipeConfig, fused: bool = True) 
     """The recipe's AdamW over the model's trainables: torch's, with `fused` on CUDA the fused
     kernel (one launch per step instead of several per tensor; the DeepSpeed backend asks for the
     default one), or with `optim.state_dtype: bf16` gsm-train's with bf16 moments
-    (`gsm_train/optim.py`)."""
+    (`gsm_train/training/optim.py`)."""
     optim = config.optim
     if optim.state_dtype == "bf16":
         return AdamWBF16(

@@ -31,9 +31,9 @@ from typing import Any
 
 import yaml
 
-from gsm_train.checkpoint import checkpoint_folders, checkpoint_step, verify_checkpoint
-from gsm_train.distributed import DistInfo, raise_on_any_rank
 from gsm_train.errors import GSMError
+from gsm_train.training.checkpoint import checkpoint_folders, checkpoint_step, verify_checkpoint
+from gsm_train.training.distributed import DistInfo, raise_on_any_rank
 
 LOCK = "run.lock"
 RUN_FILE = "run.json"

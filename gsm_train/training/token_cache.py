@@ -40,8 +40,8 @@ from datasets.fingerprint import Hasher
 
 from gsm_train.config.schema import DataSourceConfig
 from gsm_train.data.text import CHAT_COLUMN, DataError, load_text_dataset, pack_tokens
-from gsm_train.distributed import DistInfo, raise_on_any_rank
 from gsm_train.durable import replace_atomically
+from gsm_train.training.distributed import DistInfo, raise_on_any_rank
 
 CACHE_VERSION = 1  # part of every key: a change to how rows are made invalidates the cache
 SAMPLE_BLOCKS = 64

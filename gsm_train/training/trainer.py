@@ -17,19 +17,19 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from gsm_train.attention import gsm_settings
-from gsm_train.backend import select_backend
-from gsm_train.backend_protocol import Backend
 from gsm_train.config.schema import RecipeConfig, resolved_yaml
-from gsm_train.distributed import DistInfo, init_distributed, raise_on_any_rank, teardown
 from gsm_train.errors import GSMError
-from gsm_train.finite_guard import NonFiniteError, NonFiniteGuard
 from gsm_train.models.families import model_dims
-from gsm_train.preflight import RunPlan, StartOptions, plan_run
-from gsm_train.run_folder import hold_run_folder, record_run
-from gsm_train.run_log import RunLogger
-from gsm_train.session import Stage, TrainingSession
-from gsm_train.set_aside import SetAside
-from gsm_train.step_graph import cuda_graph_blockers, use_cuda_graph
+from gsm_train.training.backend import select_backend
+from gsm_train.training.backend_protocol import Backend
+from gsm_train.training.distributed import DistInfo, init_distributed, raise_on_any_rank, teardown
+from gsm_train.training.finite_guard import NonFiniteError, NonFiniteGuard
+from gsm_train.training.preflight import RunPlan, StartOptions, plan_run
+from gsm_train.training.run_folder import hold_run_folder, record_run
+from gsm_train.training.run_log import RunLogger
+from gsm_train.training.session import Stage, TrainingSession
+from gsm_train.training.set_aside import SetAside
+from gsm_train.training.step_graph import cuda_graph_blockers, use_cuda_graph
 from gsm_train.tuning.kv_budget import kv_bytes_ratio
 
 

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from gsm_train.dcp_safe import SafeFileSystemReader, SafeLoadPlanner
+from gsm_train.training.dcp_safe import SafeFileSystemReader, SafeLoadPlanner
 
 DCP_FOLDER = "dcp"
 DCP_FORMAT = "dcp"  # state.json's `format` of a checkpoint written so

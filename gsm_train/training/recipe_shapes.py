@@ -11,10 +11,10 @@ from pathlib import Path
 
 from transformers import PretrainedConfig
 
-from gsm_train.checkpoint import CheckpointError
 from gsm_train.config.schema import LoraSettings, RecipeConfig
 from gsm_train.export.adapter_format import read_config
 from gsm_train.export.save_load import build_settings, skeleton_state
+from gsm_train.training.checkpoint import CheckpointError
 
 
 def recipe_shapes(config: RecipeConfig, model_config: PretrainedConfig) -> dict[str, list[int]] | None:

@@ -20,8 +20,8 @@ from gsm_train.config.schema import DataConfig, DataSourceConfig, RecipeConfig
 from gsm_train.data.copy_spans import copy_spans, window_generator
 from gsm_train.data.streaming import StreamedBatches, first_rows
 from gsm_train.data.text import PackedBatches, split_eval_ids, stream_records
-from gsm_train.distributed import DistInfo
-from gsm_train.token_cache import cached_rows
+from gsm_train.training.distributed import DistInfo
+from gsm_train.training.token_cache import cached_rows
 
 
 class Batches(Protocol):

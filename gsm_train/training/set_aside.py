@@ -23,8 +23,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from gsm_train.checkpoint import LATEST, STEP_PREFIX
-from gsm_train.run_folder import RECIPES_BESIDE, RUN_OUTPUTS, RunFolderError
+from gsm_train.training.checkpoint import LATEST, STEP_PREFIX
+from gsm_train.training.run_folder import RECIPES_BESIDE, RUN_OUTPUTS, RunFolderError
 
 ASIDE = ".overwritten"
 CHECKPOINTS = "checkpoints"

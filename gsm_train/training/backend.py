@@ -2,7 +2,7 @@
 
 `accelerate launch` with a DeepSpeed config (e.g. `launch/deepspeed_zero2.yaml`) exports
 `ACCELERATE_USE_DEEPSPEED=true` plus its settings (zero stage, clipping, precision); the loop then
-hands model and optimizer to accelerate's DeepSpeed integration (`gsm_train/deepspeed_backend.py`).
+hands model and optimizer to accelerate's DeepSpeed integration (`gsm_train/training/deepspeed_backend.py`).
 Every other launch (one process, `torchrun`, `launch/multi_gpu.yaml`) runs gsm-train's own FSDP2.
 Both backends do the same things through the same calls (`backend_protocol.Backend`): prepare,
 backward, step (global clipping over the trainables, the pre-clip norm returned for logging), full
@@ -23,10 +23,10 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from gsm_train.backend_protocol import Backend, OptimizerFactory
 from gsm_train.config.schema import ConfigError, Problem, RecipeConfig
-from gsm_train.distributed import DistInfo, shard_model
-from gsm_train.sharded_checkpoint import DCP_FORMAT, load_sharded, save_sharded, trainable_state
+from gsm_train.training.backend_protocol import Backend, OptimizerFactory
+from gsm_train.training.distributed import DistInfo, shard_model
+from gsm_train.training.sharded_checkpoint import DCP_FORMAT, load_sharded, save_sharded, trainable_state
 
 _SOURCE = "accelerate config (ACCELERATE_USE_DEEPSPEED=true)"
 _LAUNCH_SOURCE = "accelerate config (as accelerate launch exported it)"
@@ -224,6 +224,6 @@ def select_backend(config: RecipeConfig) -> Backend:
         )
     if problems:
         raise ConfigError(_SOURCE, problems)
-    from gsm_train.deepspeed_backend import DeepSpeedBackend
+    from gsm_train.training.deepspeed_backend import DeepSpeedBackend
 
     return DeepSpeedBackend(config, plugin)

@@ -24,13 +24,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from gsm_train.checkpoint import check_resumable, checkpoint_shapes, read_state, resolve_resume
 from gsm_train.config.schema import ConfigError, Problem, RecipeConfig
 from gsm_train.export.export_folder import export_destination
-from gsm_train.recipe_shapes import check_shapes_fit
-from gsm_train.run_folder import check_folder_usable, check_run_folder, read_run_id
-from gsm_train.set_aside import check_nothing_aside
-from gsm_train.token_cache import token_cache_dir
+from gsm_train.training.checkpoint import check_resumable, checkpoint_shapes, read_state, resolve_resume
+from gsm_train.training.recipe_shapes import check_shapes_fit
+from gsm_train.training.run_folder import check_folder_usable, check_run_folder, read_run_id
+from gsm_train.training.set_aside import check_nothing_aside
+from gsm_train.training.token_cache import token_cache_dir
 from gsm_train.tuning.resolved_recipe import resolve_for_base
 
 # recipe fields a resumed run may change without --allow-recipe-change: they do not alter the

@@ -28,11 +28,11 @@ from gsm_train.attention import (
 )
 from gsm_train.config.schema import RecipeConfig
 from gsm_train.data.chat_data import IGNORE_INDEX, inputs_and_labels
-from gsm_train.distributed import all_reduce_sum
 from gsm_train.export.lora import inject_lora, lora_parameters
 from gsm_train.export.save_load import build_settings, check_base, load_tensors, read_export
 from gsm_train.modules import GSMError
 from gsm_train.plots import plot_recall_per_layer
+from gsm_train.training.distributed import all_reduce_sum
 
 _MASS_KEYS = ("gate", "oracle", "queries")
 ASQ_STATS = ("recon_rel_error", "cluster_usage", "dead_clusters")  # logged as asq_<name> at each evaluation
