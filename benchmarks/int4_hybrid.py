@@ -5,7 +5,7 @@ base decoding densely.
 Parts (`--parts`, default both):
 - `ppl`: perplexity on held-out text (`--eval-data`, WikiText-2 validation) of SmolLM2-135M with the
   joint export `--smollm2-export`: the bf16 base, bf16 + GSM, the 4-bit base dense, 4-bit + GSM, on the
-  same windows (`gsm_train.evaluate.evaluate_exports`, once with full weights, once 4-bit; with
+  same windows (`gsm_train.commands.evaluate.evaluate_exports`, once with full weights, once 4-bit; with
   `--calibration-data`, WikiText-2's train split, once more 4-bit with AWQ scales: `int4awq`). SmolLM2's
   linears are 576 wide, which groups of 128 do not divide: its 4-bit weights take groups of 64
   (`--smollm2-weights`, recorded); the 8B rows use groups of 128.
@@ -60,8 +60,8 @@ from benchmarks.generate import (
     summarize,
 )
 from gsm_train.attention import gsm_adapters, inject_gsm
+from gsm_train.commands.evaluate import BASE, evaluate_exports, inference_autocast
 from gsm_train.data.text import load_text_dataset, pack_tokens
-from gsm_train.evaluate import BASE, evaluate_exports, inference_autocast
 from gsm_train.export.adapter_format import read_config
 from gsm_train.export.hub_download import resolve_export
 from gsm_train.export.int4 import WEIGHT_CHOICES, base_linears, group_size, quantize_base

@@ -39,9 +39,9 @@ from benchmarks.common import write_result
 from benchmarks.generate import generate_timed
 from gsm_train.attention import gsm_adapters, gsm_settings
 from gsm_train.attention.settings import configure_gsm
+from gsm_train.commands.evaluate import perplexity_and_recall, with_selection
 from gsm_train.config.schema import ConfigError
 from gsm_train.data.text import load_text_dataset, pack_tokens
-from gsm_train.evaluate import perplexity_and_recall, with_selection
 from gsm_train.export.save_load import load_gsm, read_export, resolve_export
 from gsm_train.inference.engine import enable_gsm_generation
 from gsm_train.models.families import model_dims

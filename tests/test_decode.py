@@ -16,6 +16,7 @@ from torch import Tensor
 
 from gsm_train.attention import gsm_disabled, inject_gsm
 from gsm_train.cli import main as cli_main
+from gsm_train.commands.inspect_model import layer_reports
 from gsm_train.config.schema import GSMConfig
 from gsm_train.export.save_load import export_adapter
 from gsm_train.inference.cache import GSMCache, cache_kwargs
@@ -29,7 +30,6 @@ from gsm_train.inference.decode_attention import (
     top_k_positions,
 )
 from gsm_train.inference.kv_store import CacheLengths, KVStore
-from gsm_train.inspect_model import layer_reports
 from gsm_train.models.model_zoo import TINY_FAMILIES, tiny_model
 from gsm_train.modules import GSMError
 from gsm_train.modules.kv_compressor import ASQCompressor

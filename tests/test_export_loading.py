@@ -14,10 +14,11 @@ import pytest
 import torch
 from run_helpers import TINY_MODEL
 
-from gsm_train import GSMModel, generate
+from gsm_train import GSMModel
 from gsm_train.attention import has_gsm, inject_gsm
+from gsm_train.commands import generate
+from gsm_train.commands.evaluate import prepare_evaluation
 from gsm_train.config.schema import GSMConfig, load_recipe
-from gsm_train.evaluate import prepare_evaluation
 from gsm_train.export import adapter_format, pretrained
 from gsm_train.export.adapter_format import ARGS_FILE, CONFIG_FILE, GSM_FILE, ExportError, read_export
 from gsm_train.export.save_load import export_adapter, load_gsm

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import gsm_train.generate as generate_module
+import gsm_train.commands.generate as generate_module
 from gsm_train import GSMModel
 from gsm_train.attention import gsm_state_dict, inject_gsm
 from gsm_train.cli import main

@@ -14,9 +14,9 @@ import torch
 from benchmarks import long_context, long_context_probe
 from benchmarks.long_context_probe import interpolated_rope, rope_frequencies
 from gsm_train.attention import inject_gsm
+from gsm_train.commands.evaluate import perplexity_and_recall, position_buckets, prepare_evaluation
 from gsm_train.config.schema import GSMConfig
 from gsm_train.data.text import load_text_dataset, pack_tokens
-from gsm_train.evaluate import perplexity_and_recall, position_buckets, prepare_evaluation
 from gsm_train.export.save_load import export_adapter
 from gsm_train.models.model_zoo import byte_tokenizer, tiny_model
 

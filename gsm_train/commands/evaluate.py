@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from gsm_train.attention import GSMSettings, configure_gsm, gsm_collect
+from gsm_train.commands.inspect_model import layer_reports
 from gsm_train.config.schema import (
     ConfigError,
     GSMConfig,
@@ -34,7 +35,6 @@ from gsm_train.export.hub_download import resolve_export
 from gsm_train.export.int4 import FULL, checked_group, group_size, quantize_base
 from gsm_train.export.save_load import load_gsm
 from gsm_train.functional.attention_targets import MASS_SUMS
-from gsm_train.inspect_model import layer_reports
 from gsm_train.models.families import config_dims
 from gsm_train.models.hub_ids import base_to_load
 from gsm_train.models.model_zoo import load_model_and_tokenizer, read_model_config

@@ -28,8 +28,8 @@ from torch import Tensor, nn
 from transformers import PreTrainedTokenizerBase
 
 from gsm_train.attention import gsm_settings, has_gsm
+from gsm_train.commands.evaluate import BASE, inference_autocast, prepare_evaluation
 from gsm_train.data.text import DataError, load_text_dataset
-from gsm_train.evaluate import BASE, inference_autocast, prepare_evaluation
 from gsm_train.inference.cache import GSMCache, cache_kwargs
 
 INTRO = (
