@@ -189,3 +189,11 @@ def test_fp32_matmul_takes_tf32_only_inside_training_on_cuda() -> None:
     for precision, device in (("default", torch.device("cuda")), ("tf32", torch.device("cpu"))):
         with fp32_matmul_precision(precision, device):
             assert matmul.fp32_precision == before
+
+
+def test_the_builtin_recipes_are_the_repo_recipes_and_resolve_by_name(tmp_path, monkeypatch):
+    from gsm_train.config.builtin_recipes import builtin_recipes, resolve_recipe
+
+    assert {name: path.resolve() for name, path in builtin_recipes().items()} == {p.stem: p.resolve() for p in RECIPES}
+    monkeypatch.chdir(tmp_path)  # no recipes/ here: a bare name is the built-in one
+    assert resolve_recipe("joint").resolve() == (REPO / "recipes" / "joint.yaml").resolve()
