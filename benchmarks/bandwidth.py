@@ -20,11 +20,11 @@ import torch
 from torch import nn
 
 from gsm_train.attention import gsm_settings
-from gsm_train.families import model_dims
+from gsm_train.export.int4 import stored_bytes
 from gsm_train.inference.cache import GSMCache
 from gsm_train.inference.decode_attention import decode_k, static_k
 from gsm_train.inference.kv_store import KVStore
-from gsm_train.int4 import stored_bytes
+from gsm_train.models.families import model_dims
 
 STATED_PEAK_BYTES_PER_S = 4.8e12  # the H200's HBM3e (spec)
 COPY_BYTES = 2**30  # the measured copy's size: far past the L2
@@ -53,7 +53,7 @@ def peak_bandwidth() -> tuple[float, str]:
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of the model's parameters as stored (a 4-bit weight: its packed values, scales and zero
-    points: `gsm_train.int4.stored_bytes`)."""
+    points: `gsm_train.export.int4.stored_bytes`)."""
     return stored_bytes(model)
 
 

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from gsm_train.checkpoint import newest_good_checkpoint
 from gsm_train.durable import write_durable
-from gsm_train.preflight import StartOptions
 from gsm_train.train import train_recipe
+from gsm_train.training.checkpoint import newest_good_checkpoint
+from gsm_train.training.preflight import StartOptions
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -29,9 +29,9 @@ import torch.nn.functional as F
 
 from benchmarks.common import graph_ms, write_result
 from gsm_train.attention import inject_gsm
-from gsm_train.config import GSMConfig, load_recipe
-from gsm_train.data import load_text_dataset, pack_tokens
-from gsm_train.export import load_gsm
+from gsm_train.config.schema import GSMConfig, load_recipe
+from gsm_train.data.text import load_text_dataset, pack_tokens
+from gsm_train.export.save_load import load_gsm
 from gsm_train.functional.gate_keys import encode_gate_keys
 from gsm_train.inference.cache import GSMCache, cache_kwargs
 from gsm_train.inference.decode_attention import static_k
@@ -42,7 +42,7 @@ from gsm_train.kernels.sparse_decode import (
     fused_decode_attention,
     gate_scores,
 )
-from gsm_train.model_zoo import load_model_and_tokenizer
+from gsm_train.models.model_zoo import load_model_and_tokenizer
 from gsm_train.modules.kv_compressor import ASQCompressor
 from gsm_train.plots import plot_decode_speedup
 

@@ -25,7 +25,7 @@ from benchmarks.decode import (
     per_layer_ms,
     selection,
 )
-from gsm_train.config import load_recipe
+from gsm_train.config.schema import load_recipe
 from gsm_train.inference.decode_attention import attend
 from gsm_train.kernels.sparse_decode import (
     autotuned_config,

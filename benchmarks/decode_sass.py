@@ -25,7 +25,7 @@ from triton.compiler import ASTSource
 
 from benchmarks.common import write_result
 from benchmarks.decode import REPO, SHAPES, compressors, config_name, filled_stores
-from gsm_train.config import load_recipe
+from gsm_train.config.schema import load_recipe
 from gsm_train.kernels.sparse_decode import (
     _sparse_decode_kernel,
     decode_configs,

@@ -25,12 +25,12 @@ from torch import nn
 
 from benchmarks.common import write_result
 from gsm_train.attention import inject_gsm, set_gsm_mode
-from gsm_train.config import GSMConfig
-from gsm_train.families import model_dims
+from gsm_train.config.schema import GSMConfig
 from gsm_train.inference.cache import GSMCache, cache_kwargs
 from gsm_train.inference.dense_engine import DenseEngine
 from gsm_train.inference.engine import enable_gsm_generation
-from gsm_train.model_zoo import random_model, tiny_model
+from gsm_train.models.families import model_dims
+from gsm_train.models.model_zoo import random_model, tiny_model
 
 # --model tiny: GSM settings that fit the tiny model's shapes (the 8B shape takes recipes/joint.yaml's)
 TINY_GSM = {

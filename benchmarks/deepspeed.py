@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 from benchmarks.common import write_result
-from gsm_train.data import load_text_dataset
-from gsm_train.evaluate import evaluate_exports
-from gsm_train.model_zoo import load_model_and_tokenizer
+from gsm_train.commands.evaluate import evaluate_exports
+from gsm_train.data.text import load_text_dataset
+from gsm_train.models.model_zoo import load_model_and_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 BACKENDS = {

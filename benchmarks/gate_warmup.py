@@ -18,10 +18,10 @@ import torch
 from benchmarks.common import graph_ms, median_ms, write_result
 from gsm_train.attention import gsm_disabled
 from gsm_train.attention.injection import rows_not_packed
-from gsm_train.config import RecipeConfig, load_recipe
-from gsm_train.session import TrainingSession
-from gsm_train.stages import GateWarmupStage
+from gsm_train.config.schema import RecipeConfig, load_recipe
 from gsm_train.train import train_recipe
+from gsm_train.training.session import TrainingSession
+from gsm_train.training.stages import GateWarmupStage
 
 REPO = Path(__file__).resolve().parents[1]
 

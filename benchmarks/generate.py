@@ -56,14 +56,14 @@ from benchmarks.agreement import agreement
 from benchmarks.common import provenance, write_result
 from benchmarks.step_kl import step_kl
 from gsm_train.attention import gsm_adapters, gsm_disabled, inject_gsm, set_gsm_mode
-from gsm_train.config import GSMConfig, load_recipe
-from gsm_train.data import load_text_dataset, pack_tokens
-from gsm_train.export import load_gsm
+from gsm_train.config.schema import GSMConfig, load_recipe
+from gsm_train.data.text import load_text_dataset, pack_tokens
+from gsm_train.export.save_load import load_gsm
 from gsm_train.inference.cache import DEFAULT_PREFILL, PREFILL_MODES, GSMCache, cache_kwargs
 from gsm_train.inference.dense_engine import PREFILL_CHUNK as ENGINE_PREFILL_CHUNK
 from gsm_train.inference.dense_engine import DenseEngine
 from gsm_train.inference.engine import PREFILL_CHUNK, enable_gsm_generation
-from gsm_train.model_zoo import load_model_and_tokenizer, random_model
+from gsm_train.models.model_zoo import load_model_and_tokenizer, random_model
 
 REPO = Path(__file__).resolve().parents[1]
 DENSE_PREFILL_CHUNK = 4096  # the dense 8B rows' prefill chunk (run_row)

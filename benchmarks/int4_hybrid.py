@@ -1,11 +1,11 @@
 """The local deployment the seed describes, measured on one GPU in one run: a base with 4-bit weights
-(torchao's int4 weight-only path, gsm_train/int4.py) under GSM's compressed cache, against the same 4-bit
+(torchao's int4 weight-only path, gsm_train/export/int4.py) under GSM's compressed cache, against the same 4-bit
 base decoding densely.
 
 Parts (`--parts`, default both):
 - `ppl`: perplexity on held-out text (`--eval-data`, WikiText-2 validation) of SmolLM2-135M with the
   joint export `--smollm2-export`: the bf16 base, bf16 + GSM, the 4-bit base dense, 4-bit + GSM, on the
-  same windows (`gsm_train.evaluate.evaluate_exports`, once with full weights, once 4-bit; with
+  same windows (`gsm_train.commands.evaluate.evaluate_exports`, once with full weights, once 4-bit; with
   `--calibration-data`, WikiText-2's train split, once more 4-bit with AWQ scales: `int4awq`). SmolLM2's
   linears are 576 wide, which groups of 128 do not divide: its 4-bit weights take groups of 64
   (`--smollm2-weights`, recorded); the 8B rows use groups of 128.
@@ -59,16 +59,16 @@ from benchmarks.generate import (
     say,
     summarize,
 )
-from gsm_train.adapter_format import read_config
 from gsm_train.attention import gsm_adapters, inject_gsm
-from gsm_train.data import load_text_dataset, pack_tokens
-from gsm_train.evaluate import BASE, evaluate_exports, inference_autocast
-from gsm_train.hub_download import resolve_export
-from gsm_train.hub_ids import base_to_load
+from gsm_train.commands.evaluate import BASE, evaluate_exports, inference_autocast
+from gsm_train.data.text import load_text_dataset, pack_tokens
+from gsm_train.export.adapter_format import read_config
+from gsm_train.export.hub_download import resolve_export
+from gsm_train.export.int4 import WEIGHT_CHOICES, base_linears, group_size, quantize_base
 from gsm_train.inference.cache import DEFAULT_PREFILL, PREFILL_MODES
 from gsm_train.inference.engine import enable_gsm_generation
-from gsm_train.int4 import WEIGHT_CHOICES, base_linears, group_size, quantize_base
-from gsm_train.model_zoo import load_model_and_tokenizer
+from gsm_train.models.hub_ids import base_to_load
+from gsm_train.models.model_zoo import load_model_and_tokenizer
 
 ROWS = ("8b_32k_bs1", "8b_128k_bs1", "8b_32k_bs16")  # benchmarks.generate's rows of these names
 METHODS = ("dense_engine", "dense_static_compiled")  # the 4-bit dense methods (eager is slower than both)
@@ -77,7 +77,7 @@ GSM_EXPORT = "gsm"  # the export's name in the perplexity reports
 
 
 def awq_calibration(data: str, tokenizer: Any, windows: int, seq_len: int) -> Callable[[nn.Module], None]:
-    """AWQ's calibration forwards (`gsm_train.int4.quantize_base`): `windows` windows of `seq_len` tokens
+    """AWQ's calibration forwards (`gsm_train.export.int4.quantize_base`): `windows` windows of `seq_len` tokens
     of `data` (text apart from the evaluation's: WikiText-2's train split), one forward each."""
     rows = pack_tokens(load_text_dataset(data), tokenizer, seq_len)[:windows]
 

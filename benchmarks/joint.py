@@ -21,7 +21,7 @@ import statistics
 from pathlib import Path
 
 from benchmarks.common import add_gsm_argument, git_commit, train_unless_exported, write_result
-from gsm_train.evaluate import evaluate_exports
+from gsm_train.commands.evaluate import evaluate_exports
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import add_gsm_argument, kernel_times, op_times, write_result
-from gsm_train.config import load_recipe
-from gsm_train.session import TrainingSession
-from gsm_train.stages import JointStage
-from gsm_train.trainer import fp32_matmul_precision
+from gsm_train.config.schema import load_recipe
+from gsm_train.training.session import TrainingSession
+from gsm_train.training.stages import JointStage
+from gsm_train.training.trainer import fp32_matmul_precision
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -29,9 +29,9 @@ from benchmarks.prose_probe import (
     prose_model_and_windows,
 )
 from benchmarks.residual_quantizers import _quantized
-from gsm_train.config import load_recipe
-from gsm_train.families import model_dims
-from gsm_train.kv_budget import kv_bytes_ratio
+from gsm_train.config.schema import load_recipe
+from gsm_train.models.families import model_dims
+from gsm_train.tuning.kv_budget import kv_bytes_ratio
 
 REPO = Path(__file__).resolve().parents[1]
 CLUSTERS = 2

@@ -42,9 +42,9 @@ import torch
 
 from benchmarks.common import git_commit, train_unless_exported, write_result
 from benchmarks.long_context_probe import print_tables, run_probe, trained_length
-from gsm_train.adapter_format import read_config, read_training_args
-from gsm_train.evaluate import bucket_label, evaluate_exports
-from gsm_train.passkey import evaluate_passkey
+from gsm_train.commands.evaluate import bucket_label, evaluate_exports
+from gsm_train.commands.passkey import evaluate_passkey
+from gsm_train.export.adapter_format import read_config, read_training_args
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"

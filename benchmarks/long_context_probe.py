@@ -48,8 +48,8 @@ from transformers import AttentionInterface
 from benchmarks.common import git_commit, write_result
 from gsm_train.attention.dispatch import ATTN_IMPLEMENTATION, gsm_attention_forward
 from gsm_train.attention.forward_state import FORWARD_KWARG
-from gsm_train.data import load_text_dataset, pack_tokens
-from gsm_train.evaluate import bucket_label, inference_autocast, position_buckets, prepare_evaluation
+from gsm_train.commands.evaluate import bucket_label, inference_autocast, position_buckets, prepare_evaluation
+from gsm_train.data.text import load_text_dataset, pack_tokens
 from gsm_train.functional.attention_targets import head_averaged_probs
 from gsm_train.functional.gate_keys import decode_gate_keys, encode_gate_keys
 from gsm_train.functional.top_k import select_top_k

@@ -12,10 +12,10 @@ import argparse
 from pathlib import Path
 
 from benchmarks.common import write_result
-from gsm_train.config import load_recipe
-from gsm_train.session import TrainingSession
-from gsm_train.stages import MathGateStage
+from gsm_train.config.schema import load_recipe
 from gsm_train.train import train_recipe
+from gsm_train.training.session import TrainingSession
+from gsm_train.training.stages import MathGateStage
 
 REPO = Path(__file__).resolve().parents[1]
 RECALL = "recall_ratio_k64"

@@ -13,9 +13,9 @@ import torch
 
 from benchmarks.common import write_result
 from gsm_train.attention import gsm_collect, inject_gsm
-from gsm_train.config import GSMConfig
-from gsm_train.data import load_text_dataset, pack_tokens
-from gsm_train.model_zoo import load_model_and_tokenizer
+from gsm_train.config.schema import GSMConfig
+from gsm_train.data.text import load_text_dataset, pack_tokens
+from gsm_train.models.model_zoo import load_model_and_tokenizer
 
 
 @torch.no_grad()

@@ -4,7 +4,7 @@ workload scenarios.
 Sweep: for each knob of the recipe's `tuning` block (`tuning.top_k_base`, `tuning.kv_compression_ratio`,
 `tuning.bridge_alpha`) and each of its values, the export on a fresh base with that knob applied as the
 recipe would set it (`apply_knob`: the selection's top_k; ASQ's residual bits and the gate keys' bits the
-budget picks, `gsm_train.kv_budget.fit_kv_budget`; the bridges' alpha), the others as exported.
+budget picks, `gsm_train.tuning.kv_budget.fit_kv_budget`; the bridges' alpha), the others as exported.
 Per point: perplexity on held-out windows (teacher forcing, which the sparse prefill equals) and end-to-end
 generation tokens/s (`model.generate` over the GSM cache with the default dense prefill, batch 1, all new
 tokens over the whole call, prefill included; after one warm-up call). A knob the export cannot take (a
@@ -39,16 +39,16 @@ from benchmarks.common import write_result
 from benchmarks.generate import generate_timed
 from gsm_train.attention import gsm_adapters, gsm_settings
 from gsm_train.attention.settings import configure_gsm
-from gsm_train.config import ConfigError
-from gsm_train.data import load_text_dataset, pack_tokens
-from gsm_train.evaluate import perplexity_and_recall, with_selection
-from gsm_train.export import load_gsm, read_export, resolve_export
-from gsm_train.families import model_dims
-from gsm_train.hub_ids import base_to_load
+from gsm_train.commands.evaluate import perplexity_and_recall, with_selection
+from gsm_train.config.schema import ConfigError
+from gsm_train.data.text import load_text_dataset, pack_tokens
+from gsm_train.export.save_load import load_gsm, read_export, resolve_export
 from gsm_train.inference.engine import enable_gsm_generation
-from gsm_train.kv_budget import budget_choice, fit_kv_budget
-from gsm_train.model_zoo import load_model_and_tokenizer
+from gsm_train.models.families import model_dims
+from gsm_train.models.hub_ids import base_to_load
+from gsm_train.models.model_zoo import load_model_and_tokenizer
 from gsm_train.plots import plot_pareto
+from gsm_train.tuning.kv_budget import budget_choice, fit_kv_budget
 
 KNOBS = {  # the values swept, within each knob's range in the recipe's tuning block
     "top_k_base": [32, 64, 128, 256],

@@ -34,11 +34,11 @@ from transformers import DynamicCache
 
 from benchmarks.common import REPO, add_gsm_argument, median_ms, write_result
 from gsm_train.attention import gsm_disabled, inject_gsm
-from gsm_train.config import load_recipe
-from gsm_train.data import load_text_dataset, pack_tokens
-from gsm_train.export import load_gsm
+from gsm_train.config.schema import load_recipe
+from gsm_train.data.text import load_text_dataset, pack_tokens
+from gsm_train.export.save_load import load_gsm
 from gsm_train.inference.cache import GSMCache, cache_kwargs
-from gsm_train.model_zoo import load_model_and_tokenizer
+from gsm_train.models.model_zoo import load_model_and_tokenizer
 
 
 @torch.no_grad()

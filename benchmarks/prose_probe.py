@@ -12,8 +12,8 @@ from torch import Tensor, nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from gsm_train.data import load_text_dataset, pack_tokens
-from gsm_train.model_zoo import load_model_and_tokenizer
+from gsm_train.data.text import load_text_dataset, pack_tokens
+from gsm_train.models.model_zoo import load_model_and_tokenizer
 
 KVTransform = Callable[[nn.Module, Tensor, Tensor], tuple[Tensor, Tensor]]
 

@@ -53,12 +53,12 @@ import torch
 
 from benchmarks.common import REPO, git_commit, write_result
 from gsm_train.attention import gsm_disabled
-from gsm_train.config import RecipeConfig, load_recipe
-from gsm_train.export import AdapterNames
-from gsm_train.model_zoo import read_model_config
-from gsm_train.session import Stage, TrainingSession
-from gsm_train.stages import GateWarmupStage, JointStage
-from gsm_train.step_graph import cuda_graph_blockers, use_cuda_graph
+from gsm_train.config.schema import RecipeConfig, load_recipe
+from gsm_train.export.save_load import AdapterNames
+from gsm_train.models.model_zoo import read_model_config
+from gsm_train.training.session import Stage, TrainingSession
+from gsm_train.training.stages import GateWarmupStage, JointStage
+from gsm_train.training.step_graph import cuda_graph_blockers, use_cuda_graph
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16 tensor-core peak per GPU
 WARMUP_STEPS = 2

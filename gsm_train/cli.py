@@ -9,23 +9,23 @@ from pathlib import Path
 from typing import Any
 
 from gsm_train import __version__
-from gsm_train.builtin_recipes import builtin_recipes, copy_recipe, recipe_summary
-from gsm_train.checkpoint_export import export_checkpoint
-from gsm_train.config import expand_user_path, load_recipe, override_value, path_arg, resolved_yaml
-from gsm_train.data import DataError
+from gsm_train.commands.evaluate import check_report_folder, evaluate_exports, write_report
+from gsm_train.commands.generate import Sampling, generate
+from gsm_train.commands.inspect_model import inspect_model
+from gsm_train.commands.passkey import evaluate_passkey
+from gsm_train.commands.passkey import markdown_table as passkey_table
+from gsm_train.config.builtin_recipes import builtin_recipes, copy_recipe, recipe_summary
+from gsm_train.config.schema import expand_user_path, load_recipe, override_value, path_arg, resolved_yaml
+from gsm_train.data.text import DataError
 from gsm_train.entry import run_command
-from gsm_train.evaluate import check_report_folder, evaluate_exports, write_report
-from gsm_train.export import ExportError
-from gsm_train.generate import Sampling, generate
-from gsm_train.hub import publish_export
+from gsm_train.export.hub import publish_export
+from gsm_train.export.int4 import FULL, WEIGHT_CHOICES
+from gsm_train.export.save_load import ExportError
 from gsm_train.inference.cache import DEFAULT_PREFILL, PREFILL_MODES
-from gsm_train.inspect_model import inspect_model
-from gsm_train.int4 import FULL, WEIGHT_CHOICES
-from gsm_train.passkey import evaluate_passkey
-from gsm_train.passkey import markdown_table as passkey_table
-from gsm_train.resolved_recipe import resolve_for_base
 from gsm_train.train import add_start_flags
 from gsm_train.train import main as train_main
+from gsm_train.training.checkpoint_export import export_checkpoint
+from gsm_train.tuning.resolved_recipe import resolve_for_base
 
 
 def _print_written(table: Path) -> int:
@@ -318,7 +318,7 @@ def _add_eval_command(commands: argparse._SubParsersAction) -> None:
 
 
 def _add_weights_argument(parser: argparse.ArgumentParser) -> None:
-    """`--weights`: the base's weights as loaded, or 4-bit (gsm_train/int4.py)."""
+    """`--weights`: the base's weights as loaded, or 4-bit (gsm_train/export/int4.py)."""
     parser.add_argument(
         "--weights",
         choices=WEIGHT_CHOICES,

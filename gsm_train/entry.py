@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from gsm_train.errors import GSMError
-from gsm_train.finite_guard import NONFINITE_EXIT, NonFiniteError
+from gsm_train.training.finite_guard import NONFINITE_EXIT, NonFiniteError
 
 REFUSED_EXIT = 2
 WRITE_FAILED_EXIT = 4

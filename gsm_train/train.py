@@ -12,11 +12,11 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
-from gsm_train.config import ConfigError, DataSourceConfig, Problem, RecipeConfig, load_recipe, path_arg
+from gsm_train.config.schema import ConfigError, DataSourceConfig, Problem, RecipeConfig, load_recipe, path_arg
 from gsm_train.entry import run_command
-from gsm_train.preflight import StartOptions
-from gsm_train.stages import STAGES
-from gsm_train.trainer import TrainResult, run_training
+from gsm_train.training.preflight import StartOptions
+from gsm_train.training.stages import STAGES
+from gsm_train.training.trainer import TrainResult, run_training
 
 if TYPE_CHECKING:
     import datasets

@@ -20,8 +20,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gsm_train import backend, checkpoint, durable
+from gsm_train import durable
 from gsm_train.train import main
+from gsm_train.training import backend, checkpoint
 
 
 def _die() -> None:

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from gsm_train.train import train_recipe
-from gsm_train.trainer import TrainResult
+from gsm_train.training.trainer import TrainResult
 
 # the Triton kernels run with CUDA, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1)
 KERNELS_RUN_HERE = importlib.util.find_spec("triton") is not None and (

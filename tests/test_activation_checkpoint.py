@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch import nn
 
-from gsm_train.activation_checkpoint import checkpoint_decoder_layers
 from gsm_train.attention import gsm_collect
-from gsm_train.config import load_recipe
-from gsm_train.model_zoo import tiny_model
-from gsm_train.stages import JointStage
+from gsm_train.config.schema import load_recipe
+from gsm_train.models.model_zoo import tiny_model
+from gsm_train.training.activation_checkpoint import checkpoint_decoder_layers
+from gsm_train.training.stages import JointStage
 
 REPO = Path(__file__).resolve().parents[1]
 # the joint stage with every GSM module training: sparse attention on the gate's top-k, ASQ on K/V,

@@ -15,7 +15,8 @@ import huggingface_hub.constants
 import pytest
 from run_helpers import GATE_RECIPE, TINY_GATE, child_env, file_digests
 
-from gsm_train import cli, session
+from gsm_train import cli
+from gsm_train.training import session
 
 
 @pytest.fixture

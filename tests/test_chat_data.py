@@ -12,11 +12,11 @@ import pytest
 import torch
 from run_helpers import TINY_MODEL, records
 
-from gsm_train import model_zoo
-from gsm_train.chat_data import IGNORE_INDEX, encode_conversation, inputs_and_labels
-from gsm_train.config import ConfigError, load_recipe
-from gsm_train.data import DataError, load_text_dataset, pack_tokens, split_eval_ids, stream_records
-from gsm_train.streaming import first_rows
+from gsm_train.config.schema import ConfigError, load_recipe
+from gsm_train.data.chat_data import IGNORE_INDEX, encode_conversation, inputs_and_labels
+from gsm_train.data.streaming import first_rows
+from gsm_train.data.text import DataError, load_text_dataset, pack_tokens, split_eval_ids, stream_records
+from gsm_train.models import model_zoo
 from gsm_train.train import train_recipe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -170,7 +170,7 @@ def test_a_template_that_rewrites_earlier_turns_is_refused() -> None:
 def test_smollm2s_own_template_trains_the_replies_and_their_end_of_turn() -> None:
     from transformers import AutoTokenizer
 
-    from gsm_train.model_zoo import fetch_smollm2
+    from gsm_train.models.model_zoo import fetch_smollm2
 
     gguf = fetch_smollm2()
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)

@@ -21,8 +21,10 @@ import yaml
 from run_helpers import GATE_RECIPE, REPO, TINY_GATE, child_env, file_digests, losses, records
 from safetensors.torch import load_file
 
-from gsm_train import cli, session
-from gsm_train.checkpoint import (
+from gsm_train import cli
+from gsm_train.train import train_recipe
+from gsm_train.training import session
+from gsm_train.training.checkpoint import (
     checkpoint_folders,
     newest_good_checkpoint,
     read_state,
@@ -30,7 +32,6 @@ from gsm_train.checkpoint import (
     verify_checkpoint,
     write_manifest,
 )
-from gsm_train.train import train_recipe
 
 STEPS = [*TINY_GATE, "train.steps=6", "output.checkpoint_every=2", "output.keep_checkpoints=3"]
 AUTO = ["--resume", "auto"]

@@ -10,9 +10,9 @@ import pytest
 
 from gsm_train import __version__, cli
 from gsm_train.attention import inject_gsm
-from gsm_train.config import GSMConfig
-from gsm_train.export import export_adapter
-from gsm_train.model_zoo import tiny_model
+from gsm_train.config.schema import GSMConfig
+from gsm_train.export.save_load import export_adapter
+from gsm_train.models.model_zoo import tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gsm_train.cli import main as cli_main
-from gsm_train.config import ConfigError, GSMConfig, check_against_model, load_recipe
+from gsm_train.config.schema import ConfigError, GSMConfig, check_against_model, load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
@@ -175,7 +175,7 @@ def test_unreadable_recipe_is_one_clear_error(tmp_path: Path) -> None:
 def test_fp32_matmul_takes_tf32_only_inside_training_on_cuda() -> None:
     """`train.fp32_matmul=tf32` turns TF32 on for CUDA inside the context and gives PyTorch's setting back
     after (also after an error); `default`, or a CPU device, leaves it alone; another value is refused."""
-    from gsm_train.trainer import fp32_matmul_precision
+    from gsm_train.training.trainer import fp32_matmul_precision
 
     assert load_recipe(RECIPES[0], ["train.fp32_matmul=tf32"]).train.fp32_matmul == "tf32"
     with pytest.raises(ConfigError, match="train.fp32_matmul"):
@@ -189,3 +189,11 @@ def test_fp32_matmul_takes_tf32_only_inside_training_on_cuda() -> None:
     for precision, device in (("default", torch.device("cuda")), ("tf32", torch.device("cpu"))):
         with fp32_matmul_precision(precision, device):
             assert matmul.fp32_precision == before
+
+
+def test_the_builtin_recipes_are_the_repo_recipes_and_resolve_by_name(tmp_path, monkeypatch):
+    from gsm_train.config.builtin_recipes import builtin_recipes, resolve_recipe
+
+    assert {name: path.resolve() for name, path in builtin_recipes().items()} == {p.stem: p.resolve() for p in RECIPES}
+    monkeypatch.chdir(tmp_path)  # no recipes/ here: a bare name is the built-in one
+    assert resolve_recipe("joint").resolve() == (REPO / "recipes" / "joint.yaml").resolve()

@@ -11,14 +11,14 @@ import pytest
 import torch
 from run_helpers import GATE_RECIPE, TINY_GATE, losses, resume_after_crash
 
-from gsm_train.config import ConfigError, load_recipe
-from gsm_train.copy_spans import copy_spans, window_generator
-from gsm_train.data import PackedBatches, stream_records
-from gsm_train.distributed import DistInfo
-from gsm_train.model_zoo import byte_tokenizer
-from gsm_train.streaming import StreamedBatches
+from gsm_train.config.schema import ConfigError, load_recipe
+from gsm_train.data.copy_spans import copy_spans, window_generator
+from gsm_train.data.streaming import StreamedBatches
+from gsm_train.data.text import PackedBatches, stream_records
+from gsm_train.models.model_zoo import byte_tokenizer
 from gsm_train.train import train_recipe
-from gsm_train.training_data import SpanCopiedBatches, load_training_data
+from gsm_train.training.distributed import DistInfo
+from gsm_train.training.training_data import SpanCopiedBatches, load_training_data
 
 ONE = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 SEQ = 64

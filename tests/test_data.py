@@ -1,4 +1,4 @@
-"""Tests of gsm_train.data: loading, packing, eval split and batch iteration (CPU, offline)."""
+"""Tests of gsm_train.data.text: loading, packing, eval split and batch iteration (CPU, offline)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from gsm_train.assets import embedded_asset_path
-from gsm_train.data import (
+from gsm_train.data.text import (
     DataError,
     PackedBatches,
     load_text_dataset,

@@ -16,8 +16,9 @@ from torch import Tensor
 
 from gsm_train.attention import gsm_disabled, inject_gsm
 from gsm_train.cli import main as cli_main
-from gsm_train.config import GSMConfig
-from gsm_train.export import export_adapter
+from gsm_train.commands.inspect_model import layer_reports
+from gsm_train.config.schema import GSMConfig
+from gsm_train.export.save_load import export_adapter
 from gsm_train.inference.cache import GSMCache, cache_kwargs
 from gsm_train.inference.decode_attention import (
     K_STEP,
@@ -29,8 +30,7 @@ from gsm_train.inference.decode_attention import (
     top_k_positions,
 )
 from gsm_train.inference.kv_store import CacheLengths, KVStore
-from gsm_train.inspect_model import layer_reports
-from gsm_train.model_zoo import TINY_FAMILIES, tiny_model
+from gsm_train.models.model_zoo import TINY_FAMILIES, tiny_model
 from gsm_train.modules import GSMError
 from gsm_train.modules.kv_compressor import ASQCompressor
 
@@ -549,7 +549,7 @@ def test_fused_cache_scores_several_gate_query_heads_on_the_pytorch_path() -> No
 def test_an_export_with_several_gate_query_heads_decodes_as_teacher_forcing_in_fp64(tmp_path: Path) -> None:
     """Exported and loaded, a gate of 3 query heads per KV group decodes through the cache as the
     teacher-forced pass does, to fp64 rounding."""
-    from gsm_train.export import load_gsm
+    from gsm_train.export.save_load import load_gsm
 
     sections = {**CONFIGS["gate_query_heads"], "sparse_attention": {**SPARSE, "gate_query_heads": 3, "heads": "kv"}}
     folder = export_adapter(_model("llama", sections), tmp_path / "export", base_name="tiny-llama")

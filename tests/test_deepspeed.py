@@ -17,10 +17,10 @@ from accelerate.commands.launch import _validate_launch_command, launch_command_
 from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
 from run_helpers import TINY_MODEL, records
 
-from gsm_train import backend
-from gsm_train.config import ConfigError, load_recipe
-from gsm_train.distributed import DistInfo
+from gsm_train.config.schema import ConfigError, load_recipe
 from gsm_train.train import main as train_main
+from gsm_train.training import backend
+from gsm_train.training.distributed import DistInfo
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = str(REPO / "recipes" / "gate_only.yaml")
@@ -69,9 +69,9 @@ def test_zero_configs_select_deepspeed_with_their_stage(
     env = launched(config_file)
     assert env["ACCELERATE_MIXED_PRECISION"] == "bf16"
     monkeypatch.setitem(sys.modules, "deepspeed", ModuleType("deepspeed"))  # stands in for the installed package
-    fake = ModuleType("gsm_train.deepspeed_backend")
+    fake = ModuleType("gsm_train.training.deepspeed_backend")
     fake.DeepSpeedBackend = _FakeDeepSpeedBackend
-    monkeypatch.setitem(sys.modules, "gsm_train.deepspeed_backend", fake)
+    monkeypatch.setitem(sys.modules, "gsm_train.training.deepspeed_backend", fake)
     config = load_recipe(RECIPE, TINY)
     chosen = backend.select_backend(config)
     assert isinstance(chosen, _FakeDeepSpeedBackend)
@@ -161,8 +161,8 @@ def test_deepspeed_runs_the_loops_autocast_from_fp32_masters(monkeypatch: pytest
     utils.safe_get_full_fp32_param = lambda param: masters.get(id(param), param)
     utils.safe_set_full_fp32_param = lambda param, value: masters.__setitem__(id(param), value.clone())
     monkeypatch.setitem(sys.modules, "deepspeed.utils", utils)
-    monkeypatch.delitem(sys.modules, "gsm_train.deepspeed_backend", raising=False)
-    module = importlib.import_module("gsm_train.deepspeed_backend")
+    monkeypatch.delitem(sys.modules, "gsm_train.training.deepspeed_backend", raising=False)
+    module = importlib.import_module("gsm_train.training.deepspeed_backend")
     monkeypatch.setattr(module, "Accelerator", _FakeAccelerator)
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     x = torch.randn(2, 8)
@@ -205,8 +205,8 @@ def test_zero3_master_partitions_take_their_slice_padding_included(
     utils = ModuleType("deepspeed.utils")
     utils.safe_get_full_fp32_param = utils.safe_set_full_fp32_param = None
     monkeypatch.setitem(sys.modules, "deepspeed.utils", utils)
-    monkeypatch.delitem(sys.modules, "gsm_train.deepspeed_backend", raising=False)
-    module = importlib.import_module("gsm_train.deepspeed_backend")
+    monkeypatch.delitem(sys.modules, "gsm_train.training.deepspeed_backend", raising=False)
+    module = importlib.import_module("gsm_train.training.deepspeed_backend")
     value = torch.arange(1, numel + 1, dtype=torch.float32)
     size = -(-numel // world)
     gathered = []

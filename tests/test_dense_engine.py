@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from gsm_train.attention import inject_gsm
-from gsm_train.config import GSMConfig
-from gsm_train.families import model_dims
+from gsm_train.config.schema import GSMConfig
 from gsm_train.inference.dense_engine import DenseEngine
-from gsm_train.model_zoo import tiny_model
+from gsm_train.models.families import model_dims
+from gsm_train.models.model_zoo import tiny_model
 from gsm_train.modules import GSMError
 
 

@@ -12,10 +12,10 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 
 from gsm_train.attention import inject_gsm
-from gsm_train.config import GSMConfig, LoraSettings
-from gsm_train.export import export_adapter
-from gsm_train.lora import inject_lora
-from gsm_train.model_zoo import tiny_model
+from gsm_train.config.schema import GSMConfig, LoraSettings
+from gsm_train.export.lora import inject_lora
+from gsm_train.export.save_load import export_adapter
+from gsm_train.models.model_zoo import tiny_model
 
 peft = pytest.importorskip("peft")
 REPO = Path(__file__).resolve().parents[1]

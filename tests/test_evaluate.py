@@ -11,11 +11,11 @@ import torch
 
 from gsm_train.attention import gsm_settings, inject_gsm
 from gsm_train.cli import main as cli_main
-from gsm_train.config import GSMConfig
-from gsm_train.data import load_text_dataset, pack_tokens
-from gsm_train.evaluate import evaluate_exports, perplexity_and_recall, position_buckets
-from gsm_train.export import export_adapter
-from gsm_train.model_zoo import byte_tokenizer, tiny_model
+from gsm_train.commands.evaluate import evaluate_exports, perplexity_and_recall, position_buckets
+from gsm_train.config.schema import GSMConfig
+from gsm_train.data.text import load_text_dataset, pack_tokens
+from gsm_train.export.save_load import export_adapter
+from gsm_train.models.model_zoo import byte_tokenizer, tiny_model
 
 SEQ, WINDOWS = 32, 4
 

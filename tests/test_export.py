@@ -13,7 +13,10 @@ import torch
 from run_helpers import TINY_MODEL
 from safetensors.torch import load_file, save_file
 
-from gsm_train.adapter_format import (
+from gsm_train.attention import gsm_disabled, gsm_state_dict, has_gsm, inject_gsm
+from gsm_train.cli import main as cli_main
+from gsm_train.config.schema import GSMConfig, LoraSettings
+from gsm_train.export.adapter_format import (
     BASE_FILE,
     CARD_FILE,
     CONFIG_FILE,
@@ -23,13 +26,10 @@ from gsm_train.adapter_format import (
     ExportError,
     read_config,
 )
-from gsm_train.attention import gsm_disabled, gsm_state_dict, has_gsm, inject_gsm
-from gsm_train.cli import main as cli_main
-from gsm_train.config import GSMConfig, LoraSettings
-from gsm_train.export import export_adapter, load_gsm, read_export
-from gsm_train.fingerprint import base_fingerprint
-from gsm_train.lora import inject_lora
-from gsm_train.model_zoo import tiny_model
+from gsm_train.export.lora import inject_lora
+from gsm_train.export.save_load import export_adapter, load_gsm, read_export
+from gsm_train.models.fingerprint import base_fingerprint
+from gsm_train.models.model_zoo import tiny_model
 from gsm_train.train import main as train_main
 from gsm_train.train import train_recipe
 
@@ -533,7 +533,7 @@ def test_a_failed_write_leaves_the_previous_export(
     def full_disk(*args, **kwargs) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("gsm_train.export.build_card", full_disk)
+    monkeypatch.setattr("gsm_train.export.save_load.build_card", full_disk)
     with pytest.raises(OSError, match="No space left"):
         _export(model, folder)
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
@@ -581,7 +581,7 @@ def test_cli_export_refuses_a_folder_with_other_files_before_loading(
     (out / "f").write_text("keep")
     (tmp_path / "beside").write_text("keep")
     monkeypatch.setattr(
-        "gsm_train.checkpoint_export.load_model_and_tokenizer",
+        "gsm_train.training.checkpoint_export.load_model_and_tokenizer",
         lambda *a, **k: pytest.fail("the model loaded before the destination was checked"),
     )
     checkpoint = str(gate_run / "checkpoints" / "step_00000002")

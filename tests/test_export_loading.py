@@ -14,16 +14,18 @@ import pytest
 import torch
 from run_helpers import TINY_MODEL
 
-from gsm_train import GSMModel, adapter_format, generate, pretrained
-from gsm_train.adapter_format import ARGS_FILE, CONFIG_FILE, GSM_FILE, ExportError, read_export
+from gsm_train import GSMModel
 from gsm_train.attention import has_gsm, inject_gsm
-from gsm_train.config import GSMConfig, load_recipe
-from gsm_train.evaluate import prepare_evaluation
-from gsm_train.export import export_adapter, load_gsm
+from gsm_train.commands import generate
+from gsm_train.commands.evaluate import prepare_evaluation
+from gsm_train.config.schema import GSMConfig, load_recipe
+from gsm_train.export import adapter_format, pretrained
+from gsm_train.export.adapter_format import ARGS_FILE, CONFIG_FILE, GSM_FILE, ExportError, read_export
+from gsm_train.export.save_load import export_adapter, load_gsm
 from gsm_train.inference.cache import GSMCache
 from gsm_train.inference.engine import enable_gsm_generation
-from gsm_train.model_zoo import byte_tokenizer, tiny_model
-from gsm_train.stages import JointStage, MathGateStage
+from gsm_train.models.model_zoo import byte_tokenizer, tiny_model
+from gsm_train.training.stages import JointStage, MathGateStage
 
 REPO = Path(__file__).resolve().parents[1]
 GSM = {"sparse_attention": {"top_k": 8, "k_min": 8, "gate_head_dim": 16, "gate_init": "random"}}  # as stage 1

@@ -10,9 +10,9 @@ import torch
 from run_helpers import TINY_MODEL
 
 from gsm_train.attention import gsm_adapters
-from gsm_train.config import KV_METHOD_CONFIGS
-from gsm_train.export import load_gsm
-from gsm_train.model_zoo import tiny_model
+from gsm_train.config.schema import KV_METHOD_CONFIGS
+from gsm_train.export.save_load import load_gsm
+from gsm_train.models.model_zoo import tiny_model
 from gsm_train.modules.kv_registry import KV_COMPRESSORS
 from gsm_train.modules.per_token_kv import PerTokenCompressor
 from gsm_train.train import train_recipe

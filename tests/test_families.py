@@ -1,4 +1,4 @@
-"""The family table (gsm_train/families.py): each row resolves on its tiny model, and anything else
+"""The family table (gsm_train/models/families.py): each row resolves on its tiny model, and anything else
 is refused by name. A new row is picked up here and by every test parametrized over TINY_FAMILIES."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from gsm_train.families import (
+from gsm_train.models.families import (
     FAMILIES,
     UnsupportedModel,
     attention_modules,
@@ -15,7 +15,7 @@ from gsm_train.families import (
     family_of,
     model_dims,
 )
-from gsm_train.model_zoo import TINY_FAMILIES, tiny_model
+from gsm_train.models.model_zoo import TINY_FAMILIES, tiny_model
 
 
 def test_the_model_zoo_offers_every_family() -> None:

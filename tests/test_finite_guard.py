@@ -14,15 +14,15 @@ import torch
 from run_helpers import GATE_RECIPE, REPO, TINY_GATE, file_digests
 from torch import Tensor, nn
 
-from gsm_train.backend import FSDP2Backend
-from gsm_train.checkpoint import read_trainables, save_checkpoint, verify_checkpoint
-from gsm_train.config import load_recipe
-from gsm_train.distributed import DistInfo
-from gsm_train.finite_guard import NonFiniteError, json_safe
-from gsm_train.stages import GateWarmupStage
+from gsm_train.config.schema import load_recipe
 from gsm_train.train import main as train_main
 from gsm_train.train import train_recipe
-from gsm_train.trainer import run_training
+from gsm_train.training.backend import FSDP2Backend
+from gsm_train.training.checkpoint import read_trainables, save_checkpoint, verify_checkpoint
+from gsm_train.training.distributed import DistInfo
+from gsm_train.training.finite_guard import NonFiniteError, json_safe
+from gsm_train.training.stages import GateWarmupStage
+from gsm_train.training.trainer import run_training
 
 QUICKSTART_JOINT = str(REPO / "recipes" / "quickstart_joint_cpu.yaml")
 TINY_JOINT = [

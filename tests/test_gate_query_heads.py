@@ -13,18 +13,18 @@ import torch
 from run_helpers import TINY_MODEL
 from torch import Tensor
 
-from gsm_train.adapter_format import CONFIG_FILE, GSM_FILE, ExportError
 from gsm_train.attention import gsm_collect, gsm_parameters, gsm_state_dict, inject_gsm
 from gsm_train.cli import main as cli_main
-from gsm_train.config import ConfigError, GSMConfig, load_recipe
-from gsm_train.export import export_adapter, load_gsm
-from gsm_train.families import config_dims
+from gsm_train.commands.inspect_model import layer_reports
+from gsm_train.config.schema import ConfigError, GSMConfig, load_recipe
+from gsm_train.export.adapter_format import CONFIG_FILE, GSM_FILE, ExportError
+from gsm_train.export.save_load import export_adapter, load_gsm
 from gsm_train.functional.attention_targets import gate_distill_loss
-from gsm_train.inspect_model import layer_reports
-from gsm_train.kv_budget import kv_bytes_ratio
-from gsm_train.model_zoo import tiny_model
+from gsm_train.models.families import config_dims
+from gsm_train.models.model_zoo import tiny_model
 from gsm_train.modules import SparseGateHead, sparse_gate
 from gsm_train.train import train_recipe
+from gsm_train.tuning.kv_budget import kv_bytes_ratio
 
 REPO = Path(__file__).resolve().parents[1]
 HIDDEN, DIM, BASE_HEAD_DIM, T = 32, 8, 16, 24

@@ -142,10 +142,10 @@ def test_a_fused_token_step_keeps_its_gate_keys_through_the_kernel(monkeypatch: 
     sparse layer, and the cache then holds the gate keys the PyTorch path's cache holds (codes equal or one
     apart, scales within one fp16 step)."""
     from gsm_train.attention import inject_gsm
-    from gsm_train.config import GSMConfig
+    from gsm_train.config.schema import GSMConfig
     from gsm_train.inference.cache import GSMCache, cache_kwargs
     from gsm_train.kernels import gate_token as module
-    from gsm_train.model_zoo import tiny_model
+    from gsm_train.models.model_zoo import tiny_model
 
     calls = []
     kernel = module.gate_token

@@ -11,8 +11,8 @@ from run_helpers import TINY_MODEL, losses, records, resume_after_crash, run_pro
 from safetensors.torch import load_file
 
 from gsm_train.attention import gsm_parameters
-from gsm_train.data import DataError
-from gsm_train.model_zoo import tiny_model
+from gsm_train.data.text import DataError
+from gsm_train.models.model_zoo import tiny_model
 from gsm_train.train import main as train_main
 from gsm_train.train import train_recipe
 

@@ -11,11 +11,11 @@ import torch
 from benchmarks import bandwidth
 from benchmarks.generate import generate_timed, row_settings, smollm2_extras, summarize
 from gsm_train.attention import gsm_adapters, inject_gsm
-from gsm_train.config import GSMConfig
-from gsm_train.families import model_dims
+from gsm_train.config.schema import GSMConfig
 from gsm_train.inference.cache import GSMCache, cache_kwargs
 from gsm_train.inference.engine import enable_gsm_generation
-from gsm_train.model_zoo import tiny_model
+from gsm_train.models.families import model_dims
+from gsm_train.models.model_zoo import tiny_model
 
 BLOCK, TOP_K = 8, 6
 GSM = {

@@ -6,11 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from gsm_train import cli, model_zoo
+from gsm_train import cli
 from gsm_train.attention import inject_gsm
-from gsm_train.config import GSMConfig
-from gsm_train.export import export_adapter
-from gsm_train.generate import Sampling, prompt_ids
+from gsm_train.commands.generate import Sampling, prompt_ids
+from gsm_train.config.schema import GSMConfig
+from gsm_train.export.save_load import export_adapter
+from gsm_train.models import model_zoo
 
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{{ eos_token }}{% endfor %}" + (
     "{% if add_generation_prompt %}<assistant>{% endif %}"

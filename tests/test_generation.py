@@ -12,11 +12,11 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from gsm_train.attention import inject_gsm
-from gsm_train.config import GSMConfig
-from gsm_train.export import export_adapter, load_gsm
+from gsm_train.config.schema import GSMConfig
+from gsm_train.export.save_load import export_adapter, load_gsm
 from gsm_train.inference.cache import GSMCache, cache_kwargs
 from gsm_train.inference.engine import enable_gsm_generation
-from gsm_train.model_zoo import byte_tokenizer, tiny_model
+from gsm_train.models.model_zoo import byte_tokenizer, tiny_model
 from gsm_train.modules import GSMError
 
 BLOCK = 8

@@ -30,12 +30,12 @@ from run_helpers import child_env
 from safetensors.torch import load, load_file
 
 from gsm_train import GSMModel, cli
-from gsm_train.adapter_format import CARD_FILE, CONFIG_FILE, GSM_FILE, ExportError
 from gsm_train.attention import gsm_state_dict, inject_gsm
-from gsm_train.config import GSMConfig
-from gsm_train.export import export_adapter, load_gsm
-from gsm_train.hub import DEFAULT_COMMIT_MESSAGE, PublishError, publish_export
-from gsm_train.model_zoo import byte_tokenizer, tiny_model
+from gsm_train.config.schema import GSMConfig
+from gsm_train.export.adapter_format import CARD_FILE, CONFIG_FILE, GSM_FILE, ExportError
+from gsm_train.export.hub import DEFAULT_COMMIT_MESSAGE, PublishError, publish_export
+from gsm_train.export.save_load import export_adapter, load_gsm
+from gsm_train.models.model_zoo import byte_tokenizer, tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "hf_standInSecretToken0123456789"

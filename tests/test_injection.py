@@ -21,8 +21,8 @@ from gsm_train.attention import (
     inject_kv_compressor,
     inject_sparse_gate,
 )
-from gsm_train.config import GSMConfig
-from gsm_train.model_zoo import TINY_FAMILIES, tiny_model
+from gsm_train.config.schema import GSMConfig
+from gsm_train.models.model_zoo import TINY_FAMILIES, tiny_model
 from gsm_train.modules import ASQCompressor, CacheBridge, GSMError, SparseGateHead
 
 LENGTH = 32
@@ -183,7 +183,7 @@ def test_refuses_rotated_residuals_for_a_head_size_that_is_no_power_of_two() -> 
     """One error naming the field, the model's head size and the fix, before any module is built."""
     from transformers import AutoModelForCausalLM
 
-    from gsm_train.model_zoo import tiny_config
+    from gsm_train.models.model_zoo import tiny_config
 
     config = tiny_config("llama", 2)
     config.head_dim = 12

@@ -8,8 +8,8 @@ import pytest
 
 from gsm_train.attention import gsm_parameters, inject_gsm
 from gsm_train.cli import main
-from gsm_train.inspect_model import default_gsm_config, inspect_model, layer_reports
-from gsm_train.model_zoo import tiny_model
+from gsm_train.commands.inspect_model import default_gsm_config, inspect_model, layer_reports
+from gsm_train.models.model_zoo import tiny_model
 from gsm_train.quant import asq_bytes
 
 JOINT_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "joint.yaml"  # bridge (when enabled): 8 -> 24

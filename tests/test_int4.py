@@ -1,4 +1,4 @@
-"""A GSM adapter over a 4-bit base (gsm_train/int4.py, torchao): the quantized load runs end to end on
+"""A GSM adapter over a 4-bit base (gsm_train/export/int4.py, torchao): the quantized load runs end to end on
 the CPU (torch's `_weight_int4pack_mm_for_cpu`), the adapter's tensors stay as exported and in 16/32
 bits, only the base's linears are quantized, and what cannot run or must not happen is refused."""
 
@@ -13,18 +13,19 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import gsm_train.generate as generate_module
-from gsm_train import GSMModel, int4
-from gsm_train.adapter_format import GSM_FILE
+import gsm_train.commands.generate as generate_module
+from gsm_train import GSMModel
 from gsm_train.attention import gsm_state_dict, inject_gsm
 from gsm_train.cli import main
-from gsm_train.config import GSMConfig, LoraSettings
-from gsm_train.export import export_adapter, load_gsm
+from gsm_train.config.schema import GSMConfig, LoraSettings
+from gsm_train.export import int4
+from gsm_train.export.adapter_format import GSM_FILE
+from gsm_train.export.int4 import QuantizationError, base_linears, check_int4, is_quantized, quantize_base, stored_bytes
+from gsm_train.export.lora import inject_lora, lora_parameters
+from gsm_train.export.save_load import export_adapter, load_gsm
 from gsm_train.inference.dense_engine import DenseEngine
 from gsm_train.inference.engine import enable_gsm_generation
-from gsm_train.int4 import QuantizationError, base_linears, check_int4, is_quantized, quantize_base, stored_bytes
-from gsm_train.lora import inject_lora, lora_parameters
-from gsm_train.model_zoo import tiny_model
+from gsm_train.models.model_zoo import tiny_model
 from gsm_train.modules import GSMError
 
 needs_torchao = pytest.mark.skipif(

@@ -11,9 +11,9 @@ import torch
 
 from benchmarks.int4_hybrid import int4_summary, perplexity
 from gsm_train.attention import inject_gsm
-from gsm_train.config import GSMConfig
-from gsm_train.export import export_adapter
-from gsm_train.model_zoo import tiny_model
+from gsm_train.config.schema import GSMConfig
+from gsm_train.export.save_load import export_adapter
+from gsm_train.models.model_zoo import tiny_model
 
 pytest.importorskip("torchao", reason="the int4 path needs torchao (pip install 'gsm-train[int4]')")
 

@@ -13,14 +13,14 @@ from peft import PeftModel
 from run_helpers import TINY_MODEL, losses, records, resume_after_crash, run_processes
 
 from gsm_train.attention import gsm_disabled, inject_gsm
-from gsm_train.config import GSMConfig, load_recipe
-from gsm_train.export import export_adapter, load_gsm
-from gsm_train.model_zoo import tiny_model
+from gsm_train.config.schema import GSMConfig, load_recipe
+from gsm_train.export.save_load import export_adapter, load_gsm
+from gsm_train.models.model_zoo import tiny_model
 from gsm_train.modules import GSMError
-from gsm_train.session import param_groups as _param_groups
-from gsm_train.stages import JointStage
 from gsm_train.train import main as train_main
 from gsm_train.train import train_recipe
+from gsm_train.training.session import param_groups as _param_groups
+from gsm_train.training.stages import JointStage
 
 REPO = Path(__file__).resolve().parents[1]
 JOINT = str(REPO / "recipes" / "joint.yaml")

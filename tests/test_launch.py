@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from run_helpers import TINY_GATE, child_env
 
-from gsm_train.distributed import LaunchError, check_launch
+from gsm_train.training.distributed import LaunchError, check_launch
 
 TORCHRUN = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_PORT": "29500"}
 

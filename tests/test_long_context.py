@@ -14,11 +14,11 @@ import torch
 from benchmarks import long_context, long_context_probe
 from benchmarks.long_context_probe import interpolated_rope, rope_frequencies
 from gsm_train.attention import inject_gsm
-from gsm_train.config import GSMConfig
-from gsm_train.data import load_text_dataset, pack_tokens
-from gsm_train.evaluate import perplexity_and_recall, position_buckets, prepare_evaluation
-from gsm_train.export import export_adapter
-from gsm_train.model_zoo import byte_tokenizer, tiny_model
+from gsm_train.commands.evaluate import perplexity_and_recall, position_buckets, prepare_evaluation
+from gsm_train.config.schema import GSMConfig
+from gsm_train.data.text import load_text_dataset, pack_tokens
+from gsm_train.export.save_load import export_adapter
+from gsm_train.models.model_zoo import byte_tokenizer, tiny_model
 
 PROSE = "embedded:sample_prose"
 GATE = {"top_k": 8, "k_min": 8, "gate_head_dim": 8, "gate_key_bits": 8, "dense_layers": [0]}

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from gsm_train import model_zoo
-from gsm_train.families import config_dims
-from gsm_train.model_zoo import fetch_smollm2, publish_folder, read_model_config
+from gsm_train.models import model_zoo
+from gsm_train.models.families import config_dims
+from gsm_train.models.model_zoo import fetch_smollm2, publish_folder, read_model_config
 
 
 def _build_slowly(tmp: Path) -> None:

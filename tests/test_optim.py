@@ -12,8 +12,8 @@ import torch
 from run_helpers import GATE_RECIPE, TINY_GATE
 from torch import nn
 
-from gsm_train.optim import AdamWBF16, stochastic_round_bf16
 from gsm_train.train import train_recipe
+from gsm_train.training.optim import AdamWBF16, stochastic_round_bf16
 
 
 def _pair(shape: tuple[int, ...], **settings: float) -> tuple[nn.Parameter, torch.optim.AdamW, nn.Parameter, AdamWBF16]:

@@ -17,8 +17,8 @@ import pytest
 from run_helpers import REPO, TINY_GATE
 
 from gsm_train import cli
-from gsm_train.builtin_recipes import builtin_recipes, resolve_recipe
-from gsm_train.config import load_recipe
+from gsm_train.config.builtin_recipes import builtin_recipes, resolve_recipe
+from gsm_train.config.schema import load_recipe
 
 
 def _checkout_copy(target: Path) -> Path:

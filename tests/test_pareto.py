@@ -12,9 +12,9 @@ import torch
 
 from benchmarks import pareto
 from gsm_train.attention import gsm_adapters, gsm_settings, inject_gsm
-from gsm_train.config import GSMConfig
-from gsm_train.export import export_adapter, load_gsm
-from gsm_train.model_zoo import tiny_model
+from gsm_train.config.schema import GSMConfig
+from gsm_train.export.save_load import export_adapter, load_gsm
+from gsm_train.models.model_zoo import tiny_model
 
 GSM = {
     "sparse_attention": {"top_k": 6, "k_min": 2, "gate_head_dim": 8, "dense_layers": [0], "mode": "sparse"},

@@ -1,4 +1,4 @@
-"""The passkey test (gsm_train/passkey.py): seeded cases as specified, exact-match scoring, and
+"""The passkey test (gsm_train/commands/passkey.py): seeded cases as specified, exact-match scoring, and
 the scorer on tiny models (base, dense control, GSM export), teacher-forced and generating."""
 
 from __future__ import annotations
@@ -13,11 +13,7 @@ from torch import Tensor, nn
 
 from gsm_train.attention import inject_gsm
 from gsm_train.cli import main as cli_main
-from gsm_train.config import GSMConfig
-from gsm_train.data import DataError
-from gsm_train.export import export_adapter
-from gsm_train.model_zoo import byte_tokenizer, tiny_model
-from gsm_train.passkey import (
+from gsm_train.commands.passkey import (
     INTRO,
     NEEDLE,
     QUESTION,
@@ -28,6 +24,10 @@ from gsm_train.passkey import (
     passkey_in,
     score_passkey,
 )
+from gsm_train.config.schema import GSMConfig
+from gsm_train.data.text import DataError
+from gsm_train.export.save_load import export_adapter
+from gsm_train.models.model_zoo import byte_tokenizer, tiny_model
 
 LENGTH = 300  # tokens per case with the byte tokenizer: the fixed pieces take about 200
 

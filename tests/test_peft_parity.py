@@ -25,15 +25,15 @@ from safetensors.torch import load, load_file
 from test_hub import REPO, TOKEN, _committed, endpoint, hub, hub_env  # noqa: F401  (fixtures)
 
 from gsm_train import GSMModel
-from gsm_train.adapter_format import BASE_FILE, CARD_FILE, CONFIG_FILE, GSM_FILE, PEFT_CONFIG_FILE, ExportError
 from gsm_train.attention import gsm_disabled, gsm_state_dict, inject_gsm
-from gsm_train.config import GSMConfig, LoraSettings
-from gsm_train.export import export_adapter, load_gsm
-from gsm_train.fingerprint import base_fingerprint
-from gsm_train.hub import publish_export
-from gsm_train.lora import PEFT_NOTE_KEY, inject_lora, lora_parameters
-from gsm_train.model_card import PLACEHOLDER, build_card, usage_snippet
-from gsm_train.model_zoo import (
+from gsm_train.config.schema import GSMConfig, LoraSettings
+from gsm_train.export.adapter_format import BASE_FILE, CARD_FILE, CONFIG_FILE, GSM_FILE, PEFT_CONFIG_FILE, ExportError
+from gsm_train.export.hub import publish_export
+from gsm_train.export.lora import PEFT_NOTE_KEY, inject_lora, lora_parameters
+from gsm_train.export.model_card import PLACEHOLDER, build_card, usage_snippet
+from gsm_train.export.save_load import export_adapter, load_gsm
+from gsm_train.models.fingerprint import base_fingerprint
+from gsm_train.models.model_zoo import (
     SMOLLM2_FILE,
     SMOLLM2_SHA256,
     byte_tokenizer,

@@ -19,18 +19,18 @@ import torch
 from run_helpers import REPO, losses, records, run_processes, torchrun
 from safetensors.torch import load_file
 
-from gsm_train.checkpoint import (
+from gsm_train.config.schema import load_recipe
+from gsm_train.train import train_recipe
+from gsm_train.training.checkpoint import (
     newest_good_checkpoint,
     read_state,
     read_trainables,
     verify_checkpoint,
 )
-from gsm_train.checkpoint_export import export_checkpoint
-from gsm_train.config import load_recipe
-from gsm_train.session import TrainingSession
-from gsm_train.sharded_checkpoint import read_full_tensors
-from gsm_train.stages import JointStage
-from gsm_train.train import train_recipe
+from gsm_train.training.checkpoint_export import export_checkpoint
+from gsm_train.training.session import TrainingSession
+from gsm_train.training.sharded_checkpoint import read_full_tensors
+from gsm_train.training.stages import JointStage
 
 JOINT = str(REPO / "recipes" / "joint.yaml")
 ROWS = 6  # rows a micro-step: 3 on each of 2 processes, 2 on each of 3, 6 on 1

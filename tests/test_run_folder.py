@@ -18,8 +18,8 @@ from run_helpers import GATE_RECIPE, TINY_GATE, child_env, file_digests, records
 from safetensors.torch import load_file
 
 from gsm_train import cli
-from gsm_train.run_folder import LOCK, RUN_FILE
 from gsm_train.train import train_recipe
+from gsm_train.training.run_folder import LOCK, RUN_FILE
 
 EIGHT_STEPS = [*TINY_GATE, "train.steps=8", "output.checkpoint_every=4"]
 # the second run into a reused folder: another seed and learning rate, 2 steps

@@ -13,8 +13,8 @@ import torch
 from run_helpers import GATE_RECIPE
 
 from benchmarks import scale_8b
-from gsm_train.config import load_recipe
-from gsm_train.model_zoo import random_model, read_model_config
+from gsm_train.config.schema import load_recipe
+from gsm_train.models.model_zoo import random_model, read_model_config
 
 TINY = [
     "--model",

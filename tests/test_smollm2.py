@@ -1,6 +1,6 @@
 """GSM on the real SmolLM2-135M (fp32, CPU): exactness when off, and gate recall on real prose.
 
-The model is fetched once from PyPI into ~/.cache/gsm-train/models (see gsm_train.model_zoo).
+The model is fetched once from PyPI into ~/.cache/gsm-train/models (see gsm_train.models.model_zoo).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from transformers import PreTrainedModel
 
 from gsm_train.assets import embedded_asset_path
 from gsm_train.attention import gsm_collect, gsm_disabled, inject_gsm, set_gsm_mode
-from gsm_train.config import GSMConfig
-from gsm_train.model_zoo import load_model_and_tokenizer
+from gsm_train.config.schema import GSMConfig
+from gsm_train.models.model_zoo import load_model_and_tokenizer
 
 WINDOW = 256
 RECALL_K, RECALL_MIN_KEYS = 32, 128

@@ -15,12 +15,12 @@ from test_joint import TINY as TINY_JOINT
 from gsm_train.attention.forward_state import CollectRequest, ForwardState
 from gsm_train.attention.layout import sampled_rows
 from gsm_train.attention.settings import GSMSettings
-from gsm_train.config import ConfigError, GSMConfig, load_recipe
+from gsm_train.config.schema import ConfigError, GSMConfig, load_recipe
 from gsm_train.modules import GSMError
-from gsm_train.stages import GateWarmupStage, JointStage
-from gsm_train.stages.math_gate import MathGateStage
-from gsm_train.step_graph import cuda_graph_blockers, use_cuda_graph
 from gsm_train.train import train_recipe
+from gsm_train.training.stages import GateWarmupStage, JointStage
+from gsm_train.training.stages.math_gate import MathGateStage
+from gsm_train.training.step_graph import cuda_graph_blockers, use_cuda_graph
 
 CUDA = torch.device("cuda")
 

@@ -9,10 +9,10 @@ import torch
 
 from benchmarks.step_kl import cached_log_probs, kl_per_step, step_kl, teacher_log_probs
 from gsm_train.attention import gsm_disabled, inject_gsm
-from gsm_train.config import GSMConfig
+from gsm_train.config.schema import GSMConfig
 from gsm_train.inference.cache import GSMCache
 from gsm_train.inference.engine import enable_gsm_generation
-from gsm_train.model_zoo import tiny_model
+from gsm_train.models.model_zoo import tiny_model
 
 SPARSE = {"top_k": 6, "k_min": 2, "gate_head_dim": 16, "dense_layers": [0], "mode": "sparse"}
 ASQ = {"enabled": True, "block_size": 8, "cluster_num": 4, "hidden_dim": 8}

@@ -12,10 +12,10 @@ import pytest
 import torch
 from run_helpers import GATE_RECIPE, REPO, TINY_GATE, TINY_MODEL, records
 
-from gsm_train.evaluate import perplexity_and_recall
-from gsm_train.model_zoo import tiny_model
-from gsm_train.run_log import tracked_scalars
+from gsm_train.commands.evaluate import perplexity_and_recall
+from gsm_train.models.model_zoo import tiny_model
 from gsm_train.train import train_recipe
+from gsm_train.training.run_log import tracked_scalars
 
 wandb = pytest.importorskip("wandb")
 JOINT = str(REPO / "recipes" / "joint.yaml")

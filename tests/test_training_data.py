@@ -12,12 +12,12 @@ import pytest
 import torch
 from run_helpers import GATE_RECIPE, REPO, TINY_GATE, losses, resume_after_crash, torchrun
 
-from gsm_train import token_cache
-from gsm_train.config import ConfigError, DataSourceConfig, load_recipe
-from gsm_train.data import DataError, PackedBatches, load_text_dataset, pack_tokens, stream_records
-from gsm_train.distributed import DistInfo
-from gsm_train.model_zoo import byte_tokenizer
-from gsm_train.streaming import StreamedBatches, first_rows
+from gsm_train.config.schema import ConfigError, DataSourceConfig, load_recipe
+from gsm_train.data.streaming import StreamedBatches, first_rows
+from gsm_train.data.text import DataError, PackedBatches, load_text_dataset, pack_tokens, stream_records
+from gsm_train.models.model_zoo import byte_tokenizer
+from gsm_train.training import token_cache
+from gsm_train.training.distributed import DistInfo
 
 ONE = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 SOURCE = "embedded:sample_prose"

@@ -24,17 +24,18 @@ from run_helpers import GATE_RECIPE, TINY_GATE, file_digests
 from safetensors.torch import load_file
 from test_hub import hub_env  # noqa: F401 (the Hub client's settings, autouse)
 
-from gsm_train import checkpoint_export, cli, session, token_cache
+from gsm_train import cli
 from gsm_train.attention import inject_gsm
-from gsm_train.checkpoint import verify_checkpoint, write_manifest
-from gsm_train.config import DataSourceConfig, GSMConfig, load_recipe
-from gsm_train.dcp_safe import UnsafeCheckpointError, read_dcp_metadata
-from gsm_train.distributed import DistInfo
-from gsm_train.export import export_adapter
-from gsm_train.hub import publish_export
-from gsm_train.model_zoo import byte_tokenizer, tiny_model
-from gsm_train.preflight import recipe_changes
-from gsm_train.published_bytes import redact_local_paths
+from gsm_train.config.schema import DataSourceConfig, GSMConfig, load_recipe
+from gsm_train.export.hub import publish_export
+from gsm_train.export.published_bytes import redact_local_paths
+from gsm_train.export.save_load import export_adapter
+from gsm_train.models.model_zoo import byte_tokenizer, tiny_model
+from gsm_train.training import checkpoint_export, session, token_cache
+from gsm_train.training.checkpoint import verify_checkpoint, write_manifest
+from gsm_train.training.dcp_safe import UnsafeCheckpointError, read_dcp_metadata
+from gsm_train.training.distributed import DistInfo
+from gsm_train.training.preflight import recipe_changes
 
 STEPS = [*TINY_GATE, "train.steps=2", "output.checkpoint_every=2"]
 STEP = "step_00000002"

@@ -17,18 +17,18 @@ from safetensors.torch import load_file
 from test_finite_guard import QUICKSTART_JOINT, TINY_JOINT, NaNAtSteps
 
 from gsm_train import cli
-from gsm_train.adapter_format import ARGS_FILE, CARD_FILE, CONFIG_FILE, GSM_FILE
 from gsm_train.attention import inject_gsm
-from gsm_train.checkpoint import read_state
-from gsm_train.config import GSMConfig, load_recipe
-from gsm_train.export import export_adapter
-from gsm_train.finite_guard import NonFiniteError
-from gsm_train.model_card import build_card
-from gsm_train.model_zoo import tiny_model
-from gsm_train.preflight import StartOptions
-from gsm_train.run_folder import read_run_id
+from gsm_train.config.schema import GSMConfig, load_recipe
+from gsm_train.export.adapter_format import ARGS_FILE, CARD_FILE, CONFIG_FILE, GSM_FILE
+from gsm_train.export.model_card import build_card
+from gsm_train.export.save_load import export_adapter
+from gsm_train.models.model_zoo import tiny_model
 from gsm_train.train import train_recipe
-from gsm_train.trainer import run_training
+from gsm_train.training.checkpoint import read_state
+from gsm_train.training.finite_guard import NonFiniteError
+from gsm_train.training.preflight import StartOptions
+from gsm_train.training.run_folder import read_run_id
+from gsm_train.training.trainer import run_training
 
 MATH_GATE = str(REPO / "recipes" / "math_gate.yaml")
 TWO_STEPS = [*TINY_GATE, "train.steps=2", "output.checkpoint_every=1"]

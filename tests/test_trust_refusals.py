@@ -18,9 +18,11 @@ import huggingface_hub.constants
 import pytest
 from run_helpers import GATE_RECIPE, TINY_GATE
 
-from gsm_train import checkpoint, checkpoint_export, cli, evaluate, session, trainer
+from gsm_train import cli
 from gsm_train import train as train_entry
-from gsm_train.checkpoint import verify_checkpoint, write_manifest
+from gsm_train.commands import evaluate
+from gsm_train.training import checkpoint, checkpoint_export, session, trainer
+from gsm_train.training.checkpoint import verify_checkpoint, write_manifest
 
 
 @contextlib.contextmanager

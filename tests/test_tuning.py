@@ -12,14 +12,15 @@ import pytest
 import yaml
 from run_helpers import records
 
-from gsm_train import checkpoint_export, cli, session
-from gsm_train.adapter_format import GSM_SECTIONS
-from gsm_train.config import ConfigError, load_recipe
-from gsm_train.families import model_dims
-from gsm_train.kv_budget import BUDGET_LADDER, budget_choice, fit_kv_budget, kv_bytes_ratio
-from gsm_train.model_zoo import tiny_config, tiny_model
-from gsm_train.resolved_recipe import resolve_tuning
+from gsm_train import cli
+from gsm_train.config.schema import ConfigError, load_recipe
+from gsm_train.export.adapter_format import GSM_SECTIONS
+from gsm_train.models.families import model_dims
+from gsm_train.models.model_zoo import tiny_config, tiny_model
 from gsm_train.train import train_recipe
+from gsm_train.training import checkpoint_export, session
+from gsm_train.tuning.kv_budget import BUDGET_LADDER, budget_choice, fit_kv_budget, kv_bytes_ratio
+from gsm_train.tuning.resolved_recipe import resolve_tuning
 
 REPO = Path(__file__).resolve().parents[1]
 JOINT = str(REPO / "recipes" / "joint.yaml")

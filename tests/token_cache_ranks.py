@@ -10,10 +10,10 @@ from __future__ import annotations
 import hashlib
 import sys
 
-from gsm_train import token_cache
-from gsm_train.config import DataSourceConfig
-from gsm_train.distributed import init_distributed, teardown
-from gsm_train.model_zoo import byte_tokenizer
+from gsm_train.config.schema import DataSourceConfig
+from gsm_train.models.model_zoo import byte_tokenizer
+from gsm_train.training import token_cache
+from gsm_train.training.distributed import init_distributed, teardown
 
 if __name__ == "__main__":
     calls = 0

@@ -128,7 +128,7 @@ def teacher_forced_attention(
             f"layer {layer.adapter.layer_idx}: {layer.mode} attention, distillation and recall need the "
             f"whole sequence (got {q_len} queries over {kv_len} cached keys); call the model with "
             "use_cache=False for teacher-forced passes, and generate over a GSM cache: "
-            "GSMModel.from_pretrained, or enable_gsm_generation(model) (gsm_train.inference.engine)"
+            "GSMModel.from_pretrained, or enable_gsm_generation(model) (both: from gsm_train import ...)"
         )
     layout = forward_layout(layer.state, attention_mask, q_len, kv_len, query.device)
     gate = layer.adapter.gate

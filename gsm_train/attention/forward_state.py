@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from gsm_train.attention.cache_protocol import GenerationCache, LayerCache
 from gsm_train.attention.settings import GSMSettings, gsm_settings
-from gsm_train.families import attention_modules, decoder_stack
+from gsm_train.models.families import attention_modules, decoder_stack
 from gsm_train.modules.errors import GSMError
 
 FORWARD_KWARG = "gsm_forward"

@@ -22,9 +22,9 @@ from gsm_train.attention.adapter import GSMAttentionAdapter
 from gsm_train.attention.dispatch import ATTN_IMPLEMENTATION, gsm_attention_forward
 from gsm_train.attention.forward_state import install_forward_hooks
 from gsm_train.attention.settings import GSMSettings, has_gsm, put_settings
-from gsm_train.config import GSMConfig
-from gsm_train.families import UnsupportedModel, attention_modules, family_of, model_dims
-from gsm_train.fingerprint import base_fingerprint
+from gsm_train.config.schema import GSMConfig
+from gsm_train.models.families import UnsupportedModel, attention_modules, family_of, model_dims
+from gsm_train.models.fingerprint import base_fingerprint
 from gsm_train.modules.cache_bridge import CacheBridge
 from gsm_train.modules.errors import GSMError
 from gsm_train.modules.kv_registry import build_compressors

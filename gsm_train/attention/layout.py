@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from gsm_train.attention.forward_state import ForwardState
-from gsm_train.config import SparseAttentionConfig
+from gsm_train.config.schema import SparseAttentionConfig
 from gsm_train.functional.attention_targets import causal_visible, full_batch
 from gsm_train.functional.top_k import scheduled_k
 from gsm_train.modules.errors import GSMError

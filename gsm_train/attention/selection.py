@@ -16,7 +16,7 @@ from torch import Tensor
 
 from gsm_train.attention.layout import Layout, block_causal_kv
 from gsm_train.compiled import compiled
-from gsm_train.config import SparseAttentionConfig
+from gsm_train.config.schema import SparseAttentionConfig
 from gsm_train.functional.attention_targets import head_averaged_probs
 from gsm_train.functional.top_k import select_top_k
 from gsm_train.modules.sparse_gate import SparseGateHead

@@ -15,8 +15,8 @@ from typing import Any
 
 from torch import nn
 
-from gsm_train.config import GSMConfig
-from gsm_train.families import UnsupportedModel, decoder_stack
+from gsm_train.config.schema import GSMConfig
+from gsm_train.models.families import UnsupportedModel, decoder_stack
 from gsm_train.modules.errors import GSMError
 
 MODES = ("dense", "sparse", "oracle")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from gsm_train.config import SparseAttentionConfig
+from gsm_train.config.schema import SparseAttentionConfig
 from gsm_train.kernels.selection import kernel_runs as selection_kernel_runs
 from gsm_train.kernels.selection import top_k_selection
 

@@ -33,13 +33,13 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from gsm_train.attention.adapter import GSMAttentionAdapter
 from gsm_train.attention.cache_protocol import CachedStep
 from gsm_train.attention.settings import gsm_settings
-from gsm_train.families import attention_modules, model_dims
 from gsm_train.functional.gate_keys import GATE_KEY_DTYPE, encode_gate_keys
 from gsm_train.inference.decode_attention import decode_attention
 from gsm_train.inference.kv_store import CacheLengths, KVStore
 from gsm_train.inference.prefill import chunk_attention, dense_chunk_attention
 from gsm_train.kernels import gate_token
 from gsm_train.kernels.decode_topk import kernel_ready
+from gsm_train.models.families import attention_modules, model_dims
 from gsm_train.modules.errors import GSMError
 from gsm_train.quant import stored_split
 

@@ -33,9 +33,9 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from gsm_train.attention import gsm_adapters
-from gsm_train.families import attention_modules, model_dims
 from gsm_train.inference.cache import cache_kwargs
 from gsm_train.inference.prefill import causal_chunk_sdpa
+from gsm_train.models.families import attention_modules, model_dims
 from gsm_train.modules.errors import GSMError
 
 ATTN_IMPLEMENTATION = "gsm_dense_engine"

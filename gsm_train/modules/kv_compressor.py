@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
 from gsm_train.compiled import compiled
-from gsm_train.config import KVCompressionConfig
+from gsm_train.config.schema import KVCompressionConfig
 from gsm_train.functional.asq import (
     Encoded,
     PackedKV,

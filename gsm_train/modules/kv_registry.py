@@ -1,7 +1,7 @@
 """The K/V compressor variants by `kv_compression.method`, and what every variant provides.
 
 A variant is a module class with the `KVCompressor` methods and two constructors-by-config
-(`build`, `bytes_per_token`); its configuration class sits in `gsm_train.config.KV_METHOD_CONFIGS`.
+(`build`, `bytes_per_token`); its configuration class sits in `gsm_train.config.schema.KV_METHOD_CONFIGS`.
 Adding one (docs/extending.md): its own module, its config class, and a line here.
 """
 

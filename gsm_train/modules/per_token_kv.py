@@ -13,7 +13,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from gsm_train.config import PerTokenKVConfig
+from gsm_train.config.schema import PerTokenKVConfig
 from gsm_train.quant import (
     STORE_DTYPE,
     compute_dtype,

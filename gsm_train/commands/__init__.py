@@ -1,0 +1,1 @@
+"""The CLI's commands beside training: evaluate, generate, passkey, inspect."""

@@ -1,0 +1,1 @@
+"""Text and chat data: loading, packing, copy spans, streaming."""

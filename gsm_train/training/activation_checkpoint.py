@@ -1,0 +1,78 @@
+"""Activation checkpointing per decoder layer (`train.activation_checkpointing`).
+
+Each decoder layer's `forward` runs under PyTorch's non-reentrant `torch.utils.checkpoint`: the
+forward keeps only the layer's inputs, and the backward runs the layer again to rebuild what its
+gradients need. Memory for activations drops from every layer's intermediates to one layer's plus
+each layer's input; the price is one more forward of the layers per step.
+
+How it composes with the rest:
+- FSDP2: the checkpoint wraps the layer's `forward`, inside the layer's `__call__`, so FSDP2's
+  hooks (unshard before, reshard after) stay outside it, as torchtitan applies it; module and
+  parameter names do not change (no wrapper module), so checkpoints and exports are unaffected.
+- GSM: a layer records the gate's KL and ASQ's loss into the forward's records
+  (`gsm_collect`) while it runs. Run again in the backward, it would record them a second time;
+  during that recomputation the forward's records are swapped for a throwaway, so the records
+  hold what the forward recorded, once. Gradients through those records flow as without
+  checkpointing (non-reentrant checkpointing keeps the forward's graph and rebuilds only the
+  tensors it saved). What a forward computes once and shares across layers (`ForwardState.scratch`:
+  the layout, the sampled query rows) is reused as computed, not drawn again.
+- RNG: the state at each layer's forward is restored for its recomputation (`preserve_rng_state`),
+  so anything random in a layer draws the same values again.
+- Without gradients (evaluation, generation) layers run as they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from gsm_train.attention.forward_state import FORWARD_KWARG, ForwardState, GSMRecords
+from gsm_train.models.families import decoder_layers
+
+_MARK = "_gsm_activation_checkpointed"
+
+
+@contextlib.contextmanager
+def _records_discarded(state: ForwardState | None) -> Iterator[None]:
+    """Within: what `state`'s layers record goes to a throwaway (a recomputation records none)."""
+    if state is None or state.records is None:
+        yield
+        return
+    kept, state.records = state.records, GSMRecords()
+    try:
+        yield
+    finally:
+        state.records = kept
+
+
+def _checkpointed_forward(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    state = kwargs.get(FORWARD_KWARG)
+
+    def contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        return contextlib.nullcontext(), _records_discarded(state)  # (forward, recomputation)
+
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+
+
+def checkpoint_decoder_layers(model: nn.Module) -> int:
+    """Run each decoder layer of `model` under activation checkpointing from now on (before the
+    backend wraps it); returns the number of layers. Calling it again changes nothing."""
+    layers = decoder_layers(model)
+    for layer in layers:
+        if not getattr(layer, _MARK, False):
+            layer.forward = functools.partial(_checkpointed_forward, layer.forward)
+            setattr(layer, _MARK, True)
+    return len(layers)
+
+
+def is_checkpointed(layer: nn.Module) -> bool:
+    """Whether `checkpoint_decoder_layers` has been applied to this decoder layer."""
+    return bool(getattr(layer, _MARK, False))

@@ -1,0 +1,1 @@
+"""A recipe resolved against a model before it loads: the tuning knobs and the KV byte budget."""
