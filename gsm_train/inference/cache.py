@@ -34,6 +34,7 @@ from gsm_train.attention.adapter import GSMAttentionAdapter
 from gsm_train.attention.cache_protocol import CachedStep
 from gsm_train.attention.settings import gsm_settings
 from gsm_train.functional.gate_keys import GATE_KEY_DTYPE, encode_gate_keys
+from gsm_train.functional.top_k import scheduled_k
 from gsm_train.inference.decode_attention import decode_attention
 from gsm_train.inference.kv_store import CacheLengths, KVStore
 from gsm_train.inference.prefill import chunk_attention, dense_chunk_attention
@@ -91,6 +92,10 @@ class GSMCacheLayer(CacheLayerMixin):
     @property
     def kernels(self) -> ModuleType | None:
         return self.cache.kernels
+
+    @property
+    def k_by_position(self) -> Tensor | None:
+        return self.cache.k_by_position
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         batch, device, dtype = key_states.shape[0], key_states.device, key_states.dtype
@@ -227,7 +232,15 @@ class GSMCache(Cache):
         self.capacity = _round_capacity(capacity or model_dims(model)["context"] or 4096, config)
         self.bridge_mode = config.cross_layer_sharing.mode
         self.kernels = fused_kernels(model, fused)
-        self.lengths = CacheLengths(next(model.parameters()).device)
+        device = next(model.parameters()).device
+        self.lengths = CacheLengths(device)
+        sparse = config.sparse_attention
+        # a schedule whose k varies: every position's k, once, for the fused steps to read on the device
+        self.k_by_position = (
+            scheduled_k(torch.arange(self.capacity), sparse).to(device)
+            if self.kernels is not None and sparse.top_k_schedule != "constant"
+            else None
+        )
         self.key_valid: Tensor | None = None  # [B, capacity] bool, once a padded batch is seen
         self.token_step = False  # the call in progress adds one token after earlier ones
         self.pending = 0  # tokens of the forward in progress (held already, not yet for transformers)

@@ -228,7 +228,7 @@ def select_keys(step: CachedStep, layer_cache: StoredLayer) -> tuple[Tensor, Ten
         )
         if cfg.top_k_schedule != "constant":  # k read on the device: one captured step per K_STEP of k
             k_static = static_k(captured_k(settings.config, position), cfg.sink_tokens, cfg.recent_tokens, capacity)
-            k_now = scheduled_k(layer_cache.lengths.device[0:1].long() - 1, cfg)
+            k_now = layer_cache.k_by_position[layer_cache.lengths.device[0:1].long() - 1]
             return ranked_selection(scores, k_static, k_now)
         k_static = static_k(k, cfg.sink_tokens, cfg.recent_tokens, capacity)
         index = unordered_top_k(scores, k_static)

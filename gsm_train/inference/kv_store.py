@@ -219,7 +219,8 @@ class StoredLayer(Protocol):
     """What one layer's generation cache holds, as decode and prefill attention read it: the K and V stores,
     the gate keys in buffers of the cache's capacity C (codes [B, n, C, dg] and, for int8, fp16 scales
     [B, n, C, 1]), the keys each row may see (`key_valid` [B, C], None: all), the cache's lengths, the fused
-    kernels' module (None: the PyTorch path), for a bridge target the source layer's, and during a further
+    kernels' module (None: the PyTorch path), on that path the k of every position [C] (int64) of a
+    schedule whose k varies (None: constant), for a bridge target the source layer's, and during a further
     prompt chunk the raw K/V [B, Hkv, n, D] from the last block packed before it to its end (None without a
     compressor; the chunk's attention takes it). Declared here, below the attention code that reads it,
     since `inference.cache` (which implements it) imports that code."""
@@ -231,5 +232,6 @@ class StoredLayer(Protocol):
     key_valid: Tensor | None
     lengths: CacheLengths
     kernels: ModuleType | None
+    k_by_position: Tensor | None
     source: StoredLayer | None
     recent_raw: tuple[Tensor, Tensor] | None
