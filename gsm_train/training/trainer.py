@@ -22,7 +22,7 @@ from gsm_train.errors import GSMError
 from gsm_train.models.families import model_dims
 from gsm_train.training.backend import select_backend
 from gsm_train.training.backend_protocol import Backend
-from gsm_train.training.distributed import DistInfo, init_distributed, raise_on_any_rank, teardown
+from gsm_train.training.distributed import DistInfo, barrier, init_distributed, raise_on_any_rank, teardown
 from gsm_train.training.finite_guard import NonFiniteError, NonFiniteGuard
 from gsm_train.training.preflight import RunPlan, StartOptions, plan_run
 from gsm_train.training.run_folder import hold_run_folder, record_run
@@ -57,7 +57,10 @@ def run_training(
     try:
         plan = _plan(config, backend, info, options or StartOptions())
         with hold_run_folder(plan.run_dir, info), fp32_matmul_precision(config.train.fp32_matmul, info.device):
-            return _run(plan.config, stage, info, backend, run_name or plan.run_dir.resolve().name, plan)
+            result = _run(plan.config, stage, info, backend, run_name or plan.run_dir.resolve().name, plan)
+        barrier()  # every rank is done with the group before any leaves it: a gloo rank whose peer has
+        # closed its connections first can abort at exit ("terminate called without an active exception")
+        return result
     finally:
         teardown()
 
