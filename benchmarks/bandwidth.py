@@ -20,10 +20,10 @@ import torch
 from torch import nn
 
 from gsm_train.attention import gsm_settings
+from gsm_train.attention.kv_store import KVStore
 from gsm_train.export.int4 import stored_bytes
 from gsm_train.inference.cache import GSMCache
 from gsm_train.inference.decode_attention import decode_k, static_k
-from gsm_train.inference.kv_store import KVStore
 from gsm_train.models.families import model_dims
 
 STATED_PEAK_BYTES_PER_S = 4.8e12  # the H200's HBM3e (spec)

@@ -29,13 +29,13 @@ import torch.nn.functional as F
 
 from benchmarks.common import graph_ms, write_result
 from gsm_train.attention import inject_gsm
+from gsm_train.attention.kv_store import CacheLengths, KVStore
 from gsm_train.config.schema import GSMConfig, load_recipe
 from gsm_train.data.text import load_text_dataset, pack_tokens
 from gsm_train.export.save_load import load_gsm
 from gsm_train.functional.gate_keys import encode_gate_keys
 from gsm_train.inference.cache import GSMCache, cache_kwargs
 from gsm_train.inference.decode_attention import static_k
-from gsm_train.inference.kv_store import CacheLengths, KVStore
 from gsm_train.kernels.decode_topk import unordered_top_k
 from gsm_train.kernels.sparse_decode import (
     autotuned_config,

@@ -1,6 +1,6 @@
 """The decode step's gate-token kernel (`gsm_train.kernels.gate_token`) against the PyTorch work it replaces,
 side by side in one run: the gate module on the token (`SparseGateHead.forward`), `encode_gate_keys` and the
-`index_copy_` at the device lengths' slot (what `GSMLayerCache.keep_gate_keys` does at a token step). Shapes:
+`index_copy_` at the device lengths' slot (what `GSMCacheLayer.keep_gate_keys` does at a token step). Shapes:
 the 8B model's (d 4096, one selector of 16 dimensions, int8 keys; and one selector per KV head, 8 x 64) and
 SmolLM2's (d 576), at batch 1 and 16, bf16 hidden states and RoPE tables as a bf16 model gives them. Each
 time is `LAYERS` layers' gates captured in one CUDA graph (median of 50 replays), per layer. Every run

@@ -3,9 +3,10 @@
 - the cache's counters (`CacheLengths`: seq_len, packed_len, before and the device copy) change only
   through their own class's methods, and the dense engine's lengths only through `DenseCache`'s;
 - gate keys reach a cache from one place, `dispatch.run_gate`, and only the layer cache writes its buffers;
-- the cache's protocols (`GenerationCache` and `LayerCache` in `attention/`, which never imports
-  `inference/`; `StoredLayer`, what decode and prefill read) describe the classes that implement them
-  and share no name with a class.
+- one protocol per object, both in `attention/cache_protocol.py` (`attention/` never imports `inference/`):
+  `GenerationCache` for the whole cache, `LayerCache` for one layer's (its methods and the data decode and
+  prefill read); they describe the classes that implement them, share no name with a class, and every
+  `layer_cache` parameter is typed as `LayerCache`.
 
 Each check is a pure function of source text, so the tests below also show it refusing a violation.
 """
@@ -21,8 +22,8 @@ import torch
 
 from gsm_train.attention.cache_protocol import GenerationCache, LayerCache
 from gsm_train.attention.dispatch import run_gate
+from gsm_train.attention.kv_store import CacheLengths
 from gsm_train.inference.cache import GSMCache, GSMCacheLayer
-from gsm_train.inference.kv_store import CacheLengths, StoredLayer
 
 REPO = Path(__file__).resolve().parent.parent
 SOURCES = sorted([*(REPO / "gsm_train").rglob("*.py"), *(REPO / "benchmarks").rglob("*.py")])
@@ -202,17 +203,54 @@ def test_the_protocols_describe_the_cache_and_share_no_class_name() -> None:
         for target in _targets(node)
         if isinstance(target, ast.Attribute) and _is_self(target.value)
     }
-    assert set(StoredLayer.__annotations__) - defined == set()
+    assert LayerCache.__annotations__
+    assert set(LayerCache.__annotations__) - defined == set()
     classes: dict[str, list[str]] = {}
-    protocols = set()
+    protocols: dict[str, str] = {}
     for path in sorted((REPO / "gsm_train").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef):
                 classes.setdefault(node.name, []).append(_relative(path))
                 if any(ast.unparse(base) in ("Protocol", "typing.Protocol") for base in node.bases):
-                    protocols.add(node.name)
-    assert {"GenerationCache", "LayerCache", "StoredLayer"} <= protocols
+                    protocols[node.name] = _relative(path)
+    protocol_file = _relative(Path(inspect.getsourcefile(LayerCache)))
+    assert {name for name, path in protocols.items() if path == protocol_file} == {"GenerationCache", "LayerCache"}
+    assert [name for name, path in protocols.items() if path.startswith("gsm_train/inference/")] == []
     assert {name: classes[name] for name in protocols if len(classes[name]) > 1} == {}
+
+
+def layer_cache_types(source: str) -> list[str]:
+    """Every parameter named `layer_cache` in `source` whose type is not the `LayerCache` protocol (or
+    `LayerCache | None`), as `function: annotation`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            for arg in [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]:
+                annotation = ast.unparse(arg.annotation) if arg.annotation is not None else "no annotation"
+                if arg.arg == "layer_cache" and annotation not in ("LayerCache", "LayerCache | None"):
+                    found.append(f"{node.name}: {annotation}")
+    return found
+
+
+def test_every_layer_cache_parameter_is_typed_by_the_one_protocol() -> None:
+    found = {_relative(p): wrong for p in SOURCES if (wrong := layer_cache_types(p.read_text()))}
+    assert found == {}
+    typed = sum(p.read_text().count("layer_cache: LayerCache") for p in SOURCES)
+    assert typed >= 10  # dispatch, decode and prefill attention
+
+
+def test_the_layer_cache_type_check_refuses_another_type() -> None:
+    other = """
+def decode_attention(step, layer_cache: StoredLayer): ...
+def chunk_attention(step, layer_cache: GSMCacheLayer): ...
+def select_keys(step, layer_cache): ...
+def gather_kv(adapter, layer_cache: LayerCache, index): ...
+"""
+    assert layer_cache_types(other) == [
+        "decode_attention: StoredLayer",
+        "chunk_attention: GSMCacheLayer",
+        "select_keys: no annotation",
+    ]
 
 
 def test_attention_never_imports_inference() -> None:

@@ -15,6 +15,7 @@ from run_helpers import KERNEL_DEVICE, triton_kernel_test
 from torch import Tensor
 
 from gsm_train.attention import gsm_disabled, inject_gsm
+from gsm_train.attention.kv_store import CacheLengths, KVStore
 from gsm_train.cli import main as cli_main
 from gsm_train.commands.inspect_model import layer_reports
 from gsm_train.config.schema import GSMConfig
@@ -29,7 +30,6 @@ from gsm_train.inference.decode_attention import (
     ranked_selection,
     top_k_positions,
 )
-from gsm_train.inference.kv_store import CacheLengths, KVStore
 from gsm_train.models.model_zoo import TINY_FAMILIES, tiny_model
 from gsm_train.modules import GSMError
 from gsm_train.modules.kv_compressor import ASQCompressor

@@ -17,13 +17,13 @@ from benchmarks.prefill_quality import continuation_nll
 from gsm_train import GSMModel
 from gsm_train.attention import gsm_disabled, inject_gsm
 from gsm_train.attention.dispatch import chunked_masked_attention, masked_sdpa
+from gsm_train.attention.kv_store import CacheLengths, KVStore
 from gsm_train.attention.layout import block_causal_kv
 from gsm_train.config.schema import GSMConfig
 from gsm_train.export.save_load import export_adapter, load_gsm
 from gsm_train.functional.gate_keys import encode_gate_keys
 from gsm_train.inference.cache import GSMCache, cache_kwargs
 from gsm_train.inference.engine import enable_gsm_generation
-from gsm_train.inference.kv_store import CacheLengths, KVStore
 from gsm_train.inference.prefill import causal_chunk_sdpa
 from gsm_train.models.families import attention_modules
 from gsm_train.models.model_zoo import tiny_model

@@ -1,21 +1,26 @@
 """The generation cache as GSM's attention sees it: the protocols `inference.cache` implements, declared
 here so that `attention/` never imports `inference/`.
 
-Two roles, one protocol each:
+Two objects, one protocol each (as transformers has a `Cache` and its layers):
 - `GenerationCache`, the whole cache: the per-forward hooks (`forward_state`) tell it a forward starts
   and ends, and hand each layer its `LayerCache`;
-- `LayerCache`, one layer's cache: the attention function (`dispatch`) asks it which path the call
-  takes, gives it the call's gate keys (the one place they are written: `dispatch.run_gate`), and lets
-  it attend over what it holds (`cached_attention`, with what the layer hands it in a `CachedStep`).
+- `LayerCache`, one layer's cache, its data and its methods: the attention function (`dispatch`) asks it
+  which path the call takes, gives it the call's gate keys (the one place they are written:
+  `dispatch.run_gate`), and lets it attend over what it holds (`cached_attention`, with what the layer
+  hands it in a `CachedStep`); decode and prefill attention (`inference.decode_attention`,
+  `inference.prefill`), which it runs, read its buffers (the K/V stores of `attention.kv_store`, the gate
+  keys, the lengths).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Protocol, runtime_checkable
 
 from torch import Tensor, nn
 
+from gsm_train.attention.kv_store import CacheLengths, KVStore
 from gsm_train.attention.settings import GSMSettings
 
 
@@ -34,8 +39,26 @@ class GenerationCache(Protocol):
 
 
 class LayerCache(Protocol):
-    """One layer's generation cache, as the attention function uses it (implemented by
-    `gsm_train.inference.GSMCacheLayer`)."""
+    """One layer's generation cache (implemented by `gsm_train.inference.GSMCacheLayer`).
+
+    What it holds, as decode and prefill attention read it: the K and V stores, the gate keys in buffers of
+    the cache's capacity C (codes [B, n, C, dg] and, for int8, fp16 scales [B, n, C, 1]), the keys each row
+    may see (`key_valid` [B, C], None: all), the cache's lengths, the fused kernels' module (None: the
+    PyTorch path), on that path the k of every position [C] (int64) of a schedule whose k varies (None:
+    constant), for a bridge target the source layer's cache, and during a further prompt chunk the raw K/V
+    [B, Hkv, n, D] from the last block packed before it to its end (None without a compressor; the chunk's
+    attention takes it). The methods are what the attention function calls."""
+
+    k_store: KVStore
+    v_store: KVStore
+    gate_keys: Tensor | None
+    gate_key_scales: Tensor | None
+    key_valid: Tensor | None
+    lengths: CacheLengths
+    kernels: ModuleType | None
+    k_by_position: Tensor | None
+    source: LayerCache | None
+    recent_raw: tuple[Tensor, Tensor] | None
 
     def attends_itself(self) -> bool:
         """Whether this call's attention runs over the cache (new tokens after earlier ones); else the

@@ -32,11 +32,11 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from gsm_train.attention.adapter import GSMAttentionAdapter
 from gsm_train.attention.cache_protocol import CachedStep
+from gsm_train.attention.kv_store import CacheLengths, KVStore
 from gsm_train.attention.settings import gsm_settings
 from gsm_train.functional.gate_keys import GATE_KEY_DTYPE, encode_gate_keys
 from gsm_train.functional.top_k import scheduled_k
 from gsm_train.inference.decode_attention import decode_attention
-from gsm_train.inference.kv_store import CacheLengths, KVStore
 from gsm_train.inference.prefill import chunk_attention, dense_chunk_attention
 from gsm_train.kernels import gate_token
 from gsm_train.kernels.decode_topk import kernel_ready
@@ -59,11 +59,10 @@ def check_prefill(prefill: str) -> str:
 
 
 class GSMCacheLayer(CacheLayerMixin):
-    """One layer's GSM cache (the `attention.cache_protocol.LayerCache` the attention function uses, and what
-    decode and prefill attention read: the K/V stores, the gate keys in buffers of the cache's capacity C,
-    codes [B, n, C, dg] and for int8 fp16 scales [B, n, C, 1], the cache's lengths, the keys each row may
-    see, the fused kernels' module, and for a bridge target the source layer's cache). Its buffers are
-    allocated at the first tokens (batch and dtype known)."""
+    """One layer's GSM cache, the `attention.cache_protocol.LayerCache` (its members documented there): what
+    the attention function calls, and what decode and prefill attention read (the K/V stores, the gate keys
+    in buffers of the cache's capacity, the cache's lengths, ...). Its buffers are allocated at the first
+    tokens (batch and dtype known)."""
 
     is_sliding = False
     is_compileable = False

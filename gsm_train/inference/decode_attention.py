@@ -21,10 +21,9 @@ from torch import Tensor
 from transformers.integrations.sdpa_attention import repeat_kv
 
 from gsm_train.attention.adapter import GSMAttentionAdapter
-from gsm_train.attention.cache_protocol import CachedStep
+from gsm_train.attention.cache_protocol import CachedStep, LayerCache
 from gsm_train.functional.gate_keys import decode_gate_keys
 from gsm_train.functional.top_k import scheduled_k
-from gsm_train.inference.kv_store import StoredLayer
 from gsm_train.kernels import kernel_fits
 from gsm_train.kernels.decode_topk import unordered_top_k
 from gsm_train.modules.errors import GSMError
@@ -83,7 +82,7 @@ def _per_kv_head(index: Tensor, kv_heads: int) -> Tensor:
 
 
 def _bridged_rows(
-    adapter: GSMAttentionAdapter, layer_cache: StoredLayer, index: Tensor, shared: bool
+    adapter: GSMAttentionAdapter, layer_cache: LayerCache, index: Tensor, shared: bool
 ) -> tuple[Tensor, Tensor]:
     """The bridge's K/V rows [B, out_heads, k, D] at the target heads' positions `index` [B, Hkv, k]
     (`shared`: every head has the same positions, so the source rows are mapped once)."""
@@ -98,7 +97,7 @@ def _bridged_rows(
 
 
 def gather_kv(
-    adapter: GSMAttentionAdapter, layer_cache: StoredLayer, index: Tensor, shared: bool, mode: str
+    adapter: GSMAttentionAdapter, layer_cache: LayerCache, index: Tensor, shared: bool, mode: str
 ) -> tuple[Tensor, Tensor]:
     """K/V rows [B, Hkv, k, D] at `index` [B, Hkv, k]: the layer's own heads dequantized, the bridge applied
     (`mode`: the bridge's, mix or share)."""
@@ -167,7 +166,7 @@ def ranked_selection(scores: Tensor, k_static: int, k_now: Tensor) -> tuple[Tens
     return index, (values > float("-inf")) & ((values == float("inf")) | (rank < k_now))
 
 
-def decode_attention(step: CachedStep, layer_cache: StoredLayer) -> Tensor:
+def decode_attention(step: CachedStep, layer_cache: LayerCache) -> Tensor:
     """Attention output [B, 1, Hq, D] of the newest token, read from the layer's GSM cache (already holding
     its K/V): select the keys (`select_keys`), then gather, dequantize and attend over them."""
     module, adapter, query = step.module, step.adapter, step.query
@@ -196,12 +195,12 @@ def fused_scores(gate_head_dim: int, query_heads: int) -> bool:
     return query_heads == 1 and kernel_fits(gate_head_dim)
 
 
-def _fused_selection(layer_cache: StoredLayer) -> bool:
+def _fused_selection(layer_cache: LayerCache) -> bool:
     """Whether this layer selects on the device path (CUDA kernels; no bridge target reading host lengths)."""
     return layer_cache.kernels is not None and layer_cache.source is None
 
 
-def select_keys(step: CachedStep, layer_cache: StoredLayer) -> tuple[Tensor, Tensor | None]:
+def select_keys(step: CachedStep, layer_cache: LayerCache) -> tuple[Tensor, Tensor | None]:
     """The cached positions [B, n, k] the newest token attends to and which are valid ([B, n, k] or None):
     the gate's top-k in sparse mode (its key is held already), every position in dense mode."""
     adapter, settings = step.adapter, step.settings
@@ -246,7 +245,7 @@ def _held(scales: Tensor | None, length: int) -> Tensor | None:
     return None if scales is None else scales[:, :, :length]
 
 
-def _every_position(step: CachedStep, layer_cache: StoredLayer) -> tuple[Tensor, Tensor | None]:
+def _every_position(step: CachedStep, layer_cache: LayerCache) -> tuple[Tensor, Tensor | None]:
     """Dense mode: every position held. On the device path the capacity's positions, those past the
     length (read on the device) marked invalid; on the PyTorch path the held positions (host length)."""
     batch, device = step.query.shape[0], step.query.device

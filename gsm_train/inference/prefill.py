@@ -26,14 +26,13 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
-from gsm_train.attention.cache_protocol import CachedStep
+from gsm_train.attention.cache_protocol import CachedStep, LayerCache
 from gsm_train.attention.dispatch import masked_sdpa
 from gsm_train.attention.layout import earlier_blocks
 from gsm_train.attention.selection import chunks
 from gsm_train.functional.attention_targets import causal_visible
 from gsm_train.functional.gate_keys import decode_gate_keys
 from gsm_train.functional.top_k import scheduled_k, select_top_k
-from gsm_train.inference.kv_store import StoredLayer
 from gsm_train.modules.errors import GSMError
 from gsm_train.quant import stored_split
 
@@ -46,7 +45,7 @@ def _refuse_bridge(step: CachedStep) -> None:
         )
 
 
-def dense_chunk_attention(step: CachedStep, layer_cache: StoredLayer) -> Tensor:
+def dense_chunk_attention(step: CachedStep, layer_cache: LayerCache) -> Tensor:
     """Attention [B, T, Hq, D] of a prompt chunk's queries [B, Hq, T, D] in dense prefill (module docstring):
     causal over every key held, those packed before the chunk as stored, the later ones raw
     (`causal_chunk_sdpa`: flash kernels on CUDA). The cache holds the chunk's gate keys already."""
@@ -78,7 +77,7 @@ def causal_chunk_sdpa(
     return masked_sdpa(query, keys, values, _allowed(key_valid, held - length, held, query.device), scaling, gqa)
 
 
-def chunk_attention(step: CachedStep, layer_cache: StoredLayer) -> Tensor:
+def chunk_attention(step: CachedStep, layer_cache: LayerCache) -> Tensor:
     """Attention [B, T, Hq, D] of a prompt chunk's queries [B, Hq, T, D] over the cache (which holds them)."""
     adapter, settings = step.adapter, step.settings
     _refuse_bridge(step)
@@ -100,7 +99,7 @@ def chunk_attention(step: CachedStep, layer_cache: StoredLayer) -> Tensor:
 
 
 def _keys_as_seen(
-    layer_cache: StoredLayer, dtype: torch.dtype, recent_as_stored: bool = True
+    layer_cache: LayerCache, dtype: torch.dtype, recent_as_stored: bool = True
 ) -> tuple[Tensor, Tensor, int]:
     """Keys and values [B, Hkv, S', D] in `dtype`: the positions packed before the chunk as stored, then,
     with a compressor and `recent_as_stored`, the later positions as stored too (the blocks this chunk
@@ -133,7 +132,7 @@ def _allowed(key_valid: Tensor | None, before: int, end: int, device: torch.devi
     return allowed
 
 
-def _gate_selection(step: CachedStep, layer_cache: StoredLayer, gate_q: Tensor, allowed: Tensor) -> Tensor:
+def _gate_selection(step: CachedStep, layer_cache: LayerCache, gate_q: Tensor, allowed: Tensor) -> Tensor:
     """The gate's top-k per query [B, n, T, end], as the teacher-forced pass selects (`select_top_k`),
     scored against the gate keys as the cache stores them, `query_chunk` rows at a time."""
     cfg = step.settings.config.sparse_attention

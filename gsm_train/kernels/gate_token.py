@@ -2,7 +2,7 @@
 of the token's normed hidden state, their RoPE by each selector's chosen frequencies, the key encoded as
 the cache stores it and written at the token's slot, the query returned for `sparse_decode.gate_scores`.
 
-In PyTorch that work (`SparseGateHead.forward` on one token, then `GSMLayerCache.keep_gate_keys`) is about
+In PyTorch that work (`SparseGateHead.forward` on one token, then `GSMCacheLayer.keep_gate_keys`) is about
 25 small kernels per layer: casts and copies of the hidden state, two fp32 GEMVs, the gathers of the RoPE
 tables and the rotation's multiplies, negation and concatenation, the int8 encoding's abs, amax, divide,
 round and clamp, and the `index_copy_` into the buffers. On the H100 at the 8B shape (32k prompt, batch

@@ -10,7 +10,7 @@ from torch import Tensor
 @dataclass(frozen=True)
 class PackedRows:
     """One layer's cached K or V in preallocated buffers of `capacity` tokens
-    (`inference.kv_store.KVStore.packed_rows`).
+    (`attention.kv_store.KVStore.packed_rows`).
 
     `lengths` int32 [2] on the device, shared by every layer of the cache: (tokens held, tokens packed);
     the kernels read them when they run, so a launch captured in a CUDA graph serves every step.

@@ -7,15 +7,13 @@ slot p - packed. A block is packed when the first token after it arrives, so a q
 own block exactly, as training does. Without a compressor `tail` [B, H, capacity, D] holds every token.
 
 How many tokens the store holds is the cache's `CacheLengths`, shared by every layer: on the host for
-the PyTorch paths and the driver, on the device for the kernels and captured steps. What a layer's cache
-holds, as decode and prefill attention read it, is a `StoredLayer` (implemented by
-`inference.cache.GSMCacheLayer`, which hands itself to them).
+the PyTorch paths and the driver, on the device for the kernels and captured steps. A layer's cache holds
+its K and V stores and the lengths as members of `attention.cache_protocol.LayerCache` (implemented by
+`inference.cache.GSMCacheLayer`); this module sits in `attention/` because that protocol names its types
+and `attention/` never imports `inference/` (it imports nothing else of `attention/`).
 """
 
 from __future__ import annotations
-
-from types import ModuleType
-from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -213,25 +211,3 @@ class KVStore:
     def allocated_bytes(self) -> int:
         """Bytes the store's buffers take on the device."""
         return sum(t.numel() * t.element_size() for t in [self.tail, *(self.fields or {}).values()])
-
-
-class StoredLayer(Protocol):
-    """What one layer's generation cache holds, as decode and prefill attention read it: the K and V stores,
-    the gate keys in buffers of the cache's capacity C (codes [B, n, C, dg] and, for int8, fp16 scales
-    [B, n, C, 1]), the keys each row may see (`key_valid` [B, C], None: all), the cache's lengths, the fused
-    kernels' module (None: the PyTorch path), on that path the k of every position [C] (int64) of a
-    schedule whose k varies (None: constant), for a bridge target the source layer's, and during a further
-    prompt chunk the raw K/V [B, Hkv, n, D] from the last block packed before it to its end (None without a
-    compressor; the chunk's attention takes it). Declared here, below the attention code that reads it,
-    since `inference.cache` (which implements it) imports that code."""
-
-    k_store: KVStore
-    v_store: KVStore
-    gate_keys: Tensor | None
-    gate_key_scales: Tensor | None
-    key_valid: Tensor | None
-    lengths: CacheLengths
-    kernels: ModuleType | None
-    k_by_position: Tensor | None
-    source: StoredLayer | None
-    recent_raw: tuple[Tensor, Tensor] | None
