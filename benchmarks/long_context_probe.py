@@ -122,8 +122,10 @@ def interpolated_rope(cos: Tensor, sin: Tensor, train_len: int, seq_len: int) ->
 
 
 def gate_wavelengths(gate: SparseGateHead, theta: Tensor) -> list[list[float]]:
-    """Per selector, the wavelengths (tokens) of the base frequencies its rotary pairs use."""
-    return [(2 * math.pi / theta[index.cpu()].abs()).tolist() for index in gate.rope_freq_index]
+    """Per selector, the wavelengths (tokens) of the base frequencies its rotary pairs use: inf for a pair
+    that is not rotated (its index one past the model's frequencies, `gate_rope.unrotated_index`)."""
+    frequencies = torch.cat((theta.abs(), theta.new_zeros(1)))  # the unrotated pair: frequency 0
+    return [(2 * math.pi / frequencies[index.cpu()]).tolist() for index in gate.rope_freq_index]
 
 
 def true_top_k(target: Tensor, allowed: Tensor, k: Tensor) -> Tensor:
@@ -291,12 +293,15 @@ def _figures(sums: Tensor) -> dict[str, float]:
 
 
 def _rope_summary(wavelengths: list[list[float]], cfg: ProbeSettings) -> dict[str, Any]:
+    """The gate's wavelengths ("none" for an unrotated pair, which JSON's numbers cannot say as inf) and
+    how many of its rotated pairs turn less than once within the training length and the window."""
     flat = [w for selector in wavelengths for w in selector]
     return {
-        "wavelengths": [[round(w, 1) for w in selector] for selector in wavelengths],
+        "wavelengths": [[round(w, 1) if math.isfinite(w) else "none" for w in selector] for selector in wavelengths],
         "pairs": len(flat),
-        "pairs_beyond_train_len": sum(w > cfg.train_len for w in flat),
-        "pairs_beyond_seq_len": sum(w > cfg.seq_len for w in flat),
+        "pairs_unrotated": sum(not math.isfinite(w) for w in flat),
+        "pairs_beyond_train_len": sum(cfg.train_len < w < math.inf for w in flat),
+        "pairs_beyond_seq_len": sum(cfg.seq_len < w < math.inf for w in flat),
     }
 
 

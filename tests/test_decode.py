@@ -58,6 +58,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "sparse_attention": {**SPARSE, "gate_query_heads": 3, "gate_key_bits": 8},
         "kv_compression": ASQ,
     },
+    # content-only gate pairs: 2 of 8 rotated, locality from the forced recent window
+    "gate_rotated_pairs": {"sparse_attention": {**SPARSE, "gate_rotated_pairs": 2, "recent_tokens": 3}},
     "gate_asq_k4_v2": {"sparse_attention": SPARSE, "kv_compression": {**ASQ, "value_quant_bits": 2}},
     "gate_asq_rotated": {"sparse_attention": SPARSE, "kv_compression": {**ASQ, "rotate_residuals": True}},
     "gate_asq_layer_bits": {
@@ -565,12 +567,15 @@ def test_an_export_with_several_gate_query_heads_decodes_as_teacher_forcing_in_f
 
 
 @triton_kernel_test
-def test_fused_cache_forces_sinks_and_recent_tokens_as_teacher_forcing() -> None:
+@pytest.mark.parametrize("rotated_pairs", [None, 2])
+def test_fused_cache_forces_sinks_and_recent_tokens_as_teacher_forcing(rotated_pairs: int | None) -> None:
     """Sinks, recent tokens and the newest position are forced into every selection: on the fused path the
     gate-score kernel writes their +inf with the scores (one selection per KV head, int8 gate keys here).
-    k=9 leaves room beside the 6 forced keys, so the scores pick some keys too."""
+    k=9 leaves room beside the 6 forced keys, so the scores pick some keys too. With 2 of the 8 gate pairs
+    rotated the gate-token kernel leaves the other 6 unrotated as the teacher-forced gate does."""
     config = CONFIGS["everything_mix_kv_gates"]
-    sections = {**config, "sparse_attention": {**config["sparse_attention"], "top_k": 9}}
+    sparse = {**config["sparse_attention"], "top_k": 9, "gate_rotated_pairs": rotated_pairs}
+    sections = {**config, "sparse_attention": sparse}
     model = _model("llama", sections).to(KERNEL_DEVICE)
     _assert_fused_decoding_is_teacher_forcing(model)
 

@@ -27,13 +27,16 @@ def _rope(positions: list[int], dtype: torch.dtype) -> tuple[torch.Tensor, torch
     return angles.cos().to(dtype).to(KERNEL_DEVICE), angles.sin().to(dtype).to(KERNEL_DEVICE)
 
 
-def _gate(hidden_size: int, gate_head_dim: int, selectors: int, bits: int) -> SparseGateHead:
-    """A gate with random projections (about unit-size keys) and random frequencies per selector."""
+def _gate(hidden_size: int, gate_head_dim: int, selectors: int, bits: int, unrotated: int = 0) -> SparseGateHead:
+    """A gate with random projections (about unit-size keys) and random frequencies per selector, except
+    for `unrotated` pairs of each selector at random places, marked unrotated (`gate_rope.unrotated_index`)."""
     gate = SparseGateHead(hidden_size, gate_head_dim, HEAD_DIM, num_selectors=selectors, key_bits=bits)
     with torch.no_grad():
         for proj in (gate.q_proj, gate.k_proj):
             proj.weight.normal_(0, hidden_size**-0.5)
         gate.rope_freq_index.copy_(torch.randint(0, HEAD_DIM // 2, gate.rope_freq_index.shape))
+        for index in gate.rope_freq_index:
+            index[torch.randperm(len(index))[:unrotated]] = HEAD_DIM // 2
     return gate.to(KERNEL_DEVICE)
 
 
@@ -49,18 +52,20 @@ def _buffers(batch: int, gate: SparseGateHead) -> tuple[torch.Tensor, torch.Tens
 @pytest.mark.parametrize("selectors", [1, 3])
 @pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("hidden_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("unrotated", [0, 3])
 def test_gate_token_kernel_equals_the_pytorch_gate(
-    bits: int, selectors: int, batch: int, hidden_dtype: torch.dtype
+    bits: int, selectors: int, batch: int, hidden_dtype: torch.dtype, unrotated: int
 ) -> None:
     """d = 576 (SmolLM2's, no power of two), dg = 16: the query and key agree with the PyTorch gate's to
     1e-5 relative, the codes equal `encode_gate_keys` of the PyTorch gate's key or differ by one (the
     projections sum in another order than the GEMV), the same for several steps at their slots, and
     nothing else in the buffers changes. RoPE tables in bf16 with one row for the batch (as a model
-    whose position ids have one row gives them), or in fp32 with a row per batch row."""
+    whose position ids have one row gives them), or in fp32 with a row per batch row. With 3 of the 8 pairs
+    of each selector unrotated (cos 1, sin 0, not the table's column past the frequencies)."""
     from gsm_train.kernels.gate_token import gate_token
 
     torch.manual_seed(batch * 10 + selectors + bits)
-    gate = _gate(576, 16, selectors, bits)
+    gate = _gate(576, 16, selectors, bits, unrotated)
     keys, scales = _buffers(batch, gate)
     codes_seen, off_by_one = 0, 0
     for slot in (0, 7, CAPACITY - 1):

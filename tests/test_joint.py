@@ -257,22 +257,28 @@ def test_joint_starts_from_the_gate_only_export(tmp_path: Path) -> None:
         assert torch.equal(loaded.rope_freq_index, exported.rope_freq_index)
 
 
-def test_joint_continues_gates_of_several_query_heads_and_refuses_a_recipe_of_another_count(tmp_path: Path) -> None:
-    """A gate export of 4 query heads (`gate_query_heads`) continues in a joint recipe that says 4, every
-    gate tensor loaded; a recipe of another count is one error naming the field and the fix before any
-    tensor loads (not a shape misfit blamed on a damaged export)."""
-    sparse = {"top_k": 8, "k_min": 8, "gate_head_dim": 16, "gate_init": "random", "gate_query_heads": 4}
+@pytest.mark.parametrize(
+    ("field", "value", "default"), [("gate_query_heads", 4, "1"), ("gate_rotated_pairs", 0, "null")]
+)
+def test_joint_continues_gates_as_exported_and_refuses_a_recipe_that_says_otherwise(
+    tmp_path: Path, field: str, value: int, default: str
+) -> None:
+    """A gate export of 4 query heads (`gate_query_heads`), or of unrotated pairs alone
+    (`gate_rotated_pairs` 0), continues in a joint recipe that says the same, every gate tensor loaded; a
+    recipe that says otherwise is one error naming the field and the fix before any tensor loads (not a
+    shape misfit blamed on a damaged export, nor a config that no longer says which pairs rotate)."""
+    sparse = {"top_k": 8, "k_min": 8, "gate_head_dim": 16, "gate_init": "random", field: value}
     gated = tiny_model("llama")
     inject_gsm(gated, GSMConfig.model_validate({"sparse_attention": sparse}))
     export = export_adapter(gated, tmp_path / "gate_only", base_name="tiny-llama")
     overrides = [*TINY, "gsm.sparse_attention.gate_head_dim=16", f"init_from={export}"]
     model = tiny_model("llama")
-    JointStage().attach(model, load_recipe(JOINT, [*overrides, "gsm.sparse_attention.gate_query_heads=4"]))
+    JointStage().attach(model, load_recipe(JOINT, [*overrides, f"gsm.sparse_attention.{field}={value}"]))
     loaded, exported = model.model.layers[2].self_attn.gsm.gate, gated.model.layers[2].self_attn.gsm.gate
-    assert loaded.query_heads == 4
+    assert loaded.state_dict().keys() == exported.state_dict().keys()
     for name, tensor in exported.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
     with pytest.raises(
-        GSMError, match=r"gate_query_heads=4, the recipe's 1.*set gsm.sparse_attention.gate_query_heads=4"
+        GSMError, match=rf"{field}={value}, the recipe's {default}.*set gsm.sparse_attention.{field}={value}"
     ):
         JointStage().attach(tiny_model("llama"), load_recipe(JOINT, overrides))

@@ -57,13 +57,20 @@ def _probe(tmp_path: Path, export: str, *more: str) -> dict:
     )
 
 
-def test_probe_reports_every_gate_layer_and_agrees_with_the_evaluations_mass(tmp_path: Path) -> None:
-    export = _export(tmp_path / "gate", {"sparse_attention": GATE})
+@pytest.mark.parametrize("rotated_pairs", [None, 1])
+def test_probe_reports_every_gate_layer_and_agrees_with_the_evaluations_mass(
+    tmp_path: Path, rotated_pairs: int | None
+) -> None:
+    """Also for a gate with 3 of its 4 pairs unrotated: their wavelengths are "none" (strict JSON)."""
+    export = _export(tmp_path / "gate", {"sparse_attention": {**GATE, "gate_rotated_pairs": rotated_pairs}})
     result = _probe(tmp_path, export)
-    written = json.loads((tmp_path / "probe.json").read_text())
+    written = json.loads((tmp_path / "probe.json").read_text(), parse_constant=pytest.fail)
     assert written["buckets"] == [[0, 24], [24, 48], [48, 96]] and "command" in written
     assert sorted(result["layers"]) == [1, 2, 3]  # layer 0 is dense: no gate
-    assert all(len(layer["rope"]["wavelengths"][0]) == 4 for layer in result["layers"].values())
+    unrotated = 0 if rotated_pairs is None else 4 - rotated_pairs
+    for layer in written["layers"].values():
+        [wavelengths] = layer["rope"]["wavelengths"]
+        assert len(wavelengths) == 4 and wavelengths.count("none") == layer["rope"]["pairs_unrotated"] == unrotated
     # the same target, selection rule and queries as `gsm-train eval` in dense mode
     loaded = prepare_evaluation("tiny-llama", {"gate": export}, "dense").load("gate")
     rows = pack_tokens(load_text_dataset(PROSE), byte_tokenizer(), 96)[:2]

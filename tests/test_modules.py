@@ -628,13 +628,14 @@ def test_compiled_gate_paths_match_the_written_ones() -> None:
         assert torch.equal(compiled(select_top_k)(*args), select_top_k(*args))  # exact operations: the same set
 
 
+@pytest.mark.parametrize("rotated_pairs", [None, 1])  # 1: three of the four pairs unrotated (content only)
 @pytest.mark.parametrize("selectors", [1, 2])
-def test_gate_loss_from_hidden_equals_the_gate_head_and_autograd(selectors: int) -> None:
+def test_gate_loss_from_hidden_equals_the_gate_head_and_autograd(selectors: int, rotated_pairs: int | None) -> None:
     from gsm_train.functional.attention_targets import gate_distill_loss
     from gsm_train.functional.gate_distill import DistillTarget
 
     gen = torch.Generator().manual_seed(3)
-    gate = SparseGateHead(32, 8, 16, num_selectors=selectors)
+    gate = SparseGateHead(32, 8, 16, num_selectors=selectors, rotated_pairs=rotated_pairs)
     torch.nn.init.normal_(gate.q_proj.weight, generator=gen)
     torch.nn.init.normal_(gate.k_proj.weight, generator=gen)
     hidden = torch.randn(2, 24, 32, generator=gen)

@@ -122,6 +122,7 @@ def _build_adapter(layer_idx: int, attn: nn.Module, config: GSMConfig, dims: dic
             selectors,
             sparse.gate_key_bits,
             sparse.gate_query_heads,
+            sparse.gate_rotated_pairs,
         )
         if sparse.gate_init == "qk_svd":
             gate.init_from_attention(

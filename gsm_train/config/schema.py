@@ -146,6 +146,9 @@ class SparseAttentionConfig(StrictModel):
     gate_key_bits: Literal[8, 16] = 16  # how the KV cache stores gate keys: 16 = bf16, 8 = int8 + fp16 scale per key
     # gate query heads over the one cached key per token: 1 = q.k; H > 1 = sum_h w_h relu(q_h.k) (DSA's indexer)
     gate_query_heads: int = Field(1, ge=1, le=64)
+    # the gate's pairs rotated by a RoPE frequency: None = all gate_head_dim / 2; r = the r of largest singular
+    # value at qk_svd init, the other pairs unrotated (content only; locality from recent_tokens)
+    gate_rotated_pairs: int | None = Field(None, ge=0)
     heads: Literal["layer", "kv"] = "layer"
     dense_layers: list[int] = Field(default_factory=list)
     sink_tokens: int = Field(0, ge=0)
@@ -158,6 +161,17 @@ class SparseAttentionConfig(StrictModel):
     def _even_dim(cls, value: int) -> int:
         if value % 2:
             raise _problem(f"gate_head_dim must be even (RoPE rotates pairs), got {value}", f"use {value + 1}")
+        return value
+
+    @field_validator("gate_rotated_pairs")
+    @classmethod
+    def _rotated_pairs_within_the_gate(cls, value: int | None, info: ValidationInfo) -> int | None:
+        dim = info.data.get("gate_head_dim")  # absent when gate_head_dim itself was refused
+        if value is not None and dim is not None and value > dim // 2:
+            raise _problem(
+                f"the gate has gate_head_dim / 2 = {dim // 2} RoPE pairs, so {value} of them cannot be rotated",
+                f"use a value from 0 to {dim // 2}, or null to rotate them all",
+            )
         return value
 
     @model_validator(mode="after")

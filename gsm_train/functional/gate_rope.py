@@ -1,10 +1,21 @@
 """RoPE for the Sparse Gate Head: each selector rotates its gate query/key pairs by a chosen subset of
-the base model's frequencies (`rope_freq_index`), so that gate scores commute with RoPE like q.k does."""
+the base model's frequencies (`rope_freq_index`), so that gate scores commute with RoPE like q.k does.
+
+An index of `head_dim // 2` (one past the model's last frequency, `unrotated_index`) marks a pair that is
+not rotated (cos 1, sin 0): its part of the score depends on the content alone, not on the distance
+(`gate_rotated_pairs` in the recipe)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.nn import functional as F
+
+
+def unrotated_index(base_head_dim: int) -> int:
+    """The `rope_freq_index` value of a gate pair that is not rotated: one past the base model's last
+    frequency (`base_head_dim // 2` frequencies, 0 to base_head_dim // 2 - 1)."""
+    return base_head_dim // 2
 
 
 def rotate(x: Tensor, c: Tensor, s: Tensor) -> Tensor:
@@ -16,13 +27,16 @@ def rotate(x: Tensor, c: Tensor, s: Tensor) -> Tensor:
 
 def rope_tables(cos: Tensor, sin: Tensor, freq_index: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """Each selector's chosen base frequencies (`freq_index` [n, dg/2]) of the model's cos/sin
-    [B, T, head_dim]: cos and sin tables [B, n, T, dg/2] in `dtype`."""
+    [B, T, head_dim]: cos and sin tables [B, n, T, dg/2] in `dtype`; cos 1 and sin 0 where the index is
+    `unrotated_index(head_dim)` (the tables gather from the model's frequencies and one column past them)."""
     half = cos.shape[-1] // 2
     selectors = freq_index.shape[0]
     gather = freq_index[None, :, None, :].expand(cos.shape[0], -1, cos.shape[1], -1)
     c, s = (
-        torch.gather(table[..., :half][:, None].expand(-1, selectors, -1, -1), -1, gather).to(dtype)
-        for table in (cos, sin)
+        torch.gather(
+            F.pad(table[..., :half], (0, 1), value=fill)[:, None].expand(-1, selectors, -1, -1), -1, gather
+        ).to(dtype)
+        for table, fill in ((cos, 1.0), (sin, 0.0))
     )
     return c, s
 

@@ -11,9 +11,10 @@ together (docs/design-decisions.md, 'The decode step's gate work is one kernel p
 
 One program per (batch row, selector): it streams the selector's rows of both projections (fp32, 2 x dg
 rows of d) against the hidden state once, sums in fp32, rotates the pairs (i, i + dg/2) by the model's
-cos/sin at `rope_freq_index` (cast to fp32, as `rope_tables` casts them to the projections' dtype), and
-stores. The slot comes from the cache's device lengths (`lengths[0] - 1`), so no host value of the step's
-enters the launch and one captured launch serves every step.
+cos/sin at `rope_freq_index` (cast to fp32, as `rope_tables` casts them to the projections' dtype; cos 1
+and sin 0 for a pair marked unrotated), and stores. The slot comes from the cache's device lengths
+(`lengths[0] - 1`), so no host value of the step's enters the launch and one captured launch serves every
+step.
 
 What is exact and what is not: the hidden state and the RoPE tables are taken in fp32 exactly as the
 PyTorch path takes them, and the encoding is `encode_gate_keys`' to the bit for the same fp32 key (the
@@ -81,7 +82,7 @@ if triton is not None:
     def _gate_token_kernel(
         hidden_ptr, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr, freq_ptr,  # the token, the gate, RoPE
         keys_ptr, scales_ptr, q_out_ptr, lengths_ptr,  # the cache's gate-key buffers, the query out, lengths
-        hidden_stride, rope_stride, rope_dim_stride, capacity, selectors, d,
+        hidden_stride, rope_stride, rope_dim_stride, base_half, capacity, selectors, d,
         DG: tl.constexpr, BLOCK_D: tl.constexpr, INT8: tl.constexpr, LEVELS: tl.constexpr, TINY: tl.constexpr,
         ROUND: tl.constexpr,
     ):  # fmt: skip
@@ -107,10 +108,13 @@ if triton is not None:
             k1 += tl.load(k_weight_ptr + first[:, None] + at[None, :], mask=mask, other=0.0) * h
             k2 += tl.load(k_weight_ptr + second[:, None] + at[None, :], mask=mask, other=0.0) * h
         q1, q2, k1, k2 = tl.sum(q1, 1), tl.sum(q2, 1), tl.sum(k1, 1), tl.sum(k2, 1)
-        # RoPE by the selector's frequencies: the model's cos/sin [..., head_dim] at rope_freq_index, in fp32
-        rope_at = batch * rope_stride + tl.load(freq_ptr + selector * HALF + pairs) * rope_dim_stride
-        c = tl.load(cos_ptr + rope_at).to(tl.float32)
-        s = tl.load(sin_ptr + rope_at).to(tl.float32)
+        # RoPE by the selector's frequencies: the model's cos/sin [..., head_dim] at rope_freq_index, in fp32;
+        # an index of base_half (`gate_rope.unrotated_index`) leaves its pair unrotated: cos 1, sin 0
+        freq = tl.load(freq_ptr + selector * HALF + pairs)
+        rotated = freq < base_half
+        rope_at = batch * rope_stride + freq * rope_dim_stride
+        c = tl.load(cos_ptr + rope_at, mask=rotated, other=1.0).to(tl.float32)
+        s = tl.load(sin_ptr + rope_at, mask=rotated, other=0.0).to(tl.float32)
         out_at = row * DG + pairs
         tl.store(q_out_ptr + out_at, q1 * c - q2 * s)
         tl.store(q_out_ptr + out_at + HALF, q2 * c + q1 * s)
@@ -148,7 +152,8 @@ def gate_token(
 
     hidden [B, 1, d] (bf16, fp16 or fp32): the token's normed layer input; q_weight, k_weight [n * dg, d]
     (fp32): the gate's projections (`SparseGateHead.q_proj` / `k_proj`); cos, sin [B or 1, 1, head_dim]:
-    the model's RoPE at the token's position; freq_index [n, dg / 2] (int64): `rope_freq_index`;
+    the model's RoPE at the token's position; freq_index [n, dg / 2] (int64): `rope_freq_index` (a pair at
+    head_dim // 2, one past the model's frequencies (`gate_rope.unrotated_index`), is not rotated);
     gate_keys [B, n, C, dg]: int8 codes with `key_scales` fp16 [B, n, C, 1] (8 bits), or bf16 with
     `key_scales` None (16 bits); lengths int32 [2] on the device (`CacheLengths.device`): the key goes to
     slot lengths[0] - 1, read when the kernel runs (capture-safe). The query equals
@@ -174,7 +179,8 @@ def gate_token(
     _gate_token_kernel[(batch * selectors,)](
         hidden, q_weight.contiguous(), k_weight.contiguous(), cos, sin, freq_index.contiguous(),
         gate_keys, key_scales if int8 else gate_keys, gate_q, lengths,
-        hidden.stride(0), cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(-1), capacity, selectors, d,
+        hidden.stride(0), cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(-1), cos.shape[-1] // 2,
+        capacity, selectors, d,
         DG=dim, BLOCK_D=max(16, min(triton.next_power_of_2(d), TILE // half)), INT8=int8,
         LEVELS=float(INT8_LEVELS), TINY=FP16_TINY, ROUND=ROUNDER, num_warps=8,
     )  # fmt: skip

@@ -2,8 +2,9 @@
 
 The gate projects the layer's normed hidden states to a gate query and key of `gate_head_dim`
 dimensions, rotates them with a subset of the base model's RoPE frequencies (one frequency per
-rotated pair, stored in `rope_freq_index`), and scores `q_t . k_j / sqrt(gate_head_dim)`. With
-`query_heads` H > 1 (DSA's lightning indexer) it projects H gate queries per token and H weights, and
+rotated pair, stored in `rope_freq_index`; with `rotated_pairs` r only r pairs are rotated, the others
+hold `gate_rope.unrotated_index` and score content alone), and scores `q_t . k_j / sqrt(gate_head_dim)`.
+With `query_heads` H > 1 (DSA's lightning indexer) it projects H gate queries per token and H weights, and
 scores `sum_h w_h(t) * relu(q_h(t) . k(j) / sqrt(gate_head_dim))` over the same one key per token
 (`functional/gate_scores.py`), so the cache holds what it held with one head.
 """
@@ -19,7 +20,7 @@ from gsm_train.compiled import compiled
 from gsm_train.functional.attention_targets import gate_distill_loss
 from gsm_train.functional.gate_distill import DistillTarget, gate_kl_from_hidden
 from gsm_train.functional.gate_keys import decode_gate_keys, encode_gate_keys, int8_stored_keys
-from gsm_train.functional.gate_rope import rope_pair, rope_tables, rotate
+from gsm_train.functional.gate_rope import rope_pair, rope_tables, rotate, unrotated_index
 from gsm_train.functional.gate_scores import gate_logits, pack_queries
 from gsm_train.quant import compute_dtype
 
@@ -30,7 +31,8 @@ class SparseGateHead(nn.Module):
     """Gate query/key projections with RoPE; `num_selectors` independent selections per layer, each with
     `query_heads` query heads over one key (module docstring). With one query head the module holds
     `q_proj`, `k_proj` and `rope_freq_index`; with H > 1 `q_proj` has H times the rows (selector, then
-    head, then dimension) and `weights_proj` (with bias) gives each query's H weights."""
+    head, then dimension) and `weights_proj` (with bias) gives each query's H weights. `rotated_pairs`
+    (None: all gate_head_dim / 2) pairs of each selector keep a RoPE frequency, the others are not rotated."""
 
     def __init__(
         self,
@@ -40,6 +42,7 @@ class SparseGateHead(nn.Module):
         num_selectors: int = 1,
         key_bits: int = 16,
         query_heads: int = 1,
+        rotated_pairs: int | None = None,
     ):
         super().__init__()
         if gate_head_dim % 2:
@@ -48,17 +51,26 @@ class SparseGateHead(nn.Module):
             raise ValueError(f"key_bits must be 8 or 16, got {key_bits}")
         if query_heads < 1:
             raise ValueError(f"query_heads must be at least 1, got {query_heads}")
+        pairs = gate_head_dim // 2
+        if rotated_pairs is not None and not 0 <= rotated_pairs <= pairs:
+            raise ValueError(f"rotated_pairs must be between 0 and gate_head_dim / 2 = {pairs}, got {rotated_pairs}")
         self.gate_head_dim = gate_head_dim
         self.num_selectors = num_selectors
         self.key_bits = key_bits
         self.query_heads = query_heads
+        self.rotated_pairs = pairs if rotated_pairs is None else rotated_pairs
+        self.unrotated = unrotated_index(base_head_dim)
         self.q_proj = nn.Linear(hidden_size, num_selectors * query_heads * gate_head_dim, bias=False)
         self.k_proj = nn.Linear(hidden_size, num_selectors * gate_head_dim, bias=False)
         self.weights_proj = nn.Linear(hidden_size, num_selectors * query_heads) if query_heads > 1 else None
-        pairs = gate_head_dim // 2
-        base_pairs = base_head_dim // 2
-        default_index = torch.arange(pairs) % base_pairs
+        default_index = self._unrotate(torch.arange(pairs) % (base_head_dim // 2))
         self.register_buffer("rope_freq_index", default_index.repeat(num_selectors, 1), persistent=True)
+
+    def _unrotate(self, index: Tensor) -> Tensor:
+        """`index` [..., dg/2] with the pairs past the first `rotated_pairs` marked unrotated."""
+        return index.masked_fill(
+            torch.arange(index.shape[-1], device=index.device) >= self.rotated_pairs, self.unrotated
+        )
 
     def forward(
         self, hidden: Tensor, cos: Tensor, sin: Tensor, distill: DistillTarget | None = None
@@ -159,7 +171,8 @@ class SparseGateHead(nn.Module):
         matrix M_i = sum_h a_{h,i} b_{g(h),i}^H (a, b: complex rows of q/k). Its best rank-1
         approximation sigma u v^H gives a gate pair that commutes with RoPE exactly. Each selector
         keeps the `gate_head_dim/2` frequencies with the largest sigma (the selector of KV group g
-        averages only that group's heads).
+        averages only that group's heads); with `rotated_pairs` r only the r of largest sigma stay
+        rotated, the others keep their u, v but are not rotated.
         """
         hidden = q_weight.shape[1]
         q = q_weight.double().view(num_heads, head_dim, hidden)
@@ -193,7 +206,7 @@ class SparseGateHead(nn.Module):
             k_rows.append(torch.cat((gate_k.real, gate_k.imag)))
             indices.append(top)
         self.k_proj.weight.copy_(torch.cat(k_rows).to(self.k_proj.weight.dtype))
-        self.rope_freq_index.copy_(torch.stack(indices))
+        self.rope_freq_index.copy_(self._unrotate(torch.stack(indices)))
         if self.query_heads == 1:
             self.q_proj.weight.copy_(torch.cat(q_rows).to(self.q_proj.weight.dtype))
         else:

@@ -38,22 +38,25 @@ _MASS_KEYS = ("gate", "oracle", "queries")
 ASQ_STATS = ("recon_rel_error", "cluster_usage", "dead_clusters")  # logged as asq_<name> at each evaluation
 
 
-GATE_SHAPE_FIELDS = ("gate_head_dim", "heads", "gate_query_heads")  # what sizes the gate's tensors
+# what the export's gate tensors fix: their sizes, and which pairs rotate (its rope_freq_index)
+GATE_FIELDS = ("gate_head_dim", "heads", "gate_query_heads", "gate_rotated_pairs")
 
 
 def refuse_other_gate_shape(export: dict[str, Any], config: RecipeConfig) -> None:
     """GSMError naming the field and the fix where the `init_from` export's gates and the recipe's would
-    differ in shape (`GATE_SHAPE_FIELDS`), e.g. a gate of 4 query heads continued by a recipe of 1: the
-    gate is trained as its export built it, so the recipe must say the same."""
+    differ in a field its tensors fix (`GATE_FIELDS`), e.g. a gate of 4 query heads continued by a recipe
+    of 1: the gate is trained as its export built it, so the recipe must say the same."""
     theirs, ours = build_settings(export)[0].sparse_attention, config.gsm.sparse_attention
     if not (theirs.enabled and ours.enabled):
         return
-    for field in GATE_SHAPE_FIELDS:
-        if getattr(theirs, field) != getattr(ours, field):
+    for field in GATE_FIELDS:
+        trained, asked = (getattr(sparse, field) for sparse in (theirs, ours))
+        if trained != asked:
+            shown = "null" if trained is None else trained  # as an override spells it
             raise GSMError(
-                f"init_from {config.init_from}: its gates have sparse_attention.{field}="
-                f"{getattr(theirs, field)}, the recipe's {getattr(ours, field)}, so their tensors do not fit; "
-                f"set gsm.sparse_attention.{field}={getattr(theirs, field)} (the export's gates continue as trained)"
+                f"init_from {config.init_from}: its gates have sparse_attention.{field}={shown}, the recipe's "
+                f"{'null' if asked is None else asked}, but the export's gate tensors (their sizes, which pairs "
+                f"rotate) continue as trained; set gsm.sparse_attention.{field}={shown}"
             )
 
 
