@@ -211,7 +211,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--count", action="store_true", help="count each step's aten ops per layer; no timing")
-    parser.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda where there is one")
+    parser.add_argument(
+        "--device", choices=["cuda", "cpu"], default=None, help="default: cuda where there is one for 8b, cpu for tiny"
+    )
     args = parser.parse_args(argv)
     path = Path(args.result)
     result = json.loads(path.read_text()) if path.exists() else {}
@@ -220,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
     settings |= {"device": args.device} if args.device else {}
     if result.get("settings") != settings:
         result = {"settings": settings}
-    model = _model(args.model, args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = _model(args.model, args.device or ("cuda" if torch.cuda.is_available() and args.model == "8b" else "cpu"))
     device = next(model.parameters()).device
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (args.batch, args.context), generator=torch.Generator().manual_seed(1)).to(device)
