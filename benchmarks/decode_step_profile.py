@@ -8,20 +8,31 @@ calls per step, microseconds per step, share of the step's kernel time; on the C
 for the PyTorch ops' own CPU time, a smoke test of the script rather than a figure. Resumable: a method
 already in --result with the same settings is not profiled again; the JSON is written after each.
 
+`--count` times nothing: it counts the aten ops one token step runs, eagerly, per decoder layer and
+outside the layers (`count_ops`: views are left out, since they launch nothing). On the CPU the step
+takes the PyTorch path; with `TRITON_INTERPRET=1` it takes the fused kernels' path, as on a GPU, the
+kernels run by Triton's interpreter (their insides not counted: on a GPU each is one launch).
+`--model tiny` takes recipes/joint.yaml's GSM settings at sizes the tiny model fits (`TINY_OVERRIDES`).
+
     python -m benchmarks.decode_step_profile --result OUT.json [--model 8b] [--context 32768] [--batch 1]
-        [--steps 20] [--top 25]
+        [--steps 20] [--top 25] [--count] [--device cuda|cpu]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.common import write_result
 from gsm_train.attention import inject_gsm, set_gsm_mode
@@ -29,14 +40,11 @@ from gsm_train.config.schema import GSMConfig
 from gsm_train.inference.cache import GSMCache, cache_kwargs
 from gsm_train.inference.dense_engine import DenseEngine
 from gsm_train.inference.engine import enable_gsm_generation
-from gsm_train.models.families import model_dims
+from gsm_train.models.families import decoder_stack, model_dims
 from gsm_train.models.model_zoo import random_model, tiny_model
 
-# --model tiny: GSM settings that fit the tiny model's shapes (the 8B shape takes recipes/joint.yaml's)
-TINY_GSM = {
-    "sparse_attention": {"top_k": 6, "k_min": 2, "gate_head_dim": 16, "dense_layers": [0], "mode": "sparse"},
-    "kv_compression": {"enabled": True, "block_size": 8, "cluster_num": 4, "hidden_dim": 8},
-}
+# --model tiny: recipes/joint.yaml's GSM settings at sizes that fit the tiny model and a short prompt
+TINY_OVERRIDES = ("gsm.sparse_attention.top_k=16", "gsm.sparse_attention.k_min=8", "gsm.kv_compression.block_size=16")
 STARTED = time.perf_counter()
 
 
@@ -65,25 +73,78 @@ def profile_step(step: Callable[[], object], steps: int, cuda: bool) -> list[dic
     return sorted(rows, key=lambda row: -row["total_us"])
 
 
-def _model(name: str) -> nn.Module:
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops run inside it by decoder layer of `model` (`layers[i]`, op -> calls) and outside
+    the layers (`outside`). Views are left out (they launch nothing), and so are the ops Triton's
+    interpreter runs inside a kernel (on a GPU each kernel is one launch)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.blocks = list(decoder_stack(model).layers)
+        self.layers: list[Counter] = [Counter() for _ in self.blocks]
+        self.outside: Counter = Counter()
+        self.current: Counter = self.outside
+        self.handles: list[Any] = []
+
+    def __enter__(self) -> OpCounter:
+        for block, counts in zip(self.blocks, self.layers, strict=True):
+            self.handles.append(block.register_forward_pre_hook(lambda *_, c=counts: setattr(self, "current", c)))
+            self.handles.append(block.register_forward_hook(lambda *_: setattr(self, "current", self.outside)))
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+        super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        returns = func._schema.returns
+        view = bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+        if not view and func is not torch.ops.aten.lift_fresh.default and not _inside_triton():
+            self.current[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _inside_triton() -> bool:
+    """Whether the running op was called by Triton (its interpreter running a kernel on the CPU)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_globals.get("__name__", "").startswith("triton."):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def count_ops(step: Callable[[], object], model: nn.Module) -> dict:
+    """The aten ops one call of `step` runs (`OpCounter`): `outside` the decoder layers and `per_layer`
+    (totals), and `ops`, each layer's op -> calls."""
+    with torch.no_grad(), OpCounter(model) as counter:
+        step()
+    return {
+        "outside": sum(counter.outside.values()),
+        "per_layer": [sum(layer.values()) for layer in counter.layers],
+        "ops": [dict(sorted(layer.items())) for layer in counter.layers],
+    }
+
+
+def _model(name: str, device: str) -> nn.Module:
     torch.manual_seed(0)
     if name == "tiny":
-        return tiny_model("llama")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+        return tiny_model("llama").to(device)
     return random_model("random-llama3-8b", torch.bfloat16, device, max_position_embeddings=131072 + 1024)
 
 
 def _gsm_config(name: str) -> GSMConfig:
-    if name == "tiny":
-        return GSMConfig.model_validate(TINY_GSM)
     from benchmarks.generate import joint_gsm_config
 
-    return joint_gsm_config()
+    return joint_gsm_config(*TINY_OVERRIDES) if name == "tiny" else joint_gsm_config()
 
 
-def dense_step(model: nn.Module, ids: torch.Tensor, extra: int) -> Callable[[], object]:
-    """The dense engine's token step after `ids` [B, T] (captured on CUDA), room for `extra` more calls."""
-    engine = DenseEngine(model)
+def dense_step(model: nn.Module, ids: torch.Tensor, extra: int, cuda_graphs: bool = True) -> Callable[[], object]:
+    """The dense engine's token step after `ids` [B, T] (captured on CUDA with `cuda_graphs`), room for
+    `extra` more calls."""
+    engine = DenseEngine(model, cuda_graphs=cuda_graphs)
     cache = engine.new_cache(ids.shape[0], ids.shape[1] + extra)
     engine.prefill(cache, ids)
     step = engine.token_step(cache)
@@ -91,9 +152,12 @@ def dense_step(model: nn.Module, ids: torch.Tensor, extra: int) -> Callable[[], 
     return lambda: step(token)
 
 
-def gsm_step(model: nn.Module, ids: torch.Tensor, extra: int) -> Callable[[], object]:
-    """GSM's token step after `ids` [B, T] through the generation engine (captured on CUDA at its first call)."""
-    cache = GSMCache(model, capacity=ids.shape[1] + extra)
+def gsm_step(model: nn.Module, ids: torch.Tensor, extra: int, cuda_graphs: bool = True) -> Callable[[], object]:
+    """GSM's token step after `ids` [B, T] through the generation engine (captured on CUDA at its first call
+    with `cuda_graphs`). On the CPU under Triton's interpreter the cache takes the fused kernels' path."""
+    enable_gsm_generation(model, cuda_graphs=cuda_graphs)
+    interpreted = not ids.is_cuda and os.environ.get("TRITON_INTERPRET") == "1"
+    cache = GSMCache(model, capacity=ids.shape[1] + extra, fused=True if interpreted else None)
     with torch.no_grad():
         model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))
     token = ids[:, -1:]
@@ -105,15 +169,30 @@ def gsm_step(model: nn.Module, ids: torch.Tensor, extra: int) -> Callable[[], ob
     return step
 
 
-def measure(make: Callable[..., Callable[[], object]], model: nn.Module, ids: torch.Tensor, steps: int) -> dict:
-    """One method's profile: warm-up calls (capture, autotuning), then `steps` profiled calls."""
-    warmup = 3
-    step = make(model, ids, warmup + steps + 1)
+def measure(
+    make: Callable[..., Callable[[], object]], model: nn.Module, ids: torch.Tensor, steps: int, count: bool = False
+) -> dict:
+    """One method's profile: warm-up calls (capture, autotuning), then `steps` profiled calls. With
+    `count`: eager steps, one warm-up call, then `count_ops` of one."""
+    warmup = 1 if count else 3
+    step = make(model, ids, warmup + steps + 1, cuda_graphs=not count)
     for _ in range(warmup):
         step()
+    if count:
+        return count_ops(step, model)
     kernels = profile_step(step, steps, ids.is_cuda)
     total = sum(row["total_us"] for row in kernels)
     return {"step_us": total, "per_layer_us": total / model_dims(model)["layers"], "kernels": kernels}
+
+
+def print_counts(method: str, result: dict) -> None:
+    per_layer = result["per_layer"]
+    print(f"\n{method}: {result['outside']} ops outside the layers; per layer {per_layer}")
+    for layer in sorted({per_layer.index(n) for n in set(per_layer)}):  # one layer of each count
+        print(
+            f"  layer {layer}: "
+            + ", ".join(f"{op.removeprefix('aten.')} {n}" for op, n in result["ops"][layer].items())
+        )
 
 
 def print_table(method: str, result: dict, top: int) -> None:
@@ -131,13 +210,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--count", action="store_true", help="count each step's aten ops per layer; no timing")
+    parser.add_argument(
+        "--device", choices=["cuda", "cpu"], default=None, help="default: cuda where there is one for 8b, cpu for tiny"
+    )
     args = parser.parse_args(argv)
     path = Path(args.result)
     result = json.loads(path.read_text()) if path.exists() else {}
     settings = {"model": args.model, "context": args.context, "batch": args.batch, "steps": args.steps}
+    settings |= {"count": True} if args.count else {}
+    settings |= {"device": args.device} if args.device else {}
     if result.get("settings") != settings:
         result = {"settings": settings}
-    model = _model(args.model)
+    model = _model(args.model, args.device or ("cuda" if torch.cuda.is_available() and args.model == "8b" else "cpu"))
     device = next(model.parameters()).device
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (args.batch, args.context), generator=torch.Generator().manual_seed(1)).to(device)
@@ -147,12 +232,15 @@ def main(argv: list[str] | None = None) -> None:
         else:
             if method == "gsm":
                 inject_gsm(model, _gsm_config(args.model), mode="sparse")
-                enable_gsm_generation(model)
                 set_gsm_mode(model, "sparse")
-            say(f"{method}: prefill of {args.context} tokens, warm-up, {args.steps} profiled steps")
-            result[method] = measure(make, model, ids, args.steps)
+            what = "one counted step" if args.count else f"{args.steps} profiled steps"
+            say(f"{method}: prefill of {args.context} tokens, warm-up, {what}")
+            result[method] = measure(make, model, ids, args.steps, args.count)
             write_result(path, result)
-        print_table(method, result[method], args.top)
+        if args.count:
+            print_counts(method, result[method])
+        else:
+            print_table(method, result[method], args.top)
 
 
 if __name__ == "__main__":

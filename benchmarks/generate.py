@@ -371,11 +371,12 @@ def smollm2_extras(model: torch.nn.Module, row: dict, new_tokens: int, prompts: 
     return extras
 
 
-def joint_gsm_config() -> GSMConfig:
-    """recipes/joint.yaml's GSM modules for a model that is not SmolLM2 (no layer_bits), gates at random."""
+def joint_gsm_config(*overrides: str) -> GSMConfig:
+    """recipes/joint.yaml's GSM modules for a model that is not SmolLM2 (no layer_bits), gates at random;
+    `overrides`: further `key=value` settings of the recipe (e.g. sizes for a tiny model)."""
     return load_recipe(
         str(REPO / "recipes" / "joint.yaml"),
-        ["gsm.kv_compression.layer_bits={}", "gsm.sparse_attention.gate_init=random"],
+        ["gsm.kv_compression.layer_bits={}", "gsm.sparse_attention.gate_init=random", *overrides],
     ).gsm
 
 

@@ -28,7 +28,7 @@ from gsm_train.inference.cache import GSMCache, GSMCacheLayer
 REPO = Path(__file__).resolve().parent.parent
 SOURCES = sorted([*(REPO / "gsm_train").rglob("*.py"), *(REPO / "benchmarks").rglob("*.py")])
 COUNTERS = {"seq_len", "packed_len", "before", "_seq_len", "_packed_len", "_before", "length", "device_length"}
-DEVICE_COUNTERS = {"device": "CacheLengths", "device_length": "DenseCache"}  # tensor -> its owner class
+DEVICE_COUNTERS = {"device": "CacheLengths", "slots": "CacheLengths", "device_length": "DenseCache"}  # tensor -> owner
 GATE_KEY_BUFFERS = {"gate_keys", "gate_key_scales"}
 
 

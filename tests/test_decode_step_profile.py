@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from run_helpers import KERNEL_DEVICE, triton_kernel_test
 
 from benchmarks import decode_step_profile
 
@@ -27,3 +28,39 @@ def test_profile_writes_a_table_per_method_and_resumes(tmp_path: Path, capsys: p
     decode_step_profile.main(argv)
     assert capsys.readouterr().out.count("profiled by an earlier run") == 2
     assert json.loads(path.read_text())["gsm"] == result["gsm"]
+
+
+# The most aten ops (views aside) one decoder layer of GSM's token step runs, counted by
+# `decode_step_profile --count` on the tiny Llama at recipes/joint.yaml's settings (layers 0 and 1 dense,
+# 2 and 3 sparse), on the PyTorch path and on the fused kernels' path (docs/results.md, "GSM's token step:
+# ops per layer (CPU count)"). A sparse layer's first count includes the schedule's k, computed once a step.
+MOST_OPS_PYTORCH_PATH = {"dense": 103, "sparse": 160}
+MOST_OPS_FUSED_PATH = {"dense": 49, "sparse": 55}
+HOST_SYNC = "aten._local_scalar_dense.default"
+
+
+def _counted_step(tmp_path: Path, device: str) -> dict:
+    path = tmp_path / "count.json"
+    decode_step_profile.main(
+        ["--model", "tiny", "--context", "40", "--count", "--device", device, "--result", str(path)]
+    )
+    return json.loads(path.read_text())
+
+
+def _assert_at_most(gsm: dict, most: dict[str, int]) -> None:
+    dense, sparse = gsm["per_layer"][:2], gsm["per_layer"][2:]
+    assert max(dense) <= most["dense"] and max(sparse) <= most["sparse"], gsm["per_layer"]
+    assert sum(layer.get(HOST_SYNC, 0) for layer in gsm["ops"]) <= 1  # the step's k, read once, not per layer
+
+
+def test_gsm_token_step_runs_at_most_so_many_ops_per_layer_on_the_pytorch_path(tmp_path: Path) -> None:
+    result = _counted_step(tmp_path, "cpu")
+    assert result["settings"]["count"] and len(result["dense_engine"]["per_layer"]) == 4
+    _assert_at_most(result["gsm"], MOST_OPS_PYTORCH_PATH)
+
+
+@triton_kernel_test
+def test_gsm_token_step_runs_at_most_so_many_ops_per_layer_on_the_fused_path(tmp_path: Path) -> None:
+    """The glue around the fused kernels (on a GPU, or on the CPU under Triton's interpreter): a sparse
+    layer runs about what a layer of the dense engine does, plus the kernels (counted once each)."""
+    _assert_at_most(_counted_step(tmp_path, KERNEL_DEVICE)["gsm"], MOST_OPS_FUSED_PATH)

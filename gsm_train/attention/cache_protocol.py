@@ -41,13 +41,13 @@ class GenerationCache(Protocol):
 class LayerCache(Protocol):
     """One layer's generation cache (implemented by `gsm_train.inference.GSMCacheLayer`).
 
-    What it holds, as decode and prefill attention read it: the K and V stores, the gate keys in buffers of
-    the cache's capacity C (codes [B, n, C, dg] and, for int8, fp16 scales [B, n, C, 1]), the keys each row
-    may see (`key_valid` [B, C], None: all), the cache's lengths, the fused kernels' module (None: the
-    PyTorch path), on that path the k of every position [C] (int64) of a schedule whose k varies (None:
-    constant), for a bridge target the source layer's cache, and during a further prompt chunk the raw K/V
-    [B, Hkv, n, D] from the last block packed before it to its end (None without a compressor; the chunk's
-    attention takes it). The methods are what the attention function calls."""
+    What it holds, as decode and prefill attention read it: the K and V stores, the gate keys in buffers of the
+    cache's capacity C (codes [B, n, C, dg] and, for int8, fp16 scales [B, n, C, 1]), the keys each row may see
+    (`key_valid` [B, C], None: all), the cache's lengths, every slot's position (`positions`, int64 [C]: 0 to C -
+    1), the fused kernels' module (None: the PyTorch path), on that path the k of every position [C] (int64) of a
+    schedule whose k varies (None: constant), for a bridge target the source layer's cache, and during a further
+    prompt chunk the raw K/V [B, Hkv, n, D] from the last block packed before it to its end (None without a
+    compressor; the chunk's attention takes it). The methods are what the attention function calls."""
 
     k_store: KVStore
     v_store: KVStore
@@ -57,6 +57,7 @@ class LayerCache(Protocol):
     lengths: CacheLengths
     kernels: ModuleType | None
     k_by_position: Tensor | None
+    positions: Tensor
     source: LayerCache | None
     recent_raw: tuple[Tensor, Tensor] | None
 

@@ -28,7 +28,9 @@ from gsm_train.quant import compute_dtype, stored_split
 class CacheLengths:
     """Tokens a cache holds and how many of them are packed: `seq_len` / `packed_len` on the host, and
     `device` int32 [2] (the same two numbers) for kernels. During a forward, `before` is what the cache
-    held when it started (where its new tokens are written).
+    held when it started (where its new tokens are written). During a token step, `slots` int64 [2] on the
+    device: where the new token goes, [seq_len - 1, seq_len - 1 - packed_len] (its position, and its slot
+    in a compressed store's raw tail), computed once by `add_token` for every layer's writes and lookups.
 
     The one owner of these counters: they are read-only outside this class and change only through its
     methods (`add_chunk`, `add_token`, `follow_replayed_token`, `pack_block`, `restore`), so the host and
@@ -39,6 +41,7 @@ class CacheLengths:
         self._packed_len = 0
         self._before = 0
         self.device = torch.zeros(2, dtype=torch.int32, device=device)
+        self.slots = torch.zeros(2, dtype=torch.int64, device=device)
 
     @property
     def seq_len(self) -> int:
@@ -62,10 +65,11 @@ class CacheLengths:
 
     def add_token(self) -> None:
         """One new token per row, capture-safe: the device copy advances by a device op (no host value
-        enters it, so a CUDA graph captures it), the host copy follows. A full newest block is packed
-        before (`pack_block`)."""
+        enters it, so a CUDA graph captures it), the host copy follows, and `slots` names the token's
+        slots. A full newest block is packed before (`pack_block`)."""
         self._before, self._seq_len = self._seq_len, self._seq_len + 1
         self.device[0:1].add_(1)
+        self.slots.add_(1)  # both slots move with the length (the packed part is unchanged)
 
     def follow_replayed_token(self) -> None:
         """A captured token step was replayed: its `add_token` advanced the device copy; the host's follows."""
@@ -83,11 +87,18 @@ class CacheLengths:
         """The counters as `snapshot` took them (of this cache, or of another on the same device)."""
         self._seq_len, self._packed_len, self._before = saved[0], saved[1], saved[2]
         self.device.copy_(saved[3])
+        self._set_slots()
 
     def _set(self, seq_len: int, packed_len: int) -> None:
         """Both copies to these values (eager code; a captured step advances the device copy itself)."""
         self._seq_len, self._packed_len = seq_len, packed_len
         self.device.copy_(torch.tensor([seq_len, packed_len], dtype=torch.int32))
+        self._set_slots()
+
+    def _set_slots(self) -> None:
+        """`slots` from the host counters (eager; `add_token` advances them on the device)."""
+        newest = self._seq_len - 1
+        self.slots.copy_(torch.tensor([newest, newest - self._packed_len], dtype=torch.int64))
 
 
 class KVStore:
@@ -147,9 +158,9 @@ class KVStore:
     def write_newest(self, state: Tensor) -> None:
         """Store one new token [B, H', 1, D] at the slot the device lengths name (capture-safe: no host
         value enters it). The cache has packed a full tail before (`GSMCache.begin_forward`)."""
-        lengths = self.lengths.device
-        slot = lengths[0] - 1 - (lengths[1] if self.compressor is not None else 0)
-        self.tail.index_copy_(2, slot.view(1).long(), state[:, : self.heads].to(self.tail.dtype))
+        slots = self.lengths.slots
+        slot = slots[1:2] if self.compressor is not None else slots[0:1]
+        self.tail.index_copy_(2, slot, state[:, : self.heads].to(self.tail.dtype))
 
     def pack_tail(self) -> None:
         """Pack the full newest block (the tail) at `lengths.packed_len` (eager, host lengths)."""

@@ -96,6 +96,10 @@ class GSMCacheLayer(CacheLayerMixin):
     def k_by_position(self) -> Tensor | None:
         return self.cache.k_by_position
 
+    @property
+    def positions(self) -> Tensor:
+        return self.cache.positions
+
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         batch, device, dtype = key_states.shape[0], key_states.device, key_states.dtype
         capacity, lengths = self.cache.capacity, self.cache.lengths
@@ -138,7 +142,7 @@ class GSMCacheLayer(CacheLayerMixin):
         Called by the attention function's `run_gate` alone, before the call attends."""
         codes, scales = encode_gate_keys(gate_keys.detach(), bits)
         if self.cache.token_step:
-            slot = (self.lengths.device[0] - 1).view(1).long()
+            slot = self.lengths.slots[0:1]
             self.gate_keys.index_copy_(2, slot, codes)
             if scales is not None:
                 self.gate_key_scales.index_copy_(2, slot, scales)
@@ -233,6 +237,7 @@ class GSMCache(Cache):
         self.kernels = fused_kernels(model, fused)
         device = next(model.parameters()).device
         self.lengths = CacheLengths(device)
+        self.positions = torch.arange(self.capacity, device=device)  # every slot's position, made once
         sparse = config.sparse_attention
         # a schedule whose k varies: every position's k, once, for the fused steps to read on the device
         self.k_by_position = (

@@ -15,6 +15,8 @@ host lengths.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -23,7 +25,7 @@ from transformers.integrations.sdpa_attention import repeat_kv
 from gsm_train.attention.adapter import GSMAttentionAdapter
 from gsm_train.attention.cache_protocol import CachedStep, LayerCache
 from gsm_train.functional.gate_keys import decode_gate_keys
-from gsm_train.functional.top_k import scheduled_k
+from gsm_train.functional.top_k import k_per_query
 from gsm_train.kernels import kernel_fits
 from gsm_train.kernels.decode_topk import unordered_top_k
 from gsm_train.modules.errors import GSMError
@@ -136,8 +138,16 @@ def static_k(k: int, sink_tokens: int, recent_tokens: int, capacity: int) -> int
 
 
 def decode_k(settings_config, position: int) -> int:
-    """The schedule's k for the token at `position` (`sparse_attention` of a GSM config)."""
-    return int(scheduled_k(torch.tensor([position]), settings_config.sparse_attention))
+    """The schedule's k for the token at `position` (`sparse_attention` of a GSM config): `scheduled_k`'s,
+    computed once per position and schedule, not once per layer of every step (`_k_at`)."""
+    cfg = settings_config.sparse_attention
+    return _k_at(position, cfg.top_k_schedule, cfg.top_k, cfg.k_min, cfg.decay_rate, cfg.top_k_fraction)
+
+
+@functools.lru_cache(maxsize=64)  # a step's layers (and its driver) ask for one position, the next step the next
+def _k_at(position: int, schedule: str, top_k: int, k_min: int, decay_rate: float, fraction: float | None) -> int:
+    """`k_per_query`'s k at `position` (what `scheduled_k` gives for a config of these fields)."""
+    return int(k_per_query(torch.tensor([position]), schedule, top_k, k_min, decay_rate, fraction))
 
 
 K_STEP = 256  # a schedule whose k varies is captured for k rounded up to a multiple of this
@@ -227,7 +237,7 @@ def select_keys(step: CachedStep, layer_cache: LayerCache) -> tuple[Tensor, Tens
         )
         if cfg.top_k_schedule != "constant":  # k read on the device: one captured step per K_STEP of k
             k_static = static_k(captured_k(settings.config, position), cfg.sink_tokens, cfg.recent_tokens, capacity)
-            k_now = layer_cache.k_by_position[layer_cache.lengths.device[0:1].long() - 1]
+            k_now = layer_cache.k_by_position[layer_cache.lengths.slots[0:1]]
             return ranked_selection(scores, k_static, k_now)
         k_static = static_k(k, cfg.sink_tokens, cfg.recent_tokens, capacity)
         index = unordered_top_k(scores, k_static)
@@ -248,14 +258,13 @@ def _held(scales: Tensor | None, length: int) -> Tensor | None:
 def _every_position(step: CachedStep, layer_cache: LayerCache) -> tuple[Tensor, Tensor | None]:
     """Dense mode: every position held. On the device path the capacity's positions, those past the
     length (read on the device) marked invalid; on the PyTorch path the held positions (host length)."""
-    batch, device = step.query.shape[0], step.query.device
+    batch, positions = step.query.shape[0], layer_cache.positions
     valid_keys = layer_cache.key_valid
     if _fused_selection(layer_cache):
-        capacity = layer_cache.k_store.capacity
-        positions = torch.arange(capacity, device=device)
+        capacity = positions.shape[0]
         valid = (positions < layer_cache.lengths.device[0])[None].expand(batch, -1)
         valid = valid if valid_keys is None else valid & valid_keys
         return positions.expand(batch, 1, capacity), valid[:, None, :]
     length = layer_cache.lengths.seq_len
-    index = torch.arange(length, device=device).expand(batch, 1, length)
+    index = positions[:length].expand(batch, 1, length)
     return index, None if valid_keys is None else valid_keys[:, None, :length]
