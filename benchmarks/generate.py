@@ -22,10 +22,12 @@ share of the bandwidth bound it runs at: the bytes one decode step must read (`b
 weights plus the KV it reads, for GSM from the cache's own buffers) over the step's time, against the
 peak a device-to-device copy reaches in the same run. Batch-16 GSM rows prefill one prompt at batch 1
 and copy the cache to every row (rows then decode alike; the time of a 16-row sparse prefill is not
-what the row measures). The GSM rows prefill with `--prefill` (default `dense`, the library's default:
-the prompt attends as the base model and fills the GSM cache from its K/V; `sparse`: the teacher-forced GSM
-pass), and with `--prefill-chunk` prompt tokens per forward (default the library's), recorded in the row
-settings. Token agreement and the step KL compare cached decoding with GSM's own
+what the row measures). Batch-1 GSM rows also give `plain_loop_decode_tokens_per_s`: the same forward
+calls driven by the dense engine's plain greedy loop instead of transformers' `generate` (what that loop
+costs a token, separated from GSM's step). The GSM rows prefill with `--prefill` (default `dense`, the
+library's default: the prompt attends as the base model and fills the GSM cache from its K/V; `sparse`: the
+teacher-forced GSM pass), and with `--prefill-chunk` prompt tokens per forward (default the library's),
+recorded in the row settings. Token agreement and the step KL compare cached decoding with GSM's own
 teacher-forced pass, so they prefill sparsely whatever `--prefill` says (the same function on both sides).
 The summary: `e2e_speedup_<row>` (GSM over the fastest dense method of the
 row), `bandwidth_share_<method>_<row>`, `ttft_ratio_<row>` (GSM's time to first token over the fastest
@@ -182,6 +184,10 @@ def gsm_row(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int) -> dict:
         cache = GSMCache(model, capacity=ids.shape[1] + new_tokens)
         result = _measure(model, ids, new_tokens, warm=False, **cache_kwargs(model, cache))
         result["time_to_first_token_s"] = result.pop("first_call_time_to_first_token_s")
+        say("gsm: the same cache driven by a plain greedy loop instead of transformers' generate")
+        loop_tokens, result["plain_loop_decode_tokens_per_s"] = plain_loop_generate(model, ids, new_tokens)
+        if not torch.equal(loop_tokens, result["tokens"]):
+            raise RuntimeError("the plain loop chose other tokens than model.generate over the same steps")
     else:
         prompt = ids[:1]
         prefilled = GSMCache(model, capacity=ids.shape[1] + new_tokens)
@@ -201,6 +207,23 @@ def gsm_row(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int) -> dict:
         }
     step_bytes = bandwidth.weight_bytes(model) + bandwidth.gsm_kv_read_bytes(model, cache)
     return result | {"kv_bytes": cache.nbytes(), "step_bytes": step_bytes}
+
+
+def plain_loop_generate(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, float]:
+    """`ids` [B, T] and `new_tokens` greedy tokens [B, T + new_tokens], and the decode tokens/s of GSM's
+    token steps: the same `model.forward` calls `model.generate` makes (chunked prefill, captured steps),
+    driven by the dense engine's loop (argmax, one forward per token) instead of transformers' `generate`;
+    the difference to the `gsm` figure is what transformers' loop costs a token. Timed like every method:
+    the device synchronized after each token."""
+    cache, timer = GSMCache(model, capacity=ids.shape[1] + new_tokens), StepTimes()
+    kwargs = cache_kwargs(model, cache) | {"use_cache": True, "logits_to_keep": 1}
+    with torch.no_grad():
+        tokens = [model(input_ids=ids, **kwargs).logits[:, -1:].argmax(-1)]
+        timer.mark()
+        for _ in range(new_tokens - 1):
+            tokens.append(model(input_ids=tokens[-1], **kwargs).logits[:, -1:].argmax(-1))
+            timer.mark()
+    return torch.cat([ids, *tokens], 1), timer.decode_tokens_per_s(ids.shape[0])
 
 
 def _fresh_peak() -> None:

@@ -9,7 +9,7 @@ import math
 import torch
 
 from benchmarks import bandwidth
-from benchmarks.generate import generate_timed, row_settings, smollm2_extras, summarize
+from benchmarks.generate import generate_timed, plain_loop_generate, row_settings, smollm2_extras, summarize
 from gsm_train.attention import gsm_adapters, inject_gsm
 from gsm_train.config.schema import GSMConfig
 from gsm_train.inference.cache import GSMCache, cache_kwargs
@@ -111,3 +111,16 @@ def test_smollm2_extras_compare_against_the_sparse_prefill_when_the_row_prefills
     assert extras["captured_step_tokens_equal_eager"]
     assert abs(extras["step_kl"]["gsm_mean_kl"]) < 1e-12
     assert model.gsm_generation["prefill"] == "dense"
+
+
+def test_the_plain_loop_chooses_the_tokens_generate_chooses() -> None:
+    """The diagnostic loop drives the same forward calls as `model.generate` (prompt, then one token per
+    step over the GSM cache): greedy tokens equal, in fp64 (on the GPU the benchmark checks it too)."""
+    model = tiny_model("llama").double()
+    torch.manual_seed(0)
+    inject_gsm(model, GSMConfig.model_validate(GSM), mode="sparse")
+    enable_gsm_generation(model, prefill_chunk=16)
+    ids = torch.randint(1, 256, (1, 40))
+    expected, _ = generate_timed(model, ids, 6)
+    tokens, tokens_per_s = plain_loop_generate(model, ids, 6)
+    assert torch.equal(tokens, expected) and tokens_per_s > 0
