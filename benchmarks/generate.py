@@ -186,8 +186,9 @@ def gsm_row(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int) -> dict:
         result["time_to_first_token_s"] = result.pop("first_call_time_to_first_token_s")
         say("gsm: the same cache driven by a plain greedy loop instead of transformers' generate")
         loop_tokens, result["plain_loop_decode_tokens_per_s"] = plain_loop_generate(model, ids, new_tokens)
-        if not torch.equal(loop_tokens, result["tokens"]):
-            raise RuntimeError("the plain loop chose other tokens than model.generate over the same steps")
+        # generate passes an all-ones mask and bars EOS until the last token (min_new_tokens): equal in
+        # fp64 (a test), a bf16 row may part ways on a near tie
+        result["plain_loop_tokens_equal"] = bool(torch.equal(loop_tokens, result["tokens"]))
     else:
         prompt = ids[:1]
         prefilled = GSMCache(model, capacity=ids.shape[1] + new_tokens)
