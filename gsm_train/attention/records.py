@@ -2,7 +2,8 @@
 
 Both are recorded only when the forward was asked for them (`forward_state.gsm_collect`) and go into
 its records, per layer. The KL's target is the head-averaged main attention (`attention_targets`),
-over all allowed keys, or in sparse training over the keys selected (as DSA trains its indexer).
+over all allowed keys, or in sparse training over the keys selected (as DSA trains its indexer); with
+`gate_target: beyond_forced` less the keys the selection forces (`layout.without_forced`).
 """
 
 from __future__ import annotations
