@@ -505,8 +505,9 @@ def test_target_products_take_autocasts_dtype_as_main_attention_does() -> None:
 
 
 @triton_kernel_test
+@pytest.mark.parametrize("window", [None, (3, 40)])  # (sinks, recent) left out, as gate_target beyond_forced does
 @pytest.mark.parametrize("selectors", [1, 2, 4])
-def test_attention_target_kernel_matches_the_dense_softmax(selectors: int) -> None:
+def test_attention_target_kernel_matches_the_dense_softmax(selectors: int, window: tuple[int, int] | None) -> None:
     from gsm_train.kernels import attention_target
 
     device = torch.device(KERNEL_DEVICE)
@@ -516,6 +517,8 @@ def test_attention_target_kernel_matches_the_dense_softmax(selectors: int) -> No
     query, key = torch.randn(2, 4, rows, 16, generator=g), torch.randn(2, 2, length, 16, generator=g)
     allowed = (torch.arange(length)[None, :] <= index[:, None])[None, None].repeat(2, 1, 1, 1)
     allowed[1, ..., :5] = False  # padding: rows before it see no key at all
+    if window is not None:  # gate_target beyond_forced: rows in the window see no key either
+        allowed = _beyond_forced(allowed, *window, index)
     sees_keys = allowed.any(-1, keepdim=True)  # [2, 1, R, 1]: the kernel gives such rows zeros, not NaN
     expected = _reference_target(query, key, allowed, 0.3, selectors).nan_to_num(0.0) * sees_keys
     for limit in (None, index + 1):
@@ -628,9 +631,21 @@ def test_compiled_gate_paths_match_the_written_ones() -> None:
         assert torch.equal(compiled(select_top_k)(*args), select_top_k(*args))  # exact operations: the same set
 
 
+def _beyond_forced(allowed: Tensor, sinks: int, recent: int, positions: Tensor | None = None) -> Tensor:
+    """`allowed` [.., T, S] less the keys a selection forces (`gate_target: beyond_forced`): key j of query t
+    stays if j >= sinks, t - j >= recent and j != t (t: `positions`, default those of the last T of S keys)."""
+    length, keys = allowed.shape[-2:]
+    t = torch.arange(keys - length, keys)[:, None] if positions is None else positions[:, None]
+    j = torch.arange(keys)[None, :]
+    return allowed & (j >= sinks) & (t - j >= recent) & (j != t)
+
+
+@pytest.mark.parametrize("window", [None, (2, 5)])  # (sinks, recent): the KL over the keys beyond the forced ones
 @pytest.mark.parametrize("rotated_pairs", [None, 1])  # 1: three of the four pairs unrotated (content only)
 @pytest.mark.parametrize("selectors", [1, 2])
-def test_gate_loss_from_hidden_equals_the_gate_head_and_autograd(selectors: int, rotated_pairs: int | None) -> None:
+def test_gate_loss_from_hidden_equals_the_gate_head_and_autograd(
+    selectors: int, rotated_pairs: int | None, window: tuple[int, int] | None
+) -> None:
     from gsm_train.functional.attention_targets import gate_distill_loss
     from gsm_train.functional.gate_distill import DistillTarget
 
@@ -644,6 +659,9 @@ def test_gate_loss_from_hidden_equals_the_gate_head_and_autograd(selectors: int,
     query, key = torch.randn(2, 4, 24, 16, generator=gen), torch.randn(2, 2, 24, 16, generator=gen)
     allowed = (torch.arange(24)[None, :] <= torch.arange(24)[:, None])[None, None]
     counted = allowed.sum(-1) >= 6
+    if window is not None:
+        allowed = _beyond_forced(allowed, *window)
+        counted = counted & allowed.any(-1)
     index = torch.tensor([3, 9, 17, 23])
     gate_q, gate_k = gate(hidden, cos, sin)
     expected, expected_count = gate_distill_loss(

@@ -81,12 +81,17 @@ def test_gate_kl_rows_are_drawn_once_per_forward_among_counted_queries() -> None
         sampled_rows(_forward_state(5), torch.arange(40) % 2 == 0, torch.device("cpu"))
 
 
+BEYOND_WINDOW = ["gsm.sparse_attention.recent_tokens=16", "gsm.sparse_attention.gate_target=beyond_forced"]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.gpu_training
-@pytest.mark.parametrize("grad_accum", [1, 2])
-def test_captured_gate_steps_train_exactly_like_eager_ones(tmp_path: Path, grad_accum: int) -> None:
+@pytest.mark.parametrize(("grad_accum", "window"), [(1, []), (2, []), (1, BEYOND_WINDOW)])
+def test_captured_gate_steps_train_exactly_like_eager_ones(tmp_path: Path, grad_accum: int, window: list[str]) -> None:
+    """`BEYOND_WINDOW`: the KL's mask less the forced keys, built in the captured step as well."""
     common = [
         *TINY,
+        *window,
         "train.steps=4",
         "train.batch_size=2",
         f"train.grad_accum={grad_accum}",

@@ -24,7 +24,7 @@ from gsm_train.attention.adapter import GSMAttentionAdapter
 from gsm_train.attention.cache_protocol import CachedStep, LayerCache
 from gsm_train.attention.forward_state import FORWARD_KWARG, ForwardState
 from gsm_train.attention.layer_pass import LayerPass
-from gsm_train.attention.layout import Layout, earlier_blocks, forward_layout, sampled_rows
+from gsm_train.attention.layout import Layout, earlier_blocks, forward_layout, kl_candidates, sampled_rows
 from gsm_train.attention.records import kl_from_hidden, record_captured_mass, record_gate_kl
 from gsm_train.attention.selection import GateSelector, chunks, oracle_selection
 from gsm_train.functional import own_block_attention as own_block
@@ -133,7 +133,7 @@ def teacher_forced_attention(
     layout = forward_layout(layer.state, attention_mask, q_len, kv_len, query.device)
     gate = layer.adapter.gate
     index = (
-        sampled_rows(layer.state, layout.visible >= layout.k_host, query.device)
+        sampled_rows(layer.state, kl_candidates(layout, layer.state.settings.config.sparse_attention), query.device)
         if request.distill and gate is not None
         else None
     )

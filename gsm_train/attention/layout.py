@@ -17,7 +17,7 @@ from torch import Tensor
 from gsm_train.attention.forward_state import ForwardState
 from gsm_train.config.schema import SparseAttentionConfig
 from gsm_train.functional.attention_targets import causal_visible, full_batch
-from gsm_train.functional.top_k import scheduled_k
+from gsm_train.functional.top_k import forced_keys, scheduled_k
 from gsm_train.modules.errors import GSMError
 
 
@@ -116,10 +116,35 @@ def sampled_rows(state: ForwardState, counted_host: Tensor, device: torch.device
     return state.scratch["sampled_rows"]
 
 
-def kl_rows(state: ForwardState, allowed: Tensor, k: Tensor, index: Tensor | None, batch: int) -> tuple[Tensor, Tensor]:
-    """The gate KL's query rows: their allowed keys [B|1, 1, R, S] and whether each has at least k of them
-    [B|1, 1, R]; all rows, or the sampled `index` (then at the full batch and contiguous, the one shape
-    the compiled KL takes). Shared by the layers of a forward that use the same `allowed` and `index`."""
+def kl_candidates(layout: Layout, config: SparseAttentionConfig) -> Tensor:
+    """Host bool [T]: the query rows the gate KL may count (`sampled_rows` draws among them): those that see
+    at least k keys, and with `gate_target: beyond_forced` also a key the selection does not force. A suffix."""
+    candidates = layout.visible >= layout.k_host
+    if config.gate_target == "beyond_forced":
+        candidates &= layout.visible - 1 >= config.first_unforced_position()
+    return candidates
+
+
+def without_forced(
+    rows_allowed: Tensor, counted: Tensor, layout: Layout, index: Tensor | None, config: SparseAttentionConfig
+) -> tuple[Tensor, Tensor]:
+    """The gate KL's keys [B|1, 1, R, S] and counted rows [B|1, 1, R] of the query rows `index` (None: all
+    T, the last T key positions) for `gate_target`: as given ("all"), or ("beyond_forced") without the keys
+    `top_k.forced_keys` names, so that the target and the gate renormalise over the rest; a row left
+    with no key is not counted (it adds nothing to the KL sum either)."""
+    if config.gate_target == "all":
+        return rows_allowed, counted
+    positions = layout.positions[-rows_allowed.shape[-2] :] if index is None else layout.positions[index]
+    rows_allowed = rows_allowed & ~forced_keys(positions, layout.positions, config.sink_tokens, config.recent_tokens)
+    return rows_allowed, counted * rows_allowed.any(-1)  # bool or fp32 (`full_batch`), as given
+
+
+def kl_rows(state: ForwardState, layout: Layout, index: Tensor | None, batch: int) -> tuple[Tensor, Tensor]:
+    """The gate KL's query rows: their keys [B|1, 1, R, S] (allowed, less the forced ones where
+    `gate_target` says so: `without_forced`) and whether each counts [B|1, 1, R] (at least k allowed keys);
+    all rows, or the sampled `index` (then at the full batch and contiguous, the one shape the compiled KL
+    takes). Shared by the layers of a forward that use the same `allowed` and `index`."""
+    allowed, k = layout.allowed, layout.k
     cached = state.scratch.get("kl_rows")
     if cached is not None and cached[0] is allowed and cached[1] is index and cached[2].shape[0] in (1, batch):
         return cached[2], cached[3]
@@ -128,5 +153,6 @@ def kl_rows(state: ForwardState, allowed: Tensor, k: Tensor, index: Tensor | Non
     else:
         rows_allowed = allowed[..., index, :]
         rows_allowed, counted = full_batch(rows_allowed, rows_allowed.sum(-1) >= k[index], batch)
+    rows_allowed, counted = without_forced(rows_allowed, counted, layout, index, state.settings.config.sparse_attention)
     state.scratch["kl_rows"] = (allowed, index, rows_allowed, counted)
     return rows_allowed, counted

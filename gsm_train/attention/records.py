@@ -2,7 +2,8 @@
 
 Both are recorded only when the forward was asked for them (`forward_state.gsm_collect`) and go into
 its records, per layer. The KL's target is the head-averaged main attention (`attention_targets`),
-over all allowed keys, or in sparse training over the keys selected (as DSA trains its indexer).
+over all allowed keys, or in sparse training over the keys selected (as DSA trains its indexer); with
+`gate_target: beyond_forced` less the keys the selection forces (`layout.without_forced`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import torch
 from torch import Tensor
 
 from gsm_train.attention.layer_pass import LayerPass
-from gsm_train.attention.layout import Layout, kl_rows
+from gsm_train.attention.layout import Layout, kl_rows, without_forced
 from gsm_train.attention.selection import GateSelector
 from gsm_train.functional.attention_targets import captured_mass, gate_distill_loss
 from gsm_train.functional.gate_distill import DistillTarget, reads_weights_directly
@@ -41,9 +42,12 @@ def record_gate_kl(
     """Record the layer's KL(main attention || gate) sum over its counted query rows and the rows counted
     (`index`: the sampled rows, or None for all)."""
     state, gate, query, key = layer.state, layer.adapter.gate, layer.query, layer.key
-    rows_allowed, rows_counted = kl_rows(state, layout.allowed, layout.k, index, query.shape[0])
+    rows_allowed, rows_counted = kl_rows(state, layout, index, query.shape[0])
     if state.request.distill_on_selection and layer.mode == "sparse" and gate.num_selectors == 1:
         rows_allowed = selection if index is None else selection[..., index, :]
+        rows_allowed, rows_counted = without_forced(
+            rows_allowed, rows_counted, layout, index, state.settings.config.sparse_attention
+        )
     rows_q = query if index is None else query[:, :, index]
     if selector is None:  # kl_from_hidden
         hidden, cos, sin = layer.inputs

@@ -153,6 +153,9 @@ class SparseAttentionConfig(StrictModel):
     dense_layers: list[int] = Field(default_factory=list)
     sink_tokens: int = Field(0, ge=0)
     recent_tokens: int = Field(0, ge=0)
+    # what the gate's KL learns from: "all" visible keys, or "beyond_forced", the visible keys the selection does
+    # not keep anyway (sinks, the recent window, the query's own key), both distributions renormalised over them
+    gate_target: Literal["all", "beyond_forced"] = "all"
     gate_init: Literal["qk_svd", "random"] = "qk_svd"
     query_chunk: int = Field(256, ge=1, le=65536)
 
@@ -173,6 +176,23 @@ class SparseAttentionConfig(StrictModel):
                 f"use a value from 0 to {dim // 2}, or null to rotate them all",
             )
         return value
+
+    @field_validator("gate_target")
+    @classmethod
+    def _forced_keys_to_leave_out(cls, value: str, info: ValidationInfo) -> str:
+        sinks, recent = info.data.get("sink_tokens"), info.data.get("recent_tokens")
+        if value == "beyond_forced" and sinks == 0 and recent == 0:
+            raise _problem(
+                "gate_target beyond_forced leaves the forced keys out of the gate's KL, but sink_tokens and "
+                "recent_tokens are 0, so only each query's own key is forced",
+                "set recent_tokens, e.g. 512 (or sink_tokens), or use gate_target: all",
+            )
+        return value
+
+    def first_unforced_position(self) -> int:
+        """The first query position that sees a key the selection does not force (`top_k.forced_keys`) under
+        the causal mask: key j with sink_tokens <= j <= t - max(recent_tokens, 1) (the own key is always forced)."""
+        return self.sink_tokens + max(self.recent_tokens, 1)
 
     @model_validator(mode="after")
     def _k_min_below_top_k(self) -> SparseAttentionConfig:
@@ -623,6 +643,13 @@ class RecipeConfig(StrictModel):
                 f"{field} ({top_k}) exceeds data.seq_len ({seq_len}): no query has "
                 "that many keys, so every query would keep all of them (dense attention)",
                 f"set {field} to at most {seq_len} (and gsm.sparse_attention.k_min to at most it)",
+            )
+        if from_recipe and sparse.gate_target == "beyond_forced" and sparse.first_unforced_position() >= seq_len:
+            raise _problem(
+                f"gsm.sparse_attention.gate_target beyond_forced learns from the keys past the forced ones, but "
+                f"sink_tokens ({sparse.sink_tokens}) and recent_tokens ({sparse.recent_tokens}) cover every key "
+                f"of a data.seq_len ({seq_len}) window, so the gate would learn nothing",
+                "raise data.seq_len above sink_tokens + recent_tokens, or lower recent_tokens",
             )
         if self.logging.recall_k > seq_len:
             raise _problem(

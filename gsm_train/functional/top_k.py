@@ -48,6 +48,18 @@ def scheduled_k(query_positions: Tensor, config: SparseAttentionConfig) -> Tenso
     )
 
 
+def forced_keys(query_positions: Tensor, key_positions: Tensor, sink_tokens: int, recent_tokens: int) -> Tensor:
+    """Boolean [T, S]: the keys every selection keeps whatever the scores, where allowed: the query's own
+    position, the first `sink_tokens` positions and the `recent_tokens` latest (0 <= t - j < recent_tokens)."""
+    forced = key_positions[None, :] == query_positions[:, None]
+    if sink_tokens:
+        forced = forced | (key_positions[None, :] < sink_tokens)
+    if recent_tokens:
+        distance = query_positions[:, None] - key_positions[None, :]
+        forced = forced | ((distance >= 0) & (distance < recent_tokens))
+    return forced
+
+
 def select_top_k(
     scores: Tensor,
     allowed: Tensor,
@@ -72,12 +84,7 @@ def select_top_k(
     k_top = min(int(k.max()) if k_max is None else k_max, scores.shape[-1])
     if uniform_k and selection_kernel_runs(scores):  # one pass: ranking, k-th score, mask
         return top_k_selection(scores, allowed, k_top, query_positions, key_positions, sink_tokens, recent_tokens)
-    forced = key_positions[None, :] == query_positions[:, None]
-    if sink_tokens:
-        forced = forced | (key_positions[None, :] < sink_tokens)
-    if recent_tokens:
-        distance = query_positions[:, None] - key_positions[None, :]
-        forced = forced | ((distance >= 0) & (distance < recent_tokens))
+    forced = forced_keys(query_positions, key_positions, sink_tokens, recent_tokens)
     ranked = scores.masked_fill(forced, float("inf")).masked_fill(~allowed, float("-inf"))
     index = ranked.topk(k_top, dim=-1, sorted=not uniform_k).indices
     keep_rank = True if uniform_k else (torch.arange(k_top, device=k.device)[None, :] < k[:, None]).expand(index.shape)

@@ -8,6 +8,8 @@ logits in registers only: the first finds each (head, row)'s log-normaliser over
 online softmax over key tiles, stopping at the row's key bound), the second recomputes each tile's
 logits for the heads of a selector and writes their averaged probabilities, [B, n, R, S] fp32. Logits
 are fp32 (bf16 products, fp32 accumulation), one rounding fewer than the PyTorch path under autocast.
+The kernels read the allowed-key mask as given and never build a causal one, so a mask without the
+forced keys (`sparse_attention.gate_target: beyond_forced`) is honoured as any other.
 """
 
 from __future__ import annotations
