@@ -91,7 +91,7 @@ def gsm_kv_read_bytes(model: nn.Module, cache: GSMCache) -> int:
     settings = gsm_settings(model)
     cfg = settings.config.sparse_attention
     held, packed = cache.lengths.seq_len, cache.lengths.packed_len
-    k = static_k(decode_k(settings.config, held), cfg.sink_tokens, cfg.recent_tokens, cache.capacity)
+    k = static_k(decode_k(settings.config, held), cfg.most_forced_keys(), cache.capacity)
     total = 0
     for layer in cache.layers:
         if not layer.is_initialized:

@@ -156,7 +156,7 @@ def selection(gate_q: torch.Tensor, layer: Layer, k: int, fused: bool = True) ->
     does (`decode_attention.select_keys`): gate scores with the newest position forced in (no sinks or
     recent window; the length read on the device), then the CUDA top-k, or torch.topk without `fused`."""
     scores = gate_scores(gate_q, layer[2], layer[3], layer[0].lengths.device, 0, 0)
-    k = static_k(k, 0, 0, scores.shape[-1])
+    k = static_k(k, 1, scores.shape[-1])  # no sinks, no window: the own key
     return unordered_top_k(scores, k) if fused else scores.topk(k, dim=-1, sorted=False).indices
 
 

@@ -121,7 +121,7 @@ def kl_candidates(layout: Layout, config: SparseAttentionConfig) -> Tensor:
     at least k keys, and with `gate_target: beyond_forced` also a key the selection does not force. A suffix."""
     candidates = layout.visible >= layout.k_host
     if config.gate_target == "beyond_forced":
-        candidates &= layout.visible - 1 >= config.first_unforced_position()
+        candidates &= layout.visible - 1 >= config.most_forced_keys()
     return candidates
 
 

@@ -189,9 +189,10 @@ class SparseAttentionConfig(StrictModel):
             )
         return value
 
-    def first_unforced_position(self) -> int:
-        """The first query position that sees a key the selection does not force (`top_k.forced_keys`) under
-        the causal mask: key j with sink_tokens <= j <= t - max(recent_tokens, 1) (the own key is always forced)."""
+    def most_forced_keys(self) -> int:
+        """The most keys the selection forces for one query (`top_k.forced_keys`: the sinks, the recent window
+        and its own key), which is also the first query position that sees a key it does not force under the
+        causal mask (key j with sink_tokens <= j <= t - max(recent_tokens, 1))."""
         return self.sink_tokens + max(self.recent_tokens, 1)
 
     @model_validator(mode="after")
@@ -644,7 +645,7 @@ class RecipeConfig(StrictModel):
                 "that many keys, so every query would keep all of them (dense attention)",
                 f"set {field} to at most {seq_len} (and gsm.sparse_attention.k_min to at most it)",
             )
-        if from_recipe and sparse.gate_target == "beyond_forced" and sparse.first_unforced_position() >= seq_len:
+        if from_recipe and sparse.gate_target == "beyond_forced" and sparse.most_forced_keys() >= seq_len:
             raise _problem(
                 f"gsm.sparse_attention.gate_target beyond_forced learns from the keys past the forced ones, but "
                 f"sink_tokens ({sparse.sink_tokens}) and recent_tokens ({sparse.recent_tokens}) cover every key "

@@ -129,12 +129,12 @@ def attend(query: Tensor, keys: Tensor, values: Tensor, valid: Tensor | None, sc
     return out.transpose(1, 2).contiguous()
 
 
-def static_k(k: int, sink_tokens: int, recent_tokens: int, capacity: int) -> int:
+def static_k(k: int, most_forced: int, capacity: int) -> int:
     """The top-k size the fused path takes at every step: `k`, or the most keys the rule can force
-    (sinks, the recent tokens and the position itself) where that is more, within the capacity. Equal to
+    (`most_forced`: `SparseAttentionConfig.most_forced_keys`) where that is more, within the capacity. Equal to
     `top_k_positions`' k_eff once the cache holds that many keys; before, the extra picks score -inf and
     are marked invalid, which selects every key held, as k_eff does."""
-    return min(capacity, max(k, sink_tokens + max(recent_tokens, 1)))
+    return min(capacity, max(k, most_forced))
 
 
 def decode_k(settings_config, position: int) -> int:
@@ -236,10 +236,10 @@ def select_keys(step: CachedStep, layer_cache: LayerCache) -> tuple[Tensor, Tens
             layer_cache.key_valid,
         )
         if cfg.top_k_schedule != "constant":  # k read on the device: one captured step per K_STEP of k
-            k_static = static_k(captured_k(settings.config, position), cfg.sink_tokens, cfg.recent_tokens, capacity)
+            k_static = static_k(captured_k(settings.config, position), cfg.most_forced_keys(), capacity)
             k_now = layer_cache.k_by_position[layer_cache.lengths.slots[0:1]]
             return ranked_selection(scores, k_static, k_now)
-        k_static = static_k(k, cfg.sink_tokens, cfg.recent_tokens, capacity)
+        k_static = static_k(k, cfg.most_forced_keys(), capacity)
         index = unordered_top_k(scores, k_static)
         if layer_cache.key_valid is None and layer_cache.lengths.seq_len >= k_static:
             return index, None  # every pick is a held key, at this step and (lengths only grow) every later one
