@@ -111,7 +111,7 @@ def _exports(items: list[str]) -> dict[str, str]:
     return exports
 
 
-def _selection(items: list[str]) -> dict[str, Any]:
+def parse_selection(items: list[str]) -> dict[str, Any]:
     """The sparse_attention fields `--select FIELD=VALUE` gives (values parsed as recipe overrides)."""
     selection = {}
     for item in items:
@@ -135,7 +135,7 @@ def _eval(args: argparse.Namespace) -> int:
         args.mode,
         args.min_keys,
         first_bucket=args.first_bucket,
-        selection=_selection(args.select),
+        selection=parse_selection(args.select),
         weights=args.weights,
     )
     return _print_written(write_report(report, args.out))
@@ -153,7 +153,7 @@ def _passkey(args: argparse.Namespace) -> int:
         args.batch_size,
         args.generate,
         args.mode,
-        selection=_selection(args.select),
+        selection=parse_selection(args.select),
     )
     return _print_written(write_report(report, args.out, "passkey", passkey_table))
 
@@ -311,7 +311,7 @@ def _add_eval_command(commands: argparse._SubParsersAction) -> None:
         default=2048,
         help="figures also per query-position bucket: [0, N), [N, 2N), [2N, 4N), ... up to --seq-len",
     )
-    _add_select_argument(evaluate)
+    add_select_argument(evaluate)
     _add_weights_argument(evaluate)
     evaluate.add_argument("--out", default="runs/eval", type=path_arg)
     evaluate.set_defaults(run=_eval)
@@ -327,7 +327,7 @@ def _add_weights_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_select_argument(parser: argparse.ArgumentParser) -> None:
+def add_select_argument(parser: argparse.ArgumentParser) -> None:
     """`--select FIELD=VALUE`: a selection field the exports run with instead of their own."""
     parser.add_argument(
         "--select",
@@ -337,7 +337,8 @@ def _add_select_argument(parser: argparse.ArgumentParser) -> None:
         help="run the exports with this sparse_attention selection field "
         "instead of their own (top_k, k_min, top_k_schedule, "
         "top_k_fraction, decay_rate, sink_tokens, recent_tokens, "
-        "query_chunk), e.g. --select top_k=1024; repeatable",
+        "query_chunk, retrieval_layers), e.g. --select top_k=1024 or "
+        "--select retrieval_layers=[7,14]; repeatable",
     )
 
 
@@ -371,7 +372,7 @@ def _add_passkey_command(commands: argparse._SubParsersAction) -> None:
         default="sparse",
         help="main attention of the exports: the gate's top-k (as inference runs), the true top-k, or all keys",
     )
-    _add_select_argument(passkey)
+    add_select_argument(passkey)
     passkey.add_argument("--out", default="runs/passkey", type=path_arg)
     passkey.set_defaults(run=_passkey)
 

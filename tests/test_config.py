@@ -148,6 +148,7 @@ def test_layer_indices_checked_once_the_model_is_known() -> None:
         [
             "gsm.cross_layer_sharing.enabled=true",
             "gsm.sparse_attention.dense_layers=[0,9]",
+            "gsm.sparse_attention.retrieval_layers=[2,12]",
             "gsm.kv_compression.enabled=true",
             "gsm.kv_compression.layer_bits={3: [2, 4], 8: [4, 4]}",
         ],
@@ -159,6 +160,7 @@ def test_layer_indices_checked_once_the_model_is_known() -> None:
         "gsm.cross_layer_sharing.bridge_to_start",
         "gsm.kv_compression.layer_bits.8",
         "gsm.sparse_attention.dense_layers.1",
+        "gsm.sparse_attention.retrieval_layers.1",
     ]
 
 

@@ -60,6 +60,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     },
     # content-only gate pairs: 2 of 8 rotated, locality from the forced recent window
     "gate_rotated_pairs": {"sparse_attention": {**SPARSE, "gate_rotated_pairs": 2, "recent_tokens": 3}},
+    # a layer that keeps its gate but reads every key (the layers carrying long-range retrieval)
+    "gate_retrieval_layers": {"sparse_attention": {**SPARSE, "retrieval_layers": [2], "recent_tokens": 3}},
     "gate_asq_k4_v2": {"sparse_attention": SPARSE, "kv_compression": {**ASQ, "value_quant_bits": 2}},
     "gate_asq_rotated": {"sparse_attention": SPARSE, "kv_compression": {**ASQ, "rotate_residuals": True}},
     "gate_asq_layer_bits": {

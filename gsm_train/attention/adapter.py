@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from torch import Tensor, nn
 
 from gsm_train.attention.forward_state import ForwardState
+from gsm_train.attention.settings import GSMSettings
 from gsm_train.modules.cache_bridge import CacheBridge
 from gsm_train.modules.errors import GSMError
 from gsm_train.modules.kv_compressor import paired_training_pass
@@ -46,6 +47,15 @@ class GSMAttentionAdapter(nn.Module):
         self.bridge = bridge
         self.is_bridge_source = is_bridge_source
         self.dense_layer = dense_layer
+
+    def attention_mode(self, settings: GSMSettings) -> str:
+        """Main attention of this layer under `settings`: `dense` where it makes no selection (a dense layer,
+        which has no gate; a retrieval layer, whose gate is kept but reads every key; sparse attention off),
+        else the settings' mode (`sparse` or `oracle` top-k, or `dense`)."""
+        sparse = settings.config.sparse_attention
+        if self.dense_layer or not sparse.enabled or self.layer_idx in sparse.retrieval_layers:
+            return "dense"
+        return settings.mode
 
     def gate_parameters(self) -> Iterator[nn.Parameter]:
         return iter(()) if self.gate is None else self.gate.parameters()

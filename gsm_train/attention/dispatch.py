@@ -74,8 +74,7 @@ def gsm_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     key, value, own = adapter.transform_kv(key, value, state)
-    sparse_cfg = state.settings.config.sparse_attention
-    mode = "dense" if adapter.dense_layer or not sparse_cfg.enabled else state.settings.mode
+    mode = adapter.attention_mode(state.settings)
     layer = LayerPass(module, adapter, state, query, key, value, own, inputs, scale, mode)
     if mode == "dense" and own is None and not _gate_runs_in_dense(layer):
         return sdpa_attention_forward(

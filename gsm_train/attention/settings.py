@@ -54,6 +54,13 @@ class GSMSettings:
             raise GSMError(f"unknown GSM mode {self.mode!r}; use one of {', '.join(MODES)}")
         if self.kv_baseline is not None and self.kv_baseline not in KV_BASELINES:
             raise GSMError(f"unknown kv_baseline {self.kv_baseline!r}; use one of {', '.join(KV_BASELINES)}")
+        sparse = self.config.sparse_attention
+        gateless = sorted(set(sparse.retrieval_layers) - set(self.gate_layers))
+        if sparse.enabled and gateless:
+            raise GSMError(
+                f"sparse_attention.retrieval_layers names layer {gateless[0]}, which has no gate (the gate layers: "
+                f"{list(self.gate_layers)}); name gate layers only (a layer without a gate reads every key anyway)"
+            )
 
 
 def has_gsm(model: nn.Module) -> bool:

@@ -28,6 +28,7 @@ from gsm_train.config.schema import (
     SparseAttentionConfig,
     check_positions,
     format_problems,
+    sparse_layer_problems,
 )
 from gsm_train.data.text import load_text_dataset, pack_tokens
 from gsm_train.export.adapter_format import GSM_SECTIONS, Export, ExportError, read_export
@@ -169,6 +170,7 @@ SELECTION_FIELDS = (
     "sink_tokens",
     "recent_tokens",
     "query_chunk",
+    "retrieval_layers",
 )
 
 
@@ -287,9 +289,21 @@ def prepare_evaluation(
         if not read:
             raise ExportError("eval needs a model: give --export NAME=FOLDER (whose base it loads) or --model")
         model_name, revision = base_to_load(next(iter(read.values())).config["base_model"])
+    _check_layers(changed, model_name, revision)
     return Evaluation(
         model_name, revision, read, dict(exports), changed, mode, kv_baseline, weights=weights, calibrate=calibrate
     )
+
+
+def _check_layers(changed: dict[str, GSMConfig], model_name: str, revision: str | None) -> None:
+    """Refuse changed selections naming layers the base does not have (ConfigError), from its config alone."""
+    if not any(config.sparse_attention.retrieval_layers for config in changed.values()):
+        return
+    layers = config_dims(read_model_config(model_name, revision=revision))["layers"]
+    for name, config in changed.items():
+        problems = sparse_layer_problems(config.sparse_attention, layers)
+        if problems:
+            raise ConfigError(f"--export {name}", problems)
 
 
 def evaluate_exports(

@@ -150,7 +150,10 @@ class SparseAttentionConfig(StrictModel):
     # value at qk_svd init, the other pairs unrotated (content only; locality from recent_tokens)
     gate_rotated_pairs: int | None = Field(None, ge=0)
     heads: Literal["layer", "kv"] = "layer"
-    dense_layers: list[int] = Field(default_factory=list)
+    dense_layers: list[int] = Field(default_factory=list)  # layers with no gate: main attention reads every key
+    # layers whose main attention reads every key though they keep their gate (built, trained, exported, cached,
+    # but not selecting): the layers that carry long-range retrieval (benchmarks/passkey_probe.py ranks them)
+    retrieval_layers: list[int] = Field(default_factory=list)
     sink_tokens: int = Field(0, ge=0)
     recent_tokens: int = Field(0, ge=0)
     # what the gate's KL learns from: "all" visible keys, or "beyond_forced", the visible keys the selection does
@@ -194,6 +197,17 @@ class SparseAttentionConfig(StrictModel):
         and its own key), which is also the first query position that sees a key it does not force under the
         causal mask (key j with sink_tokens <= j <= t - max(recent_tokens, 1))."""
         return self.sink_tokens + max(self.recent_tokens, 1)
+
+    @model_validator(mode="after")
+    def _retrieval_layers_keep_a_gate(self) -> SparseAttentionConfig:
+        both = sorted(set(self.retrieval_layers) & set(self.dense_layers))
+        if both:
+            raise _problem(
+                f"layer {both[0]} is in dense_layers (no gate is built there) and in retrieval_layers (its gate "
+                "is kept, and not used)",
+                "name it in one of them: dense_layers to build no gate there, retrieval_layers to keep its gate",
+            )
+        return self
 
     @model_validator(mode="after")
     def _k_min_below_top_k(self) -> SparseAttentionConfig:
@@ -954,6 +968,21 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> RecipeC
     return validate_recipe_dict(data, source, problems)
 
 
+def sparse_layer_problems(sparse: SparseAttentionConfig, num_layers: int) -> list[Problem]:
+    """The entries of `dense_layers` and `retrieval_layers` outside a model of `num_layers` layers."""
+    return [
+        Problem(
+            f"gsm.sparse_attention.{field}.{index}",
+            layer,
+            f"layer index outside the model's 0..{num_layers - 1}",
+            "remove it or use an index inside the model",
+        )
+        for field in ("dense_layers", "retrieval_layers")
+        for index, layer in enumerate(getattr(sparse, field))
+        if not 0 <= layer < num_layers
+    ]
+
+
 def check_against_model(
     config: RecipeConfig,
     num_layers: int,
@@ -985,16 +1014,7 @@ def check_against_model(
                 f"use a value below {num_layers}",
             )
         )
-    for index, layer in enumerate(config.gsm.sparse_attention.dense_layers):
-        if not 0 <= layer < num_layers:
-            problems.append(
-                Problem(
-                    f"gsm.sparse_attention.dense_layers.{index}",
-                    layer,
-                    f"layer index outside the model's 0..{num_layers - 1}",
-                    "remove it or use an index inside the model",
-                )
-            )
+    problems += sparse_layer_problems(config.gsm.sparse_attention, num_layers)
     asq = config.gsm.kv_compression
     problems += [
         Problem(

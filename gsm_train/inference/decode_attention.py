@@ -215,7 +215,7 @@ def select_keys(step: CachedStep, layer_cache: LayerCache) -> tuple[Tensor, Tens
     the gate's top-k in sparse mode (its key is held already), every position in dense mode."""
     adapter, settings = step.adapter, step.settings
     cfg = settings.config.sparse_attention
-    mode = "dense" if adapter.dense_layer or not cfg.enabled else settings.mode
+    mode = adapter.attention_mode(settings)
     if mode == "oracle":
         raise GSMError("oracle mode needs the whole sequence; generate in sparse or dense mode")
     gate, gate_q = adapter.gate, step.gate_query  # the token's gate key is in the cache already

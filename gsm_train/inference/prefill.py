@@ -81,8 +81,7 @@ def chunk_attention(step: CachedStep, layer_cache: LayerCache) -> Tensor:
     """Attention [B, T, Hq, D] of a prompt chunk's queries [B, Hq, T, D] over the cache (which holds them)."""
     adapter, settings = step.adapter, step.settings
     _refuse_bridge(step)
-    cfg = settings.config.sparse_attention
-    mode = "dense" if adapter.dense_layer or not cfg.enabled else settings.mode
+    mode = adapter.attention_mode(settings)
     if mode == "oracle":
         raise GSMError("oracle mode needs the whole sequence; generate in sparse or dense mode")
     lengths = layer_cache.lengths
