@@ -39,7 +39,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -318,8 +318,14 @@ def _recovery(over_layers: list[dict[str, float]]) -> dict[str, float | None]:
     return result
 
 
+class Observer(Protocol):
+    """What `probing` feeds: each GSM attention call's module, query and key after RoPE, and forward state."""
+
+    def observe(self, module: nn.Module, query: Tensor, key: Tensor, forward_state: Any) -> None: ...
+
+
 @contextmanager
-def probing(probe: LongContextProbe) -> Iterator[None]:
+def probing(probe: Observer) -> Iterator[None]:
     """Within: every GSM attention call also feeds `probe` (the registered `gsm` function wrapped,
     restored on leaving)."""
 

@@ -29,6 +29,36 @@ def plot_recall_per_layer(layers: list[int], gate: list[float], oracle: list[flo
     return path
 
 
+def plot_needle_per_layer(layers: list[int], figures: dict[str, list[float]], path: Path) -> Path:
+    """The passkey needle probe per layer (benchmarks/passkey_probe.py): above, the attention mass on the
+    needle's digits (head-averaged and the top head's) and what the gate's and the oracle's selections keep
+    of it; below, the share of the digit tokens each selection keeps."""
+    fig, (mass, kept) = plt.subplots(2, 1, figsize=(max(6.0, 0.3 * len(layers) + 2), 6.0), sharex=True)
+    mass.plot(layers, figures["needle_mass"], "o-", label="dense, head-averaged")
+    mass.plot(layers, figures["needle_mass_top_head"], "^:", label="dense, top head")
+    mass.plot(layers, figures["oracle_needle_mass"], "s-", label="kept by the oracle's top-k")
+    mass.plot(layers, figures["gate_needle_mass"], "x-", label="kept by the gate's top-k")
+    mass.set_ylabel("attention on the needle's digits")
+    mass.set_title("answer queries of the passkey cases, per layer")
+    kept.plot(layers, figures["oracle_kept"], "s-", label="oracle")
+    kept.plot(layers, figures["gate_kept"], "x-", label="gate")
+    kept.set_ylabel("share of digit tokens kept")
+    kept.set_xlabel("layer")
+    kept.set_ylim(0, 1.02)
+    for ax in (mass, kept):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    return _saved(fig, path)
+
+
+def _saved(fig: plt.Figure, path: Path) -> Path:
+    """Write `fig` to `path` (laid out, 120 dpi) and close it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plot_decode_speedup(rows: list[dict], path: Path) -> Path:
     """Dense / GSM decode-attention time per step against context, one panel per layer shape."""
     shapes = sorted({row["shape"] for row in rows})

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from benchmarks import passkey_probe
 from gsm_train.attention import inject_gsm
 from gsm_train.cli import main as cli_main
 from gsm_train.commands.passkey import (
@@ -20,6 +21,7 @@ from gsm_train.commands.passkey import (
     PasskeyCase,
     evaluate_passkey,
     filler_tokens,
+    needle_key_positions,
     passkey_cases,
     passkey_in,
     score_passkey,
@@ -171,3 +173,47 @@ def test_cli_runs_exports_on_the_oracle_s_selection_and_a_selection_given(tmp_pa
 
     assert scores("oracle", LENGTH) == scores("sparse", LENGTH)
     assert scores("oracle", 8) != scores("sparse", 8)
+
+
+def test_the_needle_key_positions_are_the_digits_of_both_mentions_of_the_key() -> None:
+    tokenizer = byte_tokenizer()
+    for case in _cases(50):
+        positions = needle_key_positions(tokenizer, case)
+        assert len(positions) == 10 and tokenizer.decode(case.prompt[positions]) == case.key * 2
+
+
+def test_the_needle_probe_measures_each_gate_layer_against_the_dense_attention(tmp_path: Path) -> None:
+    """benchmarks/passkey_probe.py on a tiny export: the needle's mass is the base's attention there (eager
+    attention weights, computed apart), the oracle captures at least the gate's mass, and with every key
+    kept both selections keep everything."""
+    sparse = {"top_k": 8, "k_min": 8, "dense_layers": [0], "sink_tokens": 1, "recent_tokens": 4}
+    export = _export(tmp_path, "gsm", {"sparse_attention": sparse})
+
+    def probe(*more: str) -> dict:
+        argv = ["--export", export, "--length", str(LENGTH), "--cases", "2", "--result", str(tmp_path / "p.json")]
+        return passkey_probe.main([*argv, *more])
+
+    result = probe("--plot", str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").stat().st_size > 1000
+    assert json.loads((tmp_path / "p.json").read_text())["layers"].keys() == {"1", "2", "3"}
+    base = tiny_model("llama")
+    base.set_attn_implementation("eager")
+    tokenizer = byte_tokenizer()
+    needle = {name: 0.0 for name in ("1", "2", "3")}
+    for case in _cases(2):
+        rows, digits = passkey_probe.answer_queries(case), needle_key_positions(tokenizer, case)
+        with torch.no_grad():
+            weights = base(case.ids[None], output_attentions=True).attentions
+        for name in needle:
+            needle[name] += float(weights[int(name)][0][:, rows][..., digits].sum(-1).mean()) / 2
+    for layer, figures in result["layers"].items():
+        assert figures["needle_mass"] == pytest.approx(needle[str(layer)], rel=1e-4, abs=1e-7)
+        assert figures["gate_mass"] <= figures["oracle_mass"] + 1e-6
+        assert 0 <= figures["gate_needle_mass"] <= figures["needle_mass"] + 1e-6
+        assert figures["needle_mass_top_head"] >= figures["needle_mass"] - 1e-6
+        assert 0 <= figures["gate_kept"] <= 1 and 0 <= figures["oracle_kept"] <= 1
+        assert figures["needle_mass_lost"] == figures["oracle_needle_mass"] - figures["gate_needle_mass"]
+    every_key = probe("--select", f"top_k={LENGTH}", "--select", f"k_min={LENGTH}")
+    for figures in every_key["layers"].values():
+        assert figures["gate_kept"] == figures["oracle_kept"] == 1.0 and figures["needle_mass_lost"] == 0.0
+        assert figures["gate_mass"] == figures["oracle_mass"] == pytest.approx(1.0)

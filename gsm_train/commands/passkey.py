@@ -112,6 +112,14 @@ def passkey_cases(
     return cases
 
 
+def needle_key_positions(tokenizer: PreTrainedTokenizerBase, case: PasskeyCase) -> Tensor:
+    """The positions [m] of the needle's tokens that hold the key's digits (both mentions of the key), in
+    the case's prompt: the tokens of `NEEDLE` whose text has a digit (the needle is tokenized apart)."""
+    needle = _tokens(tokenizer, NEEDLE.format(key=case.key))
+    digits = [index for index, token in enumerate(needle.tolist()) if re.search(r"\d", tokenizer.decode([token]))]
+    return torch.tensor(digits, dtype=torch.long) + case.needle_start
+
+
 def passkey_in(text: str) -> str | None:
     """The first run of digits in a generated continuation (None without digits)."""
     found = re.search(r"\d+", text)
