@@ -15,6 +15,7 @@ from torch import Tensor
 
 from gsm_train.attention import GSMSettings, configure_gsm, gsm_collect, gsm_settings, inject_gsm
 from gsm_train.cli import main as cli_main
+from gsm_train.commands.evaluate import keys_read_share
 from gsm_train.config.schema import GSMConfig
 from gsm_train.export.save_load import export_adapter
 from gsm_train.models.model_zoo import tiny_model
@@ -80,6 +81,9 @@ def test_evaluation_runs_an_export_with_retrieval_layers_and_refuses_layers_it_l
     assert cli_main([*common, str(tmp_path / "out"), "--select", "retrieval_layers=[1, 3]"]) == 0
     report = json.loads((tmp_path / "out" / "passkey.json").read_text())
     assert report["selection"] == {"retrieval_layers": [1, 3]} and report["results"]["g"]["cases"] == 2
+    # at the last of 300 positions: layers 0 and 2 read k = 4 (the 3 forced keys among them), 1 and 3 all
+    assert report["results"]["g"]["keys_read"] == (4 + 300 + 4 + 300) / (4 * 300)
+    assert report["results"]["base"]["keys_read"] == 1.0
 
     def no_model(*args: object, **kwargs: object) -> None:
         raise AssertionError("a model loaded before the selection was checked")
@@ -90,3 +94,12 @@ def test_evaluation_runs_an_export_with_retrieval_layers_and_refuses_layers_it_l
     err = capsys.readouterr().err
     assert "gsm.sparse_attention.retrieval_layers.1" in err and "4" in err and "0..3" in err
     assert "inside the model" in err
+
+
+def test_keys_read_count_k_or_the_forced_keys_in_selecting_layers_and_every_key_in_the_others() -> None:
+    model = _model(dense_layers=[0], top_k=2, k_min=2, sink_tokens=1, recent_tokens=4, retrieval_layers=[3])
+    settings = gsm_settings(model)
+    assert keys_read_share(model, settings, 39) == (40 + 5 + 5 + 40) / (4 * 40)  # 1 sink + 4 recent > k = 2
+    assert keys_read_share(model, settings, 2) == 1.0  # 3 visible keys, all forced
+    configure_gsm(model, mode="dense")
+    assert keys_read_share(model, gsm_settings(model), 39) == keys_read_share(model, None, 39) == 1.0

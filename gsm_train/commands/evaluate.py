@@ -36,7 +36,8 @@ from gsm_train.export.hub_download import resolve_export
 from gsm_train.export.int4 import FULL, checked_group, group_size, quantize_base
 from gsm_train.export.save_load import load_gsm
 from gsm_train.functional.attention_targets import MASS_SUMS
-from gsm_train.models.families import config_dims
+from gsm_train.functional.top_k import forced_keys, scheduled_k
+from gsm_train.models.families import attention_modules, config_dims
 from gsm_train.models.hub_ids import base_to_load
 from gsm_train.models.model_zoo import load_model_and_tokenizer, read_model_config
 from gsm_train.training.distributed import cuda_wanted
@@ -157,6 +158,26 @@ def kv_bytes_report(model: nn.Module, settings: GSMSettings, seq_len: int) -> di
     rows = layer_reports(model, settings.config, seq_len)
     base, gsm = sum(r.base_bytes for r in rows), sum(r.gsm_bytes for r in rows)
     return {"kv_bytes_per_token": gsm, "kv_bytes_per_token_bf16": base, "kv_bytes_ratio": gsm / base}
+
+
+def keys_read_share(model: nn.Module, settings: GSMSettings | None, position: int) -> float:
+    """The share of the keys visible at `position` that main attention reads there, over all layers: a layer
+    that selects (sparse or oracle mode) reads its k there and every key it forces (`top_k.forced_keys`), at
+    most all; a dense layer, a retrieval layer, a model in dense mode or without GSM (`settings` None or
+    disabled) reads all of them. The cost of retrieval layers against the selection they replace."""
+    visible = position + 1
+    if settings is None or not settings.enabled:
+        return 1.0
+    sparse = settings.config.sparse_attention
+    at = torch.tensor([position])
+    forced = int(forced_keys(at, torch.arange(visible), sparse.sink_tokens, sparse.recent_tokens).sum())
+    selected = min(visible, max(int(scheduled_k(at, sparse)[0]), forced))
+    layers = attention_modules(model)
+    read = sum(
+        visible if getattr(layer, "gsm", None) is None or layer.gsm.attention_mode(settings) == "dense" else selected
+        for layer in layers
+    )
+    return read / (len(layers) * visible)
 
 
 # the sparse_attention fields an evaluation may change on an export: which keys are kept, nothing

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedTokenizerBase
 
 from gsm_train.attention import gsm_settings, has_gsm
-from gsm_train.commands.evaluate import BASE, inference_autocast, prepare_evaluation
+from gsm_train.commands.evaluate import BASE, inference_autocast, keys_read_share, prepare_evaluation
 from gsm_train.data.text import DataError, load_text_dataset
 from gsm_train.inference.cache import GSMCache, cache_kwargs
 
@@ -236,7 +236,9 @@ def evaluate_passkey(
     cases (`passkey_cases` from `seed`, filler from `prose`). Exports are checked before a model
     loads; `model_name` None: the base the first export names; `mode`: main attention of the
     exports (`sparse`, `oracle`, `dense`); `selection`: sparse_attention fields every export runs
-    with instead of its own (`evaluate.with_selection`), `selections`: the same by export name."""
+    with instead of its own (`evaluate.with_selection`), `selections`: the same by export name. Each model's
+    result has `keys_read`, the share of the keys its main attention reads at a case's last position
+    (`evaluate.keys_read_share`: the cost of its selection)."""
     evaluation = prepare_evaluation(model_name, exports, mode, selection=selection, selections=selections)
     evaluation.check_positions("passkey", "--length", length)
     results: dict[str, dict[str, Any]] = {}
@@ -246,6 +248,7 @@ def evaluate_passkey(
             pool = filler_tokens(evaluation.tokenizer, prose, length)
             cases = passkey_cases(evaluation.tokenizer, pool, length, count, seed)
         results[item.name] = score_passkey(item.model, evaluation.tokenizer, cases, batch_size, generate)
+        results[item.name]["keys_read"] = keys_read_share(item.model, item.settings, length - 1)
         if item.export is not None:
             results[item.name]["export"] = item.export
     return {
@@ -263,7 +266,8 @@ def evaluate_passkey(
 
 
 def markdown_table(report: dict[str, Any]) -> str:
-    """The passkey report as markdown: accuracy per model, overall and per depth quarter."""
+    """The passkey report as markdown: accuracy per model, overall and per depth quarter, and the share of
+    the keys its main attention reads at a case's last position (`keys_read`)."""
     quarters = [
         f"depth {low:.2f}-{high:.2f}" for low, high in (r["depth"] for r in report["results"][BASE]["by_depth"])
     ]
@@ -272,13 +276,13 @@ def markdown_table(report: dict[str, Any]) -> str:
         f"Passkey retrieval: {report['cases']} cases of {report['length']} tokens (seed "
         f"{report['seed']}, filler `{report['prose']}`); teacher-forced accuracy",
         "",
-        "| model | accuracy" + generated + " | answer NLL | " + " | ".join(quarters) + " |",
-        "|---|---|" + ("---|" if generated else "") + "---|" + "---|" * len(quarters),
+        "| model | accuracy" + generated + " | answer NLL | keys read | " + " | ".join(quarters) + " |",
+        "|---|---|" + ("---|" if generated else "") + "---|---|" + "---|" * len(quarters),
     ]
     for name, r in report["results"].items():
         cells = [f"{r['accuracy']:.2f}"]
         cells += [f"{r['generated_accuracy']:.2f}"] if generated else []
-        cells.append(f"{r['answer_nll']:.3f}")
+        cells += [f"{r['answer_nll']:.3f}", f"{r['keys_read']:.1%}" if "keys_read" in r else "-"]
         cells += [f"{q['accuracy']:.2f} ({q['cases']})" if q["cases"] else "-" for q in r["by_depth"]]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
