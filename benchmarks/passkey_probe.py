@@ -214,16 +214,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--plot", default=None, help="a PNG of the per-layer figures")
     args = parser.parse_args(argv)
-    result = run_probe(
-        args.model,
-        args.export,
-        args.filler,
-        args.length,
-        args.cases,
-        args.seed,
-        args.mode,
-        parse_selection(args.select),
-    )
+    selection, selections = parse_selection(args.select)
+    if selections:
+        parser.error(f"--select {next(iter(selections))}.FIELD: the probe runs one export; give FIELD=VALUE")
+    result = run_probe(args.model, args.export, args.filler, args.length, args.cases, args.seed, args.mode, selection)
     result["ranked_layers"] = ranked_layers(result["layers"])
     print_table(result)
     write_result(Path(args.result), result)

@@ -111,20 +111,28 @@ def _exports(items: list[str]) -> dict[str, str]:
     return exports
 
 
-def parse_selection(items: list[str]) -> dict[str, Any]:
-    """The sparse_attention fields `--select FIELD=VALUE` gives (values parsed as recipe overrides)."""
-    selection = {}
+def parse_selection(items: list[str]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """The sparse_attention fields `--select FIELD=VALUE` gives every export, and those `--select
+    NAME.FIELD=VALUE` gives the export NAME (over the former), values parsed as recipe overrides."""
+    selection: dict[str, Any] = {}
+    selections: dict[str, dict[str, Any]] = {}
     for item in items:
         key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ExportError(f"--select {item!r}: give FIELD=VALUE, e.g. --select top_k=1024")
-        selection[key] = override_value(f"--select {key}", value)
-    return selection
+        name, _, field = key.rpartition(".")  # field names have no dot
+        if not sep or not field or (name == "" and key.startswith(".")):
+            raise ExportError(
+                f"--select {item!r}: give FIELD=VALUE or NAME.FIELD=VALUE, e.g. --select top_k=1024 or "
+                "--select gsm.retrieval_layers=[7,14]"
+            )
+        target = selections.setdefault(name, {}) if name else selection
+        target[field] = override_value(f"--select {key}", value)
+    return selection, selections
 
 
 def _eval(args: argparse.Namespace) -> int:
     exports = _exports(args.export)
     check_report_folder(args.out)
+    selection, selections = parse_selection(args.select)
     report = evaluate_exports(
         args.model,
         exports,
@@ -135,7 +143,8 @@ def _eval(args: argparse.Namespace) -> int:
         args.mode,
         args.min_keys,
         first_bucket=args.first_bucket,
-        selection=parse_selection(args.select),
+        selection=selection,
+        selections=selections,
         weights=args.weights,
     )
     return _print_written(write_report(report, args.out))
@@ -143,6 +152,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _passkey(args: argparse.Namespace) -> int:
     check_report_folder(args.out)
+    selection, selections = parse_selection(args.select)
     report = evaluate_passkey(
         args.model,
         _exports(args.export),
@@ -153,7 +163,8 @@ def _passkey(args: argparse.Namespace) -> int:
         args.batch_size,
         args.generate,
         args.mode,
-        selection=parse_selection(args.select),
+        selections=selections,
+        selection=selection,
     )
     return _print_written(write_report(report, args.out, "passkey", passkey_table))
 
@@ -328,17 +339,18 @@ def _add_weights_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def add_select_argument(parser: argparse.ArgumentParser) -> None:
-    """`--select FIELD=VALUE`: a selection field the exports run with instead of their own."""
+    """`--select [NAME.]FIELD=VALUE`: a selection field the exports (the export NAME) run with instead of their
+    own."""
     parser.add_argument(
         "--select",
         action="append",
         default=[],
-        metavar="FIELD=VALUE",
-        help="run the exports with this sparse_attention selection field "
+        metavar="[NAME.]FIELD=VALUE",
+        help="run the exports (NAME.: only the export NAME) with this sparse_attention selection field "
         "instead of their own (top_k, k_min, top_k_schedule, "
         "top_k_fraction, decay_rate, sink_tokens, recent_tokens, "
         "query_chunk, retrieval_layers), e.g. --select top_k=1024 or "
-        "--select retrieval_layers=[7,14]; repeatable",
+        "--select gsm.retrieval_layers=[7,14]; repeatable",
     )
 
 

@@ -73,17 +73,23 @@ def test_retrieval_layers_name_gate_layers_only() -> None:
     assert isinstance(gsm_settings(model), GSMSettings)
 
 
-def test_evaluation_runs_an_export_with_retrieval_layers_and_refuses_layers_it_lacks(
+def test_evaluation_runs_an_export_with_retrieval_layers_and_refuses_layers_or_exports_it_lacks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
     export = str(export_adapter(_model(), tmp_path / "gate", base_name="tiny-llama"))
     common = ["passkey", "--export", f"g={export}", "--length", "300", "--cases", "2", "--out"]
-    assert cli_main([*common, str(tmp_path / "out"), "--select", "retrieval_layers=[1, 3]"]) == 0
+    both = [*common[:3], "--export", f"r={export}", *common[3:], str(tmp_path / "out")]
+    assert cli_main([*both, "--select", "top_k=8", "--select", "r.retrieval_layers=[1, 3]"]) == 0
     report = json.loads((tmp_path / "out" / "passkey.json").read_text())
-    assert report["selection"] == {"retrieval_layers": [1, 3]} and report["results"]["g"]["cases"] == 2
-    # at the last of 300 positions: layers 0 and 2 read k = 4 (the 3 forced keys among them), 1 and 3 all
-    assert report["results"]["g"]["keys_read"] == (4 + 300 + 4 + 300) / (4 * 300)
+    assert report["selection"] == {"top_k": 8} and report["selections"] == {"r": {"retrieval_layers": [1, 3]}}
+    assert report["results"]["r"]["cases"] == 2
+    # at the last of 300 positions: a selecting layer reads k = 8 (the 3 forced keys among them), 1 and 3 all
+    assert report["results"]["g"]["keys_read"] == 8 / 300
+    assert report["results"]["r"]["keys_read"] == (8 + 300 + 8 + 300) / (4 * 300)
     assert report["results"]["base"]["keys_read"] == 1.0
+    capsys.readouterr()
+    assert cli_main([*common, str(tmp_path / "x"), "--select", "x.top_k=8"]) == 2
+    assert "--select x.FIELD=VALUE names no export (the exports: g)" in capsys.readouterr().err
 
     def no_model(*args: object, **kwargs: object) -> None:
         raise AssertionError("a model loaded before the selection was checked")

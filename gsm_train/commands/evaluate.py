@@ -298,6 +298,12 @@ def prepare_evaluation(
     every export must have been trained on it. `weights`: the base's weights (gsm_train/export/int4.py), a
     4-bit base refused here where it cannot run; `calibrate`: AWQ's calibration forwards for it."""
     checked_group(weights, *_device_and_dtype())
+    unknown = sorted(set(selections or {}) - set(exports))
+    if unknown:
+        raise ExportError(
+            f"--select {unknown[0]}.FIELD=VALUE names no export (the exports: {', '.join(exports) or 'none'}); "
+            "give the NAME of an --export NAME=FOLDER, or FIELD=VALUE for every export"
+        )
     read = {name: read_export(resolve_export(adapter)) for name, adapter in exports.items()}
     changes = {name: (selection or {}) | (selections or {}).get(name, {}) for name in exports}
     changed = {
