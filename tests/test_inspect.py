@@ -34,9 +34,10 @@ CASES = {
             "gsm.cross_layer_sharing.mode=share",
             "gsm.sparse_attention.heads=kv",
             "gsm.sparse_attention.dense_layers=[0]",
+            "gsm.sparse_attention.retrieval_layers=[3]",
             "gsm.kv_compression.enabled=false",
         ],
-        ["dense-layer", "gate bridge-source"] + ["gate bridge-target(share)"] * 2,
+        ["dense-layer", "gate bridge-source", "gate bridge-target(share)", "gate bridge-target(share) retrieval-layer"],
         [BASE, BASE + 2 * GATE_KEYS, BASE // 2 + 2 * GATE_KEYS, BASE // 2 + 2 * GATE_KEYS],
     ),
 }

@@ -70,8 +70,10 @@ def recipe_for(recipe: str | None, overrides: list[str], num_layers: int) -> Rec
     return config
 
 
-def layer_modules(adapter: GSMAttentionAdapter, bridge_mode: str) -> str:
-    """Names of what is attached to one layer, e.g. `gate asq bridge-target(share)`."""
+def layer_modules(adapter: GSMAttentionAdapter, config: GSMConfig) -> str:
+    """Names of what is attached to one layer, e.g. `gate asq bridge-target(share)`, and how its main attention
+    reads (`dense-layer`: no gate; `retrieval-layer`: a gate kept, every key read)."""
+    bridge_mode = config.cross_layer_sharing.mode
     parts = [
         name
         for name, present in (
@@ -80,6 +82,7 @@ def layer_modules(adapter: GSMAttentionAdapter, bridge_mode: str) -> str:
             ("bridge-source", adapter.is_bridge_source),
             (f"bridge-target({bridge_mode})", adapter.bridge is not None),
             ("dense-layer", adapter.dense_layer),
+            ("retrieval-layer", adapter.layer_idx in config.sparse_attention.retrieval_layers),
         )
         if present
     ]
@@ -88,13 +91,12 @@ def layer_modules(adapter: GSMAttentionAdapter, bridge_mode: str) -> str:
 
 def layer_reports(model: nn.Module, config: GSMConfig, seq_len: int) -> list[LayerReport]:
     """One report per decoder layer of an injected model."""
-    mode = config.cross_layer_sharing.mode
     dims = model_dims(model)
     rows = []
     for index, (_, adapter) in enumerate(gsm_adapters(model)):
         params = sum(param.numel() for param in adapter.parameters())
         rows.append(
-            LayerReport(index, layer_modules(adapter, mode), params, *layer_kv_bytes(config, dims, index, seq_len))
+            LayerReport(index, layer_modules(adapter, config), params, *layer_kv_bytes(config, dims, index, seq_len))
         )
     return rows
 
