@@ -569,6 +569,14 @@ def test_an_export_with_several_gate_query_heads_decodes_as_teacher_forcing_in_f
 
 
 @triton_kernel_test
+def test_fused_cache_reads_every_key_in_a_retrieval_layer_as_teacher_forcing() -> None:
+    """A retrieval layer keeps its gate (the gate-token kernel still writes its keys) but attends to every
+    cached position, beside layers that select on the fused path: the same logits as teacher forcing."""
+    sections = {"sparse_attention": {**SPARSE, "retrieval_layers": [1, 3]}, "kv_compression": ASQ}
+    _assert_fused_decoding_is_teacher_forcing(_model("llama", sections).to(KERNEL_DEVICE))
+
+
+@triton_kernel_test
 @pytest.mark.parametrize("rotated_pairs", [None, 2])
 def test_fused_cache_forces_sinks_and_recent_tokens_as_teacher_forcing(rotated_pairs: int | None) -> None:
     """Sinks, recent tokens and the newest position are forced into every selection: on the fused path the
