@@ -119,7 +119,7 @@ def parse_selection(items: list[str]) -> tuple[dict[str, Any], dict[str, dict[st
     for item in items:
         key, sep, value = item.partition("=")
         name, _, field = key.rpartition(".")  # field names have no dot
-        if not sep or not field or (name == "" and key.startswith(".")):
+        if not sep or not field or key.startswith("."):
             raise ExportError(
                 f"--select {item!r}: give FIELD=VALUE or NAME.FIELD=VALUE, e.g. --select top_k=1024 or "
                 "--select gsm.retrieval_layers=[7,14]"
@@ -163,8 +163,8 @@ def _passkey(args: argparse.Namespace) -> int:
         args.batch_size,
         args.generate,
         args.mode,
-        selections=selections,
         selection=selection,
+        selections=selections,
     )
     return _print_written(write_report(report, args.out, "passkey", passkey_table))
 

@@ -207,6 +207,7 @@ def test_cli_writes_the_bucket_table_and_runs_a_changed_selection(
         ("gate_head_dim=8", "gsm.sparse_attention.gate_head_dim = 8: evaluation can change only"),
         ("top_k_fraction=0.5", "top_k_schedule is 'constant'"),
         ("top_k=0", "gsm.sparse_attention.top_k = 0"),
+        ("gsm.top_k=0", "gsm.sparse_attention.top_k = 0"),  # one export's change, checked as every export's
     ],
 )
 def test_a_bad_selection_change_is_one_clear_error_before_a_model_loads(
