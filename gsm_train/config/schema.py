@@ -204,7 +204,7 @@ class SparseAttentionConfig(StrictModel):
         if both:
             raise _problem(
                 f"layer {both[0]} is in dense_layers (no gate is built there) and in retrieval_layers (its gate "
-                "is kept, and not used)",
+                "is built but does not select)",
                 "name it in one of them: dense_layers to build no gate there, retrieval_layers to keep its gate",
             )
         return self
