@@ -8,7 +8,7 @@ python -m benchmarks.passkey_probe --export RUN/gate_only/export --length 2048 -
 The cases are the passkey test's (`gsm_train.commands.passkey`: the same seed gives the same cases), one
 forward each (main attention as --mode says: `dense` isolates each layer's gate from the others'
 selections). In every layer with a gate, at the answer queries (the prompt's last token and the answer's
-tokens but the last: the positions whose next token is a digit of the answer), averaged over those rows
+tokens but the last: the positions whose next token is an answer token), averaged over those rows
 and the cases:
 
 - `needle_mass`: the head-averaged attention on the needle's key-digit tokens (both mentions of the key),
@@ -18,9 +18,11 @@ and the cases:
   difference, `needle_mass_lost`: what the gate loses of the needle in that layer;
 - `gate_mass` / `oracle_mass`: the captured attention mass (all keys) of each selection.
 
-The selection is the one the export runs with after `--select` (k from its top-k schedule at the answer
-positions). It prints the table per layer, then the layers ranked by `needle_mass_lost` (those to run
-with all keys first: `sparse_attention.retrieval_layers`); writes the JSON, and with --plot a PNG.
+The attention is the layer's over its raw keys (an ASQ export's oracle in `gsm-train passkey --mode oracle`
+ranks the keys as stored; for a gate-only export the two are the same). The selection is the one the
+export runs with after `--select` (k from its top-k schedule at the answer positions). It prints the
+table per layer, then the layers ranked by `needle_mass_lost` (those to run with all keys first:
+`sparse_attention.retrieval_layers`); writes the JSON, and with --plot a PNG.
 """
 
 from __future__ import annotations
