@@ -232,7 +232,12 @@ TINY_TRAINING = [
     "gsm.kv_compression.layer_bits={}",
     "gsm.sparse_attention.k_min=8",
 ]
-TINY_LONG = ["gsm.sparse_attention.top_k=16", "gsm.kv_compression.block_size=16"]
+# the long recipes' layer indices are SmolLM2's (30 layers); the tiny model has 4
+TINY_LONG = [
+    "gsm.sparse_attention.top_k=16",
+    "gsm.kv_compression.block_size=16",
+    "gsm.sparse_attention.retrieval_layers=[2]",
+]
 
 
 def test_benchmark_trains_the_full_context_runs_from_the_long_recipes(tmp_path: Path) -> None:
@@ -272,6 +277,7 @@ def test_benchmark_trains_the_full_context_runs_from_the_long_recipes(tmp_path: 
     assert control["gsm_enabled"] is False
     joint = json.loads((runs / "joint_long" / "export" / "gsm_config.json").read_text())
     assert joint["sparse_attention"]["top_k_schedule"] == "fraction"  # recipes/joint_long.yaml
+    assert joint["sparse_attention"]["retrieval_layers"] == [2]  # the export runs as it trained
     assert "joint_long_constant" in result["evals"]["64"]["results"]
     assert result["passkey"] is None  # --passkey-cases 0
 
