@@ -145,6 +145,24 @@ def test_captured_token_steps_equal_eager_steps_on_the_gpu(export: Path, padded:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_captured_token_steps_read_every_key_in_a_retrieval_layer(tmp_path: Path) -> None:
+    """A retrieval layer (gate kept, every key read) beside selecting layers (k=6 of up to 57 keys): the
+    captured token steps give teacher forcing's tokens."""
+    sparse = {**GSM["sparse_attention"], "retrieval_layers": [2]}
+    model = tiny_model("llama")
+    torch.manual_seed(1)
+    inject_gsm(model, GSMConfig.model_validate({**GSM, "sparse_attention": sparse}), mode="sparse")
+    export = export_adapter(model, tmp_path / "export", base_name="tiny-llama")
+    model = tiny_model("llama").cuda()
+    load_gsm(model, export)
+    enable_gsm_generation(model, prefill="sparse")
+    ids = _prompt(37).cuda()
+    captured = _generate(model, ids, do_sample=False)
+    assert model.gsm_generation["cuda_graphs"]
+    assert torch.equal(captured, _generate(model, ids, do_sample=False, use_cache=False))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_a_fraction_schedule_replays_one_captured_step_for_many_k(tmp_path: Path) -> None:
     """k grows by one every 4 tokens (a quarter of the keys held): the token steps replay one captured
     step built for the schedule's ceiling, reading each position's k on the device, and decode as
