@@ -144,11 +144,8 @@ def test_captured_token_steps_equal_eager_steps_on_the_gpu(export: Path, padded:
     assert torch.equal(captured, eager) and torch.equal(captured, teacher_forced)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_captured_token_steps_read_every_key_in_a_retrieval_layer(tmp_path: Path) -> None:
-    """A retrieval layer (gate kept, every key read) beside selecting layers (k=6 of up to 57 keys): the
-    captured token steps give teacher forcing's tokens."""
-    sparse = {**GSM["sparse_attention"], "retrieval_layers": [2]}
+def _loaded_on_the_gpu(tmp_path: Path, sparse: dict) -> torch.nn.Module:
+    """A tiny llama on CUDA with an export of GSM's settings but these `sparse_attention` ones, ready to generate."""
     model = tiny_model("llama")
     torch.manual_seed(1)
     inject_gsm(model, GSMConfig.model_validate({**GSM, "sparse_attention": sparse}), mode="sparse")
@@ -156,6 +153,15 @@ def test_captured_token_steps_read_every_key_in_a_retrieval_layer(tmp_path: Path
     model = tiny_model("llama").cuda()
     load_gsm(model, export)
     enable_gsm_generation(model, prefill="sparse")
+    return model
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_captured_token_steps_read_every_key_in_a_retrieval_layer(tmp_path: Path) -> None:
+    """A retrieval layer (gate kept, every key read) beside selecting layers (k=6 of up to 57 keys): the
+    captured token steps give teacher forcing's tokens."""
+    sparse = {**GSM["sparse_attention"], "retrieval_layers": [2]}
+    model = _loaded_on_the_gpu(tmp_path, sparse)
     ids = _prompt(37).cuda()
     captured = _generate(model, ids, do_sample=False)
     assert model.gsm_generation["cuda_graphs"]
@@ -168,13 +174,7 @@ def test_a_fraction_schedule_replays_one_captured_step_for_many_k(tmp_path: Path
     step built for the schedule's ceiling, reading each position's k on the device, and decode as
     teacher forcing does (a step captured per k made this path 30x slower than the dense base)."""
     sparse = {**GSM["sparse_attention"], "top_k_schedule": "fraction", "top_k_fraction": 0.25, "top_k": 12}
-    model = tiny_model("llama")
-    torch.manual_seed(1)
-    inject_gsm(model, GSMConfig.model_validate({**GSM, "sparse_attention": sparse}), mode="sparse")
-    export = export_adapter(model, tmp_path / "export", base_name="tiny-llama")
-    model = tiny_model("llama").cuda()
-    load_gsm(model, export)
-    enable_gsm_generation(model, prefill="sparse")
+    model = _loaded_on_the_gpu(tmp_path, sparse)
     ids = _prompt(37).cuda()
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=20, pad_token_id=256, do_sample=False, return_dict_in_generate=True)
