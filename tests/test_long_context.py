@@ -232,7 +232,7 @@ TINY_TRAINING = [
     "gsm.kv_compression.layer_bits={}",
     "gsm.sparse_attention.k_min=8",
 ]
-# the long recipes' layer indices are SmolLM2's (30 layers); the tiny model has 4
+# retrieval layers set on the long runs travel into the joint export (the tiny model has 4 layers)
 TINY_LONG = [
     "gsm.sparse_attention.top_k=16",
     "gsm.kv_compression.block_size=16",
