@@ -169,6 +169,24 @@ def test_captured_token_steps_read_every_key_in_a_retrieval_layer(tmp_path: Path
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_a_captured_steps_logits_are_not_overwritten_by_the_next_step(tmp_path: Path) -> None:
+    """The logits a replayed token step returns are the caller's: a later step leaves them as they were
+    (a caller that keeps each step's logits, as benchmarks.step_kl does, read the last step's everywhere)."""
+    model = _loaded_on_the_gpu(tmp_path, GSM["sparse_attention"])
+    ids = _prompt(37).cuda()
+    cache = GSMCache(model, capacity=ids.shape[1])
+    with torch.no_grad():
+        model(input_ids=ids[:, :-3], use_cache=True, **cache_kwargs(model, cache))
+        first = model(input_ids=ids[:, -3:-2], use_cache=True, **cache_kwargs(model, cache)).logits
+        kept = first.clone()
+        for at in (-2, -1):
+            later = model(input_ids=ids[:, at:][:, :1], use_cache=True, **cache_kwargs(model, cache)).logits
+    assert cache.step_graphs is not None and cache.step_graphs.steps  # the steps were replayed
+    assert not torch.equal(later, kept)  # a different token's distribution
+    assert torch.equal(first, kept)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_a_fraction_schedule_replays_one_captured_step_for_many_k(tmp_path: Path) -> None:
     """k grows by one every 4 tokens (a quarter of the keys held): the token steps replay one captured
     step built for the schedule's ceiling, reading each position's k on the device, and decode as

@@ -87,7 +87,8 @@ def _forward(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
             positions = kwargs.get("position_ids")
             if positions is None:
                 positions = torch.full_like(input_ids, cache.lengths.seq_len)
-            return CausalLMOutputWithPast(logits=graphs(input_ids, positions), **{_output_cache_name(): cache})
+            logits = graphs(input_ids, positions).clone()  # the graph's buffer: the next replay overwrites it
+            return CausalLMOutputWithPast(logits=logits, **{_output_cache_name(): cache})
     if tokens > options["prefill_chunk"] and not gsm_settings(model).config.cross_layer_sharing.enabled:
         return _chunked_prefill(model, kwargs, input_ids, options["prefill_chunk"])
     return model.gsm_base_forward(**kwargs)
