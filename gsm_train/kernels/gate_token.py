@@ -136,6 +136,8 @@ if triton is not None:
         DG: tl.constexpr, SPLITS: tl.constexpr, INT8: tl.constexpr, LEVELS: tl.constexpr, TINY: tl.constexpr,
         ROUND: tl.constexpr,
     ):  # fmt: skip
+        """One (batch row, selector): the projections' splits summed, RoPE, the key encoded and written at
+        its slot, the query stored."""
         row = tl.program_id(0)  # one (batch row, selector)
         batch = row // selectors
         selector = row % selectors
@@ -218,7 +220,7 @@ def gate_token(
     partial = torch.empty(rows, splits, 4, half, device=hidden.device, dtype=torch.float32)
     _gate_token_partial_kernel[(rows, splits)](
         hidden, q_weight.contiguous(), k_weight.contiguous(), partial, hidden.stride(0), selectors, splits, d,
-        DG=dim, SPLIT=SPLIT, BLOCK_D=max(16, min(SPLIT, TILE // half)), num_warps=4,
+        DG=dim, SPLIT=SPLIT, BLOCK_D=min(SPLIT, max(16, TILE // half)), num_warps=4,
     )  # fmt: skip
     _gate_token_kernel[(rows,)](
         partial, cos, sin, freq_index.contiguous(),
