@@ -4,7 +4,8 @@ side by side in one run: the gate module on the token (`SparseGateHead.forward`)
 the 8B model's (d 4096, one selector of 16 dimensions, int8 keys; and one selector per KV head, 8 x 64) and
 SmolLM2's (d 576), at batch 1 and 16, bf16 hidden states and RoPE tables as a bf16 model gives them. Each
 time is `LAYERS` layers' gates captured in one CUDA graph (median of 50 replays), per layer. Every run
-checks the agreement: query within 1e-5 relative, codes equal or one apart (counted).
+checks the agreement: query within 1e-5 relative, codes equal or one apart (counted). The kernel's time is
+its two launches (the projections split over d in chunks of `SPLIT` columns, then the finish).
 
 python -m benchmarks.gate_token --result OUT.json
 """
@@ -17,7 +18,7 @@ import torch
 
 from benchmarks.common import graph_ms, kernel_benchmark_args, write_result
 from gsm_train.functional.gate_keys import encode_gate_keys
-from gsm_train.kernels.gate_token import gate_token
+from gsm_train.kernels.gate_token import SPLIT, gate_token
 from gsm_train.modules.sparse_gate import SparseGateHead
 
 LAYERS = 30  # the 8B model's sparse layers (32, less the two dense ones)
@@ -119,7 +120,7 @@ def main() -> None:
                 f"{row['kernel_us_per_layer']:6.1f}; codes differing {row['codes_differing']}/{row['codes']}",
                 flush=True,
             )
-    write_result(Path(args.result), {"layers": LAYERS, "capacity": CAPACITY, "rows": results})
+    write_result(Path(args.result), {"layers": LAYERS, "capacity": CAPACITY, "split_columns": SPLIT, "rows": results})
 
 
 if __name__ == "__main__":

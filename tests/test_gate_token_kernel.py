@@ -102,6 +102,56 @@ def test_gate_token_kernel_equals_the_pytorch_gate(
     assert off_by_one <= max(1, codes_seen // 50)  # rare: only values within ~1e-5 of a rounding boundary
 
 
+@pytest.mark.parametrize("bits", [8, 16])
+@pytest.mark.parametrize("hidden_size", [1024, 1000])
+def test_gate_token_kernel_split_over_d_equals_one_split(
+    monkeypatch: pytest.MonkeyPatch, hidden_size: int, bits: int
+) -> None:
+    """The projections split over d (16 chunks of 64 columns; at d = 1000 the last holds 40) give the query
+    and key that one chunk over all of d gives (one program per row, looping over d): the query within
+    1e-5 relative of it and of the PyTorch gate's, codes equal or one apart, scales within one fp16 step.
+    The splits are summed in a fixed order, so two calls return and store the same bits."""
+    from gsm_train.kernels import gate_token as module
+
+    torch.manual_seed(hidden_size + bits)
+    gate = _gate(hidden_size, 16, 2, bits, unrotated=2)
+    hidden = torch.randn(2, 1, hidden_size, device=KERNEL_DEVICE).bfloat16()
+    cos, sin = _rope([5], torch.bfloat16)
+    lengths = torch.tensor([6, 0], dtype=torch.int32, device=KERNEL_DEVICE)
+    grids = []
+    partial_kernel = module._gate_token_partial_kernel
+
+    class Recorded:
+        def __getitem__(self, grid: tuple[int, int]) -> object:
+            grids.append(grid)
+            return partial_kernel[grid]
+
+    monkeypatch.setattr(module, "_gate_token_partial_kernel", Recorded())
+    runs = {}
+    for name, split in (("one", 1024), ("split", 64), ("again", 64)):
+        monkeypatch.setattr(module, "SPLIT", split)
+        keys, scales = _buffers(2, gate)
+        gate_q = module.gate_token(
+            hidden, gate.q_proj.weight, gate.k_proj.weight, cos, sin, gate.rope_freq_index, keys, scales, lengths
+        )
+        runs[name] = (gate_q, keys[:, :, 5:6], None if scales is None else scales[:, :, 5:6])
+    assert grids == [(4, 1), (4, 16), (4, 16)]  # 2 batch rows x 2 selectors; one chunk, then 16
+    for split, again in zip(runs["split"], runs["again"], strict=True):
+        assert split is None or torch.equal(split, again)  # deterministic: the same bits
+    with torch.no_grad():
+        expected_q, expected_k = gate(hidden, cos, sin)
+    for gate_q, stored, stored_scales in (runs["one"], runs["split"]):
+        for reference in (runs["one"][0], expected_q):
+            torch.testing.assert_close(gate_q, reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
+        if bits == 8:
+            assert int((stored.int() - runs["one"][1].int()).abs().max()) <= 1
+            torch.testing.assert_close(stored_scales, runs["one"][2], rtol=2**-10, atol=0)
+        else:  # bf16 of keys within 1e-5 relative: equal, or one bf16 step apart at a rounding tie
+            torch.testing.assert_close(
+                stored.float(), runs["one"][1].float(), rtol=2**-7, atol=1e-5 * expected_k.abs().max().item()
+            )
+
+
 def test_gate_token_kernel_encodes_like_encode_gate_keys_at_rounding_ties() -> None:
     """The encoding itself is exact: with weights that make the projections exact sums (one nonzero per row,
     integers over powers of two), the stored codes and scale are `encode_gate_keys`' to the bit, ties that

@@ -154,8 +154,8 @@ class GSMCacheLayer(CacheLayerMixin):
 
     def token_gate(self, gate: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor) -> Tensor | None:
         """A token step on the device path: the gate's query [B, n, 1, dg] (fp32) of the new token, its key
-        written at the slot the device lengths name, by one kernel (`kernels.gate_token`: projections, RoPE,
-        encoding, write). None elsewhere (the PyTorch path, a prompt chunk, a bridge target, a gate the
+        written at the slot the device lengths name, by `kernels.gate_token` (projections split over d, then
+        RoPE, encoding, write). None elsewhere (the PyTorch path, a prompt chunk, a bridge target, a gate the
         kernel does not serve): then `run_gate` runs the gate module and `keep_gate_keys`."""
         q_weight, k_weight = gate.q_proj.weight, gate.k_proj.weight
         if not (

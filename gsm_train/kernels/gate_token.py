@@ -1,30 +1,34 @@
-"""The new token's gate work at decode in one Triton kernel per layer: the gate's query and key projections
+"""The new token's gate work at decode in two Triton kernels per layer: the gate's query and key projections
 of the token's normed hidden state, their RoPE by each selector's chosen frequencies, the key encoded as
 the cache stores it and written at the token's slot, the query returned for `sparse_decode.gate_scores`.
 
 In PyTorch that work (`SparseGateHead.forward` on one token, then `GSMCacheLayer.keep_gate_keys`) is about
 25 small kernels per layer: casts and copies of the hidden state, two fp32 GEMVs, the gathers of the RoPE
 tables and the rotation's multiplies, negation and concatenation, the int8 encoding's abs, amax, divide,
-round and clamp, and the `index_copy_` into the buffers. On the H100 at the 8B shape (32k prompt, batch
-1) they took about 1.9 ms of a 10.9 ms step, more than the gate scores, the top-k and the sparse decode
-together (docs/design-decisions.md, 'The decode step's gate work is one kernel per layer').
+round and clamp, and the `index_copy_` into the buffers (docs/design-decisions.md, 'The decode step's gate
+work is one kernel per layer', has the measurements).
 
-One program per (batch row, selector): it streams the selector's rows of both projections (fp32, 2 x dg
-rows of d) against the hidden state once, sums in fp32, rotates the pairs (i, i + dg/2) by the model's
-cos/sin at `rope_freq_index` (cast to fp32, as `rope_tables` casts them to the projections' dtype; cos 1
-and sin 0 for a pair marked unrotated), and stores. The slot comes from the cache's device lengths
-(`lengths[0] - 1`), so no host value of the step's enters the launch and one captured launch serves every
-step.
+The projections are split over the hidden dimension d (split-K): the partial kernel runs one program per
+(batch row, selector) and chunk of `SPLIT` columns of d, streams that chunk of the selector's rows of both
+projections (fp32, 2 x dg rows) against the hidden state, sums it in fp32 and stores the four partial sums
+(q and k, each pair's first and second halves) in an fp32 scratch [B * n, splits, 4, dg / 2]. The finish
+kernel, one program per (batch row, selector), sums the splits (one load, one reduction whose order
+depends only on the shapes: no atomics, the same bits on every call), rotates the pairs (i, i + dg/2) by
+the model's cos/sin at `rope_freq_index` (cast to fp32, as `rope_tables` casts them to the projections'
+dtype; cos 1 and sin 0 for a pair marked unrotated), encodes the key and stores. The split count comes
+from d alone and the slot from the cache's device lengths (`lengths[0] - 1`), so no host value of the
+step's enters either launch and one captured pair of launches serves every step.
 
 What is exact and what is not: the hidden state and the RoPE tables are taken in fp32 exactly as the
 PyTorch path takes them, and the encoding is `encode_gate_keys`' to the bit for the same fp32 key (the
 scale max|k| / 127 divided with IEEE rounding, at least fp16's smallest normal, rounded to fp16 ties to
 even; codes rounded half to even and clamped to +-127; bf16 at 16 bits rounded to nearest even).
-The projections' sums run in another order than cuBLAS's GEMV, and the rotation's products may be fused
-into FMAs, so q and k agree with the PyTorch gate's to about 1e-6 relative, not bit for bit; an int8 code
-then differs from the PyTorch path's only where that moves k / scale across a rounding boundary, by one
-(and a scale by one fp16 step where max|k| / 127 sits on a boundary of fp16's grid). Teacher forcing's
-own keys (a batched matmul) already differ from the PyTorch decode's GEMV the same way.
+The projections' sums run in another order than cuBLAS's GEMV (within each chunk, then over the chunks),
+and the rotation's products may be fused into FMAs, so q and k agree with the PyTorch gate's to about
+1e-6 relative (the tests hold them to 1e-5), not bit for bit; an int8 code then differs from the PyTorch
+path's only where that moves k / scale across a rounding boundary, by one (and a scale by one fp16 step
+where max|k| / 127 sits on a boundary of fp16's grid). Teacher forcing's own keys (a batched matmul)
+already differ from the PyTorch decode's GEMV the same way.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ except ImportError:  # decode_attention's PyTorch gate serves
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 TILE = 2048  # weight elements per program and step of each of the four row blocks (q and k, each half of the pairs)
+SPLIT = 128  # columns of d per projections' program (a power of two): 32 per (row, selector) at d 4096, 5 at 576
 ROUNDER = 12582912.0  # 1.5 * 2**23: (y + ROUNDER) - ROUNDER is y rounded half to even in fp32, for |y| < 2**22
 
 
@@ -79,14 +84,15 @@ if triton is not None:
         return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _gate_token_kernel(
-        hidden_ptr, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr, freq_ptr,  # the token, the gate, RoPE
-        keys_ptr, scales_ptr, q_out_ptr, lengths_ptr,  # the cache's gate-key buffers, the query out, lengths
-        hidden_stride, rope_stride, rope_dim_stride, base_half, capacity, selectors, d,
-        DG: tl.constexpr, BLOCK_D: tl.constexpr, INT8: tl.constexpr, LEVELS: tl.constexpr, TINY: tl.constexpr,
-        ROUND: tl.constexpr,
+    def _gate_token_partial_kernel(
+        hidden_ptr, q_weight_ptr, k_weight_ptr, partial_ptr, hidden_stride, selectors, splits, d,
+        DG: tl.constexpr, SPLIT: tl.constexpr, BLOCK_D: tl.constexpr,
     ):  # fmt: skip
+        """One (batch row, selector) x one chunk of SPLIT columns of d: the chunk's share of the four
+        projections q1, q2, k1, k2 ([DG / 2] each: the pairs' first and second halves), summed over the
+        chunk in a fixed order and stored in `partial` [B * n, splits, 4, DG / 2] (fp32)."""
         row = tl.program_id(0)  # one (batch row, selector)
+        split = tl.program_id(1)
         batch = row // selectors
         selector = row % selectors
         HALF: tl.constexpr = DG // 2
@@ -98,8 +104,8 @@ if triton is not None:
         q2 = tl.zeros([HALF, BLOCK_D], tl.float32)
         k1 = tl.zeros([HALF, BLOCK_D], tl.float32)
         k2 = tl.zeros([HALF, BLOCK_D], tl.float32)
-        for start in range(0, d, BLOCK_D):
-            at = start + cols
+        for offset in range(0, SPLIT, BLOCK_D):
+            at = split * SPLIT + offset + cols
             inside = at < d
             h = tl.load(hidden_ptr + batch * hidden_stride + at, mask=inside, other=0.0).to(tl.float32)[None, :]
             mask = inside[None, :]
@@ -107,7 +113,40 @@ if triton is not None:
             q2 += tl.load(q_weight_ptr + second[:, None] + at[None, :], mask=mask, other=0.0) * h
             k1 += tl.load(k_weight_ptr + first[:, None] + at[None, :], mask=mask, other=0.0) * h
             k2 += tl.load(k_weight_ptr + second[:, None] + at[None, :], mask=mask, other=0.0) * h
-        q1, q2, k1, k2 = tl.sum(q1, 1), tl.sum(q2, 1), tl.sum(k1, 1), tl.sum(k2, 1)
+        out_at = ((row * splits + split) * 4).to(tl.int64) * HALF + pairs
+        tl.store(partial_ptr + out_at, tl.sum(q1, 1))
+        tl.store(partial_ptr + out_at + HALF, tl.sum(q2, 1))
+        tl.store(partial_ptr + out_at + 2 * HALF, tl.sum(k1, 1))
+        tl.store(partial_ptr + out_at + 3 * HALF, tl.sum(k2, 1))
+
+    @triton.jit
+    def _split_sum(partial_ptr, row, part, splits, HALF: tl.constexpr, SPLITS: tl.constexpr):
+        """The sum over the splits of one of the four projections' partials of `row`, [HALF] fp32: one load
+        of all splits ([SPLITS, HALF], SPLITS the splits' count rounded up to a power of two, zeros past
+        it) and one reduction, whose order depends only on the shapes (deterministic)."""
+        chunks = tl.arange(0, SPLITS)
+        at = (row * splits + chunks).to(tl.int64)[:, None] * (4 * HALF) + part * HALF + tl.arange(0, HALF)[None, :]
+        return tl.sum(tl.load(partial_ptr + at, mask=(chunks < splits)[:, None], other=0.0), 0)
+
+    @triton.jit
+    def _gate_token_kernel(
+        partial_ptr, cos_ptr, sin_ptr, freq_ptr,  # the projections' partial sums, RoPE
+        keys_ptr, scales_ptr, q_out_ptr, lengths_ptr,  # the cache's gate-key buffers, the query out, lengths
+        rope_stride, rope_dim_stride, base_half, capacity, selectors, splits,
+        DG: tl.constexpr, SPLITS: tl.constexpr, INT8: tl.constexpr, LEVELS: tl.constexpr, TINY: tl.constexpr,
+        ROUND: tl.constexpr,
+    ):  # fmt: skip
+        """One (batch row, selector): the projections' splits summed, RoPE, the key encoded and written at
+        its slot, the query stored."""
+        row = tl.program_id(0)  # one (batch row, selector)
+        batch = row // selectors
+        selector = row % selectors
+        HALF: tl.constexpr = DG // 2
+        pairs = tl.arange(0, HALF)
+        q1 = _split_sum(partial_ptr, row, 0, splits, HALF, SPLITS)
+        q2 = _split_sum(partial_ptr, row, 1, splits, HALF, SPLITS)
+        k1 = _split_sum(partial_ptr, row, 2, splits, HALF, SPLITS)
+        k2 = _split_sum(partial_ptr, row, 3, splits, HALF, SPLITS)
         # RoPE by the selector's frequencies: the model's cos/sin [..., head_dim] at rope_freq_index, in fp32;
         # an index of base_half (`gate_rope.unrotated_index`) leaves its pair unrotated: cos 1, sin 0
         freq = tl.load(freq_ptr + selector * HALF + pairs)
@@ -158,7 +197,8 @@ def gate_token(
     `key_scales` None (16 bits); lengths int32 [2] on the device (`CacheLengths.device`): the key goes to
     slot lengths[0] - 1, read when the kernel runs (capture-safe). The query equals
     `SparseGateHead.forward`'s and the stored key `encode_gate_keys` of its key, up to the summation
-    order of the projections (module docstring)."""
+    order of the projections (split over d in chunks of `SPLIT` columns, summed in a fixed order: the
+    same inputs give the same bits; module docstring)."""
     batch, tokens, d = hidden.shape
     _, selectors, capacity, dim = gate_keys.shape
     int8 = key_scales is not None
@@ -176,12 +216,17 @@ def gate_token(
         cos, sin = cos.contiguous(), sin.contiguous()
     gate_q = torch.empty(batch, selectors, 1, dim, device=hidden.device, dtype=torch.float32)
     half = dim // 2
-    _gate_token_kernel[(batch * selectors,)](
-        hidden, q_weight.contiguous(), k_weight.contiguous(), cos, sin, freq_index.contiguous(),
+    rows, splits = batch * selectors, triton.cdiv(d, SPLIT)
+    partial = torch.empty(rows, splits, 4, half, device=hidden.device, dtype=torch.float32)
+    _gate_token_partial_kernel[(rows, splits)](
+        hidden, q_weight.contiguous(), k_weight.contiguous(), partial, hidden.stride(0), selectors, splits, d,
+        DG=dim, SPLIT=SPLIT, BLOCK_D=min(SPLIT, max(16, TILE // half)), num_warps=4,
+    )  # fmt: skip
+    _gate_token_kernel[(rows,)](
+        partial, cos, sin, freq_index.contiguous(),
         gate_keys, key_scales if int8 else gate_keys, gate_q, lengths,
-        hidden.stride(0), cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(-1), cos.shape[-1] // 2,
-        capacity, selectors, d,
-        DG=dim, BLOCK_D=max(16, min(triton.next_power_of_2(d), TILE // half)), INT8=int8,
-        LEVELS=float(INT8_LEVELS), TINY=FP16_TINY, ROUND=ROUNDER, num_warps=8,
+        cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(-1), cos.shape[-1] // 2, capacity, selectors, splits,
+        DG=dim, SPLITS=triton.next_power_of_2(splits), INT8=int8, LEVELS=float(INT8_LEVELS), TINY=FP16_TINY,
+        ROUND=ROUNDER, num_warps=4,
     )  # fmt: skip
     return gate_q
