@@ -1,0 +1,74 @@
+"""What GSM's prefill costs beyond the dense model's, in aten ops (on a GPU each is a kernel launch, and a
+SmolLM2-sized prefill is launch-bound: docs/design-decisions.md, "Prefill: where the time to first token
+goes"), and that making it cheaper changed nothing it stores: the storage rounding in eager code is the fp16
+cast (two ops) where it was fifteen ops of integer arithmetic, which compiled graphs keep."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_prefill import EVERYTHING, TOKENS, _contents, _model, _run
+
+from benchmarks.decode_step_profile import OpCounter
+from gsm_train import quant
+from gsm_train.config.schema import KVCompressionConfig
+from gsm_train.functional import gate_keys
+from gsm_train.functional.gate_keys import encode_gate_keys
+from gsm_train.modules.kv_compressor import ASQCompressor
+from gsm_train.quant import fp16_grid, fp16_grid_bits
+
+# recipes/joint_long.yaml's compressor on SmolLM2's K (3 KV heads of 64): 2 clusters, 4 bits, rotated, blocks of 64
+JOINT_LONG_ASQ = KVCompressionConfig(
+    enabled=True, cluster_num=2, hidden_dim=64, quant_bits=4, block_size=64, rotate_residuals=True
+)
+# aten ops (views aside) of one call, counted before this change -> now
+PACK_BLOCKS_OPS = 60  # was 82: the two fp16 roundings (prototypes, scales) took 13 ops each, now 2
+INT8_GATE_KEYS_OPS = 11  # was 22: the scale's fp16 rounding took 13 ops, now 2
+
+
+def _ops(call: object, *args: object) -> int:
+    """Aten ops (views aside) one call runs."""
+    with torch.no_grad(), OpCounter(_model({}, "sparse")) as counter:
+        call(*args)
+    return counter.outside.total()
+
+
+def test_eager_fp16_rounding_equals_the_integer_form_at_every_tie_and_subnormal() -> None:
+    """Every finite fp16 value, every midpoint between neighbours and the fp32 values either side of it,
+    subnormals, -0.0 and NaN: the cast and the integer arithmetic give the same values and signs."""
+    grid = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+    grid = grid[torch.isfinite(grid)].sort().values
+    ties = ((grid[1:].double() + grid[:-1].double()) / 2).float()
+    up, down = torch.tensor(float("inf")), torch.tensor(float("-inf"))
+    special = torch.tensor([float("nan"), 1e-40, -1e-40, -0.0, 0.0, -1e-8, 65519.0, -65519.996, 2.0**-25])
+    x = torch.cat([grid, ties, torch.nextafter(ties, up), torch.nextafter(ties, down), special])
+    x = torch.cat([x, torch.randn(100_000) * 10.0 ** torch.randint(-9, 4, (100_000,))])
+    x = x[~(x.abs() >= 65520)]  # fp16's range (NaN kept)
+    cast, bits = fp16_grid(x), fp16_grid_bits(x)
+    assert torch.equal(cast.nan_to_num(7.0), bits.nan_to_num(7.0)) and torch.equal(cast.signbit(), bits.signbit())
+    compiled = torch.compile(fp16_grid, fullgraph=True, backend="eager")  # traced: the integer form
+    assert torch.equal(compiled(x).nan_to_num(7.0), bits.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("prefill", ["dense", "sparse"])
+def test_a_chunked_prefill_stores_and_returns_what_the_integer_rounding_gives(
+    prefill: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ASQ (rotated, 4- and 2-bit sides) and int8 gate keys, a prompt in three chunks with edges inside blocks:
+    the cache holds bit for bit what it held with every rounding in integer arithmetic (as before), and the
+    prompt's and the next tokens' logits are the same."""
+    model = _model(EVERYTHING, "sparse")
+    cache, logits = _run(model, TOKENS, prefill, (5, 11, 13))
+    for module in (quant, gate_keys):  # every fp16 rounding in integer arithmetic, as before
+        monkeypatch.setattr(module, "fp16_grid", fp16_grid_bits)
+    reference_cache, reference_logits = _run(model, TOKENS, prefill, (5, 11, 13))
+    held, reference = _contents(cache), _contents(reference_cache)
+    assert held.keys() == reference.keys()
+    assert all(torch.equal(held[name], reference[name]) for name in held)
+    assert torch.equal(logits, reference_logits)
+
+
+def test_packing_a_chunks_blocks_and_its_gate_keys_run_fewer_ops() -> None:
+    asq_k, _ = ASQCompressor.build(JOINT_LONG_ASQ, 0, num_kv_heads=3, head_dim=64)
+    assert _ops(asq_k.pack_blocks, torch.randn(1, 3, 4096, 64)) <= PACK_BLOCKS_OPS
+    assert _ops(encode_gate_keys, torch.randn(1, 1, 4096, 16), 8) <= INT8_GATE_KEYS_OPS
