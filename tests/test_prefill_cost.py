@@ -1,7 +1,9 @@
 """What GSM's prefill costs beyond the dense model's, in aten ops (on a GPU each is a kernel launch, and a
 SmolLM2-sized prefill is launch-bound: docs/design-decisions.md, "Prefill: where the time to first token
 goes"), and that making it cheaper changed nothing it stores: the storage rounding in eager code is the fp16
-cast (two ops) where it was fifteen ops of integer arithmetic, which compiled graphs keep."""
+cast (two ops) where it was fifteen ops of integer arithmetic, which compiled graphs keep; a later chunk
+dequantizes the packed prefix without gathering the raw tail beside it; the raw rows since the last packed
+block are joined once, by the store, not again by the cache."""
 
 from __future__ import annotations
 
@@ -10,10 +12,12 @@ import torch
 from test_prefill import EVERYTHING, TOKENS, _contents, _model, _run
 
 from benchmarks.decode_step_profile import OpCounter
+from benchmarks.prefill_profile import count_prefill_ops
 from gsm_train import quant
 from gsm_train.config.schema import KVCompressionConfig
 from gsm_train.functional import gate_keys
 from gsm_train.functional.gate_keys import encode_gate_keys
+from gsm_train.inference.cache import GSMCache, cache_kwargs
 from gsm_train.modules.kv_compressor import ASQCompressor
 from gsm_train.quant import fp16_grid, fp16_grid_bits
 
@@ -72,3 +76,25 @@ def test_packing_a_chunks_blocks_and_its_gate_keys_run_fewer_ops() -> None:
     asq_k, _ = ASQCompressor.build(JOINT_LONG_ASQ, 0, num_kv_heads=3, head_dim=64)
     assert _ops(asq_k.pack_blocks, torch.randn(1, 3, 4096, 64)) <= PACK_BLOCKS_OPS
     assert _ops(encode_gate_keys, torch.randn(1, 1, 4096, 16), 8) <= INT8_GATE_KEYS_OPS
+
+
+def test_a_later_chunk_reads_the_packed_prefix_as_gather_does_with_fewer_ops() -> None:
+    """After a chunked prefill, `packed_prefix(n)` is what `gather` gives for positions [0, n), bit for bit,
+    and the prefill's dequantization of earlier chunks and cache updates run no more ops than now."""
+    model = _model(EVERYTHING, "sparse")
+    cache, _ = _run(model, TOKENS[:, :29], "dense", (5, 11, 13))
+    for layer in cache.layers:
+        for store in (layer.k_store, layer.v_store):
+            end = cache.lengths.packed_len
+            positions = torch.arange(end).expand(*store.tail.shape[:2], -1)
+            assert end > 0 and torch.equal(store.packed_prefix(end), store.gather(positions))
+            assert store.packed_prefix(0).shape == (*store.tail.shape[:2], 0, store.tail.shape[3])
+
+    def prefill() -> None:
+        fresh = GSMCache(model, capacity=29, prefill="dense")
+        for start, stop in ((0, 5), (5, 16), (16, 29)):
+            model(TOKENS[:, start:stop], use_cache=True, **cache_kwargs(model, fresh))
+
+    parts = count_prefill_ops(prefill, model)["ops_by_part"]
+    # 4 layers x 2 sides x 2 later chunks; counted before -> now: dequantized 480 -> 200, updates 128 -> 112
+    assert parts["earlier_chunks_dequantized"] <= 200 and parts["cache_update"] <= 112
