@@ -108,7 +108,7 @@ def fp16_grid(x: Tensor) -> Tensor:
 
 
 def fp16_grid_bits(x: Tensor) -> Tensor:
-    """`fp16_grid` computed in integer arithmetic on x's bits (about fifteen kernels eagerly): what a
+    """`fp16_grid` computed in integer arithmetic on x's bits (thirteen kernels eagerly): what a
     compiled graph runs, since Inductor would drop a plain `.half().float()`. Past fp16's range it gives
     65536 where the cast gives inf (fp16 storage makes either inf)."""
     bits = x.view(torch.int32)

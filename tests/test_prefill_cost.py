@@ -1,7 +1,7 @@
 """What GSM's prefill costs beyond the dense model's, in aten ops (on a GPU each is a kernel launch, and a
-SmolLM2-sized prefill is launch-bound: docs/design-decisions.md, "Prefill: where the time to first token
+SmolLM2-sized prefill is bound by issuing them: docs/design-decisions.md, "Prefill: where the time to first token
 goes"), and that making it cheaper changed nothing it stores: the storage rounding in eager code is the fp16
-cast (two ops) where it was fifteen ops of integer arithmetic, which compiled graphs keep; a later chunk
+cast (two ops) where it was thirteen ops of integer arithmetic, which compiled graphs keep; a later chunk
 dequantizes the packed prefix without gathering the raw tail beside it; the raw rows since the last packed
 block are joined once, by the store, not again by the cache."""
 
