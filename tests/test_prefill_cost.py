@@ -3,7 +3,8 @@ SmolLM2-sized prefill is bound by issuing them: docs/design-decisions.md, "Prefi
 goes"), and that making it cheaper changed nothing it stores: the storage rounding in eager code is the fp16
 cast (two ops) where it was thirteen ops of integer arithmetic, which compiled graphs keep; a later chunk
 dequantizes the packed prefix without gathering the raw tail beside it; the raw rows since the last packed
-block are joined once, by the store, not again by the cache."""
+block are joined once, by the store, not again by the cache; a prompt's mask without padding is read on the
+host once, not once per chunk."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from gsm_train.config.schema import KVCompressionConfig
 from gsm_train.functional import gate_keys
 from gsm_train.functional.gate_keys import encode_gate_keys
 from gsm_train.inference.cache import GSMCache, cache_kwargs
+from gsm_train.inference.engine import enable_gsm_generation
 from gsm_train.modules.kv_compressor import ASQCompressor
 from gsm_train.quant import fp16_grid, fp16_grid_bits
 
@@ -98,3 +100,37 @@ def test_a_later_chunk_reads_the_packed_prefix_as_gather_does_with_fewer_ops() -
     parts = count_prefill_ops(prefill, model)["ops_by_part"]
     # 4 layers x 2 sides x 2 later chunks; counted before -> now: dequantized 480 -> 200, updates 128 -> 112
     assert parts["earlier_chunks_dequantized"] <= 200 and parts["cache_update"] <= 112
+
+
+# host syncs of the engine's prefill below, before -> now: dense 5 -> 1; sparse 20 -> 16 (the rest are its
+# selection's reads of k, per sparse layer and chunk)
+HOST_SYNCS = {"dense": 1, "sparse": 16}
+
+
+@pytest.mark.parametrize("prefill", ["dense", "sparse"])
+def test_a_prompt_without_padding_is_read_on_the_host_once_not_once_per_chunk(prefill: str) -> None:
+    """The engine's chunked prefill of 29 tokens in chunks of 8 with an all-ones mask reads the mask on the
+    host once, where each chunk's padding check and transformers' causal-skip check read it (5 reads), and
+    the cache and the last logits are those of the same chunks fed with the mask's slices."""
+    model = _model(EVERYTHING, "sparse")
+    enable_gsm_generation(model, cuda_graphs=False, prefill_chunk=8, prefill=prefill)
+    ids, outputs = TOKENS[:, :29], {}
+
+    def chunked() -> None:
+        cache = outputs["engine"] = GSMCache(model, capacity=29)
+        kwargs = cache_kwargs(model, cache) | {"use_cache": True, "logits_to_keep": 1}
+        outputs["engine_logits"] = model(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs).logits
+
+    assert sum(count_prefill_ops(chunked, model)["host_syncs"].values()) == HOST_SYNCS[prefill]
+    cache = GSMCache(model, capacity=29)
+    with torch.no_grad():
+        for end in (8, 16, 24, 29):
+            logits = model.gsm_base_forward(
+                input_ids=ids[:, end - 8 if end < 29 else 24 : end],
+                attention_mask=torch.ones_like(ids[:, :end]),
+                use_cache=True,
+                **cache_kwargs(model, cache),
+            ).logits
+    held, reference = _contents(outputs["engine"]), _contents(cache)
+    assert all(torch.equal(held[name], reference[name]) for name in reference)
+    assert torch.equal(outputs["engine_logits"], logits[:, -1:])
