@@ -52,7 +52,10 @@ def test_eager_fp16_rounding_equals_the_integer_form_at_every_tie_and_subnormal(
     x = x[~(x.abs() >= 65520)]  # fp16's range (NaN kept)
     cast, bits = fp16_grid(x), fp16_grid_bits(x)
     assert torch.equal(cast.nan_to_num(7.0), bits.nan_to_num(7.0)) and torch.equal(cast.signbit(), bits.signbit())
-    compiled = torch.compile(fp16_grid, fullgraph=True, backend="eager")  # traced: the integer form
+    # past fp16's range the two forms part (inf, 65536 and above): eagerly the cast, traced the integer form
+    past = torch.tensor([65520.0, 70000.0])
+    compiled = torch.compile(fp16_grid, fullgraph=True, backend="eager")
+    assert torch.isinf(fp16_grid(past)).all() and torch.equal(compiled(past), fp16_grid_bits(past))
     assert torch.equal(compiled(x).nan_to_num(7.0), bits.nan_to_num(7.0))
 
 
