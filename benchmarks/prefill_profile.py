@@ -10,7 +10,8 @@ ran (torch.profiler), so `gpu_busy` = kernel_ms / wall_ms well below 1 says the 
 issuing kernels (launch-bound), not on the GPU; the per-kernel table (name, calls, microseconds, share) of
 one call (on the CPU the ops' own CPU time instead: a smoke test, not a figure); and, eagerly, the aten ops
 one call runs (`ops`: views left out, `host_syncs`: the ops that make the host wait for the device, and
-`ops_by_part`: GSM's ops by the part of the prefill that runs them, `PARTS`). Resumable as
+`ops_by_part`: GSM's ops by the part of the prefill that runs them, `PARTS`; `us_per_op`: wall time over
+ops, near what issuing one eager op costs when the prefill is launch-bound). Resumable as
 benchmarks.decode_step_profile is (it shares its model shapes, profiler and op counter).
 
 `--model smollm2` (the default): random weights at SmolLM2-135M's shapes with recipes/joint_long.yaml's
@@ -176,7 +177,8 @@ def measure_prefill(call: Callable[[], object], model: nn.Module, warmup: int, r
     if cuda:
         figures |= {"kernel_ms": busy_us / 1000, "gpu_busy": busy_us / 1000 / figures["wall_ms"]}
     figures["kernel_launches"] = sum(row["calls"] for row in kernels) if cuda else None
-    return figures | count_prefill_ops(call, model) | {"kernels": kernels}
+    figures |= count_prefill_ops(call, model)
+    return figures | {"us_per_op": figures["wall_ms"] * 1000 / figures["ops"], "kernels": kernels}
 
 
 def print_prefill(method: str, figures: dict, top: int) -> None:
@@ -186,9 +188,8 @@ def print_prefill(method: str, figures: dict, top: int) -> None:
         if "kernel_ms" in figures
         else ""
     )
-    print(
-        f"\n{method}: {figures['wall_ms']:.1f} ms wall{busy}; {figures['ops']} ops, host syncs {figures['host_syncs']}"
-    )
+    ops = f"{figures['ops']} ops ({figures['us_per_op']:.1f} us of wall time an op)"
+    print(f"\n{method}: {figures['wall_ms']:.1f} ms wall{busy}; {ops}, host syncs {figures['host_syncs']}")
     print("  ops by part: " + ", ".join(f"{part} {n}" for part, n in figures["ops_by_part"].items()))
     print_kernels(figures["kernels"], top)
 

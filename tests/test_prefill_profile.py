@@ -24,6 +24,7 @@ def test_profile_writes_each_method_and_resumes(tmp_path: Path, capsys: pytest.C
     for method in prefill_profile.METHODS:
         figures = result[method]
         assert figures["wall_ms"] > 0 and len(figures["per_layer"]) == 4
+        assert figures["us_per_op"] == figures["wall_ms"] * 1000 / figures["ops"]
         assert sum(figures["ops_by_part"].values()) == figures["ops"]  # every op counted in one part
         assert sum(row["share"] for row in figures["kernels"]) == pytest.approx(1.0)
     assert set(result["dense_eager"]["ops_by_part"]) == {"model"}  # no GSM module ran
