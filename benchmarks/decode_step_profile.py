@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.common import write_result
 from gsm_train.attention import inject_gsm, set_gsm_mode
-from gsm_train.config.schema import GSMConfig
+from gsm_train.config.schema import GSMConfig, load_recipe
 from gsm_train.inference.cache import GSMCache, cache_kwargs
 from gsm_train.inference.dense_engine import DenseEngine
 from gsm_train.inference.engine import enable_gsm_generation
@@ -45,6 +45,19 @@ from gsm_train.models.model_zoo import random_model, tiny_model
 
 # --model tiny: recipes/joint.yaml's GSM settings at sizes that fit the tiny model and a short prompt
 TINY_OVERRIDES = ("gsm.sparse_attention.top_k=16", "gsm.sparse_attention.k_min=8", "gsm.kv_compression.block_size=16")
+# --model smollm2: SmolLM2-135M's shapes (random weights: the timing does not depend on them)
+SMOLLM2_SHAPES = {
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "vocab_size": 49152,
+    "max_position_embeddings": 8192,
+    "rope_theta": 100000.0,
+    "tie_word_embeddings": True,
+}
 STARTED = time.perf_counter()
 
 
@@ -129,16 +142,56 @@ def count_ops(step: Callable[[], object], model: nn.Module) -> dict:
 
 
 def _model(name: str, device: str) -> nn.Module:
+    """`name`'s model with random weights (seeded): `tiny` (fp32), `smollm2` (SmolLM2-135M's shapes) or `8b`
+    (Llama-3-8B's), both bf16."""
     torch.manual_seed(0)
     if name == "tiny":
         return tiny_model("llama").to(device)
-    return random_model("random-llama3-8b", torch.bfloat16, device, max_position_embeddings=131072 + 1024)
+    shapes = SMOLLM2_SHAPES if name == "smollm2" else {"max_position_embeddings": 131072 + 1024}
+    return random_model("random-llama3-8b", torch.bfloat16, device, **shapes)
 
 
 def _gsm_config(name: str) -> GSMConfig:
-    from benchmarks.generate import joint_gsm_config
+    """The GSM modules profiled on `name`: recipes/joint.yaml's (`TINY_OVERRIDES` on the tiny model), on
+    `smollm2` recipes/joint_long.yaml's (the 8k export's), gates at random either way."""
+    from benchmarks.generate import REPO, joint_gsm_config
 
+    if name == "smollm2":
+        return load_recipe(str(REPO / "recipes" / "joint_long.yaml"), ["gsm.sparse_attention.gate_init=random"]).gsm
     return joint_gsm_config(*TINY_OVERRIDES) if name == "tiny" else joint_gsm_config()
+
+
+def attach_gsm(model: nn.Module, name: str) -> None:
+    """`_gsm_config(name)`'s modules on `model`, in sparse mode."""
+    inject_gsm(model, _gsm_config(name), mode="sparse")
+    set_gsm_mode(model, "sparse")
+
+
+def prompt_ids(model: nn.Module, batch: int, context: int) -> torch.Tensor:
+    """Random prompt tokens [batch, context] (seeded) on the model's device."""
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(1)
+    return torch.randint(0, model.config.vocab_size, (batch, context), generator=generator).to(device)
+
+
+def load_result(path: Path, settings: dict) -> dict:
+    """The result file at `path` if it was written with `settings`, else a fresh one holding them."""
+    result = json.loads(path.read_text()) if path.exists() else {}
+    return result if result.get("settings") == settings else {"settings": settings}
+
+
+def run_methods(
+    path: Path, result: dict, methods: list[tuple[str, Callable[[], dict]]], show: Callable[[str, dict], None]
+) -> None:
+    """Each (name, measure) of `methods` in order, unless `result` holds it already (an earlier run with the
+    same settings); `result` is written to `path` after each; `show(name, figures)` prints each."""
+    for method, run in methods:
+        if method in result:
+            say(f"{method}: profiled by an earlier run")
+        else:
+            result[method] = run()
+            write_result(path, result)
+        show(method, result[method])
 
 
 def dense_step(model: nn.Module, ids: torch.Tensor, extra: int, cuda_graphs: bool = True) -> Callable[[], object]:
@@ -197,8 +250,13 @@ def print_counts(method: str, result: dict) -> None:
 
 def print_table(method: str, result: dict, top: int) -> None:
     print(f"\n{method}: {result['step_us']:.1f} us per step ({result['per_layer_us']:.1f} per layer)")
+    print_kernels(result["kernels"], top)
+
+
+def print_kernels(kernels: list[dict], top: int) -> None:
+    """The `top` rows of a `profile_step` table."""
     print(f"{'kernel':<90} {'calls':>7} {'total us':>10} {'share':>7}")
-    for row in result["kernels"][:top]:
+    for row in kernels[:top]:
         print(f"{row['name'][:90]:<90} {row['calls']:7.1f} {row['total_us']:10.1f} {row['share']:7.3f}")
 
 
@@ -215,32 +273,31 @@ def main(argv: list[str] | None = None) -> None:
         "--device", choices=["cuda", "cpu"], default=None, help="default: cuda where there is one for 8b, cpu for tiny"
     )
     args = parser.parse_args(argv)
-    path = Path(args.result)
-    result = json.loads(path.read_text()) if path.exists() else {}
     settings = {"model": args.model, "context": args.context, "batch": args.batch, "steps": args.steps}
     settings |= {"count": True} if args.count else {}
     settings |= {"device": args.device} if args.device else {}
-    if result.get("settings") != settings:
-        result = {"settings": settings}
+    path = Path(args.result)
+    result = load_result(path, settings)
     model = _model(args.model, args.device or ("cuda" if torch.cuda.is_available() and args.model == "8b" else "cpu"))
-    device = next(model.parameters()).device
-    vocab = model.config.vocab_size
-    ids = torch.randint(0, vocab, (args.batch, args.context), generator=torch.Generator().manual_seed(1)).to(device)
-    for method, make in (("dense_engine", dense_step), ("gsm", gsm_step)):
-        if method in result:
-            say(f"{method}: profiled by an earlier run")
-        else:
-            if method == "gsm":
-                inject_gsm(model, _gsm_config(args.model), mode="sparse")
-                set_gsm_mode(model, "sparse")
+    ids = prompt_ids(model, args.batch, args.context)
+
+    def method(name: str, make: Callable[..., Callable[[], object]]) -> tuple[str, Callable[[], dict]]:
+        def run() -> dict:
+            if name == "gsm":
+                attach_gsm(model, args.model)
             what = "one counted step" if args.count else f"{args.steps} profiled steps"
-            say(f"{method}: prefill of {args.context} tokens, warm-up, {what}")
-            result[method] = measure(make, model, ids, args.steps, args.count)
-            write_result(path, result)
+            say(f"{name}: prefill of {args.context} tokens, warm-up, {what}")
+            return measure(make, model, ids, args.steps, args.count)
+
+        return name, run
+
+    def show(name: str, figures: dict) -> None:
         if args.count:
-            print_counts(method, result[method])
+            print_counts(name, figures)
         else:
-            print_table(method, result[method], args.top)
+            print_table(name, figures, args.top)
+
+    run_methods(path, result, [method("dense_engine", dense_step), method("gsm", gsm_step)], show)
 
 
 if __name__ == "__main__":

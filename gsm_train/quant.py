@@ -98,9 +98,19 @@ def floor_ste(x: Tensor) -> Tensor:
 
 
 def fp16_grid(x: Tensor) -> Tensor:
-    """fp32 `x` (within fp16's range) rounded to the nearest fp16 value, ties to even, exactly as
-    `.half().float()` rounds, computed in integer arithmetic on x's bits so that a compiler cannot fuse
-    the rounding away. Below fp16's smallest normal the grid is multiples of 2**-24. NaN stays NaN."""
+    """fp32 `x` (within fp16's range: below 65520 in magnitude) rounded to the nearest fp16 value, ties to
+    even, as `.half().float()` rounds. Below fp16's smallest normal the grid is multiples of 2**-24. NaN
+    stays NaN, -0.0 stays -0.0. In eager code it is that cast (two kernels); while torch.compile traces,
+    `fp16_grid_bits` (the same values in integer arithmetic, which a compiler cannot fuse away)."""
+    if torch.compiler.is_compiling():
+        return fp16_grid_bits(x)
+    return x.to(torch.float16).to(torch.float32)
+
+
+def fp16_grid_bits(x: Tensor) -> Tensor:
+    """`fp16_grid` computed in integer arithmetic on x's bits (thirteen kernels eagerly): what a
+    compiled graph runs, since Inductor would drop a plain `.half().float()`. Past fp16's range it gives
+    65536 where the cast gives inf (fp16 storage makes either inf)."""
     bits = x.view(torch.int32)
     keep_lsb = (bits >> _FP32_LOW_BITS) & 1  # ties to even: round half up, less one when the kept bit is even
     normal = ((bits + (2 ** (_FP32_LOW_BITS - 1) - 1) + keep_lsb) & -(2**_FP32_LOW_BITS)).view(torch.float32)

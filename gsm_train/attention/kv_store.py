@@ -134,9 +134,11 @@ class KVStore:
             per_entry = self.capacity // self.fields[name].shape[2]  # 1 per token, block_size per block
             self.fields[name][:, :, start // per_entry : start // per_entry + field.shape[2]] = field
 
-    def append(self, states: Tensor) -> None:
+    def append(self, states: Tensor) -> Tensor | None:
         """Store new tokens [B, H', n, D] (the first `heads` heads of H') after the `lengths.before` held:
-        eagerly, with host lengths (a prompt chunk, or a token outside a captured step)."""
+        eagerly, with host lengths (a prompt chunk, or a token outside a captured step). With a compressor,
+        returns the raw rows [B, H, m, D] it packed from: the tail's tokens held before, then the new ones
+        (positions `stored_split(before)` .. end); None without one."""
         states = states[:, : self.heads].to(self.tail.dtype)
         start, end = self.lengths.before, self.lengths.seq_len
         if end > self.capacity:
@@ -146,7 +148,7 @@ class KVStore:
             )
         if self.compressor is None:
             self.tail[:, :, start:end] = states
-            return
+            return None
         packed_before = stored_split(start, self.compressor.block_size)
         raw = torch.cat((self.tail[:, :, : start - packed_before], states), dim=2)  # tokens packed_before..end
         packed_after = stored_split(end, self.compressor.block_size)
@@ -154,6 +156,7 @@ class KVStore:
             self._write_packed(raw[:, :, : packed_after - packed_before], packed_before)
         newest = raw[:, :, packed_after - packed_before :]
         self.tail[:, :, : newest.shape[2]] = newest
+        return raw
 
     def write_newest(self, state: Tensor) -> None:
         """Store one new token [B, H', 1, D] at the slot the device lengths name (capture-safe: no host
@@ -178,6 +181,16 @@ class KVStore:
         at = index.clamp_max(packed_len - 1)
         packed_rows = self.compressor.gather_packed(self.fields, at, compute_dtype(rows)).to(rows.dtype)
         return torch.where((index < packed_len).unsqueeze(-1), packed_rows, rows)
+
+    def packed_prefix(self, end: int) -> Tensor:
+        """Rows [B, H, end, D] of positions [0, end), every one packed (`end` <= `lengths.packed_len`),
+        dequantized in the tail's dtype: what `gather` gives for them, without reading the tail or choosing
+        between it and the packed rows."""
+        if end == 0:
+            return self.tail[:, :, :0]
+        batch, heads = self.tail.shape[:2]
+        positions = torch.arange(end, device=self.tail.device).expand(batch, heads, -1)
+        return self.compressor.gather_packed(self.fields, positions, compute_dtype(self.tail)).to(self.tail.dtype)
 
     def all_rows(self) -> Tensor:
         """Every token held [B, H, S, D], dequantized."""

@@ -42,7 +42,6 @@ from gsm_train.kernels import gate_token
 from gsm_train.kernels.decode_topk import kernel_ready
 from gsm_train.models.families import attention_modules, model_dims
 from gsm_train.modules.errors import GSMError
-from gsm_train.quant import stored_split
 
 PREFILL_MODES = ("dense", "sparse")
 DEFAULT_PREFILL = "dense"  # chosen by benchmarks/prefill_quality.py (docs/design-decisions.md)
@@ -125,15 +124,9 @@ class GSMCacheLayer(CacheLayerMixin):
             self.k_store.write_newest(key_states)
             self.v_store.write_newest(value_states)
             return key_states, value_states
-        before = self.cache.lengths.before
-        if before > 0 and self.k_store.compressor is not None:  # a further prompt chunk: its own blocks raw
-            packed = stored_split(before, self.k_store.compressor.block_size)
-            self.recent_raw = tuple(
-                torch.cat((store.tail[:, :, : before - packed], states[:, : self.store_heads]), 2)
-                for store, states in ((self.k_store, key_states), (self.v_store, value_states))
-            )
-        self.k_store.append(key_states)
-        self.v_store.append(value_states)
+        raw = self.k_store.append(key_states), self.v_store.append(value_states)
+        if self.cache.lengths.before > 0 and raw[0] is not None:  # a further prompt chunk: its own blocks raw
+            self.recent_raw = raw  # the rows since the last block packed before the chunk, as the stores took them
         return key_states, value_states
 
     def keep_gate_keys(self, gate_keys: Tensor, bits: int) -> None:

@@ -122,8 +122,12 @@ def _step_graphs(model: nn.Module, cache: GSMCache) -> StepGraphs | None:
 
 def _chunked_prefill(model: nn.Module, kwargs: dict[str, Any], input_ids: Tensor, chunk: int) -> Any:
     """The prompt in forwards of `chunk` tokens: the last one's output, its logits those the caller asked
-    for (`logits_to_keep`; all of them are joined from the chunks when it asked for every position)."""
+    for (`logits_to_keep`; all of them are joined from the chunks when it asked for every position). A 2-D
+    mask without padding is read once, here, and the chunks run without it (what it says: every key
+    visible), instead of each chunk's forward reading its slice on the host."""
     mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
+    if mask is not None and mask.dim() == 2 and bool(mask.all()):
+        kwargs, mask = {**kwargs, "attention_mask": None}, None
     done = _given_cache(kwargs).lengths.seq_len
     total, keep = input_ids.shape[1], _keep_logits(kwargs)
     out, logits = None, []

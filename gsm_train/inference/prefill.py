@@ -111,8 +111,7 @@ def _keys_as_seen(
     raw_from = stored_split(layer_cache.lengths.before, k_store.compressor.block_size)
     sides = []
     for store, raw in zip((k_store, v_store), layer_cache.recent_raw, strict=True):
-        batch, heads = raw.shape[:2]
-        parts = [store.gather(torch.arange(raw_from, device=raw.device).expand(batch, heads, -1))]
+        parts = [store.packed_prefix(raw_from)]
         if recent_as_stored:
             with torch.no_grad():
                 parts.append(store.compressor(raw))  # whole blocks as stored, the newest (partial) block raw

@@ -1,0 +1,139 @@
+"""What GSM's prefill costs beyond the dense model's, in aten ops (on a GPU each is a kernel launch, and a
+SmolLM2-sized prefill is bound by issuing them: docs/design-decisions.md, "Prefill: where the time to first token
+goes"), and that making it cheaper changed nothing it stores: the storage rounding in eager code is the fp16
+cast (two ops) where it was thirteen ops of integer arithmetic, which compiled graphs keep; a later chunk
+dequantizes the packed prefix without gathering the raw tail beside it; the raw rows since the last packed
+block are joined once, by the store, not again by the cache; a prompt's mask without padding is read on the
+host once, not once per chunk."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_prefill import EVERYTHING, TOKENS, _contents, _model, _run
+
+from benchmarks.decode_step_profile import OpCounter
+from benchmarks.prefill_profile import count_prefill_ops
+from gsm_train import quant
+from gsm_train.config.schema import KVCompressionConfig
+from gsm_train.functional import gate_keys
+from gsm_train.functional.gate_keys import encode_gate_keys
+from gsm_train.inference.cache import GSMCache, cache_kwargs
+from gsm_train.inference.engine import enable_gsm_generation
+from gsm_train.modules.kv_compressor import ASQCompressor
+from gsm_train.quant import fp16_grid, fp16_grid_bits
+
+# recipes/joint_long.yaml's compressor on SmolLM2's K (3 KV heads of 64): 2 clusters, 4 bits, rotated, blocks of 64
+JOINT_LONG_ASQ = KVCompressionConfig(
+    enabled=True, cluster_num=2, hidden_dim=64, quant_bits=4, block_size=64, rotate_residuals=True
+)
+# aten ops (views aside) of one call, counted before this change -> now
+PACK_BLOCKS_OPS = 60  # was 82: the two fp16 roundings (prototypes, scales) took 13 ops each, now 2
+INT8_GATE_KEYS_OPS = 11  # was 22: the scale's fp16 rounding took 13 ops, now 2
+
+
+def _ops(call: object, *args: object) -> int:
+    """Aten ops (views aside) one call runs."""
+    with torch.no_grad(), OpCounter(_model({}, "sparse")) as counter:
+        call(*args)
+    return counter.outside.total()
+
+
+def test_eager_fp16_rounding_equals_the_integer_form_at_every_tie_and_subnormal() -> None:
+    """Every finite fp16 value, every midpoint between neighbours and the fp32 values either side of it,
+    subnormals, -0.0 and NaN: the cast and the integer arithmetic give the same values and signs."""
+    grid = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+    grid = grid[torch.isfinite(grid)].sort().values
+    ties = ((grid[1:].double() + grid[:-1].double()) / 2).float()
+    up, down = torch.tensor(float("inf")), torch.tensor(float("-inf"))
+    special = torch.tensor([float("nan"), 1e-40, -1e-40, -0.0, 0.0, -1e-8, 65519.0, -65519.996, 2.0**-25])
+    x = torch.cat([grid, ties, torch.nextafter(ties, up), torch.nextafter(ties, down), special])
+    x = torch.cat([x, torch.randn(100_000) * 10.0 ** torch.randint(-9, 4, (100_000,))])
+    x = x[~(x.abs() >= 65520)]  # fp16's range (NaN kept)
+    cast, bits = fp16_grid(x), fp16_grid_bits(x)
+    assert torch.equal(cast.nan_to_num(7.0), bits.nan_to_num(7.0)) and torch.equal(cast.signbit(), bits.signbit())
+    # past fp16's range the two forms part (inf, 65536 and above): eagerly the cast, traced the integer form
+    past = torch.tensor([65520.0, 70000.0])
+    compiled = torch.compile(fp16_grid, fullgraph=True, backend="eager")
+    assert torch.isinf(fp16_grid(past)).all() and torch.equal(compiled(past), fp16_grid_bits(past))
+    assert torch.equal(compiled(x).nan_to_num(7.0), bits.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("prefill", ["dense", "sparse"])
+def test_a_chunked_prefill_stores_and_returns_what_the_integer_rounding_gives(
+    prefill: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ASQ (rotated, 4- and 2-bit sides) and int8 gate keys, a prompt in three chunks with edges inside blocks:
+    the cache holds bit for bit what it held with every rounding in integer arithmetic (as before), and the
+    prompt's and the next tokens' logits are the same."""
+    model = _model(EVERYTHING, "sparse")
+    cache, logits = _run(model, TOKENS, prefill, (5, 11, 13))
+    for module in (quant, gate_keys):  # every fp16 rounding in integer arithmetic, as before
+        monkeypatch.setattr(module, "fp16_grid", fp16_grid_bits)
+    reference_cache, reference_logits = _run(model, TOKENS, prefill, (5, 11, 13))
+    held, reference = _contents(cache), _contents(reference_cache)
+    assert held.keys() == reference.keys()
+    assert all(torch.equal(held[name], reference[name]) for name in held)
+    assert torch.equal(logits, reference_logits)
+
+
+def test_packing_a_chunks_blocks_and_its_gate_keys_run_fewer_ops() -> None:
+    asq_k, _ = ASQCompressor.build(JOINT_LONG_ASQ, 0, num_kv_heads=3, head_dim=64)
+    assert _ops(asq_k.pack_blocks, torch.randn(1, 3, 4096, 64)) <= PACK_BLOCKS_OPS
+    assert _ops(encode_gate_keys, torch.randn(1, 1, 4096, 16), 8) <= INT8_GATE_KEYS_OPS
+
+
+def test_a_later_chunk_reads_the_packed_prefix_as_gather_does_with_fewer_ops() -> None:
+    """After a chunked prefill, `packed_prefix(n)` is what `gather` gives for positions [0, n), bit for bit,
+    and the prefill's dequantization of earlier chunks and cache updates run no more ops than now."""
+    model = _model(EVERYTHING, "sparse")
+    cache, _ = _run(model, TOKENS[:, :29], "dense", (5, 11, 13))
+    for layer in cache.layers:
+        for store in (layer.k_store, layer.v_store):
+            end = cache.lengths.packed_len
+            positions = torch.arange(end).expand(*store.tail.shape[:2], -1)
+            assert end > 0 and torch.equal(store.packed_prefix(end), store.gather(positions))
+            assert store.packed_prefix(0).shape == (*store.tail.shape[:2], 0, store.tail.shape[3])
+
+    def prefill() -> None:
+        fresh = GSMCache(model, capacity=29, prefill="dense")
+        for start, stop in ((0, 5), (5, 16), (16, 29)):
+            model(TOKENS[:, start:stop], use_cache=True, **cache_kwargs(model, fresh))
+
+    parts = count_prefill_ops(prefill, model)["ops_by_part"]
+    # 4 layers x 2 sides x 2 later chunks; counted before -> now: dequantized 480 -> 200, updates 128 -> 112
+    assert parts["earlier_chunks_dequantized"] <= 200 and parts["cache_update"] <= 112
+
+
+# host syncs of the engine's prefill below, before -> now: dense 5 -> 1; sparse 20 -> 16 (the rest are its
+# selection's reads of k, per sparse layer and chunk)
+HOST_SYNCS = {"dense": 1, "sparse": 16}
+
+
+@pytest.mark.parametrize("prefill", ["dense", "sparse"])
+def test_a_prompt_without_padding_is_read_on_the_host_once_not_once_per_chunk(prefill: str) -> None:
+    """The engine's chunked prefill of 29 tokens in chunks of 8 with an all-ones mask reads the mask on the
+    host once, where each chunk's padding check and transformers' causal-skip check read it (5 reads), and
+    the cache and the last logits are those of the same chunks fed with the mask's slices."""
+    model = _model(EVERYTHING, "sparse")
+    enable_gsm_generation(model, cuda_graphs=False, prefill_chunk=8, prefill=prefill)
+    ids, outputs = TOKENS[:, :29], {}
+
+    def chunked() -> None:
+        cache = outputs["engine"] = GSMCache(model, capacity=29)
+        kwargs = cache_kwargs(model, cache) | {"use_cache": True, "logits_to_keep": 1}
+        outputs["engine_logits"] = model(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs).logits
+
+    assert sum(count_prefill_ops(chunked, model)["host_syncs"].values()) == HOST_SYNCS[prefill]
+    cache = GSMCache(model, capacity=29)
+    with torch.no_grad():
+        for end in (8, 16, 24, 29):
+            logits = model.gsm_base_forward(
+                input_ids=ids[:, end - 8 if end < 29 else 24 : end],
+                attention_mask=torch.ones_like(ids[:, :end]),
+                use_cache=True,
+                **cache_kwargs(model, cache),
+            ).logits
+    held, reference = _contents(outputs["engine"]), _contents(cache)
+    assert all(torch.equal(held[name], reference[name]) for name in reference)
+    assert torch.equal(outputs["engine_logits"], logits[:, -1:])

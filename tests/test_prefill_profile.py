@@ -1,0 +1,45 @@
+"""benchmarks.prefill_profile on the CPU with the tiny model: per method a wall time, a per-op table and the ops
+one prefill runs (by part for GSM), written as JSON; a second run with the same settings profiles nothing
+again; bad arguments are refused before a model is built."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import prefill_profile
+
+# a prompt of 40 in chunks of 16 with blocks of 16 (the tiny overrides): three chunks, the later two read
+# the blocks packed before them
+ARGV = ["--model", "tiny", "--context", "40", "--chunk", "16", "--repeats", "1", "--warmup", "0"]
+
+
+def test_profile_writes_each_method_and_resumes(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path = tmp_path / "prefill.json"
+    prefill_profile.main([*ARGV, "--result", str(path)])
+    result = json.loads(path.read_text())
+    assert result["settings"]["chunk"] == 16 and result["settings"]["device"] == "cpu"
+    for method in prefill_profile.METHODS:
+        figures = result[method]
+        assert figures["wall_ms"] > 0 and len(figures["per_layer"]) == 4
+        assert figures["us_per_op"] == figures["wall_ms"] * 1000 / figures["ops"]
+        assert sum(figures["ops_by_part"].values()) == figures["ops"]  # every op counted in one part
+        assert sum(row["share"] for row in figures["kernels"]) == pytest.approx(1.0)
+    assert set(result["dense_eager"]["ops_by_part"]) == {"model"}  # no GSM module ran
+    gsm_parts = result["gsm"]["ops_by_part"]
+    assert gsm_parts["asq_pack"] > 0 and gsm_parts["earlier_chunks_dequantized"] > 0 and gsm_parts["gate_keys"] > 0
+    assert result["ratios"]["ops_gsm_over_dense_eager"] == result["gsm"]["ops"] / result["dense_eager"]["ops"]
+    assert "ops by part: asq_pack" in capsys.readouterr().out
+    prefill_profile.main([*ARGV, "--result", str(path)])
+    assert capsys.readouterr().out.count("profiled by an earlier run") == len(prefill_profile.METHODS)
+    assert json.loads(path.read_text())["gsm"] == result["gsm"]
+
+
+@pytest.mark.parametrize("bad", [["--chunk", "0"], ["--repeats", "0"], ["--warmup", "-1"], ["--prefill", "oracle"]])
+def test_bad_arguments_are_refused(bad: list[str], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        prefill_profile.main([*ARGV, *bad, "--result", str(tmp_path / "x.json")])
+    assert bad[0] in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
