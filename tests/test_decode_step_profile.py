@@ -33,9 +33,10 @@ def test_profile_writes_a_table_per_method_and_resumes(tmp_path: Path, capsys: p
 # The most aten ops (views aside) one decoder layer of GSM's token step runs, counted by
 # `decode_step_profile --count` on the tiny Llama at recipes/joint.yaml's settings (layers 0 and 1 dense,
 # 2 and 3 sparse), on the PyTorch path and on the fused kernels' path (docs/results.md, "GSM's token step:
-# ops per layer (CPU count)"). A sparse layer's first count includes the schedule's k, computed once a step.
+# ops per layer (CPU count)"). A sparse layer's first count includes the schedule's k, computed once a step,
+# and on the fused path the gate-token kernel's split scratch (an allocation, not a kernel).
 MOST_OPS_PYTORCH_PATH = {"dense": 103, "sparse": 160}
-MOST_OPS_FUSED_PATH = {"dense": 49, "sparse": 55}
+MOST_OPS_FUSED_PATH = {"dense": 49, "sparse": 56}
 HOST_SYNC = "aten._local_scalar_dense.default"
 
 
