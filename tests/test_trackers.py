@@ -5,6 +5,7 @@ per logged step, and `gsm-train eval` shows its progress."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +58,10 @@ def test_a_resumed_run_continues_its_wandb_run(tmp_path: Path, wandb_runs: list[
     assert [run["name"] for run in wandb_runs] == ["my_gate_run", "my_gate_run"]  # the folder's, not the stage's
     assert all(run["kwargs"]["resume"] == "allow" for run in wandb_runs)
     folders = sorted(p.name for p in (run_dir / "wandb").glob("offline-run-*"))
-    assert len(folders) == 2 and all(name.endswith(f"-{run_id}") for name in folders)
+    # wandb names an offline run's folder by the second it started and the run's id, with "-1" appended when
+    # the resumed run starts within the same second as the first
+    named = re.compile(rf"offline-run-\d{{8}}_\d{{6}}-{re.escape(run_id)}(-\d+)?")
+    assert len(folders) == 2 and all(named.fullmatch(name) for name in folders), folders
     evaluated = [r for r in records(run_dir) if r["kind"] == "eval"][-1]
     per_layer = {key for key in wandb_runs[-1]["logged"] if key.startswith("eval/recall_ratio_k8_per_layer/")}
     assert evaluated["layers"] and per_layer == {
