@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from benchmarks.common import write_result
+from benchmarks.common import REPO, write_result
 from gsm_train.attention import inject_gsm, set_gsm_mode
 from gsm_train.config.schema import GSMConfig, load_recipe
 from gsm_train.inference.cache import GSMCache, cache_kwargs
@@ -45,19 +45,6 @@ from gsm_train.models.model_zoo import random_model, tiny_model
 
 # --model tiny: recipes/joint.yaml's GSM settings at sizes that fit the tiny model and a short prompt
 TINY_OVERRIDES = ("gsm.sparse_attention.top_k=16", "gsm.sparse_attention.k_min=8", "gsm.kv_compression.block_size=16")
-# --model smollm2: SmolLM2-135M's shapes (random weights: the timing does not depend on them)
-SMOLLM2_SHAPES = {
-    "hidden_size": 576,
-    "intermediate_size": 1536,
-    "num_hidden_layers": 30,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "head_dim": 64,
-    "vocab_size": 49152,
-    "max_position_embeddings": 8192,
-    "rope_theta": 100000.0,
-    "tie_word_embeddings": True,
-}
 STARTED = time.perf_counter()
 
 
@@ -141,20 +128,21 @@ def count_ops(step: Callable[[], object], model: nn.Module) -> dict:
     }
 
 
-def _model(name: str, device: str) -> nn.Module:
-    """`name`'s model with random weights (seeded): `tiny` (fp32), `smollm2` (SmolLM2-135M's shapes) or `8b`
-    (Llama-3-8B's), both bf16."""
+def profile_model(name: str, device: str) -> nn.Module:
+    """`name`'s model with random weights (seeded): `tiny` (fp32), `smollm2` (`random-smollm2-135m`, SmolLM2-135M's
+    shapes) or `8b` (`random-llama3-8b`, with room for a 128k prompt), both bf16."""
     torch.manual_seed(0)
     if name == "tiny":
         return tiny_model("llama").to(device)
-    shapes = SMOLLM2_SHAPES if name == "smollm2" else {"max_position_embeddings": 131072 + 1024}
-    return random_model("random-llama3-8b", torch.bfloat16, device, **shapes)
+    if name == "smollm2":
+        return random_model("random-smollm2-135m", torch.bfloat16, device)
+    return random_model("random-llama3-8b", torch.bfloat16, device, max_position_embeddings=131072 + 1024)
 
 
 def _gsm_config(name: str) -> GSMConfig:
     """The GSM modules profiled on `name`: recipes/joint.yaml's (`TINY_OVERRIDES` on the tiny model), on
     `smollm2` recipes/joint_long.yaml's (the 8k export's), gates at random either way."""
-    from benchmarks.generate import REPO, joint_gsm_config
+    from benchmarks.generate import joint_gsm_config
 
     if name == "smollm2":
         return load_recipe(str(REPO / "recipes" / "joint_long.yaml"), ["gsm.sparse_attention.gate_init=random"]).gsm
@@ -278,7 +266,9 @@ def main(argv: list[str] | None = None) -> None:
     settings |= {"device": args.device} if args.device else {}
     path = Path(args.result)
     result = load_result(path, settings)
-    model = _model(args.model, args.device or ("cuda" if torch.cuda.is_available() and args.model == "8b" else "cpu"))
+    model = profile_model(
+        args.model, args.device or ("cuda" if torch.cuda.is_available() and args.model == "8b" else "cpu")
+    )
     ids = prompt_ids(model, args.batch, args.context)
 
     def method(name: str, make: Callable[..., Callable[[], object]]) -> tuple[str, Callable[[], dict]]:

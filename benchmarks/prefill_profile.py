@@ -41,10 +41,10 @@ from torch.utils._python_dispatch import _disable_current_modes
 from benchmarks.common import write_result
 from benchmarks.decode_step_profile import (
     OpCounter,
-    _model,
     attach_gsm,
     load_result,
     print_kernels,
+    profile_model,
     profile_step,
     prompt_ids,
     run_methods,
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = {k: getattr(args, k) for k in ("model", "context", "batch", "prefill", "chunk", "warmup", "repeats")}
     path = Path(args.result)
     result = load_result(path, settings | {"device": device})
-    model = _model(args.model, device)
+    model = profile_model(args.model, device)
     ids = prompt_ids(model, args.batch, args.context)
 
     def method(name: str) -> tuple[str, Callable[[], dict]]:

@@ -36,6 +36,23 @@ RANDOM_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
             "tie_word_embeddings": False,
         },
     ),
+    # SmolLM2-135M's shapes (the real weights are `smollm2-135m`): launch-bound timing at a small size
+    "random-smollm2-135m": (
+        "llama",
+        {
+            "hidden_size": 576,
+            "intermediate_size": 1536,
+            "num_hidden_layers": 30,
+            "num_attention_heads": 9,
+            "num_key_value_heads": 3,
+            "head_dim": 64,
+            "vocab_size": 49152,
+            "max_position_embeddings": 8192,
+            "rope_theta": 100000.0,
+            "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": True,
+        },
+    ),
 }
 _BUILT_IN = (
     f"{', '.join(TINY_PREFIX + family for family in TINY_FAMILIES)} (optionally -LAYERS), "
