@@ -422,11 +422,20 @@ def main() -> None:
         default=PREFILL_CHUNK,
         help="the GSM rows' prompt tokens per forward (the library's default: %(default)s)",
     )
+    parser.add_argument(
+        "--methods",
+        default=",".join(DENSE_METHODS),
+        help="the dense methods measured beside GSM, comma-separated (default: all of %(default)s)",
+    )
     parser.add_argument("--result", required=True)
     args = parser.parse_args()
+    methods = tuple(method for method in args.methods.split(",") if method)
+    unknown = [method for method in methods if method not in DENSE_METHODS]
+    if unknown:
+        parser.error(f"--methods: {unknown} are not dense methods; choose from {','.join(DENSE_METHODS)}")
     result_path = Path(args.result)
     result = json.loads(result_path.read_text()) if result_path.exists() else {"rows": {}}
-    settings = row_settings(args.new_tokens, args.prefill, args.prefill_chunk)
+    settings = row_settings(args.new_tokens, args.prefill, args.prefill_chunk, methods)
     wanted = [name for name in args.rows.split(",") if not row_complete(result["rows"].get(name, {}), settings)]
     peak = bandwidth.peak_bandwidth()
     measured_by = provenance()
@@ -456,6 +465,7 @@ def main() -> None:
                 lambda row, name=name: save(name, row),
                 peak,
                 settings,
+                methods,
             )
             if family == "smollm2":
                 row |= smollm2_extras(model, row, args.new_tokens, prompts, args.prefill)

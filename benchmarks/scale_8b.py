@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -171,6 +172,14 @@ def _save_and_step(session: TrainingSession, folder: Path) -> tuple[Path, dict[s
     }
 
 
+def _checkpoint_bytes_estimate(session: TrainingSession, config: RecipeConfig) -> int:
+    """Bytes a checkpoint of `session` takes at least: every trainable parameter as stored and its two Adam
+    moments in `optim.state_dtype` (what `TrainingSession.save` writes; the small metadata left out)."""
+    state_bytes = 2 if config.optim.state_dtype == "bf16" else 4
+    trainables = [p for p in session.unwrapped.parameters() if p.requires_grad]
+    return sum(p.numel() * (p.element_size() + 2 * state_bytes) for p in trainables)
+
+
 def _resume_and_step(config: RecipeConfig, recipe: str, checkpoint: Path, next_loss: float) -> dict[str, Any]:
     """Set the stage up again, resume from `checkpoint` and take the step `_save_and_step` took after
     saving it: the time of setup and load, and how far its loss is from `next_loss` (0 on the CPU; on a
@@ -225,6 +234,12 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
     row["mfu"] = flops * row["tokens_per_s"] / peak if peak else None
     row["peak_gib"] = _peak_gib()  # of the timed steps: the stage is built again below
     with tempfile.TemporaryDirectory(prefix="scale_8b_ckpt", dir=args.scratch) as folder:
+        needed, free = _checkpoint_bytes_estimate(session, config), shutil.disk_usage(folder).free
+        if needed > 0.95 * free:
+            return row | {
+                "checkpoint_error": f"not saved: about {needed / 1e9:.0f} GB of trainables and optimizer state, "
+                f"{free / 1e9:.0f} GB free in {folder}; give --scratch a folder on a disk with more room"
+            }
         checkpoint, saved = _save_and_step(session, Path(folder))
         del session  # the first stage's memory goes before the second is built
         _release()
@@ -278,7 +293,7 @@ def _summary(rows: dict[str, Any]) -> dict[str, Any]:
 
     gate = rows.get("gate_warmup", {})
     return {
-        "gate_step_over_forward": gate.get("step_over_forward"),
+        "stage1_step_over_forward": gate.get("step_over_forward"),
         "joint_lora_over_dense_lora_tokens_per_s": ratio("joint_lora", "dense_lora", "tokens_per_s"),
         "joint_full_over_dense_full_tokens_per_s": ratio("joint_full", "dense_full", "tokens_per_s"),
         "joint_full_mfu": rows.get("joint_full", {}).get("mfu"),
@@ -312,6 +327,7 @@ def _print_table(rows: dict[str, Any]) -> None:
                 f"({row['checkpoint_over_base']:.2%} of the bf16 base) saved in {row['checkpoint_s']:.2f} s, "
                 f"resumed in {row['resume_s']:.1f} s, next-step loss off by {row['resumed_loss_abs_diff']:.2g}"
             )
+        other += row.get("checkpoint_error", "")
         step = f"{row['step_ms']:9.1f} {row['tokens_per_s']:9.0f}"
         print(f"{name:12s} {step} {mfu:>6s} {peak:>9s}  {other}")
 

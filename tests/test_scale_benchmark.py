@@ -48,7 +48,7 @@ def test_every_row_runs_on_a_tiny_model_and_a_second_run_resumes(tmp_path: Path,
     assert gate["forward_ms"] > 0
     assert written["summary"]["joint_full_resumed_loss_abs_diff"] == 0
     assert written["rows"]["joint_full"]["optimizer_state_dtype"] == "bf16"
-    assert written["summary"]["gate_step_over_forward"] == gate["step_over_forward"]
+    assert written["summary"]["stage1_step_over_forward"] == gate["step_over_forward"]
     capsys.readouterr()
     scale_8b.main(["--result", str(result), *TINY, "--redo", "dense_lora"])
     out = capsys.readouterr().out
