@@ -15,7 +15,9 @@ trainer does (`TrainingSession`: setup, `step()` timed over --steps after two wa
 After its timed steps every row saves a checkpoint (`TrainingSession.save`: the trainables and their
 optimizer state; its time and bytes against the base's bf16 bytes), takes one more step, and resumes
 from it in a stage set up again (the first one released: the time of setup and load) to take the same
-step, whose loss must be the same (`resumed_loss_abs_diff`). Each row records the median step time,
+step, whose loss must be the same (`resumed_loss_abs_diff`). A checkpoint the --scratch disk cannot hold (its
+trainables and Adam moments against the free bytes) is not written: the row says so (`checkpoint_error`).
+With --profile-steps N, N more steps run under torch.profiler and the row keeps its largest kernels. Each row records the median step time,
 tokens/s, the peak GPU memory from before its model was built to its last timed step, and model FLOPs
 utilisation: model FLOPs per token over the GPU's dense bf16 peak
 (989 TFLOP/s for an H100 or H200), where, with N the parameters of the matrix products (every linear
@@ -53,6 +55,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import REPO, git_commit, write_result
+from benchmarks.decode_step_profile import profile_step
 from gsm_train.attention import gsm_disabled
 from gsm_train.config.schema import RecipeConfig, load_recipe
 from gsm_train.export.save_load import AdapterNames
@@ -63,6 +66,7 @@ from gsm_train.training.step_graph import cuda_graph_blockers, use_cuda_graph
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16 tensor-core peak per GPU
 WARMUP_STEPS = 2
+PROFILE_TOP = 40  # kernels kept per profiled row
 LORA = ["train.base=lora", "model.dtype=bfloat16", "train.activation_checkpointing=true"]
 FULL = ["train.base=full", "optim.state_dtype=bf16", "train.activation_checkpointing=true"]
 JOINT = ["init_from=null"]
@@ -233,6 +237,9 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
     peak = _peak_flops()
     row["mfu"] = flops * row["tokens_per_s"] / peak if peak else None
     row["peak_gib"] = _peak_gib()  # of the timed steps: the stage is built again below
+    if args.profile_steps:
+        kernels = profile_step(lambda: session.step().means[0].item(), args.profile_steps, torch.cuda.is_available())
+        row["kernels"] = kernels[:PROFILE_TOP]
     with tempfile.TemporaryDirectory(prefix="scale_8b_ckpt", dir=args.scratch) as folder:
         needed, free = _checkpoint_bytes_estimate(session, config), shutil.disk_usage(folder).free
         if needed > 0.95 * free:
@@ -344,6 +351,12 @@ def main(argv: list[str] | None = None) -> None:
         default=[],
         metavar="KEY=VALUE",
         help="recipe overrides for every row (e.g. sizes a small --model needs)",
+    )
+    parser.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="after the timed steps, profile this many more: the row's largest kernels (ops on the CPU) per step",
     )
     parser.add_argument("--only", nargs="*", choices=list(ROWS), default=list(ROWS), help="rows to run")
     parser.add_argument("--redo", nargs="*", choices=list(ROWS), default=[], help="measure these rows again")

@@ -74,3 +74,21 @@ def test_random_llama3_8b_is_built_on_the_device_in_the_dtype_asked() -> None:
     assert sum(p.numel() for p in params) == 8_030_261_248
     assert {p.device.type for p in params} == {"meta"} and {p.dtype for p in params} == {torch.bfloat16}
     assert load_recipe(GATE_RECIPE, ["model.name_or_path=random-llama3-8b"]).model.name_or_path == "random-llama3-8b"
+
+
+def test_a_checkpoint_the_scratch_disk_cannot_hold_is_refused_and_a_row_can_be_profiled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With 1 kB free the row keeps its step figures, says what the checkpoint needs, writes nothing; with
+    --profile-steps its largest ops (CPU) come with it."""
+    monkeypatch.setattr(scale_8b.shutil, "disk_usage", lambda path: type("Usage", (), {"free": 1000})())
+    result = tmp_path / "scale.json"
+    scale_8b.main(
+        ["--result", str(result), *TINY, "--only", "dense_lora", "--profile-steps", "1", "--scratch", str(tmp_path)]
+    )
+    row = json.loads(result.read_text())["rows"]["dense_lora"]
+    assert row["step_ms"] > 0 and "checkpoint_bytes" not in row and "resume_s" not in row
+    assert "GB free" in row["checkpoint_error"] and "--scratch" in row["checkpoint_error"]
+    assert [p.name for p in tmp_path.iterdir()] == ["scale.json"]
+    assert 0 < len(row["kernels"]) <= scale_8b.PROFILE_TOP
+    assert all(k["total_us"] > 0 and k["calls"] > 0 for k in row["kernels"])
