@@ -15,9 +15,10 @@ trainer does (`TrainingSession`: setup, `step()` timed over --steps after two wa
 After its timed steps every row saves a checkpoint (`TrainingSession.save`: the trainables and their
 optimizer state; its time and bytes against the base's bf16 bytes), takes one more step, and resumes
 from it in a stage set up again (the first one released: the time of setup and load) to take the same
-step, whose loss must be the same (`resumed_loss_abs_diff`). A checkpoint the --scratch disk cannot hold (its
-trainables and Adam moments against the free bytes) is not written: the row says so (`checkpoint_error`).
-With --profile-steps N, N more steps run under torch.profiler and the row keeps its largest kernels. Each row records the median step time,
+step, whose loss must be the same (`resumed_loss_abs_diff`). A checkpoint the --scratch disk cannot hold
+(its trainables and Adam moments against the free bytes) is not written: the row says so
+(`checkpoint_error`). With --profile-steps N, N more steps run under torch.profiler and the row keeps
+its largest kernels. Each row records the median step time,
 tokens/s, the peak GPU memory from before its model was built to its last timed step, and model FLOPs
 utilisation: model FLOPs per token over the GPU's dense bf16 peak
 (989 TFLOP/s for an H100 or H200), where, with N the parameters of the matrix products (every linear
@@ -238,8 +239,7 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
     row["mfu"] = flops * row["tokens_per_s"] / peak if peak else None
     row["peak_gib"] = _peak_gib()  # of the timed steps: the stage is built again below
     if args.profile_steps:
-        kernels = profile_step(lambda: session.step().means[0].item(), args.profile_steps, torch.cuda.is_available())
-        row["kernels"] = kernels[:PROFILE_TOP]
+        row["kernels"] = _profile(session, args.profile_steps)
     with tempfile.TemporaryDirectory(prefix="scale_8b_ckpt", dir=args.scratch) as folder:
         needed, free = _checkpoint_bytes_estimate(session, config), shutil.disk_usage(folder).free
         if needed > 0.95 * free:
@@ -251,6 +251,12 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
         del session  # the first stage's memory goes before the second is built
         _release()
         return row | saved | _resume_and_step(config, recipe, checkpoint, saved["next_step_loss"])
+
+
+def _profile(session: TrainingSession, steps: int) -> list[dict[str, Any]]:
+    """The `PROFILE_TOP` largest kernels (ops on the CPU) of `steps` more training steps, per step."""
+    kernels = profile_step(lambda: session.step().means[0].item(), steps, torch.cuda.is_available())
+    return kernels[:PROFILE_TOP]
 
 
 def _forward_ms(session: TrainingSession, steps: int) -> float:
