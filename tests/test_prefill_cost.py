@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_prefill import EVERYTHING, TOKENS, _contents, _model, _run
+from test_prefill import EVERYTHING, TOKENS, _contents, _dense_model_layers, _model, _run
 
 from benchmarks.decode_step_profile import OpCounter
 from benchmarks.prefill_profile import count_prefill_ops
@@ -18,8 +18,9 @@ from gsm_train import quant
 from gsm_train.config.schema import KVCompressionConfig
 from gsm_train.functional import gate_keys
 from gsm_train.functional.gate_keys import encode_gate_keys
+from gsm_train.inference import dense_engine
 from gsm_train.inference.cache import GSMCache, cache_kwargs
-from gsm_train.inference.engine import enable_gsm_generation
+from gsm_train.inference.engine import PREFILL_CHUNKS, enable_gsm_generation
 from gsm_train.modules.kv_compressor import ASQCompressor
 from gsm_train.quant import fp16_grid, fp16_grid_bits
 
@@ -137,3 +138,33 @@ def test_a_prompt_without_padding_is_read_on_the_host_once_not_once_per_chunk(pr
     held, reference = _contents(outputs["engine"]), _contents(cache)
     assert all(torch.equal(held[name], reference[name]) for name in reference)
     assert torch.equal(outputs["engine_logits"], logits[:, -1:])
+
+
+def test_a_dense_prefill_runs_a_prompt_up_to_the_dense_engines_chunk_in_one_forward_as_the_dense_model() -> None:
+    """The engine's default chunk follows the cache's prefill mode: a dense prefill's is the dense engine's
+    (8192), a sparse one's stays 4096. A prompt of 4100 tokens, which went in two forwards (the second reading
+    the first's K/V dequantized), now goes in one: the base model's prefill, its logits the dense model's bit
+    for bit, where the two forwards' differ from them by ASQ's error. A sparse prefill still goes in two."""
+    assert PREFILL_CHUNKS == {"dense": dense_engine.PREFILL_CHUNK, "sparse": 4096}
+    model = _model(EVERYTHING, "sparse")
+    ids = torch.randint(0, 256, (1, 4100), generator=torch.Generator().manual_seed(1))
+    dense_logits, _ = _dense_model_layers(model, ids[:, :-1])  # the prompt, then one token after it
+    forwards = []
+    hook = model.model.register_forward_pre_hook(lambda module, args: forwards.append(1))  # the decoder stack
+
+    def prefill(**options: object) -> torch.Tensor:
+        forwards.clear()
+        enable_gsm_generation(model, cuda_graphs=False, **options)
+        cache = GSMCache(model, capacity=ids.shape[1])
+        with torch.no_grad():
+            return model(input_ids=ids[:, :-1], use_cache=True, **cache_kwargs(model, cache)).logits
+
+    try:
+        assert torch.equal(prefill(), dense_logits) and len(forwards) == 1
+        two = prefill(prefill_chunk=4096)
+        assert len(forwards) == 2 and torch.equal(two[:, :4096], dense_logits[:, :4096])
+        assert not torch.equal(two[:, 4096:], dense_logits[:, 4096:])
+        prefill(prefill="sparse")
+        assert len(forwards) == 2
+    finally:
+        hook.remove()
