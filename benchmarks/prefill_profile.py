@@ -61,6 +61,7 @@ HOST_SYNCS = ("aten._local_scalar_dense.default", "aten.nonzero.default", "aten.
 # qualified name) that names the part an op runs for
 PARTS = {
     "pack_blocks": "asq_pack",
+    "paired_pack": "asq_pack",
     "_keys_as_seen": "earlier_chunks_dequantized",
     "run_gate": "gate_keys",
     "lazy_initialization": "cache_buffers",

@@ -93,7 +93,12 @@ def round_ste(x: Tensor) -> Tensor:
 
 
 def floor_ste(x: Tensor) -> Tensor:
-    """Round down with a straight-through (identity) gradient."""
+    """Round down with a straight-through (identity) gradient. Without a gradient, ``floor(x)`` alone (one
+    kernel, not three): the same value, since ``x + (floor(x) - x)`` rounds to ``floor(x)`` in binary
+    floating point (Sterbenz's lemma where ``|x| >= 0.5``; in (-0.5, 0) the sum is within half an ulp of
+    -1.0), except that -0.0 stays -0.0 where the gradient's form gives +0.0."""
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return torch.floor(x)
     return x + (torch.floor(x) - x).detach()
 
 
@@ -187,14 +192,14 @@ def pack_codes(q: Tensor, bits: int) -> Tensor:
     if pad:
         u = torch.cat([u, u.new_zeros(*u.shape[:-1], pad)], dim=-1)
     u = u.reshape(*u.shape[:-1], u.shape[-1] // per, per)
-    shifts = torch.arange(per, device=u.device, dtype=torch.int32) * bits
+    shifts = torch.arange(0, per * bits, bits, device=u.device, dtype=torch.int32)
     return torch.bitwise_left_shift(u, shifts).sum(dim=-1).to(torch.uint8)
 
 
 def unpack_codes(packed: Tensor, bits: int, dim: int, dtype: torch.dtype = torch.float32) -> Tensor:
     """Inverse of `pack_codes`: uint8 [..., nbytes] -> levels [..., dim] in `dtype` (exact)."""
     per = 8 // bits
-    shifts = torch.arange(per, device=packed.device, dtype=torch.int32) * bits
+    shifts = torch.arange(0, per * bits, bits, device=packed.device, dtype=torch.int32)
     u = torch.bitwise_right_shift(packed.to(torch.int32).unsqueeze(-1), shifts) & (2**bits - 1)
     u = u.reshape(*packed.shape[:-1], packed.shape[-1] * per)[..., :dim]
     return u.to(dtype) - code_center(bits)

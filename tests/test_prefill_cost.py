@@ -15,13 +15,14 @@ from test_prefill import EVERYTHING, TOKENS, _contents, _dense_model_layers, _mo
 from benchmarks.decode_step_profile import OpCounter
 from benchmarks.prefill_profile import count_prefill_ops
 from gsm_train import quant
+from gsm_train.attention import kv_store
 from gsm_train.config.schema import KVCompressionConfig
 from gsm_train.functional import gate_keys
 from gsm_train.functional.gate_keys import encode_gate_keys
 from gsm_train.inference import dense_engine
 from gsm_train.inference.cache import GSMCache, cache_kwargs
 from gsm_train.inference.engine import PREFILL_CHUNKS, enable_gsm_generation
-from gsm_train.modules.kv_compressor import ASQCompressor
+from gsm_train.modules.kv_compressor import ASQCompressor, paired_pack
 from gsm_train.quant import fp16_grid, fp16_grid_bits
 
 # recipes/joint_long.yaml's compressor on SmolLM2's K (3 KV heads of 64): 2 clusters, 4 bits, rotated, blocks of 64
@@ -29,7 +30,10 @@ JOINT_LONG_ASQ = KVCompressionConfig(
     enabled=True, cluster_num=2, hidden_dim=64, quant_bits=4, block_size=64, rotate_residuals=True
 )
 # aten ops (views aside) of one call, counted before this change -> now
-PACK_BLOCKS_OPS = 60  # was 82: the two fp16 roundings (prototypes, scales) took 13 ops each, now 2
+# pack_blocks was 82, then 60 (the two fp16 roundings, of prototypes and scales, took 13 ops each, now 2), now 56
+# (the floor of the levels without its straight-through form, the code shifts in one op, no empty tail copied)
+PACK_BLOCKS_OPS = 56
+PAIRED_PACK_OPS = {False: 84, True: 67}  # K's and V's packing in one call (K's and V's bits equal: True), was 2 x 56
 INT8_GATE_KEYS_OPS = 11  # was 22: the scale's fp16 rounding took 13 ops, now 2
 
 
@@ -79,8 +83,11 @@ def test_a_chunked_prefill_stores_and_returns_what_the_integer_rounding_gives(
 
 
 def test_packing_a_chunks_blocks_and_its_gate_keys_run_fewer_ops() -> None:
-    asq_k, _ = ASQCompressor.build(JOINT_LONG_ASQ, 0, num_kv_heads=3, head_dim=64)
-    assert _ops(asq_k.pack_blocks, torch.randn(1, 3, 4096, 64)) <= PACK_BLOCKS_OPS
+    asq_k, asq_v = ASQCompressor.build(JOINT_LONG_ASQ.model_copy(update={"value_quant_bits": 2}), 2, 3, 64)
+    rows = torch.randn(1, 3, 4096, 64)
+    assert _ops(asq_k.pack_blocks, rows) <= PACK_BLOCKS_OPS
+    assert _ops(paired_pack, asq_k, asq_v, rows, rows) <= PAIRED_PACK_OPS[False]
+    assert _ops(paired_pack, asq_k, asq_k, rows, rows) <= PAIRED_PACK_OPS[True]
     assert _ops(encode_gate_keys, torch.randn(1, 1, 4096, 16), 8) <= INT8_GATE_KEYS_OPS
 
 
@@ -168,3 +175,45 @@ def test_a_dense_prefill_runs_a_prompt_up_to_the_dense_engines_chunk_in_one_forw
         assert len(forwards) == 2
     finally:
         hook.remove()
+
+
+@pytest.mark.parametrize(
+    ("bits", "rotate", "dtype", "heads"),
+    [((4, 2), True, torch.bfloat16, 3), ((4, 4), True, torch.float32, 2), ((8, 2), False, torch.float64, 3)],
+)
+def test_k_and_v_packed_in_one_encoding_store_the_bits_of_two(
+    bits: tuple[int, int], rotate: bool, dtype: torch.dtype, heads: int
+) -> None:
+    """`paired_pack` gives each side's `pack_blocks` fields bit for bit (K and V at their own bits, RMS-scaled
+    2-bit V among them; rotated or not; bf16, fp32 and fp64 rows; all heads or a bridge target's first ones),
+    and compressors that differ in more than their bits pack apart (None)."""
+    config = JOINT_LONG_ASQ.model_copy(update={"quant_bits": bits[0], "value_quant_bits": bits[1]})
+    config = config.model_copy(update={"rotate_residuals": rotate})
+    torch.manual_seed(0)
+    asq_k, asq_v = ASQCompressor.build(config, 2, num_kv_heads=3, head_dim=64)
+    for parameter in asq_v.parameters():  # V's assignment MLP its own
+        parameter.data.normal_()
+    key, value = (torch.randn(2, heads, 5 * 64, 64).to(dtype) * scale for scale in (3.0, 0.5))
+    pair = paired_pack(asq_k, asq_v, key, value)
+    for packed, compressor, rows in zip(pair, (asq_k, asq_v), (key, value), strict=True):
+        alone = compressor.pack_blocks(rows)
+        assert packed.keys() == alone.keys()
+        assert all(torch.equal(packed[name], alone[name]) for name in alone)
+    other = ASQCompressor.build(config.model_copy(update={"cluster_num": 4}), 2, num_kv_heads=3, head_dim=64)[1]
+    assert paired_pack(asq_k, other, key, value) is None
+
+
+@pytest.mark.parametrize("prefill", ["dense", "sparse"])
+def test_a_chunked_prefill_packing_k_and_v_together_stores_and_returns_what_packing_them_apart_does(
+    prefill: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every feature on (K at 4 bits, V at 2), a prompt in three chunks with edges inside blocks, then token
+    steps: the cache holds bit for bit what it held when each side packed alone, and the logits are the same."""
+    model = _model(EVERYTHING, "sparse")
+    cache, logits = _run(model, TOKENS, prefill, (5, 11, 13))
+    monkeypatch.setattr(kv_store, "paired_pack", lambda *args: None)  # each side packs alone, as before
+    reference_cache, reference_logits = _run(model, TOKENS, prefill, (5, 11, 13))
+    held, reference = _contents(cache), _contents(reference_cache)
+    assert held.keys() == reference.keys()
+    assert all(torch.equal(held[name], reference[name]) for name in held)
+    assert torch.equal(logits, reference_logits)

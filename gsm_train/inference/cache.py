@@ -32,7 +32,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from gsm_train.attention.adapter import GSMAttentionAdapter
 from gsm_train.attention.cache_protocol import CachedStep
-from gsm_train.attention.kv_store import CacheLengths, KVStore
+from gsm_train.attention.kv_store import CacheLengths, KVStore, append_pair
 from gsm_train.attention.settings import gsm_settings
 from gsm_train.functional.gate_keys import GATE_KEY_DTYPE, encode_gate_keys
 from gsm_train.functional.top_k import scheduled_k
@@ -124,7 +124,7 @@ class GSMCacheLayer(CacheLayerMixin):
             self.k_store.write_newest(key_states)
             self.v_store.write_newest(value_states)
             return key_states, value_states
-        raw = self.k_store.append(key_states), self.v_store.append(value_states)
+        raw = append_pair(self.k_store, self.v_store, key_states, value_states)
         if self.cache.lengths.before > 0 and raw[0] is not None:  # a further prompt chunk: its own blocks raw
             self.recent_raw = raw  # the rows since the last block packed before the chunk, as the stores took them
         return key_states, value_states
