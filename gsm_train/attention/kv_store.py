@@ -198,9 +198,11 @@ class KVStore:
     def packed_prefix(self, end: int) -> Tensor:
         """Rows [B, H, end, D] of positions [0, end), every one packed (`end` <= `lengths.packed_len`),
         dequantized in the tail's dtype: what `gather` gives for them, without reading the tail or choosing
-        between it and the packed rows."""
+        between it and the packed rows (ASQ's fields sliced, not gathered: `ASQCompressor.prefix_rows`)."""
         if end == 0:
             return self.tail[:, :, :0]
+        if isinstance(self.compressor, ASQCompressor):
+            return self.compressor.prefix_rows(self.fields, end, compute_dtype(self.tail)).to(self.tail.dtype)
         batch, heads = self.tail.shape[:2]
         positions = torch.arange(end, device=self.tail.device).expand(batch, heads, -1)
         return self.compressor.gather_packed(self.fields, positions, compute_dtype(self.tail)).to(self.tail.dtype)

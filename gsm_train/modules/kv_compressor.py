@@ -434,6 +434,17 @@ class ASQCompressor(nn.Module):
         index = (at // self.block_size * clusters + ids).unsqueeze(-1).expand(*at.shape, dim)
         return unrotated(torch.gather(flat, 2, index).to(dtype) + codes * scales, self.rotation)
 
+    def prefix_rows(self, fields: dict[str, Tensor], end: int, dtype: torch.dtype) -> Tensor:
+        """Rows [B, H, end, D] in `dtype` of packed positions [0, end) (whole blocks) of `pack_blocks` fields:
+        `gather_packed` of those positions bit for bit, the fields read by slicing instead of gathering."""
+        ids = fields["ids"][:, :, :end].long()
+        b, h, _ = ids.shape
+        blocks = end // self.block_size
+        codes = unpack_codes(fields["residual"][:, :, :end], self.quant_bits, self.head_dim, dtype)
+        scales = fields["scales"][:, :, :end].to(dtype).unsqueeze(-1)
+        prototypes = gather_prototypes(fields["prototypes"][:, :, :blocks], ids.view(b, h, blocks, self.block_size))
+        return unrotated(prototypes.view(b, h, end, self.head_dim).to(dtype) + codes * scales, self.rotation)
+
     def byte_account(self, seq_len: int, batch_size: int = 1, tail_bytes: int = 2) -> dict[str, float]:
         """:func:`asq_bytes` for this compressor's configuration."""
         return asq_bytes(
