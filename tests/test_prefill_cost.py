@@ -158,7 +158,7 @@ def test_a_dense_prefill_runs_a_prompt_up_to_the_dense_engines_chunk_in_one_forw
     assert PREFILL_CHUNKS == {"dense": dense_engine.PREFILL_CHUNK, "sparse": 4096}
     model = _model(EVERYTHING, "sparse")
     ids = torch.randint(0, 256, (1, 4100), generator=torch.Generator().manual_seed(1))
-    dense_logits, _ = _dense_model_layers(model, ids[:, :-1])  # the prompt, then one token after it
+    dense_logits, _ = _dense_model_layers(model, ids)
     forwards = []
     hook = model.model.register_forward_pre_hook(lambda module, args: forwards.append(1))  # the decoder stack
 
@@ -167,7 +167,7 @@ def test_a_dense_prefill_runs_a_prompt_up_to_the_dense_engines_chunk_in_one_forw
         enable_gsm_generation(model, cuda_graphs=False, **options)
         cache = GSMCache(model, capacity=ids.shape[1])
         with torch.no_grad():
-            return model(input_ids=ids[:, :-1], use_cache=True, **cache_kwargs(model, cache)).logits
+            return model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache)).logits
 
     try:
         assert torch.equal(prefill(), dense_logits) and len(forwards) == 1
