@@ -181,23 +181,34 @@ def test_a_dense_prefill_runs_a_prompt_up_to_the_dense_engines_chunk_in_one_forw
         hook.remove()
 
 
+# the paired packing's equality is checked on the CPU here; on a GPU (where batched kernels of twice the batch
+# may be other kernels) by the same tests, run on the device
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
-    ("bits", "rotate", "dtype", "heads"),
-    [((4, 2), True, torch.bfloat16, 3), ((4, 4), True, torch.float32, 2), ((8, 2), False, torch.float64, 3)],
+    ("bits", "rotate", "dtype", "heads", "batch", "blocks"),
+    [
+        ((4, 2), True, torch.bfloat16, 3, 1, 64),
+        ((4, 2), True, torch.bfloat16, 3, 2, 5),
+        ((4, 4), True, torch.float32, 2, 2, 5),
+        ((8, 2), False, torch.float64, 3, 2, 5),
+    ],
 )
 def test_k_and_v_packed_in_one_encoding_store_the_bits_of_two(
-    bits: tuple[int, int], rotate: bool, dtype: torch.dtype, heads: int
+    bits: tuple[int, int], rotate: bool, dtype: torch.dtype, heads: int, batch: int, blocks: int, device: str
 ) -> None:
     """`paired_pack` gives each side's `pack_blocks` fields bit for bit (K and V at their own bits, RMS-scaled
-    2-bit V among them; rotated or not; bf16, fp32 and fp64 rows; all heads or a bridge target's first ones),
-    and compressors that differ in more than their bits pack apart (None)."""
+    2-bit V among them; rotated or not; bf16, fp32 and fp64 rows; all heads or a bridge target's first ones;
+    a 4096-token chunk), and compressors that differ in more than their bits pack apart (None)."""
     config = JOINT_LONG_ASQ.model_copy(update={"quant_bits": bits[0], "value_quant_bits": bits[1]})
     config = config.model_copy(update={"rotate_residuals": rotate})
     torch.manual_seed(0)
-    asq_k, asq_v = ASQCompressor.build(config, 2, num_kv_heads=3, head_dim=64)
+    asq_k, asq_v = (side.to(device) for side in ASQCompressor.build(config, 2, num_kv_heads=3, head_dim=64))
     for parameter in asq_v.parameters():  # V's assignment MLP its own
         parameter.data.normal_()
-    key, value = (torch.randn(2, heads, 5 * 64, 64).to(dtype) * scale for scale in (3.0, 0.5))
+    key, value = (torch.randn(batch, heads, blocks * 64, 64, device=device).to(dtype) * scale for scale in (3.0, 0.5))
     pair = paired_pack(asq_k, asq_v, key, value)
     for packed, compressor, rows in zip(pair, (asq_k, asq_v), (key, value), strict=True):
         alone = compressor.pack_blocks(rows)
@@ -207,16 +218,17 @@ def test_k_and_v_packed_in_one_encoding_store_the_bits_of_two(
     assert paired_pack(asq_k, other, key, value) is None
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("prefill", ["dense", "sparse"])
 def test_a_chunked_prefill_packing_k_and_v_together_stores_and_returns_what_packing_them_apart_does(
-    prefill: str, monkeypatch: pytest.MonkeyPatch
+    prefill: str, device: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every feature on (K at 4 bits, V at 2), a prompt in three chunks with edges inside blocks, then token
     steps: the cache holds bit for bit what it held when each side packed alone, and the logits are the same."""
-    model = _model(EVERYTHING, "sparse")
-    cache, logits = _run(model, TOKENS, prefill, (5, 11, 13))
+    model, ids = _model(EVERYTHING, "sparse").to(device), TOKENS.to(device)
+    cache, logits = _run(model, ids, prefill, (5, 11, 13))
     monkeypatch.setattr(kv_store, "paired_pack", lambda *args: None)  # each side packs alone, as before
-    reference_cache, reference_logits = _run(model, TOKENS, prefill, (5, 11, 13))
+    reference_cache, reference_logits = _run(model, ids, prefill, (5, 11, 13))
     held, reference = _contents(cache), _contents(reference_cache)
     assert held.keys() == reference.keys()
     assert all(torch.equal(held[name], reference[name]) for name in held)
