@@ -1,7 +1,8 @@
 """Quantization math shared by the ASQ compressor, the generation cache's packed store and the kernels.
 
 A leaf: it imports nothing from gsm_train. It holds the residual grids, the fp16 storage grid, the
-randomized Hadamard rotation, bit packing, the block split of a [B, H, S, D] sequence, the plain
+randomized Hadamard rotation, bit packing and the packed fields' zeroed storage, the block split of a
+[B, H, S, D] sequence, the plain
 quantization baselines ASQ is compared with, and the exact byte account of ASQ's storage.
 
 Grids: every width is mid-rise, ``(code + 1/2) * scale`` with codes in ``[-2**(bits-1), 2**(bits-1) - 1]``,
@@ -29,6 +30,7 @@ RMS_SCALED_BITS = 2  # the width whose scale comes from the rms (the others: fro
 MIDRISE_STEP = 0.9957  # step / rms of the MSE-optimal uniform 4-level quantizer of a unit Gaussian
 _FP16_SUBNORMAL_STEPS = 2.0**24
 _FP32_LOW_BITS = 13  # fp32 mantissa bits that fp16 lacks
+_FIELD_ALIGN = 64  # bytes: where each of `zeroed_fields`' tensors starts in their shared buffer
 _SIGN_HASH = 0x9E3779B1  # Fibonacci hashing's multiplier: channel i's sign is the top bit of i * it (mod 2**32)
 
 
@@ -203,6 +205,21 @@ def unpack_codes(packed: Tensor, bits: int, dim: int, dtype: torch.dtype = torch
     u = torch.bitwise_right_shift(packed.to(torch.int32).unsqueeze(-1), shifts) & (2**bits - 1)
     u = u.reshape(*packed.shape[:-1], packed.shape[-1] * per)[..., :dim]
     return u.to(dtype) - code_center(bits)
+
+
+def zeroed_fields(specs: dict[str, tuple[tuple[int, ...], torch.dtype]], device: torch.device) -> dict[str, Tensor]:
+    """Zeroed tensors of the shapes and dtypes `specs` names (a cache's stored fields), views of one zeroed
+    byte buffer, each from a 64-byte boundary and none overlapping another: one allocation and one fill (on
+    a GPU one kernel) for all of them, where a tensor of its own takes one each."""
+    sizes = {name: math.prod(shape) * dtype.itemsize for name, (shape, dtype) in specs.items()}
+    starts, total = {}, 0
+    for name, size in sizes.items():
+        starts[name], total = total, total + -(-size // _FIELD_ALIGN) * _FIELD_ALIGN
+    buffer = torch.zeros(total, dtype=torch.uint8, device=device)
+    return {
+        name: buffer[starts[name] : starts[name] + sizes[name]].view(dtype).view(shape)
+        for name, (shape, dtype) in specs.items()
+    }
 
 
 # --------------------------------------------------------------------------- baselines

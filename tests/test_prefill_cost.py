@@ -24,6 +24,7 @@ from gsm_train.functional.gate_keys import encode_gate_keys
 from gsm_train.inference import dense_engine
 from gsm_train.inference.cache import GSMCache, cache_kwargs
 from gsm_train.inference.engine import PREFILL_CHUNKS, enable_gsm_generation
+from gsm_train.models.families import attention_modules
 from gsm_train.modules.kv_compressor import ASQCompressor, paired_pack
 from gsm_train.quant import fp16_grid, fp16_grid_bits
 
@@ -233,3 +234,34 @@ def test_a_chunked_prefill_packing_k_and_v_together_stores_and_returns_what_pack
     assert held.keys() == reference.keys()
     assert all(torch.equal(held[name], reference[name]) for name in held)
     assert torch.equal(logits, reference_logits)
+
+
+def test_a_caches_stored_fields_are_views_of_one_zeroed_buffer_each_store_and_gate() -> None:
+    """`zeroed_fields`: tensors of the shapes and dtypes asked, zero, each from a 64-byte boundary, none
+    overlapping another; a cache's first prompt allocates per layer one buffer for each store's fields, one
+    for its gate keys and scales, and the two raw tails (5 fills, where each field took one: 12)."""
+    specs = {
+        "ids": ((2, 3, 40), torch.uint8),
+        "residual": ((2, 3, 40, 33), torch.uint8),
+        "scales": ((2, 3, 40), torch.float16),
+        "keys": ((1, 3, 7, 16), torch.int8),
+        "empty": ((2, 0, 5), torch.float32),
+        "prototypes": ((2, 3, 5, 2, 64), torch.float16),
+    }
+    fields = quant.zeroed_fields(specs, torch.device("cpu"))
+    for name, (shape, dtype) in specs.items():
+        field = fields[name]
+        assert field.shape == shape and field.dtype == dtype and field.is_contiguous() and not field.any()
+        assert field.data_ptr() % 64 == 0
+    for value, field in enumerate(fields.values(), start=1):
+        field.fill_(value)
+    assert all(bool((field == value).all()) for value, field in enumerate(fields.values(), start=1))
+    model = _model(EVERYTHING, "sparse")
+
+    def prefill() -> None:
+        model(TOKENS[:, :8], use_cache=True, **cache_kwargs(model, GSMCache(model, capacity=8)))
+
+    gate_layers = sum(attn.gsm.gate is not None for attn in attention_modules(model))
+    assert (
+        count_prefill_ops(prefill, model)["ops_by_part"]["cache_buffers"] == 4 * len(model.model.layers) + gate_layers
+    )

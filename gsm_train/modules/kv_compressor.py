@@ -49,6 +49,7 @@ from gsm_train.quant import (
     stored_split,
     unpack_codes,
     unrotated,
+    zeroed_fields,
 )
 
 __all__ = ["ASQCompressor", "PackedKV", "paired_pack", "paired_training_pass"]
@@ -393,20 +394,14 @@ class ASQCompressor(nn.Module):
     def allocate(self, batch: int, heads: int, capacity: int, device: torch.device) -> dict[str, Tensor]:
         """Empty `pack_blocks` fields for `capacity` tokens (a whole number of blocks) of `heads` heads."""
         nbytes = math.ceil(self.head_dim * self.quant_bits / 8)
-        return {
-            "ids": torch.zeros(batch, heads, capacity, dtype=torch.uint8, device=device),
-            "residual": torch.zeros(batch, heads, capacity, nbytes, dtype=torch.uint8, device=device),
-            "scales": torch.zeros(batch, heads, capacity, dtype=STORE_DTYPE, device=device),
-            "prototypes": torch.zeros(
-                batch,
-                heads,
-                capacity // self.block_size,
-                self.cluster_num,
-                self.head_dim,
-                dtype=STORE_DTYPE,
-                device=device,
-            ),
+        blocks = capacity // self.block_size
+        specs = {
+            "ids": ((batch, heads, capacity), torch.uint8),
+            "residual": ((batch, heads, capacity, nbytes), torch.uint8),
+            "scales": ((batch, heads, capacity), STORE_DTYPE),
+            "prototypes": ((batch, heads, blocks, self.cluster_num, self.head_dim), STORE_DTYPE),
         }
+        return zeroed_fields(specs, device)  # one fill for the four
 
     @torch.no_grad()
     def pack_blocks(self, x: Tensor) -> dict[str, Tensor]:
