@@ -64,13 +64,13 @@ from gsm_train.export.save_load import load_gsm
 from gsm_train.inference.cache import DEFAULT_PREFILL, PREFILL_MODES, GSMCache, cache_kwargs
 from gsm_train.inference.dense_engine import PREFILL_CHUNK as ENGINE_PREFILL_CHUNK
 from gsm_train.inference.dense_engine import DenseEngine
-from gsm_train.inference.engine import PREFILL_CHUNK, enable_gsm_generation
+from gsm_train.inference.engine import PREFILL_CHUNKS, enable_gsm_generation
 from gsm_train.models.model_zoo import load_model_and_tokenizer, random_model
 
 REPO = Path(__file__).resolve().parents[1]
 DENSE_PREFILL_CHUNK = 4096  # the dense 8B rows' prefill chunk (run_row)
 DENSE_METHODS = ("dense_eager", "dense_static_compiled", "dense_engine")
-ROW_VERSION = 2  # what a row holds; a row measured by another version starts over
+ROW_VERSION = 3  # what a row holds (3: the dense prefill's default chunk 8192); another version starts over
 FIRST_TIMED = 2  # decode tokens/s from the third new token on (see the module docstring)
 ROWS = {
     "8b_32k_bs1": ("8b", 32768, 1),
@@ -348,14 +348,14 @@ def run_row(
 def row_settings(
     new_tokens: int,
     prefill: str = DEFAULT_PREFILL,
-    prefill_chunk: int = PREFILL_CHUNK,
+    prefill_chunk: int | None = None,
     methods: tuple[str, ...] = DENSE_METHODS,
 ) -> dict:
     """What a row's figures depend on besides its name: a stored row of other settings is measured again.
     `prefill`: the GSM method's prefill mode (`--prefill`); `prefill_chunk` its prompt tokens per forward
-    (`--prefill-chunk`, named only when it is not the library's default); `methods`: the dense methods
-    measured."""
-    chunk = {} if prefill_chunk == PREFILL_CHUNK else {"gsm_prefill_chunk": prefill_chunk}
+    (`--prefill-chunk`, named only when it is set: None runs the library's default for the mode); `methods`:
+    the dense methods measured."""
+    chunk = {} if prefill_chunk is None else {"gsm_prefill_chunk": prefill_chunk}
     return {
         "version": ROW_VERSION,
         "new_tokens": new_tokens,
@@ -419,8 +419,8 @@ def main() -> None:
     parser.add_argument(
         "--prefill-chunk",
         type=int,
-        default=PREFILL_CHUNK,
-        help="the GSM rows' prompt tokens per forward (the library's default: %(default)s)",
+        default=None,
+        help=f"the GSM rows' prompt tokens per forward (default: the library's for the prefill mode, {PREFILL_CHUNKS})",
     )
     parser.add_argument(
         "--methods",

@@ -19,7 +19,7 @@ GSM modules (the 8k export's); `8b`: Llama-3-8B's shapes with recipes/joint.yaml
 (tests). Gates at random: timing does not depend on the weights.
 
     python -m benchmarks.prefill_profile --result OUT.json [--model smollm2|8b|tiny] [--context 8144]
-        [--prefill dense] [--chunk 4096] [--repeats 3] [--warmup 1] [--top 25] [--device cuda|cpu]
+        [--prefill dense] [--chunk N] [--repeats 3] [--warmup 1] [--top 25] [--device cuda|cpu]
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from benchmarks.decode_step_profile import (
 from gsm_train.inference import prefill
 from gsm_train.inference.cache import DEFAULT_PREFILL, PREFILL_MODES, GSMCache, cache_kwargs
 from gsm_train.inference.dense_engine import DenseEngine
-from gsm_train.inference.engine import PREFILL_CHUNK, enable_gsm_generation
+from gsm_train.inference.engine import PREFILL_CHUNKS, enable_gsm_generation
 
 METHODS = ("dense_eager", "dense_engine", "gsm")
 HOST_SYNCS = ("aten._local_scalar_dense.default", "aten.nonzero.default", "aten.item.default")
@@ -61,6 +61,7 @@ HOST_SYNCS = ("aten._local_scalar_dense.default", "aten.nonzero.default", "aten.
 # qualified name) that names the part an op runs for
 PARTS = {
     "pack_blocks": "asq_pack",
+    "paired_pack": "asq_pack",
     "_keys_as_seen": "earlier_chunks_dequantized",
     "run_gate": "gate_keys",
     "lazy_initialization": "cache_buffers",
@@ -214,14 +215,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--context", type=int, default=8144, help="prompt tokens (default: the H100 row's 8144)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--prefill", choices=PREFILL_MODES, default=DEFAULT_PREFILL)
-    parser.add_argument("--chunk", type=int, default=PREFILL_CHUNK, help="GSM's prompt tokens per forward")
+    parser.add_argument(
+        "--chunk", type=int, default=None, help=f"GSM's prompt tokens per forward (default: by mode, {PREFILL_CHUNKS})"
+    )
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda where there is one")
     args = parser.parse_args(argv)
     for name in ("context", "batch", "chunk", "repeats"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.warmup < 0:
         parser.error(f"--warmup must be at least 0, got {args.warmup}")

@@ -1,7 +1,8 @@
 """Quantization math shared by the ASQ compressor, the generation cache's packed store and the kernels.
 
 A leaf: it imports nothing from gsm_train. It holds the residual grids, the fp16 storage grid, the
-randomized Hadamard rotation, bit packing, the block split of a [B, H, S, D] sequence, the plain
+randomized Hadamard rotation, bit packing and the packed fields' zeroed storage, the block split of a
+[B, H, S, D] sequence, the plain
 quantization baselines ASQ is compared with, and the exact byte account of ASQ's storage.
 
 Grids: every width is mid-rise, ``(code + 1/2) * scale`` with codes in ``[-2**(bits-1), 2**(bits-1) - 1]``,
@@ -29,6 +30,7 @@ RMS_SCALED_BITS = 2  # the width whose scale comes from the rms (the others: fro
 MIDRISE_STEP = 0.9957  # step / rms of the MSE-optimal uniform 4-level quantizer of a unit Gaussian
 _FP16_SUBNORMAL_STEPS = 2.0**24
 _FP32_LOW_BITS = 13  # fp32 mantissa bits that fp16 lacks
+_FIELD_ALIGN = 64  # bytes: where each of `zeroed_fields`' tensors starts in their shared buffer
 _SIGN_HASH = 0x9E3779B1  # Fibonacci hashing's multiplier: channel i's sign is the top bit of i * it (mod 2**32)
 
 
@@ -93,7 +95,12 @@ def round_ste(x: Tensor) -> Tensor:
 
 
 def floor_ste(x: Tensor) -> Tensor:
-    """Round down with a straight-through (identity) gradient."""
+    """Round down with a straight-through (identity) gradient. Without a gradient, ``floor(x)`` alone (one
+    kernel, not three): the same value, since ``x + (floor(x) - x)`` rounds to ``floor(x)`` in binary
+    floating point (Sterbenz's lemma where ``|x| >= 0.5``; in (-0.5, 0) the sum is within half an ulp of
+    -1.0), except that -0.0 stays -0.0 where the gradient's form gives +0.0."""
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return torch.floor(x)
     return x + (torch.floor(x) - x).detach()
 
 
@@ -187,17 +194,32 @@ def pack_codes(q: Tensor, bits: int) -> Tensor:
     if pad:
         u = torch.cat([u, u.new_zeros(*u.shape[:-1], pad)], dim=-1)
     u = u.reshape(*u.shape[:-1], u.shape[-1] // per, per)
-    shifts = torch.arange(per, device=u.device, dtype=torch.int32) * bits
+    shifts = torch.arange(0, per * bits, bits, device=u.device, dtype=torch.int32)
     return torch.bitwise_left_shift(u, shifts).sum(dim=-1).to(torch.uint8)
 
 
 def unpack_codes(packed: Tensor, bits: int, dim: int, dtype: torch.dtype = torch.float32) -> Tensor:
     """Inverse of `pack_codes`: uint8 [..., nbytes] -> levels [..., dim] in `dtype` (exact)."""
     per = 8 // bits
-    shifts = torch.arange(per, device=packed.device, dtype=torch.int32) * bits
+    shifts = torch.arange(0, per * bits, bits, device=packed.device, dtype=torch.int32)
     u = torch.bitwise_right_shift(packed.to(torch.int32).unsqueeze(-1), shifts) & (2**bits - 1)
     u = u.reshape(*packed.shape[:-1], packed.shape[-1] * per)[..., :dim]
     return u.to(dtype) - code_center(bits)
+
+
+def zeroed_fields(specs: dict[str, tuple[tuple[int, ...], torch.dtype]], device: torch.device) -> dict[str, Tensor]:
+    """Zeroed tensors of the shapes and dtypes `specs` names (a cache's stored fields), views of one zeroed
+    byte buffer, each from a 64-byte boundary and none overlapping another: one allocation and one fill (on
+    a GPU one kernel) for all of them, where a tensor of its own takes one each."""
+    sizes = {name: math.prod(shape) * dtype.itemsize for name, (shape, dtype) in specs.items()}
+    starts, total = {}, 0
+    for name, size in sizes.items():
+        starts[name], total = total, total + -(-size // _FIELD_ALIGN) * _FIELD_ALIGN
+    buffer = torch.zeros(total, dtype=torch.uint8, device=device)
+    return {
+        name: buffer[starts[name] : starts[name] + sizes[name]].view(dtype).view(shape)
+        for name, (shape, dtype) in specs.items()
+    }
 
 
 # --------------------------------------------------------------------------- baselines

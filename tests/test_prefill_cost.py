@@ -8,19 +8,24 @@ host once, not once per chunk."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
-from test_prefill import EVERYTHING, TOKENS, _contents, _model, _run
+from test_prefill import BLOCK, EVERYTHING, TOKENS, _contents, _dense_model_layers, _model, _run
 
 from benchmarks.decode_step_profile import OpCounter
 from benchmarks.prefill_profile import count_prefill_ops
 from gsm_train import quant
+from gsm_train.attention import kv_store
 from gsm_train.config.schema import KVCompressionConfig
 from gsm_train.functional import gate_keys
 from gsm_train.functional.gate_keys import encode_gate_keys
+from gsm_train.inference import dense_engine
 from gsm_train.inference.cache import GSMCache, cache_kwargs
-from gsm_train.inference.engine import enable_gsm_generation
-from gsm_train.modules.kv_compressor import ASQCompressor
+from gsm_train.inference.engine import PREFILL_CHUNKS, enable_gsm_generation
+from gsm_train.models.families import attention_modules
+from gsm_train.modules.kv_compressor import ASQCompressor, paired_pack
 from gsm_train.quant import fp16_grid, fp16_grid_bits
 
 # recipes/joint_long.yaml's compressor on SmolLM2's K (3 KV heads of 64): 2 clusters, 4 bits, rotated, blocks of 64
@@ -28,7 +33,11 @@ JOINT_LONG_ASQ = KVCompressionConfig(
     enabled=True, cluster_num=2, hidden_dim=64, quant_bits=4, block_size=64, rotate_residuals=True
 )
 # aten ops (views aside) of one call, counted before this change -> now
-PACK_BLOCKS_OPS = 60  # was 82: the two fp16 roundings (prototypes, scales) took 13 ops each, now 2
+# pack_blocks was 82, then 60 (the two fp16 roundings, of prototypes and scales, took 13 ops each, now 2), now 55
+# (the floor of the levels without its straight-through form, the code shifts in one op, no empty tail copied, no
+# division of the assignment's logits by a temperature of 1)
+PACK_BLOCKS_OPS = 55
+PAIRED_PACK_OPS = {False: 83, True: 66}  # K's and V's packing in one call (K's and V's bits equal: True), was 2 x 55
 INT8_GATE_KEYS_OPS = 11  # was 22: the scale's fp16 rounding took 13 ops, now 2
 
 
@@ -78,8 +87,11 @@ def test_a_chunked_prefill_stores_and_returns_what_the_integer_rounding_gives(
 
 
 def test_packing_a_chunks_blocks_and_its_gate_keys_run_fewer_ops() -> None:
-    asq_k, _ = ASQCompressor.build(JOINT_LONG_ASQ, 0, num_kv_heads=3, head_dim=64)
-    assert _ops(asq_k.pack_blocks, torch.randn(1, 3, 4096, 64)) <= PACK_BLOCKS_OPS
+    asq_k, asq_v = ASQCompressor.build(JOINT_LONG_ASQ.model_copy(update={"value_quant_bits": 2}), 2, 3, 64)
+    rows = torch.randn(1, 3, 4096, 64)
+    assert _ops(asq_k.pack_blocks, rows) <= PACK_BLOCKS_OPS
+    assert _ops(paired_pack, asq_k, asq_v, rows, rows) <= PAIRED_PACK_OPS[False]
+    assert _ops(paired_pack, asq_k, asq_k, rows, rows) <= PAIRED_PACK_OPS[True]
     assert _ops(encode_gate_keys, torch.randn(1, 1, 4096, 16), 8) <= INT8_GATE_KEYS_OPS
 
 
@@ -88,11 +100,11 @@ def test_a_later_chunk_reads_the_packed_prefix_as_gather_does_with_fewer_ops() -
     and the prefill's dequantization of earlier chunks and cache updates run no more ops than now."""
     model = _model(EVERYTHING, "sparse")
     cache, _ = _run(model, TOKENS[:, :29], "dense", (5, 11, 13))
+    assert cache.lengths.packed_len == 3 * BLOCK
     for layer in cache.layers:
-        for store in (layer.k_store, layer.v_store):
-            end = cache.lengths.packed_len
+        for store, end in itertools.product((layer.k_store, layer.v_store), (BLOCK, 3 * BLOCK)):
             positions = torch.arange(end).expand(*store.tail.shape[:2], -1)
-            assert end > 0 and torch.equal(store.packed_prefix(end), store.gather(positions))
+            assert torch.equal(store.packed_prefix(end), store.gather(positions))
             assert store.packed_prefix(0).shape == (*store.tail.shape[:2], 0, store.tail.shape[3])
 
     def prefill() -> None:
@@ -101,8 +113,9 @@ def test_a_later_chunk_reads_the_packed_prefix_as_gather_does_with_fewer_ops() -
             model(TOKENS[:, start:stop], use_cache=True, **cache_kwargs(model, fresh))
 
     parts = count_prefill_ops(prefill, model)["ops_by_part"]
-    # 4 layers x 2 sides x 2 later chunks; counted before -> now: dequantized 480 -> 200, updates 128 -> 112
-    assert parts["earlier_chunks_dequantized"] <= 200 and parts["cache_update"] <= 112
+    # 4 layers x 2 sides x 2 later chunks; counted before -> then -> now: dequantized 480 -> 200 -> 136 (ASQ's
+    # fields sliced, not gathered), updates 128 -> 112 -> 104 (no join with an empty tail)
+    assert parts["earlier_chunks_dequantized"] <= 136 and parts["cache_update"] <= 104
 
 
 # host syncs of the engine's prefill below, before -> now: dense 5 -> 1; sparse 20 -> 16 (the rest are its
@@ -137,3 +150,118 @@ def test_a_prompt_without_padding_is_read_on_the_host_once_not_once_per_chunk(pr
     held, reference = _contents(outputs["engine"]), _contents(cache)
     assert all(torch.equal(held[name], reference[name]) for name in reference)
     assert torch.equal(outputs["engine_logits"], logits[:, -1:])
+
+
+def test_a_dense_prefill_runs_a_prompt_up_to_the_dense_engines_chunk_in_one_forward_as_the_dense_model() -> None:
+    """The engine's default chunk follows the cache's prefill mode: a dense prefill's is the dense engine's
+    (8192), a sparse one's stays 4096. A prompt of 4100 tokens, which went in two forwards (the second reading
+    the first's K/V dequantized), now goes in one: the base model's prefill, its logits the dense model's bit
+    for bit, where the two forwards' differ from them by ASQ's error. A sparse prefill still goes in two."""
+    assert PREFILL_CHUNKS == {"dense": dense_engine.PREFILL_CHUNK, "sparse": 4096}
+    model = _model(EVERYTHING, "sparse")
+    ids = torch.randint(0, 256, (1, 4100), generator=torch.Generator().manual_seed(1))
+    dense_logits, _ = _dense_model_layers(model, ids)
+    forwards = []
+    hook = model.model.register_forward_pre_hook(lambda module, args: forwards.append(1))  # the decoder stack
+
+    def prefill(**options: object) -> torch.Tensor:
+        forwards.clear()
+        enable_gsm_generation(model, cuda_graphs=False, **options)
+        cache = GSMCache(model, capacity=ids.shape[1])
+        with torch.no_grad():
+            return model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache)).logits
+
+    try:
+        assert torch.equal(prefill(), dense_logits) and len(forwards) == 1
+        two = prefill(prefill_chunk=4096)
+        assert len(forwards) == 2 and torch.equal(two[:, :4096], dense_logits[:, :4096])
+        assert not torch.equal(two[:, 4096:], dense_logits[:, 4096:])
+        prefill(prefill="sparse")
+        assert len(forwards) == 2
+    finally:
+        hook.remove()
+
+
+# the paired packing's equality is checked on the CPU here; on a GPU (where batched kernels of twice the batch
+# may be other kernels) by the same tests, run on the device
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    ("bits", "rotate", "dtype", "heads", "batch", "blocks"),
+    [
+        ((4, 2), True, torch.bfloat16, 3, 1, 64),
+        ((4, 2), True, torch.bfloat16, 3, 2, 5),
+        ((4, 4), True, torch.float32, 2, 2, 5),
+        ((8, 2), False, torch.float64, 3, 2, 5),
+    ],
+)
+def test_k_and_v_packed_in_one_encoding_store_the_bits_of_two(
+    bits: tuple[int, int], rotate: bool, dtype: torch.dtype, heads: int, batch: int, blocks: int, device: str
+) -> None:
+    """`paired_pack` gives each side's `pack_blocks` fields bit for bit (K and V at their own bits, RMS-scaled
+    2-bit V among them; rotated or not; bf16, fp32 and fp64 rows; all heads or a bridge target's first ones;
+    a 4096-token chunk), and compressors that differ in more than their bits pack apart (None)."""
+    config = JOINT_LONG_ASQ.model_copy(update={"quant_bits": bits[0], "value_quant_bits": bits[1]})
+    config = config.model_copy(update={"rotate_residuals": rotate})
+    torch.manual_seed(0)
+    asq_k, asq_v = (side.to(device) for side in ASQCompressor.build(config, 2, num_kv_heads=3, head_dim=64))
+    for parameter in asq_v.parameters():  # V's assignment MLP its own
+        parameter.data.normal_()
+    key, value = (torch.randn(batch, heads, blocks * 64, 64, device=device).to(dtype) * scale for scale in (3.0, 0.5))
+    pair = paired_pack(asq_k, asq_v, key, value)
+    for packed, compressor, rows in zip(pair, (asq_k, asq_v), (key, value), strict=True):
+        alone = compressor.pack_blocks(rows)
+        assert packed.keys() == alone.keys()
+        assert all(torch.equal(packed[name], alone[name]) for name in alone)
+    other = ASQCompressor.build(config.model_copy(update={"cluster_num": 4}), 2, num_kv_heads=3, head_dim=64)[1]
+    assert paired_pack(asq_k, other, key, value) is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("prefill", ["dense", "sparse"])
+def test_a_chunked_prefill_packing_k_and_v_together_stores_and_returns_what_packing_them_apart_does(
+    prefill: str, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every feature on (K at 4 bits, V at 2), a prompt in three chunks with edges inside blocks, then token
+    steps: the cache holds bit for bit what it held when each side packed alone, and the logits are the same."""
+    model, ids = _model(EVERYTHING, "sparse").to(device), TOKENS.to(device)
+    cache, logits = _run(model, ids, prefill, (5, 11, 13))
+    monkeypatch.setattr(kv_store, "paired_pack", lambda *args: None)  # each side packs alone, as before
+    reference_cache, reference_logits = _run(model, ids, prefill, (5, 11, 13))
+    held, reference = _contents(cache), _contents(reference_cache)
+    assert held.keys() == reference.keys()
+    assert all(torch.equal(held[name], reference[name]) for name in held)
+    assert torch.equal(logits, reference_logits)
+
+
+def test_a_caches_stored_fields_are_views_of_one_zeroed_buffer_each_store_and_gate() -> None:
+    """`zeroed_fields`: tensors of the shapes and dtypes asked, zero, each from a 64-byte boundary, none
+    overlapping another; a cache's first prompt allocates per layer one buffer for each store's fields, one
+    for its gate keys and scales, and the two raw tails (5 fills, where each field took one: 12)."""
+    specs = {
+        "ids": ((2, 3, 40), torch.uint8),
+        "residual": ((2, 3, 40, 33), torch.uint8),
+        "scales": ((2, 3, 40), torch.float16),
+        "keys": ((1, 3, 7, 16), torch.int8),
+        "empty": ((2, 0, 5), torch.float32),
+        "prototypes": ((2, 3, 5, 2, 64), torch.float16),
+    }
+    fields = quant.zeroed_fields(specs, torch.device("cpu"))
+    for name, (shape, dtype) in specs.items():
+        field = fields[name]
+        assert field.shape == shape and field.dtype == dtype and field.is_contiguous() and not field.any()
+        assert field.data_ptr() % 64 == 0
+    for value, field in enumerate(fields.values(), start=1):
+        field.fill_(value)
+    assert all(bool((field == value).all()) for value, field in enumerate(fields.values(), start=1))
+    model = _model(EVERYTHING, "sparse")
+
+    def prefill() -> None:
+        model(TOKENS[:, :8], use_cache=True, **cache_kwargs(model, GSMCache(model, capacity=8)))
+
+    gate_layers = sum(attn.gsm.gate is not None for attn in attention_modules(model))
+    assert (
+        count_prefill_ops(prefill, model)["ops_by_part"]["cache_buffers"] == 4 * len(model.model.layers) + gate_layers
+    )

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from gsm_train.kernels.packed_rows import PackedRows
 from gsm_train.modules.errors import GSMError
-from gsm_train.modules.kv_compressor import ASQCompressor
+from gsm_train.modules.kv_compressor import ASQCompressor, paired_pack
 from gsm_train.modules.kv_registry import KVCompressor
 from gsm_train.quant import compute_dtype, stored_split
 
@@ -128,9 +128,9 @@ class KVStore:
         self.fields = compressor.allocate(batch, heads, capacity, device)
         self.tail = torch.zeros(batch, heads, compressor.block_size, head_dim, dtype=dtype, device=device)
 
-    def _write_packed(self, rows: Tensor, start: int) -> None:
-        """Pack whole blocks `rows` [B, H, n * block_size, D] into the fields at token `start`."""
-        for name, field in self.compressor.pack_blocks(rows).items():
+    def _write_fields(self, packed: dict[str, Tensor], start: int) -> None:
+        """`pack_blocks` fields of whole blocks into the store's fields at token `start`."""
+        for name, field in packed.items():
             per_entry = self.capacity // self.fields[name].shape[2]  # 1 per token, block_size per block
             self.fields[name][:, :, start // per_entry : start // per_entry + field.shape[2]] = field
 
@@ -139,6 +139,14 @@ class KVStore:
         eagerly, with host lengths (a prompt chunk, or a token outside a captured step). With a compressor,
         returns the raw rows [B, H, m, D] it packed from: the tail's tokens held before, then the new ones
         (positions `stored_split(before)` .. end); None without one."""
+        raw = self._joined(states)
+        if raw is not None:
+            self._store_joined(raw)
+        return raw
+
+    def _joined(self, states: Tensor) -> Tensor | None:
+        """`append`'s first half: without a compressor the new tokens stored (None); with one, the raw rows
+        since the last block packed before the call (the tail's tokens held, then the new ones)."""
         states = states[:, : self.heads].to(self.tail.dtype)
         start, end = self.lengths.before, self.lengths.seq_len
         if end > self.capacity:
@@ -149,14 +157,19 @@ class KVStore:
         if self.compressor is None:
             self.tail[:, :, start:end] = states
             return None
-        packed_before = stored_split(start, self.compressor.block_size)
-        raw = torch.cat((self.tail[:, :, : start - packed_before], states), dim=2)  # tokens packed_before..end
-        packed_after = stored_split(end, self.compressor.block_size)
-        if packed_after > packed_before:
-            self._write_packed(raw[:, :, : packed_after - packed_before], packed_before)
-        newest = raw[:, :, packed_after - packed_before :]
+        held = start - stored_split(start, self.compressor.block_size)
+        return torch.cat((self.tail[:, :, :held], states), dim=2) if held else states
+
+    def _store_joined(self, raw: Tensor, packed: dict[str, Tensor] | None = None) -> None:
+        """`append`'s second half: `_joined`'s rows stored, the whole blocks they complete but the newest
+        packed (`packed`: those blocks' `pack_blocks` fields, made already), the rest into the tail."""
+        block = self.compressor.block_size
+        start = stored_split(self.lengths.before, block)
+        whole = stored_split(self.lengths.seq_len, block) - start
+        if whole:
+            self._write_fields(packed if packed is not None else self.compressor.pack_blocks(raw[:, :, :whole]), start)
+        newest = raw[:, :, whole:]
         self.tail[:, :, : newest.shape[2]] = newest
-        return raw
 
     def write_newest(self, state: Tensor) -> None:
         """Store one new token [B, H', 1, D] at the slot the device lengths name (capture-safe: no host
@@ -167,7 +180,7 @@ class KVStore:
 
     def pack_tail(self) -> None:
         """Pack the full newest block (the tail) at `lengths.packed_len` (eager, host lengths)."""
-        self._write_packed(self.tail, self.lengths.packed_len)
+        self._write_fields(self.compressor.pack_blocks(self.tail), self.lengths.packed_len)
 
     def gather(self, index: Tensor) -> Tensor:
         """Rows [B, H, k, D] at positions `index` [B, H, k] (each below `lengths.seq_len`), dequantized, in
@@ -185,9 +198,11 @@ class KVStore:
     def packed_prefix(self, end: int) -> Tensor:
         """Rows [B, H, end, D] of positions [0, end), every one packed (`end` <= `lengths.packed_len`),
         dequantized in the tail's dtype: what `gather` gives for them, without reading the tail or choosing
-        between it and the packed rows."""
+        between it and the packed rows (ASQ's fields sliced, not gathered: `ASQCompressor.prefix_rows`)."""
         if end == 0:
             return self.tail[:, :, :0]
+        if isinstance(self.compressor, ASQCompressor):
+            return self.compressor.prefix_rows(self.fields, end, compute_dtype(self.tail)).to(self.tail.dtype)
         batch, heads = self.tail.shape[:2]
         positions = torch.arange(end, device=self.tail.device).expand(batch, heads, -1)
         return self.compressor.gather_packed(self.fields, positions, compute_dtype(self.tail)).to(self.tail.dtype)
@@ -235,3 +250,23 @@ class KVStore:
     def allocated_bytes(self) -> int:
         """Bytes the store's buffers take on the device."""
         return sum(t.numel() * t.element_size() for t in [self.tail, *(self.fields or {}).values()])
+
+
+def append_pair(
+    k_store: KVStore, v_store: KVStore, keys: Tensor, values: Tensor
+) -> tuple[Tensor | None, Tensor | None]:
+    """`(k_store.append(keys), v_store.append(values))`: the same stores and results, with the blocks both
+    pack encoded as one where their compressors allow (`modules.kv_compressor.paired_pack`): half the
+    encodings' kernels of a prompt chunk."""
+    k_raw, v_raw = k_store._joined(keys), v_store._joined(values)
+    pair = None
+    if k_raw is not None and v_raw is not None:
+        whole = stored_split(k_store.lengths.seq_len, k_store.compressor.block_size) - stored_split(
+            k_store.lengths.before, k_store.compressor.block_size
+        )
+        if whole:
+            pair = paired_pack(k_store.compressor, v_store.compressor, k_raw[:, :, :whole], v_raw[:, :, :whole])
+    for store, raw, packed in zip((k_store, v_store), (k_raw, v_raw), pair or (None, None), strict=True):
+        if raw is not None:
+            store._store_joined(raw, packed)
+    return k_raw, v_raw

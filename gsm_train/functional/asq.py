@@ -82,7 +82,7 @@ def soft_assignment(blocks: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tens
     hidden = torch.matmul(centered / rms, w1.to(dtype)[:, None])
     hidden = F.gelu(hidden + b1.to(dtype)[:, None, None, :])
     logits = torch.matmul(hidden, w2.to(dtype)[:, None]) + b2.to(dtype)[:, None, None, :]
-    return torch.softmax(logits / tau, dim=-1)
+    return torch.softmax(logits if tau == 1 else logits / tau, dim=-1)  # x / 1 is x: one kernel fewer
 
 
 def quantize_groups(x: Tensor, bits: tuple[int, ...]) -> tuple[Tensor, Tensor]:

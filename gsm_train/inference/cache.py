@@ -32,7 +32,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from gsm_train.attention.adapter import GSMAttentionAdapter
 from gsm_train.attention.cache_protocol import CachedStep
-from gsm_train.attention.kv_store import CacheLengths, KVStore
+from gsm_train.attention.kv_store import CacheLengths, KVStore, append_pair
 from gsm_train.attention.settings import gsm_settings
 from gsm_train.functional.gate_keys import GATE_KEY_DTYPE, encode_gate_keys
 from gsm_train.functional.top_k import scheduled_k
@@ -42,6 +42,7 @@ from gsm_train.kernels import gate_token
 from gsm_train.kernels.decode_topk import kernel_ready
 from gsm_train.models.families import attention_modules, model_dims
 from gsm_train.modules.errors import GSMError
+from gsm_train.quant import zeroed_fields
 
 PREFILL_MODES = ("dense", "sparse")
 DEFAULT_PREFILL = "dense"  # chosen by benchmarks/prefill_quality.py (docs/design-decisions.md)
@@ -112,8 +113,10 @@ class GSMCacheLayer(CacheLayerMixin):
         if gate is not None:
             shape = (batch, gate.num_selectors, capacity, gate.gate_head_dim)
             int8 = gate.key_bits == 8
-            self.gate_keys = torch.zeros(shape, dtype=torch.int8 if int8 else GATE_KEY_DTYPE, device=device)
-            self.gate_key_scales = torch.zeros(*shape[:3], 1, dtype=torch.float16, device=device) if int8 else None
+            specs = {"keys": (shape, torch.int8 if int8 else GATE_KEY_DTYPE)}
+            specs |= {"scales": ((*shape[:3], 1), torch.float16)} if int8 else {}
+            buffers = zeroed_fields(specs, device)  # one fill for both
+            self.gate_keys, self.gate_key_scales = buffers["keys"], buffers.get("scales")
         self.device, self.dtype, self.is_initialized = device, dtype, True
 
     def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
@@ -124,7 +127,7 @@ class GSMCacheLayer(CacheLayerMixin):
             self.k_store.write_newest(key_states)
             self.v_store.write_newest(value_states)
             return key_states, value_states
-        raw = self.k_store.append(key_states), self.v_store.append(value_states)
+        raw = append_pair(self.k_store, self.v_store, key_states, value_states)
         if self.cache.lengths.before > 0 and raw[0] is not None:  # a further prompt chunk: its own blocks raw
             self.recent_raw = raw  # the rows since the last block packed before the chunk, as the stores took them
         return key_states, value_states

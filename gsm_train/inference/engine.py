@@ -27,18 +27,30 @@ from gsm_train.attention.forward_state import CACHE_KWARGS
 from gsm_train.attention.settings import gsm_settings
 from gsm_train.inference.cache import DEFAULT_PREFILL, GSMCache, cache_kwargs, check_prefill
 from gsm_train.inference.decode_graph import StepGraphs, graphs_supported
+from gsm_train.inference.dense_engine import PREFILL_CHUNK as DENSE_ENGINE_CHUNK
 from gsm_train.modules.errors import GSMError
 
-PREFILL_CHUNK = 4096  # prompt tokens per forward: memory O(chunk x context) per layer, not O(context^2)
+# prompt tokens per row and forward by the cache's prefill mode, where `enable_gsm_generation` sets none: a
+# dense prefill's chunk is the dense engine's (its memory per layer is O(chunk) with flash attention, and a
+# prompt in one chunk is the base model's prefill exactly); a sparse one's first chunk selects over [T, T]
+# pairs per layer, so its chunk stays smaller (docs/design-decisions.md, "Prefill: where the time to first
+# token goes")
+PREFILL_CHUNKS = {"dense": DENSE_ENGINE_CHUNK, "sparse": 4096}
 
 
 def enable_gsm_generation(
-    model: nn.Module, cuda_graphs: bool = True, prefill_chunk: int = PREFILL_CHUNK, prefill: str = DEFAULT_PREFILL
+    model: nn.Module, cuda_graphs: bool = True, prefill_chunk: int | None = None, prefill: str = DEFAULT_PREFILL
 ) -> None:
     """Make `model.generate` and `model.forward` use GSM's cache as the module docstring says (idempotent).
     `cuda_graphs`: replay token steps from CUDA graphs where they can be captured (`graphs_supported`).
+    `prefill_chunk`: prompt tokens per row and forward (None: `PREFILL_CHUNKS` of the cache's prefill mode).
     `prefill`: how prompts attend, `dense` or `sparse` (the default of every `GSMCache` of this model)."""
     check_prefill(prefill)
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise GSMError(
+            f"prefill_chunk {prefill_chunk} is not a number of prompt tokens; pass at least 1, or None for the "
+            f"prefill mode's default {PREFILL_CHUNKS}"
+        )
     if not hasattr(model, "gsm_base_forward"):
         model.gsm_base_forward = model.forward
         model.forward = _bound(_forward, model, model.gsm_base_forward)
@@ -89,8 +101,9 @@ def _forward(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
                 positions = torch.full_like(input_ids, cache.lengths.seq_len)
             logits = graphs(input_ids, positions).clone()  # the graph's buffer: the next replay overwrites it
             return CausalLMOutputWithPast(logits=logits, **{_output_cache_name(): cache})
-    if tokens > options["prefill_chunk"] and not gsm_settings(model).config.cross_layer_sharing.enabled:
-        return _chunked_prefill(model, kwargs, input_ids, options["prefill_chunk"])
+    chunk = options["prefill_chunk"] or PREFILL_CHUNKS[cache.prefill]
+    if tokens > chunk and not gsm_settings(model).config.cross_layer_sharing.enabled:
+        return _chunked_prefill(model, kwargs, input_ids, chunk)
     return model.gsm_base_forward(**kwargs)
 
 

@@ -49,9 +49,10 @@ from gsm_train.quant import (
     stored_split,
     unpack_codes,
     unrotated,
+    zeroed_fields,
 )
 
-__all__ = ["ASQCompressor", "PackedKV", "paired_training_pass"]
+__all__ = ["ASQCompressor", "PackedKV", "paired_pack", "paired_training_pass"]
 
 
 def _check(ok: bool, name: str, msg: str) -> None:
@@ -107,6 +108,50 @@ def paired_training_pass(
             asq_k.rotation,
             asq_k.block_size,
         )
+
+
+def paired_pack(
+    asq_k: nn.Module, asq_v: nn.Module, key: Tensor, value: Tensor
+) -> tuple[dict[str, Tensor], dict[str, Tensor]] | None:
+    """K's and V's `pack_blocks` fields of whole blocks key and value [B, H, n * block_size, D] from one
+    encoding of both, their heads side by side (one soft assignment, one set of prototypes, one quantization
+    per bit width): what `asq_k.pack_blocks(key)` and `asq_v.pack_blocks(value)` give, every op per head and
+    block as theirs (bit for bit on the CPU: tests/test_prefill_cost.py), in about two thirds of their ops.
+    None where they must pack apart: compressors that are not ASQ or differ in more than their bits, K and
+    V of other shapes or dtypes, or parameters that only the modules' own calls gather."""
+    if not (
+        isinstance(asq_k, ASQCompressor)
+        and isinstance(asq_v, ASQCompressor)
+        and key.shape == value.shape
+        and key.dtype == value.dtype
+        and _alike(asq_k, asq_v)
+        and _plain_parameters(asq_k)
+        and _plain_parameters(asq_v)
+    ):
+        return None
+    heads = key.shape[1]
+    for compressor, rows in ((asq_k, key), (asq_v, value)):
+        _check(rows.shape[-2] % compressor.block_size == 0, "x", f"must hold whole blocks of {compressor.block_size}")
+        compressor._check_input(rows, leading_heads=True)
+    blocks, _ = split_blocks(torch.cat((key, value), 1), asq_k.block_size)
+    blocks = blocks.to(compute_dtype(blocks))
+    w1, b1, w2, b2 = (torch.cat(pair, 0) for pair in zip(asq_k._mlp(heads), asq_v._mlp(heads), strict=True))
+    with torch.no_grad(), torch.autocast(device_type=key.device.type, enabled=False):
+        enc = encode_blocks(blocks, w1, b1, w2, b2, asq_k.tau, (asq_k.quant_bits, asq_v.quant_bits), asq_k.rotation)
+    b, _, n, bs, d = blocks.shape
+    ids = enc.ids.reshape(b, 2 * heads, n * bs).to(torch.uint8)
+    scales = enc.scale.reshape(b, 2 * heads, n * bs).to(STORE_DTYPE)
+    prototypes = enc.prototypes.to(STORE_DTYPE)
+    q = enc.q.reshape(b, 2 * heads, n * bs, d)
+    return tuple(
+        {
+            "ids": ids[:, side],
+            "residual": pack_codes(q[:, side], compressor.quant_bits),
+            "scales": scales[:, side],
+            "prototypes": prototypes[:, side],
+        }
+        for compressor, side in ((asq_k, slice(None, heads)), (asq_v, slice(heads, None)))
+    )
 
 
 class ASQCompressor(nn.Module):
@@ -279,25 +324,31 @@ class ASQCompressor(nn.Module):
             f"must hold whole blocks of {self.block_size} tokens, got {x.shape[-2]}",
         )
         enc, blocks, tail = self._encode_input(x, leading_heads=True)
+        return PackedKV(
+            **self._stored(enc, blocks),
+            tail=tail.clone(),
+            bits=self.quant_bits,
+            block_size=self.block_size,
+            rotation=self.rotation,
+        )
+
+    def _stored(self, enc: Encoded | None, blocks: Tensor) -> dict[str, Tensor]:
+        """The `pack_blocks` fields of the encoding of blocks [B, H, n, bs, D] (None: no block)."""
         b, h, n, bs, d = blocks.shape
         if enc is None:
-            ids = torch.zeros(b, h, 0, dtype=torch.long, device=x.device)
+            ids = torch.zeros(b, h, 0, dtype=torch.long, device=blocks.device)
             q = blocks.new_zeros(b, h, 0, d)
             scale = blocks.new_zeros(b, h, 0)
             prototypes = blocks.new_zeros(b, h, 0, self.cluster_num, d)
         else:
             ids, q = enc.ids.reshape(b, h, n * bs), enc.q.reshape(b, h, n * bs, d)
             scale, prototypes = enc.scale.reshape(b, h, n * bs), enc.prototypes
-        return PackedKV(
-            ids=ids.to(torch.uint8),
-            residual=pack_codes(q, self.quant_bits),
-            scales=scale.to(STORE_DTYPE),
-            prototypes=prototypes.to(STORE_DTYPE),
-            tail=tail.clone(),
-            bits=self.quant_bits,
-            block_size=self.block_size,
-            rotation=self.rotation,
-        )
+        return {
+            "ids": ids.to(torch.uint8),
+            "residual": pack_codes(q, self.quant_bits),
+            "scales": scale.to(STORE_DTYPE),
+            "prototypes": prototypes.to(STORE_DTYPE),
+        }
 
     @staticmethod
     def decompress(packed: PackedKV) -> Tensor:
@@ -343,31 +394,22 @@ class ASQCompressor(nn.Module):
     def allocate(self, batch: int, heads: int, capacity: int, device: torch.device) -> dict[str, Tensor]:
         """Empty `pack_blocks` fields for `capacity` tokens (a whole number of blocks) of `heads` heads."""
         nbytes = math.ceil(self.head_dim * self.quant_bits / 8)
-        return {
-            "ids": torch.zeros(batch, heads, capacity, dtype=torch.uint8, device=device),
-            "residual": torch.zeros(batch, heads, capacity, nbytes, dtype=torch.uint8, device=device),
-            "scales": torch.zeros(batch, heads, capacity, dtype=STORE_DTYPE, device=device),
-            "prototypes": torch.zeros(
-                batch,
-                heads,
-                capacity // self.block_size,
-                self.cluster_num,
-                self.head_dim,
-                dtype=STORE_DTYPE,
-                device=device,
-            ),
+        blocks = capacity // self.block_size
+        specs = {
+            "ids": ((batch, heads, capacity), torch.uint8),
+            "residual": ((batch, heads, capacity, nbytes), torch.uint8),
+            "scales": ((batch, heads, capacity), STORE_DTYPE),
+            "prototypes": ((batch, heads, blocks, self.cluster_num, self.head_dim), STORE_DTYPE),
         }
+        return zeroed_fields(specs, device)  # one fill for the four
 
+    @torch.no_grad()
     def pack_blocks(self, x: Tensor) -> dict[str, Tensor]:
         """Whole blocks x [B, H, n * block_size, D] as the cache stores them: `ids` uint8 [B, H, F], `residual`
-        uint8 [B, H, F, ceil(D * bits / 8)], `scales` fp16 [B, H, F], `prototypes` fp16 [B, H, n, C, D]."""
-        packed = self.compress_blocks(x)
-        return {
-            "ids": packed.ids,
-            "residual": packed.residual,
-            "scales": packed.scales,
-            "prototypes": packed.prototypes,
-        }
+        uint8 [B, H, F, ceil(D * bits / 8)], `scales` fp16 [B, H, F], `prototypes` fp16 [B, H, n, C, D]
+        (`compress_blocks`' fields, without its empty tail)."""
+        _check(x.shape[-2] % self.block_size == 0, "x", f"must hold whole blocks of {self.block_size} tokens")
+        return self._stored(*self._encode_input(x, leading_heads=True)[:2])
 
     def gather_packed(self, fields: dict[str, Tensor], at: Tensor, dtype: torch.dtype) -> Tensor:
         """Rows [B, H, k, D] in `dtype` at packed positions `at` [B, H, k] of `pack_blocks` fields (joined
@@ -386,6 +428,17 @@ class ASQCompressor(nn.Module):
         flat = prototypes.reshape(b, h, n_blocks * clusters, dim)
         index = (at // self.block_size * clusters + ids).unsqueeze(-1).expand(*at.shape, dim)
         return unrotated(torch.gather(flat, 2, index).to(dtype) + codes * scales, self.rotation)
+
+    def prefix_rows(self, fields: dict[str, Tensor], end: int, dtype: torch.dtype) -> Tensor:
+        """Rows [B, H, end, D] in `dtype` of packed positions [0, end) (whole blocks) of `pack_blocks` fields:
+        `gather_packed` of those positions bit for bit, the fields read by slicing instead of gathering."""
+        ids = fields["ids"][:, :, :end].long()
+        b, h, _ = ids.shape
+        blocks = end // self.block_size
+        codes = unpack_codes(fields["residual"][:, :, :end], self.quant_bits, self.head_dim, dtype)
+        scales = fields["scales"][:, :, :end].to(dtype).unsqueeze(-1)
+        prototypes = gather_prototypes(fields["prototypes"][:, :, :blocks], ids.view(b, h, blocks, self.block_size))
+        return unrotated(prototypes.view(b, h, end, self.head_dim).to(dtype) + codes * scales, self.rotation)
 
     def byte_account(self, seq_len: int, batch_size: int = 1, tail_bytes: int = 2) -> dict[str, float]:
         """:func:`asq_bytes` for this compressor's configuration."""
