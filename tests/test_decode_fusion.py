@@ -271,3 +271,34 @@ def test_fused_decode_cuts_the_token_steps_ops(tmp_path: Path) -> None:
             assert {op: removed[op] for op in EAGER_ELEMENTWISE} == EAGER_ELEMENTWISE
             assert set(added) <= ALLOCATIONS
             assert not (EAGER_ELEMENTWISE.keys() - {"aten.add.Tensor"}) & set(after)  # the residual adds remain
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_captured_fused_steps_give_the_eager_fused_steps_tokens(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU both engines' captured token steps hold the fused kernels: they run at the warm-up steps and
+    the capture only (3 steps' worth), the replays run them from the graph, and the tokens equal the
+    unfused captured steps' (fp32; in bf16 the first 4 new tokens, before a near tie may go another way)."""
+    model = tiny_model("qwen3").to("cuda", dtype)
+    ids = torch.randint(0, 256, (1, 23), generator=torch.Generator().manual_seed(0)).to("cuda")
+    same = slice(None) if dtype == torch.float32 else slice(None, 23 + 4)
+    expected = DenseEngine(model, prefill_chunk=8).generate(ids, 8)
+    calls = _counting(monkeypatch)
+    fused = DenseEngine(model, prefill_chunk=8, fused_decode=True).generate(ids, 8)
+    assert torch.equal(fused[:, same], expected[:, same])
+    assert calls["rope"] == 3 * 4 and calls["silu_mul"] == 3 * 4  # 2 warm-ups and the capture
+    torch.manual_seed(1)
+    inject_gsm(model, GSMConfig.model_validate({"sparse_attention": {"top_k": 6, "k_min": 2}}), mode="sparse")
+    model.to("cuda")
+
+    def generate(fused_decode: bool) -> torch.Tensor:
+        enable_gsm_generation(model, fused_decode=fused_decode)
+        with torch.no_grad():
+            return model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=256)
+
+    expected = generate(False)
+    calls = _counting(monkeypatch)
+    assert torch.equal(generate(True)[:, same], expected[:, same])
+    assert calls["rope"] == 3 * 4
