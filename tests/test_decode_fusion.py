@@ -203,12 +203,14 @@ def _counting(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     return calls
 
 
-def _step_calls(layers: int, steps: int) -> dict[str, int]:
-    """The fused calls of `steps` token steps of a Llama of `layers` layers (and none for the prompt)."""
-    return {"rms_norm": steps * (2 * layers + 1), "rope": steps * layers, "silu_mul": steps * layers}
+def _step_calls(layers: int, steps: int, family: str = "llama") -> dict[str, int]:
+    """The fused calls of `steps` token steps of a model of `family` with `layers` layers (and none for
+    the prompt): per layer 2 norms (4 with Qwen3's q/k norms), RoPE and SwiGLU; the final norm."""
+    norms = 4 if family == "qwen3" else 2
+    return {"rms_norm": steps * (norms * layers + 1), "rope": steps * layers, "silu_mul": steps * layers}
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
 def test_dense_engine_fused_tokens_equal_the_unfused(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Greedy fp32: the fused steps' tokens equal the eager steps', and each token step (only those) ran
     every norm, RoPE and SwiGLU of the model fused."""
@@ -217,7 +219,7 @@ def test_dense_engine_fused_tokens_equal_the_unfused(family: str, monkeypatch: p
     expected = DenseEngine(model, prefill_chunk=8).generate(ids, 6)
     calls = _counting(monkeypatch)
     assert torch.equal(DenseEngine(model, prefill_chunk=8, fused_decode=True).generate(ids, 6), expected)
-    assert calls == _step_calls(4, 5)  # the first new token comes from the prompt's forward
+    assert calls == _step_calls(4, 5, family)  # the first new token comes from the prompt's forward
 
 
 def test_gsm_generation_fused_tokens_equal_the_unfused(monkeypatch: pytest.MonkeyPatch) -> None:
