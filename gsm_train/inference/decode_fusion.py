@@ -104,7 +104,8 @@ def _swap_in(model: nn.Module, undo: list[Callable[[], None]]) -> Fused:
     if prefix is None or not kernels_run(next(model.parameters())):
         return fused
     modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-    norm, mlp, attention = (getattr(modeling, prefix + name) for name in ("RMSNorm", "MLP", "Attention"))
+    # a class this transformers does not have (None) matches no module
+    norm, mlp, attention = (getattr(modeling, prefix + name, None) for name in ("RMSNorm", "MLP", "Attention"))
     rope_read = False
     for module in model.modules():
         if "forward" in vars(module):  # replaced on the instance already (a wrapper, or an enclosing block)
@@ -117,7 +118,7 @@ def _swap_in(model: nn.Module, undo: list[Callable[[], None]]) -> Fused:
             fused.mlps += 1
         elif type(module) is attention:
             rope_read = ROPE_FUNCTION in attention.forward.__code__.co_names
-    fused.rope = rope_read and _swap_rope(modeling, undo)
+    fused.rope = rope_read and hasattr(modeling, ROPE_FUNCTION) and _swap_rope(modeling, undo)
     return fused
 
 
