@@ -13,9 +13,11 @@ outside the layers (`count_ops`: views are left out, since they launch nothing).
 takes the PyTorch path; with `TRITON_INTERPRET=1` it takes the fused kernels' path, as on a GPU, the
 kernels run by Triton's interpreter (their insides not counted: on a GPU each is one launch).
 `--model tiny` takes recipes/joint.yaml's GSM settings at sizes the tiny model fits (`TINY_OVERRIDES`).
+`--fused` runs both engines' token steps with `fused_decode` (RMSNorm, RoPE and SwiGLU as one Triton kernel
+each, `gsm_train.inference.decode_fusion`); counted on the CPU it needs `TRITON_INTERPRET=1` as above.
 
     python -m benchmarks.decode_step_profile --result OUT.json [--model 8b] [--context 32768] [--batch 1]
-        [--steps 20] [--top 25] [--count] [--device cuda|cpu]
+        [--steps 20] [--top 25] [--count] [--fused] [--device cuda|cpu]
 """
 
 from __future__ import annotations
@@ -182,10 +184,12 @@ def run_methods(
         show(method, result[method])
 
 
-def dense_step(model: nn.Module, ids: torch.Tensor, extra: int, cuda_graphs: bool = True) -> Callable[[], object]:
-    """The dense engine's token step after `ids` [B, T] (captured on CUDA with `cuda_graphs`), room for
-    `extra` more calls."""
-    engine = DenseEngine(model, cuda_graphs=cuda_graphs)
+def dense_step(
+    model: nn.Module, ids: torch.Tensor, extra: int, cuda_graphs: bool = True, fused: bool = False
+) -> Callable[[], object]:
+    """The dense engine's token step after `ids` [B, T] (captured on CUDA with `cuda_graphs`; `fused`:
+    with `fused_decode`), room for `extra` more calls."""
+    engine = DenseEngine(model, cuda_graphs=cuda_graphs, fused_decode=fused)
     cache = engine.new_cache(ids.shape[0], ids.shape[1] + extra)
     engine.prefill(cache, ids)
     step = engine.token_step(cache)
@@ -193,10 +197,13 @@ def dense_step(model: nn.Module, ids: torch.Tensor, extra: int, cuda_graphs: boo
     return lambda: step(token)
 
 
-def gsm_step(model: nn.Module, ids: torch.Tensor, extra: int, cuda_graphs: bool = True) -> Callable[[], object]:
+def gsm_step(
+    model: nn.Module, ids: torch.Tensor, extra: int, cuda_graphs: bool = True, fused: bool = False
+) -> Callable[[], object]:
     """GSM's token step after `ids` [B, T] through the generation engine (captured on CUDA at its first call
-    with `cuda_graphs`). On the CPU under Triton's interpreter the cache takes the fused kernels' path."""
-    enable_gsm_generation(model, cuda_graphs=cuda_graphs)
+    with `cuda_graphs`; `fused`: with `fused_decode`). On the CPU under Triton's interpreter the cache takes
+    the fused kernels' path."""
+    enable_gsm_generation(model, cuda_graphs=cuda_graphs, fused_decode=fused)
     interpreted = not ids.is_cuda and os.environ.get("TRITON_INTERPRET") == "1"
     cache = GSMCache(model, capacity=ids.shape[1] + extra, fused=True if interpreted else None)
     with torch.no_grad():
@@ -211,12 +218,17 @@ def gsm_step(model: nn.Module, ids: torch.Tensor, extra: int, cuda_graphs: bool 
 
 
 def measure(
-    make: Callable[..., Callable[[], object]], model: nn.Module, ids: torch.Tensor, steps: int, count: bool = False
+    make: Callable[..., Callable[[], object]],
+    model: nn.Module,
+    ids: torch.Tensor,
+    steps: int,
+    count: bool = False,
+    fused: bool = False,
 ) -> dict:
     """One method's profile: warm-up calls (capture, autotuning), then `steps` profiled calls. With
-    `count`: eager steps, one warm-up call, then `count_ops` of one."""
+    `count`: eager steps, one warm-up call, then `count_ops` of one. `fused`: the steps run `fused_decode`."""
     warmup = 1 if count else 3
-    step = make(model, ids, warmup + steps + 1, cuda_graphs=not count)
+    step = make(model, ids, warmup + steps + 1, cuda_graphs=not count, fused=fused)
     for _ in range(warmup):
         step()
     if count:
@@ -258,11 +270,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--count", action="store_true", help="count each step's aten ops per layer; no timing")
     parser.add_argument(
+        "--fused", action="store_true", help="token steps with fused RMSNorm, RoPE and SwiGLU kernels (both engines)"
+    )
+    parser.add_argument(
         "--device", choices=["cuda", "cpu"], default=None, help="default: cuda where there is one for 8b, cpu for tiny"
     )
     args = parser.parse_args(argv)
     settings = {"model": args.model, "context": args.context, "batch": args.batch, "steps": args.steps}
     settings |= {"count": True} if args.count else {}
+    settings |= {"fused": True} if args.fused else {}
     settings |= {"device": args.device} if args.device else {}
     path = Path(args.result)
     result = load_result(path, settings)
@@ -277,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
                 attach_gsm(model, args.model)
             what = "one counted step" if args.count else f"{args.steps} profiled steps"
             say(f"{name}: prefill of {args.context} tokens, warm-up, {what}")
-            return measure(make, model, ids, args.steps, args.count)
+            return measure(make, model, ids, args.steps, args.count, args.fused)
 
         return name, run
 

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from gsm_train.attention.settings import GSMSettings, gsm_settings
 from gsm_train.inference.cache import GSMCache, cache_kwargs
 from gsm_train.inference.decode_attention import captured_k, fused_scores
+from gsm_train.inference.decode_fusion import fused_decode
 from gsm_train.modules.errors import GSMError
 
 WARMUP_STEPS = 2  # eager steps before a capture: Triton compiles and autotunes, libraries build their handles
@@ -53,9 +54,10 @@ def gate_scored_on_the_host(settings: GSMSettings) -> str | None:
 class CapturedStep:
     """One token step of `model` over `cache` for `batch` rows, captured in a CUDA graph (see the module
     docstring). Call it with the new tokens' ids and positions [B, 1]; returns the logits [B, 1, V] (a
-    buffer the next replay overwrites)."""
+    buffer the next replay overwrites). `fused`: warm-up and capture run inside `fused_decode`, so the
+    graph holds its kernels."""
 
-    def __init__(self, model: nn.Module, cache: GSMCache, batch: int) -> None:
+    def __init__(self, model: nn.Module, cache: GSMCache, batch: int, fused: bool = False) -> None:
         self.model, self.cache = model, cache
         device = next(model.parameters()).device
         self.input_ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
@@ -65,13 +67,14 @@ class CapturedStep:
         saved = cache.lengths.snapshot()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP_STEPS):
-                self._forward()
-                self._restore(saved)
-        torch.cuda.current_stream().wait_stream(side)
-        with torch.cuda.graph(self.graph):
-            self.logits = self._forward()
+        with fused_decode(model, fused):
+            with torch.cuda.stream(side):
+                for _ in range(WARMUP_STEPS):
+                    self._forward()
+                    self._restore(saved)
+            torch.cuda.current_stream().wait_stream(side)
+            with torch.cuda.graph(self.graph):
+                self.logits = self._forward()
         self._restore(saved)
 
     def _forward(self) -> Tensor:
@@ -106,14 +109,15 @@ class CapturedStep:
 
 class StepGraphs:
     """The captured token steps of one cache, by the top-k size they are built for (`captured_k`: a
-    constant schedule captures once, one whose k varies once per `K_STEP` of its k)."""
+    constant schedule captures once, one whose k varies once per `K_STEP` of its k); `fused`: captured
+    with `fused_decode`."""
 
-    def __init__(self, model: nn.Module, cache: GSMCache) -> None:
-        self.model, self.cache = model, cache
+    def __init__(self, model: nn.Module, cache: GSMCache, fused: bool = False) -> None:
+        self.model, self.cache, self.fused = model, cache, fused
         self.steps: dict[int, CapturedStep] = {}
 
     def __call__(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
         k = captured_k(gsm_settings(self.model).config, self.cache.lengths.seq_len)
         if k not in self.steps:
-            self.steps[k] = CapturedStep(self.model, self.cache, input_ids.shape[0])
+            self.steps[k] = CapturedStep(self.model, self.cache, input_ids.shape[0], self.fused)
         return self.steps[k](input_ids, position_ids)

@@ -34,6 +34,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from gsm_train.attention import gsm_adapters
 from gsm_train.inference.cache import cache_kwargs
+from gsm_train.inference.decode_fusion import fused_decode
 from gsm_train.inference.prefill import causal_chunk_sdpa
 from gsm_train.models.families import attention_modules, model_dims
 from gsm_train.modules.errors import GSMError
@@ -252,10 +253,16 @@ def _routed(model: nn.Module, cache: DenseCache) -> Iterator[None]:
 class DenseEngine:
     """Greedy generation of a dense causal LM as the module docstring says. `cuda_graphs`: capture the token
     step on CUDA (the CPU always runs eagerly); `decode_path` "auto" (flash where it works, else masked
-    SDPA, on CUDA; the host path elsewhere), or "host" / "masked" / "flash"."""
+    SDPA, on CUDA; the host path elsewhere), or "host" / "masked" / "flash"; `fused_decode`: token steps
+    run inside `inference.decode_fusion.fused_decode`, as GSM's engine's do with the same option."""
 
     def __init__(
-        self, model: nn.Module, cuda_graphs: bool = True, prefill_chunk: int = PREFILL_CHUNK, decode_path: str = "auto"
+        self,
+        model: nn.Module,
+        cuda_graphs: bool = True,
+        prefill_chunk: int = PREFILL_CHUNK,
+        decode_path: str = "auto",
+        fused_decode: bool = False,
     ) -> None:
         if any(True for _ in gsm_adapters(model)):
             raise GSMError("DenseEngine runs a model without GSM modules; use it before inject_gsm or load_gsm")
@@ -264,7 +271,7 @@ class DenseEngine:
         if decode_path not in ("auto", "host", "masked", "flash"):
             raise GSMError(f"decode_path={decode_path!r} is not one of auto, host, masked, flash")
         AttentionInterface.register(ATTN_IMPLEMENTATION, _dense_attention)
-        self.model, self.prefill_chunk = model, prefill_chunk
+        self.model, self.prefill_chunk, self.fused_decode = model, prefill_chunk, fused_decode
         parameter = next(model.parameters())
         on_cuda = parameter.device.type == "cuda"
         self.cuda_graphs = cuda_graphs and on_cuda
@@ -307,8 +314,13 @@ class DenseEngine:
         holds: captured in a CUDA graph (with `cuda_graphs` on CUDA), else eager."""
         cache.clear_unwritten()
         if not self.cuda_graphs:
-            return lambda token: self.forward(cache, token, torch.full_like(token, cache.length))
+            return functools.partial(self._eager_step, cache)
         return CapturedDenseStep(self, cache)
+
+    def _eager_step(self, cache: DenseCache, token: Tensor) -> Tensor:
+        """One token step run as it comes (no graph), inside `fused_decode` where asked for."""
+        with fused_decode(self.model, self.fused_decode):
+            return self.forward(cache, token, torch.full_like(token, cache.length))
 
     def generate(self, ids: Tensor, new_tokens: int, on_token: Callable[[], None] | None = None) -> Tensor:
         """`ids` [B, T] followed by `new_tokens` greedy tokens [B, T + new_tokens]; `on_token()` after each
@@ -339,7 +351,7 @@ class CapturedDenseStep:
         saved = cache.snapshot()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with _routed(engine.model, cache):  # switched once, outside the capture
+        with _routed(engine.model, cache), fused_decode(engine.model, engine.fused_decode):  # outside the capture
             with torch.cuda.stream(side):
                 for _ in range(WARMUP_STEPS):
                     engine.forward(cache, self.token, self.position)

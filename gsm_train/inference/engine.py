@@ -26,6 +26,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from gsm_train.attention.forward_state import CACHE_KWARGS
 from gsm_train.attention.settings import gsm_settings
 from gsm_train.inference.cache import DEFAULT_PREFILL, GSMCache, cache_kwargs, check_prefill
+from gsm_train.inference.decode_fusion import fused_decode
 from gsm_train.inference.decode_graph import StepGraphs, graphs_supported
 from gsm_train.inference.dense_engine import PREFILL_CHUNK as DENSE_ENGINE_CHUNK
 from gsm_train.modules.errors import GSMError
@@ -39,12 +40,18 @@ PREFILL_CHUNKS = {"dense": DENSE_ENGINE_CHUNK, "sparse": 4096}
 
 
 def enable_gsm_generation(
-    model: nn.Module, cuda_graphs: bool = True, prefill_chunk: int | None = None, prefill: str = DEFAULT_PREFILL
+    model: nn.Module,
+    cuda_graphs: bool = True,
+    prefill_chunk: int | None = None,
+    prefill: str = DEFAULT_PREFILL,
+    fused_decode: bool = False,
 ) -> None:
     """Make `model.generate` and `model.forward` use GSM's cache as the module docstring says (idempotent).
     `cuda_graphs`: replay token steps from CUDA graphs where they can be captured (`graphs_supported`).
     `prefill_chunk`: prompt tokens per row and forward (None: `PREFILL_CHUNKS` of the cache's prefill mode).
-    `prefill`: how prompts attend, `dense` or `sparse` (the default of every `GSMCache` of this model)."""
+    `prefill`: how prompts attend, `dense` or `sparse` (the default of every `GSMCache` of this model).
+    `fused_decode`: token steps run the layers' RMSNorms, RoPE and SwiGLU as one Triton kernel each
+    (`inference.decode_fusion`; where the kernels run: CUDA, or Triton's interpreter)."""
     check_prefill(prefill)
     if prefill_chunk is not None and prefill_chunk < 1:
         raise GSMError(
@@ -55,7 +62,12 @@ def enable_gsm_generation(
         model.gsm_base_forward = model.forward
         model.forward = _bound(_forward, model, model.gsm_base_forward)
         model.generate = _bound(_generate, model, model.generate)
-    model.gsm_generation = {"cuda_graphs": cuda_graphs, "prefill_chunk": prefill_chunk, "prefill": prefill}
+    model.gsm_generation = {
+        "cuda_graphs": cuda_graphs,
+        "prefill_chunk": prefill_chunk,
+        "prefill": prefill,
+        "fused_decode": fused_decode,
+    }
 
 
 def _bound(wrapper: Any, model: nn.Module, original: Any) -> Any:
@@ -93,7 +105,8 @@ def _forward(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return model.gsm_base_forward(*args, **kwargs)
     options = model.gsm_generation
     tokens = input_ids.shape[1]
-    if tokens == 1 and cache.lengths.seq_len > 0 and options["cuda_graphs"] and _plain_step(kwargs):
+    token_step = tokens == 1 and cache.lengths.seq_len > 0
+    if token_step and options["cuda_graphs"] and _plain_step(kwargs):
         graphs = _step_graphs(model, cache)
         if graphs is not None:
             positions = kwargs.get("position_ids")
@@ -104,7 +117,8 @@ def _forward(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
     chunk = options["prefill_chunk"] or PREFILL_CHUNKS[cache.prefill]
     if tokens > chunk and not gsm_settings(model).config.cross_layer_sharing.enabled:
         return _chunked_prefill(model, kwargs, input_ids, chunk)
-    return model.gsm_base_forward(**kwargs)
+    with fused_decode(model, token_step and options["fused_decode"]):
+        return model.gsm_base_forward(**kwargs)
 
 
 def _keep_logits(kwargs: dict[str, Any]) -> int:
@@ -129,7 +143,7 @@ def _step_graphs(model: nn.Module, cache: GSMCache) -> StepGraphs | None:
     """The cache's captured token steps, made at its first token step; None where they cannot be."""
     graphs = getattr(cache, "step_graphs", None)
     if graphs is None and graphs_supported(model, cache) is None:
-        graphs = cache.step_graphs = StepGraphs(model, cache)
+        graphs = cache.step_graphs = StepGraphs(model, cache, model.gsm_generation["fused_decode"])
     return graphs
 
 

@@ -74,14 +74,7 @@ def kernel_runs(hidden: Tensor, q_weight: Tensor, k_weight: Tensor, gate_head_di
 
 
 if triton is not None:
-
-    @triton.jit
-    def _bf16_grid(x):
-        """fp32 `x` rounded to the nearest bf16 value, ties to even, in integer arithmetic on its bits (exact
-        on every backend: Triton's interpreter rounds a bf16 cast otherwise), still fp32."""
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
+    from gsm_train.kernels.rounding import bf16_grid
 
     @triton.jit
     def _gate_token_partial_kernel(
@@ -172,8 +165,8 @@ if triton is not None:
             tl.store(keys_ptr + key_at + HALF, tl.minimum(tl.maximum(code2, -LEVELS), LEVELS).to(tl.int8))
             tl.store(scales_ptr + held_at, scale16)
         else:  # bf16, rounded to nearest even (then the cast is exact)
-            tl.store(keys_ptr + key_at, _bf16_grid(r1).to(tl.bfloat16))
-            tl.store(keys_ptr + key_at + HALF, _bf16_grid(r2).to(tl.bfloat16))
+            tl.store(keys_ptr + key_at, bf16_grid(r1).to(tl.bfloat16))
+            tl.store(keys_ptr + key_at + HALF, bf16_grid(r2).to(tl.bfloat16))
 
 
 def gate_token(
