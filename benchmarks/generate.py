@@ -233,10 +233,13 @@ def _fresh_peak() -> None:
     torch.cuda.reset_peak_memory_stats()
 
 
-def dense_engine_row(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, prefill_chunk: int) -> dict:
+def dense_engine_row(
+    model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, prefill_chunk: int, fused_decode: bool = False
+) -> dict:
     """The dense engine's figures: at batch 1 a warm-up call first (library handles, autotuning), then the
-    timed call's time to first token and decode tokens/s."""
-    engine = DenseEngine(model, prefill_chunk=prefill_chunk)
+    timed call's time to first token and decode tokens/s. `fused_decode`: its token steps with the fused
+    RMSNorm / RoPE / SwiGLU kernels, as GSM's with `--fused-decode`."""
+    engine = DenseEngine(model, prefill_chunk=prefill_chunk, fused_decode=fused_decode)
     if ids.shape[0] == 1:
         say(f"dense_engine warm-up ({engine.decode_path} decode)")
         engine.generate(ids, 3)
@@ -260,12 +263,15 @@ def fits_dense(model: torch.nn.Module, context: int, batch: int) -> tuple[bool, 
     return per_row * batch <= free, int(free // per_row)
 
 
-def _dense_method(name: str, model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, method: str) -> dict:
-    """One dense method's figures (with its tokens)."""
+def _dense_method(
+    name: str, model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, method: str, fused_decode: bool
+) -> dict:
+    """One dense method's figures (with its tokens); `fused_decode` applies to our dense engine (HF's paths
+    are HF's own)."""
     chunk = DENSE_PREFILL_CHUNK if ROWS[name][0] == "8b" else None
     if method == "dense_engine":  # its flash prefill holds no [T, T] mask: larger chunks at batch 1
         engine_chunk = chunk if chunk and ids.shape[0] > 1 else ENGINE_PREFILL_CHUNK
-        return dense_engine_row(model, ids, new_tokens, min(engine_chunk, ids.shape[1]))
+        return dense_engine_row(model, ids, new_tokens, min(engine_chunk, ids.shape[1]), fused_decode)
     # the 8B model's prompt in one forward of 16 x 32k does not fit beside its cache: prefill in chunks, as
     # transformers offers (`prefill_chunk_size`)
     options = {"cache_implementation": "static"} if method == "dense_static_compiled" else {}
@@ -316,7 +322,7 @@ def run_row(
                 say(f"{name} {method}: measured by an earlier run")
                 continue
             say(f"{name} {method}")
-            result = _dense_method(name, model, ids, new_tokens, method)
+            result = _dense_method(name, model, ids, new_tokens, method, settings.get("fused_decode", False))
             if method == "dense_static_compiled":
                 row["dense_tokens"] = result["tokens"]
             row[method] = {k: v for k, v in result.items() if k != "tokens"} | {
@@ -350,18 +356,22 @@ def row_settings(
     prefill: str = DEFAULT_PREFILL,
     prefill_chunk: int | None = None,
     methods: tuple[str, ...] = DENSE_METHODS,
+    fused_decode: bool = False,
 ) -> dict:
     """What a row's figures depend on besides its name: a stored row of other settings is measured again.
     `prefill`: the GSM method's prefill mode (`--prefill`); `prefill_chunk` its prompt tokens per forward
     (`--prefill-chunk`, named only when it is set: None runs the library's default for the mode); `methods`:
-    the dense methods measured."""
+    the dense methods measured; `fused_decode`: GSM's and the dense engine's token steps fused (named only when
+    set)."""
     chunk = {} if prefill_chunk is None else {"gsm_prefill_chunk": prefill_chunk}
+    fused = {"fused_decode": True} if fused_decode else {}
     return {
         "version": ROW_VERSION,
         "new_tokens": new_tokens,
         "methods": [*methods, "gsm"],
         "gsm_prefill": prefill,
         **chunk,
+        **fused,
     }
 
 
@@ -385,10 +395,10 @@ def smollm2_extras(model: torch.nn.Module, row: dict, new_tokens: int, prompts: 
         with gsm_disabled(model):
             extras["dense_token_agreement"], _ = agreement(model, dense[:4], new_tokens)
     if row["batch"] == 1:
-        chunk = model.gsm_generation["prefill_chunk"]  # as the timed row ran
-        enable_gsm_generation(model, cuda_graphs=False, prefill=prefill, prefill_chunk=chunk)
+        chunk, fused = (model.gsm_generation[key] for key in ("prefill_chunk", "fused_decode"))  # as the row ran
+        enable_gsm_generation(model, cuda_graphs=False, prefill=prefill, prefill_chunk=chunk, fused_decode=fused)
         eager, _ = generate_timed(model, prompt, new_tokens)
-        enable_gsm_generation(model, cuda_graphs=True, prefill=prefill, prefill_chunk=chunk)
+        enable_gsm_generation(model, cuda_graphs=True, prefill=prefill, prefill_chunk=chunk, fused_decode=fused)
         extras["captured_step_tokens_equal_eager"] = bool(torch.equal(eager, generated[:1]))
         say("step KL of GSM and the dense model against teacher forcing")
         extras["step_kl"] = step_kl(model, prompts[:4].to(generated.device), new_tokens)
@@ -427,6 +437,11 @@ def main() -> None:
         default=",".join(DENSE_METHODS),
         help="the dense methods measured beside GSM, comma-separated (default: all of %(default)s)",
     )
+    parser.add_argument(
+        "--fused-decode",
+        action="store_true",
+        help="GSM's and the dense engine's token steps with the fused RMSNorm / RoPE / SwiGLU kernels",
+    )
     parser.add_argument("--result", required=True)
     args = parser.parse_args()
     methods = tuple(method for method in args.methods.split(",") if method)
@@ -435,7 +450,7 @@ def main() -> None:
         parser.error(f"--methods: {unknown} are not dense methods; choose from {','.join(DENSE_METHODS)}")
     result_path = Path(args.result)
     result = json.loads(result_path.read_text()) if result_path.exists() else {"rows": {}}
-    settings = row_settings(args.new_tokens, args.prefill, args.prefill_chunk, methods)
+    settings = row_settings(args.new_tokens, args.prefill, args.prefill_chunk, methods, args.fused_decode)
     wanted = [name for name in args.rows.split(",") if not row_complete(result["rows"].get(name, {}), settings)]
     peak = bandwidth.peak_bandwidth()
     measured_by = provenance()
@@ -490,7 +505,9 @@ def _family(family: str, args: argparse.Namespace) -> tuple[torch.nn.Module, tor
             torch.manual_seed(0)
             if not any(True for _ in gsm_adapters(m)):
                 inject_gsm(m, joint_gsm_config(), mode="sparse")
-                enable_gsm_generation(m, prefill=args.prefill, prefill_chunk=args.prefill_chunk)
+                enable_gsm_generation(
+                    m, prefill=args.prefill, prefill_chunk=args.prefill_chunk, fused_decode=args.fused_decode
+                )
 
         return llama8b(), prompts, ready
     model, tokenizer = load_model_and_tokenizer("smollm2-135m", dtype=torch.bfloat16)
@@ -507,7 +524,9 @@ def _family(family: str, args: argparse.Namespace) -> tuple[torch.nn.Module, tor
                 torch.manual_seed(0)
                 inject_gsm(m, load_recipe(str(REPO / "recipes" / "joint.yaml")).gsm, mode="sparse")
             # generation is enabled explicitly, as GSMModel does
-            enable_gsm_generation(m, prefill=args.prefill, prefill_chunk=args.prefill_chunk)
+            enable_gsm_generation(
+                m, prefill=args.prefill, prefill_chunk=args.prefill_chunk, fused_decode=args.fused_decode
+            )
             set_gsm_mode(m, "sparse")
 
     return model, prompts, ready

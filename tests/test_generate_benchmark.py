@@ -58,6 +58,9 @@ def test_summary_sets_gsm_against_the_fastest_dense_method() -> None:
     assert (
         "gsm_prefill_chunk" not in row_settings(48) and row_settings(48, "dense", 32768)["gsm_prefill_chunk"] == 32768
     )
+    # so are fused token steps and the dense methods measured
+    assert "fused_decode" not in row_settings(48) and row_settings(48, fused_decode=True)["fused_decode"] is True
+    assert row_settings(48, methods=("dense_engine",))["methods"] == ["dense_engine", "gsm"]
 
 
 def test_gsm_step_bytes_follow_the_caches_buffers() -> None:
