@@ -196,12 +196,12 @@ def _selection(layer: LayerPass, layout: Layout, selector: GateSelector | None) 
 
 
 def attend_selected(layer: LayerPass, selection: Tensor) -> Tensor:
-    """Attention [B, T, Hq, D] over the selected keys: earlier blocks as stored, the own block raw. From a
-    captured training step on CUDA, FlexAttention over only the tiles queries see; else masked SDPAs of
-    ATTENTION_CHUNK queries each (`chunked_masked_attention`)."""
+    """Attention [B, T, Hq, D] over the selected keys: earlier blocks as stored, the own block raw. In a
+    training forward on CUDA that is captured or large enough (`own_block.serves`), FlexAttention over
+    only the tiles queries see; else masked SDPAs of ATTENTION_CHUNK queries each (`chunked_masked_attention`)."""
     module, query, own = layer.module, layer.query, layer.own
     gqa = module.num_key_value_groups > 1
-    if own is not None and layer.state.settings.captured_steps and module.training and own_block.fits(query):
+    if own is not None and module.training and own_block.serves(query, layer.state.settings.captured_steps):
         return own_block.own_block_attention(
             query, (layer.key, layer.value), own, selection, layer.block_size, layer.scaling, gqa
         )
