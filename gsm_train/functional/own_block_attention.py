@@ -53,8 +53,8 @@ HOPPER_KERNEL_OPTIONS = {
 
 # Attention work (batch x query heads x T^2 x head_dim) from which an eager call of this path costs less
 # than the masked SDPA: 2^35, about 3.6x `benchmarks/asq_attention.py`'s SmolLM2 shapes (4 x 9 x 2048^2 x
-# 64), where eagerly it took 2.66 ms of host time per layer against the masked SDPA's 1.46 with kernels
-# of 0.62 against 1.31 ms (break-even near 2x that work); 8B's layers at T 8192 (1 x 32 x 8192^2 x 128)
+# 64), where called eagerly it took 2.66 ms per layer (host-bound) against the masked SDPA's 1.46, with
+# kernels of 0.62 against 1.31 ms (break-even near 2x that work); 8B's layers at T 8192 (1 x 32 x 8192^2 x 128)
 # do 8x this (docs/design-decisions.md, 'Large eager training steps attend block-sparsely too').
 EAGER_MIN_WORK = 2**35
 
