@@ -1,9 +1,13 @@
 """Training attention of one ASQ layer, forward and backward, per way of computing it, side by side in
 one run: the queries see earlier blocks' keys as stored and their own block's raw, restricted to the
-gate's top-k (SmolLM2-135M shapes: batch 4, 9 query heads over 3 KV heads, head_dim 64, T 2048, ASQ
-blocks of 128, top-256, bf16).
+gate's top-k, one selection for all heads, bf16. `--shape smollm2` (the default): SmolLM2-135M's batch 4,
+9 query heads over 3 KV heads, head_dim 64, T 2048, ASQ blocks of 128, top-256; `--shape llama3-8b`:
+`benchmarks/scale_8b.py`'s joint row, batch 1, 32 over 8 heads of 128, T 8192, blocks of 64, top-512
+(the two sides of `own_block_attention.EAGER_MIN_WORK`).
 
 - masked SDPA over both key versions side by side (2T keys, boolean mask): all T x 2T products;
+- the masked SDPA in query chunks of `ATTENTION_CHUNK` over only the keys they can select
+  (`chunked_masked_attention`: what eager training steps below `EAGER_MIN_WORK` run);
 - FlexAttention over the tiles a query can see (`own_block_attention`), compiled as the trainer does,
   with the kernel options it passes on Hopper GPUs (`own_block_attention.HOPPER_KERNEL_OPTIONS`) and
   with Inductor's default configuration (its timing, like the masked SDPA's, includes putting the stored
@@ -20,12 +24,14 @@ Each is timed as the sum of its GPU kernels' times (what a CUDA graph replays, a
 on one GPU; torch.profiler, mean of 3 calls) and eagerly, as under FSDP, where Python and launches count
 too (CUDA events, median of 20 calls).
 
-python -m benchmarks.asq_attention --result OUT.json
+python -m benchmarks.asq_attention --result OUT.json [--shape llama3-8b] [--only NAME ...]
 """
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -37,27 +43,47 @@ from benchmarks.common import (
     median_ms,
     write_result,
 )
+from gsm_train.attention.dispatch import chunked_masked_attention
 from gsm_train.attention.layout import block_causal_kv
 from gsm_train.functional import own_block_attention as own_block
 from gsm_train.functional.top_k import select_top_k
 
-BATCH, HEADS, KV_HEADS, LENGTH, DIM, BLOCK, TOP_K = 4, 9, 3, 2048, 64, 128, 256
+
+@dataclass(frozen=True)
+class Shape:
+    """One layer's attention: batch, query heads, KV heads, seq_len, head_dim, ASQ block, top-k."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    seq_len: int
+    head_dim: int
+    block_size: int
+    top_k: int
 
 
-def _inputs() -> tuple[list[torch.Tensor], torch.Tensor]:
+SHAPES = {
+    "smollm2": Shape(4, 9, 3, 2048, 64, 128, 256),
+    "llama3-8b": Shape(1, 32, 8, 8192, 128, 64, 512),
+}
+
+
+def _inputs(shape: Shape) -> tuple[list[torch.Tensor], torch.Tensor]:
     """(query, stored K, stored V, raw K, raw V) needing gradients, and a top-k selection [B, 1, T, T]."""
     torch.manual_seed(0)
-    tensors = [torch.randn(BATCH, HEADS, LENGTH, DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)]
-    tensors += [
-        torch.randn(BATCH, KV_HEADS, LENGTH, DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        for _ in range(4)
-    ]
-    positions = torch.arange(LENGTH, device="cuda")
+    length = shape.seq_len
+
+    def rand(heads: int) -> torch.Tensor:
+        return torch.randn(
+            shape.batch, heads, length, shape.head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True
+        )
+
+    tensors = [rand(shape.heads), *(rand(shape.kv_heads) for _ in range(4))]
+    positions = torch.arange(length, device="cuda")
     causal = (positions[None, :] <= positions[:, None])[None, None]
-    scores = torch.randn(BATCH, 1, LENGTH, LENGTH, device="cuda")
-    selection = select_top_k(
-        scores, causal, torch.full((LENGTH,), TOP_K, device="cuda"), positions, positions, k_max=TOP_K, uniform_k=True
-    )
+    scores = torch.randn(shape.batch, 1, length, length, device="cuda")
+    k = torch.full((length,), shape.top_k, device="cuda")
+    selection = select_top_k(scores, causal, k, positions, positions, k_max=shape.top_k, uniform_k=True)
     return tensors, selection
 
 
@@ -68,12 +94,14 @@ def _per_block_sdpa(
     own: tuple[torch.Tensor, torch.Tensor],
     selection: torch.Tensor,
     scaling: float,
+    block_size: int,
 ) -> torch.Tensor:
     """One masked SDPA per ASQ block of queries over earlier blocks' stored keys and its own block's raw
     ones (one selection for all heads) -> [B, H, T, D]."""
     outs = []
-    for start in range(0, LENGTH, BLOCK):
-        stop = min(start + BLOCK, LENGTH)
+    length = query.shape[2]
+    for start in range(0, length, block_size):
+        stop = min(start + block_size, length)
         keys = torch.cat((key[:, :, :start], own[0][:, :, start:stop]), 2)
         values = torch.cat((value[:, :, :start], own[1][:, :, start:stop]), 2)
         outs.append(
@@ -98,30 +126,41 @@ def _fwd_bwd(attend: Callable[[], torch.Tensor], tensors: list[torch.Tensor]) ->
     return step
 
 
+def _more_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2", help="the layer's shapes (see above)")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="time only these ways (names as in the result)")
+
+
 def main() -> None:
-    args = kernel_benchmark_args(__doc__)
-    tensors, selection = _inputs()
+    args = kernel_benchmark_args(__doc__, _more_arguments)
+    shape = SHAPES[args.shape]
+    block = shape.block_size
+    tensors, selection = _inputs(shape)
     query, stored_k, stored_v, raw_k, raw_v = tensors
-    positions = torch.arange(LENGTH, device="cuda")
-    scaling = DIM**-0.5
+    positions = torch.arange(shape.seq_len, device="cuda")
+    scaling = shape.head_dim**-0.5
 
     def masked_sdpa() -> torch.Tensor:
-        keys, values, mask = block_causal_kv(stored_k, stored_v, (raw_k, raw_v), selection, positions, BLOCK)
+        keys, values, mask = block_causal_kv(stored_k, stored_v, (raw_k, raw_v), selection, positions, block)
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True)
+
+    def chunked_masked() -> torch.Tensor:
+        return chunked_masked_attention(query, (stored_k, stored_v), (raw_k, raw_v), selection, block, scaling, True)
 
     def flex(mode: str | None, tuned: bool, extra: dict | None = None) -> Callable[[], torch.Tensor]:
         return lambda: own_block.own_block_attention(
-            query, (stored_k, stored_v), (raw_k, raw_v), selection, BLOCK, scaling, True, mode, tuned, extra
+            query, (stored_k, stored_v), (raw_k, raw_v), selection, block, scaling, True, mode, tuned, extra
         )
 
     def dense_causal() -> torch.Tensor:
         return F.scaled_dot_product_attention(query, stored_k, stored_v, is_causal=True, scale=scaling, enable_gqa=True)
 
     def per_block() -> torch.Tensor:
-        return _per_block_sdpa(query, stored_k, stored_v, (raw_k, raw_v), selection, scaling)
+        return _per_block_sdpa(query, stored_k, stored_v, (raw_k, raw_v), selection, scaling, block)
 
     ways = {
         "masked_sdpa_2T_keys": masked_sdpa,
+        "chunked_masked_sdpa": chunked_masked,
         "flex_visible_tiles": flex(None, True),
         "flex_visible_tiles_default_options": flex(None, False),
         "flex_visible_tiles_rows_guaranteed_safe": flex(None, True, {"ROWS_GUARANTEED_SAFE": True}),
@@ -129,8 +168,13 @@ def main() -> None:
         "per_block_sdpa": per_block,
         "dense_causal_sdpa_T_keys": dense_causal,
     }
+    unknown = sorted(set(args.only or ()) - set(ways))
+    if unknown:
+        raise SystemExit(f"--only: unknown way(s) {', '.join(unknown)}; choose from {', '.join(ways)}")
     rows = {}
     for name, attend in ways.items():
+        if args.only and name not in args.only:
+            continue
         step = _fwd_bwd(attend, tensors)
         rows[name] = {
             "fwd_bwd_gpu_ms": sum(row["ms_per_step"] for row in kernel_times(step)),
@@ -145,15 +189,8 @@ def main() -> None:
         Path(args.result),
         {
             "hopper_kernel_options": own_block.kernel_options(query),
-            "shape": {
-                "batch": BATCH,
-                "heads": HEADS,
-                "kv_heads": KV_HEADS,
-                "seq_len": LENGTH,
-                "head_dim": DIM,
-                "block_size": BLOCK,
-                "top_k": TOP_K,
-            },
+            "shape": {"name": args.shape, **asdict(shape)},
+            "pays_off_eagerly": own_block.pays_off_eagerly(query),
             "rows": rows,
         },
     )

@@ -115,11 +115,15 @@ def op_times(step: Callable[[], object], repeats: int = 3) -> list[dict]:
     return sorted(rows, key=lambda row: -row["ms_per_step"])
 
 
-def kernel_benchmark_args(description: str) -> argparse.Namespace:
-    """The command line of a benchmark that times GPU kernels and takes only `--result OUT.json`; refuses
-    to run without CUDA."""
+def kernel_benchmark_args(
+    description: str, more: Callable[[argparse.ArgumentParser], None] | None = None
+) -> argparse.Namespace:
+    """The command line of a benchmark that times GPU kernels and takes `--result OUT.json` (and what `more`
+    adds to the parser); refuses to run without CUDA."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--result", required=True)
+    if more is not None:
+        more(parser)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("this benchmark times GPU kernels; run it on a CUDA device")

@@ -318,13 +318,15 @@ def test_a_pass_that_cannot_read_position_ids_keeps_the_causal_path_only_inside_
     assert masking_utils.find_packed_sequence_indices(torch.tensor([[0, 1, 0, 1]])) is not None  # restored
 
 
-@pytest.mark.parametrize("heads", ["layer", "kv"])
-def test_captured_training_forwards_take_the_block_sparse_path_with_the_same_logits(
-    heads: str, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(("heads", "route"), [("layer", "captured"), ("kv", "captured"), ("kv", "large")])
+def test_captured_or_large_training_forwards_take_the_block_sparse_path_with_the_same_logits(
+    heads: str, route: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With `captured_steps` (set by the trainer when it captures the step) a training forward of an ASQ
-    layer attends through `own_block_attention`, here run eagerly on CPU (its path is otherwise for CUDA
-    only), and gives the masked SDPA's logits (fp64); evaluation forwards keep the masked SDPA."""
+    """With `captured_steps` (set by the trainer when it captures the step), or eagerly where a layer's
+    attention work reaches `EAGER_MIN_WORK` (lowered here to 1), a training forward of an
+    ASQ layer attends through `own_block_attention`, here run eagerly on CPU (its path is otherwise for
+    CUDA only), and gives the masked SDPA's logits (fp64); an eager forward below the threshold and
+    evaluation forwards keep the masked SDPA."""
     from gsm_train.functional import own_block_attention as own_block
 
     calls = []
@@ -339,7 +341,11 @@ def test_captured_training_forwards_take_the_block_sparse_path_with_the_same_log
     ).double()  # fp64: no fp32 rounding for ASQ's codes to amplify
     model.train()
     masked = _logits(model)
-    configure_gsm(model, captured_steps=True)
+    assert not calls  # eager, and the tiny model's layers far below the threshold
+    if route == "captured":
+        configure_gsm(model, captured_steps=True)
+    else:
+        monkeypatch.setattr(own_block, "EAGER_MIN_WORK", 1)  # every call reaches it
     torch.testing.assert_close(_logits(model), masked, atol=1e-10, rtol=0)
     assert calls  # the block-sparse path ran
     calls.clear()

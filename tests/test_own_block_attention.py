@@ -140,3 +140,63 @@ def test_under_autocast_fp32_inputs_attend_in_bf16_as_the_masked_sdpa() -> None:
         got = own_block_attention(query, (stored_k, stored_v), (raw_k, raw_v), selection, block_size, 0.125, gqa=True)
     assert got.dtype == expected.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_eager_calls_pay_off_from_the_work_threshold() -> None:
+    """The eager rule on shapes alone (meta tensors): Llama-3-8B's layers at T 8192 take the block-sparse path,
+    `benchmarks/asq_attention.py`'s SmolLM2 shapes (measured slower eagerly) and 8B at T 2048 do not."""
+    from gsm_train.functional.own_block_attention import EAGER_MIN_WORK, pays_off_eagerly
+
+    def query(batch: int, heads: int, length: int, dim: int) -> torch.Tensor:
+        return torch.empty(batch, heads, length, dim, device="meta")
+
+    assert pays_off_eagerly(query(1, 32, 8192, 128)) and pays_off_eagerly(query(1, 9, 8192, 64))
+    assert not pays_off_eagerly(query(4, 9, 2048, 64)) and not pays_off_eagerly(query(1, 32, 2048, 128))
+    assert pays_off_eagerly(query(1, 1, 2**14, 128)) and EAGER_MIN_WORK == 2**14 * 2**14 * 128  # the bound itself
+    assert not pays_off_eagerly(query(1, 1, 2**14 - 128, 128))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the block-sparse path serves CUDA tensors only")
+def test_serves_captured_steps_at_any_size_and_eager_ones_from_the_threshold() -> None:
+    from gsm_train.functional.own_block_attention import serves
+
+    small = torch.empty(1, 9, 2048, 64, device="cuda", dtype=torch.bfloat16)
+    large = torch.empty(1, 32, 8192, 128, device="cuda", dtype=torch.bfloat16)
+    assert serves(small, captured=True) and not serves(small, captured=False)
+    assert serves(large, captured=True) and serves(large, captured=False)
+    assert not serves(torch.empty(1, 32, 8192 - 64, 128, device="cuda", dtype=torch.bfloat16), captured=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward runs on GPUs only")
+def test_under_activation_checkpointing_gqa_heads_of_128_are_as_close_as_the_chunked_masked_sdpa() -> None:
+    """As an eager 8B step runs it: 4 query heads per KV head of 128 in bf16 (Inductor's default kernel
+    options), the call recomputed in the backward by non-reentrant checkpointing. Forward and gradients lie
+    as close to the fp32 result as `chunked_masked_attention` in bf16 (the path it replaces) does."""
+    from torch.utils.checkpoint import checkpoint
+
+    from gsm_train.attention.dispatch import chunked_masked_attention
+
+    torch.manual_seed(0)
+    batch, heads, kv_heads, length, dim, block_size = 1, 8, 2, 1024, 128, 64
+    exact = [torch.randn(batch, heads, length, dim, device="cuda", requires_grad=True)]
+    exact += [torch.randn(batch, kv_heads, length, dim, device="cuda", requires_grad=True) for _ in range(4)]
+    causal = torch.ones(length, length, dtype=torch.bool, device="cuda").tril()
+    selection = ((torch.rand(batch, kv_heads, length, length, device="cuda") > 0.8) & causal) | torch.eye(
+        length, dtype=torch.bool, device="cuda"
+    )
+
+    def run(attend, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        query, stored_k, stored_v, raw_k, raw_v = inputs
+        out = attend(query, (stored_k, stored_v), (raw_k, raw_v), selection, block_size, dim**-0.5, True)
+        return [out.float(), *(grad.float() for grad in torch.autograd.grad(out, inputs, upstream.to(out.dtype)))]
+
+    def halved() -> list[torch.Tensor]:
+        return [tensor.detach().bfloat16().requires_grad_() for tensor in exact]
+
+    upstream = torch.randn(batch, length, heads, dim, device="cuda")
+    expected = run(chunked_masked_attention, exact)
+    masked = run(chunked_masked_attention, halved())
+    flex = run(lambda *args: checkpoint(own_block_attention, *args, use_reentrant=False), halved())
+    for name, want, old, new in zip(("out", "query", "stored_k", "stored_v", "raw_k", "raw_v"), expected, masked, flex):
+        old_error, new_error = (want - old).abs().max(), (want - new).abs().max()
+        assert new_error <= 2 * old_error + 1e-3 * want.abs().max(), (name, new_error, old_error)

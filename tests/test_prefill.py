@@ -244,13 +244,14 @@ def test_the_sparse_prefills_attention_in_query_chunks_equals_one_masked_sdpa(
     dtype: torch.dtype, with_own: bool, selectors: int
 ) -> None:
     """`chunked_masked_attention` (query chunks reading only the keys they can select) computes what one masked
-    SDPA of every query over all 2S keys computed: fp64 to rounding (1e-12), fp32 to 1e-6; chunks aligned
-    to blocks or not, one chunk, a selection per KV group or one for all, a padded row."""
+    SDPA of every query over all 2S keys computed, and the same gradients for the query and every K/V input
+    (training runs it where FlexAttention does not serve): fp64 to rounding (1e-12), fp32 to 1e-6 (gradients
+    1e-5); chunks aligned to blocks or not, one chunk, a selection per KV group or one for all, a padded row."""
     generator = torch.Generator().manual_seed(0)
     batch, heads, kv_heads, length, dim = 2, 4, 2, LENGTH, 8
 
     def rand(*shape: int) -> Tensor:
-        return torch.randn(*shape, generator=generator, dtype=dtype)
+        return torch.randn(*shape, generator=generator, dtype=dtype).requires_grad_()
 
     query = rand(batch, heads, length, dim)
     stored = (rand(batch, kv_heads, length, dim), rand(batch, kv_heads, length, dim))
@@ -259,11 +260,16 @@ def test_the_sparse_prefills_attention_in_query_chunks_equals_one_masked_sdpa(
     selection = (torch.rand(batch, selectors, length, length, generator=generator) < 0.4) & causal
     selection |= torch.eye(length, dtype=torch.bool)  # each query keeps its own position
     selection[1, :, 3:, :3] = False  # row 1 left-padded by 3 tokens: later queries never see them
+    inputs = [query, *stored, *(own or ())]
+    upstream = torch.randn(batch, length, heads, dim, generator=generator, dtype=dtype)
     expected = _reference_attention(query, stored, own, selection, BLOCK)
+    expected_grads = torch.autograd.grad(expected, inputs, upstream)
     tolerance = 1e-12 if dtype == torch.float64 else 1e-6
     for chunk in (5, BLOCK, 16, length):
         got = chunked_masked_attention(query, stored, own, selection, BLOCK, 0.125, True, chunk)
         torch.testing.assert_close(got, expected, atol=tolerance, rtol=0, msg=f"chunk {chunk}")
+        for want, grad in zip(expected_grads, torch.autograd.grad(got, inputs, upstream)):
+            torch.testing.assert_close(grad, want, atol=10 * tolerance, rtol=0, msg=f"chunk {chunk}")
 
 
 @pytest.mark.parametrize("gqa", [True, False])

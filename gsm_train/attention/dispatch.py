@@ -196,12 +196,12 @@ def _selection(layer: LayerPass, layout: Layout, selector: GateSelector | None) 
 
 
 def attend_selected(layer: LayerPass, selection: Tensor) -> Tensor:
-    """Attention [B, T, Hq, D] over the selected keys: earlier blocks as stored, the own block raw. From a
-    captured training step on CUDA, FlexAttention over only the tiles queries see; else masked SDPAs of
-    ATTENTION_CHUNK queries each (`chunked_masked_attention`)."""
+    """Attention [B, T, Hq, D] over the selected keys: earlier blocks as stored, the own block raw. In a
+    training forward on CUDA that is captured or large enough (`own_block.serves`), FlexAttention over
+    only the tiles queries see; else masked SDPAs of ATTENTION_CHUNK queries each (`chunked_masked_attention`)."""
     module, query, own = layer.module, layer.query, layer.own
     gqa = module.num_key_value_groups > 1
-    if own is not None and layer.state.settings.captured_steps and module.training and own_block.fits(query):
+    if own is not None and module.training and own_block.serves(query, layer.state.settings.captured_steps):
         return own_block.own_block_attention(
             query, (layer.key, layer.value), own, selection, layer.block_size, layer.scaling, gqa
         )
@@ -224,22 +224,42 @@ def chunked_masked_attention(
     query chunks that read only the keys they can select: for queries [a, b), the stored keys [0, b) (the
     selection is causal) and the raw keys of the blocks they own, [a rounded down to a block, b). For a
     prompt of T tokens that is about T^2 / 2 + T * chunk (query, key) pairs instead of 2 T^2. query
-    [B, Hq, T, D] at positions 0..T-1; stored and own K/V [B, Hkv, T, D]; selection [B|1, n, T, T]."""
+    [B, Hq, T, D] at positions 0..T-1; stored and own K/V [B, Hkv, T, D]; selection [B|1, n, T, T].
+
+    The query chunks and the K/V spans are joined from pieces split once at every chunk and block edge
+    (`_pieces`), not sliced per chunk: a slice's gradient is a zero-filled tensor of the whole sequence
+    that the backward then adds up once per chunk, a piece's only the piece's rows."""
     length = query.shape[2]
+    starts = range(0, length, chunk)
+    firsts = [start // block_size * block_size for start in starts] if own is not None else []
+    edges = sorted({*starts, *firsts, length})
+    stored_pieces = _pieces(stored, edges)
+    own_pieces = _pieces(own, edges) if own is not None else None
     parts = []
-    for start in range(0, length, chunk):
+    for start, queries in zip(starts, query.split(chunk, 2)):
         stop = min(start + chunk, length)
-        keys, values = (side[:, :, :stop] for side in stored)
+        stop_at = edges.index(stop)
+        keys, values = (list(pieces[:stop_at]) for pieces in stored_pieces)
         rows = selection[..., start:stop, :stop]
-        if own is not None:
+        if own_pieces is not None:
             first = start // block_size * block_size
             earlier = earlier_blocks(torch.arange(start, stop, device=query.device), stop, block_size)
-            keys, values = (
-                torch.cat((side, raw[:, :, first:stop]), 2) for side, raw in ((keys, own[0]), (values, own[1]))
-            )
+            keys += own_pieces[0][edges.index(first) : stop_at]
+            values += own_pieces[1][edges.index(first) : stop_at]
             rows = torch.cat((rows & earlier, (rows & ~earlier)[..., first:]), -1)
-        parts.append(masked_sdpa(query[:, :, start:stop], keys, values, rows, scaling, gqa))
+        parts.append(masked_sdpa(queries, _joined(keys), _joined(values), rows, scaling, gqa))
     return torch.cat(parts, 1)
+
+
+def _pieces(pair: tuple[Tensor, Tensor], edges: list[int]) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+    """Both tensors of `pair` [B, H, T, D] split along T at `edges` (0, the inner edges, T, ascending)."""
+    sizes = [stop - start for start, stop in zip(edges, edges[1:])]
+    return pair[0].split(sizes, 2), pair[1].split(sizes, 2)
+
+
+def _joined(pieces: list[Tensor]) -> Tensor:
+    """Consecutive pieces along T as one tensor (a lone piece as it is, without a copy)."""
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, 2)
 
 
 def masked_sdpa(query: Tensor, key: Tensor, value: Tensor, selection: Tensor, scaling: float, gqa: bool) -> Tensor:

@@ -36,7 +36,8 @@ class GSMSettings:
     detach_gate_input: the gate reads detached hidden states (the joint stage: the base learns only from
         the LM loss).
     captured_steps: training forwards are captured in a CUDA graph, so ASQ layers may take the
-        block-sparse FlexAttention path that only pays off without per-call Python.
+        block-sparse FlexAttention path at any size (eager steps take it only where a layer's attention
+        is large enough to pay for its host time: `own_block_attention.pays_off_eagerly`).
     kv_baseline: replace ASQ by plain quantization at ASQ's widths (`per_token` or `kivi`), for evaluation.
     """
 

@@ -7,13 +7,16 @@ T = 2048 and blocks of 128. FlexAttention skips the tiles no query of a tile can
 block structure alone (the stored half below the block diagonal, the raw half on it), and reads
 the selection only inside the tiles it computes.
 
-Used in the training forwards of steps that replay from a CUDA graph (`GSMSettings.captured_steps`,
-set by the trainer on one GPU; its evaluation forwards run eagerly and keep the masked SDPA), on
-CUDA (FlexAttention's backward runs on GPUs only), when the sequence is a whole number of flex
-tiles; the masked SDPA serves everywhere else. Only there: its kernels are faster than the masked
-SDPA's, but called eagerly the compiled call and the block mask cost more Python and launches than
-the kernels save (docs/design-decisions.md, 'From a CUDA graph, ASQ layers attend block-sparsely
-with FlexAttention').
+Used in training forwards on CUDA (FlexAttention's backward runs on GPUs only) when the sequence is
+a whole number of flex tiles (`fits`), and either the step replays from a CUDA graph
+(`GSMSettings.captured_steps`, set by the trainer on one GPU) or the call's attention is large
+enough that its kernels, not the host, set the pace (`pays_off_eagerly`: 8B-sized layers at long
+sequences, with or without activation checkpointing); the masked SDPA serves everywhere else
+(evaluation, generation, CPU, small eager steps). Its kernels are faster than the masked SDPA's, but
+called eagerly the compiled call and the block mask cost a few milliseconds of host time per layer:
+more than the kernels save at SmolLM2's size, far less at 8B's (docs/design-decisions.md, 'From a
+CUDA graph, ASQ layers attend block-sparsely with FlexAttention' and 'Large eager training steps
+attend block-sparsely too').
 """
 
 from __future__ import annotations
@@ -48,12 +51,33 @@ HOPPER_KERNEL_OPTIONS = {
 }
 
 
+# Attention work (batch x query heads x T^2 x head_dim) from which an eager call of this path costs less
+# than the masked SDPA: 2^35, about 3.6x `benchmarks/asq_attention.py`'s SmolLM2 shapes (4 x 9 x 2048^2 x
+# 64), where called eagerly it took 2.66 ms per layer (host-bound) against the masked SDPA's 1.46, with
+# kernels of 0.62 against 1.31 ms (break-even near 2x that work); 8B's layers at T 8192 (1 x 32 x 8192^2 x 128)
+# do 8x this (docs/design-decisions.md, 'Large eager training steps attend block-sparsely too').
+EAGER_MIN_WORK = 2**35
+
+
 def fits(query: Tensor) -> bool:
     """Whether this path serves `query` [B, H, T, D]: on CUDA, in a training dtype, heads of at least 16
     (Inductor's FlexAttention refuses smaller) and T a whole number of tiles. ASQ blocks of any size are
     served: the tile lists and the rule follow the block each token lies in."""
     length, head_dim = query.shape[2], query.shape[3]
     return query.is_cuda and query.dtype in FLEX_DTYPES and head_dim >= 16 and length % TILE == 0
+
+
+def pays_off_eagerly(query: Tensor) -> bool:
+    """Whether a call over `query` [B, H, T, D] does enough attention work (B x H x T^2 x D of at least
+    `EAGER_MIN_WORK`) that this path's kernels save more than its host time costs outside a CUDA graph."""
+    batch, heads, length, head_dim = query.shape
+    return batch * heads * length * length * head_dim >= EAGER_MIN_WORK
+
+
+def serves(query: Tensor, captured: bool) -> bool:
+    """Whether a training forward attends over `query` [B, H, T, D] with this path: it `fits`, and the
+    step is `captured` in a CUDA graph or the call `pays_off_eagerly`."""
+    return fits(query) and (captured or pays_off_eagerly(query))
 
 
 @functools.cache
