@@ -13,11 +13,14 @@ outside the layers (`count_ops`: views are left out, since they launch nothing).
 takes the PyTorch path; with `TRITON_INTERPRET=1` it takes the fused kernels' path, as on a GPU, the
 kernels run by Triton's interpreter (their insides not counted: on a GPU each is one launch).
 `--model tiny` takes recipes/joint.yaml's GSM settings at sizes the tiny model fits (`TINY_OVERRIDES`).
+`--count-outside` counts what GSM's generation runs outside the part a CUDA graph captures (`count_outside`):
+per new token, the ops of transformers' `generate` loop and of a plain greedy loop around the token step,
+and the ops of one `GSMCache.pack_full_tail` (every `block_size` tokens), on the CPU, eagerly.
 `--fused` runs both engines' token steps with `fused_decode` (RMSNorm, RoPE and SwiGLU as one Triton kernel
 each, `gsm_train.inference.decode_fusion`); counted on the CPU it needs `TRITON_INTERPRET=1` as above.
 
     python -m benchmarks.decode_step_profile --result OUT.json [--model 8b] [--context 32768] [--batch 1]
-        [--steps 20] [--top 25] [--count] [--fused] [--device cuda|cpu]
+        [--steps 20] [--top 25] [--count | --count-outside] [--fused] [--device cuda|cpu]
 """
 
 from __future__ import annotations
@@ -128,6 +131,89 @@ def count_ops(step: Callable[[], object], model: nn.Module) -> dict:
         "per_layer": [sum(layer.values()) for layer in counter.layers],
         "ops": [dict(sorted(layer.items())) for layer in counter.layers],
     }
+
+
+class PhaseCounter(TorchDispatchMode):
+    """Counts the aten ops run inside it (views aside, as `OpCounter`) by the phase named in `phase`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase = "outside"
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        returns = func._schema.returns
+        if not (bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write):
+            self.counts[self.phase] += 1
+        return func(*args, **(kwargs or {}))
+
+    def within(self, phase: str, call: Callable[..., Any]) -> Callable[..., Any]:
+        """`call` with its ops counted under `phase` (the phase before it resumes after it)."""
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            before, self.phase = self.phase, phase
+            try:
+                return call(*args, **kwargs)
+            finally:
+                self.phase = before
+
+        return counted
+
+
+def count_outside(model: nn.Module, ids: torch.Tensor, tokens: int) -> dict:
+    """GSM's generation of `tokens` new tokens after `ids` [B, T], eagerly, its ops counted by phase
+    (`PhaseCounter`): `step` (the model's forward of one token, what a CUDA graph replays on a GPU), `pack`
+    (`GSMCache.pack_full_tail`, the eager pack inside it), `prefill`, and the rest, the driving loop's. Per
+    loop (`generate`: transformers' `model.generate` as benchmarks.generate times it, `generate_timed`, whose
+    stopping criterion adds 1 op a token; `plain_loop`: an argmax per token, as its `plain_loop_generate`):
+    `per_token`, the loop's ops from one token step to the next (the mean over the steps), `step`, the ops of
+    a token step that packs nothing, and `per_pack`, the ops of a pack (None if none packed: `tokens` must
+    reach past the prompt's last block). On a GPU a replayed step adds its input copies and the logits'
+    clone (3 ops)."""
+    from benchmarks.generate import generate_timed
+
+    enable_gsm_generation(model, cuda_graphs=False)
+    base = model.gsm_base_forward
+
+    def run(loop: str) -> dict:
+        counter, cache = PhaseCounter(), GSMCache(model, capacity=ids.shape[1] + tokens + 1)
+        pack = counter.within("pack", cache.pack_full_tail)
+        steps, packed = [], set()  # the counts as each token step began; the steps that packed
+
+        def counted_pack() -> bool:
+            did = pack()
+            if did:
+                packed.add(len(steps) - 1)
+            return did
+
+        def counted_forward(**kwargs: Any) -> Any:
+            if kwargs["input_ids"].shape[1] > 1:
+                return counter.within("prefill", base)(**kwargs)
+            steps.append(dict(counter.counts))
+            return counter.within("step", base)(**kwargs)
+
+        cache.pack_full_tail, model.gsm_base_forward = counted_pack, counted_forward
+        kwargs = cache_kwargs(model, cache)
+        try:
+            with torch.no_grad(), counter:
+                if loop == "generate":
+                    generate_timed(model, ids, tokens, **kwargs)
+                else:
+                    token = model(input_ids=ids, use_cache=True, logits_to_keep=1, **kwargs).logits.argmax(-1)
+                    for _ in range(tokens - 1):
+                        token = model(input_ids=token, use_cache=True, logits_to_keep=1, **kwargs).logits.argmax(-1)
+        finally:
+            model.gsm_base_forward = base
+        ends = [*steps[1:], dict(counter.counts)]  # each step's counts until the next began
+        spans = [{phase: end.get(phase, 0) - begin.get(phase, 0) for phase in end} for begin, end in zip(steps, ends)]
+        packs = [spans[at]["pack"] for at in sorted(packed)]
+        return {
+            "per_token": sum(span["outside"] for span in spans[:-1]) / (len(spans) - 1),
+            "step": next(span["step"] for at, span in enumerate(spans) if at not in packed),
+            "per_pack": packs[0] if packs else None,
+        }
+
+    return {loop: run(loop) for loop in ("generate", "plain_loop")}
 
 
 def profile_model(name: str, device: str) -> nn.Module:
@@ -248,6 +334,14 @@ def print_counts(method: str, result: dict) -> None:
         )
 
 
+def print_outside(method: str, result: dict) -> None:
+    for loop, counts in result.items():
+        print(
+            f"{method}, {loop}: {counts['per_token']:.1f} ops per token outside the step "
+            f"({counts['step']:.1f} in it); {counts['per_pack']} per pack"
+        )
+
+
 def print_table(method: str, result: dict, top: int) -> None:
     print(f"\n{method}: {result['step_us']:.1f} us per step ({result['per_layer_us']:.1f} per layer)")
     print_kernels(result["kernels"], top)
@@ -270,6 +364,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--count", action="store_true", help="count each step's aten ops per layer; no timing")
     parser.add_argument(
+        "--count-outside", action="store_true", help="count GSM's ops outside its captured step (per token, per pack)"
+    )
+    parser.add_argument(
         "--fused", action="store_true", help="token steps with fused RMSNorm, RoPE and SwiGLU kernels (both engines)"
     )
     parser.add_argument(
@@ -278,6 +375,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     settings = {"model": args.model, "context": args.context, "batch": args.batch, "steps": args.steps}
     settings |= {"count": True} if args.count else {}
+    settings |= {"count_outside": True} if args.count_outside else {}
     settings |= {"fused": True} if args.fused else {}
     settings |= {"device": args.device} if args.device else {}
     path = Path(args.result)
@@ -286,6 +384,11 @@ def main(argv: list[str] | None = None) -> None:
         args.model, args.device or ("cuda" if torch.cuda.is_available() and args.model == "8b" else "cpu")
     )
     ids = prompt_ids(model, args.batch, args.context)
+    if args.count_outside:
+        attach_gsm(model, args.model)
+        tokens = _gsm_config(args.model).kv_compression.block_size
+        run_methods(path, result, [("gsm_outside", lambda: count_outside(model, ids, tokens))], print_outside)
+        return
 
     def method(name: str, make: Callable[..., Callable[[], object]]) -> tuple[str, Callable[[], dict]]:
         def run() -> dict:

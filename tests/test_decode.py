@@ -279,6 +279,48 @@ def test_store_packs_every_block_but_the_newest() -> None:
         store.append(states[:, :, :1])
 
 
+def _host_index_pack(cache: GSMCache) -> list[tuple[dict[str, Tensor], dict[str, Tensor]]]:
+    """Each layer's K and V store fields as packing its full tail at the host's packed length writes them:
+    `pack_blocks` of the tail, sliced in by host index (the pack before it read the device lengths)."""
+    start, expected = cache.lengths.packed_len, []
+    for layer in cache.layers:
+        sides = []
+        for store in (layer.k_store, layer.v_store):
+            fields = {name: field.clone() for name, field in store.fields.items()}
+            for name, field in store.compressor.pack_blocks(store.tail).items():
+                entry = start // (store.capacity // fields[name].shape[2])  # a field per token or per block
+                fields[name][:, :, entry : entry + field.shape[2]] = field
+            sides.append(fields)
+        expected.append(tuple(sides))
+    return expected
+
+
+@pytest.mark.parametrize("config", ["gate_asq_k4_v2", "gate_per_token_share"])  # K and V packed as one; apart
+def test_a_full_block_is_packed_where_the_device_lengths_say_as_the_host_index_packs_it(config: str) -> None:
+    """`pack_full_tail` packs every layer's full newest block at the positions it reads from the device
+    lengths (`GSMCache.pack_newest_block`, what `decode_graph.CapturedPack` captures): the stores then hold
+    the bytes of `pack_blocks(tail)` written at the host's packed length, every other byte as it was, and
+    the device lengths and the token slots move with the host's."""
+    model = _model("llama", CONFIGS[config])
+    ids, packs = _ids(), 0
+    cache = GSMCache(model, capacity=ids.shape[1], prefill="sparse")
+    with torch.no_grad():
+        model(ids[:, :PROMPT], **cache_kwargs(model, cache), use_cache=True)
+        for position in range(PROMPT, ids.shape[1]):
+            if cache.tail_full():
+                expected = _host_index_pack(cache)
+                assert cache.pack_full_tail() and not cache.pack_full_tail()  # packed once, then not full
+                for layer, sides in zip(cache.layers, expected, strict=True):
+                    for store, fields in zip((layer.k_store, layer.v_store), sides, strict=True):
+                        assert all(torch.equal(store.fields[name], field) for name, field in fields.items())
+                held, packed = cache.lengths.seq_len, cache.lengths.packed_len
+                assert packed == held and cache.lengths.device.tolist() == [held, packed]
+                assert cache.lengths.slots.tolist() == [held - 1, -1]  # the next token's slots after add_token
+                packs += 1
+            model(ids[:, position : position + 1], **cache_kwargs(model, cache), use_cache=True)
+    assert packs == (LENGTH - 1) // BLOCK  # at 8, 16, 24 and 32 tokens held
+
+
 def test_forced_count_and_spans_match_the_rule() -> None:
     for position in range(12):
         for sinks in (0, 2, 5):

@@ -65,3 +65,26 @@ def test_gsm_token_step_runs_at_most_so_many_ops_per_layer_on_the_fused_path(tmp
     """The glue around the fused kernels (on a GPU, or on the CPU under Triton's interpreter): a sparse
     layer runs about what a layer of the dense engine does, plus the kernels (counted once each)."""
     _assert_at_most(_counted_step(tmp_path, KERNEL_DEVICE)["gsm"], MOST_OPS_FUSED_PATH)
+
+
+# The most ops one `GSMCache.pack_full_tail` runs per decoder layer when it packs (eagerly: the CPU, or a
+# step that is not captured; a GPU replays them from one graph), counted by `decode_step_profile
+# --count-outside` on the tiny Llama at recipes/joint.yaml's settings: K and V encoded as one and written by
+# device index (docs/design-decisions.md, "Packing a full block: one captured graph"; 112.5 before, K and V
+# packed apart). Plus at most 4 a pack whatever the layers: the block's positions, and the lengths advanced.
+MOST_PACK_OPS_PER_LAYER = 88
+
+
+def test_what_gsm_runs_outside_its_token_step_is_counted_per_token_and_per_pack(tmp_path: Path) -> None:
+    path = tmp_path / "outside.json"
+    decode_step_profile.main(
+        ["--model", "tiny", "--context", "40", "--count-outside", "--device", "cpu", "--result", str(path)]
+    )
+    result = json.loads(path.read_text())
+    assert result["settings"]["count_outside"]
+    loops = result["gsm_outside"]
+    assert loops["plain_loop"]["per_token"] == 1  # the argmax: the loop's only op besides the step's
+    assert loops["generate"]["per_token"] > loops["plain_loop"]["per_token"]  # transformers' loop
+    for counts in loops.values():
+        assert counts["per_pack"] <= 4 * MOST_PACK_OPS_PER_LAYER + 4
+        assert counts["step"] > counts["per_token"]

@@ -199,3 +199,38 @@ def test_a_fraction_schedule_replays_one_captured_step_for_many_k(tmp_path: Path
     cache = getattr(out, "cache", None) or out.past_key_values
     assert list(cache.step_graphs.steps) == [12]  # k from 10 to 14 (capped at 12): one step
     assert torch.equal(out.sequences, _generate(model, ids, do_sample=False, use_cache=False))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_a_captured_block_pack_leaves_the_cache_as_the_eager_pack_does(tmp_path: Path) -> None:
+    """Token steps replayed from CUDA graphs across three full blocks: with each block packed by a replay of
+    the captured pack (`CapturedPack`, what `StepGraphs` does) the cache holds, bit for bit, what the eager
+    pack (`GSMCache.pack_full_tail`) leaves, and every step's logits are the same."""
+    from gsm_train.inference.decode_graph import StepGraphs
+
+    model = _loaded_on_the_gpu(tmp_path, GSM["sparse_attention"])
+    ids = _prompt(37).cuda()
+
+    def decode(captured: bool) -> tuple[GSMCache, torch.Tensor]:
+        cache = GSMCache(model, capacity=ids.shape[1])
+        graphs = cache.step_graphs = StepGraphs(model, cache)
+        if not captured:
+            graphs.pack = cache.pack_full_tail  # what the captured steps' driver did before
+        with torch.no_grad():
+            model(input_ids=ids[:, :13], use_cache=True, **cache_kwargs(model, cache))
+            logits = [
+                model(input_ids=ids[:, at : at + 1], use_cache=True, **cache_kwargs(model, cache)).logits
+                for at in range(13, ids.shape[1])
+            ]
+        return cache, torch.cat(logits, 1)
+
+    (replayed, replayed_logits), (eager, eager_logits) = decode(True), decode(False)
+    assert replayed.step_graphs.captured_pack is not None and eager.step_graphs.captured_pack is None
+    assert replayed.lengths.packed_len == eager.lengths.packed_len == 4 * BLOCK  # three packs after the prompt's
+    assert torch.equal(replayed.lengths.device, eager.lengths.device)
+    assert torch.equal(replayed_logits, eager_logits)
+    for ours, theirs in zip(replayed.layers, eager.layers, strict=True):
+        for store, other in ((ours.k_store, theirs.k_store), (ours.v_store, theirs.v_store)):
+            assert torch.equal(store.tail, other.tail)
+            assert all(torch.equal(field, other.fields[name]) for name, field in store.fields.items())
+        assert torch.equal(ours.gate_keys, theirs.gate_keys)

@@ -33,8 +33,9 @@ class CacheLengths:
     in a compressed store's raw tail), computed once by `add_token` for every layer's writes and lookups.
 
     The one owner of these counters: they are read-only outside this class and change only through its
-    methods (`add_chunk`, `add_token`, `follow_replayed_token`, `pack_block`, `restore`), so the host and
-    device copies cannot drift apart by an assignment elsewhere (tests/test_cache_ownership.py checks)."""
+    methods (`add_chunk`, `add_token`, `follow_replayed_token`, `advance_packed`, `follow_packed`, `restore`),
+    so the host and device copies cannot drift apart by an assignment elsewhere (tests/test_cache_ownership.py
+    checks)."""
 
     def __init__(self, device: torch.device) -> None:
         self._seq_len = 0
@@ -66,7 +67,7 @@ class CacheLengths:
     def add_token(self) -> None:
         """One new token per row, capture-safe: the device copy advances by a device op (no host value
         enters it, so a CUDA graph captures it), the host copy follows, and `slots` names the token's
-        slots. A full newest block is packed before (`pack_block`)."""
+        slots. A full newest block is packed before (`advance_packed`)."""
         self._before, self._seq_len = self._seq_len, self._seq_len + 1
         self.device[0:1].add_(1)
         self.slots.add_(1)  # both slots move with the length (the packed part is unchanged)
@@ -75,9 +76,15 @@ class CacheLengths:
         """A captured token step was replayed: its `add_token` advanced the device copy; the host's follows."""
         self._before, self._seq_len = self._seq_len, self._seq_len + 1
 
-    def pack_block(self, block_size: int) -> None:
-        """The full newest block of `block_size` tokens was packed (eager)."""
-        self._set(self._seq_len, self._packed_len + block_size)
+    def advance_packed(self, block_size: int) -> None:
+        """The full newest block of `block_size` tokens is packed, on the device copy: by device ops (no host
+        value enters it, so a CUDA graph captures it); the host's copy follows with `follow_packed`."""
+        self.device[1:2].add_(block_size)
+        self.slots[1:2].sub_(block_size)  # the newest token's slot in the tail moves back by the block
+
+    def follow_packed(self, block_size: int) -> None:
+        """`advance_packed` ran (eagerly or in a replayed graph): the host copy follows the device's."""
+        self._packed_len += block_size
 
     def snapshot(self) -> tuple[int, int, int, Tensor]:
         """The counters as they are (`restore` puts them back), the device copy cloned."""
@@ -178,9 +185,13 @@ class KVStore:
         slot = slots[1:2] if self.compressor is not None else slots[0:1]
         self.tail.index_copy_(2, slot, state[:, : self.heads].to(self.tail.dtype))
 
-    def pack_tail(self) -> None:
-        """Pack the full newest block (the tail) at `lengths.packed_len` (eager, host lengths)."""
-        self._write_fields(self.compressor.pack_blocks(self.tail), self.lengths.packed_len)
+    def write_block(self, packed: dict[str, Tensor], tokens: Tensor, block: Tensor) -> None:
+        """One block's `pack_blocks` fields into the store at the token positions `tokens` (int64
+        [block_size]) and block index `block` (int64 [1]), both on the device: index writes, no host value
+        (capture-safe). A field holds an entry per token or per block (`per_entry`)."""
+        for name, field in packed.items():
+            per_entry = self.capacity // self.fields[name].shape[2]
+            self.fields[name].index_copy_(2, tokens if per_entry == 1 else block, field)
 
     def gather(self, index: Tensor) -> Tensor:
         """Rows [B, H, k, D] at positions `index` [B, H, k] (each below `lengths.seq_len`), dequantized, in
@@ -270,3 +281,13 @@ def append_pair(
         if raw is not None:
             store._store_joined(raw, packed)
     return k_raw, v_raw
+
+
+def pack_tails(k_store: KVStore, v_store: KVStore, tokens: Tensor, block: Tensor) -> None:
+    """Pack the full tails (newest blocks) of a layer's K and V stores at token positions `tokens` and block
+    index `block` (`KVStore.write_block`; read from the device lengths by the cache): K and V encoded as one
+    where their compressors allow (`paired_pack`), each alone otherwise. Device ops only, of fixed shapes:
+    a CUDA graph captures it (`inference.decode_graph.CapturedPack`)."""
+    pair = paired_pack(k_store.compressor, v_store.compressor, k_store.tail, v_store.tail)
+    for store, packed in zip((k_store, v_store), pair or (None, None), strict=True):
+        store.write_block(packed if packed is not None else store.compressor.pack_blocks(store.tail), tokens, block)

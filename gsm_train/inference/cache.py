@@ -32,7 +32,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from gsm_train.attention.adapter import GSMAttentionAdapter
 from gsm_train.attention.cache_protocol import CachedStep
-from gsm_train.attention.kv_store import CacheLengths, KVStore, append_pair
+from gsm_train.attention.kv_store import CacheLengths, KVStore, append_pair, pack_tails
 from gsm_train.attention.settings import gsm_settings
 from gsm_train.functional.gate_keys import GATE_KEY_DTYPE, encode_gate_keys
 from gsm_train.functional.top_k import scheduled_k
@@ -276,7 +276,7 @@ class GSMCache(Cache):
             self.pack_full_tail()
             lengths.add_token()
             return
-        lengths.add_chunk(new_tokens, self._block_size())
+        lengths.add_chunk(new_tokens, self.block_size())
         if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
             self._mark_padding(attention_mask)
 
@@ -284,21 +284,35 @@ class GSMCache(Cache):
         """The forward in progress has run: its tokens count as held for transformers too."""
         self.pending = 0
 
+    def tail_full(self) -> bool:
+        """Whether the newest block is full (a next token must start a new one; host lengths)."""
+        block = self.block_size()
+        return bool(block) and self.lengths.seq_len - self.lengths.packed_len >= block
+
     def pack_full_tail(self) -> bool:
-        """Pack every layer's newest block if it is full, so a next token starts a new one (eager, host
-        lengths; a captured token step relies on its driver calling this first). Returns whether it did."""
-        block = self._block_size()
-        lengths = self.lengths
-        if not block or lengths.seq_len - lengths.packed_len < block:
+        """Pack every layer's newest block if it is full, so a next token starts a new one (eagerly:
+        `pack_newest_block`, the host lengths following). Returns whether it did. A captured token step's
+        driver packs before each replay, from its own graph (`decode_graph.CapturedPack`)."""
+        if not self.tail_full():
             return False
-        for layer in self.layers:
-            if layer.is_initialized:
-                layer.k_store.pack_tail()
-                layer.v_store.pack_tail()
-        lengths.pack_block(block)
+        self.pack_newest_block()
+        self.lengths.follow_packed(self.block_size())
         return True
 
-    def _block_size(self) -> int:
+    @torch.no_grad()
+    def pack_newest_block(self) -> None:
+        """Every layer's full newest block packed (`kv_store.pack_tails`) at the block the device lengths
+        name, and their packed count advanced: device ops of fixed shapes only, whatever block it is, so one
+        CUDA graph captures it for every block. The host lengths are left behind (`follow_packed`)."""
+        block = self.block_size()
+        tokens = self.lengths.device[1:2] + self.positions[:block]  # the block's positions, int64
+        index = tokens[:1] // block
+        for layer in self.layers:
+            if layer.is_initialized:
+                pack_tails(layer.k_store, layer.v_store, tokens, index)
+        self.lengths.advance_packed(block)
+
+    def block_size(self) -> int:
         """The compressors' block size (0: nothing is compressed)."""
         store = next((layer.k_store for layer in self.layers if layer.k_store is not None), None)
         if store is None:

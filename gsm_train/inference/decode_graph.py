@@ -4,13 +4,17 @@ and replayed every step: no Python per layer, no kernel launched one by one.
 A captured step is valid for every later step of the same cache because nothing in it depends on a
 host value that changes: the kernels read how many tokens the cache holds from the device
 (`CacheLengths.device`, advanced by the step itself), the buffers have the cache's capacity, and the
-token's ids and RoPE positions are copied into static inputs before each replay. What cannot be
-captured runs around the replays: packing a full block (every `block_size` steps, `GSMCache.
-pack_full_tail`) and the host's copy of the lengths. The top-k size is baked in, so a step is
-captured per size (`StepGraphs`; a schedule whose k varies reads its k on the device within a size).
+token's ids and RoPE positions are copied into static inputs before each replay. Packing a full block
+(every `block_size` steps) is a graph of its own (`CapturedPack`: every layer's pack of one block, the
+block read from the device lengths), replayed before the step that needs it. Around the replays runs
+only the host's copy of the lengths. The top-k size is baked in, so a step is captured per size
+(`StepGraphs`; a schedule whose k varies reads its k on the device within a size).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -22,6 +26,27 @@ from gsm_train.inference.decode_fusion import fused_decode
 from gsm_train.modules.errors import GSMError
 
 WARMUP_STEPS = 2  # eager steps before a capture: Triton compiles and autotunes, libraries build their handles
+Out = TypeVar("Out")
+
+
+def capture(
+    run: Callable[[], Out], reset: Callable[[], None], warmups: int = WARMUP_STEPS
+) -> tuple[torch.cuda.CUDAGraph, Out]:
+    """`run` captured in a CUDA graph, and what it returned (buffers each replay overwrites): `warmups`
+    eager calls first on a side stream, each followed by `reset()` (which puts back what `run` changed),
+    then the capture (which runs nothing), then `reset()` again."""
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            run()
+            reset()
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        out = run()
+    reset()
+    return graph, out
 
 
 def graphs_supported(model: nn.Module, cache: GSMCache) -> str | None:
@@ -55,27 +80,21 @@ class CapturedStep:
     """One token step of `model` over `cache` for `batch` rows, captured in a CUDA graph (see the module
     docstring). Call it with the new tokens' ids and positions [B, 1]; returns the logits [B, 1, V] (a
     buffer the next replay overwrites). `fused`: warm-up and capture run inside `fused_decode`, so the
-    graph holds its kernels."""
+    graph holds its kernels. `pack()` packs a full newest block before each replay (default: eagerly,
+    `GSMCache.pack_full_tail`; `StepGraphs` passes its `CapturedPack`)."""
 
-    def __init__(self, model: nn.Module, cache: GSMCache, batch: int, fused: bool = False) -> None:
+    def __init__(
+        self, model: nn.Module, cache: GSMCache, batch: int, fused: bool = False, pack: Callable[[], bool] | None = None
+    ) -> None:
         self.model, self.cache = model, cache
         device = next(model.parameters()).device
         self.input_ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.position_ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        self.graph = torch.cuda.CUDAGraph()
-        cache.pack_full_tail()  # a full newest block is packed eagerly, never inside the capture
+        self.pack = pack or cache.pack_full_tail
+        self.pack()  # a full newest block is packed first, never inside the step's capture
         saved = cache.lengths.snapshot()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
         with fused_decode(model, fused):
-            with torch.cuda.stream(side):
-                for _ in range(WARMUP_STEPS):
-                    self._forward()
-                    self._restore(saved)
-            torch.cuda.current_stream().wait_stream(side)
-            with torch.cuda.graph(self.graph):
-                self.logits = self._forward()
-        self._restore(saved)
+            self.graph, self.logits = capture(self._forward, lambda: self._restore(saved))
 
     def _forward(self) -> Tensor:
         with torch.no_grad():
@@ -99,7 +118,7 @@ class CapturedStep:
                 f"the GSM cache holds {self.cache.capacity} tokens per row and is full; create it "
                 "with a larger capacity, or generate fewer tokens"
             )
-        self.cache.pack_full_tail()  # eager, every block_size steps: the graph writes into the tail
+        self.pack()  # every block_size steps: the graph writes into the tail
         self.input_ids.copy_(input_ids)
         self.position_ids.copy_(position_ids)
         self.graph.replay()
@@ -110,14 +129,48 @@ class CapturedStep:
 class StepGraphs:
     """The captured token steps of one cache, by the top-k size they are built for (`captured_k`: a
     constant schedule captures once, one whose k varies once per `K_STEP` of its k); `fused`: captured
-    with `fused_decode`."""
+    with `fused_decode`. Their full blocks are packed by one `CapturedPack`, captured at the first."""
 
     def __init__(self, model: nn.Module, cache: GSMCache, fused: bool = False) -> None:
         self.model, self.cache, self.fused = model, cache, fused
         self.steps: dict[int, CapturedStep] = {}
+        self.captured_pack: CapturedPack | None = None
+
+    def pack(self) -> bool:
+        """Pack every layer's full newest block, from the captured pack (captured here at the first full
+        block); whether there was one."""
+        if self.captured_pack is None:
+            if not self.cache.tail_full():
+                return False
+            self.captured_pack = CapturedPack(self.cache)
+        return self.captured_pack()
 
     def __call__(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
         k = captured_k(gsm_settings(self.model).config, self.cache.lengths.seq_len)
         if k not in self.steps:
-            self.steps[k] = CapturedStep(self.model, self.cache, input_ids.shape[0], self.fused)
+            self.steps[k] = CapturedStep(self.model, self.cache, input_ids.shape[0], self.fused, self.pack)
         return self.steps[k](input_ids, position_ids)
+
+
+class CapturedPack:
+    """`GSMCache.pack_newest_block` of `cache` captured in a CUDA graph: every layer's pack of one full block
+    (the same kernels as the eager `pack_full_tail`, so the same bytes), where it writes read from the
+    device lengths, which it advances. Built when the tail is full (its warm-up packs what the replay will,
+    so the fields hold only what an eager pack writes); one replay per full block after that, instead of
+    some 87 eager ops a layer."""
+
+    def __init__(self, cache: GSMCache) -> None:
+        if not cache.tail_full():
+            raise GSMError("a block pack is captured when the cache's newest block is full; it is not")
+        self.cache = cache
+        saved = cache.lengths.snapshot()
+        # one warm-up builds the libraries' handles on the side stream (there is no Triton kernel to tune)
+        self.graph, _ = capture(cache.pack_newest_block, lambda: cache.lengths.restore(saved), warmups=1)
+
+    def __call__(self) -> bool:
+        """Pack the full newest block (replay) and let the host lengths follow; False if it is not full."""
+        if not self.cache.tail_full():
+            return False
+        self.graph.replay()
+        self.cache.lengths.follow_packed(self.cache.block_size())
+        return True
