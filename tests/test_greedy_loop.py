@@ -200,3 +200,21 @@ def test_every_other_call_is_transformers_loop(model: nn.Module, sample_calls: S
             out = model.generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=256, **options)
         outs.append(out.sequences if options.get("return_dict_in_generate") else out)
     assert sample_calls.calls == 2 and torch.equal(outs[0], outs[1])
+
+
+def test_the_benchmark_and_the_cli_decode_in_the_greedy_loop(model: nn.Module, sample_calls: SampleCalls) -> None:
+    """`benchmarks.generate`'s timed call (EOS barred by `min_new_tokens`, its cache, a timing streamer) and
+    `gsm-train generate`'s greedy run (a text streamer, its cache) run the greedy loop, not `_sample`, with
+    the tokens transformers' loop gives and a time for every new token."""
+    from benchmarks.generate import generate_timed
+    from gsm_train.commands.generate import Sampling, _run
+    from gsm_train.models.model_zoo import byte_tokenizer
+
+    ids, _ = _prompt(1, False)
+    enable_gsm_generation(model)
+    fast, timer = generate_timed(model, ids, NEW, **cache_kwargs(model, GSMCache(model, capacity=PROMPT + NEW)))
+    text = _run("gsm", model, byte_tokenizer(), ids, NEW, False, GSMCache(model, capacity=PROMPT + NEW), Sampling())
+    assert sample_calls.calls == 0 and len(timer.times) == NEW and len(text.token_times) == text.new_tokens > 0
+    enable_gsm_generation(model, greedy_loop=False)
+    slow, _ = generate_timed(model, ids, NEW, **cache_kwargs(model, GSMCache(model, capacity=PROMPT + NEW)))
+    assert sample_calls.calls == 1 and torch.equal(fast, slow)

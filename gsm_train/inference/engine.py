@@ -5,7 +5,8 @@
 untouched):
 - `generate` gives transformers' generation a `GSMCache` sized for the prompt and the new tokens (unless
   the call passes a cache), so greedy and sampled decoding, left-padded batches with an attention mask,
-  EOS and stop strings, and streamers all run over it;
+  EOS and stop strings, and streamers all run over it; a plain greedy call (`_greedy_loop_call`) is
+  decoded by `inference.greedy_loop`'s loop instead of transformers' per-token loop, the same tokens;
 - `forward` feeds a long prompt in chunks (no [T, T] selection of the whole prompt: `prefill`), and on
   CUDA replays each token step from a CUDA graph (`decode_graph`) instead of running it layer by layer.
 The prompt attends as the base model (`prefill="dense"`: causal SDPA, flash kernels on a GPU) or as the

@@ -7,7 +7,7 @@ length limits, its logits processors and stopping criteria) and this loop replac
 runs where what transformers prepared is plain greedy decoding (`plain_greedy`): no logits processor but the
 minimum-length ones (`min_length`, `min_new_tokens`: EOS barred while the sequence is shorter), no stopping
 criterion but the maximum length and EOS, no scores, attentions or hidden states asked for, model inputs
-token ids with an optional 2-D mask. Anything else runs transformers' own `_sample`, as before.
+token ids with an optional 2-D mask and 2-D positions. Anything else runs transformers' own `_sample`, as before.
 
 Per new token the loop runs the model's forward of one token (a captured replay on CUDA), an argmax, and
 where EOS is set the finished rows' padding (3 ops); transformers' loop runs ~34 ops and its Python per
@@ -91,7 +91,7 @@ def plain_greedy(model: nn.Module, call: Prepared) -> bool:
     criteria = (MaxLengthCriteria, EosTokenCriteria)
     inputs = set(model_kwargs) <= PLAIN_MODEL_KWARGS | set(CACHE_KWARGS) and model_kwargs.get("use_cache", True)
     compiled = getattr(model, "_valid_auto_compile_criteria", lambda *_: False)(model_kwargs, config)
-    mask = model_kwargs.get("attention_mask")
+    mask, positions = model_kwargs.get("attention_mask"), model_kwargs.get("position_ids")
     return (
         config.get_generation_mode() == GenerationMode.GREEDY_SEARCH
         and all(type(p) in processors for p in call.logits_processor)
@@ -101,6 +101,7 @@ def plain_greedy(model: nn.Module, call: Prepared) -> bool:
         and not compiled
         and call.input_ids.device == next(model.parameters()).device
         and (mask is None or mask.dim() == 2)
+        and (positions is None or positions.dim() == 2)  # not the 3-D positions of multimodal RoPE
         and any(model_kwargs.get(name) is not None for name in CACHE_KWARGS)
     )
 
