@@ -218,3 +218,22 @@ def test_the_benchmark_and_the_cli_decode_in_the_greedy_loop(model: nn.Module, s
     enable_gsm_generation(model, greedy_loop=False)
     slow, _ = generate_timed(model, ids, NEW, **cache_kwargs(model, GSMCache(model, capacity=PROMPT + NEW)))
     assert sample_calls.calls == 1 and torch.equal(fast, slow)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA graphs need a GPU (the CPU tests check the eager steps)"
+)
+def test_the_greedy_loop_over_captured_steps_equals_transformers_loop_on_the_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On CUDA both loops replay captured token steps: the same tokens, a left-padded batch whose rows reach
+    EOS at different steps (finished rows padded), and without EOS."""
+    model = _gsm_model().cuda()
+    counter = SampleCalls(model, monkeypatch)
+    ids, mask = (t.cuda() for t in _prompt(3, True))
+    free = _free_tokens(model, ids, mask)
+    eos = sorted({int(free[0, 2]), int(free[1, 6])})
+    for options in ({}, {"eos_token_id": eos}):
+        fast, slow = _both(model, ids, counter, attention_mask=mask, max_new_tokens=NEW, pad_token_id=256, **options)
+        assert torch.equal(fast, slow), options
+    assert model.gsm_generation["cuda_graphs"]
