@@ -9,9 +9,10 @@ minimum-length ones (`min_length`, `min_new_tokens`: EOS barred while the sequen
 criterion but the maximum length and EOS, no scores, attentions or hidden states asked for, model inputs
 token ids with an optional 2-D mask and 2-D positions. Anything else runs transformers' own `_sample`, as before.
 
-Per new token the loop runs the model's forward of one token (a captured replay on CUDA), an argmax, and
-where EOS is set the finished rows' padding (3 ops); transformers' loop runs ~34 ops and its Python per
-token. The output equals transformers' bit for bit (tests/test_greedy_loop.py): the prompt and the new
+Per new token the loop runs the model's forward of one token (a captured replay on CUDA), an argmax, while
+EOS is barred an `index_fill`, where EOS is set the finished rows' padding (3 ops) and, every `check_every`
+tokens, the host's read of whether a row is unfinished (2 ops); transformers' loop runs ~34 ops and its
+Python per token. The output equals transformers' bit for bit (tests/test_greedy_loop.py): the prompt and the new
 tokens, finished rows padded with `pad_token_id` after their EOS, generation stopping when every row has
 finished or at the maximum length. Whether every row has finished is read on the host every
 `check_every` tokens; where that is more than 1 (a cache the call made, no streamer) up to
