@@ -14,7 +14,8 @@ takes the PyTorch path; with `TRITON_INTERPRET=1` it takes the fused kernels' pa
 kernels run by Triton's interpreter (their insides not counted: on a GPU each is one launch).
 `--model tiny` takes recipes/joint.yaml's GSM settings at sizes the tiny model fits (`TINY_OVERRIDES`).
 `--count-outside` counts what GSM's generation runs outside the part a CUDA graph captures (`count_outside`):
-per new token, the ops of transformers' `generate` loop and of a plain greedy loop around the token step,
+per new token, the ops of `model.generate`'s loop (GSM's greedy loop, `inference.greedy_loop`), of transformers'
+loop over the same cache, and of a plain greedy loop around the token step,
 and the ops of one `GSMCache.pack_full_tail` (every `block_size` tokens), on the CPU, eagerly.
 `--fused` runs both engines' token steps with `fused_decode` (RMSNorm, RoPE and SwiGLU as one Triton kernel
 each, `gsm_train.inference.decode_fusion`); counted on the CPU it needs `TRITON_INTERPRET=1` as above.
@@ -164,8 +165,9 @@ def count_outside(model: nn.Module, ids: torch.Tensor, tokens: int) -> dict:
     """GSM's generation of `tokens` new tokens after `ids` [B, T], eagerly, its ops counted by phase
     (`PhaseCounter`): `step` (the model's forward of one token, what a CUDA graph replays on a GPU), `pack`
     (`GSMCache.pack_full_tail`, the eager pack inside it), `prefill`, and the rest, the driving loop's. Per
-    loop (`generate`: transformers' `model.generate` as benchmarks.generate times it, `generate_timed`, whose
-    stopping criterion adds 1 op a token; `plain_loop`: an argmax per token, as its `plain_loop_generate`):
+    loop (`generate`: `model.generate` as benchmarks.generate times it, `generate_timed`, a plain greedy call
+    decoded by `inference.greedy_loop`; `transformers_loop`: the same call decoded by transformers' loop,
+    `enable_gsm_generation(greedy_loop=False)`; `plain_loop`: an argmax per token, as its `plain_loop_generate`):
     `per_token`, the loop's ops from one token step to the next (the mean over the steps), `step`, the ops of
     a token step that packs nothing, and `per_pack`, the ops of a pack (None if none packed: `tokens` must
     reach past the prompt's last block). On a GPU a replayed step adds its input copies and the logits'
@@ -176,6 +178,7 @@ def count_outside(model: nn.Module, ids: torch.Tensor, tokens: int) -> dict:
     base = model.gsm_base_forward
 
     def run(loop: str) -> dict:
+        enable_gsm_generation(model, cuda_graphs=False, greedy_loop=loop != "transformers_loop")
         counter, cache = PhaseCounter(), GSMCache(model, capacity=ids.shape[1] + tokens + 1)
         pack = counter.within("pack", cache.pack_full_tail)
         steps, packed = [], set()  # the counts as each token step began; the steps that packed
@@ -196,7 +199,7 @@ def count_outside(model: nn.Module, ids: torch.Tensor, tokens: int) -> dict:
         kwargs = cache_kwargs(model, cache)
         try:
             with torch.no_grad(), counter:
-                if loop == "generate":
+                if loop != "plain_loop":
                     generate_timed(model, ids, tokens, **kwargs)
                 else:
                     token = model(input_ids=ids, use_cache=True, logits_to_keep=1, **kwargs).logits.argmax(-1)
@@ -213,7 +216,10 @@ def count_outside(model: nn.Module, ids: torch.Tensor, tokens: int) -> dict:
             "per_pack": packs[0] if packs else None,
         }
 
-    return {loop: run(loop) for loop in ("generate", "plain_loop")}
+    try:
+        return {loop: run(loop) for loop in ("generate", "transformers_loop", "plain_loop")}
+    finally:
+        enable_gsm_generation(model, cuda_graphs=False)
 
 
 def profile_model(name: str, device: str) -> nn.Module:

@@ -22,9 +22,11 @@ share of the bandwidth bound it runs at: the bytes one decode step must read (`b
 weights plus the KV it reads, for GSM from the cache's own buffers) over the step's time, against the
 peak a device-to-device copy reaches in the same run. Batch-16 GSM rows prefill one prompt at batch 1
 and copy the cache to every row (rows then decode alike; the time of a 16-row sparse prefill is not
-what the row measures). Batch-1 GSM rows also give `plain_loop_decode_tokens_per_s`: the same forward
-calls driven by the dense engine's plain greedy loop instead of transformers' `generate` (what that loop
-costs a token, separated from GSM's step). The GSM rows prefill with `--prefill` (default `dense`, the
+what the row measures). `model.generate` decodes these greedy calls in GSM's own greedy loop
+(`inference.greedy_loop`), not transformers' per-token loop, as the dense engine runs its own; each new token
+is timed by a streamer. Batch-1 GSM rows also give `plain_loop_decode_tokens_per_s`: the same forward
+calls driven by the dense engine's plain greedy loop (a check that `generate` adds nothing per token).
+The GSM rows prefill with `--prefill` (default `dense`, the
 library's default: the prompt attends as the base model and fills the GSM cache from its K/V; `sparse`: the
 teacher-forced GSM pass), and with `--prefill-chunk` prompt tokens per forward (default the library's),
 recorded in the row settings. Token agreement and the step KL compare cached decoding with GSM's own
@@ -51,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
 
 from benchmarks import bandwidth
 from benchmarks.agreement import agreement
@@ -91,15 +93,22 @@ def say(message: str) -> None:
     print(f"[{time.perf_counter() - STARTED:7.1f} s] {message}", flush=True)
 
 
-class StepTimes(StoppingCriteria):
-    """Records when each new token is ready (transformers calls it after every step); never stops."""
+class StepTimes(BaseStreamer):
+    """Records when each new token is ready: a streamer (`generate` puts the prompt, then each new token as
+    it is made), so that a plain greedy call stays one that GSM's greedy loop decodes (a stopping criterion
+    would leave it to transformers' loop, `inference.greedy_loop`)."""
 
     def __init__(self) -> None:
         self.start, self.times = time.perf_counter(), []
+        self.prompt_seen = False
 
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        self.mark()
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    def put(self, value: torch.Tensor) -> None:
+        if self.prompt_seen:
+            self.mark()
+        self.prompt_seen = True
+
+    def end(self) -> None:
+        """Nothing: every token was marked as it came."""
 
     def mark(self) -> None:
         """A new token is ready (on CUDA once the device has computed it)."""
@@ -133,7 +142,7 @@ def generate_timed(
             min_new_tokens=new_tokens,
             do_sample=False,
             pad_token_id=0,
-            stopping_criteria=StoppingCriteriaList([timer]),
+            streamer=timer,
             **kwargs,
         )
     return out, timer

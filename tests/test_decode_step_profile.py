@@ -73,6 +73,11 @@ def test_gsm_token_step_runs_at_most_so_many_ops_per_layer_on_the_fused_path(tmp
 # device index (docs/design-decisions.md, "Packing a full block: one captured graph"; 112.5 before, K and V
 # packed apart). Plus at most 4 a pack whatever the layers: the block's positions, and the lengths advanced.
 MOST_PACK_OPS_PER_LAYER = 88
+# The most ops `model.generate`'s greedy loop (`inference.greedy_loop`) runs per token outside the token step,
+# as benchmarks.generate calls it (EOS set, barred by min_new_tokens, the caller's cache): the argmax, EOS
+# barred (index_fill), finished rows padded (where, isin, logical_and_), and the host's check that a row is
+# unfinished (any, item: every token, since the caller keeps the cache; every 8th where the call made it).
+MOST_GREEDY_LOOP_OPS = 7
 
 
 def test_what_gsm_runs_outside_its_token_step_is_counted_per_token_and_per_pack(tmp_path: Path) -> None:
@@ -84,7 +89,8 @@ def test_what_gsm_runs_outside_its_token_step_is_counted_per_token_and_per_pack(
     assert result["settings"]["count_outside"]
     loops = result["gsm_outside"]
     assert loops["plain_loop"]["per_token"] == 1  # the argmax: the loop's only op besides the step's
-    assert loops["generate"]["per_token"] > loops["plain_loop"]["per_token"]  # transformers' loop
+    # GSM's greedy loop behind `model.generate` against transformers' loop over the same cache (34 ops)
+    assert loops["generate"]["per_token"] <= MOST_GREEDY_LOOP_OPS < loops["transformers_loop"]["per_token"]
     for counts in loops.values():
         assert counts["per_pack"] <= 4 * MOST_PACK_OPS_PER_LAYER + 4
         assert counts["step"] > counts["per_token"]

@@ -5,7 +5,8 @@
 untouched):
 - `generate` gives transformers' generation a `GSMCache` sized for the prompt and the new tokens (unless
   the call passes a cache), so greedy and sampled decoding, left-padded batches with an attention mask,
-  EOS and stop strings, and streamers all run over it;
+  EOS and stop strings, and streamers all run over it; a plain greedy call (`_greedy_loop_call`) is
+  decoded by `inference.greedy_loop`'s loop instead of transformers' per-token loop, the same tokens;
 - `forward` feeds a long prompt in chunks (no [T, T] selection of the whole prompt: `prefill`), and on
   CUDA replays each token step from a CUDA graph (`decode_graph`) instead of running it layer by layer.
 The prompt attends as the base model (`prefill="dense"`: causal SDPA, flash kernels on a GPU) or as the
@@ -21,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from transformers.generation.configuration_utils import GenerationMode
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from gsm_train.attention.forward_state import CACHE_KWARGS
@@ -29,6 +31,7 @@ from gsm_train.inference.cache import DEFAULT_PREFILL, GSMCache, cache_kwargs, c
 from gsm_train.inference.decode_fusion import fused_decode
 from gsm_train.inference.decode_graph import StepGraphs, graphs_supported
 from gsm_train.inference.dense_engine import PREFILL_CHUNK as DENSE_ENGINE_CHUNK
+from gsm_train.inference.greedy_loop import EOS_CHECK_EVERY, greedy_decoding
 from gsm_train.modules.errors import GSMError
 
 # prompt tokens per row and forward by the cache's prefill mode, where `enable_gsm_generation` sets none: a
@@ -45,13 +48,16 @@ def enable_gsm_generation(
     prefill_chunk: int | None = None,
     prefill: str = DEFAULT_PREFILL,
     fused_decode: bool = False,
+    greedy_loop: bool = True,
 ) -> None:
     """Make `model.generate` and `model.forward` use GSM's cache as the module docstring says (idempotent).
     `cuda_graphs`: replay token steps from CUDA graphs where they can be captured (`graphs_supported`).
     `prefill_chunk`: prompt tokens per row and forward (None: `PREFILL_CHUNKS` of the cache's prefill mode).
     `prefill`: how prompts attend, `dense` or `sparse` (the default of every `GSMCache` of this model).
     `fused_decode`: token steps run the layers' RMSNorms, RoPE and SwiGLU as one Triton kernel each
-    (`inference.decode_fusion`; where the kernels run: CUDA, or Triton's interpreter)."""
+    (`inference.decode_fusion`; where the kernels run: CUDA, or Triton's interpreter).
+    `greedy_loop`: a plain greedy call decodes in `inference.greedy_loop`'s loop (False: transformers' loop
+    decodes every call; the tokens are the same)."""
     check_prefill(prefill)
     if prefill_chunk is not None and prefill_chunk < 1:
         raise GSMError(
@@ -67,6 +73,7 @@ def enable_gsm_generation(
         "prefill_chunk": prefill_chunk,
         "prefill": prefill,
         "fused_decode": fused_decode,
+        "greedy_loop": greedy_loop,
     }
 
 
@@ -84,17 +91,58 @@ def _given_cache(kwargs: dict[str, Any]) -> Any:
 
 
 def _generate(model: nn.Module, inputs: Tensor | None = None, **kwargs: Any) -> Any:
-    """transformers' generate, with a GSM cache of the prompt's length plus the new tokens."""
+    """transformers' generate, with a GSM cache of the prompt's length plus the new tokens; a plain greedy
+    call decoded by `greedy_loop` instead of transformers' per-token loop (`_greedy_loop_call`)."""
     settings = gsm_settings(model)
     prompt = inputs if inputs is not None else kwargs.get("input_ids")
-    if settings.enabled and prompt is not None and _given_cache(kwargs) is None and kwargs.get("use_cache", True):
+    if not (settings.enabled and prompt is not None and kwargs.get("use_cache", True)):
+        return type(model).generate(model, inputs, **kwargs)
+    given = _given_cache(kwargs) is not None
+    if not given:
         config = kwargs.get("generation_config") or model.generation_config
         if kwargs.get("num_beams", getattr(config, "num_beams", 1) or 1) > 1:
             raise GSMError("a GSM cache does not support beam search; generate with num_beams=1")
         new = kwargs.get("max_new_tokens") or getattr(config, "max_new_tokens", None)
         total = prompt.shape[1] + new if new is not None else kwargs.get("max_length") or config.max_length
         kwargs |= cache_kwargs(model, GSMCache(model, capacity=total))
+    if _greedy_loop_call(model, kwargs):
+        streamer = kwargs.pop("streamer", None)
+        check_every = (
+            1 if given or streamer is not None else EOS_CHECK_EVERY
+        )  # a cache the caller keeps: no extra steps
+        kwargs["custom_generate"] = greedy_decoding(streamer, check_every)
     return type(model).generate(model, inputs, **kwargs)
+
+
+# `generate` arguments that transformers' own greedy loop serves (a call with any of them set is left to it)
+NOT_GREEDY_LOOP = (
+    "custom_generate",
+    "logits_processor",
+    "stopping_criteria",
+    "prefix_allowed_tokens_fn",
+    "assistant_model",
+    "assistant_tokenizer",
+    "tokenizer",
+    "negative_prompt_ids",
+    "negative_prompt_attention_mask",
+    "synced_gpus",
+    "inputs_embeds",
+)
+
+
+def _greedy_loop_call(model: nn.Module, kwargs: dict[str, Any]) -> bool:
+    """Whether `model.generate(**kwargs)` goes to `greedy_loop` (which decodes it where what transformers
+    prepares is plain greedy decoding, and runs transformers' `_sample` otherwise): `greedy_loop` is on, the
+    merged generation config's mode is greedy search, none of `NOT_GREEDY_LOOP` is given, and one process
+    generates (synced GPUs need transformers' loop)."""
+    if not model.gsm_generation["greedy_loop"] or any(kwargs.get(name) is not None for name in NOT_GREEDY_LOOP):
+        return False
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if torch.distributed.get_world_size() > 1:
+            return False
+    rest = {name: value for name, value in kwargs.items() if name != "generation_config"}
+    config, _ = model._prepare_generation_config(kwargs.get("generation_config"), **rest)
+    return config.get_generation_mode() == GenerationMode.GREEDY_SEARCH
 
 
 def _forward(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
