@@ -41,6 +41,16 @@ PAIRED_PACK_OPS = {False: 83, True: 66}  # K's and V's packing in one call (K's 
 INT8_GATE_KEYS_OPS = 11  # was 22: the scale's fp16 rounding took 13 ops, now 2
 
 
+def _assert_same(
+    cache: GSMCache, logits: torch.Tensor, reference_cache: GSMCache, reference_logits: torch.Tensor
+) -> None:
+    """The two caches hold the same fields bit for bit, and the logits are equal."""
+    held, reference = _contents(cache), _contents(reference_cache)
+    assert held.keys() == reference.keys()
+    assert all(torch.equal(held[name], reference[name]) for name in held)
+    assert torch.equal(logits, reference_logits)
+
+
 def _ops(call: object, *args: object) -> int:
     """Aten ops (views aside) one call runs."""
     with torch.no_grad(), OpCounter(_model({}, "sparse")) as counter:
@@ -80,10 +90,7 @@ def test_a_chunked_prefill_stores_and_returns_what_the_integer_rounding_gives(
     for module in (quant, gate_keys):  # every fp16 rounding in integer arithmetic, as before
         monkeypatch.setattr(module, "fp16_grid", fp16_grid_bits)
     reference_cache, reference_logits = _run(model, TOKENS, prefill, (5, 11, 13))
-    held, reference = _contents(cache), _contents(reference_cache)
-    assert held.keys() == reference.keys()
-    assert all(torch.equal(held[name], reference[name]) for name in held)
-    assert torch.equal(logits, reference_logits)
+    _assert_same(cache, logits, reference_cache, reference_logits)
 
 
 def test_packing_a_chunks_blocks_and_its_gate_keys_run_fewer_ops() -> None:
@@ -230,10 +237,7 @@ def test_a_chunked_prefill_packing_k_and_v_together_stores_and_returns_what_pack
     cache, logits = _run(model, ids, prefill, (5, 11, 13))
     monkeypatch.setattr(kv_store, "paired_pack", lambda *args: None)  # each side packs alone, as before
     reference_cache, reference_logits = _run(model, ids, prefill, (5, 11, 13))
-    held, reference = _contents(cache), _contents(reference_cache)
-    assert held.keys() == reference.keys()
-    assert all(torch.equal(held[name], reference[name]) for name in held)
-    assert torch.equal(logits, reference_logits)
+    _assert_same(cache, logits, reference_cache, reference_logits)
 
 
 def test_a_caches_stored_fields_are_views_of_one_zeroed_buffer_each_store_and_gate() -> None:
