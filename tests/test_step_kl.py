@@ -40,6 +40,7 @@ def test_fp64_gsm_steps_give_teacher_forcings_distributions(asq: bool) -> None:
     result = step_kl(_model(asq), _ids(), steps=8)
     assert len(result["gsm_kl_per_step"]) == 8
     assert abs(result["gsm_mean_kl"]) < 1e-12 and abs(result["dense_mean_kl"]) < 1e-12
+    assert abs(result["gsm_teacher_self_kl"]) < 1e-12 and abs(result["dense_teacher_self_kl"]) < 1e-12
 
 
 def test_step_kl_sees_another_models_distributions() -> None:
