@@ -11,6 +11,12 @@ prompt passes' difference). Exact token agreement is not a fair test in bf16 whi
 the KL says how much each step's distribution moves, and `gsm_over_dense` sets GSM's against what bf16 alone
 moves the dense model's.
 
+In fp32 and bf16 GSM's KL is rounding, not a different function: the two paths round in other orders, and
+ASQ's 2- and 4-bit codes and fp16 prototypes turn a last-bit difference into a code step, layer after layer.
+Teacher forcing of T - 1 tokens is as far from teacher forcing of T (`*_teacher_self_kl`, the floor);
+docs/design-decisions.md, "Cached steps and teacher forcing differ in fp32 and bf16 only by rounding".
+`--dtype float64` casts GSM's modules to fp64 as well and is the exact check: the KL is 0 to fp64 rounding.
+
     python -m benchmarks.step_kl --eval-data DATA/wikitext-2/valid.txt --result OUT.json \\
         [--export FOLDER] [--context 2048] [--steps 32] [--rows 4] [--dtype bfloat16] [--device cuda]
 """
@@ -68,14 +74,26 @@ def kl_per_step(teacher: Tensor, cached: Tensor) -> Tensor:
     return (teacher.exp() * (teacher - cached)).sum(-1).mean(0)
 
 
+def teacher_self_kl(model: nn.Module, ids: Tensor, teacher: Tensor) -> Tensor:
+    """KL [steps - 1] of teacher forcing against itself: `teacher` (`teacher_log_probs` of `ids` [B, T])
+    against the forward over the first T - 1 tokens, at the same positions. The same function computed in
+    other shapes, so what rounding alone moves: the floor of the cached steps' KL."""
+    steps = teacher.shape[1]
+    return kl_per_step(teacher[:, :-1], teacher_log_probs(model, ids[:, :-1], steps - 1))
+
+
 def step_kl(model: nn.Module, ids: Tensor, steps: int) -> dict:
     """Per-step KL of GSM's cached steps and of the dense model's (GSM off), each against its own teacher
     forcing, on `ids` [B, T] (the last `steps` tokens fed one by one); `model` carries GSM's modules. GSM's
-    prompt is prefilled sparsely (module docstring), whatever prefill the model generates with."""
+    prompt is prefilled sparsely (module docstring), whatever prefill the model generates with. With each,
+    teacher forcing's KL against itself (`teacher_self_kl`)."""
     cache = GSMCache(model, ids.shape[1], prefill="sparse")
-    gsm = kl_per_step(teacher_log_probs(model, ids, steps), cached_log_probs(model, ids, steps, cache))
+    gsm_teacher = teacher_log_probs(model, ids, steps)
+    gsm = kl_per_step(gsm_teacher, cached_log_probs(model, ids, steps, cache))
     with gsm_disabled(model):
-        dense = kl_per_step(teacher_log_probs(model, ids, steps), cached_log_probs(model, ids, steps, None))
+        dense_teacher = teacher_log_probs(model, ids, steps)
+        dense = kl_per_step(dense_teacher, cached_log_probs(model, ids, steps, None))
+        dense_self = teacher_self_kl(model, ids, dense_teacher)
     gsm_mean, dense_mean = gsm.mean().item(), dense.mean().item()
     return {
         "steps": steps,
@@ -83,6 +101,8 @@ def step_kl(model: nn.Module, ids: Tensor, steps: int) -> dict:
         "gsm_mean_kl": gsm_mean,
         "dense_mean_kl": dense_mean,
         "gsm_over_dense": gsm_mean / dense_mean if dense_mean > 0 else float("inf"),
+        "gsm_teacher_self_kl": teacher_self_kl(model, ids, gsm_teacher).mean().item(),
+        "dense_teacher_self_kl": dense_self.mean().item(),
         "gsm_kl_per_step": gsm.tolist(),
         "dense_kl_per_step": dense.tolist(),
     }
@@ -109,12 +129,15 @@ def main() -> None:
         load_gsm(model, args.export)
     else:
         inject_gsm(model, load_recipe(str(REPO / "recipes" / "joint.yaml")).gsm, mode="sparse")
+    if args.dtype == "float64":  # GSM's modules load in fp32: cast them too, so fp64 leaves only fp64 rounding
+        model.double()
     enable_gsm_generation(model, prefill="sparse")
     set_gsm_mode(model, "sparse")
     result = step_kl(model, windows[: args.rows].to(args.device), args.steps)
     print(
         f"mean KL per step: GSM {result['gsm_mean_kl']:.3e}, dense {result['dense_mean_kl']:.3e}, "
-        f"GSM / dense {result['gsm_over_dense']:.2f}"
+        f"GSM / dense {result['gsm_over_dense']:.2f}; teacher forcing against itself (T - 1 tokens): "
+        f"GSM {result['gsm_teacher_self_kl']:.3e}, dense {result['dense_teacher_self_kl']:.3e}"
     )
     write_result(Path(args.result), {"export": args.export, "dtype": args.dtype, "context": args.context, **result})
 

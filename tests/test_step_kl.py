@@ -1,18 +1,22 @@
 """Step KL (`benchmarks.step_kl`): in fp64 GSM's cached steps give teacher forcing's distributions (KL ~ 0,
-gate alone and gate + ASQ), and the measure sees a real difference (GSM's steps against the dense
-model's teacher forcing)."""
+gate alone and gate + ASQ, and every feature the joint recipe switches on), and the measure sees a real
+difference (GSM's steps against the dense model's teacher forcing)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 
 from benchmarks.step_kl import cached_log_probs, kl_per_step, step_kl, teacher_log_probs
 from gsm_train.attention import gsm_disabled, inject_gsm
-from gsm_train.config.schema import GSMConfig
+from gsm_train.config.schema import GSMConfig, load_recipe
 from gsm_train.inference.cache import GSMCache
 from gsm_train.inference.engine import enable_gsm_generation
 from gsm_train.models.model_zoo import tiny_model
+
+REPO = Path(__file__).resolve().parents[1]
 
 SPARSE = {"top_k": 6, "k_min": 2, "gate_head_dim": 16, "dense_layers": [0], "mode": "sparse"}
 ASQ = {"enabled": True, "block_size": 8, "cluster_num": 4, "hidden_dim": 8}
@@ -36,6 +40,7 @@ def test_fp64_gsm_steps_give_teacher_forcings_distributions(asq: bool) -> None:
     result = step_kl(_model(asq), _ids(), steps=8)
     assert len(result["gsm_kl_per_step"]) == 8
     assert abs(result["gsm_mean_kl"]) < 1e-12 and abs(result["dense_mean_kl"]) < 1e-12
+    assert abs(result["gsm_teacher_self_kl"]) < 1e-12 and abs(result["dense_teacher_self_kl"]) < 1e-12
 
 
 def test_step_kl_sees_another_models_distributions() -> None:
@@ -44,3 +49,24 @@ def test_step_kl_sees_another_models_distributions() -> None:
         dense_teacher = teacher_log_probs(model, ids, 8)
     gsm_steps = cached_log_probs(model, ids, 8, GSMCache(model, ids.shape[1]))
     assert kl_per_step(dense_teacher, gsm_steps).min() > 1e-6  # k = 6 of up to 40 keys: not the dense model
+
+
+def test_the_joint_recipe_s_cached_steps_are_its_teacher_forced_pass_in_fp64() -> None:
+    """recipes/joint.yaml's GSM block at a tiny model's sizes (int8 gate keys, sinks and recent tokens forced,
+    two dense layers, ASQ with 4-bit K / 2-bit V, a layer at 4/4, rotated residuals, two prototypes), every
+    module in fp64: from a prompt of 3.5 blocks, 12 cached steps (a block completes and is packed at the 5th)
+    give the teacher-forced pass's next-token log-probs to 1e-9 of their size, so the cached step computes
+    the same function and step KL's fp32 / bf16 figures are rounding that ASQ's codes amplify
+    (docs/design-decisions.md, "Cached steps and teacher forcing differ in fp32 and bf16 only by rounding")."""
+    gsm = load_recipe(str(REPO / "recipes" / "joint.yaml")).gsm.model_dump()
+    gsm["sparse_attention"] |= {"top_k": 6, "k_min": 2, "sink_tokens": 2, "recent_tokens": 3}
+    gsm["kv_compression"] |= {"block_size": 8, "hidden_dim": 8, "layer_bits": {2: (4, 4)}}
+    model = tiny_model("llama")
+    inject_gsm(model, GSMConfig.model_validate(gsm), mode="sparse")
+    model.double()  # GSM's modules too (they load in fp32): every rounding of both paths in fp64
+    enable_gsm_generation(model, cuda_graphs=False)
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
+    teacher = teacher_log_probs(model, ids, steps=12)
+    cached = cached_log_probs(model, ids, 12, GSMCache(model, ids.shape[1], prefill="sparse"))
+    assert (cached - teacher).abs().max() <= 1e-9 * teacher.abs().max()
+    assert kl_per_step(teacher, cached).abs().max() < 1e-12
