@@ -170,13 +170,17 @@ class KVStore:
     def _store_joined(self, raw: Tensor, packed: dict[str, Tensor] | None = None) -> None:
         """`append`'s second half: `_joined`'s rows stored, the whole blocks they complete but the newest
         packed (`packed`: those blocks' `pack_blocks` fields, made already), the rest into the tail."""
-        block = self.compressor.block_size
-        start = stored_split(self.lengths.before, block)
-        whole = stored_split(self.lengths.seq_len, block) - start
+        start, whole = stored_split(self.lengths.before, self.compressor.block_size), self._blocks_completed()
         if whole:
             self._write_fields(packed if packed is not None else self.compressor.pack_blocks(raw[:, :, :whole]), start)
         newest = raw[:, :, whole:]
         self.tail[:, :, : newest.shape[2]] = newest
+
+    def _blocks_completed(self) -> int:
+        """Tokens of the whole blocks the call in progress completes (its `_joined` rows' first ones, which
+        `_store_joined` packs): those packed after it less those packed before it."""
+        block = self.compressor.block_size
+        return stored_split(self.lengths.seq_len, block) - stored_split(self.lengths.before, block)
 
     def write_newest(self, state: Tensor) -> None:
         """Store one new token [B, H', 1, D] at the slot the device lengths name (capture-safe: no host
@@ -272,9 +276,7 @@ def append_pair(
     k_raw, v_raw = k_store._joined(keys), v_store._joined(values)
     pair = None
     if k_raw is not None and v_raw is not None:
-        whole = stored_split(k_store.lengths.seq_len, k_store.compressor.block_size) - stored_split(
-            k_store.lengths.before, k_store.compressor.block_size
-        )
+        whole = k_store._blocks_completed()
         if whole:
             pair = paired_pack(k_store.compressor, v_store.compressor, k_raw[:, :, :whole], v_raw[:, :, :whole])
     for store, raw, packed in zip((k_store, v_store), (k_raw, v_raw), pair or (None, None), strict=True):

@@ -23,6 +23,7 @@ same way: the stores, the gate keys and the lengths hold what a sparse prefill o
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -289,13 +290,13 @@ class GSMCache(Cache):
         block = self.block_size()
         return bool(block) and self.lengths.seq_len - self.lengths.packed_len >= block
 
-    def pack_full_tail(self) -> bool:
-        """Pack every layer's newest block if it is full, so a next token starts a new one (eagerly:
-        `pack_newest_block`, the host lengths following). Returns whether it did. A captured token step's
-        driver packs before each replay, from its own graph (`decode_graph.CapturedPack`)."""
+    def pack_full_tail(self, pack: Callable[[], object] | None = None) -> bool:
+        """Pack every layer's newest block if it is full, so a next token starts a new one (`pack`, default
+        eagerly `pack_newest_block`; a captured token step's driver passes the replay of its own graph,
+        `decode_graph.CapturedPack`), the host lengths following. Returns whether it did."""
         if not self.tail_full():
             return False
-        self.pack_newest_block()
+        (pack or self.pack_newest_block)()
         self.lengths.follow_packed(self.block_size())
         return True
 

@@ -169,8 +169,4 @@ class CapturedPack:
 
     def __call__(self) -> bool:
         """Pack the full newest block (replay) and let the host lengths follow; False if it is not full."""
-        if not self.cache.tail_full():
-            return False
-        self.graph.replay()
-        self.cache.lengths.follow_packed(self.cache.block_size())
-        return True
+        return self.cache.pack_full_tail(self.graph.replay)

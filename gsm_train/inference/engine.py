@@ -107,9 +107,8 @@ def _generate(model: nn.Module, inputs: Tensor | None = None, **kwargs: Any) -> 
         kwargs |= cache_kwargs(model, GSMCache(model, capacity=total))
     if _greedy_loop_call(model, kwargs):
         streamer = kwargs.pop("streamer", None)
-        check_every = (
-            1 if given or streamer is not None else EOS_CHECK_EVERY
-        )  # a cache the caller keeps: no extra steps
+        # a cache the caller keeps, or a streamer, sees no step past the last EOS: check every token
+        check_every = 1 if given or streamer is not None else EOS_CHECK_EVERY
         kwargs["custom_generate"] = greedy_decoding(streamer, check_every)
     return type(model).generate(model, inputs, **kwargs)
 

@@ -139,19 +139,25 @@ def paired_pack(
     with torch.no_grad(), torch.autocast(device_type=key.device.type, enabled=False):
         enc = encode_blocks(blocks, w1, b1, w2, b2, asq_k.tau, (asq_k.quant_bits, asq_v.quant_bits), asq_k.rotation)
     b, _, n, bs, d = blocks.shape
+    # cast once for both sides (the casts in `_stored_fields` then return their input)
     ids = enc.ids.reshape(b, 2 * heads, n * bs).to(torch.uint8)
-    scales = enc.scale.reshape(b, 2 * heads, n * bs).to(STORE_DTYPE)
-    prototypes = enc.prototypes.to(STORE_DTYPE)
-    q = enc.q.reshape(b, 2 * heads, n * bs, d)
+    scale = enc.scale.reshape(b, 2 * heads, n * bs).to(STORE_DTYPE)
+    prototypes, q = enc.prototypes.to(STORE_DTYPE), enc.q.reshape(b, 2 * heads, n * bs, d)
     return tuple(
-        {
-            "ids": ids[:, side],
-            "residual": pack_codes(q[:, side], compressor.quant_bits),
-            "scales": scales[:, side],
-            "prototypes": prototypes[:, side],
-        }
+        _stored_fields(ids[:, side], q[:, side], scale[:, side], prototypes[:, side], compressor.quant_bits)
         for compressor, side in ((asq_k, slice(None, heads)), (asq_v, slice(heads, None)))
     )
+
+
+def _stored_fields(ids: Tensor, q: Tensor, scale: Tensor, prototypes: Tensor, bits: int) -> dict[str, Tensor]:
+    """The `pack_blocks` fields, in their stored dtypes, of an encoding's cluster ids [B, H, S], residual
+    levels [B, H, S, D], scales [B, H, S] and prototypes [B, H, n, C, D], the levels packed at `bits`."""
+    return {
+        "ids": ids.to(torch.uint8),
+        "residual": pack_codes(q, bits),
+        "scales": scale.to(STORE_DTYPE),
+        "prototypes": prototypes.to(STORE_DTYPE),
+    }
 
 
 class ASQCompressor(nn.Module):
@@ -343,12 +349,7 @@ class ASQCompressor(nn.Module):
         else:
             ids, q = enc.ids.reshape(b, h, n * bs), enc.q.reshape(b, h, n * bs, d)
             scale, prototypes = enc.scale.reshape(b, h, n * bs), enc.prototypes
-        return {
-            "ids": ids.to(torch.uint8),
-            "residual": pack_codes(q, self.quant_bits),
-            "scales": scale.to(STORE_DTYPE),
-            "prototypes": prototypes.to(STORE_DTYPE),
-        }
+        return _stored_fields(ids, q, scale, prototypes, self.quant_bits)
 
     @staticmethod
     def decompress(packed: PackedKV) -> Tensor:
