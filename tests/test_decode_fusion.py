@@ -206,15 +206,18 @@ def _counting(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
 
 def _step_calls(layers: int, steps: int, family: str = "llama") -> dict[str, int]:
     """The fused calls of `steps` token steps of a model of `family` with `layers` layers (and none for
-    the prompt): per layer 2 norms (4 with Qwen3's q/k norms), RoPE and SwiGLU; the final norm."""
+    the prompt): per layer 2 norms (4 with Qwen3's q/k norms), RoPE and SwiGLU; the final norm. On a GPU
+    the token steps are replayed from a CUDA graph: the kernels are called at the two warm-up steps and the
+    capture only (3 steps' worth), the replays run them from the graph."""
+    steps = min(steps, 3) if KERNEL_DEVICE == "cuda" else steps
     norms = 4 if family == "qwen3" else 2
     return {"rms_norm": steps * (norms * layers + 1), "rope": steps * layers, "silu_mul": steps * layers}
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
 def test_dense_engine_fused_tokens_equal_the_unfused(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Greedy fp32: the fused steps' tokens equal the eager steps', and each token step (only those) ran
-    every norm, RoPE and SwiGLU of the model fused."""
+    """Greedy fp32: the fused steps' tokens equal the unfused steps', and each token step (only those) ran
+    every norm, RoPE and SwiGLU of the model fused (Qwen3: its q/k norms too)."""
     model = tiny_model(family).to(KERNEL_DEVICE)
     ids = torch.randint(0, 256, (2, 19), generator=torch.Generator().manual_seed(0)).to(KERNEL_DEVICE)
     expected = DenseEngine(model, prefill_chunk=8).generate(ids, 6)
@@ -273,29 +276,3 @@ def test_fused_decode_cuts_the_token_steps_ops(tmp_path: Path) -> None:
             assert {op: removed[op] for op in EAGER_ELEMENTWISE} == EAGER_ELEMENTWISE
             assert set(added) <= ALLOCATIONS
             assert not (EAGER_ELEMENTWISE.keys() - {"aten.add.Tensor"}) & set(after)  # the residual adds remain
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_captured_fused_steps_give_the_unfused_captured_steps_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a GPU both engines' captured token steps hold the fused kernels: they run at the two warm-up steps
-    and the capture only (3 steps' worth), the replays run them from the graph, and the greedy fp32 tokens
-    equal the unfused captured steps' (Qwen3: its q/k norms fused too)."""
-    model = tiny_model("qwen3").to("cuda")
-    ids = torch.randint(0, 256, (1, 23), generator=torch.Generator().manual_seed(0)).to("cuda")
-    expected = DenseEngine(model, prefill_chunk=8).generate(ids, 8)
-    calls = _counting(monkeypatch)
-    assert torch.equal(DenseEngine(model, prefill_chunk=8, fused_decode=True).generate(ids, 8), expected)
-    assert calls == _step_calls(4, 3, "qwen3")
-    torch.manual_seed(1)
-    inject_gsm(model, GSMConfig.model_validate({"sparse_attention": SPARSE}), mode="sparse")
-    model.to("cuda")
-
-    def generate(fused_decode: bool) -> torch.Tensor:
-        enable_gsm_generation(model, fused_decode=fused_decode)
-        with torch.no_grad():
-            return model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=256)
-
-    expected = generate(False)
-    calls = _counting(monkeypatch)
-    assert torch.equal(generate(True), expected)
-    assert calls == _step_calls(4, 3, "qwen3")
