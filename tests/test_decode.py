@@ -524,6 +524,25 @@ def test_every_autotuned_configuration_attends_alike() -> None:
             )
 
 
+def test_the_autotuner_chooses_among_configurations_of_few_splits() -> None:
+    """The decode kernel's autotuner times only configurations that split a selection into at most
+    `MOST_SPLITS` programs per (row, KV head), whose partial results the merge kernel loops over: every one for
+    a top-k of 512, those of 64 rows and more for 8,192 keys, and for a layer reading every key of a 128k cache
+    (more than any configuration splits that few times) those of the longest programs, 1,024 rows."""
+    pytest.importorskip("triton")
+    from gsm_train.kernels import sparse_decode
+
+    configs = sparse_decode.decode_configs()
+    rows = {config: config.kwargs["BLOCK_N"] * config.kwargs["TILES"] for config in configs}
+    assert sparse_decode.MOST_SPLITS == 128
+    assert sparse_decode.few_splits(configs, 512) == configs
+    assert sparse_decode.few_splits(configs, 8192) == [config for config in configs if rows[config] >= 64]
+    longest = [config for config in configs if rows[config] == 1024]
+    assert len(longest) == 2 and sparse_decode.few_splits(configs, 262144) == longest
+    prune = sparse_decode._sparse_decode_kernel.early_config_prune
+    assert prune(configs, {"size_class": 262144, "rows": 8}) == longest
+
+
 def test_fused_kernel_refuses_a_configuration_its_buffers_do_not_hold() -> None:
     """A configuration of fewer rows per program than the partial results are sized for is one clear error,
     not writes past them."""

@@ -226,6 +226,9 @@ if triton is not None:
             )
         ],
         key=["size_class", "rows", "D", "G", "PACKED", "ROTATED"],
+        prune_configs_by={
+            "early_config_prune": lambda configs, named_args, **_: few_splits(configs, named_args["size_class"])
+        },
     )
     @triton.jit
     def _sparse_decode_kernel(
@@ -411,6 +414,23 @@ def _score_block(rows: int, length: int) -> int:
 
 
 SMALLEST_CHUNK = 32  # the fewest rows a program of the autotuned decode kernel takes (32 x 1)
+# the most splits per (row, KV head) the autotuner may pick for the decode kernel: each split's partial result is
+# written, then read by `_merge_splits_kernel`, whose one program per query head loops over them, so past this
+# the merge costs more than the parallelism gains (docs/design-decisions.md, 'The decode kernel caps its splits')
+MOST_SPLITS = 128
+
+
+def _rows_per_program(config: triton.Config) -> int:
+    return config.kwargs["BLOCK_N"] * config.kwargs["TILES"]
+
+
+def few_splits(configs: list[triton.Config], size_class: int) -> list[triton.Config]:
+    """The decode kernel's configurations that split a selection of `size_class` keys (its size rounded up to
+    a power of two, the autotuner's key) into at most `MOST_SPLITS` programs per (row, KV head); where none
+    does (a layer reading every key of a long cache), those taking the most rows per program. Never empty."""
+    fitting = [config for config in configs if math.ceil(size_class / _rows_per_program(config)) <= MOST_SPLITS]
+    most = max(_rows_per_program(config) for config in configs)
+    return fitting or [config for config in configs if _rows_per_program(config) == most]
 
 
 def _store_args(rows: PackedRows, like: Tensor) -> tuple[Tensor, ...]:
