@@ -6,6 +6,7 @@ import os
 from collections.abc import Iterator
 
 import pytest
+import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -14,6 +15,18 @@ _CORPUS = [
     "Dorothy lived in the midst of the great Kansas prairies.",
     "Natalia sold clips to 48 of her friends in April. #### 72",
 ]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (`-n N`) each worker gives torch's CPU threads, and the processes it starts
+    (`OMP_NUM_THREADS`, unless set), its share of the cores this process may run on: with every worker
+    taking all of them, 8 workers on 16 cores ran a CPU-bound test 165 s that takes 1 s alone."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads = max(1, cores // workers)
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session", autouse=True)
