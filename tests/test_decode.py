@@ -20,11 +20,13 @@ from gsm_train.cli import main as cli_main
 from gsm_train.commands.inspect_model import layer_reports
 from gsm_train.config.schema import GSMConfig
 from gsm_train.export.save_load import export_adapter
+from gsm_train.functional.top_k import scheduled_k
 from gsm_train.inference.cache import GSMCache, cache_kwargs
 from gsm_train.inference.decode_attention import (
     K_STEP,
     attend,
     captured_k,
+    decode_k,
     forced_count,
     forced_spans,
     ranked_selection,
@@ -330,6 +332,18 @@ def test_forced_count_and_spans_match_the_rule() -> None:
                 assert forced_count(position, sinks, recent) == int(forced.sum()), (position, sinks, recent)
                 sink_end, start, end = forced_spans(position, sinks, recent)
                 assert torch.equal((keys < sink_end) | ((keys >= start) & (keys < end)), forced)
+
+
+@pytest.mark.parametrize("schedule", ["constant", "exp_decay", "linear_decay", "fraction"])
+def test_the_decode_k_is_the_scheduled_k_at_every_position(schedule: str) -> None:
+    """`decode_k` (a constant schedule's without tensor ops) gives what training's `scheduled_k` gives."""
+    sparse = {"top_k_schedule": schedule, "top_k": 96, "k_min": 8, "decay_rate": 0.01}
+    if schedule == "fraction":
+        sparse["top_k_fraction"] = 0.3
+    config = GSMConfig.model_validate({"sparse_attention": sparse})
+    expected = scheduled_k(torch.arange(600), config.sparse_attention).tolist()
+    assert [decode_k(config, position) for position in range(600)] == expected
+    assert len(set(expected)) > 1 or schedule == "constant"
 
 
 def test_a_varying_schedule_is_captured_per_k_step_and_keeps_the_position_s_own_k() -> None:

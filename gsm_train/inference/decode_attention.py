@@ -146,7 +146,10 @@ def decode_k(settings_config, position: int) -> int:
 
 @functools.lru_cache(maxsize=64)  # a step's layers (and its driver) ask for one position, the next step the next
 def _k_at(position: int, schedule: str, top_k: int, k_min: int, decay_rate: float, fraction: float | None) -> int:
-    """`k_per_query`'s k at `position` (what `scheduled_k` gives for a config of these fields)."""
+    """`k_per_query`'s k at `position` (what `scheduled_k` gives for a config of these fields); a constant
+    schedule's without tensor ops (the captured steps' driver asks once per new token)."""
+    if schedule == "constant":
+        return top_k
     return int(k_per_query(torch.tensor([position]), schedule, top_k, k_min, decay_rate, fraction))
 
 
