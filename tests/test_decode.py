@@ -541,8 +541,9 @@ def test_every_autotuned_configuration_attends_alike() -> None:
 def test_the_autotuner_chooses_among_configurations_of_few_splits() -> None:
     """The decode kernel's autotuner times only configurations that split a selection into at most
     `MOST_SPLITS` programs per (row, KV head), whose partial results the merge kernel loops over: every one for
-    a top-k of 512, those of 64 rows and more for 8,192 keys, and for a layer reading every key of a 128k cache
-    (more than any configuration splits that few times) those of the longest programs, 1,024 rows."""
+    a top-k of 512, those of 64 rows and more for 8,192 keys, those of 256 and 1,024 rows for a dense layer of
+    a 16k cache, and for one of a 128k cache (more than any configuration splits that few times) those of the
+    longest programs, 1,024 rows."""
     pytest.importorskip("triton")
     from gsm_train.kernels import sparse_decode
 
@@ -551,6 +552,7 @@ def test_the_autotuner_chooses_among_configurations_of_few_splits() -> None:
     assert sparse_decode.MOST_SPLITS == 128
     assert sparse_decode.few_splits(configs, 512) == configs
     assert sparse_decode.few_splits(configs, 8192) == [config for config in configs if rows[config] >= 64]
+    assert sparse_decode.few_splits(configs, 32768) == [config for config in configs if rows[config] >= 256]
     longest = [config for config in configs if rows[config] == 1024]
     assert len(longest) == 2 and sparse_decode.few_splits(configs, 262144) == longest
     prune = sparse_decode._sparse_decode_kernel.early_config_prune

@@ -212,7 +212,8 @@ if triton is not None:
     # tests/test_decode.py runs every configuration here on the GPU. The list was tuned on the H200:
     # each entry was the fastest, or within 0.5 us of it, at one of the shapes
     # `benchmarks/decode_configs.py` times (docs/design-decisions.md, 'At batch 1 the fused decode
-    # kernel is bound by its instructions').
+    # kernel is bound by its instructions'); 64 x 4 rows (not yet timed) gives a dense layer of a mid-length
+    # cache more programs than 64 x 16 within `MOST_SPLITS` (`few_splits`).
     @triton.autotune(
         configs=[
             triton.Config({"BLOCK_N": block, "TILES": tiles}, num_warps=warps, num_stages=stages)
@@ -221,6 +222,7 @@ if triton is not None:
                 (64, 1, 8, 3),
                 (32, 2, 4, 3),
                 (64, 1, 4, 3),
+                (64, 4, 4, 3),
                 (64, 16, 4, 3),
                 (64, 16, 4, 1),
             )
