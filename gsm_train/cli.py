@@ -206,6 +206,7 @@ def _generate(args: argparse.Namespace) -> int:
         chat=args.chat,
         prefill=args.prefill,
         weights=args.weights,
+        fused_decode=args.fused_decode,
     )
     print()
     for run in runs:
@@ -417,6 +418,11 @@ def _add_generate_command(commands: argparse._SubParsersAction) -> None:
         default=DEFAULT_PREFILL,
         help="how the prompt attends: dense (as the base model, flash kernels on a GPU; the GSM cache is filled "
         "from its K/V) or sparse (as --mode, the teacher-forced GSM pass)",
+    )
+    gen.add_argument(
+        "--fused-decode",
+        action="store_true",
+        help="on a GPU with Triton: each GSM token step runs the RMSNorms, RoPE and SwiGLU as one kernel each",
     )
     gen.add_argument(
         "--compare-dense",

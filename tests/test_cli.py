@@ -71,6 +71,27 @@ def test_generate_and_eval_take_the_base_from_the_export(
     assert "trained on 'tiny-qwen2', which differs from this model" in capsys.readouterr().err
 
 
+def test_generate_fused_decode_reaches_the_generation_engine(
+    export: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`generate --fused-decode` loads the export with the fused token steps switched on (they run on a GPU with
+    Triton; here the modules' own forwards serve), without it off, and both generate."""
+    from gsm_train.export import pretrained
+
+    options = []
+
+    def recording(model: object, **kwargs: object) -> None:
+        options.append(kwargs["fused_decode"])
+        enable(model, **kwargs)
+
+    enable = pretrained.enable_gsm_generation
+    monkeypatch.setattr(pretrained, "enable_gsm_generation", recording)
+    command = ["generate", "--adapter", str(export), "--prompt", "Once", "--max-new-tokens", "3"]
+    assert cli.main([*command, "--fused-decode"]) == 0 and cli.main(command) == 0
+    assert options == [True, False]
+    assert capsys.readouterr().err.count("3 tokens") == 2
+
+
 def test_generate_without_a_model_or_adapter_says_what_to_give(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -202,13 +202,15 @@ def generate(
     chat: bool = False,
     prefill: str = DEFAULT_PREFILL,
     weights: str = FULL,
+    fused_decode: bool = False,
 ) -> list[Generation]:
     """Continuation of `prompt` (greedy, or as `sampling` says; with `chat` in the tokenizer's chat
     template, `prompt_ids`): with `adapter` (an export folder or a Hub repo id at `revision`),
     GSM attention over the GSM cache on the base the export names (or `model_name`), and with
     `compare_dense` the dense base after it; without an adapter, the base `model_name`. `echo` streams
     the text to stdout; `prefill` how the adapter's prompt attends (dense / sparse: `GSMCache`);
-    `weights` the base's weights in both runs, as loaded or 4-bit (gsm_train/export/int4.py)."""
+    `weights` the base's weights in both runs, as loaded or 4-bit (gsm_train/export/int4.py); `fused_decode`
+    the adapter's token steps with the fused elementwise kernels (`GSMModel.from_pretrained`)."""
     device, dtype = _device_and_dtype(device)
     group = checked_group(weights, device, dtype)
     sampling = sampling or Sampling()
@@ -224,6 +226,7 @@ def generate(
             dtype=dtype,
             device=device,
             weights=weights,
+            fused_decode=fused_decode,
         )
         ids = prompt_ids(gsm.tokenizer, prompt, chat)
         _check_positions(gsm.model, ids.shape[1], max_new_tokens)

@@ -58,6 +58,7 @@ class GSMModel:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device | None = None,
         weights: str = FULL,
+        fused_decode: bool = False,
     ) -> GSMModel:
         """Load the export at `adapter` (a folder, or a Hub repo id at `revision`), the base model
         it names (`gsm_config.json`'s base_model: the built-in or folder it was trained with when
@@ -68,7 +69,9 @@ class GSMModel:
         `weights`: `full` (the base as loaded, in `dtype`) or `int4` / `int4-g64` / `int4-g32`: the
         base's linear layers quantized to 4 bits after the adapter is attached and checked, the GSM
         modules, embeddings and output head kept in `dtype` (gsm_train/export/int4.py; refused before
-        anything loads where it cannot run); such a model is not saved.
+        anything loads where it cannot run); such a model is not saved. `fused_decode`: on a GPU with
+        Triton, each token step runs the layers' RMSNorms, RoPE and SwiGLU as one Triton kernel each
+        (`enable_gsm_generation`'s option; off by default).
 
         The export is read once, in full, before the base loads (`read_export`: a damaged export is
         refused first). The returned model's `generate` decodes over a GSM cache: GSMModel owns
@@ -85,7 +88,7 @@ class GSMModel:
         settings = load_gsm(model, export, mode=mode)
         if group is not None:
             quantize_base(model, group)
-        enable_gsm_generation(model, prefill=prefill)  # a plain model.generate now runs over the GSM cache
+        enable_gsm_generation(model, prefill=prefill, fused_decode=fused_decode)  # model.generate: the GSM cache
         return cls(
             model,
             tokenizer,
