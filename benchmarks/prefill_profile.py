@@ -62,6 +62,10 @@ HOST_SYNCS = ("aten._local_scalar_dense.default", "aten.nonzero.default", "aten.
 PARTS = {
     "pack_blocks": "asq_pack",
     "paired_pack": "asq_pack",
+    "packed_together": "asq_pack",
+    "DeferredEncodings._pack_blocks": "asq_pack",
+    "DeferredEncodings.flush": "gate_keys",
+    "_write_fields": "cache_update",
     "_keys_as_seen": "earlier_chunks_dequantized",
     "run_gate": "gate_keys",
     "lazy_initialization": "cache_buffers",
@@ -145,7 +149,8 @@ def prefill_call(method: str, model: nn.Module, ids: torch.Tensor) -> Callable[[
         return lambda: model(input_ids=ids, attention_mask=ones, use_cache=True, logits_to_keep=1).logits
 
     def gsm() -> torch.Tensor:
-        cache = GSMCache(model, capacity=ids.shape[1] + 1)
+        # every layer's blocks packed together after the forward, as on a GPU (the default there), on the CPU too
+        cache = GSMCache(model, capacity=ids.shape[1] + 1, pack_after_forward=True)
         kwargs = cache_kwargs(model, cache)
         return model(input_ids=ids, attention_mask=ones, use_cache=True, logits_to_keep=1, **kwargs).logits
 

@@ -51,10 +51,12 @@ def _model(sections: dict[str, Any], mode: str, family: str = "llama") -> torch.
 
 
 @torch.no_grad()
-def _run(model: torch.nn.Module, ids: Tensor, prefill: str, chunks: tuple[int, ...]) -> tuple[GSMCache, Tensor]:
-    """The cache and the logits of `ids`: its first sum(chunks) tokens as a prompt in calls of `chunks`
-    tokens, then the rest one token per call."""
-    cache, logits, start = GSMCache(model, capacity=ids.shape[1], prefill=prefill), [], 0
+def _run(
+    model: torch.nn.Module, ids: Tensor, prefill: str, chunks: tuple[int, ...], **cache_options: Any
+) -> tuple[GSMCache, Tensor]:
+    """The cache (made with `cache_options` besides the prefill) and the logits of `ids`: its first
+    sum(chunks) tokens as a prompt in calls of `chunks` tokens, then the rest one token per call."""
+    cache, logits, start = GSMCache(model, capacity=ids.shape[1], prefill=prefill, **cache_options), [], 0
     kwargs = cache_kwargs(model, cache)
     for size in (*chunks, *[1] * (ids.shape[1] - sum(chunks))):
         logits.append(model(ids[:, start : start + size], **kwargs, use_cache=True).logits)

@@ -25,7 +25,7 @@ from gsm_train.inference import dense_engine
 from gsm_train.inference.cache import GSMCache, cache_kwargs
 from gsm_train.inference.engine import PREFILL_CHUNKS, enable_gsm_generation
 from gsm_train.models.families import attention_modules
-from gsm_train.modules.kv_compressor import ASQCompressor, paired_pack
+from gsm_train.modules.kv_compressor import ASQCompressor, packed_together, paired_pack
 from gsm_train.quant import fp16_grid, fp16_grid_bits
 
 # recipes/joint_long.yaml's compressor on SmolLM2's K (3 KV heads of 64): 2 clusters, 4 bits, rotated, blocks of 64
@@ -37,7 +37,9 @@ JOINT_LONG_ASQ = KVCompressionConfig(
 # (the floor of the levels without its straight-through form, the code shifts in one op, no empty tail copied, no
 # division of the assignment's logits by a temperature of 1)
 PACK_BLOCKS_OPS = 55
-PAIRED_PACK_OPS = {False: 83, True: 66}  # K's and V's packing in one call (K's and V's bits equal: True), was 2 x 55
+# K's and V's packing in one call (K's and V's bits equal: True), was 2 x 55; 66 -> 60 with equal bits (one code
+# packing per width); 30 layers' K and V in one call take the ops of one layer's pair
+PAIRED_PACK_OPS = {False: 83, True: 60}
 INT8_GATE_KEYS_OPS = 11  # was 22: the scale's fp16 rounding took 13 ops, now 2
 
 
@@ -99,6 +101,7 @@ def test_packing_a_chunks_blocks_and_its_gate_keys_run_fewer_ops() -> None:
     assert _ops(asq_k.pack_blocks, rows) <= PACK_BLOCKS_OPS
     assert _ops(paired_pack, asq_k, asq_v, rows, rows) <= PAIRED_PACK_OPS[False]
     assert _ops(paired_pack, asq_k, asq_k, rows, rows) <= PAIRED_PACK_OPS[True]
+    assert _ops(packed_together, [asq_k, asq_v] * 30, [rows] * 60) <= PAIRED_PACK_OPS[False]
     assert _ops(encode_gate_keys, torch.randn(1, 1, 4096, 16), 8) <= INT8_GATE_KEYS_OPS
 
 
@@ -231,15 +234,49 @@ def test_a_chunked_prefill_packing_k_and_v_together_stores_and_returns_what_pack
     prefill: str, device: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every feature on (K at 4 bits, V at 2), a prompt in three chunks with edges inside blocks, then token
-    steps: the cache holds bit for bit what it held when each side packed alone, and the logits are the same.
-    On a GPU up to the summation order of batched kernels of twice the heads: at these tiny shapes a matmul may
-    sum a block's prototypes in another order (a few fp16 values one step apart, and from the next layer on
-    the raw K/V within fp32 rounding), so there every field and the logits agree to 1e-3 relative, 1e-5
-    absolute, and at least 99% of the integer codes are equal."""
+    steps: the cache holds what it held when each side packed alone, and the logits are the same (bit for bit
+    on the CPU; on a GPU within `_assert_same_here`'s bounds)."""
     model, ids = _model(EVERYTHING, "sparse").to(device), TOKENS.to(device)
     cache, logits = _run(model, ids, prefill, (5, 11, 13))
     monkeypatch.setattr(kv_store, "paired_pack", lambda *args: None)  # each side packs alone, as before
+    monkeypatch.setattr(kv_store, "packed_together", lambda *args: None)  # also a deferred chunk's (a GPU's)
     reference_cache, reference_logits = _run(model, ids, prefill, (5, 11, 13))
+    _assert_same_here(device, cache, logits, reference_cache, reference_logits)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("chunks", [(29,), (5, 11, 13)], ids=["one_call", "unaligned"])
+def test_a_dense_prefill_packing_every_layer_after_the_forward_stores_what_packing_each_layer_does(
+    chunks: tuple[int, ...], device: str
+) -> None:
+    """Every feature on, a dense prefill in one call or in three chunks with edges inside blocks, then token
+    steps: with each chunk's blocks packed after its forward, every layer's in one encoding
+    (`pack_after_forward`, a GPU's default), the cache holds what packing each layer as it runs stores and
+    the logits are the same (bit for bit on the CPU; on a GPU within the paired packing's bounds)."""
+    model, ids = _model(EVERYTHING, "sparse").to(device), TOKENS.to(device)
+    cache, logits = _run(model, ids, "dense", chunks, pack_after_forward=True)
+    reference_cache, reference_logits = _run(model, ids, "dense", chunks, pack_after_forward=False)
+    assert cache.packs_after_forward and not reference_cache.packs_after_forward
+    _assert_same_here(device, cache, logits, reference_cache, reference_logits)
+    if device == "cpu":  # the packing's ops of a prompt: the 4 layers' pairs in one encoding, not 4 (4 x 83 now)
+
+        def packing_ops(together: bool) -> int:
+            def prefill() -> None:
+                fresh = GSMCache(model, capacity=29, prefill="dense", pack_after_forward=together)
+                model(TOKENS[:, :29], use_cache=True, **cache_kwargs(model, fresh))
+
+            return count_prefill_ops(prefill, model)["ops_by_part"]["asq_pack"]
+
+        assert packing_ops(True) <= PAIRED_PACK_OPS[False] and packing_ops(False) >= 3 * packing_ops(True)
+
+
+def _assert_same_here(
+    device: str, cache: GSMCache, logits: torch.Tensor, reference_cache: GSMCache, reference_logits: torch.Tensor
+) -> None:
+    """`_assert_same` on the CPU; on a GPU up to the summation order of batched kernels of more heads: at the
+    tests' tiny shapes a matmul may sum a few prototypes in another order (fp16 values one step apart, and
+    from the next layer on the raw K/V within fp32 rounding), so there every field and the logits agree to
+    1e-3 relative, 1e-5 absolute, and at least 99% of the integer codes are equal."""
     if device == "cpu":
         _assert_same(cache, logits, reference_cache, reference_logits)
         return

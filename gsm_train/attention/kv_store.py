@@ -18,9 +18,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from gsm_train.functional.gate_keys import encode_gate_keys
 from gsm_train.kernels.packed_rows import PackedRows
 from gsm_train.modules.errors import GSMError
-from gsm_train.modules.kv_compressor import ASQCompressor, paired_pack
+from gsm_train.modules.kv_compressor import ASQCompressor, packed_together, paired_pack
 from gsm_train.modules.kv_registry import KVCompressor
 from gsm_train.quant import compute_dtype, stored_split
 
@@ -170,11 +171,20 @@ class KVStore:
     def _store_joined(self, raw: Tensor, packed: dict[str, Tensor] | None = None) -> None:
         """`append`'s second half: `_joined`'s rows stored, the whole blocks they complete but the newest
         packed (`packed`: those blocks' `pack_blocks` fields, made already), the rest into the tail."""
-        start, whole = stored_split(self.lengths.before, self.compressor.block_size), self._blocks_completed()
+        whole = self._blocks_completed()
         if whole:
-            self._write_fields(packed if packed is not None else self.compressor.pack_blocks(raw[:, :, :whole]), start)
+            fields = packed if packed is not None else self.compressor.pack_blocks(raw[:, :, :whole])
+            self._write_fields(fields, self._blocks_start())
+        self._store_tail(raw, whole)
+
+    def _store_tail(self, raw: Tensor, whole: int) -> None:
+        """`_joined`'s rows after its first `whole` (those of whole blocks) into the tail."""
         newest = raw[:, :, whole:]
         self.tail[:, :, : newest.shape[2]] = newest
+
+    def _blocks_start(self) -> int:
+        """The first token of the whole blocks the call in progress completes (`_blocks_completed`)."""
+        return stored_split(self.lengths.before, self.compressor.block_size)
 
     def _blocks_completed(self) -> int:
         """Tokens of the whole blocks the call in progress completes (its `_joined` rows' first ones, which
@@ -293,3 +303,71 @@ def pack_tails(k_store: KVStore, v_store: KVStore, tokens: Tensor, block: Tensor
     pair = paired_pack(k_store.compressor, v_store.compressor, k_store.tail, v_store.tail)
     for store, packed in zip((k_store, v_store), pair or (None, None), strict=True):
         store.write_block(packed if packed is not None else store.compressor.pack_blocks(store.tail), tokens, block)
+
+
+PACK_TOGETHER_BYTES = 256 * 2**20  # the most raw bytes `DeferredEncodings` packs at once (then it packs what waits)
+
+
+class DeferredEncodings:
+    """A prompt chunk's cache encodings, every layer's together: the whole blocks it completes in every K and V
+    store, packed in one encoding of all that wait (`packed_together`: about the ops of one layer's pair) once
+    `PACK_TOGETHER_BYTES` of raw rows wait and at the end of the forward (`flush`), where `append_pair` packs
+    each layer's as the layer runs; and its gate keys, encoded in one call (`encode_gate_keys`) at `flush`.
+    For a dense prefill, whose chunk attends over its own raw K/V and the prefix packed before it and never
+    reads its gate keys: the cache then holds what encoding each layer as it runs leaves (bit for bit on the
+    CPU; tests/test_prefill_cost.py). Stores whose compressors differ in more than their bits pack each alone."""
+
+    def __init__(self) -> None:
+        self.blocks: list[tuple[KVStore, Tensor, int]] = []  # a store, its whole blocks' raw rows, their first token
+        self.gate_keys: list[tuple[Tensor, Tensor | None, Tensor, int]] = []  # codes' and scales' place, keys, bits
+        self.waiting_bytes = 0
+
+    def append_pair(
+        self, k_store: KVStore, v_store: KVStore, keys: Tensor, values: Tensor
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """`append_pair`'s result and stores, the whole blocks' fields written by a later `flush`."""
+        joined = []
+        for store, states in ((k_store, keys), (v_store, values)):
+            raw = store._joined(states)
+            if raw is not None:
+                whole = store._blocks_completed()
+                if whole:
+                    self.blocks.append((store, raw[:, :, :whole], store._blocks_start()))
+                    self.waiting_bytes += raw[:, :, :whole].numel() * raw.element_size()
+                store._store_tail(raw, whole)
+            joined.append(raw)
+        if self.waiting_bytes >= PACK_TOGETHER_BYTES:
+            self._pack_blocks()
+        return joined[0], joined[1]
+
+    def add_gate_keys(self, codes_at: Tensor, scales_at: Tensor | None, gate_keys: Tensor, bits: int) -> None:
+        """`encode_gate_keys(gate_keys, bits)` [B, n, t, dg] written into `codes_at` (and `scales_at`, for 8 bits)
+        at the next `flush`: the views of a layer's gate-key buffers its `keep_gate_keys` (their one writer)
+        hands over."""
+        self.gate_keys.append((codes_at, scales_at, gate_keys, bits))
+
+    def flush(self) -> None:
+        """Write everything that waits: the blocks packed in one encoding where `packed_together` takes them all
+        (each alone otherwise), the gate keys encoded in one call per width and shape."""
+        self._pack_blocks()
+        waiting, self.gate_keys = self.gate_keys, []
+        groups: dict[tuple, list[tuple[Tensor, Tensor | None, Tensor, int]]] = {}
+        for entry in waiting:
+            keys = entry[2]
+            groups.setdefault((entry[3], keys.shape[0], *keys.shape[2:], keys.dtype), []).append(entry)
+        for group in groups.values():
+            codes, scales = encode_gate_keys(torch.cat([keys for _, _, keys, _ in group], 1), group[0][3])
+            sizes = [keys.shape[1] for _, _, keys, _ in group]
+            parts = zip(codes.split(sizes, 1), scales.split(sizes, 1) if scales is not None else [None] * len(group))
+            for (codes_at, scales_at, _, _), (code_part, scale_part) in zip(group, parts, strict=True):
+                codes_at.copy_(code_part)
+                if scales_at is not None:
+                    scales_at.copy_(scale_part)
+
+    def _pack_blocks(self) -> None:
+        pending, self.blocks, self.waiting_bytes = self.blocks, [], 0
+        if not pending:
+            return
+        together = packed_together([store.compressor for store, _, _ in pending], [raw for _, raw, _ in pending])
+        for i, (store, raw, start) in enumerate(pending):
+            store._write_fields(together[i] if together is not None else store.compressor.pack_blocks(raw), start)

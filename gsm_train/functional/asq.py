@@ -4,6 +4,7 @@ reconstruction and the clustering loss, on blocks [B, H, n, block_size, D] (see
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -85,13 +86,22 @@ def soft_assignment(blocks: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tens
     return torch.softmax(logits if tau == 1 else logits / tau, dim=-1)  # x / 1 is x: one kernel fewer
 
 
+def width_runs(bits: tuple[int, ...]) -> list[tuple[int, int]]:
+    """(width, groups) of each run of neighbouring groups of one width in `bits`: (4, 4, 2) -> [(4, 2), (2, 1)]."""
+    return [(width, len(list(run))) for width, run in itertools.groupby(bits)]
+
+
 def quantize_groups(x: Tensor, bits: tuple[int, ...]) -> tuple[Tensor, Tensor]:
     """`_quantize` over the last dim of x [B, G * H, ...], whose heads are G = len(bits) groups side by side
-    (K's and V's), each group at its own width."""
+    (K's and V's, of one layer or of several), each group at its own width; neighbouring groups of one width
+    are quantized in one call (each head's values are its own either way)."""
     if len(set(bits)) == 1:
         return quantize(x, bits[0], dim=-1)
-    parts = [quantize(group, width, dim=-1) for group, width in zip(x.chunk(len(bits), 1), bits)]
-    return torch.cat([q for q, _ in parts], 1), torch.cat([scale for _, scale in parts], 1)
+    heads = x.shape[1] // len(bits)
+    runs = width_runs(bits)
+    parts = x.split([count * heads for _, count in runs], 1)
+    quantized = [quantize(part, width, dim=-1) for part, (width, _) in zip(parts, runs, strict=True)]
+    return torch.cat([q for q, _ in quantized], 1), torch.cat([scale for _, scale in quantized], 1)
 
 
 def encode_blocks(

@@ -33,7 +33,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from gsm_train.attention.adapter import GSMAttentionAdapter
 from gsm_train.attention.cache_protocol import CachedStep
-from gsm_train.attention.kv_store import CacheLengths, KVStore, append_pair, pack_tails
+from gsm_train.attention.kv_store import CacheLengths, DeferredEncodings, KVStore, append_pair, pack_tails
 from gsm_train.attention.settings import gsm_settings
 from gsm_train.functional.gate_keys import GATE_KEY_DTYPE, encode_gate_keys
 from gsm_train.functional.top_k import scheduled_k
@@ -128,7 +128,9 @@ class GSMCacheLayer(CacheLayerMixin):
             self.k_store.write_newest(key_states)
             self.v_store.write_newest(value_states)
             return key_states, value_states
-        raw = append_pair(self.k_store, self.v_store, key_states, value_states)
+        deferred = self.cache.deferred_encodings
+        store_pair = deferred.append_pair if deferred is not None else append_pair
+        raw = store_pair(self.k_store, self.v_store, key_states, value_states)
         if self.cache.lengths.before > 0 and raw[0] is not None:  # a further prompt chunk: its own blocks raw
             self.recent_raw = raw  # the rows since the last block packed before the chunk, as the stores took them
         return key_states, value_states
@@ -137,6 +139,12 @@ class GSMCacheLayer(CacheLayerMixin):
         """Store gate keys [B, n, t, gate_head_dim] of the call's new tokens as `encode_gate_keys` gives them at
         `bits`: one token at the slot the device lengths name (capture-safe), a chunk at host positions.
         Called by the attention function's `run_gate` alone, before the call attends."""
+        start, end = self.lengths.before, self.lengths.seq_len
+        deferred = self.cache.deferred_encodings
+        if deferred is not None:  # a dense prefill chunk: encoded with every layer's after the forward
+            scales_at = self.gate_key_scales[:, :, start:end] if self.gate_key_scales is not None else None
+            deferred.add_gate_keys(self.gate_keys[:, :, start:end], scales_at, gate_keys.detach(), bits)
+            return
         codes, scales = encode_gate_keys(gate_keys.detach(), bits)
         if self.cache.token_step:
             slot = self.lengths.slots[0:1]
@@ -144,7 +152,6 @@ class GSMCacheLayer(CacheLayerMixin):
             if scales is not None:
                 self.gate_key_scales.index_copy_(2, slot, scales)
             return
-        start, end = self.lengths.before, self.lengths.seq_len
         self.gate_keys[:, :, start:end] = codes
         if scales is not None:
             self.gate_key_scales[:, :, start:end] = scales
@@ -218,10 +225,18 @@ class GSMCache(Cache):
     """Generation cache of a GSM-injected model (one `GSMCacheLayer` per decoder layer) holding at most
     `capacity` tokens per row (default: the model's context length); more is a GSMError. `prefill`: how
     prompts attend, `dense` or `sparse` (module docstring; default: what `enable_gsm_generation` set on the
-    model, else DEFAULT_PREFILL)."""
+    model, else DEFAULT_PREFILL). `pack_after_forward`: a dense prefill chunk's blocks packed after its
+    forward, every layer's in one encoding, bit for bit what packing each layer as it runs stores on the CPU
+    (default: on a GPU, where it saves ~80 kernel launches a layer; on the CPU packing each layer while its
+    rows are in cache is faster)."""
 
     def __init__(
-        self, model: nn.Module, capacity: int | None = None, fused: bool | None = None, prefill: str | None = None
+        self,
+        model: nn.Module,
+        capacity: int | None = None,
+        fused: bool | None = None,
+        prefill: str | None = None,
+        pack_after_forward: bool | None = None,
     ) -> None:
         settings = gsm_settings(model)
         if not settings.enabled:
@@ -245,6 +260,7 @@ class GSMCache(Cache):
         self.key_valid: Tensor | None = None  # [B, capacity] bool, once a padded batch is seen
         self.token_step = False  # the call in progress adds one token after earlier ones
         self.pending = 0  # tokens of the forward in progress (held already, not yet for transformers)
+        self.deferred_encodings: DeferredEncodings | None = None  # a dense prefill chunk's blocks, packed after it
         dims = model_dims(model)
         layers = [
             GSMCacheLayer(self, attn.gsm, attn.k_proj.out_features // dims["head_dim"], dims["head_dim"])
@@ -253,6 +269,13 @@ class GSMCache(Cache):
         for layer_cache, attn in zip(layers, attention_modules(model), strict=True):
             if attn.gsm.bridge is not None:
                 layer_cache.source = layers[config.cross_layer_sharing.bridge_from]
+        # a dense prefill chunk attends over its raw K/V and the prefix packed before it, so its blocks may be
+        # packed after its forward, every layer's together (`DeferredEncodings`): on a GPU, where each of a layer's
+        # ~80 packing ops is a kernel launch; not where a bridge target reads another layer's store
+        together = device.type == "cuda" if pack_after_forward is None else pack_after_forward
+        self.packs_after_forward = (
+            together and self.prefill == "dense" and all(layer.source is None for layer in layers)
+        )
         super().__init__(layers=layers)
 
     def gsm_layer(self, layer_idx: int) -> GSMCacheLayer:
@@ -273,16 +296,22 @@ class GSMCache(Cache):
             )
         self.token_step = new_tokens == 1 and lengths.seq_len > 0
         self.pending = new_tokens
+        self.deferred_encodings = None  # (what a forward that raised left is dropped)
         if self.token_step:  # the new token is always visible: padding was taken from the prompt
             self.pack_full_tail()
             lengths.add_token()
             return
         lengths.add_chunk(new_tokens, self.block_size())
+        self.deferred_encodings = DeferredEncodings() if self.packs_after_forward else None
         if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
             self._mark_padding(attention_mask)
 
     def end_forward(self) -> None:
-        """The forward in progress has run: its tokens count as held for transformers too."""
+        """The forward in progress has run: a prompt chunk's deferred blocks are packed, and its tokens count
+        as held for transformers too."""
+        if self.deferred_encodings is not None:
+            self.deferred_encodings.flush()
+            self.deferred_encodings = None
         self.pending = 0
 
     def tail_full(self) -> bool:

@@ -34,6 +34,7 @@ from gsm_train.functional.asq import (
     gather_prototypes,
     paired_reconstruction,
     reconstruction_and_distortion,
+    width_runs,
 )
 from gsm_train.quant import (
     EPS,
@@ -52,7 +53,7 @@ from gsm_train.quant import (
     zeroed_fields,
 )
 
-__all__ = ["ASQCompressor", "PackedKV", "paired_pack", "paired_training_pass"]
+__all__ = ["ASQCompressor", "PackedKV", "packed_together", "paired_pack", "paired_training_pass"]
 
 
 def _check(ok: bool, name: str, msg: str) -> None:
@@ -114,39 +115,58 @@ def paired_pack(
     asq_k: nn.Module, asq_v: nn.Module, key: Tensor, value: Tensor
 ) -> tuple[dict[str, Tensor], dict[str, Tensor]] | None:
     """K's and V's `pack_blocks` fields of whole blocks key and value [B, H, n * block_size, D] from one
-    encoding of both, their heads side by side (one soft assignment, one set of prototypes, one quantization
-    per bit width): what `asq_k.pack_blocks(key)` and `asq_v.pack_blocks(value)` give, every op per head and
-    block as theirs (bit for bit on the CPU: tests/test_prefill_cost.py), in about two thirds of their ops.
-    None where they must pack apart: compressors that are not ASQ or differ in more than their bits, K and
-    V of other shapes or dtypes, or parameters that only the modules' own calls gather."""
+    encoding of both (`packed_together`), in about two thirds of their ops; None where they must pack apart."""
+    fields = packed_together([asq_k, asq_v], [key, value])
+    return None if fields is None else (fields[0], fields[1])
+
+
+def packed_together(compressors: list[nn.Module], rows: list[Tensor]) -> list[dict[str, Tensor]] | None:
+    """Each compressor's `pack_blocks` fields of its whole blocks `rows[i]` [B, H, n * block_size, D], from one
+    encoding of all of them, their heads side by side (one soft assignment, one set of prototypes, and one
+    quantization and one code packing per bit width: the rows are encoded ordered by width): what
+    `compressors[i].pack_blocks(rows[i])` gives, every op per head and block as theirs (bit for bit on the
+    CPU: tests/test_prefill_cost.py; on a GPU a batched matmul of more heads may sum in another order). None
+    where they must pack apart: compressors that are not ASQ or differ in more than their bits, rows of other
+    shapes or dtypes, or parameters that only the modules' own calls gather."""
+    first, shape, dtype = compressors[0], rows[0].shape, rows[0].dtype
     if not (
-        isinstance(asq_k, ASQCompressor)
-        and isinstance(asq_v, ASQCompressor)
-        and key.shape == value.shape
-        and key.dtype == value.dtype
-        and _alike(asq_k, asq_v)
-        and _plain_parameters(asq_k)
-        and _plain_parameters(asq_v)
+        all(isinstance(c, ASQCompressor) and _alike(first, c) and _plain_parameters(c) for c in compressors)
+        and all(r.shape == shape and r.dtype == dtype for r in rows)
     ):
         return None
-    heads = key.shape[1]
-    for compressor, rows in ((asq_k, key), (asq_v, value)):
-        _check(rows.shape[-2] % compressor.block_size == 0, "x", f"must hold whole blocks of {compressor.block_size}")
-        compressor._check_input(rows, leading_heads=True)
-    blocks, _ = split_blocks(torch.cat((key, value), 1), asq_k.block_size)
+    for compressor, part in zip(compressors, rows, strict=True):
+        _check(part.shape[-2] % compressor.block_size == 0, "x", f"must hold whole blocks of {compressor.block_size}")
+        compressor._check_input(part, leading_heads=True)
+    order = sorted(range(len(compressors)), key=lambda i: compressors[i].quant_bits)  # each width's heads together
+    widths = [compressors[i].quant_bits for i in order]
+    heads = shape[1]
+    blocks, _ = split_blocks(torch.cat([rows[i] for i in order], 1), first.block_size)
     blocks = blocks.to(compute_dtype(blocks))
-    w1, b1, w2, b2 = (torch.cat(pair, 0) for pair in zip(asq_k._mlp(heads), asq_v._mlp(heads), strict=True))
-    with torch.no_grad(), torch.autocast(device_type=key.device.type, enabled=False):
-        enc = encode_blocks(blocks, w1, b1, w2, b2, asq_k.tau, (asq_k.quant_bits, asq_v.quant_bits), asq_k.rotation)
+    mlps = [compressors[i]._mlp(heads) for i in order]
+    w1, b1, w2, b2 = (torch.cat(parts, 0) for parts in zip(*mlps, strict=True))
+    with torch.no_grad(), torch.autocast(device_type=blocks.device.type, enabled=False):
+        enc = encode_blocks(blocks, w1, b1, w2, b2, first.tau, tuple(widths), first.rotation)
     b, _, n, bs, d = blocks.shape
-    # cast once for both sides (the casts in `_stored_fields` then return their input)
-    ids = enc.ids.reshape(b, 2 * heads, n * bs).to(torch.uint8)
-    scale = enc.scale.reshape(b, 2 * heads, n * bs).to(STORE_DTYPE)
-    prototypes, q = enc.prototypes.to(STORE_DTYPE), enc.q.reshape(b, 2 * heads, n * bs, d)
-    return tuple(
-        _stored_fields(ids[:, side], q[:, side], scale[:, side], prototypes[:, side], compressor.quant_bits)
-        for compressor, side in ((asq_k, slice(None, heads)), (asq_v, slice(heads, None)))
-    )
+    # each field cast once for all; the residual codes packed once per width, at its heads' place in `order`
+    ids = enc.ids.reshape(b, -1, n * bs).to(torch.uint8)
+    scale = enc.scale.reshape(b, -1, n * bs).to(STORE_DTYPE)
+    prototypes, q = enc.prototypes.to(STORE_DTYPE), enc.q.reshape(b, -1, n * bs, d)
+    runs = width_runs(tuple(widths))
+    residuals = [
+        pack_codes(part, width) for part, (width, count) in zip(q.split([count * heads for _, count in runs], 1), runs)
+    ]
+    places = [(run, at) for run, (_, count) in enumerate(runs) for at in range(count)]  # each place's run, index
+    fields: list[dict[str, Tensor]] = [{} for _ in compressors]
+    for place, i in enumerate(order):
+        side, (run, at) = slice(place * heads, (place + 1) * heads), places[place]
+        residual = residuals[run][:, at * heads : (at + 1) * heads]
+        fields[i] = {
+            "ids": ids[:, side],
+            "residual": residual,
+            "scales": scale[:, side],
+            "prototypes": prototypes[:, side],
+        }
+    return fields
 
 
 def _stored_fields(ids: Tensor, q: Tensor, scale: Tensor, prototypes: Tensor, bits: int) -> dict[str, Tensor]:
