@@ -152,9 +152,8 @@ def packed_together(compressors: list[nn.Module], rows: list[Tensor]) -> list[di
     scale = enc.scale.reshape(b, -1, n * bs).to(STORE_DTYPE)
     prototypes, q = enc.prototypes.to(STORE_DTYPE), enc.q.reshape(b, -1, n * bs, d)
     runs = width_runs(tuple(widths))
-    residuals = [
-        pack_codes(part, width) for part, (width, count) in zip(q.split([count * heads for _, count in runs], 1), runs)
-    ]
+    parts = q.split([count * heads for _, count in runs], 1)
+    residuals = [pack_codes(part, width) for part, (width, _) in zip(parts, runs, strict=True)]
     places = [(run, at) for run, (_, count) in enumerate(runs) for at in range(count)]  # each place's run, index
     fields: list[dict[str, Tensor]] = [{} for _ in compressors]
     for place, i in enumerate(order):
