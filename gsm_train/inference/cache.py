@@ -260,7 +260,7 @@ class GSMCache(Cache):
         self.key_valid: Tensor | None = None  # [B, capacity] bool, once a padded batch is seen
         self.token_step = False  # the call in progress adds one token after earlier ones
         self.pending = 0  # tokens of the forward in progress (held already, not yet for transformers)
-        self.deferred_encodings: DeferredEncodings | None = None  # a dense prefill chunk's blocks, packed after it
+        self.deferred_encodings: DeferredEncodings | None = None  # a dense prefill chunk's, made after its forward
         dims = model_dims(model)
         layers = [
             GSMCacheLayer(self, attn.gsm, attn.k_proj.out_features // dims["head_dim"], dims["head_dim"])
@@ -307,8 +307,8 @@ class GSMCache(Cache):
             self._mark_padding(attention_mask)
 
     def end_forward(self) -> None:
-        """The forward in progress has run: a prompt chunk's deferred blocks are packed, and its tokens count
-        as held for transformers too."""
+        """The forward in progress has run: a dense prefill chunk's deferred encodings are made (its blocks
+        packed, its gate keys encoded), and its tokens count as held for transformers too."""
         if self.deferred_encodings is not None:
             self.deferred_encodings.flush()
             self.deferred_encodings = None
