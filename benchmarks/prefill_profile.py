@@ -61,7 +61,6 @@ HOST_SYNCS = ("aten._local_scalar_dense.default", "aten.nonzero.default", "aten.
 # qualified name) that names the part an op runs for
 PARTS = {
     "pack_blocks": "asq_pack",
-    "paired_pack": "asq_pack",
     "packed_together": "asq_pack",
     "DeferredEncodings._pack_blocks": "asq_pack",
     "DeferredEncodings.flush": "gate_keys",

@@ -25,7 +25,7 @@ from gsm_train.inference import dense_engine
 from gsm_train.inference.cache import GSMCache, cache_kwargs
 from gsm_train.inference.engine import PREFILL_CHUNKS, enable_gsm_generation
 from gsm_train.models.families import attention_modules
-from gsm_train.modules.kv_compressor import ASQCompressor, packed_together, paired_pack
+from gsm_train.modules.kv_compressor import ASQCompressor, packed_together
 from gsm_train.quant import fp16_grid, fp16_grid_bits
 
 # recipes/joint_long.yaml's compressor on SmolLM2's K (3 KV heads of 64): 2 clusters, 4 bits, rotated, blocks of 64
@@ -99,8 +99,8 @@ def test_packing_a_chunks_blocks_and_its_gate_keys_run_fewer_ops() -> None:
     asq_k, asq_v = ASQCompressor.build(JOINT_LONG_ASQ.model_copy(update={"value_quant_bits": 2}), 2, 3, 64)
     rows = torch.randn(1, 3, 4096, 64)
     assert _ops(asq_k.pack_blocks, rows) <= PACK_BLOCKS_OPS
-    assert _ops(paired_pack, asq_k, asq_v, rows, rows) <= PAIRED_PACK_OPS[False]
-    assert _ops(paired_pack, asq_k, asq_k, rows, rows) <= PAIRED_PACK_OPS[True]
+    assert _ops(packed_together, [asq_k, asq_v], [rows, rows]) <= PAIRED_PACK_OPS[False]
+    assert _ops(packed_together, [asq_k, asq_k], [rows, rows]) <= PAIRED_PACK_OPS[True]
     assert _ops(packed_together, [asq_k, asq_v] * 30, [rows] * 60) <= PAIRED_PACK_OPS[False]
     assert _ops(encode_gate_keys, torch.randn(1, 1, 4096, 16), 8) <= INT8_GATE_KEYS_OPS
 
@@ -209,9 +209,10 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
 def test_k_and_v_packed_in_one_encoding_store_the_bits_of_two(
     bits: tuple[int, int], rotate: bool, dtype: torch.dtype, heads: int, batch: int, blocks: int, device: str
 ) -> None:
-    """`paired_pack` gives each side's `pack_blocks` fields bit for bit (K and V at their own bits, RMS-scaled
-    2-bit V among them; rotated or not; bf16, fp32 and fp64 rows; all heads or a bridge target's first ones;
-    a 4096-token chunk), and compressors that differ in more than their bits pack apart (None)."""
+    """`packed_together` of K and V gives each side's `pack_blocks` fields bit for bit (K and V at their own
+    bits, RMS-scaled 2-bit V among them; rotated or not; bf16, fp32 and fp64 rows; all heads or a bridge
+    target's first ones; a 4096-token chunk), and compressors that differ in more than their bits pack apart
+    (None)."""
     config = JOINT_LONG_ASQ.model_copy(update={"quant_bits": bits[0], "value_quant_bits": bits[1]})
     config = config.model_copy(update={"rotate_residuals": rotate})
     torch.manual_seed(0)
@@ -219,13 +220,13 @@ def test_k_and_v_packed_in_one_encoding_store_the_bits_of_two(
     for parameter in asq_v.parameters():  # V's assignment MLP its own
         parameter.data.normal_()
     key, value = (torch.randn(batch, heads, blocks * 64, 64, device=device).to(dtype) * scale for scale in (3.0, 0.5))
-    pair = paired_pack(asq_k, asq_v, key, value)
+    pair = packed_together([asq_k, asq_v], [key, value])
     for packed, compressor, rows in zip(pair, (asq_k, asq_v), (key, value), strict=True):
         alone = compressor.pack_blocks(rows)
         assert packed.keys() == alone.keys()
         assert all(torch.equal(packed[name], alone[name]) for name in alone)
     other = ASQCompressor.build(config.model_copy(update={"cluster_num": 4}), 2, num_kv_heads=3, head_dim=64)[1]
-    assert paired_pack(asq_k, other, key, value) is None
+    assert packed_together([asq_k, other], [key, value]) is None
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -238,8 +239,7 @@ def test_a_chunked_prefill_packing_k_and_v_together_stores_and_returns_what_pack
     on the CPU; on a GPU within `_assert_same_here`'s bounds)."""
     model, ids = _model(EVERYTHING, "sparse").to(device), TOKENS.to(device)
     cache, logits = _run(model, ids, prefill, (5, 11, 13))
-    monkeypatch.setattr(kv_store, "paired_pack", lambda *args: None)  # each side packs alone, as before
-    monkeypatch.setattr(kv_store, "packed_together", lambda *args: None)  # also a deferred chunk's (a GPU's)
+    monkeypatch.setattr(kv_store, "packed_together", lambda *args: None)  # each store packs alone, as before
     reference_cache, reference_logits = _run(model, ids, prefill, (5, 11, 13))
     _assert_same_here(device, cache, logits, reference_cache, reference_logits)
 

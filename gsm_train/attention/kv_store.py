@@ -21,7 +21,7 @@ from torch import Tensor
 from gsm_train.functional.gate_keys import encode_gate_keys
 from gsm_train.kernels.packed_rows import PackedRows
 from gsm_train.modules.errors import GSMError
-from gsm_train.modules.kv_compressor import ASQCompressor, packed_together, paired_pack
+from gsm_train.modules.kv_compressor import ASQCompressor, packed_together
 from gsm_train.modules.kv_registry import KVCompressor
 from gsm_train.quant import compute_dtype, stored_split
 
@@ -277,19 +277,29 @@ class KVStore:
         return sum(t.numel() * t.element_size() for t in [self.tail, *(self.fields or {}).values()])
 
 
+def packed_fields(compressors: list[KVCompressor], rows: list[Tensor]) -> list[dict[str, Tensor]]:
+    """Each compressor's `pack_blocks` fields of its whole blocks `rows[i]`: from one encoding of all of them
+    where `modules.kv_compressor.packed_together` takes them (ASQ compressors that differ at most in their
+    bits: about the ops of one), each alone otherwise."""
+    together = packed_together(compressors, rows)
+    if together is not None:
+        return together
+    return [compressor.pack_blocks(part) for compressor, part in zip(compressors, rows, strict=True)]
+
+
 def append_pair(
     k_store: KVStore, v_store: KVStore, keys: Tensor, values: Tensor
 ) -> tuple[Tensor | None, Tensor | None]:
     """`(k_store.append(keys), v_store.append(values))`: the same stores and results, with the blocks both
-    pack encoded as one where their compressors allow (`modules.kv_compressor.paired_pack`): half the
-    encodings' kernels of a prompt chunk."""
+    complete packed in one encoding where their compressors allow (`packed_fields`): about two thirds of
+    the encodings' kernels of a prompt chunk."""
     k_raw, v_raw = k_store._joined(keys), v_store._joined(values)
-    pair = None
+    pair: list[dict[str, Tensor] | None] = [None, None]
     if k_raw is not None and v_raw is not None:
         whole = k_store._blocks_completed()
         if whole:
-            pair = paired_pack(k_store.compressor, v_store.compressor, k_raw[:, :, :whole], v_raw[:, :, :whole])
-    for store, raw, packed in zip((k_store, v_store), (k_raw, v_raw), pair or (None, None), strict=True):
+            pair = packed_fields([k_store.compressor, v_store.compressor], [k_raw[:, :, :whole], v_raw[:, :, :whole]])
+    for store, raw, packed in zip((k_store, v_store), (k_raw, v_raw), pair, strict=True):
         if raw is not None:
             store._store_joined(raw, packed)
     return k_raw, v_raw
@@ -297,12 +307,12 @@ def append_pair(
 
 def pack_tails(k_store: KVStore, v_store: KVStore, tokens: Tensor, block: Tensor) -> None:
     """Pack the full tails (newest blocks) of a layer's K and V stores at token positions `tokens` and block
-    index `block` (`KVStore.write_block`; read from the device lengths by the cache): K and V encoded as one
-    where their compressors allow (`paired_pack`), each alone otherwise. Device ops only, of fixed shapes:
-    a CUDA graph captures it (`inference.decode_graph.CapturedPack`)."""
-    pair = paired_pack(k_store.compressor, v_store.compressor, k_store.tail, v_store.tail)
-    for store, packed in zip((k_store, v_store), pair or (None, None), strict=True):
-        store.write_block(packed if packed is not None else store.compressor.pack_blocks(store.tail), tokens, block)
+    index `block` (`KVStore.write_block`; read from the device lengths by the cache), in one encoding where
+    their compressors allow (`packed_fields`). Device ops only, of fixed shapes: a CUDA graph captures it
+    (`inference.decode_graph.CapturedPack`)."""
+    pair = packed_fields([k_store.compressor, v_store.compressor], [k_store.tail, v_store.tail])
+    for store, packed in zip((k_store, v_store), pair, strict=True):
+        store.write_block(packed, tokens, block)
 
 
 PACK_TOGETHER_BYTES = 256 * 2**20  # the most raw bytes `DeferredEncodings` packs at once (then it packs what waits)
@@ -310,12 +320,12 @@ PACK_TOGETHER_BYTES = 256 * 2**20  # the most raw bytes `DeferredEncodings` pack
 
 class DeferredEncodings:
     """A prompt chunk's cache encodings, every layer's together: the whole blocks it completes in every K and V
-    store, packed in one encoding of all that wait (`packed_together`: about the ops of one layer's pair) once
+    store, packed in one encoding of all that wait (`packed_fields`: about the ops of one layer's pair) once
     `PACK_TOGETHER_BYTES` of raw rows wait and at the end of the forward (`flush`), where `append_pair` packs
     each layer's as the layer runs; and its gate keys, encoded in one call (`encode_gate_keys`) at `flush`.
     For a dense prefill, whose chunk attends over its own raw K/V and the prefix packed before it and never
     reads its gate keys: the cache then holds what encoding each layer as it runs leaves (bit for bit on the
-    CPU; tests/test_prefill_cost.py). Stores whose compressors differ in more than their bits pack each alone."""
+    CPU; tests/test_prefill_cost.py)."""
 
     def __init__(self) -> None:
         self.blocks: list[tuple[KVStore, Tensor, int]] = []  # a store, its whole blocks' raw rows, their first token
@@ -332,8 +342,9 @@ class DeferredEncodings:
             if raw is not None:
                 whole = store._blocks_completed()
                 if whole:
-                    self.blocks.append((store, raw[:, :, :whole], store._blocks_start()))
-                    self.waiting_bytes += raw[:, :, :whole].numel() * raw.element_size()
+                    blocks = raw[:, :, :whole]
+                    self.blocks.append((store, blocks, store._blocks_start()))
+                    self.waiting_bytes += blocks.numel() * blocks.element_size()
                 store._store_tail(raw, whole)
             joined.append(raw)
         if self.waiting_bytes >= PACK_TOGETHER_BYTES:
@@ -347,8 +358,8 @@ class DeferredEncodings:
         self.gate_keys.append((codes_at, scales_at, gate_keys, bits))
 
     def flush(self) -> None:
-        """Write everything that waits: the blocks packed in one encoding where `packed_together` takes them all
-        (each alone otherwise), the gate keys encoded in one call per width and shape."""
+        """Write everything that waits: the blocks packed in one encoding where their compressors allow
+        (`packed_fields`), the gate keys encoded in one call per width and shape."""
         self._pack_blocks()
         waiting, self.gate_keys = self.gate_keys, []
         groups: dict[tuple, list[tuple[Tensor, Tensor | None, Tensor, int]]] = {}
@@ -368,6 +379,6 @@ class DeferredEncodings:
         pending, self.blocks, self.waiting_bytes = self.blocks, [], 0
         if not pending:
             return
-        together = packed_together([store.compressor for store, _, _ in pending], [raw for _, raw, _ in pending])
-        for i, (store, raw, start) in enumerate(pending):
-            store._write_fields(together[i] if together is not None else store.compressor.pack_blocks(raw), start)
+        fields = packed_fields([store.compressor for store, _, _ in pending], [raw for _, raw, _ in pending])
+        for (store, _, start), packed in zip(pending, fields, strict=True):
+            store._write_fields(packed, start)

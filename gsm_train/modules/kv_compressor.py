@@ -53,7 +53,7 @@ from gsm_train.quant import (
     zeroed_fields,
 )
 
-__all__ = ["ASQCompressor", "PackedKV", "packed_together", "paired_pack", "paired_training_pass"]
+__all__ = ["ASQCompressor", "PackedKV", "packed_together", "paired_training_pass"]
 
 
 def _check(ok: bool, name: str, msg: str) -> None:
@@ -109,15 +109,6 @@ def paired_training_pass(
             asq_k.rotation,
             asq_k.block_size,
         )
-
-
-def paired_pack(
-    asq_k: nn.Module, asq_v: nn.Module, key: Tensor, value: Tensor
-) -> tuple[dict[str, Tensor], dict[str, Tensor]] | None:
-    """K's and V's `pack_blocks` fields of whole blocks key and value [B, H, n * block_size, D] from one
-    encoding of both (`packed_together`), in about two thirds of their ops; None where they must pack apart."""
-    fields = packed_together([asq_k, asq_v], [key, value])
-    return None if fields is None else (fields[0], fields[1])
 
 
 def packed_together(compressors: list[nn.Module], rows: list[Tensor]) -> list[dict[str, Tensor]] | None:
