@@ -99,7 +99,7 @@ def test_num_proc_tokenizes_the_same_rows(fresh_cache: Path, tmp_path: Path) -> 
 def test_the_ranks_of_a_node_tokenize_once(fresh_cache: Path) -> None:
     proc = torchrun(3, [str(REPO / "tests" / "token_cache_ranks.py"), SOURCE, "64"])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = sorted(re.findall(r"rank (\d) tokenized (\d) rows (\w+)", proc.stdout))
+    lines = sorted(re.findall(r"rank (\d) tokenized (\d+) rows ([0-9a-f]{64})", proc.stdout))
     assert [(rank, calls) for rank, calls, _ in lines] == [("0", "1"), ("1", "0"), ("2", "0")], proc.stdout
     assert len({digest for *_, digest in lines}) == 1
 

@@ -8,6 +8,7 @@ S` (N: the calls of pack_tokens this process made, S: the rows' sha256).
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 
 from gsm_train.config.schema import DataSourceConfig
@@ -27,8 +28,8 @@ if __name__ == "__main__":
     token_cache.pack_tokens = counted
     info = init_distributed()
     rows = token_cache.cached_rows(DataSourceConfig(path=sys.argv[1]), byte_tokenizer(), int(sys.argv[2]), info)
-    print(
-        f"rank {info.rank} tokenized {calls} rows {hashlib.sha256(rows.numpy().tobytes()).hexdigest()}",
-        flush=True,
-    )
+    digest = hashlib.sha256(rows.numpy().tobytes()).hexdigest()
+    # one write(2) of a short line: the ranks share a pipe, and print's separate writes of the text
+    # and its newline could interleave with another rank's
+    os.write(1, f"rank {info.rank} tokenized {calls} rows {digest}\n".encode())
     teardown()
