@@ -4,8 +4,11 @@ its CUDA graph) and the dense engine's (`gsm_train.inference.dense_engine`, like
 
 Each method's step is called `--steps` times under torch.profiler after warm-up calls (the first of
 which captures the graph). On CUDA the table is the GPU kernels (and copies) the replays ran: name,
-calls per step, microseconds per step, share of the step's kernel time; on the CPU (no graphs) the same
-for the PyTorch ops' own CPU time, a smoke test of the script rather than a figure. Resumable: a method
+calls per step, microseconds per step, share of the step's kernel time, and beside the kernels' sum
+(`step_us`) the step's wall time without the profiler, replayed back to back (`replay_us`: the gaps between
+its kernels added) and synchronized after each call as benchmarks.generate times a token (`synced_us`: the
+host's part added), and the configurations the decode kernel's autotuner chose (`decode_configs`); on the CPU
+(no graphs) the table only, for the PyTorch ops' own CPU time, a smoke test of the script rather than a figure. Resumable: a method
 already in --result with the same settings is not profiled again; the JSON is written after each.
 
 `--count` times nothing: it counts the aten ops one token step runs, eagerly, per decoder layer and
@@ -320,14 +323,48 @@ def measure(
     """One method's profile: warm-up calls (capture, autotuning), then `steps` profiled calls. With
     `count`: eager steps, one warm-up call, then `count_ops` of one. `fused`: the steps run `fused_decode`."""
     warmup = 1 if count else 3
-    step = make(model, ids, warmup + steps + 1, cuda_graphs=not count, fused=fused)
+    calls = warmup + (1 if count else 3) * steps + 1  # on CUDA the walls' 2 x `steps` calls too
+    step = make(model, ids, calls, cuda_graphs=not count, fused=fused)
     for _ in range(warmup):
         step()
     if count:
         return count_ops(step, model)
     kernels = profile_step(step, steps, ids.is_cuda)
     total = sum(row["total_us"] for row in kernels)
-    return {"step_us": total, "per_layer_us": total / model_dims(model)["layers"], "kernels": kernels}
+    figures = {"step_us": total, "per_layer_us": total / model_dims(model)["layers"], "kernels": kernels}
+    if ids.is_cuda:
+        figures |= step_walls(step, steps) | {"decode_configs": decode_kernel_configs()}
+    return figures
+
+
+def step_walls(step: Callable[[], object], steps: int) -> dict:
+    """What a call of `step` takes on CUDA outside the profiler, in us: `replay_us`, `steps` calls issued back
+    to back between two CUDA events (the device's time a step, the gaps between its kernels included, while the
+    host issues calls faster than the device runs them), and `synced_us`, each call followed by a device
+    synchronize on the host's clock, as benchmarks.generate times a token. Against `step_us` (the kernels'
+    own time) they split a token's time outside the kernels into gaps inside the step and the host's part."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(steps):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    for _ in range(steps):
+        step()
+        torch.cuda.synchronize()
+    synced = (time.perf_counter() - began) * 1e6 / steps
+    return {"replay_us": start.elapsed_time(end) * 1e3 / steps, "synced_us": synced}
+
+
+def decode_kernel_configs() -> dict[str, str]:
+    """The configuration the autotuner chose for each shape the fused decode kernel has run in this process
+    (`autotuned_configs`' keys), as benchmarks.decode names them; empty if it ran none."""
+    from benchmarks.decode import config_name
+    from gsm_train.kernels.sparse_decode import autotuned_configs
+
+    return {" ".join(map(str, key)): config_name(config) for key, config in autotuned_configs().items()}
 
 
 def print_counts(method: str, result: dict) -> None:

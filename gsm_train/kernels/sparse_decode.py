@@ -558,6 +558,12 @@ def autotuned_config() -> triton.Config:
     return _sparse_decode_kernel.best_config
 
 
+def autotuned_configs() -> dict[tuple, triton.Config]:
+    """The configuration the autotuner picked for each key it has tuned in this process (the key: the
+    selection's size class, rows, D, G, PACKED, ROTATED, then the arguments' dtypes)."""
+    return dict(_sparse_decode_kernel.cache)
+
+
 def gate_scores(
     gate_q: Tensor,
     gate_keys: Tensor,
