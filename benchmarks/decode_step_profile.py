@@ -8,8 +8,9 @@ calls per step, microseconds per step, share of the step's kernel time, and besi
 (`step_us`) the step's wall time without the profiler, replayed back to back (`replay_us`: the gaps between
 its kernels added) and synchronized after each call as benchmarks.generate times a token (`synced_us`: the
 host's part added), and the configurations the decode kernel's autotuner chose (`decode_configs`); on the CPU
-(no graphs) the table only, for the PyTorch ops' own CPU time, a smoke test of the script rather than a figure. Resumable: a method
-already in --result with the same settings is not profiled again; the JSON is written after each.
+(no graphs) the table only, for the PyTorch ops' own CPU time, a smoke test of the script rather than a
+figure. Resumable: a method already in --result with the same settings is not profiled again; the JSON is
+written after each.
 
 `--count` times nothing: it counts the aten ops one token step runs, eagerly, per decoder layer and
 outside the layers (`count_ops`: views are left out, since they launch nothing). On the CPU the step
