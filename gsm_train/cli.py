@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from gsm_train import __version__
 from gsm_train.commands.evaluate import check_report_folder, evaluate_exports, write_report
@@ -17,7 +17,7 @@ from gsm_train.commands.passkey import markdown_table as passkey_table
 from gsm_train.config.builtin_recipes import builtin_recipes, copy_recipe, recipe_summary
 from gsm_train.config.schema import expand_user_path, load_recipe, override_value, path_arg, resolved_yaml
 from gsm_train.data.text import DataError
-from gsm_train.entry import run_command
+from gsm_train.entry import exit_process, run_command
 from gsm_train.export.hub import publish_export
 from gsm_train.export.int4 import FULL, WEIGHT_CHOICES
 from gsm_train.export.save_load import ExportError
@@ -513,5 +513,11 @@ def main(argv: list[str] | None = None) -> int:
     return run_command(lambda: args.run(args))
 
 
+def console() -> NoReturn:
+    """The `gsm-train` command: `main()` on the command line's arguments, its status the process's
+    (`exit_process`)."""
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

@@ -10,13 +10,19 @@ error: one line on stderr, no traceback, and an exit status that says what happe
   run, how to continue;
 - 130: interrupted (Ctrl-C), as a shell reports SIGINT.
 
-Any other error is a bug and keeps its traceback."""
+Any other error is a bug and keeps its traceback.
+
+`exit_process` ends the process with a command's status; one rank of a multi-process launch leaves without
+the interpreter's finalization (its docstring says why)."""
 
 from __future__ import annotations
 
+import atexit
 import errno
+import os
 import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 import torch
 
@@ -68,3 +74,19 @@ def run_command(command: Callable[[], int], run: bool = False) -> int:
     except KeyboardInterrupt:
         print(f"interrupted{'; ' + RESUME_HINT if run else ''}", file=sys.stderr)
         return INTERRUPTED_EXIT
+
+
+def exit_process(status: int) -> NoReturn:
+    """End this process with exit status `status`. A rank of a multi-process launch (WORLD_SIZE above 1) runs
+    the atexit handlers, flushes stdout and stderr, and leaves with `os._exit`, skipping the interpreter's
+    finalization: FSDP2 keeps the process group, and with it gloo's worker threads, alive to the end (its
+    hooks hold the modules in a cycle through autograd's C++ nodes, which Python's collector cannot free),
+    and a worker that drops its last collective's work while the interpreter finalizes takes the GIL of a
+    finalizing interpreter and aborts the process ("terminate called without an active exception",
+    SIGABRT) after a run that succeeded (docs/reliability.md). One process exits normally."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(status)
+    sys.exit(status)

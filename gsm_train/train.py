@@ -13,7 +13,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from gsm_train.config.schema import ConfigError, DataSourceConfig, Problem, RecipeConfig, load_recipe, path_arg
-from gsm_train.entry import run_command
+from gsm_train.entry import exit_process, run_command
 from gsm_train.training.preflight import StartOptions
 from gsm_train.training.stages import STAGES
 from gsm_train.training.trainer import TrainResult, run_training
@@ -117,4 +117,4 @@ def _train_and_report(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -1,10 +1,15 @@
 """How the entry points end a command that runs out of memory: one line naming what to lower, exit 5,
-for generation (`--max-new-tokens` beyond memory) and for a training run (how to continue)."""
+for generation (`--max-new-tokens` beyond memory) and for a training run (how to continue); and how a
+process ends (`exit_process`): one rank of several skips the interpreter's finalization, one process does not."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
+from run_helpers import child_env
 
 from gsm_train.entry import OUT_OF_MEMORY_EXIT, run_command
 
@@ -28,3 +33,33 @@ def test_out_of_memory_is_one_line_naming_what_to_lower(
     assert err.count("\n") == 1 and f"out of {where} memory" in err and "--max-new-tokens" in err
     assert run_command(_runs_out(error), run=True) == OUT_OF_MEMORY_EXIT
     assert "--resume auto" in capsys.readouterr().err
+
+
+# a process that ends with exit_process(7) while a thread of its own still runs (the interpreter's finalization
+# waits for it), with an atexit handler, and with output still in stdout's buffer (a pipe's is block-buffered)
+ENDS_WITH_EXIT_PROCESS = """
+import atexit, sys, threading, time
+from gsm_train.entry import exit_process
+def late():
+    time.sleep(2)
+    sys.stdout.write(" thread-ended")
+threading.Thread(target=late).start()
+atexit.register(lambda: sys.stdout.write(" atexit-ran"))
+sys.stdout.write("buffered")
+exit_process(7)
+"""
+
+
+@pytest.mark.parametrize("world_size", ["2", "1"])
+def test_a_rank_of_several_ends_without_the_interpreter_s_finalization(world_size: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", ENDS_WITH_EXIT_PROCESS],
+        capture_output=True,
+        text=True,
+        env=child_env(WORLD_SIZE=world_size),
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 7, proc.stderr[-2000:]
+    finalized = world_size == "1"  # the finalization waits for the thread, then runs the atexit handlers
+    assert proc.stdout == ("buffered thread-ended atexit-ran" if finalized else "buffered atexit-ran")

@@ -58,8 +58,8 @@ def run_training(
         plan = _plan(config, backend, info, options or StartOptions())
         with hold_run_folder(plan.run_dir, info), fp32_matmul_precision(config.train.fp32_matmul, info.device):
             result = _run(plan.config, stage, info, backend, run_name or plan.run_dir.resolve().name, plan)
-        barrier()  # every rank is done with the group before any leaves it: a gloo rank whose peer has
-        # closed its connections first can abort at exit ("terminate called without an active exception")
+        barrier()  # every rank is done with the group before any leaves it (how a rank then ends its
+        # process: gsm_train.entry.exit_process)
         return result
     finally:
         teardown()
