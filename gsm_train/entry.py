@@ -79,9 +79,9 @@ def run_command(command: Callable[[], int], run: bool = False) -> int:
 def exit_process(status: int) -> NoReturn:
     """End this process with exit status `status`. A rank of a multi-process launch (WORLD_SIZE above 1) runs
     the atexit handlers, flushes stdout and stderr, and leaves with `os._exit`, skipping the interpreter's
-    finalization: FSDP2 keeps the process group, and with it gloo's worker threads, alive to the end (its
-    hooks hold the modules in a cycle through autograd's C++ nodes, which Python's collector cannot free),
-    and a worker that drops its last collective's work while the interpreter finalizes takes the GIL of a
+    finalization: after FSDP2 has sharded a model, its process group, and with it gloo's worker threads,
+    outlives `destroy_process_group`, the model's deletion and `gc.collect()` (its FSDP states stay
+    referenced), so it lives until the interpreter finalizes, and a worker that drops its last collective's work while the interpreter finalizes takes the GIL of a
     finalizing interpreter and aborts the process ("terminate called without an active exception",
     SIGABRT) after a run that succeeded (docs/reliability.md). One process exits normally."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
