@@ -81,8 +81,8 @@ def exit_process(status: int) -> NoReturn:
     the atexit handlers, flushes stdout and stderr, and leaves with `os._exit`, skipping the interpreter's
     finalization: after FSDP2 has sharded a model, its process group, and with it gloo's worker threads,
     outlives `destroy_process_group`, the model's deletion and `gc.collect()` (its FSDP states stay
-    referenced), so it lives until the interpreter finalizes, and a worker that drops its last collective's work while the interpreter finalizes takes the GIL of a
-    finalizing interpreter and aborts the process ("terminate called without an active exception",
+    referenced), and a worker that drops the last collective's work while the interpreter finalizes takes the
+    GIL of a finalizing interpreter and aborts the process ("terminate called without an active exception",
     SIGABRT) after a run that succeeded (docs/reliability.md). One process exits normally."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         atexit._run_exitfuncs()
