@@ -21,6 +21,7 @@ import atexit
 import errno
 import os
 import sys
+import threading
 from collections.abc import Callable
 from typing import NoReturn
 
@@ -77,14 +78,18 @@ def run_command(command: Callable[[], int], run: bool = False) -> int:
 
 
 def exit_process(status: int) -> NoReturn:
-    """End this process with exit status `status`. A rank of a multi-process launch (WORLD_SIZE above 1) runs
-    the atexit handlers, flushes stdout and stderr, and leaves with `os._exit`, skipping the interpreter's
+    """End this process with exit status `status`. A rank of a multi-process launch (WORLD_SIZE above 1) does
+    what the interpreter's exit does first (waits for its other non-daemon threads, runs the atexit handlers,
+    flushes stdout and stderr) and leaves with `os._exit`, skipping the rest of the interpreter's
     finalization: after FSDP2 has sharded a model, its process group, and with it gloo's worker threads,
     outlives `destroy_process_group`, the model's deletion and `gc.collect()` (its FSDP states stay
     referenced), and a worker that drops the last collective's work while the interpreter finalizes takes the
     GIL of a finalizing interpreter and aborts the process ("terminate called without an active exception",
     SIGABRT) after a run that succeeded (docs/reliability.md). One process exits normally."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        for thread in threading.enumerate():
+            if thread is not threading.main_thread() and not thread.daemon:
+                thread.join()
         atexit._run_exitfuncs()
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
