@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from gsm_train.attention.kv_store import CacheLengths, KVStore
 from gsm_train.attention.settings import GSMSettings
+from gsm_train.functional.gate_rope import GateKeyRotation
 
 
 @runtime_checkable
@@ -69,8 +70,9 @@ class LayerCache(Protocol):
         """Whether this call is a prompt (not a token step) that attends as the base model (dense prefill:
         the base's SDPA over its raw K/V), the cache being filled as in any mode."""
 
-    def keep_gate_keys(self, gate_keys: Tensor, bits: int) -> None:
-        """Store the call's gate keys [B, n, T, dg] at `bits`."""
+    def keep_gate_keys(self, gate_keys: Tensor, bits: int, rotation: GateKeyRotation | None = None) -> None:
+        """Store the call's gate keys [B, n, T, dg] at `bits`; with `rotation` they are the gate's projections,
+        which the cache rotates before it stores them."""
 
     def token_gate(self, gate: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor) -> Tensor | None:
         """A token step where the cache runs the gate itself: the new token's gate query [B, n, 1, dg], its

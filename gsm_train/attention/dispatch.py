@@ -91,10 +91,11 @@ def run_gate(
     detach: bool = False,
 ) -> tuple[Tensor | None, Tensor | None]:
     """The gate's queries and keys [B, n, T, dg] of the call's tokens from the layer input (hidden, cos, sin;
-    `detach`: the hidden states detached), the queries None without `query` (`SparseGate.keys`: the same
-    keys, without computing queries). A generation cache keeps the keys: the one place GSM writes gate keys
-    into a cache (on a token step's device path the cache's `token_gate` runs the gate in one kernel and
-    the keys come back None)."""
+    `detach`: the hidden states detached). Without `query` (a dense prefill, which selects nothing) it only
+    hands the cache the keys' projections and their RoPE to apply (`keep_gate_keys`, which rotates a chunk's
+    keys of every layer in one call), and returns (None, None). A generation cache keeps the keys: the one
+    place GSM writes gate keys into a cache (on a token step's device path the cache's `token_gate` runs the
+    gate in one kernel and the keys come back None)."""
     gate = adapter.gate
     hidden, cos, sin = inputs
     hidden = hidden.detach() if detach else hidden
@@ -102,9 +103,14 @@ def run_gate(
         token_query = layer_cache.token_gate(gate, hidden, cos, sin)  # a token step's one-kernel path
         if token_query is not None:
             return token_query, None
-    gate_q, gate_k = gate(hidden, cos, sin) if query else (None, gate.keys(hidden, cos, sin))
+    if query:
+        gate_q, gate_k = gate(hidden, cos, sin)
+        kept, rotation = gate_k, None
+    else:
+        gate_q, gate_k = None, None
+        kept, rotation = gate.projected_keys(hidden), gate.key_rotation(cos, sin)
     if layer_cache is not None:
-        layer_cache.keep_gate_keys(gate_k, gate.key_bits)
+        layer_cache.keep_gate_keys(kept, gate.key_bits, rotation)
     return gate_q, gate_k
 
 

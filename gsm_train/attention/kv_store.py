@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from gsm_train.functional.gate_keys import encode_gate_keys
+from gsm_train.functional.gate_rope import GateKeyRotation
 from gsm_train.kernels.packed_rows import PackedRows
 from gsm_train.modules.errors import GSMError
 from gsm_train.modules.kv_compressor import ASQCompressor, packed_together
@@ -322,14 +323,16 @@ class DeferredEncodings:
     """A prompt chunk's cache encodings, every layer's together: the whole blocks it completes in every K and V
     store, packed in one encoding of all that wait (`packed_fields`: about the ops of one layer's pair) once
     `PACK_TOGETHER_BYTES` of raw rows wait and at the end of the forward (`flush`), where `append_pair` packs
-    each layer's as the layer runs; and its gate keys, encoded in one call (`encode_gate_keys`) at `flush`.
+    each layer's as the layer runs; and its gate keys, rotated (those handed over as projections, with their
+    `GateKeyRotation`) and encoded (`encode_gate_keys`) in one call each at `flush`.
     For a dense prefill, whose chunk attends over its own raw K/V and the prefix packed before it and never
     reads its gate keys: the cache then holds what encoding each layer as it runs leaves (bit for bit on the
     CPU; tests/test_prefill_cost.py)."""
 
     def __init__(self) -> None:
         self.blocks: list[tuple[KVStore, Tensor, int]] = []  # a store, its whole blocks' raw rows, their first token
-        self.gate_keys: list[tuple[Tensor, Tensor | None, Tensor, int]] = []  # codes' and scales' place, keys, bits
+        self.waiting_keys: list[tuple[Tensor, Tensor | None, Tensor, int]] = []  # codes' and scales' place, keys, bits
+        self.unrotated: list[tuple[int, GateKeyRotation]] = []  # which of `waiting_keys` are projections, their RoPE
         self.waiting_bytes = 0
 
     def append_pair(
@@ -351,17 +354,28 @@ class DeferredEncodings:
             self._pack_blocks()
         return joined[0], joined[1]
 
-    def add_gate_keys(self, codes_at: Tensor, scales_at: Tensor | None, gate_keys: Tensor, bits: int) -> None:
+    def add_gate_keys(
+        self,
+        codes_at: Tensor,
+        scales_at: Tensor | None,
+        gate_keys: Tensor,
+        bits: int,
+        rotation: GateKeyRotation | None = None,
+    ) -> None:
         """`encode_gate_keys(gate_keys, bits)` [B, n, t, dg] written into `codes_at` (and `scales_at`, for 8 bits)
         at the next `flush`: the views of a layer's gate-key buffers its `keep_gate_keys` (their one writer)
-        hands over."""
-        self.gate_keys.append((codes_at, scales_at, gate_keys, bits))
+        hands over. With `rotation` the keys are the gate's projections, rotated at the `flush` first."""
+        if rotation is not None:
+            self.unrotated.append((len(self.waiting_keys), rotation))
+        self.waiting_keys.append((codes_at, scales_at, gate_keys, bits))
 
     def flush(self) -> None:
         """Write everything that waits: the blocks packed in one encoding where their compressors allow
-        (`packed_fields`), the gate keys encoded in one call per width and shape."""
+        (`packed_fields`), the projected gate keys rotated in one call per positions, shape and dtype, and the
+        gate keys encoded in one call per width and shape."""
         self._pack_blocks()
-        waiting, self.gate_keys = self.gate_keys, []
+        self._rotate_gate_keys()
+        waiting, self.waiting_keys = self.waiting_keys, []
         groups: dict[tuple, list[tuple[Tensor, Tensor | None, Tensor, int]]] = {}
         for entry in waiting:
             keys = entry[2]
@@ -374,6 +388,24 @@ class DeferredEncodings:
                 codes_at.copy_(code_part)
                 if scales_at is not None:
                     scales_at.copy_(scale_part)
+
+    def _rotate_gate_keys(self) -> None:
+        """Replace each projected entry of `waiting_keys` by its rotated keys: `GateKeyRotation.apply_together` over
+        the entries of the same cos/sin, shape but the selectors and dtype (every gated layer of a chunk)."""
+        pending, self.unrotated = self.unrotated, []
+        groups: dict[tuple, list[tuple[int, GateKeyRotation]]] = {}
+        for at, rotation in pending:
+            keys = self.waiting_keys[at][2]
+            groups.setdefault(
+                (id(rotation.cos), id(rotation.sin), keys.shape[0], *keys.shape[2:], keys.dtype), []
+            ).append((at, rotation))
+        for group in groups.values():
+            keys = [self.waiting_keys[at][2] for at, _ in group]
+            for (at, _), rotated in zip(
+                group, GateKeyRotation.apply_together([r for _, r in group], keys), strict=True
+            ):
+                codes_at, scales_at, _, bits = self.waiting_keys[at]
+                self.waiting_keys[at] = (codes_at, scales_at, rotated, bits)
 
     def _pack_blocks(self) -> None:
         pending, self.blocks, self.waiting_bytes = self.blocks, [], 0

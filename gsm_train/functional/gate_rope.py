@@ -7,6 +7,8 @@ not rotated (cos 1, sin 0): its part of the score depends on the content alone, 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 from torch.nn import functional as F
@@ -45,3 +47,26 @@ def rope_pair(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, freq_index: Tensor
     """Gate q and k [B, n, T, dg] rotated by each selector's frequencies of the model's cos/sin."""
     c, s = rope_tables(cos, sin, freq_index, q.dtype)
     return rotate(q, c, s), rotate(k, c, s)
+
+
+@dataclass(frozen=True)
+class GateKeyRotation:
+    """The RoPE a gate's projected keys [B, n, T, dg] still need: the model's cos/sin [B, T, head_dim] of their
+    positions and the gate's `rope_freq_index` [n, dg/2]. `apply` rotates them as `SparseGateHead.keys` does;
+    `apply_together` rotates several gates' keys of the same positions in one call, the same bits as each
+    alone (elementwise work on the same values)."""
+
+    cos: Tensor
+    sin: Tensor
+    freq_index: Tensor
+
+    def apply(self, keys: Tensor) -> Tensor:
+        return rotate(keys, *rope_tables(self.cos, self.sin, self.freq_index, keys.dtype))
+
+    @staticmethod
+    def apply_together(rotations: list[GateKeyRotation], keys: list[Tensor]) -> list[Tensor]:
+        """Each of `keys` rotated by its rotation of `rotations` (the same cos/sin, keys of one shape but their
+        selectors n and one dtype), through one `rope_tables` and one `rotate` over the keys side by side."""
+        sizes = [k.shape[1] for k in keys]
+        joined = GateKeyRotation(rotations[0].cos, rotations[0].sin, torch.cat([r.freq_index for r in rotations]))
+        return list(joined.apply(torch.cat(keys, 1)).split(sizes, 1))

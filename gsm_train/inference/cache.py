@@ -36,6 +36,7 @@ from gsm_train.attention.cache_protocol import CachedStep
 from gsm_train.attention.kv_store import CacheLengths, DeferredEncodings, KVStore, append_pair, pack_tails
 from gsm_train.attention.settings import gsm_settings
 from gsm_train.functional.gate_keys import GATE_KEY_DTYPE, encode_gate_keys
+from gsm_train.functional.gate_rope import GateKeyRotation
 from gsm_train.functional.top_k import scheduled_k
 from gsm_train.inference.decode_attention import decode_attention
 from gsm_train.inference.prefill import chunk_attention, dense_chunk_attention
@@ -135,16 +136,19 @@ class GSMCacheLayer(CacheLayerMixin):
             self.recent_raw = raw  # the rows since the last block packed before the chunk, as the stores took them
         return key_states, value_states
 
-    def keep_gate_keys(self, gate_keys: Tensor, bits: int) -> None:
+    def keep_gate_keys(self, gate_keys: Tensor, bits: int, rotation: GateKeyRotation | None = None) -> None:
         """Store gate keys [B, n, t, gate_head_dim] of the call's new tokens as `encode_gate_keys` gives them at
-        `bits`: one token at the slot the device lengths name (capture-safe), a chunk at host positions.
-        Called by the attention function's `run_gate` alone, before the call attends."""
+        `bits`: one token at the slot the device lengths name (capture-safe), a chunk at host positions. With
+        `rotation` the keys are the gate's projections, rotated here first (a dense prefill chunk's with every
+        layer's after the forward). Called by the attention function's `run_gate` alone, before the call attends."""
         start, end = self.lengths.before, self.lengths.seq_len
         deferred = self.cache.deferred_encodings
-        if deferred is not None:  # a dense prefill chunk: encoded with every layer's after the forward
+        if deferred is not None:  # a dense prefill chunk: rotated and encoded with every layer's after the forward
             scales_at = self.gate_key_scales[:, :, start:end] if self.gate_key_scales is not None else None
-            deferred.add_gate_keys(self.gate_keys[:, :, start:end], scales_at, gate_keys.detach(), bits)
+            deferred.add_gate_keys(self.gate_keys[:, :, start:end], scales_at, gate_keys.detach(), bits, rotation)
             return
+        if rotation is not None:
+            gate_keys = rotation.apply(gate_keys)
         codes, scales = encode_gate_keys(gate_keys.detach(), bits)
         if self.cache.token_step:
             slot = self.lengths.slots[0:1]

@@ -20,7 +20,7 @@ from gsm_train.compiled import compiled
 from gsm_train.functional.attention_targets import gate_distill_loss
 from gsm_train.functional.gate_distill import DistillTarget, gate_kl_from_hidden
 from gsm_train.functional.gate_keys import decode_gate_keys, encode_gate_keys, int8_stored_keys
-from gsm_train.functional.gate_rope import rope_pair, rope_tables, rotate, unrotated_index
+from gsm_train.functional.gate_rope import GateKeyRotation, rope_pair, rope_tables, rotate, unrotated_index
 from gsm_train.functional.gate_scores import gate_logits, pack_queries
 from gsm_train.quant import compute_dtype
 
@@ -133,12 +133,18 @@ class SparseGateHead(nn.Module):
     def keys(self, hidden: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """The gate keys alone [B, n, T, gate_head_dim], the same values `forward` gives (for a cache filled
         without selecting: a dense prefill stores them for later token steps)."""
+        return self.key_rotation(cos, sin).apply(self.projected_keys(hidden))
+
+    def projected_keys(self, hidden: Tensor) -> Tensor:
+        """The gate keys [B, n, T, gate_head_dim] of hidden [B, T, d] before their RoPE (`key_rotation`)."""
         if not torch.is_autocast_enabled(hidden.device.type):
             hidden = hidden.to(self.k_proj.weight.dtype)
         batch, length, _ = hidden.shape
-        k = self.k_proj(hidden).view(batch, length, self.num_selectors, self.gate_head_dim).transpose(1, 2)
-        c, s = rope_tables(cos, sin, self.rope_freq_index, k.dtype)
-        return rotate(k, c, s)
+        return self.k_proj(hidden).view(batch, length, self.num_selectors, self.gate_head_dim).transpose(1, 2)
+
+    def key_rotation(self, cos: Tensor, sin: Tensor) -> GateKeyRotation:
+        """The RoPE `projected_keys` of positions with the model's cos/sin [B, T, head_dim] still need."""
+        return GateKeyRotation(cos, sin, self.rope_freq_index)
 
     def stored_keys(self, gate_k: Tensor) -> Tensor:
         """fp32 gate keys as the cache holds them (`key_bits`), for selection: teacher-forced and cached
