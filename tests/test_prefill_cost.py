@@ -277,6 +277,18 @@ def test_a_dense_prefill_packing_every_layer_after_the_forward_stores_what_packi
         assert together["gate_keys"] <= GATE_KEYS_TOGETHER_OPS < apart["gate_keys"]
 
 
+def test_a_dense_prefill_over_the_byte_cap_packs_and_rotates_in_parts_and_stores_the_same(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With `PACK_TOGETHER_BYTES` below one layer's rows and keys, the deferred blocks are packed as they come
+    and the gate keys rotated a layer at a time: the cache still holds what packing each layer stores."""
+    model, ids = _model(EVERYTHING, "sparse"), TOKENS
+    reference_cache, reference_logits = _run(model, ids, "dense", (5, 11, 13), pack_after_forward=False)
+    monkeypatch.setattr(kv_store, "PACK_TOGETHER_BYTES", 1)
+    cache, logits = _run(model, ids, "dense", (5, 11, 13), pack_after_forward=True)
+    _assert_same_here("cpu", cache, logits, reference_cache, reference_logits)
+
+
 def _assert_same_here(
     device: str, cache: GSMCache, logits: torch.Tensor, reference_cache: GSMCache, reference_logits: torch.Tensor
 ) -> None:

@@ -391,19 +391,24 @@ class DeferredEncodings:
 
     def _rotate_gate_keys(self) -> None:
         """Replace each projected entry of `waiting_keys` by its rotated keys: `GateKeyRotation.apply_together` over
-        the entries of the same cos/sin, shape but the selectors and dtype (every gated layer of a chunk)."""
+        the entries of the same cos/sin, shape but the selectors and dtype (every gated layer of a chunk), at
+        most `PACK_TOGETHER_BYTES` of keys a call (its tables and results take about three times that again)."""
         pending, self.unrotated = self.unrotated, []
-        groups: dict[tuple, list[tuple[int, GateKeyRotation]]] = {}
+        runs: list[list[tuple[int, GateKeyRotation]]] = []
+        open_runs: dict[tuple, tuple[list[tuple[int, GateKeyRotation]], int]] = {}  # a group's last run, its bytes
         for at, rotation in pending:
             keys = self.waiting_keys[at][2]
-            groups.setdefault(
-                (id(rotation.cos), id(rotation.sin), keys.shape[0], *keys.shape[2:], keys.dtype), []
-            ).append((at, rotation))
-        for group in groups.values():
-            keys = [self.waiting_keys[at][2] for at, _ in group]
-            for (at, _), rotated in zip(
-                group, GateKeyRotation.apply_together([r for _, r in group], keys), strict=True
-            ):
+            group = (id(rotation.cos), id(rotation.sin), keys.shape[0], *keys.shape[2:], keys.dtype)
+            size = keys.numel() * keys.element_size()
+            run, held = open_runs.get(group, ([], 0))
+            if not run or held + size > PACK_TOGETHER_BYTES:
+                run, held = [], 0
+                runs.append(run)
+            run.append((at, rotation))
+            open_runs[group] = (run, held + size)
+        for run in runs:
+            keys = [self.waiting_keys[at][2] for at, _ in run]
+            for (at, _), rotated in zip(run, GateKeyRotation.apply_together([r for _, r in run], keys), strict=True):
                 codes_at, scales_at, _, bits = self.waiting_keys[at]
                 self.waiting_keys[at] = (codes_at, scales_at, rotated, bits)
 
