@@ -49,7 +49,7 @@ def rope_pair(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, freq_index: Tensor
     return rotate(q, c, s), rotate(k, c, s)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # tensors: compared by identity, never elementwise
 class GateKeyRotation:
     """The RoPE a gate's projected keys [B, n, T, dg] still need: the model's cos/sin [B, T, head_dim] of their
     positions and the gate's `rope_freq_index` [n, dg/2]. `apply` rotates them as `SparseGateHead.keys` does;
