@@ -24,7 +24,7 @@ from gsm_train.kernels.packed_rows import PackedRows
 from gsm_train.modules.errors import GSMError
 from gsm_train.modules.kv_compressor import ASQCompressor, packed_together
 from gsm_train.modules.kv_registry import KVCompressor
-from gsm_train.quant import compute_dtype, stored_split
+from gsm_train.quant import compute_dtype, stored_split, zeroed_fields
 
 
 class CacheLengths:
@@ -111,7 +111,9 @@ class CacheLengths:
 
 
 class KVStore:
-    """K or V of one layer, [B, H, capacity, D], packed by `compressor` (or raw when it is None)."""
+    """K or V of one layer, [B, H, capacity, D], packed by `compressor` (or raw when it is None). Its buffers
+    (`buffer_specs`: the raw tail and the compressor's fields) are zeroed views the cache hands it (one fill
+    for a whole layer), or made here (one fill for the store)."""
 
     def __init__(
         self,
@@ -123,19 +125,32 @@ class KVStore:
         dtype: torch.dtype,
         device: torch.device,
         lengths: CacheLengths,
+        buffers: dict[str, Tensor] | None = None,
     ) -> None:
         self.compressor, self.heads, self.capacity, self.lengths = compressor, heads, capacity, lengths
+        specs = KVStore.buffer_specs(compressor, batch, heads, head_dim, capacity, dtype)
+        buffers = buffers if buffers is not None else zeroed_fields(specs, device)
+        self.tail = buffers["tail"]
         self.fields: dict[str, Tensor] | None = None
+        if compressor is not None:
+            self.fields = {name: buffers[name] for name in specs if name != "tail"}
+
+    @staticmethod
+    def buffer_specs(
+        compressor: KVCompressor | None, batch: int, heads: int, head_dim: int, capacity: int, dtype: torch.dtype
+    ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The shape and dtype of a store's buffers: `tail` (raw rows: every token without a compressor, the
+        newest block with one) and the compressor's fields (`field_specs`). GSMError for a capacity that is
+        not a whole number of the compressor's blocks."""
         if compressor is None:
-            self.tail = torch.zeros(batch, heads, capacity, head_dim, dtype=dtype, device=device)
-            return
+            return {"tail": ((batch, heads, capacity, head_dim), dtype)}
         if capacity % compressor.block_size:
             raise GSMError(
                 f"a cache's capacity ({capacity}) must be a whole number of blocks of "
                 f"{compressor.block_size}; round it up"
             )
-        self.fields = compressor.allocate(batch, heads, capacity, device)
-        self.tail = torch.zeros(batch, heads, compressor.block_size, head_dim, dtype=dtype, device=device)
+        tail = {"tail": ((batch, heads, compressor.block_size, head_dim), dtype)}
+        return tail | compressor.field_specs(batch, heads, capacity)
 
     def _write_fields(self, packed: dict[str, Tensor], start: int) -> None:
         """`pack_blocks` fields of whole blocks into the store's fields at token `start`."""

@@ -103,22 +103,41 @@ class GSMCacheLayer(CacheLayerMixin):
         return self.cache.positions
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        """The layer's buffers, made at its first call from the K/V's batch, dtype and device: both stores' and
+        the gate keys', zeroed views of one buffer (`quant.zeroed_fields`: one fill for the layer)."""
         batch, device, dtype = key_states.shape[0], key_states.device, key_states.dtype
         capacity, lengths = self.cache.capacity, self.cache.lengths
-        self.k_store = KVStore(
-            self.adapter.asq_k, batch, self.store_heads, self.head_dim, capacity, dtype, device, lengths
-        )
-        self.v_store = KVStore(
-            self.adapter.asq_v, batch, self.store_heads, self.head_dim, capacity, dtype, device, lengths
-        )
+        compressors = {"k": self.adapter.asq_k, "v": self.adapter.asq_v}
+        specs = {
+            f"{side}.{name}": spec
+            for side, compressor in compressors.items()
+            for name, spec in KVStore.buffer_specs(
+                compressor, batch, self.store_heads, self.head_dim, capacity, dtype
+            ).items()
+        }
         gate = self.adapter.gate
         if gate is not None:
             shape = (batch, gate.num_selectors, capacity, gate.gate_head_dim)
             int8 = gate.key_bits == 8
-            specs = {"keys": (shape, torch.int8 if int8 else GATE_KEY_DTYPE)}
-            specs |= {"scales": ((*shape[:3], 1), torch.float16)} if int8 else {}
-            buffers = zeroed_fields(specs, device)  # one fill for both
-            self.gate_keys, self.gate_key_scales = buffers["keys"], buffers.get("scales")
+            specs |= {"gate.keys": (shape, torch.int8 if int8 else GATE_KEY_DTYPE)}
+            specs |= {"gate.scales": ((*shape[:3], 1), torch.float16)} if int8 else {}
+        buffers = zeroed_fields(specs, device)
+        k_store, v_store = (
+            KVStore(
+                compressor,
+                batch,
+                self.store_heads,
+                self.head_dim,
+                capacity,
+                dtype,
+                device,
+                lengths,
+                {name.removeprefix(f"{side}."): t for name, t in buffers.items() if name.startswith(f"{side}.")},
+            )
+            for side, compressor in compressors.items()
+        )
+        self.k_store, self.v_store = k_store, v_store
+        self.gate_keys, self.gate_key_scales = buffers.get("gate.keys"), buffers.get("gate.scales")
         self.device, self.dtype, self.is_initialized = device, dtype, True
 
     def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:

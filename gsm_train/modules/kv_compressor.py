@@ -50,7 +50,6 @@ from gsm_train.quant import (
     stored_split,
     unpack_codes,
     unrotated,
-    zeroed_fields,
 )
 
 __all__ = ["ASQCompressor", "PackedKV", "packed_together", "paired_training_pass"]
@@ -402,17 +401,17 @@ class ASQCompressor(nn.Module):
             for bits in config.bits(layer)
         )
 
-    def allocate(self, batch: int, heads: int, capacity: int, device: torch.device) -> dict[str, Tensor]:
-        """Empty `pack_blocks` fields for `capacity` tokens (a whole number of blocks) of `heads` heads."""
+    def field_specs(self, batch: int, heads: int, capacity: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The shape and dtype of each `pack_blocks` field for `capacity` tokens (a whole number of blocks) of
+        `heads` heads (the cache allocates them, `quant.zeroed_fields`)."""
         nbytes = math.ceil(self.head_dim * self.quant_bits / 8)
         blocks = capacity // self.block_size
-        specs = {
+        return {
             "ids": ((batch, heads, capacity), torch.uint8),
             "residual": ((batch, heads, capacity, nbytes), torch.uint8),
             "scales": ((batch, heads, capacity), STORE_DTYPE),
             "prototypes": ((batch, heads, blocks, self.cluster_num, self.head_dim), STORE_DTYPE),
         }
-        return zeroed_fields(specs, device)  # one fill for the four
 
     @torch.no_grad()
     def pack_blocks(self, x: Tensor) -> dict[str, Tensor]:

@@ -32,8 +32,9 @@ class KVCompressor(Protocol):
     def __call__(self, x: Tensor, with_loss: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         """x with its full blocks as stored (differentiable), and with `with_loss` a 0-d training loss."""
 
-    def allocate(self, batch: int, heads: int, capacity: int, device: torch.device) -> dict[str, Tensor]:
-        """Empty fields, as `pack_blocks` returns them, for `capacity` tokens (a whole number of blocks)."""
+    def field_specs(self, batch: int, heads: int, capacity: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The shape and dtype of each field `pack_blocks` returns, for `capacity` tokens (a whole number of
+        blocks) of `heads` heads."""
 
     def pack_blocks(self, x: Tensor) -> dict[str, Tensor]:
         """Whole blocks [B, H, F, D] as stored fields, each with the token (or block) axis at dim 2."""

@@ -59,12 +59,12 @@ class PerTokenCompressor(nn.Module):
         out = join_blocks(q * scale, tail)
         return (out, x.new_zeros((), dtype=torch.float32)) if with_loss else out
 
-    def allocate(self, batch: int, heads: int, capacity: int, device: torch.device) -> dict[str, Tensor]:
-        """Empty `pack_blocks` fields for `capacity` tokens of `heads` heads."""
+    def field_specs(self, batch: int, heads: int, capacity: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The shape and dtype of each `pack_blocks` field for `capacity` tokens of `heads` heads."""
         nbytes = math.ceil(self.head_dim * self.quant_bits / 8)
         return {
-            "codes": torch.zeros(batch, heads, capacity, nbytes, dtype=torch.uint8, device=device),
-            "scales": torch.zeros(batch, heads, capacity, dtype=STORE_DTYPE, device=device),
+            "codes": ((batch, heads, capacity, nbytes), torch.uint8),
+            "scales": ((batch, heads, capacity), STORE_DTYPE),
         }
 
     @torch.no_grad()
