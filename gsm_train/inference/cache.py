@@ -122,21 +122,13 @@ class GSMCacheLayer(CacheLayerMixin):
             specs |= {"gate.keys": (shape, torch.int8 if int8 else GATE_KEY_DTYPE)}
             specs |= {"gate.scales": ((*shape[:3], 1), torch.float16)} if int8 else {}
         buffers = zeroed_fields(specs, device)
-        k_store, v_store = (
-            KVStore(
-                compressor,
-                batch,
-                self.store_heads,
-                self.head_dim,
-                capacity,
-                dtype,
-                device,
-                lengths,
-                {name.removeprefix(f"{side}."): t for name, t in buffers.items() if name.startswith(f"{side}.")},
+        stores = {}
+        for side, compressor in compressors.items():
+            own = {name.removeprefix(f"{side}."): t for name, t in buffers.items() if name.startswith(f"{side}.")}
+            stores[side] = KVStore(
+                compressor, batch, self.store_heads, self.head_dim, capacity, dtype, device, lengths, own
             )
-            for side, compressor in compressors.items()
-        )
-        self.k_store, self.v_store = k_store, v_store
+        self.k_store, self.v_store = stores["k"], stores["v"]
         self.gate_keys, self.gate_key_scales = buffers.get("gate.keys"), buffers.get("gate.scales")
         self.device, self.dtype, self.is_initialized = device, dtype, True
 
