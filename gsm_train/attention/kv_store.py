@@ -15,6 +15,8 @@ and `attention/` never imports `inference/` (it imports nothing else of `attenti
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -128,12 +130,11 @@ class KVStore:
         buffers: dict[str, Tensor] | None = None,
     ) -> None:
         self.compressor, self.heads, self.capacity, self.lengths = compressor, heads, capacity, lengths
-        specs = KVStore.buffer_specs(compressor, batch, heads, head_dim, capacity, dtype)
-        buffers = buffers if buffers is not None else zeroed_fields(specs, device)
+        if buffers is None:
+            buffers = zeroed_fields(KVStore.buffer_specs(compressor, batch, heads, head_dim, capacity, dtype), device)
         self.tail = buffers["tail"]
-        self.fields: dict[str, Tensor] | None = None
-        if compressor is not None:
-            self.fields = {name: buffers[name] for name in specs if name != "tail"}
+        fields = {name: buffer for name, buffer in buffers.items() if name != "tail"}
+        self.fields: dict[str, Tensor] | None = fields if compressor is not None else None
 
     @staticmethod
     def buffer_specs(
@@ -334,20 +335,38 @@ def pack_tails(k_store: KVStore, v_store: KVStore, tokens: Tensor, block: Tensor
 PACK_TOGETHER_BYTES = 256 * 2**20  # the most raw bytes `DeferredEncodings` packs at once (then it packs what waits)
 
 
+@dataclass(frozen=True, eq=False)
+class WaitingKeys:
+    """A layer's gate keys [B, n, t, dg] waiting in `DeferredEncodings`: where their codes (and, at 8 bits, scales)
+    go, the keys (the gate's projections where `rotation` is given), their width."""
+
+    codes_at: Tensor
+    scales_at: Tensor | None
+    keys: Tensor
+    bits: int
+    rotation: GateKeyRotation | None
+
+    def group(self) -> tuple:
+        """What the keys rotated and encoded in one call share: width, batch, positions, head size, dtype, and
+        rotated or not, by the same cos/sin."""
+        rotation = self.rotation
+        positions = (id(rotation.cos), id(rotation.sin)) if rotation is not None else None
+        return (self.bits, self.keys.shape[0], *self.keys.shape[2:], self.keys.dtype, positions)
+
+
 class DeferredEncodings:
     """A prompt chunk's cache encodings, every layer's together: the whole blocks it completes in every K and V
     store, packed in one encoding of all that wait (`packed_fields`: about the ops of one layer's pair) once
     `PACK_TOGETHER_BYTES` of raw rows wait and at the end of the forward (`flush`), where `append_pair` packs
     each layer's as the layer runs; and its gate keys, rotated (those handed over as projections, with their
-    `GateKeyRotation`) and encoded (`encode_gate_keys`) in one call each at `flush`.
+    `GateKeyRotation`) and encoded (`encode_gate_keys`) in one call each per group at `flush`.
     For a dense prefill, whose chunk attends over its own raw K/V and the prefix packed before it and never
     reads its gate keys: the cache then holds what encoding each layer as it runs leaves (bit for bit on the
     CPU; tests/test_prefill_cost.py)."""
 
     def __init__(self) -> None:
         self.blocks: list[tuple[KVStore, Tensor, int]] = []  # a store, its whole blocks' raw rows, their first token
-        self.waiting_keys: list[tuple[Tensor, Tensor | None, Tensor, int]] = []  # codes' and scales' place, keys, bits
-        self.unrotated: list[tuple[int, GateKeyRotation]] = []  # which of `waiting_keys` are projections, their RoPE
+        self.waiting_keys: list[WaitingKeys] = []
         self.waiting_bytes = 0
 
     def append_pair(
@@ -380,52 +399,34 @@ class DeferredEncodings:
         """`encode_gate_keys(gate_keys, bits)` [B, n, t, dg] written into `codes_at` (and `scales_at`, for 8 bits)
         at the next `flush`: the views of a layer's gate-key buffers its `keep_gate_keys` (their one writer)
         hands over. With `rotation` the keys are the gate's projections, rotated at the `flush` first."""
-        if rotation is not None:
-            self.unrotated.append((len(self.waiting_keys), rotation))
-        self.waiting_keys.append((codes_at, scales_at, gate_keys, bits))
+        self.waiting_keys.append(WaitingKeys(codes_at, scales_at, gate_keys, bits, rotation))
 
     def flush(self) -> None:
         """Write everything that waits: the blocks packed in one encoding where their compressors allow
-        (`packed_fields`), the projected gate keys rotated in one call per positions, shape and dtype, and the
-        gate keys encoded in one call per width and shape."""
+        (`packed_fields`), and the gate keys of each group (`WaitingKeys.group`, at most `PACK_TOGETHER_BYTES`
+        of keys) rotated, where they are projections, and encoded in one call each."""
         self._pack_blocks()
-        self._rotate_gate_keys()
         waiting, self.waiting_keys = self.waiting_keys, []
-        groups: dict[tuple, list[tuple[Tensor, Tensor | None, Tensor, int]]] = {}
+        runs: list[list[WaitingKeys]] = []
+        open_runs: dict[tuple, tuple[list[WaitingKeys], int]] = {}  # each group's last run and its bytes
         for entry in waiting:
-            keys = entry[2]
-            groups.setdefault((entry[3], keys.shape[0], *keys.shape[2:], keys.dtype), []).append(entry)
-        for group in groups.values():
-            codes, scales = encode_gate_keys(torch.cat([keys for _, _, keys, _ in group], 1), group[0][3])
-            sizes = [keys.shape[1] for _, _, keys, _ in group]
-            parts = zip(codes.split(sizes, 1), scales.split(sizes, 1) if scales is not None else [None] * len(group))
-            for (codes_at, scales_at, _, _), (code_part, scale_part) in zip(group, parts, strict=True):
-                codes_at.copy_(code_part)
-                if scales_at is not None:
-                    scales_at.copy_(scale_part)
-
-    def _rotate_gate_keys(self) -> None:
-        """Replace each projected entry of `waiting_keys` by its rotated keys: `GateKeyRotation.apply_together` over
-        the entries of the same cos/sin, shape but the selectors and dtype (every gated layer of a chunk), at
-        most `PACK_TOGETHER_BYTES` of keys a call (its tables and results take about three times that again)."""
-        pending, self.unrotated = self.unrotated, []
-        runs: list[list[tuple[int, GateKeyRotation]]] = []
-        open_runs: dict[tuple, tuple[list[tuple[int, GateKeyRotation]], int]] = {}  # a group's last run, its bytes
-        for at, rotation in pending:
-            keys = self.waiting_keys[at][2]
-            group = (id(rotation.cos), id(rotation.sin), keys.shape[0], *keys.shape[2:], keys.dtype)
-            size = keys.numel() * keys.element_size()
-            run, held = open_runs.get(group, ([], 0))
+            size = entry.keys.numel() * entry.keys.element_size()
+            run, held = open_runs.get(entry.group(), ([], 0))
             if not run or held + size > PACK_TOGETHER_BYTES:
                 run, held = [], 0
                 runs.append(run)
-            run.append((at, rotation))
-            open_runs[group] = (run, held + size)
+            run.append(entry)
+            open_runs[entry.group()] = (run, held + size)
         for run in runs:
-            keys = [self.waiting_keys[at][2] for at, _ in run]
-            for (at, _), rotated in zip(run, GateKeyRotation.apply_together([r for _, r in run], keys), strict=True):
-                codes_at, scales_at, _, bits = self.waiting_keys[at]
-                self.waiting_keys[at] = (codes_at, scales_at, rotated, bits)
+            keys, sizes = [entry.keys for entry in run], [entry.keys.shape[1] for entry in run]
+            rotations = [entry.rotation for entry in run]
+            joined = GateKeyRotation.apply_joined(rotations, keys) if rotations[0] is not None else torch.cat(keys, 1)
+            codes, scales = encode_gate_keys(joined, run[0].bits)
+            scale_parts = scales.split(sizes, 1) if scales is not None else [None] * len(run)
+            for entry, code_part, scale_part in zip(run, codes.split(sizes, 1), scale_parts, strict=True):
+                entry.codes_at.copy_(code_part)
+                if entry.scales_at is not None:
+                    entry.scales_at.copy_(scale_part)
 
     def _pack_blocks(self) -> None:
         pending, self.blocks, self.waiting_bytes = self.blocks, [], 0

@@ -53,7 +53,7 @@ def rope_pair(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, freq_index: Tensor
 class GateKeyRotation:
     """The RoPE a gate's projected keys [B, n, T, dg] still need: the model's cos/sin [B, T, head_dim] of their
     positions and the gate's `rope_freq_index` [n, dg/2]. `apply` rotates them as `SparseGateHead.keys` does;
-    `apply_together` rotates several gates' keys of the same positions in one call, the same bits as each
+    `apply_joined` rotates several gates' keys of the same positions in one call, the same bits as each
     alone (elementwise work on the same values)."""
 
     cos: Tensor
@@ -64,9 +64,8 @@ class GateKeyRotation:
         return rotate(keys, *rope_tables(self.cos, self.sin, self.freq_index, keys.dtype))
 
     @staticmethod
-    def apply_together(rotations: list[GateKeyRotation], keys: list[Tensor]) -> list[Tensor]:
-        """Each of `keys` rotated by its rotation of `rotations` (the same cos/sin, keys of one shape but their
-        selectors n and one dtype), through one `rope_tables` and one `rotate` over the keys side by side."""
-        sizes = [k.shape[1] for k in keys]
+    def apply_joined(rotations: list[GateKeyRotation], keys: list[Tensor]) -> Tensor:
+        """`keys` side by side along dim 1 [B, sum n, T, dg], each rotated by its rotation of `rotations` (the
+        same cos/sin, keys of one shape but their selectors n and one dtype): one `rope_tables` and one `rotate`."""
         joined = GateKeyRotation(rotations[0].cos, rotations[0].sin, torch.cat([r.freq_index for r in rotations]))
-        return list(joined.apply(torch.cat(keys, 1)).split(sizes, 1))
+        return joined.apply(torch.cat(keys, 1))
