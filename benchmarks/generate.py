@@ -296,17 +296,18 @@ def run_row(
     model: torch.nn.Module,
     prompts: torch.Tensor,
     new_tokens: int,
-    gsm_ready: Callable[[torch.nn.Module], None],
+    gsm_model: Callable[[torch.nn.Module], torch.nn.Module],
     measured: dict,
     save: Callable[[dict], None],
     peak: tuple[float, str],
     settings: dict,
     methods: tuple[str, ...] = DENSE_METHODS,
 ) -> dict:
-    """The dense `methods` (default `DENSE_METHODS`), then GSM (after `gsm_ready(model)` attaches the modules); a
-    method already in `measured` (a cut run's row of the same settings) is not measured again.
+    """The dense `methods` (default `DENSE_METHODS`) on `model`, then GSM on `gsm_model(model)`: the same model
+    with GSM's modules attached, or another (int4_hybrid: GSM attaches to the 16-bit base before it is
+    quantized); a method already in `measured` (a cut run's row of the same settings) is not measured again.
     `save(row)` after each. Every method's `bandwidth_share` against `peak` (bytes/s, its source).
-    `settings`: `row_settings` of the run (the GSM method's prefill, which `gsm_ready` set on the model, and
+    `settings`: `row_settings` of the run (the GSM method's prefill, which `gsm_model` set on its model, and
     `methods`), stored with the row."""
     _, context, batch = ROWS[name]
     ids = prompts[:batch, : context - new_tokens].cuda()
@@ -346,8 +347,7 @@ def run_row(
         row["dense_fits"] = (
             f"no: {bandwidth.dense_kv_bytes(model, context, batch) / 1e9:.0f} GB of bf16 KV; at most {most} rows fit"
         )
-    gsm_ready(model)
-    result = gsm_row(model, ids, new_tokens)
+    result = gsm_row(gsm_model(model), ids, new_tokens)
     row["gsm_tokens"] = result.pop("tokens")
     row["bound_tokens_per_s_gsm"] = batch * peak / result["step_bytes"]
     row["gsm"] = result | {
@@ -506,17 +506,19 @@ def row_complete(row: dict, settings: dict) -> bool:
 
 
 def _family(family: str, args: argparse.Namespace) -> tuple[torch.nn.Module, torch.Tensor, Callable]:
-    """The dense model of `family`, its 16 prompts, and the function that attaches GSM's modules to it."""
+    """The dense model of `family`, its 16 prompts, and the function that attaches GSM's modules to it (and
+    returns it)."""
     if family == "8b":
         prompts = torch.randint(0, 128256, (16, 131072), generator=torch.Generator().manual_seed(1))
 
-        def ready(m: torch.nn.Module) -> None:
+        def ready(m: torch.nn.Module) -> torch.nn.Module:
             torch.manual_seed(0)
             if not any(True for _ in gsm_adapters(m)):
                 inject_gsm(m, joint_gsm_config(), mode="sparse")
                 enable_gsm_generation(
                     m, prefill=args.prefill, prefill_chunk=args.prefill_chunk, fused_decode=args.fused_decode
                 )
+            return m
 
         return llama8b(), prompts, ready
     model, tokenizer = load_model_and_tokenizer("smollm2-135m", dtype=torch.bfloat16)
@@ -525,7 +527,7 @@ def _family(family: str, args: argparse.Namespace) -> tuple[torch.nn.Module, tor
     if len(prompts) < 16:
         prompts = prompts.repeat(-(-16 // len(prompts)), 1)[:16]
 
-    def ready(m: torch.nn.Module) -> None:
+    def ready(m: torch.nn.Module) -> torch.nn.Module:
         if not any(True for _ in gsm_adapters(m)):
             if args.smollm2_export:
                 load_gsm(m, args.smollm2_export)
@@ -537,6 +539,7 @@ def _family(family: str, args: argparse.Namespace) -> tuple[torch.nn.Module, tor
                 m, prefill=args.prefill, prefill_chunk=args.prefill_chunk, fused_decode=args.fused_decode
             )
             set_gsm_mode(m, "sparse")
+        return m
 
     return model, prompts, ready
 

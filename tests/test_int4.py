@@ -151,6 +151,21 @@ def test_a_quantized_base_is_never_saved(export: Path, tmp_path: Path) -> None:
         gsm.merge_and_unload()
 
 
+@needs_torchao
+def test_gsm_does_not_attach_to_a_base_already_quantized(export: Path) -> None:
+    """The fingerprint an adapter records is of the 16-bit base: attaching or loading GSM over 4-bit weights is
+    refused, naming the order that works, and the model is left without modules."""
+    for attach in (
+        lambda model: inject_gsm(model, GSMConfig.model_validate(GSM), mode="sparse"),
+        lambda model: load_gsm(model, export),
+    ):
+        model = tiny_model("llama", 4)
+        quantize_base(model, 64)
+        with pytest.raises(GSMError, match=r"Int4\w*Tensor .*attach them first .*then quantize the base"):
+            attach(model)
+        assert not any(".gsm." in name for name in model.state_dict())
+
+
 def test_refusals_come_before_anything_loads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, importable_torchao: None
 ) -> None:

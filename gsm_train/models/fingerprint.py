@@ -12,6 +12,8 @@ import hashlib
 
 import torch
 
+from gsm_train.errors import GSMError
+
 FINGERPRINT_RULE = 2
 SAMPLED_ROWS = 16
 _RULE_1_TENSORS = (
@@ -39,15 +41,29 @@ def sampled_rows(tensor: torch.Tensor) -> torch.Tensor:
     return matrix[torch.tensor(index, device=matrix.device)]
 
 
+def _refuse_quantized(state: dict[str, torch.Tensor]) -> None:
+    """GSMError for a state holding a quantized weight (a tensor subclass such as torchao's 4-bit tensors):
+    its values are not the 16-bit weights a fingerprint is taken of."""
+    quantized = [name for name, tensor in state.items() if type(tensor) not in (torch.Tensor, torch.nn.Parameter)]
+    if quantized:
+        raise GSMError(
+            f"{quantized[0]} is a {type(state[quantized[0]]).__name__} ({len(quantized)} quantized tensors): GSM's "
+            "modules attach to the 16-bit base, whose fingerprint an adapter records; attach them first "
+            "(inject_gsm or load_gsm), then quantize the base (gsm_train.export.int4.quantize_base, or "
+            "GSMModel.from_pretrained(..., weights='int4'))"
+        )
+
+
 def base_fingerprint(state: dict[str, torch.Tensor], rule: int = FINGERPRINT_RULE) -> str:
     """sha256 over a base model's tensor names and shapes and bf16-rounded values of sampled rows.
 
     Rule 2: for every tensor, sorted by name, `"{name}:{shape};"` and then its `sampled_rows`. Rule
     1 (formats 1-5): every `"{name}:{shape};"`, then the first 16 rows of three tensors. Take it
-    before GSM or LoRA modules are attached. Tensors on the meta device (a model's skeleton) have no
-    values; their rows are left out."""
+    before GSM or LoRA modules are attached, and before the base is quantized (GSMError for a quantized
+    tensor). Tensors on the meta device (a model's skeleton) have no values; their rows are left out."""
     if rule not in (1, 2):
         raise ValueError(f"unknown fingerprint rule {rule!r}; rules 1 and 2 exist")
+    _refuse_quantized(state)
     digest = hashlib.sha256()
     names = sorted(state)
     if rule == 1:
