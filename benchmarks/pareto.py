@@ -3,7 +3,8 @@ workload scenarios.
 
 Sweep: for each knob of the recipe's `tuning` block (`tuning.top_k_base`, `tuning.kv_compression_ratio`,
 `tuning.bridge_alpha`) and each of its values, the export on a fresh base with that knob applied as the
-recipe would set it (`apply_knob`: the selection's top_k; ASQ's residual bits and the gate keys' bits the
+recipe would set it (`apply_knob`: the selection's top_k, with k_min lowered to it where the export's is
+above, as the recipe's check asks; ASQ's residual bits and the gate keys' bits the
 budget picks, `gsm_train.tuning.kv_budget.fit_kv_budget`; the bridges' alpha), the others as exported.
 Per point: perplexity on held-out windows (teacher forcing, which the sparse prefill equals) and end-to-end
 generation tokens/s (`model.generate` over the GSM cache with the default dense prefill, batch 1, all new
@@ -40,7 +41,7 @@ from benchmarks.generate import generate_timed
 from gsm_train.attention import gsm_adapters, gsm_settings
 from gsm_train.attention.settings import configure_gsm
 from gsm_train.commands.evaluate import perplexity_and_recall, with_selection
-from gsm_train.config.schema import ConfigError
+from gsm_train.config.schema import ConfigError, GSMConfig
 from gsm_train.data.text import load_text_dataset, pack_tokens
 from gsm_train.export.save_load import load_gsm, read_export, resolve_export
 from gsm_train.inference.engine import enable_gsm_generation
@@ -72,9 +73,7 @@ def apply_knob(model: nn.Module, knob: str, value: float, seq_len: int) -> str:
     set the field it names; returns what was set, in words. Raises NotApplicable where the export cannot."""
     config = gsm_settings(model).config.model_copy(deep=True)
     if knob == "top_k_base":
-        config = with_selection(config, {"top_k": int(value)}, f"tuning.top_k_base={value}")
-        configure_gsm(model, config=config)
-        return f"sparse_attention.top_k={int(value)}"
+        return _set_top_k(model, config, int(value))
     if knob == "kv_compression_ratio":
         if not config.kv_compression.enabled:
             raise NotApplicable("the export has no KV compression")
@@ -191,6 +190,23 @@ def parse_scenarios(text: str) -> dict[str, tuple[int, int]]:
             raise SystemExit(f"error: --scenarios takes name:prompt_tokens:new_tokens items, got {item!r}")
         scenarios[parts[0]] = (int(parts[1]), int(parts[2]))
     return scenarios
+
+
+def _set_top_k(model: nn.Module, config: GSMConfig, top_k: int) -> str:
+    """`tuning.top_k_base` as a recipe sets it: the selection's top_k; an export whose k_min is above it (a
+    long-context export's floor) gets k_min = top_k, the fix the recipe's check names. NotApplicable where the
+    selection refuses the value."""
+    changes = {"top_k": top_k}
+    floor = config.sparse_attention.k_min
+    if floor > top_k:
+        changes["k_min"] = top_k
+    try:
+        config = with_selection(config, changes, f"tuning.top_k_base={top_k}")
+    except ConfigError as err:
+        raise NotApplicable(str(err)) from None
+    configure_gsm(model, config=config)
+    lowered = f", k_min={top_k} (the export's {floor} is above it)" if floor > top_k else ""
+    return f"sparse_attention.top_k={top_k}{lowered}"
 
 
 def _arguments(argv: list[str] | None) -> argparse.Namespace:

@@ -48,6 +48,21 @@ def test_knobs_set_the_fields_the_recipe_names(export: Path) -> None:
         pareto.apply_knob(model, "bridge_alpha", 0.3, 64)
 
 
+def test_a_top_k_below_the_export_s_floor_lowers_the_floor(tmp_path: Path) -> None:
+    """A long-context export's k_min is above the knob's values: k_min follows top_k down, and says so."""
+    floor = {**GSM, "sparse_attention": {**GSM["sparse_attention"], "top_k": 6, "k_min": 6}}
+    model = tiny_model("llama")
+    load_gsm(model, _export(tmp_path, floor))
+    assert (
+        pareto.apply_knob(model, "top_k_base", 4, 64)
+        == "sparse_attention.top_k=4, k_min=4 (the export's 6 is above it)"
+    )
+    sparse = gsm_settings(model).config.sparse_attention
+    assert (sparse.top_k, sparse.k_min) == (4, 4)
+    with pytest.raises(pareto.NotApplicable, match="top_k"):
+        pareto.apply_knob(model, "top_k_base", 0, 64)
+
+
 def test_sweep_writes_points_scenarios_and_the_plot(tmp_path: Path, capsys) -> None:
     export = _export(tmp_path, {**GSM, "kv_compression": {"enabled": False}})  # the gate alone: fast on the CPU
     text = tmp_path / "held_out.txt"
