@@ -7,8 +7,10 @@ prefill as `model.generate` runs it (`gsm`: `enable_gsm_generation`'s chunked pr
 Per method, after `--warmup` calls: `wall_ms`, the median over `--repeats` calls of the wall time from the
 call to its result on the device (synchronized); on CUDA `kernel_ms`, the GPU time of the kernels one call
 ran (torch.profiler), so `gpu_busy` = kernel_ms / wall_ms well below 1 says the prefill waits on the host
-issuing kernels (launch-bound), not on the GPU; the per-kernel table (name, calls, microseconds, share) of
-one call (on the CPU the ops' own CPU time instead: a smoke test, not a figure); and, eagerly, the aten ops
+issuing kernels (launch-bound), not on the GPU, and there `host_op_ms` and `host_ops`, the ops' own CPU time
+(what issuing each costs the host; the largest HOST_TOP by op), say where the host spends it; the per-kernel
+table (name, calls, microseconds, share) of one call (on the CPU the ops' own CPU time instead: a smoke test,
+not a figure); and, eagerly, the aten ops
 one call runs (`ops`: views left out, `host_syncs`: the ops that make the host wait for the device, and
 `ops_by_part`: GSM's ops by the part of the prefill that runs them, `PARTS`; `us_per_op`: wall time over
 ops, near what issuing one eager op costs when the prefill is launch-bound). Resumable as
@@ -57,6 +59,7 @@ from gsm_train.inference.engine import PREFILL_CHUNKS, enable_gsm_generation
 
 METHODS = ("dense_eager", "dense_engine", "gsm")
 HOST_SYNCS = ("aten._local_scalar_dense.default", "aten.nonzero.default", "aten.item.default")
+HOST_TOP = 25  # ops kept in a CUDA method's host table
 # GSM's prefill by part: the gsm_train function on the stack (innermost first; by name, or a method by its
 # qualified name) that names the part an op runs for
 PARTS = {
@@ -181,6 +184,8 @@ def measure_prefill(call: Callable[[], object], model: nn.Module, warmup: int, r
     busy_us = sum(row["total_us"] for row in kernels)
     if cuda:
         figures |= {"kernel_ms": busy_us / 1000, "gpu_busy": busy_us / 1000 / figures["wall_ms"]}
+        host = profile_step(call, 1, cuda=False)  # the ops' own CPU time: what issuing them costs the host
+        figures |= {"host_op_ms": sum(row["total_us"] for row in host) / 1000, "host_ops": host[:HOST_TOP]}
     figures["kernel_launches"] = sum(row["calls"] for row in kernels) if cuda else None
     figures |= count_prefill_ops(call, model)
     return figures | {"us_per_op": figures["wall_ms"] * 1000 / figures["ops"], "kernels": kernels}
@@ -195,6 +200,9 @@ def print_prefill(method: str, figures: dict, top: int) -> None:
     )
     ops = f"{figures['ops']} ops ({figures['us_per_op']:.1f} us of wall time an op)"
     print(f"\n{method}: {figures['wall_ms']:.1f} ms wall{busy}; {ops}, host syncs {figures['host_syncs']}")
+    if "host_op_ms" in figures:
+        top = ", ".join(f"{row['name']} {row['total_us']:.0f} us" for row in figures["host_ops"][:5])
+        print(f"  host: the ops' own CPU time {figures['host_op_ms']:.1f} ms; the largest: {top}")
     print("  ops by part: " + ", ".join(f"{part} {n}" for part, n in figures["ops_by_part"].items()))
     print_kernels(figures["kernels"], top)
 

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import prefill_profile
 
@@ -43,3 +44,15 @@ def test_bad_arguments_are_refused(bad: list[str], tmp_path: Path, capsys: pytes
         prefill_profile.main([*ARGV, *bad, "--result", str(tmp_path / "x.json")])
     assert bad[0] in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="kernel and host times apart exist on a GPU only")
+def test_a_gpu_run_says_where_the_host_spends(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path = tmp_path / "prefill.json"
+    prefill_profile.main([*ARGV, "--device", "cuda", "--result", str(path)])
+    for method in prefill_profile.METHODS:
+        figures = json.loads(path.read_text())[method]
+        assert 0 < figures["kernel_ms"] and 0 < figures["host_op_ms"]
+        assert 0 < len(figures["host_ops"]) <= prefill_profile.HOST_TOP
+        assert figures["host_op_ms"] * 1000 >= sum(row["total_us"] for row in figures["host_ops"])
+    assert capsys.readouterr().out.count("host: the ops' own CPU time") == len(prefill_profile.METHODS)
