@@ -16,7 +16,9 @@ written after each.
 outside the layers (`count_ops`: views are left out, since they launch nothing). On the CPU the step
 takes the PyTorch path; with `TRITON_INTERPRET=1` it takes the fused kernels' path, as on a GPU, the
 kernels run by Triton's interpreter (their insides not counted: on a GPU each is one launch).
-`--model tiny` takes recipes/joint.yaml's GSM settings at sizes the tiny model fits (`TINY_OVERRIDES`).
+`--model tiny` takes recipes/joint.yaml's GSM settings at sizes the tiny model fits (`TINY_OVERRIDES`); `--model
+smollm2` SmolLM2-135M's shapes with recipes/joint_long.yaml's modules (the 8k export's), as
+benchmarks.prefill_profile.
 `--count-outside` counts what GSM's generation runs outside the part a CUDA graph captures (`count_outside`):
 per new token, the ops of `model.generate`'s loop (GSM's greedy loop, `inference.greedy_loop`), of transformers'
 loop over the same cache, and of a plain greedy loop around the token step,
@@ -24,7 +26,7 @@ and the ops of one `GSMCache.pack_full_tail` (every `block_size` tokens), on the
 `--fused` runs both engines' token steps with `fused_decode` (RMSNorm, RoPE and SwiGLU as one Triton kernel
 each, `gsm_train.inference.decode_fusion`); counted on the CPU it needs `TRITON_INTERPRET=1` as above.
 
-    python -m benchmarks.decode_step_profile --result OUT.json [--model 8b] [--context 32768] [--batch 1]
+    python -m benchmarks.decode_step_profile --result OUT.json [--model 8b|smollm2|tiny] [--context 32768] [--batch 1]
         [--steps 20] [--top 25] [--count | --count-outside] [--fused] [--device cuda|cpu]
 """
 
@@ -401,7 +403,7 @@ def print_kernels(kernels: list[dict], top: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--result", required=True)
-    parser.add_argument("--model", default="8b", choices=["8b", "tiny"])
+    parser.add_argument("--model", default="8b", choices=["8b", "smollm2", "tiny"])
     parser.add_argument("--context", type=int, default=32768)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=20)

@@ -60,6 +60,20 @@ def test_gsm_token_step_runs_at_most_so_many_ops_per_layer_on_the_pytorch_path(t
     _assert_at_most(result["gsm"], MOST_OPS_PYTORCH_PATH)
 
 
+def test_smollm2_s_shapes_take_the_8k_recipe_s_layers(tmp_path: Path) -> None:
+    """`--model smollm2` counts SmolLM2's 30 layers with recipes/joint_long.yaml's modules: layers 0 and 1
+    dense, the retrieval layers 7 and 18 reading every key (no selection: fewer ops than the other sparse
+    layers)."""
+    path = tmp_path / "smollm2.json"
+    decode_step_profile.main(
+        ["--model", "smollm2", "--context", "600", "--count", "--device", "cpu", "--result", str(path)]
+    )
+    per_layer = json.loads(path.read_text())["gsm"]["per_layer"]
+    selecting = [count for layer, count in enumerate(per_layer) if layer not in (0, 1, 7, 18)]
+    assert len(per_layer) == 30 and max(per_layer[:2]) < min(selecting)
+    assert per_layer[7] == per_layer[18] < min(selecting)
+
+
 @triton_kernel_test
 def test_gsm_token_step_runs_at_most_so_many_ops_per_layer_on_the_fused_path(tmp_path: Path) -> None:
     """The glue around the fused kernels (on a GPU, or on the CPU under Triton's interpreter): a sparse
