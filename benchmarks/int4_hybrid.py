@@ -13,10 +13,11 @@ Parts (`--parts`, default both):
   4-bit in groups of 128) at 32k batch 1, 128k batch 1 and 32k batch 16: the 4-bit model dense through
   our dense engine (preallocated bf16 cache, captured steps) and through transformers' static cache with
   its compiled step (where that runs over torchao's tensors: checked once on a short prompt, the error
-  recorded otherwise), then GSM's modules (recipes/joint.yaml, gates at random) on the same 4-bit model
-  (`benchmarks.generate.run_row`). Each method's bandwidth bound: the bytes one step reads (the weights
-  as stored, 4-bit values with their scales and zero points; the dense bf16 K/V, or what GSM's cache
-  step reads: `benchmarks.bandwidth`) over the peak a device copy reaches.
+  recorded otherwise; `--methods dense_engine` leaves it out, slow as it is), then GSM's modules
+  (recipes/joint.yaml, gates at random) attached to the same seeded 16-bit base before it is quantized as the
+  dense model was (`_gsm_model`, `benchmarks.generate.run_row`). Each method's bandwidth bound: the bytes
+  one step reads (the weights as stored, 4-bit values with their scales and zero points; the dense bf16 K/V,
+  or what GSM's cache step reads: `benchmarks.bandwidth`) over the peak a device copy reaches.
 
 The summary: `ppl_int4_gsm_over_bf16_gsm`, `ppl_int4_dense_over_bf16_dense` (and `ppl_int4awq_...`),
 `e2e_speedup_int4_<row>`
@@ -72,6 +73,7 @@ from gsm_train.models.model_zoo import load_model_and_tokenizer
 
 ROWS = ("8b_32k_bs1", "8b_128k_bs1", "8b_32k_bs16")  # benchmarks.generate's rows of these names
 METHODS = ("dense_engine", "dense_static_compiled")  # the 4-bit dense methods (eager is slower than both)
+STATIC = "dense_static_compiled"
 WEIGHTS_8B = "int4"  # groups of 128
 GSM_EXPORT = "gsm"  # the export's name in the perplexity reports
 
@@ -202,18 +204,16 @@ def _gsm_model(prefill: str) -> Callable[[nn.Module], nn.Module]:
 def _rows(args: argparse.Namespace, result: dict, save: Any) -> None:
     """The 8B rows not yet complete, each on a fresh 4-bit model."""
     names = [name for name in args.rows.split(",") if name]
-    unknown = [name for name in names if name not in ROWS]
-    if unknown:
-        raise SystemExit(f"--rows: unknown {', '.join(unknown)}; use some of {', '.join(ROWS)}")
     peak = bandwidth.peak_bandwidth()
     say(f"peak bandwidth {peak[0] / 1e12:.2f} TB/s ({peak[1]})")
     prompts = torch.randint(0, 128256, (16, 131072), generator=torch.Generator().manual_seed(1))
     for name in names:
-        if "static_compiled" in result and row_complete(result["rows"].get(name, {}), _settings(args, result)):
+        checked = "static_compiled" in result or STATIC not in args.methods
+        if checked and row_complete(result["rows"].get(name, {}), _settings(args, result)):
             say(f"{name}: measured by an earlier run")
             continue
         model = int4_llama8b()
-        if "static_compiled" not in result:
+        if STATIC in args.methods and "static_compiled" not in result:
             say("does transformers' static cache with its compiled step run the 4-bit model?")
             result["static_compiled"] = {"error": static_compiled_error(model)}
             save(None, None)
@@ -239,8 +239,10 @@ def _rows(args: argparse.Namespace, result: dict, save: Any) -> None:
 
 
 def _settings(args: argparse.Namespace, result: dict) -> dict:
-    """An 8B row's settings: benchmarks.generate's, with the 4-bit dense methods that run here."""
-    methods = METHODS if result["static_compiled"]["error"] is None else ("dense_engine",)
+    """An 8B row's settings: benchmarks.generate's, with the 4-bit dense methods of `--methods` that run here
+    (HF's static cache only where its compiled step ran the 4-bit model)."""
+    static_runs = result.get("static_compiled", {}).get("error") is None
+    methods = tuple(method for method in args.methods if method != STATIC or static_runs)
     return row_settings(args.new_tokens, args.prefill, methods=methods) | {"weights": WEIGHTS_8B}
 
 
@@ -258,6 +260,11 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--windows", type=int, default=40)
     parser.add_argument("--rows", default=",".join(ROWS))
+    parser.add_argument(
+        "--methods",
+        default=",".join(METHODS),
+        help="the 4-bit dense methods measured beside GSM in the 8B rows, comma-separated (default: %(default)s)",
+    )
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--prefill", choices=PREFILL_MODES, default=DEFAULT_PREFILL)
     parser.add_argument("--result", default="benchmarks/results/int4_hybrid.json")
@@ -265,6 +272,12 @@ def main() -> None:
     parts = set(args.parts.split(","))
     if "ppl" in parts and not (args.eval_data and args.smollm2_export):
         parser.error("the ppl part needs --eval-data and --smollm2-export (or --parts 8b)")
+    unknown_rows = [name for name in args.rows.split(",") if name and name not in ROWS]
+    if unknown_rows:
+        parser.error(f"--rows: unknown {', '.join(unknown_rows)}; use some of {', '.join(ROWS)}")
+    args.methods = tuple(method for method in args.methods.split(",") if method)
+    if not args.methods or set(args.methods) - set(METHODS):
+        parser.error(f"--methods: {args.methods} are not all 4-bit dense methods; choose from {','.join(METHODS)}")
     path = Path(args.result)
     result = json.loads(path.read_text()) if path.exists() else {"rows": {}}
     measured_by = provenance()

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks import int4_hybrid
 from benchmarks.int4_hybrid import int4_summary, perplexity
 from gsm_train.attention import inject_gsm
 from gsm_train.config.schema import GSMConfig
@@ -75,3 +76,30 @@ def test_the_summary_names_the_int4_rows() -> None:
     assert summary["ppl_int4_gsm_over_bf16_gsm"] == 1.02
     assert not any(key.endswith("8b_32k_bs16") for key in summary)
     assert not torch.cuda.is_initialized()  # the summary needs no device
+
+
+@pytest.mark.parametrize(
+    ("bad", "named"),
+    [(["--rows", "8b_32k_bs1,8b_64k_bs1"], "--rows: unknown 8b_64k_bs1"), (["--methods", "dense_eager"], "--methods")],
+)
+def test_bad_8b_arguments_are_refused_before_any_part_runs(
+    bad: list[str], named: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """A wrong row or method is refused by name before the perplexity part or any model: nothing is written."""
+    result = tmp_path / "int4.json"
+    argv = [
+        "int4_hybrid",
+        "--parts",
+        "ppl,8b",
+        "--eval-data",
+        "x",
+        "--smollm2-export",
+        "y",
+        *bad,
+        "--result",
+        str(result),
+    ]
+    monkeypatch.setattr("sys.argv", argv)
+    with pytest.raises(SystemExit):
+        int4_hybrid.main()
+    assert named in capsys.readouterr().err and not result.exists()
