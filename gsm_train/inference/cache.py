@@ -23,6 +23,7 @@ same way: the stores, the gate keys and the lengths hold what a sparse prefill o
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -72,7 +73,9 @@ class GSMCacheLayer(CacheLayerMixin):
 
     def __init__(self, cache: GSMCache, adapter: GSMAttentionAdapter, kv_heads: int, head_dim: int) -> None:
         super().__init__()
-        self.cache, self.adapter, self.head_dim = cache, adapter, head_dim
+        # weakly: the cache owns its layers, and a layer holding it would make a cycle that only Python's
+        # collector frees, keeping a finished generation's device buffers allocated until it runs
+        self.cache, self.adapter, self.head_dim = weakref.proxy(cache), adapter, head_dim
         shared = adapter.bridge.out_heads if adapter.bridge is not None and cache.bridge_mode == "share" else 0
         self.store_heads = kv_heads - shared
         self.k_store: KVStore | None = None

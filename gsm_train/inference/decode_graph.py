@@ -13,6 +13,7 @@ only the host's copy of the lengths. The top-k size is baked in, so a step is ca
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -76,7 +77,23 @@ def gate_scored_on_the_host(settings: GSMSettings) -> str | None:
     return None
 
 
-class CapturedStep:
+class _WeakCache:
+    """`cache`, held weakly: a cache keeps its captured steps (`cache.step_graphs`), so a strong reference back
+    would make a cycle that keeps a finished generation's cache, device buffers and all, allocated until
+    Python's cycle collector runs. `cache` hands out the cache itself (transformers' forward takes it)."""
+
+    def __init__(self, cache: GSMCache) -> None:
+        self._cache = weakref.ref(cache)
+
+    @property
+    def cache(self) -> GSMCache:
+        cache = self._cache()
+        if cache is None:
+            raise GSMError("the GSM cache these captured steps were made for no longer exists")
+        return cache
+
+
+class CapturedStep(_WeakCache):
     """One token step of `model` over `cache` for `batch` rows, captured in a CUDA graph (see the module
     docstring). Call it with the new tokens' ids and positions [B, 1]; returns the logits [B, 1, V] (a
     buffer the next replay overwrites). `fused`: warm-up and capture run inside `fused_decode`, so the
@@ -86,15 +103,20 @@ class CapturedStep:
     def __init__(
         self, model: nn.Module, cache: GSMCache, batch: int, fused: bool = False, pack: Callable[[], bool] | None = None
     ) -> None:
-        self.model, self.cache = model, cache
+        super().__init__(cache)
+        self.model = model
         device = next(model.parameters()).device
         self.input_ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.position_ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        self.pack = pack or cache.pack_full_tail
+        self._pack = pack
         self.pack()  # a full newest block is packed first, never inside the step's capture
         saved = cache.lengths.snapshot()
         with fused_decode(model, fused):
             self.graph, self.logits = capture(self._forward, lambda: self._restore(saved))
+
+    def pack(self) -> bool:
+        """Pack a full newest block (the `pack` given, else `GSMCache.pack_full_tail`); whether there was one."""
+        return self._pack() if self._pack is not None else self.cache.pack_full_tail()
 
     def _forward(self) -> Tensor:
         with torch.no_grad():
@@ -126,13 +148,14 @@ class CapturedStep:
         return self.logits
 
 
-class StepGraphs:
+class StepGraphs(_WeakCache):
     """The captured token steps of one cache, by the top-k size they are built for (`captured_k`: a
     constant schedule captures once, one whose k varies once per `K_STEP` of its k); `fused`: captured
     with `fused_decode`. Their full blocks are packed by one `CapturedPack`, captured at the first."""
 
     def __init__(self, model: nn.Module, cache: GSMCache, fused: bool = False) -> None:
-        self.model, self.cache, self.fused = model, cache, fused
+        super().__init__(cache)
+        self.model, self.fused = model, fused
         self.steps: dict[int, CapturedStep] = {}
         self.captured_pack: CapturedPack | None = None
 
@@ -152,7 +175,7 @@ class StepGraphs:
         return self.steps[k](input_ids, position_ids)
 
 
-class CapturedPack:
+class CapturedPack(_WeakCache):
     """`GSMCache.pack_newest_block` of `cache` captured in a CUDA graph: every layer's pack of one full block
     (the same kernels as the eager `pack_full_tail`, so the same bytes), where it writes read from the
     device lengths, which it advances. Built when the tail is full (its warm-up packs what the replay will,
@@ -162,7 +185,7 @@ class CapturedPack:
     def __init__(self, cache: GSMCache) -> None:
         if not cache.tail_full():
             raise GSMError("a block pack is captured when the cache's newest block is full; it is not")
-        self.cache = cache
+        super().__init__(cache)
         saved = cache.lengths.snapshot()
         # one warm-up builds the libraries' handles on the side stream (there is no Triton kernel to tune)
         self.graph, _ = capture(cache.pack_newest_block, lambda: cache.lengths.restore(saved), warmups=1)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -53,7 +54,7 @@ class DenseLayer(CacheLayerMixin):
     def __init__(self, cache: DenseCache, batch: int, kv_heads: int, head_dim: int) -> None:
         super().__init__()
         shape = (batch, cache.capacity, kv_heads, head_dim)
-        self.cache = cache
+        self.cache = weakref.proxy(cache)  # weakly, as GSMCacheLayer holds its cache: no cycle to wait for
         self.keys = torch.empty(shape, dtype=cache.dtype, device=cache.device)
         self.values = torch.empty(shape, dtype=cache.dtype, device=cache.device)
         self.device, self.dtype, self.is_initialized = cache.device, cache.dtype, True
