@@ -274,6 +274,9 @@ def test_a_dense_prefill_packing_every_layer_after_the_forward_stores_what_packi
         together, apart = prefill_ops(True), prefill_ops(False)
         assert together["asq_pack"] <= PAIRED_PACK_OPS[False] and apart["asq_pack"] >= 3 * together["asq_pack"]
         assert together["gate_keys"] <= GATE_KEYS_TOGETHER_OPS < apart["gate_keys"]
+        # the cache's writes: each store's raw tail, then one call for every layer's fields and one for every
+        # layer's gate keys (`kv_store.write_all`), where a copy each took 4 a store and 2 a gated layer
+        assert together["cache_update"] <= 2 * len(model.model.layers) + 2 < apart["cache_update"]
 
 
 def test_a_dense_prefill_over_the_byte_cap_packs_and_rotates_in_parts_and_stores_the_same(

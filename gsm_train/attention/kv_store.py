@@ -155,9 +155,16 @@ class KVStore:
 
     def _write_fields(self, packed: dict[str, Tensor], start: int) -> None:
         """`pack_blocks` fields of whole blocks into the store's fields at token `start`."""
+        write_all(self._field_writes(packed, start))
+
+    def _field_writes(self, packed: dict[str, Tensor], start: int) -> list[tuple[Tensor, Tensor]]:
+        """Where `pack_blocks` fields of whole blocks go at token `start`: (the store's field from there, the
+        field) pairs, for `write_all`."""
+        pairs = []
         for name, field in packed.items():
-            per_entry = self.capacity // self.fields[name].shape[2]  # 1 per token, block_size per block
-            self.fields[name][:, :, start // per_entry : start // per_entry + field.shape[2]] = field
+            at = start // (self.capacity // self.fields[name].shape[2])  # 1 entry per token, or per block
+            pairs.append((self.fields[name][:, :, at : at + field.shape[2]], field))
+        return pairs
 
     def append(self, states: Tensor) -> Tensor | None:
         """Store new tokens [B, H', n, D] (the first `heads` heads of H') after the `lengths.before` held:
@@ -294,6 +301,14 @@ class KVStore:
         return sum(t.numel() * t.element_size() for t in [self.tail, *(self.fields or {}).values()])
 
 
+def write_all(pairs: list[tuple[Tensor, Tensor]]) -> None:
+    """Copy each pair's source into its destination (same shape; any dtypes and strides), in one
+    `torch._foreach_copy_`: one host call for all, where a copy each costs the host an eager op each, which is
+    what a launch-bound prefill waits on."""
+    if pairs:
+        torch._foreach_copy_([destination for destination, _ in pairs], [source for _, source in pairs])
+
+
 def packed_fields(compressors: list[KVCompressor], rows: list[Tensor]) -> list[dict[str, Tensor]]:
     """Each compressor's `pack_blocks` fields of its whole blocks `rows[i]`: from one encoding of all of them
     where `modules.kv_compressor.packed_together` takes them (ASQ compressors that differ at most in their
@@ -382,7 +397,7 @@ class DeferredEncodings:
                     blocks = raw[:, :, :whole]
                     self.blocks.append((store, blocks, store._blocks_start()))
                     self.waiting_bytes += blocks.numel() * blocks.element_size()
-                store._store_tail(raw, whole)
+                store._store_tail(raw, whole)  # at once: a deferred view of its rows would keep the chunk alive
             joined.append(raw)
         if self.waiting_bytes >= PACK_TOGETHER_BYTES:
             self._pack_blocks()
@@ -423,15 +438,22 @@ class DeferredEncodings:
             joined = GateKeyRotation.apply_joined(rotations, keys) if rotations[0] is not None else torch.cat(keys, 1)
             codes, scales = encode_gate_keys(joined, run[0].bits)
             scale_parts = scales.split(sizes, 1) if scales is not None else [None] * len(run)
+            writes = []
             for entry, code_part, scale_part in zip(run, codes.split(sizes, 1), scale_parts, strict=True):
-                entry.codes_at.copy_(code_part)
+                writes.append((entry.codes_at, code_part))
                 if entry.scales_at is not None:
-                    entry.scales_at.copy_(scale_part)
+                    writes.append((entry.scales_at, scale_part))
+            write_all(writes)
 
     def _pack_blocks(self) -> None:
         pending, self.blocks, self.waiting_bytes = self.blocks, [], 0
         if not pending:
             return
         fields = packed_fields([store.compressor for store, _, _ in pending], [raw for _, raw, _ in pending])
-        for (store, _, start), packed in zip(pending, fields, strict=True):
-            store._write_fields(packed, start)
+        write_all(
+            [
+                pair
+                for (store, _, start), packed in zip(pending, fields, strict=True)
+                for pair in store._field_writes(packed, start)
+            ]
+        )
