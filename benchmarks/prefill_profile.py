@@ -67,7 +67,6 @@ PARTS = {
     "packed_together": "asq_pack",
     "DeferredEncodings._pack_blocks": "asq_pack",
     "DeferredEncodings.flush": "gate_keys",
-    "_write_fields": "cache_update",
     "write_all": "cache_update",
     "_keys_as_seen": "earlier_chunks_dequantized",
     "run_gate": "gate_keys",

@@ -153,10 +153,6 @@ class KVStore:
         tail = {"tail": ((batch, heads, compressor.block_size, head_dim), dtype)}
         return tail | compressor.field_specs(batch, heads, capacity)
 
-    def _write_fields(self, packed: dict[str, Tensor], start: int) -> None:
-        """`pack_blocks` fields of whole blocks into the store's fields at token `start`."""
-        write_all(self._field_writes(packed, start))
-
     def _field_writes(self, packed: dict[str, Tensor], start: int) -> list[tuple[Tensor, Tensor]]:
         """Where `pack_blocks` fields of whole blocks go at token `start`: (the store's field from there, the
         field) pairs, for `write_all`."""
@@ -198,7 +194,7 @@ class KVStore:
         whole = self._blocks_completed()
         if whole:
             fields = packed if packed is not None else self.compressor.pack_blocks(raw[:, :, :whole])
-            self._write_fields(fields, self._blocks_start())
+            write_all(self._field_writes(fields, self._blocks_start()))
         self._store_tail(raw, whole)
 
     def _store_tail(self, raw: Tensor, whole: int) -> None:
@@ -432,18 +428,18 @@ class DeferredEncodings:
                 runs.append(run)
             run.append(entry)
             open_runs[entry.group()] = (run, held + size)
+        writes = []
         for run in runs:
             keys, sizes = [entry.keys for entry in run], [entry.keys.shape[1] for entry in run]
             rotations = [entry.rotation for entry in run]
             joined = GateKeyRotation.apply_joined(rotations, keys) if rotations[0] is not None else torch.cat(keys, 1)
             codes, scales = encode_gate_keys(joined, run[0].bits)
             scale_parts = scales.split(sizes, 1) if scales is not None else [None] * len(run)
-            writes = []
             for entry, code_part, scale_part in zip(run, codes.split(sizes, 1), scale_parts, strict=True):
                 writes.append((entry.codes_at, code_part))
                 if entry.scales_at is not None:
                     writes.append((entry.scales_at, scale_part))
-            write_all(writes)
+        write_all(writes)
 
     def _pack_blocks(self) -> None:
         pending, self.blocks, self.waiting_bytes = self.blocks, [], 0
