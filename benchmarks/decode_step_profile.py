@@ -75,14 +75,35 @@ def profile_step(step: Callable[[], object], steps: int, cuda: bool) -> list[dic
         if cuda:
             torch.cuda.synchronize()
     rows = []
+    per_call = _per_call_us(prof.events(), cuda)
     for event in prof.key_averages():
         total = event.device_time_total if cuda else event.self_cpu_time_total
         if total > 0:
-            rows.append({"name": event.key[:160], "calls": event.count / steps, "total_us": total / steps})
+            row = {"name": event.key[:160], "calls": event.count / steps, "total_us": total / steps}
+            rows.append(row | _call_spread(per_call.get(event.key, [])))
     whole = sum(row["total_us"] for row in rows)
     for row in rows:
         row["share"] = row["total_us"] / whole
     return sorted(rows, key=lambda row: -row["total_us"])
+
+
+def _per_call_us(events: list, cuda: bool) -> dict[str, list[float]]:
+    """Each kernel's (or op's) duration per call, in microseconds, by name."""
+    calls: dict[str, list[float]] = {}
+    for event in events:
+        duration = event.device_time_total if cuda else event.self_cpu_time_total  # as `key_averages` sums them
+        if duration > 0:
+            calls.setdefault(event.key, []).append(duration)
+    return calls
+
+
+def _call_spread(durations: list[float]) -> dict:
+    """`median_call_us` and `largest_calls_us` (the four longest calls): a kernel whose calls differ (a dense
+    layer's attention beside the selecting layers') shows it here, where its total hides it."""
+    if not durations:
+        return {}
+    ordered = sorted(durations)
+    return {"median_call_us": ordered[len(ordered) // 2], "largest_calls_us": ordered[-4:][::-1]}
 
 
 class OpCounter(TorchDispatchMode):
