@@ -201,8 +201,8 @@ def print_prefill(method: str, figures: dict, top: int) -> None:
     ops = f"{figures['ops']} ops ({figures['us_per_op']:.1f} us of wall time an op)"
     print(f"\n{method}: {figures['wall_ms']:.1f} ms wall{busy}; {ops}, host syncs {figures['host_syncs']}")
     if "host_op_ms" in figures:
-        top = ", ".join(f"{row['name']} {row['total_us']:.0f} us" for row in figures["host_ops"][:5])
-        print(f"  host: the ops' own CPU time {figures['host_op_ms']:.1f} ms; the largest: {top}")
+        largest = ", ".join(f"{row['name']} {row['total_us']:.0f} us" for row in figures["host_ops"][:5])
+        print(f"  host: the ops' own CPU time {figures['host_op_ms']:.1f} ms; the largest: {largest}")
     print("  ops by part: " + ", ".join(f"{part} {n}" for part, n in figures["ops_by_part"].items()))
     print_kernels(figures["kernels"], top)
 
