@@ -40,7 +40,8 @@ def collector_off() -> Iterator[None]:
 
 
 def _alive(kind: type) -> int:
-    return sum(isinstance(obj, kind) for obj in gc.get_objects())
+    """Objects of `kind` alive (a weak proxy of one, which isinstance also matches while it lives, not counted)."""
+    return sum(isinstance(obj, kind) and not isinstance(obj, weakref.ProxyTypes) for obj in gc.get_objects())
 
 
 def _gsm_model() -> torch.nn.Module:
@@ -50,10 +51,23 @@ def _gsm_model() -> torch.nn.Module:
     return model
 
 
-def test_model_generate_leaves_no_gsm_cache_behind(collector_off: None) -> None:
+def test_model_generate_keeps_one_cache_for_the_next_call_and_frees_each_it_replaces(collector_off: None) -> None:
     model = _gsm_model()
     with torch.no_grad():
         model.generate(IDS, max_new_tokens=12, do_sample=False)  # crosses a block edge: a pack in the steps
+        model.generate(IDS[:, :30], max_new_tokens=12, do_sample=False)  # the same rows and band: the same cache
+        assert _alive(GSMCache) == 1
+        model.generate(IDS.expand(2, -1), max_new_tokens=12, do_sample=False)  # two rows: a new cache replaces it
+    assert _alive(GSMCache) == 1
+    enable_gsm_generation(model)  # its settings anew: the kept cache goes
+    assert _alive(GSMCache) == 0
+
+
+def test_without_reuse_model_generate_leaves_no_gsm_cache_behind(collector_off: None) -> None:
+    model = _gsm_model()
+    enable_gsm_generation(model, reuse_cache=False)
+    with torch.no_grad():
+        model.generate(IDS, max_new_tokens=12, do_sample=False)
     assert _alive(GSMCache) == 0
 
 

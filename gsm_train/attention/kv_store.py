@@ -37,7 +37,8 @@ class CacheLengths:
     in a compressed store's raw tail), computed once by `add_token` for every layer's writes and lookups.
 
     The one owner of these counters: they are read-only outside this class and change only through its
-    methods (`add_chunk`, `add_token`, `follow_replayed_token`, `advance_packed`, `follow_packed`, `restore`),
+    methods (`add_chunk`, `add_token`, `follow_replayed_token`, `advance_packed`, `follow_packed`, `restore`,
+    `clear`),
     so the host and device copies cannot drift apart by an assignment elsewhere (tests/test_cache_ownership.py
     checks)."""
 
@@ -89,6 +90,13 @@ class CacheLengths:
     def follow_packed(self, block_size: int) -> None:
         """`advance_packed` ran (eagerly or in a replayed graph): the host copy follows the device's."""
         self._packed_len += block_size
+
+    def clear(self) -> None:
+        """Back to an empty cache's counters, as `__init__` made them (in place: the device tensors a captured
+        step reads stay the same)."""
+        self._seq_len = self._packed_len = self._before = 0
+        self.device.zero_()
+        self.slots.zero_()
 
     def snapshot(self) -> tuple[int, int, int, Tensor]:
         """The counters as they are (`restore` puts them back), the device copy cloned."""

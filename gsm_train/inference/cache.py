@@ -84,6 +84,7 @@ class GSMCacheLayer(CacheLayerMixin):
         self.gate_key_scales: Tensor | None = None  # fp16 [B, n, capacity, 1] for int8 gate keys
         self.source: GSMCacheLayer | None = None  # the bridge source's cache, for a bridge target
         self.recent_raw: tuple[Tensor, Tensor] | None = None  # a prompt chunk's raw K/V since the last packed block
+        self.buffers: list[Tensor] = []  # every buffer of the layer (stores and gate keys), once allocated
 
     @property
     def lengths(self) -> CacheLengths:
@@ -133,6 +134,7 @@ class GSMCacheLayer(CacheLayerMixin):
             )
         self.k_store, self.v_store = stores["k"], stores["v"]
         self.gate_keys, self.gate_key_scales = buffers.get("gate.keys"), buffers.get("gate.scales")
+        self.buffers = list(buffers.values())
         self.device, self.dtype, self.is_initialized = device, dtype, True
 
     def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
@@ -223,7 +225,11 @@ class GSMCacheLayer(CacheLayerMixin):
         return self.cache.capacity
 
     def reset(self) -> None:
-        raise GSMError("a GSM cache cannot be reset; create a new GSMCache(model) for a new sequence")
+        """Empty, as when allocated: every buffer zeroed in place (one op), no prompt rows kept. The lengths
+        are the cache's (`GSMCache.reset`)."""
+        if self.buffers:
+            torch._foreach_zero_(self.buffers)
+        self.recent_raw = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise GSMError("a GSM cache does not support beam search; generate with num_beams=1")
@@ -276,6 +282,7 @@ class GSMCache(Cache):
             else None
         )
         self.key_valid: Tensor | None = None  # [B, capacity] bool, once a padded batch is seen
+        self.step_graphs: Any = None  # its token steps captured (`inference.engine` makes them at the first step)
         self.token_step = False  # the call in progress adds one token after earlier ones
         self.pending = 0  # tokens of the forward in progress (held already, not yet for transformers)
         self.deferred_encodings: DeferredEncodings | None = None  # a dense prefill chunk's, made after its forward
@@ -295,6 +302,23 @@ class GSMCache(Cache):
             together and self.prefill == "dense" and all(layer.source is None for layer in layers)
         )
         super().__init__(layers=layers)
+
+    def reset(self) -> None:
+        """Empty again for a new sequence of the same batch, in place: lengths 0, every layer's buffers zeroed,
+        the padding mask (if one was made) all valid. Its buffers and captured token steps stay, so a generation
+        that reuses the cache replays those steps instead of capturing new ones; what it holds after a prompt
+        is what a new cache would hold, bit for bit (tests/test_cache_reuse.py)."""
+        self.lengths.clear()
+        self.token_step, self.pending, self.deferred_encodings = False, 0, None
+        if self.key_valid is not None:  # kept, not dropped: the captured steps read it
+            self.key_valid.fill_(True)
+        for layer in self.layers:
+            layer.reset()
+
+    def batch_size(self) -> int | None:
+        """Rows per sequence batch its buffers were made for (None before its first tokens)."""
+        store = next((layer.k_store for layer in self.layers if layer.k_store is not None), None)
+        return store.tail.shape[0] if store is not None else None
 
     def gsm_layer(self, layer_idx: int) -> GSMCacheLayer:
         return self.layers[layer_idx]
@@ -374,6 +398,7 @@ class GSMCache(Cache):
             self.key_valid = torch.ones(
                 attention_mask.shape[0], self.capacity, dtype=torch.bool, device=attention_mask.device
             )
+            self.step_graphs = None  # steps captured without a mask would not read it: capture again
         seen = attention_mask.shape[1]
         self.key_valid[:, :seen] = attention_mask.bool()
 

@@ -49,6 +49,7 @@ def enable_gsm_generation(
     prefill: str = DEFAULT_PREFILL,
     fused_decode: bool = False,
     greedy_loop: bool = True,
+    reuse_cache: bool = True,
 ) -> None:
     """Make `model.generate` and `model.forward` use GSM's cache as the module docstring says (idempotent).
     `cuda_graphs`: replay token steps from CUDA graphs where they can be captured (`graphs_supported`).
@@ -57,7 +58,10 @@ def enable_gsm_generation(
     `fused_decode`: token steps run the layers' RMSNorms, RoPE and SwiGLU as one Triton kernel each
     (`inference.decode_fusion`; where the kernels run: CUDA, or Triton's interpreter).
     `greedy_loop`: a plain greedy call decodes in `inference.greedy_loop`'s loop (False: transformers' loop
-    decodes every call; the tokens are the same)."""
+    decodes every call; the tokens are the same).
+    `reuse_cache`: a `generate` call without a cache of its own reuses the previous call's, reset, where its
+    rows and capacity fit (`_generation_cache`: no new capture of its token steps); the cache a call returned
+    is then emptied by the next call. Calling this again drops the kept cache."""
     check_prefill(prefill)
     if prefill_chunk is not None and prefill_chunk < 1:
         raise GSMError(
@@ -74,6 +78,8 @@ def enable_gsm_generation(
         "prefill": prefill,
         "fused_decode": fused_decode,
         "greedy_loop": greedy_loop,
+        "reuse_cache": reuse_cache,
+        "kept_cache": None,  # the last generate call's cache, for the next (`_generation_cache`)
     }
 
 
@@ -104,7 +110,7 @@ def _generate(model: nn.Module, inputs: Tensor | None = None, **kwargs: Any) -> 
             raise GSMError("a GSM cache does not support beam search; generate with num_beams=1")
         new = kwargs.get("max_new_tokens") or getattr(config, "max_new_tokens", None)
         total = prompt.shape[1] + new if new is not None else kwargs.get("max_length") or config.max_length
-        kwargs |= cache_kwargs(model, GSMCache(model, capacity=total))
+        kwargs |= cache_kwargs(model, _generation_cache(model, prompt.shape[0], total))
     if _greedy_loop_call(model, kwargs):
         streamer = kwargs.pop("streamer", None)
         # a cache the caller keeps, or a streamer, sees no step past the last EOS: check every token
@@ -127,6 +133,30 @@ NOT_GREEDY_LOOP = (
     "synced_gpus",
     "inputs_embeds",
 )
+
+
+# a generation's cache, where it keeps one for the next call, holds up to this many slots more than the call needs
+# (the new capacity rounded up to them): prompts within one band reuse it; slots past the length are never read
+REUSE_ROUND = 512
+
+
+def _generation_cache(model: nn.Module, batch: int, tokens: int) -> GSMCache:
+    """The cache for a `generate` call of `batch` rows and `tokens` in all: with `reuse_cache` on, the one the
+    previous call used, reset, where it was made for as many rows and the same capacity (`tokens` rounded up
+    to `REUSE_ROUND`), so its captured token steps replay instead of being captured again (a capture costs
+    about as much as hundreds of token steps); else a new one, kept for the next call in its place (its
+    memory stays allocated until then, as transformers' static cache does)."""
+    if not model.gsm_generation["reuse_cache"]:
+        return GSMCache(model, capacity=tokens)
+    capacity = -(-tokens // REUSE_ROUND) * REUSE_ROUND
+    kept = model.gsm_generation["kept_cache"]
+    if kept is not None and kept.capacity == capacity and kept.batch_size() == batch:
+        kept.reset()
+        return kept
+    model.gsm_generation["kept_cache"] = None  # the old cache's memory free before the new one takes its own
+    cache = GSMCache(model, capacity=capacity)
+    model.gsm_generation["kept_cache"] = cache
+    return cache
 
 
 def _greedy_loop_call(model: nn.Module, kwargs: dict[str, Any]) -> bool:
@@ -188,7 +218,7 @@ def _output_cache_name() -> str:
 
 def _step_graphs(model: nn.Module, cache: GSMCache) -> StepGraphs | None:
     """The cache's captured token steps, made at its first token step; None where they cannot be."""
-    graphs = getattr(cache, "step_graphs", None)
+    graphs = cache.step_graphs
     if graphs is None and graphs_supported(model, cache) is None:
         graphs = cache.step_graphs = StepGraphs(model, cache, model.gsm_generation["fused_decode"])
     return graphs
