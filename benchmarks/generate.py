@@ -188,7 +188,9 @@ def gsm_row(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int) -> dict:
     batch = ids.shape[0]
     if batch == 1:
         say(f"gsm warm-up: prefill of {ids.shape[1]} tokens and 3 new")
-        generate_timed(model, ids, 3)  # warm-up: kernels compiled and autotuned
+        # warm-up: kernels compiled and autotuned; over a cache of its own, so that `model.generate` keeps none
+        # beside the timed call's (`enable_gsm_generation`'s reuse_cache)
+        generate_timed(model, ids, 3, **cache_kwargs(model, GSMCache(model, capacity=ids.shape[1] + 3)))
         say("gsm warm-up done; the timed call")
         cache = GSMCache(model, capacity=ids.shape[1] + new_tokens)
         result = _measure(model, ids, new_tokens, warm=False, **cache_kwargs(model, cache))
@@ -332,7 +334,15 @@ def run_row(
                 say(f"{name} {method}: measured by an earlier run")
                 continue
             say(f"{name} {method}")
-            result = _dense_method(name, model, ids, new_tokens, method, settings.get("fused_decode", False))
+            try:
+                result = _dense_method(name, model, ids, new_tokens, method, settings.get("fused_decode", False))
+            except torch.OutOfMemoryError as error:  # recorded, and the row goes on (a larger GPU measures it)
+                row.setdefault("dense_errors", {})[method] = _out_of_memory(error)
+                say(f"{name} {method}: {row['dense_errors'][method]}")
+                save(row)
+                _free_memory()
+                continue
+            row.get("dense_errors", {}).pop(method, None)  # an earlier run's failure, measured now
             if method == "dense_static_compiled":
                 row["dense_tokens"] = result["tokens"]
             row[method] = {k: v for k, v in result.items() if k != "tokens"} | {
@@ -341,8 +351,7 @@ def run_row(
             }
             say(f"{name} {method}: {row[method]['decode_tokens_per_s']:.1f} tokens/s")
             save(row)
-            gc.collect()
-            torch.cuda.empty_cache()
+            _free_memory()
     else:
         row["dense_fits"] = (
             f"no: {bandwidth.dense_kv_bytes(model, context, batch) / 1e9:.0f} GB of bf16 KV; at most {most} rows fit"
@@ -358,6 +367,18 @@ def run_row(
         if method in row:
             row[f"speedup_vs_{method}"] = result["decode_tokens_per_s"] / row[method]["decode_tokens_per_s"]
     return row
+
+
+def _out_of_memory(error: torch.OutOfMemoryError) -> str:
+    """What a method that ran out of device memory records: the error's first sentence and the peak."""
+    first = str(error).split(". ")[0]
+    return f"out of memory ({first}; peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB allocated)"
+
+
+def _free_memory() -> None:
+    """What a finished (or failed) method held, returned to the device before the next."""
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def row_settings(
