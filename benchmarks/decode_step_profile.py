@@ -437,7 +437,10 @@ def main(argv: list[str] | None = None) -> None:
         "--fused", action="store_true", help="token steps with fused RMSNorm, RoPE and SwiGLU kernels (both engines)"
     )
     parser.add_argument(
-        "--device", choices=["cuda", "cpu"], default=None, help="default: cuda where there is one for 8b, cpu for tiny"
+        "--device",
+        choices=["cuda", "cpu"],
+        default=None,
+        help="default: cuda where there is one (8b, smollm2), cpu for tiny",
     )
     args = parser.parse_args(argv)
     settings = {"model": args.model, "context": args.context, "batch": args.batch, "steps": args.steps}
@@ -448,7 +451,7 @@ def main(argv: list[str] | None = None) -> None:
     path = Path(args.result)
     result = load_result(path, settings)
     model = profile_model(
-        args.model, args.device or ("cuda" if torch.cuda.is_available() and args.model == "8b" else "cpu")
+        args.model, args.device or ("cuda" if torch.cuda.is_available() and args.model != "tiny" else "cpu")
     )
     ids = prompt_ids(model, args.batch, args.context)
     if args.count_outside:
