@@ -474,6 +474,66 @@ def test_fused_kernel_equals_pytorch_path(bits: int | tuple[int, int] | str | No
     )
 
 
+@triton_kernel_test
+@pytest.mark.parametrize(
+    ("bits", "length", "padded"),
+    [
+        (4, 300, False),  # four blocks packed, a partial tail, capacity to the end of the tail's block
+        ((4, 2), 320, False),  # a full tail block; K and V at their own widths
+        ("rotated", 300, True),  # rotated residuals beside raw tail rows; padding masked
+        (8, 64, False),  # a single block, not yet packed
+    ],
+)
+def test_the_dense_layer_kernel_equals_pytorch_over_every_key(
+    bits: int | tuple[int, int] | str, length: int, padded: bool
+) -> None:
+    """A layer that reads every key (`dense_decode_attention`: a block a tile, its prototypes read once) gives
+    the PyTorch path's attention over every held row, and the selection kernel's over them all, with the
+    cache's room past the length unread (capacity one block more)."""
+    from gsm_train.kernels.dense_decode import dense_decode_applies, dense_decode_attention
+    from gsm_train.kernels.sparse_decode import fused_decode_attention
+
+    device = KERNEL_DEVICE
+    torch.manual_seed(0)
+    batch, q_heads, kv_heads, dim, block = 2, 6, 2, 64, 64
+    rotate = bits == "rotated"
+    side_bits = (4, 4) if rotate else bits if isinstance(bits, tuple) else (bits, bits)
+    compressors = [
+        ASQCompressor(kv_heads, dim, cluster_num=3, quant_bits=side, block_size=block, rotate_residuals=rotate).to(
+            device
+        )
+        for side in side_bits
+    ]
+    capacity = -(-length // block) * block + block
+    stores = _filled_stores(
+        compressors, [torch.randn(batch, kv_heads, length, dim, device=device) for _ in range(2)], capacity=capacity
+    )
+    rows = [store.packed_rows() for store in stores]
+    assert dense_decode_applies(*rows)
+    query = torch.randn(batch, q_heads, 1, dim, device=device)
+    key_valid = torch.rand(batch, capacity, device=device) > 0.2 if padded else None
+    every = torch.arange(length, device=device).expand(batch, kv_heads, -1)
+    valid = None if key_valid is None else key_valid[:, None, :length].expand(-1, kv_heads, -1)
+    expected = attend(query, stores[0].gather(every), stores[1].gather(every), valid, 0.125)
+    got = dense_decode_attention(query, *rows, key_valid, 0.125)
+    torch.testing.assert_close(got, expected, atol=2e-6, rtol=0)
+    index = torch.arange(capacity, device=device).expand(batch, 1, -1)  # the selection kernel's dense read
+    held = (index < length) & (key_valid[:, None] if key_valid is not None else True)
+    torch.testing.assert_close(got, fused_decode_attention(query, *rows, index, held, 0.125), atol=2e-6, rtol=0)
+
+
+def test_the_dense_layer_kernel_takes_only_packed_blocks_of_16_or_more() -> None:
+    from gsm_train.kernels.dense_decode import dense_decode_applies
+
+    batch, heads, dim = 1, 2, 64
+    small, raw = (
+        _filled_stores([ASQCompressor(heads, dim, block_size=8)] * 2, [torch.randn(batch, heads, 20, dim)] * 2),
+        _filled_stores([None, None], [torch.randn(batch, heads, 20, dim)] * 2),
+    )
+    assert not dense_decode_applies(*(s.packed_rows() for s in small))
+    assert not dense_decode_applies(*(s.packed_rows() for s in raw))
+
+
 def _attend_case(
     rotate: bool, dtype: torch.dtype, dim: int, groups: int, per_head: bool, with_valid: bool
 ) -> tuple[tuple, Tensor]:
@@ -675,6 +735,30 @@ def test_fused_cache_decodes_rotated_residuals_as_teacher_forcing() -> None:
     forcing."""
     model = _model("llama", CONFIGS["gate_asq_rotated"]).to(KERNEL_DEVICE)
     _assert_fused_decoding_is_teacher_forcing(model)
+
+
+@triton_kernel_test
+def test_fused_cache_reads_dense_and_retrieval_layers_a_block_a_tile_as_teacher_forcing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Blocks of 16 (the dense-layer kernel's smallest tile): the dense layer 0 and the retrieval layer 2 read
+    every key through `dense_decode_attention`, rotated residuals beside the raw newest block, and the logits
+    are teacher forcing's."""
+    from gsm_train.inference import decode_attention
+
+    calls, original = [], decode_attention.dense_decode_attention
+
+    def counted(*args: Any) -> Tensor:
+        calls.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(decode_attention, "dense_decode_attention", counted)
+    sections = {
+        "sparse_attention": {**SPARSE, "retrieval_layers": [2], "recent_tokens": 3},
+        "kv_compression": {**ASQ, "block_size": 16, "rotate_residuals": True},
+    }
+    _assert_fused_decoding_is_teacher_forcing(_model("llama", sections).to(KERNEL_DEVICE))
+    assert len(calls) == 2 * (LENGTH - PROMPT)  # layers 0 and 2, every token step
 
 
 @triton_kernel_test

@@ -28,6 +28,7 @@ from gsm_train.functional.gate_keys import decode_gate_keys
 from gsm_train.functional.top_k import k_per_query
 from gsm_train.kernels import kernel_fits
 from gsm_train.kernels.decode_topk import unordered_top_k
+from gsm_train.kernels.dense_decode import dense_decode_applies, dense_decode_attention
 from gsm_train.modules.errors import GSMError
 
 
@@ -188,18 +189,28 @@ def decode_attention(step: CachedStep, layer_cache: LayerCache) -> Tensor:
             f"layer {adapter.layer_idx}: a GSM cache takes one new token per step after the prompt "
             f"(got {query.shape[2]}); pass the whole prompt in the first call"
         )
-    index, valid = select_keys(step, layer_cache)
     kernels = layer_cache.kernels
-    if adapter.bridge is None and kernels is not None and kernel_fits(module.head_dim):
-        stores = (layer_cache.k_store.packed_rows(), layer_cache.v_store.packed_rows())
-        if None not in stores:  # stores the kernel reads (ASQ-packed or raw)
-            return kernels.fused_decode_attention(query, *stores, index, valid, step.scaling)
+    fused = adapter.bridge is None and kernels is not None and kernel_fits(module.head_dim)
+    stores = (layer_cache.k_store.packed_rows(), layer_cache.v_store.packed_rows()) if fused else (None,)
+    if None not in stores and _reads_every_key(step) and dense_decode_applies(*stores):
+        # every key, a block a tile: the block's prototypes read once, not once a row
+        return dense_decode_attention(query, *stores, layer_cache.key_valid, step.scaling)
+    index, valid = select_keys(step, layer_cache)
+    if None not in stores:  # stores the kernel reads (ASQ-packed or raw)
+        return kernels.fused_decode_attention(query, *stores, index, valid, step.scaling)
     kv_heads = module.k_proj.out_features // module.head_dim
     shared = index.shape[1] == 1
     index = _per_kv_head(index, kv_heads)
     valid = None if valid is None else _per_kv_head(valid, kv_heads)
     keys, values = gather_kv(adapter, layer_cache, index, shared, step.settings.config.cross_layer_sharing.mode)
     return attend(query, keys, values, valid, step.scaling)
+
+
+def _reads_every_key(step: CachedStep) -> bool:
+    """Whether the token attends to every key held (dense mode, or no gate): `select_keys`' every position
+    (oracle mode is left to it, which refuses it)."""
+    mode = step.adapter.attention_mode(step.settings)
+    return mode == "dense" or (mode != "oracle" and step.adapter.gate is None)
 
 
 def fused_scores(gate_head_dim: int, query_heads: int) -> bool:
