@@ -108,7 +108,7 @@ def per_layer_ms(steps: list[Callable[[], object]]) -> float:
     return graph_ms(lambda: [step() for step in steps]) / len(steps)
 
 
-def _dense_ms(query: torch.Tensor, kv_heads: int, length: int, layers: int) -> float:
+def dense_sdpa_ms(query: torch.Tensor, kv_heads: int, length: int, layers: int) -> float:
     """ms per layer of dense SDPA decode over a bf16 cache: the faster of GQA-native SDPA and SDPA over K/V
     repeated to the query heads (whichever backend each picks)."""
     batch, q_heads, _, dim = query.shape
@@ -200,7 +200,7 @@ def attention_rows(contexts: list[int], batches: list[int], ks: list[int], gsm: 
                 query = torch.randn(batch, q_heads, 1, dim, device="cuda", dtype=torch.bfloat16)
                 dense_bytes = 2 * batch * kv_heads * length * dim * 2
                 layers = layers_per_graph(dense_bytes)
-                dense = _dense_ms(query, kv_heads, length, layers)
+                dense = dense_sdpa_ms(query, kv_heads, length, layers)
                 torch.cuda.empty_cache()
                 caches = layer_caches(gsm, (asq_k, asq_v), batch, length, layers)
                 for k in ks:
