@@ -387,14 +387,16 @@ def row_settings(
     prefill_chunk: int | None = None,
     methods: tuple[str, ...] = DENSE_METHODS,
     fused_decode: bool = False,
+    dense_block_kernel: bool = False,
 ) -> dict:
     """What a row's figures depend on besides its name: a stored row of other settings is measured again.
     `prefill`: the GSM method's prefill mode (`--prefill`); `prefill_chunk` its prompt tokens per forward
     (`--prefill-chunk`, named only when it is set: None runs the library's default for the mode); `methods`:
-    the dense methods measured; `fused_decode`: GSM's and the dense engine's token steps fused (named only when
-    set)."""
+    the dense methods measured; `fused_decode`: GSM's and the dense engine's token steps fused, and
+    `dense_block_kernel`: GSM's dense layers read a block a tile (each named only when set)."""
     chunk = {} if prefill_chunk is None else {"gsm_prefill_chunk": prefill_chunk}
     fused = {"fused_decode": True} if fused_decode else {}
+    fused |= {"dense_block_kernel": True} if dense_block_kernel else {}
     return {
         "version": ROW_VERSION,
         "new_tokens": new_tokens,
@@ -425,10 +427,11 @@ def smollm2_extras(model: torch.nn.Module, row: dict, new_tokens: int, prompts: 
         with gsm_disabled(model):
             extras["dense_token_agreement"], _ = agreement(model, dense[:4], new_tokens)
     if row["batch"] == 1:
-        chunk, fused = (model.gsm_generation[key] for key in ("prefill_chunk", "fused_decode"))  # as the row ran
-        enable_gsm_generation(model, cuda_graphs=False, prefill=prefill, prefill_chunk=chunk, fused_decode=fused)
+        ran = ("prefill_chunk", "fused_decode", "dense_block_kernel")
+        options = {key: model.gsm_generation[key] for key in ran}  # as the row ran
+        enable_gsm_generation(model, cuda_graphs=False, prefill=prefill, **options)
         eager, _ = generate_timed(model, prompt, new_tokens)
-        enable_gsm_generation(model, cuda_graphs=True, prefill=prefill, prefill_chunk=chunk, fused_decode=fused)
+        enable_gsm_generation(model, cuda_graphs=True, prefill=prefill, **options)
         extras["captured_step_tokens_equal_eager"] = bool(torch.equal(eager, generated[:1]))
         say("step KL of GSM and the dense model against teacher forcing")
         extras["step_kl"] = step_kl(model, prompts[:4].to(generated.device), new_tokens)
@@ -472,6 +475,11 @@ def main() -> None:
         action="store_true",
         help="GSM's and the dense engine's token steps with the fused RMSNorm / RoPE / SwiGLU kernels",
     )
+    parser.add_argument(
+        "--dense-block-kernel",
+        action="store_true",
+        help="GSM's layers that read every key decode a compressor block a tile (kernels.dense_decode)",
+    )
     parser.add_argument("--result", required=True)
     args = parser.parse_args()
     methods = tuple(method for method in args.methods.split(",") if method)
@@ -480,7 +488,9 @@ def main() -> None:
         parser.error(f"--methods: {unknown} are not dense methods; choose from {','.join(DENSE_METHODS)}")
     result_path = Path(args.result)
     result = json.loads(result_path.read_text()) if result_path.exists() else {"rows": {}}
-    settings = row_settings(args.new_tokens, args.prefill, args.prefill_chunk, methods, args.fused_decode)
+    settings = row_settings(
+        args.new_tokens, args.prefill, args.prefill_chunk, methods, args.fused_decode, args.dense_block_kernel
+    )
     wanted = [name for name in args.rows.split(",") if not row_complete(result["rows"].get(name, {}), settings)]
     peak = bandwidth.peak_bandwidth()
     measured_by = provenance()
@@ -537,7 +547,11 @@ def _family(family: str, args: argparse.Namespace) -> tuple[torch.nn.Module, tor
             if not any(True for _ in gsm_adapters(m)):
                 inject_gsm(m, joint_gsm_config(), mode="sparse")
                 enable_gsm_generation(
-                    m, prefill=args.prefill, prefill_chunk=args.prefill_chunk, fused_decode=args.fused_decode
+                    m,
+                    prefill=args.prefill,
+                    prefill_chunk=args.prefill_chunk,
+                    fused_decode=args.fused_decode,
+                    dense_block_kernel=args.dense_block_kernel,
                 )
             return m
 
@@ -557,7 +571,11 @@ def _family(family: str, args: argparse.Namespace) -> tuple[torch.nn.Module, tor
                 inject_gsm(m, load_recipe(str(REPO / "recipes" / "joint.yaml")).gsm, mode="sparse")
             # generation is enabled explicitly, as GSMModel does
             enable_gsm_generation(
-                m, prefill=args.prefill, prefill_chunk=args.prefill_chunk, fused_decode=args.fused_decode
+                m,
+                prefill=args.prefill,
+                prefill_chunk=args.prefill_chunk,
+                fused_decode=args.fused_decode,
+                dense_block_kernel=args.dense_block_kernel,
             )
             set_gsm_mode(m, "sparse")
         return m

@@ -110,13 +110,14 @@ def _step_by_step(model: torch.nn.Module, ids: Tensor, cache: GSMCache) -> Tenso
     return torch.cat(logits, dim=1)
 
 
-def _assert_fused_decoding_is_teacher_forcing(model: torch.nn.Module) -> None:
+def _assert_fused_decoding_is_teacher_forcing(model: torch.nn.Module, dense_block_kernel: bool = False) -> None:
     """`model` (on KERNEL_DEVICE) decodes `_ids()` through the fused kernels to its teacher-forced logits."""
     ids = _ids().to(KERNEL_DEVICE)
     with torch.no_grad():
         teacher_forced = model(ids, use_cache=False).logits
+    cache = GSMCache(model, capacity=ids.shape[1], fused=True, prefill="sparse", dense_block_kernel=dense_block_kernel)
     torch.testing.assert_close(
-        _step_by_step(model, ids, GSMCache(model, capacity=ids.shape[1], fused=True, prefill="sparse")),
+        _step_by_step(model, ids, cache),
         teacher_forced,
         atol=1e-3,
         rtol=0,
@@ -757,8 +758,11 @@ def test_fused_cache_reads_dense_and_retrieval_layers_a_block_a_tile_as_teacher_
         "sparse_attention": {**SPARSE, "retrieval_layers": [2], "recent_tokens": 3},
         "kv_compression": {**ASQ, "block_size": 16, "rotate_residuals": True},
     }
-    _assert_fused_decoding_is_teacher_forcing(_model("llama", sections).to(KERNEL_DEVICE))
+    model = _model("llama", sections).to(KERNEL_DEVICE)
+    _assert_fused_decoding_is_teacher_forcing(model, dense_block_kernel=True)
     assert len(calls) == 2 * (LENGTH - PROMPT)  # layers 0 and 2, every token step
+    _assert_fused_decoding_is_teacher_forcing(model)  # off by default: the selection kernel reads them
+    assert len(calls) == 2 * (LENGTH - PROMPT)
 
 
 @triton_kernel_test

@@ -45,7 +45,8 @@ class LayerCache(Protocol):
     What it holds, as decode and prefill attention read it: the K and V stores, the gate keys in buffers of the
     cache's capacity C (codes [B, n, C, dg] and, for int8, fp16 scales [B, n, C, 1]), the keys each row may see
     (`key_valid` [B, C], None: all), the cache's lengths, every slot's position (`positions`, int64 [C]: 0 to C -
-    1), the fused kernels' module (None: the PyTorch path), on that path the k of every position [C] (int64) of a
+    1), the fused kernels' module (None: the PyTorch path) and whether a layer reading every key takes the block
+    kernel there (`dense_block_kernel`, `kernels.dense_decode`), on that path the k of every position [C] (int64) of a
     schedule whose k varies (None: constant), for a bridge target the source layer's cache, and during a further
     prompt chunk the raw K/V [B, Hkv, n, D] from the last block packed before it to its end (None without a
     compressor; the chunk's attention takes it). The methods are what the attention function calls."""
@@ -57,6 +58,7 @@ class LayerCache(Protocol):
     key_valid: Tensor | None
     lengths: CacheLengths
     kernels: ModuleType | None
+    dense_block_kernel: bool
     k_by_position: Tensor | None
     positions: Tensor
     source: LayerCache | None

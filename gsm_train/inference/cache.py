@@ -99,6 +99,10 @@ class GSMCacheLayer(CacheLayerMixin):
         return self.cache.kernels
 
     @property
+    def dense_block_kernel(self) -> bool:
+        return self.cache.dense_block_kernel
+
+    @property
     def k_by_position(self) -> Tensor | None:
         return self.cache.k_by_position
 
@@ -252,7 +256,8 @@ class GSMCache(Cache):
     model, else DEFAULT_PREFILL). `pack_after_forward`: a dense prefill chunk's blocks packed after its
     forward, every layer's in one encoding, bit for bit what packing each layer as it runs stores on the CPU
     (default: on a GPU, where it saves ~80 kernel launches a layer; on the CPU packing each layer while its
-    rows are in cache is faster)."""
+    rows are in cache is faster). `dense_block_kernel`: a layer that reads every key decodes over its packed
+    store a block a tile (`kernels.dense_decode`; default: what `enable_gsm_generation` set, else off)."""
 
     def __init__(
         self,
@@ -261,6 +266,7 @@ class GSMCache(Cache):
         fused: bool | None = None,
         prefill: str | None = None,
         pack_after_forward: bool | None = None,
+        dense_block_kernel: bool | None = None,
     ) -> None:
         settings = gsm_settings(model)
         if not settings.enabled:
@@ -271,6 +277,10 @@ class GSMCache(Cache):
         self.capacity = _round_capacity(capacity or model_dims(model)["context"] or 4096, config)
         self.bridge_mode = config.cross_layer_sharing.mode
         self.kernels = fused_kernels(model, fused)
+        # a layer reading every key decodes a compressor block a tile (`kernels.dense_decode`) where the kernels
+        # run; off unless asked for (here or by `enable_gsm_generation`) until the GPU suite has run with it
+        block_kernel = generation.get("dense_block_kernel", False) if dense_block_kernel is None else dense_block_kernel
+        self.dense_block_kernel = bool(block_kernel) and self.kernels is not None
         device = next(model.parameters()).device
         self.lengths = CacheLengths(device)
         self.positions = torch.arange(self.capacity, device=device)  # every slot's position, made once

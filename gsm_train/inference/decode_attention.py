@@ -192,7 +192,12 @@ def decode_attention(step: CachedStep, layer_cache: LayerCache) -> Tensor:
     kernels = layer_cache.kernels
     fused = adapter.bridge is None and kernels is not None and kernel_fits(module.head_dim)
     stores = (layer_cache.k_store.packed_rows(), layer_cache.v_store.packed_rows()) if fused else (None,)
-    if None not in stores and _reads_every_key(step) and dense_decode_applies(*stores):
+    if (
+        None not in stores
+        and layer_cache.dense_block_kernel
+        and _reads_every_key(step)
+        and dense_decode_applies(*stores)
+    ):
         # every key, a block a tile: the block's prototypes read once, not once a row
         return dense_decode_attention(query, *stores, layer_cache.key_valid, step.scaling)
     index, valid = select_keys(step, layer_cache)

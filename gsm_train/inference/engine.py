@@ -50,6 +50,7 @@ def enable_gsm_generation(
     fused_decode: bool = False,
     greedy_loop: bool = True,
     reuse_cache: bool = True,
+    dense_block_kernel: bool = False,
 ) -> None:
     """Make `model.generate` and `model.forward` use GSM's cache as the module docstring says (idempotent).
     `cuda_graphs`: replay token steps from CUDA graphs where they can be captured (`graphs_supported`).
@@ -61,7 +62,10 @@ def enable_gsm_generation(
     decodes every call; the tokens are the same).
     `reuse_cache`: a `generate` call without a cache of its own reuses the previous call's, reset, where its
     rows and capacity fit (`_generation_cache`: no new capture of its token steps); the cache a call returned
-    is then emptied by the next call. Calling this again drops the kept cache."""
+    is then emptied by the next call. Calling this again drops the kept cache.
+    `dense_block_kernel`: on the fused path a layer that reads every key (dense and retrieval layers) decodes
+    over its packed store a compressor block a tile (`kernels.dense_decode`; off until the GPU suite has run
+    with it)."""
     check_prefill(prefill)
     if prefill_chunk is not None and prefill_chunk < 1:
         raise GSMError(
@@ -79,6 +83,7 @@ def enable_gsm_generation(
         "fused_decode": fused_decode,
         "greedy_loop": greedy_loop,
         "reuse_cache": reuse_cache,
+        "dense_block_kernel": dense_block_kernel,
         "kept_cache": None,  # the last generate call's cache, for the next (`_generation_cache`)
     }
 
