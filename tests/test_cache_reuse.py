@@ -77,9 +77,14 @@ def test_other_rows_or_a_longer_call_get_a_new_cache() -> None:
     one_row = model.gsm_generation["kept_cache"]
     _generate(model, _prompt(30, seed=5, batch=2))
     two_rows = model.gsm_generation["kept_cache"]
-    assert two_rows is not one_row and two_rows.batch_size() == 2
+    assert two_rows is not one_row and two_rows.made_for(2, next(model.parameters()))
     _generate(model, _prompt(REUSE_ROUND, seed=6, batch=2))  # past the band: a larger cache
-    assert model.gsm_generation["kept_cache"].capacity == 2 * REUSE_ROUND
+    longer = model.gsm_generation["kept_cache"]
+    assert longer.capacity == 2 * REUSE_ROUND
+    model.double()  # cast since: the kept buffers are of the old dtype
+    _generate(model, _prompt(REUSE_ROUND, seed=6, batch=2))
+    assert model.gsm_generation["kept_cache"] is not longer
+    assert model.gsm_generation["kept_cache"].layers[0].dtype == torch.float64
 
 
 def test_a_padded_prompt_after_steps_captured_without_padding_drops_them() -> None:

@@ -325,10 +325,16 @@ class GSMCache(Cache):
         for layer in self.layers:
             layer.reset()
 
-    def batch_size(self) -> int | None:
-        """Rows per sequence batch its buffers were made for (None before its first tokens)."""
-        store = next((layer.k_store for layer in self.layers if layer.k_store is not None), None)
-        return store.tail.shape[0] if store is not None else None
+    def made_for(self, batch: int, like: Tensor) -> bool:
+        """Whether its buffers were made for `batch` rows on `like`'s device and in its dtype (False before its
+        first tokens): what a reuse for another sequence needs (a model moved or cast since gets a new cache)."""
+        layer = next((layer for layer in self.layers if layer.is_initialized), None)
+        return (
+            layer is not None
+            and layer.k_store.tail.shape[0] == batch
+            and layer.device == like.device
+            and layer.dtype == like.dtype
+        )
 
     def gsm_layer(self, layer_idx: int) -> GSMCacheLayer:
         return self.layers[layer_idx]
