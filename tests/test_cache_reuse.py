@@ -115,3 +115,17 @@ def test_a_reused_cache_replays_the_steps_captured_in_the_previous_call() -> Non
     tokens = _generate(model, second)
     assert model.gsm_generation["kept_cache"].step_graphs is graphs  # replayed, not captured again
     assert torch.equal(tokens, _generate(without, second))
+    # fewer tokens than the top-k before the first step: the step captured after 37 read no mask of held keys,
+    # so this sequence gets its own
+    short = _prompt(3, seed=5, device="cuda")
+    assert torch.equal(_generate(model, short), _generate(without, short))
+    assert model.gsm_generation["kept_cache"].step_graphs is graphs
+
+
+def test_a_step_captured_with_every_pick_held_serves_only_sequences_past_the_top_k() -> None:
+    from gsm_train.inference.decode_graph import _serves
+
+    assert _serves(captured_held=40, held=10, k_static=8)  # past k at both: no mask either way
+    assert _serves(captured_held=3, held=1, k_static=8)  # captured with its mask: serves any length
+    assert _serves(captured_held=3, held=40, k_static=8)
+    assert not _serves(captured_held=40, held=3, k_static=8)  # captured without it: not a sequence under k

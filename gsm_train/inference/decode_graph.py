@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from gsm_train.attention.settings import GSMSettings, gsm_settings
 from gsm_train.inference.cache import GSMCache, cache_kwargs
-from gsm_train.inference.decode_attention import captured_k, fused_scores
+from gsm_train.inference.decode_attention import captured_k, fused_scores, static_k
 from gsm_train.inference.decode_fusion import fused_decode
 from gsm_train.modules.errors import GSMError
 
@@ -105,6 +105,7 @@ class CapturedStep(_WeakCache):
     ) -> None:
         super().__init__(cache)
         self.model = model
+        self.captured_held = cache.lengths.seq_len  # tokens held when captured (`StepGraphs` reads it)
         device = next(model.parameters()).device
         self.input_ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.position_ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
@@ -169,10 +170,21 @@ class StepGraphs(_WeakCache):
         return self.captured_pack()
 
     def __call__(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
-        k = captured_k(gsm_settings(self.model).config, self.cache.lengths.seq_len)
-        if k not in self.steps:
-            self.steps[k] = CapturedStep(self.model, self.cache, input_ids.shape[0], self.fused, self.pack)
-        return self.steps[k](input_ids, position_ids)
+        config, held = gsm_settings(self.model).config, self.cache.lengths.seq_len
+        k = captured_k(config, held)
+        step = self.steps.get(k)
+        k_static = static_k(k, config.sparse_attention.most_forced_keys(), self.cache.capacity)
+        if step is None or not _serves(step.captured_held, held, k_static):
+            step = self.steps[k] = CapturedStep(self.model, self.cache, input_ids.shape[0], self.fused, self.pack)
+        return step(input_ids, position_ids)
+
+
+def _serves(captured_held: int, held: int, k_static: int) -> bool:
+    """Whether a step captured when the cache held `captured_held` tokens serves a step after `held`: one
+    captured once every one of its `k_static` picks was a held key marks none invalid (`select_keys`), so it
+    serves only steps from there on. Within a sequence the cache only grows; a reused cache (`GSMCache.reset`)
+    starts again, and a shorter sequence than the one the step was captured in gets a step captured anew."""
+    return held + 1 >= k_static or captured_held + 1 < k_static
 
 
 class CapturedPack(_WeakCache):
