@@ -28,18 +28,12 @@ import torch
 from torch import Tensor
 
 from gsm_train.kernels.packed_rows import PackedRows
-from gsm_train.kernels.sparse_decode import MOST_SPLITS, kernel_constants, triton
+from gsm_train.kernels.sparse_decode import MOST_SPLITS, kernel_constants, merged_splits, split_partials, triton
 
 if triton is not None:
     import triton.language as tl
 
-    from gsm_train.kernels.sparse_decode import (
-        _group_query,
-        _merge_splits_kernel,
-        _store_partials,
-        _tail_rows,
-        _unpacked_levels,
-    )
+    from gsm_train.kernels.sparse_decode import _group_query, _store_partials, _tail_rows, _unpacked_levels
 
     @triton.jit
     def _block_levels(
@@ -191,10 +185,7 @@ def dense_decode_attention(
         _dense_decode_kernel.configs, triton.next_power_of_2(n_blocks))]  # fmt: skip
     most_splits = max(math.ceil(n_blocks / blocks) for blocks in choices)  # what any pick writes
     q = query.reshape(batch, q_heads, dim).contiguous()
-    acc = torch.empty(batch * kv_heads * most_splits * groups * dim, device=query.device, dtype=torch.float32)
-    maxes = torch.empty(batch * kv_heads * most_splits * groups, device=query.device, dtype=torch.float32)
-    sums = torch.empty_like(maxes)
-    raw = torch.empty_like(acc) if constants["ROTATED"] else acc
+    acc, raw, maxes, sums = split_partials(batch * kv_heads * most_splits * groups, dim, constants, query.device)
     signs = k_store.rotation_signs if constants["ROTATED"] else q
     valid = key_valid.to(torch.int8).contiguous() if key_valid is not None else q
 
@@ -209,9 +200,4 @@ def dense_decode_attention(
         **constants, **fixed,
     )  # fmt: skip
     splits = grid(fixed or _dense_decode_kernel.best_config.kwargs)[1]
-    out = torch.empty(batch, q_heads, dim, device=query.device, dtype=query.dtype)
-    _merge_splits_kernel[(batch * q_heads,)](
-        acc, raw, maxes, sums, signs, out, splits, G=groups, D=dim, LOG_D=constants["LOG_D"],
-        ROTATED=constants["ROTATED"], SPLIT_BLOCK=min(64, triton.next_power_of_2(splits)),
-    )  # fmt: skip
-    return out.reshape(batch, 1, q_heads, dim)
+    return merged_splits((acc, raw, maxes, sums), signs, query, splits, constants)

@@ -503,10 +503,7 @@ def fused_decode_attention(
     q = query.reshape(batch, q_heads, dim).contiguous()
     index = index.contiguous()
     valid_arg = valid.to(torch.int8).contiguous() if valid is not None else index
-    acc = torch.empty(batch * kv_heads * most_splits * groups * dim, device=query.device, dtype=torch.float32)
-    maxes = torch.empty(batch * kv_heads * most_splits * groups, device=query.device, dtype=torch.float32)
-    sums = torch.empty_like(maxes)
-    raw = torch.empty_like(acc) if constants["ROTATED"] else acc  # the raw rows' partial sums, when kept apart
+    acc, raw, maxes, sums = split_partials(batch * kv_heads * most_splits * groups, dim, constants, query.device)
     capacity = k_store.ids.shape[2] if packed else k_store.tail.shape[2]
     n_blocks = k_store.prototypes.shape[2] if packed else 0
     # V's rotation signs are K's: both are hadamard_signs(D), D the one head size both stores are read at
@@ -522,9 +519,26 @@ def fused_decode_attention(
         triton.next_power_of_2(selected), batch * kv_heads, scaling, **constants, **fixed,
     )  # fmt: skip
     splits = grid(fixed or _sparse_decode_kernel.best_config.kwargs)[1]
+    return merged_splits((acc, raw, maxes, sums), signs, query, splits, constants)
+
+
+def split_partials(parts: int, dim: int, constants: dict, device: torch.device) -> tuple[Tensor, ...]:
+    """Buffers for `parts` (row, KV head, split, head of the group) partial results of a split decode kernel:
+    the value sums [parts * dim], the raw rows' sums apart where ROTATED (else the same buffer), the softmax
+    maxima and sums [parts] (fp32)."""
+    acc = torch.empty(parts * dim, device=device, dtype=torch.float32)
+    maxes = torch.empty(parts, device=device, dtype=torch.float32)
+    raw = torch.empty_like(acc) if constants["ROTATED"] else acc  # the raw rows' partial sums, when kept apart
+    return acc, raw, maxes, torch.empty_like(maxes)
+
+
+def merged_splits(partials: tuple[Tensor, ...], signs: Tensor, query: Tensor, splits: int, constants: dict) -> Tensor:
+    """The `splits` partial results (`split_partials`, written by a split decode kernel) merged per query head
+    (`_merge_splits_kernel`) -> [B, 1, Hq, D] in the query's dtype."""
+    batch, q_heads, _, dim = query.shape
     out = torch.empty(batch, q_heads, dim, device=query.device, dtype=query.dtype)
     _merge_splits_kernel[(batch * q_heads,)](
-        acc, raw, maxes, sums, signs, out, splits, G=groups, D=dim, LOG_D=constants["LOG_D"],
+        *partials, signs, out, splits, G=constants["G"], D=dim, LOG_D=constants["LOG_D"],
         ROTATED=constants["ROTATED"], SPLIT_BLOCK=min(64, triton.next_power_of_2(splits)),
     )  # fmt: skip
     return out.reshape(batch, 1, q_heads, dim)
