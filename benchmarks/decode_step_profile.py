@@ -33,6 +33,7 @@ each, `gsm_train.inference.decode_fusion`); counted on the CPU it needs `TRITON_
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -317,12 +318,17 @@ def dense_step(
 
 
 def gsm_step(
-    model: nn.Module, ids: torch.Tensor, extra: int, cuda_graphs: bool = True, fused: bool = False
+    model: nn.Module,
+    ids: torch.Tensor,
+    extra: int,
+    cuda_graphs: bool = True,
+    fused: bool = False,
+    dense_block_kernel: bool = False,
 ) -> Callable[[], object]:
     """GSM's token step after `ids` [B, T] through the generation engine (captured on CUDA at its first call
-    with `cuda_graphs`; `fused`: with `fused_decode`). On the CPU under Triton's interpreter the cache takes
-    the fused kernels' path."""
-    enable_gsm_generation(model, cuda_graphs=cuda_graphs, fused_decode=fused)
+    with `cuda_graphs`; `fused`: with `fused_decode`; `dense_block_kernel`: its dense layers read a block a
+    tile). On the CPU under Triton's interpreter the cache takes the fused kernels' path."""
+    enable_gsm_generation(model, cuda_graphs=cuda_graphs, fused_decode=fused, dense_block_kernel=dense_block_kernel)
     interpreted = not ids.is_cuda and os.environ.get("TRITON_INTERPRET") == "1"
     cache = GSMCache(model, capacity=ids.shape[1] + extra, fused=True if interpreted else None)
     with torch.no_grad():
@@ -431,6 +437,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--count", action="store_true", help="count each step's aten ops per layer; no timing")
     parser.add_argument(
+        "--dense-block-kernel", action="store_true", help="GSM's dense layers read a compressor block a tile"
+    )
+    parser.add_argument(
         "--count-outside", action="store_true", help="count GSM's ops outside its captured step (per token, per pack)"
     )
     parser.add_argument(
@@ -447,6 +456,7 @@ def main(argv: list[str] | None = None) -> None:
     settings |= {"count": True} if args.count else {}
     settings |= {"count_outside": True} if args.count_outside else {}
     settings |= {"fused": True} if args.fused else {}
+    settings |= {"dense_block_kernel": True} if args.dense_block_kernel else {}
     settings |= {"device": args.device} if args.device else {}
     path = Path(args.result)
     result = load_result(path, settings)
@@ -476,7 +486,8 @@ def main(argv: list[str] | None = None) -> None:
         else:
             print_table(name, figures, args.top)
 
-    run_methods(path, result, [method("dense_engine", dense_step), method("gsm", gsm_step)], show)
+    gsm = functools.partial(gsm_step, dense_block_kernel=args.dense_block_kernel)
+    run_methods(path, result, [method("dense_engine", dense_step), method("gsm", gsm)], show)
 
 
 if __name__ == "__main__":
