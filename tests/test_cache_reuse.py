@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gsm_train.attention import inject_gsm
+from gsm_train.attention import inject_gsm, set_gsm_mode
 from gsm_train.config.schema import GSMConfig
 from gsm_train.inference.cache import GSMCache, cache_kwargs
 from gsm_train.inference.engine import REUSE_ROUND, enable_gsm_generation
@@ -77,7 +77,7 @@ def test_other_rows_or_a_longer_call_get_a_new_cache() -> None:
     one_row = model.gsm_generation["kept_cache"]
     _generate(model, _prompt(30, seed=5, batch=2))
     two_rows = model.gsm_generation["kept_cache"]
-    assert two_rows is not one_row and two_rows.made_for(2, next(model.parameters()))
+    assert two_rows is not one_row and two_rows.serves(model, 2)
     _generate(model, _prompt(REUSE_ROUND, seed=6, batch=2))  # past the band: a larger cache
     longer = model.gsm_generation["kept_cache"]
     assert longer.capacity == 2 * REUSE_ROUND
@@ -85,6 +85,19 @@ def test_other_rows_or_a_longer_call_get_a_new_cache() -> None:
     _generate(model, _prompt(REUSE_ROUND, seed=6, batch=2))
     assert model.gsm_generation["kept_cache"] is not longer
     assert model.gsm_generation["kept_cache"].layers[0].dtype == torch.float64
+
+
+def test_a_model_switched_to_another_mode_gets_a_new_cache() -> None:
+    """Captured steps bake the attention mode in: a model switched from sparse to dense attention since the
+    last call decodes over a new cache, as teacher forcing in dense mode does."""
+    model, without = _model(), _model(reuse_cache=False)
+    _generate(model, _prompt(30, seed=8))
+    sparse_cache = model.gsm_generation["kept_cache"]
+    for each in (model, without):
+        set_gsm_mode(each, "dense")
+    ids = _prompt(30, seed=9)
+    assert torch.equal(_generate(model, ids), _generate(without, ids))
+    assert model.gsm_generation["kept_cache"] is not sparse_cache
 
 
 def test_a_padded_prompt_after_steps_captured_without_padding_drops_them() -> None:

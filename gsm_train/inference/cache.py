@@ -277,6 +277,7 @@ class GSMCache(Cache):
         self.capacity = _round_capacity(capacity or model_dims(model)["context"] or 4096, config)
         self.bridge_mode = config.cross_layer_sharing.mode
         self.kernels = fused_kernels(model, fused)
+        self.built_with = settings  # the model's GSM settings it was made (and its steps captured) under
         # a layer reading every key decodes a compressor block a tile (`kernels.dense_decode`) where the kernels
         # run; off unless asked for (here or by `enable_gsm_generation`) until the GPU suite has run with it
         block_kernel = generation.get("dense_block_kernel", False) if dense_block_kernel is None else dense_block_kernel
@@ -325,15 +326,22 @@ class GSMCache(Cache):
         for layer in self.layers:
             layer.reset()
 
-    def made_for(self, batch: int, like: Tensor) -> bool:
-        """Whether its buffers were made for `batch` rows on `like`'s device and in its dtype (False before its
-        first tokens): what a reuse for another sequence needs (a model moved or cast since gets a new cache)."""
+    def serves(self, model: nn.Module, batch: int) -> bool:
+        """Whether a reset of it serves `model`'s next sequence of `batch` rows as a new cache would (False
+        before its first tokens): buffers made for as many rows on the model's device and in its dtype, the
+        model's GSM settings and modules those it was made with (its captured steps baked them in). A model
+        moved, cast, switched to another mode or given other GSM modules since gets a new cache."""
+        like = next(model.parameters())
         layer = next((layer for layer in self.layers if layer.is_initialized), None)
         return (
             layer is not None
             and layer.k_store.tail.shape[0] == batch
             and layer.device == like.device
             and layer.dtype == like.dtype
+            and gsm_settings(model) == self.built_with
+            and all(
+                layer.adapter is attn.gsm for layer, attn in zip(self.layers, attention_modules(model), strict=True)
+            )
         )
 
     def gsm_layer(self, layer_idx: int) -> GSMCacheLayer:

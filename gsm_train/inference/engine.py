@@ -155,7 +155,7 @@ def _generation_cache(model: nn.Module, batch: int, tokens: int) -> GSMCache:
         return GSMCache(model, capacity=tokens)
     capacity = -(-tokens // REUSE_ROUND) * REUSE_ROUND
     kept = model.gsm_generation["kept_cache"]
-    if kept is not None and kept.capacity == capacity and kept.made_for(batch, next(model.parameters())):
+    if kept is not None and kept.capacity == capacity and kept.serves(model, batch):
         kept.reset()
         return kept
     model.gsm_generation["kept_cache"] = None  # the old cache's memory free before the new one takes its own
