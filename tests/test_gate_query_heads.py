@@ -121,7 +121,8 @@ def test_several_query_heads_score_by_the_indexer_formula() -> None:
             expected += weights[:, :, sel, head, None] * torch.relu(
                 q @ keys[:, sel].double().transpose(-1, -2) / 8**0.5
             )
-        torch.testing.assert_close(gate.score_stored(gate_q, keys)[:, sel].double(), expected, atol=1e-4, rtol=1e-5)
+        # fp32 projections against fp64 ones: scores of up to ~1, within fp32's rounding of 576-wide sums
+        torch.testing.assert_close(gate.score_stored(gate_q, keys)[:, sel].double(), expected, atol=1e-4, rtol=1e-4)
     k_alone = gate.keys(hidden, cos, sin)
     assert torch.equal(k_alone, gate_k), "`keys` gives the keys the forward gives"
 
