@@ -70,7 +70,7 @@ from gsm_train.inference.engine import PREFILL_CHUNKS, enable_gsm_generation
 from gsm_train.models.model_zoo import load_model_and_tokenizer, random_model
 
 REPO = Path(__file__).resolve().parents[1]
-DENSE_PREFILL_CHUNK = 4096  # the dense 8B rows' prefill chunk (run_row)
+DENSE_PREFILL_TOKENS = 4096  # the dense 8B rows' prompt tokens per prefill forward, all rows together (run_row)
 DENSE_METHODS = ("dense_eager", "dense_static_compiled", "dense_engine")
 ROW_VERSION = 3  # what a row holds (3: the dense prefill's default chunk 8192); another version starts over
 FIRST_TIMED = 2  # decode tokens/s from the third new token on (see the module docstring)
@@ -279,7 +279,9 @@ def _dense_method(
 ) -> dict:
     """One dense method's figures (with its tokens); `fused_decode` applies to our dense engine (HF's paths
     are HF's own)."""
-    chunk = DENSE_PREFILL_CHUNK if ROWS[name][0] == "8b" else None
+    # per row: the forward's activations (at 8B some 6 GB for 16 rows x 4096) must fit beside a cache that fills
+    # most of the GPU (a 4-bit base's 16 x 32k row: 69 of 80 GB)
+    chunk = max(256, DENSE_PREFILL_TOKENS // ids.shape[0]) if ROWS[name][0] == "8b" else None
     if method == "dense_engine":  # its flash prefill holds no [T, T] mask: larger chunks at batch 1
         engine_chunk = chunk if chunk and ids.shape[0] > 1 else ENGINE_PREFILL_CHUNK
         return dense_engine_row(model, ids, new_tokens, min(engine_chunk, ids.shape[1]), fused_decode)
