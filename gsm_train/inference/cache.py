@@ -110,11 +110,10 @@ class GSMCacheLayer(CacheLayerMixin):
     def positions(self) -> Tensor:
         return self.cache.positions
 
-    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
-        """The layer's buffers, made at its first call from the K/V's batch, dtype and device: both stores' and
-        the gate keys', zeroed views of one buffer (`quant.zeroed_fields`: one fill for the layer)."""
-        batch, device, dtype = key_states.shape[0], key_states.device, key_states.dtype
-        capacity, lengths = self.cache.capacity, self.cache.lengths
+    def buffer_specs(self, batch: int, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The shapes and dtypes of the layer's buffers for `batch` rows of K/V in `dtype`: both stores' fields
+        (`KVStore.buffer_specs`, named `k.*` and `v.*`) and the gate keys' (`gate.*`)."""
+        capacity = self.cache.capacity
         compressors = {"k": self.adapter.asq_k, "v": self.adapter.asq_v}
         specs = {
             f"{side}.{name}": spec
@@ -129,13 +128,20 @@ class GSMCacheLayer(CacheLayerMixin):
             int8 = gate.key_bits == 8
             specs |= {"gate.keys": (shape, torch.int8 if int8 else GATE_KEY_DTYPE)}
             specs |= {"gate.scales": ((*shape[:3], 1), torch.float16)} if int8 else {}
-        buffers = zeroed_fields(specs, device)
+        return specs
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        """The layer's buffers, made at its first call from the K/V's batch, dtype and device: its share of the
+        cache's one zeroed buffer (`GSMCache.layer_buffers`: every layer's, one allocation and one fill)."""
+        batch, device, dtype = key_states.shape[0], key_states.device, key_states.dtype
+        buffers = self.cache.layer_buffers(self, batch, dtype, device)
         stores = {}
-        for side, compressor in compressors.items():
+        for side, compressor in {"k": self.adapter.asq_k, "v": self.adapter.asq_v}.items():
             own = {name.removeprefix(f"{side}."): t for name, t in buffers.items() if name.startswith(f"{side}.")}
             stores[side] = KVStore(
-                compressor, batch, self.store_heads, self.head_dim, capacity, dtype, device, lengths, own
-            )
+                compressor, batch, self.store_heads, self.head_dim, self.cache.capacity, dtype, device,
+                self.cache.lengths, own,
+            )  # fmt: skip
         self.k_store, self.v_store = stores["k"], stores["v"]
         self.gate_keys, self.gate_key_scales = buffers.get("gate.keys"), buffers.get("gate.scales")
         self.buffers = list(buffers.values())
@@ -229,10 +235,8 @@ class GSMCacheLayer(CacheLayerMixin):
         return self.cache.capacity
 
     def reset(self) -> None:
-        """Empty, as when allocated: every buffer zeroed in place (one op), no prompt rows kept. The lengths
-        are the cache's (`GSMCache.reset`)."""
-        if self.buffers:
-            torch._foreach_zero_(self.buffers)
+        """The layer's part of `GSMCache.reset`: no prompt rows kept (its buffers are zeroed there, every
+        layer's in one op)."""
         self.recent_raw = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -294,6 +298,7 @@ class GSMCache(Cache):
         )
         self.key_valid: Tensor | None = None  # [B, capacity] bool, once a padded batch is seen
         self.step_graphs: Any = None  # its token steps captured (`inference.engine` makes them at the first step)
+        self.buffers: dict[str, Tensor] | None = None  # every layer's buffers, "{layer}/{name}" (`layer_buffers`)
         self.token_step = False  # the call in progress adds one token after earlier ones
         self.pending = 0  # tokens of the forward in progress (held already, not yet for transformers)
         self.deferred_encodings: DeferredEncodings | None = None  # a dense prefill chunk's, made after its forward
@@ -314,6 +319,22 @@ class GSMCache(Cache):
         )
         super().__init__(layers=layers)
 
+    def layer_buffers(
+        self, layer: GSMCacheLayer, batch: int, dtype: torch.dtype, device: torch.device
+    ) -> dict[str, Tensor]:
+        """`layer`'s zeroed buffers (`GSMCacheLayer.buffer_specs`), cut from one buffer made for every layer at
+        the first layer's first call (`quant.zeroed_fields`: one allocation and one fill for the whole cache,
+        where one a layer took 30 of each for SmolLM2)."""
+        if self.buffers is None:
+            specs = {
+                f"{index}/{name}": spec
+                for index, each in enumerate(self.layers)
+                for name, spec in each.buffer_specs(batch, dtype).items()
+            }
+            self.buffers = zeroed_fields(specs, device)
+        prefix = f"{next(index for index, each in enumerate(self.layers) if each is layer)}/"
+        return {name.removeprefix(prefix): t for name, t in self.buffers.items() if name.startswith(prefix)}
+
     def reset(self) -> None:
         """Empty again for a new sequence of the same batch, in place: lengths 0, every layer's buffers zeroed,
         the padding mask (if one was made) all valid. Its buffers and captured token steps stay, so a generation
@@ -323,6 +344,8 @@ class GSMCache(Cache):
         self.token_step, self.pending, self.deferred_encodings = False, 0, None
         if self.key_valid is not None:  # kept, not dropped: the captured steps read it
             self.key_valid.fill_(True)
+        if self.buffers is not None:
+            torch._foreach_zero_(list(self.buffers.values()))  # every layer's, one op
         for layer in self.layers:
             layer.reset()
 
