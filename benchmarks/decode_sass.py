@@ -81,6 +81,23 @@ def _tool(name: str) -> str:
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
 
 
+def _cuobjdump(kernel: object, flag: str) -> str:
+    """`cuobjdump FLAG` of a compiled Triton kernel's cubin (Triton's bundled tool)."""
+    with tempfile.TemporaryDirectory() as folder:
+        cubin = Path(folder) / "kernel.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        return subprocess.run([_tool("cuobjdump"), flag, str(cubin)], capture_output=True, text=True, check=True).stdout
+
+
+def resource_usage(kernel: object) -> dict[str, int]:
+    """Registers, stack, shared and local memory per thread (REG, STACK, SHARED, LOCAL) of a kernel compiled
+    by `triton.compile`, as cuobjdump reports them."""
+    return {
+        name: int(value)
+        for name, value in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", _cuobjdump(kernel, "-res-usage"))
+    }
+
+
 def compiled_stats(constants: dict[str, object], config: triton.Config) -> dict[str, object]:
     """Registers, stack, shared memory and SASS instruction counts of the kernel compiled for sm_90 with
     `constants` and `config`'s block sizes, warps and stages."""
@@ -98,20 +115,11 @@ def compiled_stats(constants: dict[str, object], config: triton.Config) -> dict[
     kernel = triton.compile(
         source, target=TARGET, options={"num_warps": config.num_warps, "num_stages": config.num_stages}
     )
-    with tempfile.TemporaryDirectory() as folder:
-        cubin = Path(folder) / "kernel.cubin"
-        cubin.write_bytes(kernel.asm["cubin"])
-        usage = subprocess.run(
-            [_tool("cuobjdump"), "-res-usage", str(cubin)], capture_output=True, text=True, check=True
-        ).stdout
-        sass = subprocess.run(
-            [_tool("cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True, check=True
-        ).stdout
-    resources = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", usage))
-    opcodes = collections.Counter(match.group(1) for match in SASS_INSTRUCTION.finditer(sass))
+    resources = resource_usage(kernel)
+    opcodes = collections.Counter(match.group(1) for match in SASS_INSTRUCTION.finditer(_cuobjdump(kernel, "-sass")))
     return {
-        "registers": int(resources["REG"]),
-        "stack_bytes": int(resources["STACK"]),
+        "registers": resources["REG"],
+        "stack_bytes": resources["STACK"],
         "shared_bytes": kernel.metadata.shared,
         "instructions": sum(opcodes.values()),
         "top_opcodes": dict(opcodes.most_common(12)),

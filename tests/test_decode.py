@@ -5,6 +5,7 @@ checks the dense prefill)."""
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -521,6 +522,37 @@ def test_the_dense_layer_kernel_equals_pytorch_over_every_key(
     index = torch.arange(capacity, device=device).expand(batch, 1, -1)  # the selection kernel's dense read
     held = (index < length) & (key_valid[:, None] if key_valid is not None else True)
     torch.testing.assert_close(got, fused_decode_attention(query, *rows, index, held, 0.125), atol=2e-6, rtol=0)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles the kernel (no interpreter)")
+def test_the_dense_layer_kernel_compiles_for_hopper_without_spilling() -> None:
+    """Every autotuned configuration of the dense-layer kernel compiled for sm_90 (no GPU needed) at Llama-8B's
+    layer shape: no stack (its first form, with the block's levels all unpacked ahead and C prototypes padded to
+    a dot's 16 rows, spilled 184-336 bytes a thread)."""
+    import triton
+    from triton.compiler import ASTSource
+
+    from benchmarks.decode_sass import POINTER_TYPES, TARGET, _constants, resource_usage
+    from gsm_train.kernels.dense_decode import _dense_decode_kernel
+
+    fn = _dense_decode_kernel.fn
+    names = fn.arg_names
+    types = POINTER_TYPES | {"valid_ptr": "*i8", "capacity": "i32", "tail_slots": "i32", "n_blocks": "i32"}
+    types |= {"block_class": "i32", "scaling": "fp32"}
+    signature = {name: types.get(name, "constexpr") for name in names}
+    constants = {k: v for k, v in _constants(32, 8, 128).items() if k not in ("PACKED", "SHARED_SELECTION")}
+    hinted = [name for name, kind in signature.items() if kind.startswith("*")] + ["capacity", "tail_slots"]
+    for config in _dense_decode_kernel.configs:
+        source = ASTSource(
+            fn=fn,
+            signature=signature,
+            constexprs={(names.index(name),): value for name, value in (constants | config.kwargs).items()},
+            # what a launch's arguments give Triton: aligned pointers, a capacity and tail of whole 64-token blocks
+            attrs={(names.index(name),): [["tt.divisibility", 16]] for name in hinted},
+        )
+        options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+        usage = resource_usage(triton.compile(source, target=TARGET, options=options))
+        assert usage["STACK"] == 0, f"{config}: {usage}"
 
 
 def test_the_dense_layer_kernel_takes_only_packed_blocks_of_16_or_more() -> None:

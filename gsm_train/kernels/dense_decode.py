@@ -7,17 +7,17 @@ A packed row is its block's prototype P[c] plus its scale s times its residual l
 the query's dtype), so over a tile
 
     k_i . q = s_i (r_i . q) + (P q)[c_i]
-    sum_i p_i v_i = (p * s) r + (p onehot(c)) P
+    sum_i p_i v_i = (p * s) r + sum_c (sum_{i: c_i = c} p_i) P[c]
 
-two dots over the levels and small ones over the C prototypes; no row is rebuilt. The newest block's raw
+two dots over the levels and, per prototype, a product and a masked sum; no row is rebuilt. The newest block's raw
 rows (the tail) are read as `sparse_decode` reads them, and with rotated residuals the rotated query meets
 the packed rows and the plain one the raw rows, as there. Each split's partial results are `sparse_decode`'s
 and its merge kernel sums them. The lengths are read on the device: a launch captured in a CUDA graph
 serves every step.
 
-Exactness: the levels and their products are exact; the prototype logits are selected in fp32; the value
-sums round `p * s` to the query's dtype and, in bf16, the prototype weights to tf32 (fp32 queries: IEEE
-fp32 throughout)."""
+Exactness: the levels and their products are exact; the prototype terms are fp32 (one row of P at a time:
+no padding to a dot's 16 rows); the value sums round `p * s` to the query's dtype (fp32 queries: IEEE fp32
+throughout)."""
 
 from __future__ import annotations
 
@@ -36,11 +36,10 @@ if triton is not None:
     from gsm_train.kernels.sparse_decode import _group_query, _store_partials, _tail_rows, _unpacked_levels
 
     @triton.jit
-    def _block_levels(
-        ids_ptr, res_ptr, scale_ptr, flat, live, D: tl.constexpr, BITS: tl.constexpr, CENTER: tl.constexpr
-    ):
-        """A packed block's rows at `flat` (batch-head offset plus position): residual levels [N, D] (fp32,
-        integers), scales [N] (fp32, 0 where not `live`) and prototype ids [N] (int32)."""
+    def _block_rows(ids_ptr, res_ptr, scale_ptr, flat, live, D: tl.constexpr, BITS: tl.constexpr):
+        """A packed block's rows at `flat` (batch-head offset plus position) as stored: residual codes as words
+        [N, D * BITS / 32] (int32; `_unpacked_levels` makes them levels where used, so the block's levels are
+        never all held at once), scales [N] (fp32, 0 where not `live`) and prototype ids [N] (int32)."""
         NWORDS: tl.constexpr = D * BITS // 32
         word = tl.load(
             res_ptr.to(tl.pointer_type(tl.int32)) + flat[:, None] * NWORDS + tl.arange(0, NWORDS)[None, :],
@@ -49,14 +48,7 @@ if triton is not None:
         )
         scale = tl.load(scale_ptr + flat, mask=live, other=0.0).to(tl.float32)
         ids = tl.load(ids_ptr + flat, mask=live, other=0).to(tl.int32)
-        return _unpacked_levels(word, BITS, CENTER), scale, ids
-
-    @triton.jit
-    def _block_prototypes(proto_ptr, first_row, clusters, dims, C: tl.constexpr, D: tl.constexpr):
-        """The block's C prototype rows from row `first_row`, [CP, D] fp32 (rows past C zero)."""
-        return tl.load(
-            proto_ptr + (first_row + clusters)[:, None] * D + dims[None, :], mask=(clusters < C)[:, None], other=0.0
-        ).to(tl.float32)
+        return word, scale, ids
 
     @triton.jit
     def _online_softmax(logits, live, scaling, m_i, l_i):
@@ -88,7 +80,7 @@ if triton is not None:
         lengths_ptr, capacity, tail_slots, n_blocks, block_class, scaling,
         KV_HEADS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr,
         LOG_D: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_CENTER: tl.constexpr,
-        V_CENTER: tl.constexpr, C: tl.constexpr, CP: tl.constexpr, TOKENS_PER_BLOCK: tl.constexpr,
+        V_CENTER: tl.constexpr, C: tl.constexpr, TOKENS_PER_BLOCK: tl.constexpr,
         ROTATED: tl.constexpr, HAS_VALID: tl.constexpr, PRECISION: tl.constexpr, BLOCKS: tl.constexpr,
     ):  # fmt: skip
         bh = tl.program_id(0)
@@ -98,7 +90,6 @@ if triton is not None:
         heads = tl.arange(0, GP)
         dims = tl.arange(0, D)
         rows = tl.arange(0, TOKENS_PER_BLOCK)
-        clusters = tl.arange(0, CP)
         q_t, q_raw_t = _group_query(q_ptr, signs_ptr, bh, G, GP, GQ, D, LOG_D, ROTATED)
         q_f32 = q_t.to(tl.float32)
         m_i = tl.full([GP], -1.0e30, tl.float32)
@@ -113,24 +104,25 @@ if triton is not None:
                 live = live & (tl.load(valid_ptr + (bh // KV_HEADS) * capacity + pos, mask=live, other=0) != 0)
             if block * TOKENS_PER_BLOCK < packed_len:  # a packed block (blocks are packed whole)
                 flat = bh * capacity + pos
-                k_levels, k_scale, k_ids_now = _block_levels(k_ids, k_res, k_scales, flat, live, D, K_BITS, K_CENTER)
-                v_levels, v_scale, v_ids_now = _block_levels(v_ids, v_res, v_scales, flat, live, D, V_BITS, V_CENTER)
+                k_word, k_scale, k_cluster = _block_rows(k_ids, k_res, k_scales, flat, live, D, K_BITS)
+                v_word, v_scale, v_cluster = _block_rows(v_ids, v_res, v_scales, flat, live, D, V_BITS)
                 first_row = (bh * n_blocks + block) * C
-                k_protos_now = _block_prototypes(k_protos, first_row, clusters, dims, C, D)
-                v_protos_now = _block_prototypes(v_protos, first_row, clusters, dims, C, D)
-                logits = k_scale[:, None] * tl.dot(k_levels.to(q_t.dtype), q_t, input_precision=PRECISION)
-                proto_logits = tl.dot(k_protos_now, q_f32, input_precision="ieee")  # [CP, GP], exact fp32 sums
-                for c in tl.static_range(C):  # each row's prototype logit, selected in fp32
-                    row_c = tl.sum(tl.where((clusters == c)[:, None], proto_logits, 0.0), 0)
-                    logits += tl.where((k_ids_now == c)[:, None], row_c[None, :], 0.0)
+                k_levels = _unpacked_levels(k_word, K_BITS, K_CENTER).to(q_t.dtype)
+                logits = k_scale[:, None] * tl.dot(k_levels, q_t, input_precision=PRECISION)
+                for c in tl.static_range(C):  # each row's prototype logit (P q)[c], in fp32
+                    proto = tl.load(k_protos + (first_row + c) * D + dims).to(tl.float32)
+                    proto_logit = tl.sum(proto[:, None] * q_f32, 0)  # [GP]
+                    logits += tl.where((k_cluster == c)[:, None], proto_logit[None, :], 0.0)
                 p, alpha, m_i, l_i = _online_softmax(logits, live, scaling, m_i, l_i)
                 p_t = tl.trans(p)  # [GP, N]
-                onehot = (v_ids_now[:, None] == clusters[None, :]).to(tl.float32)  # [N, CP]
-                weights = tl.dot(p_t, onehot, input_precision=PRECISION)  # [GP, CP]: each prototype's softmax mass
+                v_levels = _unpacked_levels(v_word, V_BITS, V_CENTER).to(q_t.dtype)
                 acc = acc * alpha[:, None] + tl.dot(
-                    (p_t * v_scale[None, :]).to(q_t.dtype), v_levels.to(q_t.dtype), input_precision=PRECISION
+                    (p_t * v_scale[None, :]).to(q_t.dtype), v_levels, input_precision=PRECISION
                 )
-                acc += tl.dot(weights, v_protos_now, input_precision=PRECISION)
+                for c in tl.static_range(C):  # each prototype times the softmax mass of its rows, in fp32
+                    proto = tl.load(v_protos + (first_row + c) * D + dims).to(tl.float32)
+                    mass = tl.sum(tl.where((v_cluster == c)[None, :], p_t, 0.0), 1)  # [GP]
+                    acc += mass[:, None] * proto[None, :]
                 acc_raw = acc_raw * alpha[:, None]
             elif block * TOKENS_PER_BLOCK < length:  # the newest block, raw
                 in_tail = live & (pos >= packed_len)
@@ -196,8 +188,7 @@ def dense_decode_attention(
         q, signs, valid, k_store.ids, k_store.residual, k_store.scales, k_store.prototypes, k_store.tail,
         v_store.ids, v_store.residual, v_store.scales, v_store.prototypes, v_store.tail,
         acc, raw, maxes, sums, k_store.lengths, capacity, k_store.tail.shape[2], n_blocks,
-        triton.next_power_of_2(n_blocks), scaling, CP=max(16, triton.next_power_of_2(constants["C"])),
-        **constants, **fixed,
+        triton.next_power_of_2(n_blocks), scaling, **constants, **fixed,
     )  # fmt: skip
     splits = grid(fixed or _dense_decode_kernel.best_config.kwargs)[1]
     return merged_splits((acc, raw, maxes, sums), signs, query, splits, constants)
