@@ -239,8 +239,7 @@ def plain_loop_generate(model: torch.nn.Module, ids: torch.Tensor, new_tokens: i
 
 
 def _fresh_peak() -> None:
-    gc.collect()
-    torch.cuda.empty_cache()
+    free_memory()
     torch.cuda.reset_peak_memory_stats()
 
 
@@ -342,7 +341,7 @@ def run_row(
                 row.setdefault("dense_errors", {})[method] = _out_of_memory(error)
                 say(f"{name} {method}: {row['dense_errors'][method]}")
                 save(row)
-                _free_memory()
+                free_memory()
                 continue
             row.get("dense_errors", {}).pop(method, None)  # an earlier run's failure, measured now
             if method == "dense_static_compiled":
@@ -353,7 +352,7 @@ def run_row(
             }
             say(f"{name} {method}: {row[method]['decode_tokens_per_s']:.1f} tokens/s")
             save(row)
-            _free_memory()
+            free_memory()
     else:
         row["dense_fits"] = (
             f"no: {bandwidth.dense_kv_bytes(model, context, batch) / 1e9:.0f} GB of bf16 KV; at most {most} rows fit"
@@ -377,7 +376,7 @@ def _out_of_memory(error: torch.OutOfMemoryError) -> str:
     return f"out of memory ({first}; peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB allocated)"
 
 
-def _free_memory() -> None:
+def free_memory() -> None:
     """What a finished (or failed) method held, returned to the device before the next."""
     gc.collect()
     torch.cuda.empty_cache()

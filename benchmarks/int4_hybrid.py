@@ -39,7 +39,6 @@ the 10-minute limit keeps every finished method, and the next call (with the JSO
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -51,6 +50,7 @@ from torch import nn
 from benchmarks import bandwidth
 from benchmarks.common import provenance, write_result
 from benchmarks.generate import (
+    free_memory,
     generate_timed,
     joint_gsm_config,
     llama8b,
@@ -150,8 +150,7 @@ def int4_llama8b() -> torch.nn.Module:
     """`random-llama3-8b` with its base linears 4-bit in groups of 128 (on the GPU)."""
     model = llama8b()
     quantize_base(model, group_size(WEIGHTS_8B))
-    gc.collect()
-    torch.cuda.empty_cache()
+    free_memory()
     return model
 
 
@@ -194,8 +193,7 @@ def _gsm_model(prefill: str) -> Callable[[nn.Module], nn.Module]:
         inject_gsm(model, joint_gsm_config(), mode="sparse")
         quantize_base(model, group_size(WEIGHTS_8B))
         enable_gsm_generation(model, prefill=prefill)
-        gc.collect()
-        torch.cuda.empty_cache()
+        free_memory()
         return model
 
     return build
@@ -234,8 +232,7 @@ def _rows(args: argparse.Namespace, result: dict, save: Any) -> None:
         row = run_row(name, model, prompts, args.new_tokens, gsm_model, measured, save_row, peak, settings, methods)
         save_row(row)
         del model, row
-        gc.collect()
-        torch.cuda.empty_cache()
+        free_memory()
 
 
 def _settings(args: argparse.Namespace, result: dict) -> dict:

@@ -298,7 +298,7 @@ class GSMCache(Cache):
         )
         self.key_valid: Tensor | None = None  # [B, capacity] bool, once a padded batch is seen
         self.step_graphs: Any = None  # its token steps captured (`inference.engine` makes them at the first step)
-        self.buffers: dict[str, Tensor] | None = None  # every layer's buffers, "{layer}/{name}" (`layer_buffers`)
+        self.buffers: list[dict[str, Tensor]] | None = None  # each layer's buffers by name (`layer_buffers`)
         self.token_step = False  # the call in progress adds one token after earlier ones
         self.pending = 0  # tokens of the forward in progress (held already, not yet for transformers)
         self.deferred_encodings: DeferredEncodings | None = None  # a dense prefill chunk's, made after its forward
@@ -326,14 +326,15 @@ class GSMCache(Cache):
         the first layer's first call (`quant.zeroed_fields`: one allocation and one fill for the whole cache,
         where one a layer took 30 of each for SmolLM2)."""
         if self.buffers is None:
-            specs = {
-                f"{index}/{name}": spec
-                for index, each in enumerate(self.layers)
-                for name, spec in each.buffer_specs(batch, dtype).items()
+            specs = [each.buffer_specs(batch, dtype) for each in self.layers]
+            named = {
+                f"{index}/{name}": spec for index, layer_specs in enumerate(specs) for name, spec in layer_specs.items()
             }
-            self.buffers = zeroed_fields(specs, device)
-        prefix = f"{next(index for index, each in enumerate(self.layers) if each is layer)}/"
-        return {name.removeprefix(prefix): t for name, t in self.buffers.items() if name.startswith(prefix)}
+            every = zeroed_fields(named, device)
+            self.buffers = [
+                {name: every[f"{index}/{name}"] for name in layer_specs} for index, layer_specs in enumerate(specs)
+            ]
+        return self.buffers[next(index for index, each in enumerate(self.layers) if each is layer)]
 
     def reset(self) -> None:
         """Empty again for a new sequence of the same batch, in place: lengths 0, every layer's buffers zeroed,
@@ -345,7 +346,7 @@ class GSMCache(Cache):
         if self.key_valid is not None:  # kept, not dropped: the captured steps read it
             self.key_valid.fill_(True)
         if self.buffers is not None:
-            torch._foreach_zero_(list(self.buffers.values()))  # every layer's, one op
+            torch._foreach_zero_([t for layer_buffers in self.buffers for t in layer_buffers.values()])  # one op
         for layer in self.layers:
             layer.reset()
 

@@ -238,7 +238,7 @@ def select_keys(step: CachedStep, layer_cache: LayerCache) -> tuple[Tensor, Tens
     if mode == "oracle":
         raise GSMError("oracle mode needs the whole sequence; generate in sparse or dense mode")
     gate, gate_q = adapter.gate, step.gate_query  # the token's gate key is in the cache already
-    if mode != "sparse" or gate is None:
+    if _reads_every_key(step):
         return _every_position(step, layer_cache)
     position = layer_cache.lengths.seq_len - 1  # on the host: the schedule's k (a captured step bakes it)
     k = decode_k(settings.config, position)

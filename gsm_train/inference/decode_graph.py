@@ -173,8 +173,14 @@ class StepGraphs(_WeakCache):
         config, held = gsm_settings(self.model).config, self.cache.lengths.seq_len
         k = captured_k(config, held)
         step = self.steps.get(k)
-        k_static = static_k(k, config.sparse_attention.most_forced_keys(), self.cache.capacity)
-        if step is None or not _serves(step.captured_held, held, k_static):
+        # a cache only grows within a sequence, and a step serves every length from its capture's on: the rule
+        # is asked only after a reset (`GSMCache.reset`) started a shorter sequence
+        if step is None or (
+            held < step.captured_held
+            and not _serves(
+                step.captured_held, held, static_k(k, config.sparse_attention.most_forced_keys(), self.cache.capacity)
+            )
+        ):
             step = self.steps[k] = CapturedStep(self.model, self.cache, input_ids.shape[0], self.fused, self.pack)
         return step(input_ids, position_ids)
 
