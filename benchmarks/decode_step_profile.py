@@ -323,7 +323,7 @@ def gsm_step(
     extra: int,
     cuda_graphs: bool = True,
     fused: bool = False,
-    dense_block_kernel: bool = False,
+    dense_block_kernel: bool = True,
 ) -> Callable[[], object]:
     """GSM's token step after `ids` [B, T] through the generation engine (captured on CUDA at its first call
     with `cuda_graphs`; `fused`: with `fused_decode`; `dense_block_kernel`: its dense layers read a block a
@@ -437,7 +437,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--count", action="store_true", help="count each step's aten ops per layer; no timing")
     parser.add_argument(
-        "--dense-block-kernel", action="store_true", help="GSM's dense layers read a compressor block a tile"
+        "--dense-block-kernel",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="GSM's dense layers read a compressor block a tile (--no-dense-block-kernel: the selection kernel)",
     )
     parser.add_argument(
         "--count-outside", action="store_true", help="count GSM's ops outside its captured step (per token, per pack)"
@@ -456,7 +459,7 @@ def main(argv: list[str] | None = None) -> None:
     settings |= {"count": True} if args.count else {}
     settings |= {"count_outside": True} if args.count_outside else {}
     settings |= {"fused": True} if args.fused else {}
-    settings |= {"dense_block_kernel": True} if args.dense_block_kernel else {}
+    settings |= {"dense_block_kernel": args.dense_block_kernel}
     settings |= {"device": args.device} if args.device else {}
     path = Path(args.result)
     result = load_result(path, settings)

@@ -388,16 +388,17 @@ def row_settings(
     prefill_chunk: int | None = None,
     methods: tuple[str, ...] = DENSE_METHODS,
     fused_decode: bool = False,
-    dense_block_kernel: bool = False,
+    dense_block_kernel: bool = True,
 ) -> dict:
     """What a row's figures depend on besides its name: a stored row of other settings is measured again.
     `prefill`: the GSM method's prefill mode (`--prefill`); `prefill_chunk` its prompt tokens per forward
     (`--prefill-chunk`, named only when it is set: None runs the library's default for the mode); `methods`:
-    the dense methods measured; `fused_decode`: GSM's and the dense engine's token steps fused, and
-    `dense_block_kernel`: GSM's dense layers read a block a tile (each named only when set)."""
+    the dense methods measured; `fused_decode`: GSM's and the dense engine's token steps fused (named only
+    when set); `dense_block_kernel`: whether GSM's dense layers read a block a tile (always named: rows from
+    before it was the default, which lack it, are measured again)."""
     chunk = {} if prefill_chunk is None else {"gsm_prefill_chunk": prefill_chunk}
     fused = {"fused_decode": True} if fused_decode else {}
-    fused |= {"dense_block_kernel": True} if dense_block_kernel else {}
+    fused |= {"dense_block_kernel": dense_block_kernel}
     return {
         "version": ROW_VERSION,
         "new_tokens": new_tokens,
@@ -478,8 +479,10 @@ def main() -> None:
     )
     parser.add_argument(
         "--dense-block-kernel",
-        action="store_true",
-        help="GSM's layers that read every key decode a compressor block a tile (kernels.dense_decode)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="GSM's layers that read every key decode a compressor block a tile (kernels.dense_decode; "
+        "--no-dense-block-kernel: the selection kernel over every position)",
     )
     parser.add_argument("--result", required=True)
     args = parser.parse_args()

@@ -261,7 +261,7 @@ class GSMCache(Cache):
     forward, every layer's in one encoding, bit for bit what packing each layer as it runs stores on the CPU
     (default: on a GPU, where it saves ~80 kernel launches a layer; on the CPU packing each layer while its
     rows are in cache is faster). `dense_block_kernel`: a layer that reads every key decodes over its packed
-    store a block a tile (`kernels.dense_decode`; default: what `enable_gsm_generation` set, else off)."""
+    store a block a tile (`kernels.dense_decode`; default: what `enable_gsm_generation` set, else on)."""
 
     def __init__(
         self,
@@ -282,9 +282,8 @@ class GSMCache(Cache):
         self.bridge_mode = config.cross_layer_sharing.mode
         self.kernels = fused_kernels(model, fused)
         self.built_with = settings  # the model's GSM settings it was made (and its steps captured) under
-        # a layer reading every key decodes a compressor block a tile (`kernels.dense_decode`) where the kernels
-        # run; off unless asked for (here or by `enable_gsm_generation`) until the GPU suite has run with it
-        block_kernel = generation.get("dense_block_kernel", False) if dense_block_kernel is None else dense_block_kernel
+        # a layer reading every key decodes a compressor block a tile (`kernels.dense_decode`) where the kernels run
+        block_kernel = generation.get("dense_block_kernel", True) if dense_block_kernel is None else dense_block_kernel
         self.dense_block_kernel = bool(block_kernel) and self.kernels is not None
         device = next(model.parameters()).device
         self.lengths = CacheLengths(device)

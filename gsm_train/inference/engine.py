@@ -50,7 +50,7 @@ def enable_gsm_generation(
     fused_decode: bool = False,
     greedy_loop: bool = True,
     reuse_cache: bool = True,
-    dense_block_kernel: bool = False,
+    dense_block_kernel: bool = True,
 ) -> None:
     """Make `model.generate` and `model.forward` use GSM's cache as the module docstring says (idempotent).
     `cuda_graphs`: replay token steps from CUDA graphs where they can be captured (`graphs_supported`).
@@ -64,8 +64,8 @@ def enable_gsm_generation(
     rows and capacity fit (`_generation_cache`: no new capture of its token steps); the cache a call returned
     is then emptied by the next call. Calling this again drops the kept cache.
     `dense_block_kernel`: on the fused path a layer that reads every key (dense and retrieval layers) decodes
-    over its packed store a compressor block a tile (`kernels.dense_decode`; off until the GPU suite has run
-    with it)."""
+    over its packed store a compressor block a tile (`kernels.dense_decode`; False: the selection kernel over
+    every position)."""
     check_prefill(prefill)
     if prefill_chunk is not None and prefill_chunk < 1:
         raise GSMError(
