@@ -551,7 +551,6 @@ def test_the_dense_layer_kernel_compiles_for_hopper_without_spilling() -> None:
             attrs={(names.index(name),): [["tt.divisibility", 16]] for name in hinted},
         )
         options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
-        options |= {"maxnreg": config.maxnreg} if config.maxnreg else {}
         usage = resource_usage(triton.compile(source, target=TARGET, options=options))
         assert usage["STACK"] == 0, f"{config}: {usage}"
 

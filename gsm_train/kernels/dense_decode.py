@@ -52,33 +52,31 @@ if triton is not None:
 
     @triton.jit
     def _online_softmax(logits, live, scaling, m_i, l_i):
-        """One tile's softmax weights p [N, GP] (0 where not `live`) against the running max and sum, the
-        factor `alpha` [GP] earlier sums are rescaled by, and the new max and sum."""
-        logits = tl.where(live[:, None], logits * scaling, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(logits, 0))
+        """One tile's softmax weights p [GP, N] (0 where not `live`) from its logits [GP, N] against the
+        running max and sum, the factor `alpha` [GP] earlier sums are rescaled by, and the new max and sum."""
+        logits = tl.where(live[None, :], logits * scaling, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(logits, 1))
         alpha = tl.exp(m_i - m_new)
-        p = tl.exp(logits - m_new[None, :])
-        return p, alpha, m_new, l_i * alpha + tl.sum(p, 0)
+        p = tl.exp(logits - m_new[:, None])
+        return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
 
-    # Blocks per program, warps, pipeline stages and the most registers a thread may take (None: the
-    # compiler's choice). One tile is one compressor block, so a program's share of a long cache is a run of
-    # BLOCKS blocks; `_few_block_splits` keeps the splits within `MOST_SPLITS`. Left to itself the compiler
-    # gives 8 warps 135 registers a thread at the 8B shape, one program an SM; 128 fits two without spilling
-    # (a test compiles every configuration for sm_90 and asserts no stack).
+    # Blocks per program, warps and pipeline stages. One tile is one compressor block, so a program's share of
+    # a long cache is a run of BLOCKS blocks; `_few_block_splits` keeps the splits within `MOST_SPLITS`. At the
+    # 8B shape (sm_90) 4 warps take 168 registers a thread (three programs an SM), 8 warps 127 (two); with 2
+    # stages the next block's loads are issued during this one's math, at 212-234 registers (a test compiles
+    # every configuration for sm_90 and asserts no stack).
     @triton.autotune(
         configs=[
-            triton.Config({"BLOCKS": blocks}, num_warps=warps, num_stages=stages, maxnreg=registers)
-            for blocks, warps, stages, registers in (
-                (2, 4, 1, None),
-                (4, 4, 1, None),
-                (8, 4, 1, None),
-                (16, 4, 1, None),
-                (8, 8, 1, None),
-                (16, 8, 1, None),
-                (8, 8, 1, 128),
-                (16, 8, 1, 128),
-                (16, 4, 2, None),
-                (16, 8, 2, None),
+            triton.Config({"BLOCKS": blocks}, num_warps=warps, num_stages=stages)
+            for blocks, warps, stages in (
+                (2, 4, 1),
+                (4, 4, 1),
+                (8, 4, 1),
+                (16, 4, 1),
+                (8, 8, 1),
+                (16, 8, 1),
+                (16, 4, 2),
+                (16, 8, 2),
             )
         ],
         key=["block_class", "D", "G", "ROTATED", "HAS_VALID"],
@@ -105,7 +103,8 @@ if triton is not None:
         dims = tl.arange(0, D)
         rows = tl.arange(0, TOKENS_PER_BLOCK)
         q_t, q_raw_t = _group_query(q_ptr, signs_ptr, bh, G, GP, GQ, D, LOG_D, ROTATED)
-        q_f32 = q_t.to(tl.float32)
+        q_rows = tl.trans(q_t)  # [GP, D]: the logits of a tile are [GP, N], the heads' rows a dot's M
+        q_f32 = q_rows.to(tl.float32)
         m_i = tl.full([GP], -1.0e30, tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)  # the packed rows' sum: with ROTATED, in the rotated basis
@@ -122,20 +121,19 @@ if triton is not None:
             v_word, v_scale, v_cluster = _block_rows(v_ids, v_res, v_scales, flat, live, D, V_BITS)
             first_row = (bh * n_blocks + block) * C
             k_levels = _unpacked_levels(k_word, K_BITS, K_CENTER).to(q_t.dtype)
-            logits = k_scale[:, None] * tl.dot(k_levels, q_t, input_precision=PRECISION)
+            logits = k_scale[None, :] * tl.dot(q_rows, tl.trans(k_levels), input_precision=PRECISION)  # [GP, N]
             for c in tl.static_range(C):  # each row's prototype logit (P q)[c], in fp32
                 proto = tl.load(k_protos + (first_row + c) * D + dims).to(tl.float32)
-                proto_logit = tl.sum(proto[:, None] * q_f32, 0)  # [GP]
-                logits += tl.where((k_cluster == c)[:, None], proto_logit[None, :], 0.0)
+                proto_logit = tl.sum(q_f32 * proto[None, :], 1)  # [GP]
+                logits += tl.where((k_cluster == c)[None, :], proto_logit[:, None], 0.0)
             p, alpha, m_i, l_i = _online_softmax(logits, live, scaling, m_i, l_i)
-            p_t = tl.trans(p)  # [GP, N]
             v_levels = _unpacked_levels(v_word, V_BITS, V_CENTER).to(q_t.dtype)
             acc = acc * alpha[:, None] + tl.dot(
-                (p_t * v_scale[None, :]).to(q_t.dtype), v_levels, input_precision=PRECISION
+                (p * v_scale[None, :]).to(q_t.dtype), v_levels, input_precision=PRECISION
             )
             for c in tl.static_range(C):  # each prototype times the softmax mass of its rows, in fp32
                 proto = tl.load(v_protos + (first_row + c) * D + dims).to(tl.float32)
-                mass = tl.sum(tl.where((v_cluster == c)[None, :], p_t, 0.0), 1)  # [GP]
+                mass = tl.sum(tl.where((v_cluster == c)[None, :], p, 0.0), 1)  # [GP]
                 acc += mass[:, None] * proto[None, :]
         acc_raw = tl.zeros([GP, D], tl.float32)  # the raw rows' sum, in the rows' own basis
         if (first <= packed_blocks) & (packed_blocks < first + BLOCKS) & (packed_len < length):
@@ -144,11 +142,11 @@ if triton is not None:
             if HAS_VALID:
                 in_tail = in_tail & (tl.load(valid_ptr + (bh // KV_HEADS) * capacity + pos, mask=in_tail, other=0) != 0)
             raw_keys = _tail_rows(k_tail, bh, pos, in_tail, packed_len, tail_slots, dims, D, q_t.dtype)
-            logits = tl.dot(raw_keys, q_raw_t, input_precision=PRECISION)
+            logits = tl.dot(tl.trans(q_raw_t), tl.trans(raw_keys), input_precision=PRECISION)  # [GP, N]
             p, alpha, m_i, l_i = _online_softmax(logits, in_tail, scaling, m_i, l_i)
             raw_values = _tail_rows(v_tail, bh, pos, in_tail, packed_len, tail_slots, dims, D, q_t.dtype)
             acc = acc * alpha[:, None]
-            acc_raw = tl.dot(tl.trans(p).to(q_t.dtype), raw_values, input_precision=PRECISION)
+            acc_raw = tl.dot(p.to(q_t.dtype), raw_values, input_precision=PRECISION)
         splits = tl.num_programs(1)
         part = (bh * splits + split) * G + heads  # the group's real heads only, not the dot's padding
         _store_partials(acc_ptr, raw_ptr, max_ptr, sum_ptr, part, heads < G, dims, acc, acc_raw, m_i, l_i, D, ROTATED)
