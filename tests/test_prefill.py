@@ -274,6 +274,31 @@ def test_the_sparse_prefills_attention_in_query_chunks_equals_one_masked_sdpa(
             torch.testing.assert_close(grad, want, atol=10 * tolerance, rtol=0, msg=f"chunk {chunk}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_sparse_prefills_attention_of_a_query_is_the_same_bits_in_a_shorter_pass(dtype: torch.dtype) -> None:
+    """A query's row of `chunked_masked_attention` does not depend on how many tokens the pass holds after it:
+    over the first T - j tokens it is bit for bit the row of the pass over all T (every j to a chunk and a
+    half), as the base model's causal SDPA rows are. So a prompt's K/V, and the ASQ codes made from them, come
+    out of a prefill exactly as teacher forcing over the longer sequence makes them (benchmarks.step_kl: before,
+    the raw keys followed the stored ones at an index that moved with T, and the rows differed by rounding)."""
+    generator = torch.Generator().manual_seed(0)
+    batch, heads, kv_heads, length, dim, chunk = 1, 4, 2, 3 * LENGTH, 16, 16
+
+    def rand(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=generator).to(dtype)
+
+    query = rand(batch, heads, length, dim)
+    stored = (rand(batch, kv_heads, length, dim), rand(batch, kv_heads, length, dim))
+    own = (rand(batch, kv_heads, length, dim), rand(batch, kv_heads, length, dim))
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    selection = ((torch.rand(1, 1, length, length, generator=generator) < 0.4) & causal) | torch.eye(length).bool()
+    full = chunked_masked_attention(query, stored, own, selection, BLOCK, 0.125, True, chunk)
+    for short in range(length - chunk - chunk // 2, length):
+        cut = (query[:, :, :short], *(tuple(t[:, :, :short] for t in pair) for pair in (stored, own)))
+        got = chunked_masked_attention(*cut, selection[..., :short, :short], BLOCK, 0.125, True, chunk)
+        assert torch.equal(got, full[:, :short]), f"the first {short} of {length} tokens"
+
+
 @pytest.mark.parametrize("gqa", [True, False])
 def test_the_lower_right_causal_bias_is_the_mask_a_dense_prefill_chunk_uses(gqa: bool) -> None:
     """`causal_chunk_sdpa`'s CUDA form (torch's lower-right causal bias, run here through its CPU fallback)

@@ -234,7 +234,11 @@ def chunked_masked_attention(
 
     The query chunks and the K/V spans are joined from pieces split once at every chunk and block edge
     (`_pieces`), not sliced per chunk: a slice's gradient is a zero-filled tensor of the whole sequence
-    that the backward then adds up once per chunk, a piece's only the piece's rows."""
+    that the backward then adds up once per chunk, a piece's only the piece's rows.
+
+    Exact across lengths: a query's row is bit for bit the same in a pass over any longer sequence (the
+    short last chunk is padded to a whole one), as a causal SDPA's rows are, so a prefill's K/V and ASQ codes
+    are those of teacher forcing over the longer text (benchmarks.step_kl)."""
     length = query.shape[2]
     starts = range(0, length, chunk)
     firsts = [start // block_size * block_size for start in starts] if own is not None else []
@@ -250,10 +254,26 @@ def chunked_masked_attention(
         if own_pieces is not None:
             first = start // block_size * block_size
             earlier = earlier_blocks(torch.arange(start, stop, device=query.device), stop, block_size)
-            keys += own_pieces[0][edges.index(first) : stop_at]
-            values += own_pieces[1][edges.index(first) : stop_at]
-            rows = torch.cat((rows & earlier, (rows & ~earlier)[..., first:]), -1)
-        parts.append(masked_sdpa(queries, _joined(keys), _joined(values), rows, scaling, gqa))
+            own_keys, own_values = (pieces[edges.index(first) : stop_at] for pieces in own_pieces)
+            rows, own_rows = rows & earlier, (rows & ~earlier)[..., first:]
+        # a short last chunk is padded to a whole one (queries, stored and raw keys no real query sees), so a
+        # query's keys sit where, and among as many as, in any longer pass: SDPA sums them in the same order
+        # and the query's row comes out bit for bit as there
+        padding = start + chunk - stop
+        keys, values = keys + _blanks(keys[0], padding), values + _blanks(values[0], padding)
+        rows = torch.nn.functional.pad(rows, (0, padding))
+        if own_pieces is not None:
+            keys, values = (
+                [*keys, *own_keys, *_blanks(keys[0], padding)],
+                [*values, *own_values, *_blanks(values[0], padding)],
+            )
+            rows = torch.cat((rows, torch.nn.functional.pad(own_rows, (0, padding))), -1)
+        if padding:
+            queries = torch.cat((queries, *_blanks(queries, padding)), 2)
+            blank_rows = torch.zeros(*rows.shape[:2], padding, rows.shape[3], dtype=torch.bool, device=rows.device)
+            blank_rows[..., stop] = True  # a padding query sees one blank key: a finite row, dropped below
+            rows = torch.cat((rows, blank_rows), 2)
+        parts.append(masked_sdpa(queries, _joined(keys), _joined(values), rows, scaling, gqa)[:, : stop - start])
     return torch.cat(parts, 1)
 
 
@@ -261,6 +281,11 @@ def _pieces(pair: tuple[Tensor, Tensor], edges: list[int]) -> tuple[tuple[Tensor
     """Both tensors of `pair` [B, H, T, D] split along T at `edges` (0, the inner edges, T, ascending)."""
     sizes = [stop - start for start, stop in zip(edges, edges[1:])]
     return pair[0].split(sizes, 2), pair[1].split(sizes, 2)
+
+
+def _blanks(like: Tensor, length: int) -> list[Tensor]:
+    """[zeros [B, H, length, D]] of `like`'s kind [B, H, *, D] (none for 0): rows no real query reads."""
+    return [like.new_zeros(*like.shape[:2], length, like.shape[3])] if length else []
 
 
 def _joined(pieces: list[Tensor]) -> Tensor:
