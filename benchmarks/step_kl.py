@@ -11,9 +11,11 @@ prompt passes' difference). Exact token agreement is not a fair test in bf16 whi
 the KL says how much each step's distribution moves, and `gsm_over_dense` sets GSM's against what bf16 alone
 moves the dense model's.
 
-In fp32 and bf16 GSM's KL is rounding, not a different function: the two paths round in other orders, and
-ASQ's 2- and 4-bit codes and fp16 prototypes turn a last-bit difference into a code step, layer after layer.
-Teacher forcing of T - 1 tokens is as far from teacher forcing of T (`*_teacher_self_kl`, the floor);
+In fp32 and bf16 GSM's KL is rounding, not a different function: the token steps' kernels round in other
+orders than the teacher-forced pass, and ASQ's 2- and 4-bit codes and fp16 prototypes can turn a last-bit
+difference into a code step. The prompt is not among them: it is prefilled in one pass, which gives each
+query's row bit for bit as a longer pass does (`chunked_masked_attention`), and teacher forcing of T - 1
+tokens against teacher forcing of T (`*_teacher_self_kl`) checks that (0 where it holds);
 docs/design-decisions.md, "Cached steps and teacher forcing differ in fp32 and bf16 only by rounding".
 `--dtype float64` casts GSM's modules to fp64 as well and is the exact check: the KL is 0 to fp64 rounding.
 
@@ -55,13 +57,17 @@ def teacher_log_probs(model: nn.Module, ids: Tensor, steps: int) -> Tensor:
 
 
 def cached_log_probs(model: nn.Module, ids: Tensor, steps: int, cache: object | None) -> Tensor:
-    """The same from cached steps: the prompt `ids[:, :-steps]` in one call, then each of the last `steps`
-    tokens alone over `cache` (None: the model's default cache)."""
+    """The same from cached steps: the prompt `ids[:, :-steps]` in one forward, then each of the last `steps`
+    tokens alone over `cache` (None: the model's default cache). A GSM cache's prompt goes in one pass
+    however long (the generation engine's forward would feed a sparse prefill in chunks of
+    `PREFILL_CHUNKS["sparse"]`, whose later chunks read the earlier ones from the cache: a prefill's
+    rounding, not a step's), as the dense model's does."""
     prompt = ids.shape[1] - steps
     kwargs = cache_kwargs(model, cache) if cache is not None else {}
+    prefill = model.gsm_base_forward if cache is not None else model
     parts = []
     with torch.no_grad():
-        out = model(input_ids=ids[:, :prompt], use_cache=True, logits_to_keep=1, **kwargs)
+        out = prefill(input_ids=ids[:, :prompt], use_cache=True, logits_to_keep=1, **kwargs)
         cache = cache if cache is not None else getattr(out, "cache", None) or out.past_key_values
         for position in range(prompt, ids.shape[1]):
             out = model(input_ids=ids[:, position : position + 1], use_cache=True, **cache_kwargs(model, cache))
