@@ -260,13 +260,12 @@ def chunked_masked_attention(
         # query's keys sit where, and among as many as, in any longer pass: SDPA sums them in the same order
         # and the query's row comes out bit for bit as there
         padding = start + chunk - stop
-        keys, values = keys + _blanks(keys[0], padding), values + _blanks(values[0], padding)
+        keys += _blanks(keys[0], padding)
+        values += _blanks(values[0], padding)
         rows = torch.nn.functional.pad(rows, (0, padding))
         if own_pieces is not None:
-            keys, values = (
-                [*keys, *own_keys, *_blanks(keys[0], padding)],
-                [*values, *own_values, *_blanks(values[0], padding)],
-            )
+            keys += [*own_keys, *_blanks(keys[0], padding)]
+            values += [*own_values, *_blanks(values[0], padding)]
             rows = torch.cat((rows, torch.nn.functional.pad(own_rows, (0, padding))), -1)
         if padding:
             queries = torch.cat((queries, *_blanks(queries, padding)), 2)
