@@ -299,6 +299,42 @@ def test_the_sparse_prefills_attention_of_a_query_is_the_same_bits_in_a_shorter_
         assert torch.equal(got, full[:, :short]), f"the first {short} of {length} tokens"
 
 
+def test_a_teacher_forced_pass_selects_the_same_keys_in_a_shorter_pass() -> None:
+    """The gate's selection of a query does not depend on how many tokens the pass holds after it: int8 gate
+    keys score in ties, and `torch.topk` breaks ties by the row's length, so `GateSelector` ranks every query
+    chunk over the same width (its keys up to the chunk's full end, padded): the selection over the first T - j
+    tokens is the pass over all T's, row for row (before, some rows took other tied keys)."""
+    from gsm_train.attention.layout import Layout, allowed_keys
+    from gsm_train.attention.selection import GateSelector, chunks
+    from gsm_train.config.schema import SparseAttentionConfig
+    from gsm_train.functional.attention_targets import causal_visible
+    from gsm_train.functional.top_k import scheduled_k
+    from gsm_train.modules.sparse_gate import SparseGateHead
+
+    torch.manual_seed(0)
+    config = SparseAttentionConfig(top_k=12, k_min=4, gate_head_dim=8, query_chunk=16, gate_key_bits=8)
+    gate = SparseGateHead(hidden_size=32, gate_head_dim=8, base_head_dim=16, key_bits=8)
+    queries, keys = torch.randn(2, 1, 1, 70, 8).round()  # integer gate rows: many equal scores
+
+    def selection(length: int) -> torch.Tensor:
+        positions = torch.arange(length)
+        gate_q, gate_k = queries[:, :, :length], keys[:, :, :length]
+        visible = causal_visible(length, length)
+        layout = Layout(
+            allowed_keys(None, length, length, torch.device("cpu")),
+            positions,
+            scheduled_k(positions, config),
+            visible,
+            scheduled_k(visible - 1, config),
+        )
+        selector = GateSelector(gate, gate_q, gate_k, gate.stored_keys(gate_k), layout, config, False)
+        return torch.cat([selector.select(a, b) for a, b in chunks(length, config.query_chunk)], 2)
+
+    full = selection(70)
+    for length in range(40, 70):
+        assert torch.equal(selection(length), full[..., :length, :length]), f"the first {length} of 70 tokens"
+
+
 @pytest.mark.parametrize("gqa", [True, False])
 def test_the_lower_right_causal_bias_is_the_mask_a_dense_prefill_chunk_uses(gqa: bool) -> None:
     """`causal_chunk_sdpa`'s CUDA form (torch's lower-right causal bias, run here through its CPU fallback)

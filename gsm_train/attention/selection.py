@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from gsm_train.attention.layout import Layout, block_causal_kv
@@ -50,12 +51,15 @@ class GateSelector:
         the schedule's) best-scored keys; `k_max` the largest k on the host, `uniform` whether all equal it."""
         layout, cfg = self.layout, self.config
         k = layout.k if k is None else k
-        with torch.no_grad():
-            scores = self.gate.score_stored(self.gate_q[:, :, start:stop], self.stored_k)
         if k_max is None:  # compiled, every chunk takes the layer's largest k (each query keeps its own k)
             k_max = int((layout.k_host if self.training_shapes else layout.k_host[start:stop]).max())
         if uniform is None:
             uniform = bool((layout.k_host[start:stop] == k_max).all())
+        length = layout.positions.shape[0]
+        if not self.training_shapes and stop - start <= cfg.query_chunk and layout.allowed.shape[-2] == length:
+            return self._select_whole_chunk(start, stop, k, k_max, uniform)
+        with torch.no_grad():
+            scores = self.gate.score_stored(self.gate_q[:, :, start:stop], self.stored_k)
         select = compiled(select_top_k) if self.training_shapes else select_top_k
         return select(
             scores,
@@ -68,6 +72,33 @@ class GateSelector:
             k_max,
             uniform,
         )
+
+    def _select_whole_chunk(self, start: int, stop: int, k: Tensor, k_max: int, uniform: bool) -> Tensor:
+        """`select` of queries [start, stop) of a pass whose queries are its keys, over the keys [0, start +
+        query_chunk) only (later ones are never allowed to them), a short chunk padded with queries and keys
+        that nothing may select: the top-k of every query runs over rows of the same length and contents in
+        a pass of any length, so ties at the k-th score fall the same way (a prompt's prefill selects as
+        teacher forcing over a longer text does; `torch.topk` breaks ties by the row's length)."""
+        layout, cfg = self.layout, self.config
+        length, width = layout.positions.shape[0], start + cfg.query_chunk
+        missing_rows, missing_keys = start + cfg.query_chunk - stop, max(width - length, 0)
+        gate_q = F.pad(self.gate_q[:, :, start:stop], (0, 0, 0, missing_rows))
+        keys = F.pad(self.stored_k[:, :, :width], (0, 0, 0, missing_keys))
+        with torch.no_grad():
+            scores = self.gate.score_stored(gate_q, keys)
+        positions = torch.arange(width, device=layout.positions.device)
+        selected = select_top_k(
+            scores,
+            F.pad(layout.allowed[..., start:stop, :width], (0, missing_keys, 0, missing_rows)),
+            F.pad(k[start:stop], (0, missing_rows), value=k_max),
+            positions[start : start + cfg.query_chunk],
+            positions,
+            cfg.sink_tokens,
+            cfg.recent_tokens,
+            k_max,
+            uniform,
+        )[..., : stop - start, : min(width, length)]
+        return F.pad(selected, (0, length - selected.shape[-1]))
 
 
 @torch.no_grad()
