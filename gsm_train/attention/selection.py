@@ -19,8 +19,9 @@ from gsm_train.attention.layout import Layout, block_causal_kv
 from gsm_train.compiled import compiled
 from gsm_train.config.schema import SparseAttentionConfig
 from gsm_train.functional.attention_targets import head_averaged_probs
-from gsm_train.functional.top_k import select_top_k
+from gsm_train.functional.top_k import select_top_k, ties_fall_by_row_length
 from gsm_train.modules.sparse_gate import SparseGateHead
+from gsm_train.quant import compute_dtype
 
 
 def chunks(length: int, chunk: int) -> list[tuple[int, int]]:
@@ -56,7 +57,9 @@ class GateSelector:
         if uniform is None:
             uniform = bool((layout.k_host[start:stop] == k_max).all())
         length = layout.positions.shape[0]
-        if not self.training_shapes and stop - start <= cfg.query_chunk and layout.allowed.shape[-2] == length:
+        ties_by_length = ties_fall_by_row_length(self.gate_q.device, compute_dtype(self.gate_q), length, uniform)
+        whole_chunk = stop - start <= cfg.query_chunk and layout.allowed.shape[-2] == length
+        if ties_by_length and whole_chunk and not self.training_shapes:
             return self._select_whole_chunk(start, stop, k, k_max, uniform)
         with torch.no_grad():
             scores = self.gate.score_stored(self.gate_q[:, :, start:stop], self.stored_k)
@@ -74,11 +77,11 @@ class GateSelector:
         )
 
     def _select_whole_chunk(self, start: int, stop: int, k: Tensor, k_max: int, uniform: bool) -> Tensor:
-        """`select` of queries [start, stop) of a pass whose queries are its keys, over the keys [0, start +
-        query_chunk) only (later ones are never allowed to them), a short chunk padded with queries and keys
-        that nothing may select: the top-k of every query runs over rows of the same length and contents in
-        a pass of any length, so ties at the k-th score fall the same way (a prompt's prefill selects as
-        teacher forcing over a longer text does; `torch.topk` breaks ties by the row's length)."""
+        """`select` of queries [start, stop) of a pass whose queries are its keys, where `torch.topk` ranks them
+        (`ties_fall_by_row_length`): over the keys [0, start + query_chunk) only (later ones are never allowed
+        to them), a short chunk padded with queries and keys that nothing may select, so every query's row has
+        the same length and contents in a pass of any length and ties at the k-th score fall the same way (a
+        prompt's prefill selects as teacher forcing over a longer text does)."""
         layout, cfg = self.layout, self.config
         length, width = layout.positions.shape[0], start + cfg.query_chunk
         missing_rows, missing_keys = start + cfg.query_chunk - stop, max(width - length, 0)

@@ -7,6 +7,7 @@ from torch import Tensor
 
 from gsm_train.config.schema import SparseAttentionConfig
 from gsm_train.kernels.selection import kernel_runs as selection_kernel_runs
+from gsm_train.kernels.selection import kernel_serves as selection_kernel_serves
 from gsm_train.kernels.selection import top_k_selection
 
 SCHEDULES = ("constant", "exp_decay", "linear_decay", "fraction")
@@ -58,6 +59,13 @@ def forced_keys(query_positions: Tensor, key_positions: Tensor, sink_tokens: int
         distance = query_positions[:, None] - key_positions[None, :]
         forced = forced | ((distance >= 0) & (distance < recent_tokens))
     return forced
+
+
+def ties_fall_by_row_length(device: torch.device, dtype: torch.dtype, row_length: int, uniform_k: bool) -> bool:
+    """Whether `select_top_k` over scores of `dtype` on `device` in rows of `row_length` keys takes `torch.topk`,
+    which chooses among keys tied with the k-th score by the row's length (the selection kernel, which
+    serves a uniform k, takes the lowest positions whatever the length)."""
+    return not (uniform_k and selection_kernel_serves(device, dtype, row_length))
 
 
 def select_top_k(

@@ -31,11 +31,16 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read once: compiled c
 
 
 def kernel_runs(scores: Tensor) -> bool:
-    """Whether `top_k_selection` serves these scores [B, n, T, S]: Triton with a CUDA tensor (or Triton's
-    interpreter), in bf16, fp16 or fp32, rows no longer than LONGEST_ROW."""
-    here = scores.is_cuda or INTERPRETED
-    searched = scores.dtype in (torch.bfloat16, torch.float16, torch.float32)  # fp64 would be searched as fp32
-    return triton is not None and here and searched and scores.dim() == 4 and scores.shape[-1] <= LONGEST_ROW
+    """Whether `top_k_selection` serves these scores [B, n, T, S] (`kernel_serves`)."""
+    return scores.dim() == 4 and kernel_serves(scores.device, scores.dtype, scores.shape[-1])
+
+
+def kernel_serves(device: torch.device, dtype: torch.dtype, row_length: int) -> bool:
+    """Whether `top_k_selection` serves scores of `dtype` on `device` in rows of `row_length` keys: Triton on
+    CUDA (or Triton's interpreter), bf16, fp16 or fp32, rows no longer than LONGEST_ROW."""
+    here = device.type == "cuda" or INTERPRETED
+    searched = dtype in (torch.bfloat16, torch.float16, torch.float32)  # fp64 would be searched as fp32
+    return triton is not None and here and searched and row_length <= LONGEST_ROW
 
 
 if triton is not None:
