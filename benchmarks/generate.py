@@ -397,15 +397,15 @@ def row_settings(
     when set); `dense_block_kernel`: whether GSM's dense layers read a block a tile (always named: rows from
     before it was the default, which lack it, are measured again)."""
     chunk = {} if prefill_chunk is None else {"gsm_prefill_chunk": prefill_chunk}
-    fused = {"fused_decode": True} if fused_decode else {}
-    fused |= {"dense_block_kernel": dense_block_kernel}
+    kernels = {"fused_decode": True} if fused_decode else {}
+    kernels |= {"dense_block_kernel": dense_block_kernel}
     return {
         "version": ROW_VERSION,
         "new_tokens": new_tokens,
         "methods": [*methods, "gsm"],
         "gsm_prefill": prefill,
         **chunk,
-        **fused,
+        **kernels,
     }
 
 
@@ -531,13 +531,23 @@ def main() -> None:
             save(name, row)
             model = _fresh(model, family)
         del model
-        gc.collect()
-        torch.cuda.empty_cache()
+        free_memory()
     _summary(result, result_path)
 
 
 def row_complete(row: dict, settings: dict) -> bool:
     return row.get("settings") == settings and "gsm" in row
+
+
+def _enable_generation(model: torch.nn.Module, args: argparse.Namespace) -> None:
+    """GSM's generation on `model` with the command's prefill and kernel options (as GSMModel enables it)."""
+    enable_gsm_generation(
+        model,
+        prefill=args.prefill,
+        prefill_chunk=args.prefill_chunk,
+        fused_decode=args.fused_decode,
+        dense_block_kernel=args.dense_block_kernel,
+    )
 
 
 def _family(family: str, args: argparse.Namespace) -> tuple[torch.nn.Module, torch.Tensor, Callable]:
@@ -550,13 +560,7 @@ def _family(family: str, args: argparse.Namespace) -> tuple[torch.nn.Module, tor
             torch.manual_seed(0)
             if not any(True for _ in gsm_adapters(m)):
                 inject_gsm(m, joint_gsm_config(), mode="sparse")
-                enable_gsm_generation(
-                    m,
-                    prefill=args.prefill,
-                    prefill_chunk=args.prefill_chunk,
-                    fused_decode=args.fused_decode,
-                    dense_block_kernel=args.dense_block_kernel,
-                )
+                _enable_generation(m, args)
             return m
 
         return llama8b(), prompts, ready
@@ -574,13 +578,7 @@ def _family(family: str, args: argparse.Namespace) -> tuple[torch.nn.Module, tor
                 torch.manual_seed(0)
                 inject_gsm(m, load_recipe(str(REPO / "recipes" / "joint.yaml")).gsm, mode="sparse")
             # generation is enabled explicitly, as GSMModel does
-            enable_gsm_generation(
-                m,
-                prefill=args.prefill,
-                prefill_chunk=args.prefill_chunk,
-                fused_decode=args.fused_decode,
-                dense_block_kernel=args.dense_block_kernel,
-            )
+            _enable_generation(m, args)
             set_gsm_mode(m, "sparse")
         return m
 
@@ -590,8 +588,7 @@ def _family(family: str, args: argparse.Namespace) -> tuple[torch.nn.Module, tor
 def _fresh(model: torch.nn.Module, family: str) -> torch.nn.Module:
     """The next row starts from the dense base again (GSM modules come off by rebuilding the model)."""
     del model
-    gc.collect()
-    torch.cuda.empty_cache()
+    free_memory()
     if family == "8b":
         return llama8b()
     model, _ = load_model_and_tokenizer("smollm2-135m", dtype=torch.bfloat16)

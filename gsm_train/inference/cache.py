@@ -333,7 +333,7 @@ class GSMCache(Cache):
             self.buffers = [
                 {name: every[f"{index}/{name}"] for name in layer_specs} for index, layer_specs in enumerate(specs)
             ]
-        return self.buffers[next(index for index, each in enumerate(self.layers) if each is layer)]
+        return self.buffers[layer.adapter.layer_idx]  # `gsm_layer`: the cache's layers are in layer order
 
     def reset(self) -> None:
         """Empty again for a new sequence of the same batch, in place: lengths 0, every layer's buffers zeroed,

@@ -30,6 +30,8 @@ from torch import Tensor
 from gsm_train.kernels.packed_rows import PackedRows
 from gsm_train.kernels.sparse_decode import MOST_SPLITS, kernel_constants, merged_splits, split_partials, triton
 
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read once, at import, as the other kernels do
+
 if triton is not None:
     import triton.language as tl
 
@@ -184,7 +186,7 @@ def dense_decode_attention(
     kv_heads, groups = constants["KV_HEADS"], constants["G"]
     capacity = k_store.ids.shape[2]
     n_blocks = k_store.prototypes.shape[2]
-    fixed = {"BLOCKS": 2} if os.environ.get("TRITON_INTERPRET") == "1" else {}  # no device to tune on
+    fixed = {"BLOCKS": 2} if INTERPRETED else {}  # no device to tune on
     kernel = _dense_decode_kernel.fn if fixed else _dense_decode_kernel
     choices = [fixed["BLOCKS"]] if fixed else [c.kwargs["BLOCKS"] for c in _few_block_splits(
         _dense_decode_kernel.configs, triton.next_power_of_2(n_blocks))]  # fmt: skip
