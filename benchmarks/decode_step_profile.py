@@ -25,9 +25,12 @@ loop over the same cache, and of a plain greedy loop around the token step,
 and the ops of one `GSMCache.pack_full_tail` (every `block_size` tokens), on the CPU, eagerly.
 `--fused` runs both engines' token steps with `fused_decode` (RMSNorm, RoPE and SwiGLU as one Triton kernel
 each, `gsm_train.inference.decode_fusion`); counted on the CPU it needs `TRITON_INTERPRET=1` as above.
+`--every-key` profiles a third method, `gsm_every_key`: GSM's modules and cache in dense mode, every layer
+reading every key of its compressed cache (the block kernel, no gate scores or top-k): what a short
+context's token step costs when it skips the selection.
 
     python -m benchmarks.decode_step_profile --result OUT.json [--model 8b|smollm2|tiny] [--context 32768] [--batch 1]
-        [--steps 20] [--top 25] [--count | --count-outside] [--fused] [--device cuda|cpu]
+        [--steps 20] [--top 25] [--count | --count-outside] [--fused] [--every-key] [--device cuda|cpu]
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.common import REPO, write_result
-from gsm_train.attention import inject_gsm, set_gsm_mode
+from gsm_train.attention import gsm_adapters, inject_gsm, set_gsm_mode
 from gsm_train.config.schema import GSMConfig, load_recipe
 from gsm_train.inference.cache import GSMCache, cache_kwargs
 from gsm_train.inference.dense_engine import DenseEngine
@@ -271,10 +274,11 @@ def _gsm_config(name: str) -> GSMConfig:
     return joint_gsm_config(*TINY_OVERRIDES) if name == "tiny" else joint_gsm_config()
 
 
-def attach_gsm(model: nn.Module, name: str) -> None:
-    """`_gsm_config(name)`'s modules on `model`, in sparse mode."""
-    inject_gsm(model, _gsm_config(name), mode="sparse")
-    set_gsm_mode(model, "sparse")
+def attach_gsm(model: nn.Module, name: str, mode: str = "sparse") -> None:
+    """`_gsm_config(name)`'s modules on `model` (once), in `mode` (sparse or dense)."""
+    if not gsm_adapters(model):
+        inject_gsm(model, _gsm_config(name), mode=mode)
+    set_gsm_mode(model, mode)
 
 
 def prompt_ids(model: nn.Module, batch: int, context: int) -> torch.Tensor:
@@ -446,6 +450,9 @@ def main(argv: list[str] | None = None) -> None:
         "--count-outside", action="store_true", help="count GSM's ops outside its captured step (per token, per pack)"
     )
     parser.add_argument(
+        "--every-key", action="store_true", help="also GSM in dense mode: every layer reads every compressed key"
+    )
+    parser.add_argument(
         "--fused", action="store_true", help="token steps with fused RMSNorm, RoPE and SwiGLU kernels (both engines)"
     )
     parser.add_argument(
@@ -459,6 +466,7 @@ def main(argv: list[str] | None = None) -> None:
     settings |= {"count": True} if args.count else {}
     settings |= {"count_outside": True} if args.count_outside else {}
     settings |= {"fused": True} if args.fused else {}
+    settings |= {"every_key": True} if args.every_key else {}
     settings |= {"dense_block_kernel": args.dense_block_kernel}
     settings |= {"device": args.device} if args.device else {}
     path = Path(args.result)
@@ -475,8 +483,8 @@ def main(argv: list[str] | None = None) -> None:
 
     def method(name: str, make: Callable[..., Callable[[], object]]) -> tuple[str, Callable[[], dict]]:
         def run() -> dict:
-            if name == "gsm":
-                attach_gsm(model, args.model)
+            if name.startswith("gsm"):
+                attach_gsm(model, args.model, "dense" if name == "gsm_every_key" else "sparse")
             what = "one counted step" if args.count else f"{args.steps} profiled steps"
             say(f"{name}: prefill of {args.context} tokens, warm-up, {what}")
             return measure(make, model, ids, args.steps, args.count, args.fused)
@@ -490,7 +498,9 @@ def main(argv: list[str] | None = None) -> None:
             print_table(name, figures, args.top)
 
     gsm = functools.partial(gsm_step, dense_block_kernel=args.dense_block_kernel)
-    run_methods(path, result, [method("dense_engine", dense_step), method("gsm", gsm)], show)
+    methods = [method("dense_engine", dense_step), method("gsm", gsm)]
+    methods += [method("gsm_every_key", gsm)] if args.every_key else []
+    run_methods(path, result, methods, show)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,17 @@ def test_profile_writes_a_table_per_method_and_resumes(tmp_path: Path, capsys: p
     assert json.loads(path.read_text())["gsm"] == result["gsm"]
 
 
+def test_every_key_profiles_gsm_in_dense_mode_without_a_selection(tmp_path: Path) -> None:
+    path = tmp_path / "profile.json"
+    decode_step_profile.main(
+        ["--model", "tiny", "--context", "37", "--steps", "2", "--every-key", "--result", str(path)]
+    )
+    result = json.loads(path.read_text())
+    assert result["settings"]["every_key"] and {"dense_engine", "gsm", "gsm_every_key"} <= set(result)
+    assert any("topk" in row["name"] for row in result["gsm"]["kernels"])
+    assert not any("topk" in row["name"] for row in result["gsm_every_key"]["kernels"])  # no keys selected
+
+
 # The most aten ops (views aside) one decoder layer of GSM's token step runs, counted by
 # `decode_step_profile --count` on the tiny Llama at recipes/joint.yaml's settings (layers 0 and 1 dense,
 # 2 and 3 sparse), on the PyTorch path and on the fused kernels' path (docs/results.md, "GSM's token step:
