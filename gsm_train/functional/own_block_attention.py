@@ -31,23 +31,38 @@ from gsm_train.compiled import compiled
 
 TILE = 128  # FlexAttention's default tile: queries and keys per block of the block mask
 FLEX_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # others (fp64 checks) take the masked SDPA
-# Inductor's max-autotune choice for this attention, measured on the H200 at SmolLM2's shapes (heads
-# of 64, T 2048; `benchmarks/asq_attention.py`): 64 x 64 tiles, 3 stages, 4 warps, forward and
-# backward. Passed on Hopper GPUs for bf16/fp16 heads of 64, it gives the autotuned kernels' speed
-# without their ~20 s of autotuning per run; other GPUs and head sizes keep Inductor's default
-# configuration (docs/design-decisions.md, 'FlexAttention takes fixed kernel options on Hopper').
-HOPPER_HEAD_DIM = 64
+# Inductor's max-autotune choice for this attention on Hopper, by head size, in bf16/fp16 (`benchmarks/
+# asq_attention.py`): heads of 64 measured on the H200 at SmolLM2's shapes (T 2048): 64 x 64 tiles, 3
+# stages, 4 warps, forward and backward; heads of 128 on the H100 at Llama-3-8B's (T 8192): a 128 x 64
+# forward tile with 8 warps, the backward's 32 x 64 and 64 x 32 tiles with 4, 3 stages each. Passed on
+# Hopper GPUs, they give the autotuned kernels' speed without their ~20 s of autotuning per run; other
+# GPUs, head sizes and dtypes keep Inductor's default configuration (docs/design-decisions.md,
+# 'FlexAttention takes fixed kernel options on Hopper').
 HOPPER_KERNEL_OPTIONS = {
-    "fwd_BLOCK_M": 64,
-    "fwd_BLOCK_N": 64,
-    "fwd_num_stages": 3,
-    "fwd_num_warps": 4,
-    "bwd_BLOCK_M1": 64,
-    "bwd_BLOCK_N1": 64,
-    "bwd_BLOCK_M2": 64,
-    "bwd_BLOCK_N2": 64,
-    "bwd_num_stages": 3,
-    "bwd_num_warps": 4,
+    64: {
+        "fwd_BLOCK_M": 64,
+        "fwd_BLOCK_N": 64,
+        "fwd_num_stages": 3,
+        "fwd_num_warps": 4,
+        "bwd_BLOCK_M1": 64,
+        "bwd_BLOCK_N1": 64,
+        "bwd_BLOCK_M2": 64,
+        "bwd_BLOCK_N2": 64,
+        "bwd_num_stages": 3,
+        "bwd_num_warps": 4,
+    },
+    128: {
+        "fwd_BLOCK_M": 128,
+        "fwd_BLOCK_N": 64,
+        "fwd_num_stages": 3,
+        "fwd_num_warps": 8,
+        "bwd_BLOCK_M1": 32,
+        "bwd_BLOCK_N1": 64,
+        "bwd_BLOCK_M2": 64,
+        "bwd_BLOCK_N2": 32,
+        "bwd_num_stages": 3,
+        "bwd_num_warps": 4,
+    },
 }
 
 
@@ -87,11 +102,11 @@ def _is_hopper(device: torch.device) -> bool:
 
 def kernel_options(query: Tensor, dtype: torch.dtype | None = None) -> dict[str, int] | None:
     """FlexAttention kernel options for `query` [B, H, T, D] attended in `dtype` (None: the query's):
-    `HOPPER_KERNEL_OPTIONS` on a Hopper GPU with heads of `HOPPER_HEAD_DIM` in bf16 or fp16 (as measured;
-    fp32 tiles need more shared memory), else None (Inductor's defaults)."""
+    `HOPPER_KERNEL_OPTIONS` for its head size on a Hopper GPU in bf16 or fp16 (as measured; fp32 tiles need
+    more shared memory), else None (Inductor's defaults)."""
     hopper = query.is_cuda and _is_hopper(query.device)
-    measured = query.shape[-1] == HOPPER_HEAD_DIM and (dtype or query.dtype) in (torch.bfloat16, torch.float16)
-    return HOPPER_KERNEL_OPTIONS if hopper and measured else None
+    half = (dtype or query.dtype) in (torch.bfloat16, torch.float16)
+    return HOPPER_KERNEL_OPTIONS.get(query.shape[-1]) if hopper and half else None
 
 
 def attention_dtype(query: Tensor) -> torch.dtype:
