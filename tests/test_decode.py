@@ -855,6 +855,9 @@ def test_generate_command(exported_tiny: Path, capsys: pytest.CaptureFixture) ->
     assert captured.out.strip()  # the text, streamed
     assert cli_main(["generate", "--model", "tiny-llama", "--prompt", "Once", "--max-new-tokens", "3"]) == 0
     assert "dense base: 3 tokens" in capsys.readouterr().err
+    every_key = ["generate", "--adapter", str(exported_tiny), "--prompt", "Once", "--max-new-tokens", "3"]
+    assert cli_main([*every_key, "--mode", "dense"]) == 0
+    assert "GSM cache, every key (--mode dense): 3 tokens" in capsys.readouterr().err  # says which attention ran
 
 
 @pytest.mark.parametrize(

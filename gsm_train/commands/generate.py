@@ -231,7 +231,8 @@ def generate(
         ids = prompt_ids(gsm.tokenizer, prompt, chat)
         _check_positions(gsm.model, ids.shape[1], max_new_tokens)
         cache = GSMCache(gsm.model, capacity=ids.shape[1] + max_new_tokens)
-        runs.append(_run("GSM cache", gsm.model, gsm.tokenizer, ids, max_new_tokens, echo, cache, sampling))
+        label = "GSM cache" if mode == "sparse" else "GSM cache, every key (--mode dense)"
+        runs.append(_run(label, gsm.model, gsm.tokenizer, ids, max_new_tokens, echo, cache, sampling))
         model_name, base_revision = gsm.base_name, gsm.base_revision  # the base GSM ran on, compared as it was
         del gsm
     elif model_name is None:
