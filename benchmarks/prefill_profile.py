@@ -8,7 +8,9 @@ Per method, after `--warmup` calls: `wall_ms`, the median over `--repeats` calls
 call to its result on the device (synchronized); on CUDA `kernel_ms`, the GPU time of the kernels one call
 ran (torch.profiler), so `gpu_busy` = kernel_ms / wall_ms well below 1 says the prefill waits on the host
 issuing kernels (launch-bound), not on the GPU, and there `host_op_ms` and `host_ops`, the ops' own CPU time
-(what issuing each costs the host; the largest HOST_TOP by op), say where the host spends it; the per-kernel
+(what issuing each costs the host; the largest HOST_TOP by op), say where the host spends it, and `idle`
+(`benchmarks.gpu_idle`: the GPU's idle gaps of one call, each put on the function that launched late what
+ended it) where the GPU waits for it; the per-kernel
 table (name, calls, microseconds, share) of one call (on the CPU the ops' own CPU time instead: a smoke test,
 not a figure); and, eagerly, the aten ops
 one call runs (`ops`: views left out, `host_syncs`: the ops that make the host wait for the device, and
@@ -52,6 +54,7 @@ from benchmarks.decode_step_profile import (
     run_methods,
     say,
 )
+from benchmarks.gpu_idle import idle_gaps, profiled_trace
 from gsm_train.inference import prefill
 from gsm_train.inference.cache import DEFAULT_PREFILL, PREFILL_MODES, GSMCache, cache_kwargs
 from gsm_train.inference.dense_engine import DenseEngine
@@ -186,6 +189,7 @@ def measure_prefill(call: Callable[[], object], model: nn.Module, warmup: int, r
         figures |= {"kernel_ms": busy_us / 1000, "gpu_busy": busy_us / 1000 / figures["wall_ms"]}
         host = profile_step(call, 1, cuda=False)  # the ops' own CPU time: what issuing them costs the host
         figures |= {"host_op_ms": sum(row["total_us"] for row in host) / 1000, "host_ops": host[:HOST_TOP]}
+        figures["idle"] = idle_gaps(profiled_trace(call), top=HOST_TOP)  # where the GPU waits on the host
     figures["kernel_launches"] = sum(row["calls"] for row in kernels) if cuda else None
     figures |= count_prefill_ops(call, model)
     return figures | {"us_per_op": figures["wall_ms"] * 1000 / figures["ops"], "kernels": kernels}
@@ -203,6 +207,10 @@ def print_prefill(method: str, figures: dict, top: int) -> None:
     if "host_op_ms" in figures:
         largest = ", ".join(f"{row['name']} {row['total_us']:.0f} us" for row in figures["host_ops"][:5])
         print(f"  host: the ops' own CPU time {figures['host_op_ms']:.1f} ms; the largest: {largest}")
+    if "idle" in figures:
+        idle = figures["idle"]
+        waits = ", ".join(f"{row['function']} {row['idle_us']:.0f} us" for row in idle["by_function"][:5])
+        print(f"  GPU idle {idle['idle_us'] / 1000:.1f} ms in {idle['gaps']} gaps; launched late by: {waits}")
     print("  ops by part: " + ", ".join(f"{part} {n}" for part, n in figures["ops_by_part"].items()))
     print_kernels(figures["kernels"], top)
 
