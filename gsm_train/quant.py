@@ -189,13 +189,15 @@ def pack_codes(q: Tensor, bits: int) -> Tensor:
     """Levels [..., D] (from `quantize`) as uint8 [..., ceil(D * bits / 8)]: codes ``q + code_center(bits)``,
     ``8 // bits`` per byte, code j of a row at bit ``j * bits`` of the row's bytes read little-endian."""
     per = 8 // bits
-    u = (q + code_center(bits)).to(torch.int32)
+    u = (q + code_center(bits)).to(torch.uint8)
     pad = (-u.shape[-1]) % per
     if pad:
         u = torch.cat([u, u.new_zeros(*u.shape[:-1], pad)], dim=-1)
     u = u.reshape(*u.shape[:-1], u.shape[-1] // per, per)
-    shifts = torch.arange(0, per * bits, bits, device=u.device, dtype=torch.int32)
-    return torch.bitwise_left_shift(u, shifts).sum(dim=-1).to(torch.uint8)
+    packed = u[..., 0]
+    for j in range(1, per):  # disjoint bit fields ORed in byte-wide: no integer reduction, which on a GPU
+        packed = packed | (u[..., j] << (j * bits))  # summed each byte's codes in int64 (a prefill's 0.7 ms)
+    return packed
 
 
 def unpack_codes(packed: Tensor, bits: int, dim: int, dtype: torch.dtype = torch.float32) -> Tensor:
