@@ -64,3 +64,18 @@ def _gpu_training_on_the_gpu(request: pytest.FixtureRequest, monkeypatch: pytest
     """A test marked `gpu_training` trains where the trainer would put it (the GPU when there is one)."""
     if request.node.get_closest_marker("gpu_training") is not None:
         monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+
+
+@pytest.fixture(autouse=True)
+def _no_cuda_capture_left_behind() -> Iterator[None]:
+    """A test that leaves a CUDA graph capture open, or another stream current, fails in its teardown, naming
+    itself: otherwise every later test of its process fails instead, far from the cause (on an H100 one
+    pytest-xdist worker's tests all failed after one capture's warm-up met "a previous error during capture",
+    then "Offset increment outside graph capture" on their first random numbers; docs/results.md)."""
+    yield
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        capturing = torch.cuda.is_current_stream_capturing()
+        other_stream = torch.cuda.current_stream() != torch.cuda.default_stream()
+        if capturing or other_stream:
+            left = "a CUDA graph capture open" if capturing else "a side stream current"
+            pytest.fail(f"this test left {left}: the tests after it in this process would fail for it")
