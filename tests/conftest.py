@@ -79,3 +79,7 @@ def _no_cuda_capture_left_behind() -> Iterator[None]:
         if capturing or other_stream:
             left = "a CUDA graph capture open" if capturing else "a side stream current"
             pytest.fail(f"this test left {left}: the tests after it in this process would fail for it")
+        try:  # a capture that failed to end leaves the generator in capture mode: the next draw says so
+            torch.empty(1, device="cuda").uniform_()
+        except RuntimeError as error:
+            pytest.fail(f"this test left CUDA's random generator unusable ({error}): a capture did not end")
