@@ -68,8 +68,8 @@ def _gpu_training_on_the_gpu(request: pytest.FixtureRequest, monkeypatch: pytest
 
 @pytest.fixture(autouse=True)
 def _no_cuda_capture_left_behind() -> Iterator[None]:
-    """A test that leaves a CUDA graph capture open, or another stream current, fails in its teardown, naming
-    itself: otherwise every later test of its process fails instead, far from the cause (on an H100 one
+    """A test that leaves a CUDA graph capture open, another stream current or CUDA's random generator in
+    capture mode fails in its teardown, naming itself: otherwise every later test of its process fails instead, far from the cause (on an H100 one
     pytest-xdist worker's tests all failed after one capture's warm-up met "a previous error during capture",
     then "Offset increment outside graph capture" on their first random numbers; docs/results.md)."""
     yield
