@@ -195,8 +195,8 @@ def pack_codes(q: Tensor, bits: int) -> Tensor:
         u = torch.cat([u, u.new_zeros(*u.shape[:-1], pad)], dim=-1)
     u = u.reshape(*u.shape[:-1], u.shape[-1] // per, per)
     packed = u[..., 0]
-    for j in range(1, per):  # disjoint bit fields ORed in byte-wide: no integer reduction, which on a GPU
-        packed = packed | (u[..., j] << (j * bits))  # summed each byte's codes in int64 (a prefill's 0.7 ms)
+    for j in range(1, per):  # disjoint bit fields ORed byte-wide: no integer reduction over a byte's few codes
+        packed = packed | (u[..., j] << (j * bits))
     return packed
 
 

@@ -175,8 +175,8 @@ def ranked_selection(scores: Tensor, k_static: int, k_now: Tensor) -> tuple[Tens
     -inf) in rank order, and which are kept: held, and forced or ranked below `k_now` (int64 [1] on the
     scores' device, the position's k; no host sync, so it runs inside a captured step). The same set as
     `top_k_positions` keeps for k = k_now. The k_static are taken unordered (`unordered_top_k`: on CUDA the
-    top-k kernel) and only they are sorted: a sorted `torch.topk` over the whole row cost 49 us a layer at
-    6k keys on an H100, most of a SmolLM2 token step's selection (docs/results.md)."""
+    top-k kernel) and only they are sorted, not the whole row (docs/design-decisions.md, "Decoding a schedule
+    whose k varies")."""
     index = unordered_top_k(scores, k_static)
     values, order = torch.gather(scores, -1, index).sort(dim=-1, descending=True)
     index = torch.gather(index, -1, order)
