@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from gsm_train.attention import inject_gsm
+from gsm_train.attention import inject_gsm, set_gsm_mode
 from gsm_train.config.schema import GSMConfig
 from gsm_train.export.save_load import export_adapter, load_gsm
 from gsm_train.inference.cache import GSMCache, cache_kwargs
@@ -198,6 +198,23 @@ def test_a_fraction_schedule_replays_one_captured_step_for_many_k(tmp_path: Path
         out = model.generate(ids, max_new_tokens=20, pad_token_id=256, do_sample=False, return_dict_in_generate=True)
     cache = getattr(out, "cache", None) or out.past_key_values
     assert list(cache.step_graphs.steps) == [12]  # k from 10 to 14 (capped at 12): one step
+    assert torch.equal(out.sequences, _generate(model, ids, do_sample=False, use_cache=False))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_dense_mode_replays_one_captured_step_whatever_the_schedule_s_k(tmp_path: Path) -> None:
+    """In dense mode a token step reads every key held, so one captured step (`DENSE_MODE_STEP`) serves every
+    length and k, and decodes as dense-mode teacher forcing does."""
+    from gsm_train.inference.decode_graph import DENSE_MODE_STEP
+
+    sparse = {**GSM["sparse_attention"], "top_k_schedule": "fraction", "top_k_fraction": 0.25, "top_k": 12}
+    model = _loaded_on_the_gpu(tmp_path, sparse)
+    set_gsm_mode(model, "dense")
+    ids = _prompt(37).cuda()
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=20, pad_token_id=256, do_sample=False, return_dict_in_generate=True)
+    cache = getattr(out, "cache", None) or out.past_key_values
+    assert list(cache.step_graphs.steps) == [DENSE_MODE_STEP]
     assert torch.equal(out.sequences, _generate(model, ids, do_sample=False, use_cache=False))
 
 

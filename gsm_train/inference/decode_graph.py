@@ -27,6 +27,9 @@ from gsm_train.inference.decode_fusion import fused_decode
 from gsm_train.modules.errors import GSMError
 
 WARMUP_STEPS = 2  # eager steps before a capture: Triton compiles and autotunes, libraries build their handles
+# `StepGraphs`' key of dense mode's one captured step: it reads every key held (from the device lengths)
+# whatever the schedule's k, so it serves every length, where a sparse step is keyed by its k (`captured_k`)
+DENSE_MODE_STEP = 0
 Out = TypeVar("Out")
 
 
@@ -151,7 +154,8 @@ class CapturedStep(_WeakCache):
 
 class StepGraphs(_WeakCache):
     """The captured token steps of one cache, by the top-k size they are built for (`captured_k`: a
-    constant schedule captures once, one whose k varies once per `K_STEP` of its k); `fused`: captured
+    constant schedule captures once, one whose k varies once per `K_STEP` of its k; dense mode once,
+    `DENSE_MODE_STEP`); `fused`: captured
     with `fused_decode`. Their full blocks are packed by one `CapturedPack`, captured at the first."""
 
     def __init__(self, model: nn.Module, cache: GSMCache, fused: bool = False) -> None:
@@ -170,13 +174,15 @@ class StepGraphs(_WeakCache):
         return self.captured_pack()
 
     def __call__(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
-        config, held = gsm_settings(self.model).config, self.cache.lengths.seq_len
-        k = captured_k(config, held)
+        settings, held = gsm_settings(self.model), self.cache.lengths.seq_len
+        config = settings.config
+        k = DENSE_MODE_STEP if settings.mode == "dense" else captured_k(config, held)
         step = self.steps.get(k)
         # a cache only grows within a sequence, and a step serves every length from its capture's on: the rule
         # is asked only after a reset (`GSMCache.reset`) started a shorter sequence
         if step is None or (
-            held < step.captured_held
+            k != DENSE_MODE_STEP
+            and held < step.captured_held
             and not _serves(
                 step.captured_held, held, static_k(k, config.sparse_attention.most_forced_keys(), self.cache.capacity)
             )
