@@ -69,9 +69,10 @@ def _gpu_training_on_the_gpu(request: pytest.FixtureRequest, monkeypatch: pytest
 @pytest.fixture(autouse=True)
 def _no_cuda_capture_left_behind() -> Iterator[None]:
     """A test that leaves a CUDA graph capture open, another stream current or CUDA's random generator in
-    capture mode fails in its teardown, naming itself: otherwise every later test of its process fails instead, far from the cause (on an H100 one
-    pytest-xdist worker's tests all failed after one capture's warm-up met "a previous error during capture",
-    then "Offset increment outside graph capture" on their first random numbers; docs/results.md)."""
+    capture mode fails in its teardown, naming itself: otherwise every later test of its process fails
+    instead, far from the cause (on an H100 one pytest-xdist worker's tests all failed after one capture's
+    warm-up met "a previous error during capture", then "Offset increment outside graph capture" on their
+    first random numbers; docs/results.md)."""
     yield
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         capturing = torch.cuda.is_current_stream_capturing()
