@@ -277,7 +277,7 @@ def _gsm_config(name: str) -> GSMConfig:
 def attach_gsm(model: nn.Module, name: str, mode: str = "sparse") -> None:
     """`_gsm_config(name)`'s modules on `model` (once), in `mode` (sparse or dense)."""
     if not gsm_adapters(model):
-        inject_gsm(model, _gsm_config(name), mode=mode)
+        inject_gsm(model, _gsm_config(name))
     set_gsm_mode(model, mode)
 
 

@@ -558,7 +558,7 @@ def _family(family: str, args: argparse.Namespace) -> tuple[torch.nn.Module, tor
 
         def ready(m: torch.nn.Module) -> torch.nn.Module:
             torch.manual_seed(0)
-            if not any(True for _ in gsm_adapters(m)):
+            if not gsm_adapters(m):
                 inject_gsm(m, joint_gsm_config(), mode="sparse")
                 _enable_generation(m, args)
             return m

@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +29,8 @@ import torch
 from torch import Tensor, nn
 
 from benchmarks.common import device_name, write_result
-from gsm_train.attention import gsm_disabled, inject_gsm, set_gsm_mode
-from gsm_train.config.schema import load_recipe
-from gsm_train.data.text import load_text_dataset, pack_tokens
-from gsm_train.export.save_load import load_gsm
-from gsm_train.models.model_zoo import load_model_and_tokenizer
-
-REPO = Path(__file__).resolve().parents[1]
+from benchmarks.step_kl import held_out_smollm2
+from gsm_train.attention import gsm_disabled
 
 
 def first_tensor(output: Any) -> Tensor | None:
@@ -163,21 +158,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--top", type=int, default=20, help="differing modules printed")
     parser.add_argument("--result", required=True)
     args = parser.parse_args(argv)
-    model, tokenizer = load_model_and_tokenizer("smollm2-135m", dtype=getattr(torch, args.dtype))
-    windows = pack_tokens(load_text_dataset(args.eval_data), tokenizer, args.context + 1)
-    if len(windows) < args.rows:
-        raise SystemExit(f"error: --eval-data {args.eval_data} holds {len(windows)} windows of {args.context + 1}")
-    model.to(args.device).eval()
-    if args.export:
-        load_gsm(model, args.export)
-    else:
-        inject_gsm(model, load_recipe(str(REPO / "recipes" / "joint.yaml")).gsm, mode="sparse")
-    set_gsm_mode(model, "sparse")
-    ids = windows[: args.rows].to(args.device)
-    if args.dense:
-        with gsm_disabled(model):
-            result = length_stability(model, ids)
-    else:
+    tokens = args.context + 1
+    model, ids = held_out_smollm2(args.eval_data, args.export, tokens, args.rows, args.dtype, args.device)
+    with gsm_disabled(model) if args.dense else nullcontext():
         result = length_stability(model, ids)
     print_report(result, args.top)
     settings = {"export": args.export, "dtype": args.dtype, "context": args.context, "dense": args.dense}

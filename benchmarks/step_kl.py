@@ -114,6 +114,29 @@ def step_kl(model: nn.Module, ids: Tensor, steps: int) -> dict:
     }
 
 
+def held_out_smollm2(
+    eval_data: str, export: str | None, tokens: int, rows: int, dtype: str, device: str
+) -> tuple[nn.Module, Tensor]:
+    """SmolLM2-135M in `dtype` on `device` with an export's GSM modules (None: recipes/joint.yaml's, untrained,
+    seeded), in sparse mode, and the first `rows` windows [rows, tokens] of the held-out `eval_data` (SystemExit
+    where it holds fewer). In fp64 GSM's modules, which load in fp32, are cast too, so that fp64 leaves only
+    fp64 rounding."""
+    model, tokenizer = load_model_and_tokenizer("smollm2-135m", dtype=getattr(torch, dtype))
+    windows = pack_tokens(load_text_dataset(eval_data), tokenizer, tokens)
+    if len(windows) < rows:
+        raise SystemExit(f"error: --eval-data {eval_data} holds {len(windows)} windows of {tokens}")
+    model.to(device).eval()
+    torch.manual_seed(0)
+    if export:
+        load_gsm(model, export)
+    else:
+        inject_gsm(model, load_recipe(str(REPO / "recipes" / "joint.yaml")).gsm, mode="sparse")
+    if dtype == "float64":
+        model.double()
+    set_gsm_mode(model, "sparse")
+    return model, windows[:rows].to(device)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--eval-data", required=True)
@@ -125,21 +148,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--result", required=True)
     args = parser.parse_args()
-    model, tokenizer = load_model_and_tokenizer("smollm2-135m", dtype=getattr(torch, args.dtype))
-    windows = pack_tokens(load_text_dataset(args.eval_data), tokenizer, args.context)
-    if len(windows) < args.rows:
-        raise SystemExit(f"error: --eval-data {args.eval_data} holds {len(windows)} windows of {args.context}")
-    model.to(args.device).eval()
-    torch.manual_seed(0)
-    if args.export:
-        load_gsm(model, args.export)
-    else:
-        inject_gsm(model, load_recipe(str(REPO / "recipes" / "joint.yaml")).gsm, mode="sparse")
-    if args.dtype == "float64":  # GSM's modules load in fp32: cast them too, so fp64 leaves only fp64 rounding
-        model.double()
+    model, ids = held_out_smollm2(args.eval_data, args.export, args.context, args.rows, args.dtype, args.device)
     enable_gsm_generation(model, prefill="sparse")
-    set_gsm_mode(model, "sparse")
-    result = step_kl(model, windows[: args.rows].to(args.device), args.steps)
+    result = step_kl(model, ids, args.steps)
     print(
         f"mean KL per step: GSM {result['gsm_mean_kl']:.3e}, dense {result['dense_mean_kl']:.3e}, "
         f"GSM / dense {result['gsm_over_dense']:.2f}; teacher forcing against itself (T - 1 tokens): "
