@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from gsm_train.compiled import captured
 from gsm_train.durable import write_durable
 from gsm_train.train import train_recipe
 from gsm_train.training.checkpoint import newest_good_checkpoint
@@ -54,15 +55,7 @@ def median_ms(fn: Callable[[], object], warmup: int = 3, repeat: int = 15) -> fl
 
 def graph_ms(step: Callable[[], torch.Tensor], replays: int = 50) -> float:
     """Median time of one replay of `step` captured in a CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph, _ = captured(step, warmups=3)
     return median_ms(graph.replay, warmup=5, repeat=replays)
 
 

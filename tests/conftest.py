@@ -79,6 +79,7 @@ def _no_cuda_capture_left_behind() -> Iterator[None]:
         other_stream = torch.cuda.current_stream() != torch.cuda.default_stream()
         if capturing or other_stream:
             left = "a CUDA graph capture open" if capturing else "a side stream current"
+            torch.cuda.set_stream(torch.cuda.default_stream())  # the tests after it are not charged with it
             pytest.fail(f"this test left {left}: the tests after it in this process would fail for it")
         try:  # a capture that failed to end leaves the generator in capture mode: the next draw says so
             torch.empty(1, device="cuda").uniform_()

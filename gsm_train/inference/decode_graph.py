@@ -15,42 +15,20 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import TypeVar
 
 import torch
 from torch import Tensor, nn
 
 from gsm_train.attention.settings import GSMSettings, gsm_settings
+from gsm_train.compiled import captured
 from gsm_train.inference.cache import GSMCache, cache_kwargs
 from gsm_train.inference.decode_attention import captured_k, fused_scores, static_k
 from gsm_train.inference.decode_fusion import fused_decode
 from gsm_train.modules.errors import GSMError
 
-WARMUP_STEPS = 2  # eager steps before a capture: Triton compiles and autotunes, libraries build their handles
 # `StepGraphs`' key of dense mode's one captured step: it reads every key held (from the device lengths)
 # whatever the schedule's k, so it serves every length, where a sparse step is keyed by its k (`captured_k`)
 DENSE_MODE_STEP = 0
-Out = TypeVar("Out")
-
-
-def capture(
-    run: Callable[[], Out], reset: Callable[[], None], warmups: int = WARMUP_STEPS
-) -> tuple[torch.cuda.CUDAGraph, Out]:
-    """`run` captured in a CUDA graph, and what it returned (buffers each replay overwrites): `warmups`
-    eager calls first on a side stream, each followed by `reset()` (which puts back what `run` changed),
-    then the capture (which runs nothing), then `reset()` again."""
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmups):
-            run()
-            reset()
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(graph):
-        out = run()
-    reset()
-    return graph, out
 
 
 def graphs_supported(model: nn.Module, cache: GSMCache) -> str | None:
@@ -116,7 +94,7 @@ class CapturedStep(_WeakCache):
         self.pack()  # a full newest block is packed first, never inside the step's capture
         saved = cache.lengths.snapshot()
         with fused_decode(model, fused):
-            self.graph, self.logits = capture(self._forward, lambda: self._restore(saved))
+            self.graph, self.logits = captured(self._forward, lambda: self._restore(saved))
 
     def pack(self) -> bool:
         """Pack a full newest block (the `pack` given, else `GSMCache.pack_full_tail`); whether there was one."""
@@ -212,7 +190,7 @@ class CapturedPack(_WeakCache):
         super().__init__(cache)
         saved = cache.lengths.snapshot()
         # one warm-up builds the libraries' handles on the side stream (there is no Triton kernel to tune)
-        self.graph, _ = capture(cache.pack_newest_block, lambda: cache.lengths.restore(saved), warmups=1)
+        self.graph, _ = captured(cache.pack_newest_block, lambda: cache.lengths.restore(saved), warmups=1)
 
     def __call__(self) -> bool:
         """Pack the full newest block (replay) and let the host lengths follow; False if it is not full."""

@@ -34,6 +34,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from gsm_train.attention import gsm_adapters
+from gsm_train.compiled import captured
 from gsm_train.inference.cache import cache_kwargs
 from gsm_train.inference.decode_fusion import fused_decode
 from gsm_train.inference.prefill import causal_chunk_sdpa
@@ -42,7 +43,6 @@ from gsm_train.modules.errors import GSMError
 
 ATTN_IMPLEMENTATION = "gsm_dense_engine"
 PREFILL_CHUNK = 8192  # prompt tokens per row and forward
-WARMUP_STEPS = 2  # eager steps before a capture (library handles, autotuning)
 _ACTIVE: contextvars.ContextVar[DenseCache | None] = contextvars.ContextVar("gsm_dense_cache", default=None)
 
 
@@ -350,18 +350,10 @@ class CapturedDenseStep:
         self.token = torch.zeros(batch, 1, dtype=torch.long, device=cache.device)
         self.position = torch.zeros(batch, 1, dtype=torch.long, device=cache.device)
         saved = cache.snapshot()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
         with _routed(engine.model, cache), fused_decode(engine.model, engine.fused_decode):  # outside the capture
-            with torch.cuda.stream(side):
-                for _ in range(WARMUP_STEPS):
-                    engine.forward(cache, self.token, self.position)
-                    cache.restore(saved)
-            torch.cuda.current_stream().wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.logits = engine.forward(cache, self.token, self.position)
-        cache.restore(saved)
+            self.graph, self.logits = captured(
+                lambda: engine.forward(cache, self.token, self.position), lambda: cache.restore(saved)
+            )
 
     def __call__(self, token: Tensor) -> Tensor:
         cache = self.cache

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from gsm_train.attention.injection import rows_not_packed
+from gsm_train.compiled import captured
 from gsm_train.config.schema import ConfigError, Problem
 
 WARMUP_PASSES = 3  # eager passes on a side stream before capture (library handles, autotuning, layout caches)
@@ -99,15 +100,7 @@ class GraphedLoss:
         for param in params:
             param.grad = torch.zeros_like(param) if param.grad is None else param.grad.zero_()
         cpu_rng, cuda_rng = torch.get_rng_state(), torch.cuda.get_rng_state()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP_PASSES):
-                self._loss_and_backward()
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.loss, self.scalars = self._loss_and_backward()
+        self.graph, (self.loss, self.scalars) = captured(self._loss_and_backward, warmups=WARMUP_PASSES)
         for param in params:
             param.grad.zero_()
         torch.set_rng_state(cpu_rng)
