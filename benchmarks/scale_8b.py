@@ -255,7 +255,7 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def _profile(session: TrainingSession, steps: int) -> list[dict[str, Any]]:
     """The `PROFILE_TOP` largest kernels (ops on the CPU) of `steps` more training steps, per step."""
-    kernels = profile_step(lambda: session.step().means[0].item(), steps, torch.cuda.is_available())
+    kernels = profile_step(lambda: session.step().means[0].item(), steps, session.info.device.type == "cuda")
     return kernels[:PROFILE_TOP]
 
 

@@ -69,13 +69,14 @@ def test_the_summary_names_the_int4_rows() -> None:
             "8b_32k_bs16": {"dense_engine": _method(400.0)} | bounds,
         },
     }
+    device_in_use = torch.cuda.is_initialized()  # another test of this process may have started CUDA
     summary = int4_summary(result)
     assert summary["e2e_speedup_int4_8b_128k_bs1"] == 3.0
     assert summary["bound_speedup_int4_8b_128k_bs1"] == 3.0
     assert summary["bandwidth_share_dense_static_compiled_int4_8b_128k_bs1"] == 0.5
     assert summary["ppl_int4_gsm_over_bf16_gsm"] == 1.02
     assert not any(key.endswith("8b_32k_bs16") for key in summary)
-    assert not torch.cuda.is_initialized()  # the summary needs no device
+    assert torch.cuda.is_initialized() == device_in_use  # the summary needs no device
 
 
 @pytest.mark.parametrize(

@@ -41,7 +41,9 @@ def _checkout_copy(target: Path) -> Path:
 
 def _fresh_venv(folder: Path) -> Path:
     """A new virtual environment whose packages beyond its own are this one's (torch and the other
-    dependencies need no download); returns its python."""
+    dependencies need no download): its site folders and the other folders on its path (PYTHONPATH's, where a
+    machine keeps some dependencies there), except those that hold a `gsm_train` (the checkout); returns its
+    python."""
     venv.create(folder, with_pip=False)
     python = folder / "bin" / "python"
     purelib = subprocess.run(
@@ -51,6 +53,7 @@ def _fresh_venv(folder: Path) -> Path:
         check=True,
     ).stdout.strip()
     here = {sysconfig.get_paths()[key] for key in ("purelib", "platlib")}
+    here |= {entry for entry in sys.path if Path(entry).is_dir() and not (Path(entry) / "gsm_train").exists()}
     (Path(purelib) / "dependencies.pth").write_text("".join(f"{path}\n" for path in sorted(here)))
     return python
 

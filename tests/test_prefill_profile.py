@@ -14,7 +14,7 @@ from benchmarks import prefill_profile
 
 # a prompt of 40 in chunks of 16 with blocks of 16 (the tiny overrides): three chunks, the later two read
 # the blocks packed before them
-ARGV = ["--model", "tiny", "--context", "40", "--chunk", "16", "--repeats", "1", "--warmup", "0"]
+ARGV = ["--model", "tiny", "--context", "40", "--chunk", "16", "--repeats", "1", "--warmup", "0", "--device", "cpu"]
 
 
 def test_profile_writes_each_method_and_resumes(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
