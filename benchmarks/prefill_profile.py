@@ -10,10 +10,9 @@ ran (torch.profiler), so `gpu_busy` = kernel_ms / wall_ms well below 1 says the 
 issuing kernels (launch-bound), not on the GPU, and there `host_op_ms` and `host_ops`, the ops' own CPU time
 (what issuing each costs the host; the largest HOST_TOP by op), say where the host spends it, and `idle`
 (`benchmarks.gpu_idle`: the GPU's idle gaps of one call, each put on the function that launched late what
-ended it) where the GPU waits for it; the per-kernel
-table (name, calls, microseconds, share) of one call (on the CPU the ops' own CPU time instead: a smoke test,
-not a figure); and, eagerly, the aten ops
-one call runs (`ops`: views left out, `host_syncs`: the ops that make the host wait for the device, and
+ended it) where the GPU waits for it; the per-kernel table (name, calls, microseconds, share) of one call
+(on the CPU the ops' own CPU time instead: a smoke test, not a figure); and, eagerly, the aten ops one call
+runs (`ops`: views left out, `host_syncs`: the ops that make the host wait for the device, and
 `ops_by_part`: GSM's ops by the part of the prefill that runs them, `PARTS`; `us_per_op`: wall time over
 ops, near what issuing one eager op costs when the prefill is launch-bound). Resumable as
 benchmarks.decode_step_profile is (it shares its model shapes, profiler and op counter).

@@ -14,12 +14,13 @@ from benchmarks import prefill_profile
 
 # a prompt of 40 in chunks of 16 with blocks of 16 (the tiny overrides): three chunks, the later two read
 # the blocks packed before them
-ARGV = ["--model", "tiny", "--context", "40", "--chunk", "16", "--repeats", "1", "--warmup", "0", "--device", "cpu"]
+ARGV = ["--model", "tiny", "--context", "40", "--chunk", "16", "--repeats", "1", "--warmup", "0"]
+CPU_ARGV = [*ARGV, "--device", "cpu"]  # the smoke tests name their device: on a GPU machine the default is cuda
 
 
 def test_profile_writes_each_method_and_resumes(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     path = tmp_path / "prefill.json"
-    prefill_profile.main([*ARGV, "--result", str(path)])
+    prefill_profile.main([*CPU_ARGV, "--result", str(path)])
     result = json.loads(path.read_text())
     assert result["settings"]["chunk"] == 16 and result["settings"]["device"] == "cpu"
     for method in prefill_profile.METHODS:
@@ -33,7 +34,7 @@ def test_profile_writes_each_method_and_resumes(tmp_path: Path, capsys: pytest.C
     assert gsm_parts["asq_pack"] > 0 and gsm_parts["earlier_chunks_dequantized"] > 0 and gsm_parts["gate_keys"] > 0
     assert result["ratios"]["ops_gsm_over_dense_eager"] == result["gsm"]["ops"] / result["dense_eager"]["ops"]
     assert any("ops by part:" in line and "asq_pack" in line for line in capsys.readouterr().out.splitlines())
-    prefill_profile.main([*ARGV, "--result", str(path)])
+    prefill_profile.main([*CPU_ARGV, "--result", str(path)])
     assert capsys.readouterr().out.count("profiled by an earlier run") == len(prefill_profile.METHODS)
     assert json.loads(path.read_text())["gsm"] == result["gsm"]
 
@@ -41,7 +42,7 @@ def test_profile_writes_each_method_and_resumes(tmp_path: Path, capsys: pytest.C
 @pytest.mark.parametrize("bad", [["--chunk", "0"], ["--repeats", "0"], ["--warmup", "-1"], ["--prefill", "oracle"]])
 def test_bad_arguments_are_refused(bad: list[str], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit):
-        prefill_profile.main([*ARGV, *bad, "--result", str(tmp_path / "x.json")])
+        prefill_profile.main([*CPU_ARGV, *bad, "--result", str(tmp_path / "x.json")])
     assert bad[0] in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
 
