@@ -21,22 +21,18 @@ affine 4-bit grid from its min to its max, which groups of 32 reproduce and grou
 from __future__ import annotations
 
 import argparse
-import math
-import time
 from pathlib import Path
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from benchmarks.common import provenance, write_result
+from benchmarks.generate import say
+from gsm_train.commands.evaluate import perplexity_and_recall
 from gsm_train.data.text import load_text_dataset, pack_tokens
-from gsm_train.export.int4 import check_int4, quantize_base
+from gsm_train.export.int4 import GROUP_SIZES, check_int4, quantize_base
 from gsm_train.export.save_load import load_gsm
 from gsm_train.models.model_zoo import load_model_and_tokenizer
-
-
-def say(message: str, start: float = time.perf_counter()) -> None:
-    print(f"[{time.perf_counter() - start:7.1f} s] {message}", flush=True)
 
 
 @torch.no_grad()
@@ -49,17 +45,6 @@ def expand_to_float(model: nn.Module, names: list[str]) -> None:
         identity = torch.eye(linear.in_features, dtype=torch.float32)
         weight = nn.functional.linear(identity, linear.weight).T.contiguous()
         linear.weight = nn.Parameter(weight, requires_grad=False)
-
-
-@torch.no_grad()
-def perplexity(model: nn.Module, windows: list[Tensor]) -> float:
-    """exp of the mean next-token loss over every predicted token of `windows` (each [T], one forward each)."""
-    total, count = 0.0, 0
-    for window in windows:
-        loss = model(window[None], labels=window[None], use_cache=False).loss
-        total += loss.item() * (window.numel() - 1)
-        count += window.numel() - 1
-    return math.exp(total / count)
 
 
 def load(args: argparse.Namespace) -> tuple[nn.Module, object]:
@@ -77,7 +62,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--export", default=None)
     parser.add_argument("--mode", default="sparse", choices=["sparse", "dense"])
-    parser.add_argument("--groups", type=int, nargs="+", default=[32, 64])
+    parser.add_argument("--groups", type=int, nargs="+", default=[32, 64], choices=sorted(set(GROUP_SIZES.values())))
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--first-window", type=int, default=0)
@@ -87,9 +72,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be at least 2, got {getattr(args, name)}")
     if args.first_window < 0:
         parser.error(f"--first-window must be at least 0, got {args.first_window}")
-    for group in args.groups:
-        if group not in (32, 64, 128):
-            parser.error(f"--groups takes 32, 64 or 128 (the weights choices int4-g32, int4-g64, int4), got {group}")
     return args
 
 
@@ -102,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     if len(windows) < args.windows:
         raise SystemExit(f"--eval-data has {len(rows)} windows of {args.seq_len} tokens; asked for {args.windows}")
     say(f"full weights: {len(windows)} windows of {args.seq_len} tokens")
-    full = perplexity(model, windows)
+    full = perplexity_and_recall(model, windows, 1, None)["ppl"]  # as `gsm-train eval` takes it
     result = {
         **provenance(),
         "settings": {k: getattr(args, k) for k in ("model", "export", "mode", "seq_len", "windows", "first_window")},
@@ -114,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
         model, _ = load(args)
         names = quantize_base(model, group)
         expand_to_float(model, names)
-        ppl = perplexity(model, windows)
+        ppl = perplexity_and_recall(model, windows, 1, None)["ppl"]
         result["groups"][str(group)] = {"ppl": ppl, "over_full": ppl / full, "layers": len(names)}
         print(f"| int4, groups of {group} | {ppl:.4f} | {ppl / full:.4f} |", flush=True)
     write_result(Path(args.result), result)
