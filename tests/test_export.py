@@ -126,6 +126,26 @@ def test_a_lora_export_is_a_peft_adapter(tmp_path: Path) -> None:
     assert torch.equal(_logits(loaded, ids), _logits(model, ids))
 
 
+def test_a_loaded_model_infers_in_eval_mode_without_being_told(tmp_path: Path) -> None:
+    """An export loaded onto a base in eval mode (as loaded bases are) gives a model whose every module is in
+    eval mode, LoRA layers and GSM modules included: its LoRA dropout (0.5 here) does not run, and two
+    forwards without `model.eval()` give the same logits. Before, both kinds were attached in training mode."""
+    model = tiny_model("llama")
+    inject_gsm(model, GSMConfig.model_validate(ALL_ON), mode="sparse")
+    settings = LoraSettings(r=4, alpha=8, dropout=0.5, target_modules=["q_proj", "v_proj"])
+    inject_lora(model, settings)
+    _perturbed(model, ".lora_B.")
+    folder = export_adapter(model, tmp_path / "export", base_name="tiny-llama", lora=settings.model_dump())
+    loaded = tiny_model("llama")
+    load_gsm(loaded, folder, mode="sparse")
+    assert not any(module.training for module in loaded.modules())
+    ids = torch.randint(0, 256, (2, 40))
+    with torch.no_grad():
+        first, second = loaded(ids).logits, loaded(ids).logits
+    assert torch.equal(first, second)
+    assert torch.equal(first, _logits(model, ids))
+
+
 def test_base_weights_go_to_their_own_file(tmp_path: Path) -> None:
     model = tiny_model("llama")
     inject_gsm(model, GSMConfig.model_validate(ALL_ON), mode="sparse")

@@ -255,6 +255,21 @@ def test_gsm_parameters_are_fp32_on_a_bf16_base() -> None:
     assert all(param.dtype == torch.bfloat16 for name, param in model.named_parameters() if name not in names)
 
 
+@pytest.mark.parametrize("training", [False, True])
+def test_modules_join_in_the_mode_of_the_model(training: bool) -> None:
+    """A model in eval mode (as loaded models are) gets its GSM modules in eval mode, a training one in
+    training mode: before this, a loaded model's GSM modules stayed in training mode and its inference ran
+    training-only paths (on CUDA, the gate keys' compiled int8 rounding, which teacher forcing then took
+    and the cached steps did not). In eval mode ASQ records the statistics of what it encoded."""
+    model = tiny_model("llama").train(training)
+    inject_gsm(model, GSMConfig.model_validate(EVERYTHING))
+    modes = {module.training for name, module in model.named_modules() if ".gsm" in name}
+    assert modes == {training}
+    _logits(model)
+    compressors = [module for module in model.modules() if isinstance(module, ASQCompressor)]
+    assert compressors and all(bool(module.last_stats) != training for module in compressors)
+
+
 @pytest.mark.parametrize("mode", ["dense", "sparse", "oracle"])
 def test_bf16_base_runs_without_autocast(mode: str) -> None:
     model = tiny_model("llama").to(torch.bfloat16)

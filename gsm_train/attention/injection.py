@@ -149,8 +149,11 @@ def inject_gsm(model: PreTrainedModel, config: GSMConfig, mode: str = "dense") -
     """Attach a `gsm` adapter (gate, ASQ, bridge as configured) to every attention layer; returns the
     model's settings.
 
-    Modules are created in fp32 on the model's device. The model then runs attention through the
-    registered `gsm` function; with `config.gsm_enabled` false it behaves exactly like the base.
+    Modules are created in fp32 on the model's device, each in its attention module's mode (a model put in
+    eval mode before the call, as loaded models are, gets GSM modules in eval mode: training-only paths,
+    such as the gate keys' compiled int8 rounding on CUDA, never run in its inference). The model then runs
+    attention through the registered `gsm` function; with `config.gsm_enabled` false it behaves exactly
+    like the base.
     """
     dims = model_dims(model)
     _check_against(model, config, dims)
@@ -158,7 +161,7 @@ def inject_gsm(model: PreTrainedModel, config: GSMConfig, mode: str = "dense") -
     _register_attention()
     gate_layers = []
     for layer_idx, attn in enumerate(attention_modules(model)):
-        attn.gsm = _build_adapter(layer_idx, attn, config, dims)
+        attn.gsm = _build_adapter(layer_idx, attn, config, dims).train(attn.training)
         if attn.gsm.gate is not None:
             gate_layers.append(layer_idx)
     install_forward_hooks(model)

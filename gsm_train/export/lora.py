@@ -26,7 +26,8 @@ def base_modules_pattern(names: list[str]) -> str:
 
 def inject_lora(model: nn.Module, settings: LoraSettings) -> None:
     """Add LoRA deltas (B initialised to zero, so the model is unchanged) to the base's
-    `settings.target_modules`."""
+    `settings.target_modules`, each LoRA layer in the mode of the linear layer it wraps (peft builds them
+    in training mode: in a loaded model, in eval mode, their dropout would then run at inference)."""
     try:
         from peft import LoraConfig, inject_adapter_in_model
     except ImportError as err:
@@ -39,6 +40,8 @@ def inject_lora(model: nn.Module, settings: LoraSettings) -> None:
         target_modules=base_modules_pattern(settings.target_modules),
     )
     inject_adapter_in_model(config, model)
+    for _, layer in _lora_layers(model):
+        layer.train(layer.get_base_layer().training)
 
 
 def check_targets(model: nn.Module, names: list[str]) -> None:
