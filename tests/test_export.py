@@ -129,7 +129,8 @@ def test_a_lora_export_is_a_peft_adapter(tmp_path: Path) -> None:
 def test_a_loaded_model_infers_in_eval_mode_without_being_told(tmp_path: Path) -> None:
     """An export loaded onto a base in eval mode (as loaded bases are) gives a model whose every module is in
     eval mode, LoRA layers and GSM modules included: its LoRA dropout (0.5 here) does not run, and two
-    forwards without `model.eval()` give the same logits. Before, both kinds were attached in training mode."""
+    forwards without `model.eval()` give the same logits. Before, both kinds were attached in training mode.
+    Every parameter requires gradients, as in a plain model and after a load without LoRA."""
     model = tiny_model("llama")
     inject_gsm(model, GSMConfig.model_validate(ALL_ON), mode="sparse")
     settings = LoraSettings(r=4, alpha=8, dropout=0.5, target_modules=["q_proj", "v_proj"])
@@ -139,6 +140,7 @@ def test_a_loaded_model_infers_in_eval_mode_without_being_told(tmp_path: Path) -
     loaded = tiny_model("llama")
     load_gsm(loaded, folder, mode="sparse")
     assert not any(module.training for module in loaded.modules())
+    assert all(param.requires_grad for param in loaded.parameters()), "as in a plain model: peft's injection froze them"
     ids = torch.randint(0, 256, (2, 40))
     with torch.no_grad():
         first, second = loaded(ids).logits, loaded(ids).logits

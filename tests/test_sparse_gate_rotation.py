@@ -120,3 +120,27 @@ def test_an_export_keeps_the_field_and_the_indices(tmp_path: Path) -> None:
     del config["sparse_attention"]["gate_rotated_pairs"]
     (folder / CONFIG_FILE).write_text(json.dumps(config))
     assert load_gsm(tiny_model("llama"), folder).config.sparse_attention.gate_rotated_pairs is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the gate compiles its RoPE only on CUDA")
+def test_only_a_training_gate_compiles_its_rope(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gate in eval mode rotates its queries and keys eagerly even where gradients flow (a scoring script
+    without no_grad): only a training step, whose shapes are fixed, takes the compiled RoPE (each new length
+    would compile again). The same values either way."""
+    from gsm_train.modules import sparse_gate
+
+    calls = []
+
+    def spy(fn: object, mode: str | None = None) -> object:
+        calls.append(fn)
+        return fn
+
+    monkeypatch.setattr(sparse_gate, "compiled", spy)
+    gate = _gate(None).cuda()
+    hidden = torch.randn(1, LENGTH, HIDDEN, device="cuda")
+    cos, sin = (table.cuda() for table in _rope(torch.arange(LENGTH)))
+    evaluated = gate.eval()(hidden, cos, sin)
+    assert calls == []
+    trained = gate.train()(hidden, cos, sin)
+    assert calls == [sparse_gate.rope_pair]
+    assert all(torch.equal(a, b) for a, b in zip(evaluated, trained, strict=True))

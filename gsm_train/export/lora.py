@@ -27,7 +27,9 @@ def base_modules_pattern(names: list[str]) -> str:
 def inject_lora(model: nn.Module, settings: LoraSettings) -> None:
     """Add LoRA deltas (B initialised to zero, so the model is unchanged) to the base's
     `settings.target_modules`, each LoRA layer in the mode of the linear layer it wraps (peft builds them
-    in training mode: in a loaded model, in eval mode, their dropout would then run at inference)."""
+    in training mode: in a loaded model, in eval mode, their dropout would then run at inference). The
+    model's own parameters keep their `requires_grad` (peft's injection freezes all but the deltas; stages
+    choose what trains themselves), and the deltas require gradients."""
     try:
         from peft import LoraConfig, inject_adapter_in_model
     except ImportError as err:
@@ -39,7 +41,10 @@ def inject_lora(model: nn.Module, settings: LoraSettings) -> None:
         lora_dropout=settings.dropout,
         target_modules=base_modules_pattern(settings.target_modules),
     )
+    wanted_grad = [(param, param.requires_grad) for param in model.parameters()]
     inject_adapter_in_model(config, model)
+    for param, wanted in wanted_grad:
+        param.requires_grad_(wanted)
     for _, layer in _lora_layers(model):
         layer.train(layer.get_base_layer().training)
 

@@ -68,7 +68,7 @@ class GSMModel:
         attention; `prefill`: how a prompt attends in generation, dense / sparse (`GSMCache`).
         `weights`: `full` (the base as loaded, in `dtype`) or `int4` / `int4-g64` / `int4-g32`: the
         base's linear layers quantized to 4 bits after the adapter is attached and checked, the GSM
-        modules, embeddings and output head kept in `dtype` (gsm_train/export/int4.py; refused before
+        modules (fp32 on any base), embeddings and output head not quantized (gsm_train/export/int4.py; refused before
         anything loads where it cannot run); such a model is not saved. `fused_decode`: on a GPU with
         Triton, each token step runs the layers' RMSNorms, RoPE and SwiGLU as one Triton kernel each
         (`enable_gsm_generation`'s option; off by default).

@@ -96,7 +96,8 @@ class SparseGateHead(nn.Module):
         shape = (batch, length, self.num_selectors, self.gate_head_dim)
         q = self.q_proj(hidden).view(shape).transpose(1, 2)
         k = self.k_proj(hidden).view(shape).transpose(1, 2)
-        rope = compiled(rope_pair) if q.is_cuda and q.requires_grad else rope_pair  # training shapes are fixed
+        training = self.training and q.is_cuda and q.requires_grad  # training shapes are fixed: compiled once
+        rope = compiled(rope_pair) if training else rope_pair
         return rope(q, k, cos, sin, self.rope_freq_index)
 
     def _queries(self, hidden: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
