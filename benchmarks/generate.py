@@ -72,7 +72,8 @@ from gsm_train.models.model_zoo import load_model_and_tokenizer, random_model
 REPO = Path(__file__).resolve().parents[1]
 DENSE_PREFILL_TOKENS = 4096  # the dense 8B rows' prompt tokens per prefill forward, all rows together (run_row)
 DENSE_METHODS = ("dense_eager", "dense_static_compiled", "dense_engine")
-ROW_VERSION = 3  # what a row holds (3: the dense prefill's default chunk 8192); another version starts over
+ROW_VERSION = 4  # what a row holds (4: GSM's modules in eval mode, 16 step-KL rows); another version starts over
+STEP_KL_ROWS = 16  # held-out windows the SmolLM2 row's step KL runs over (its interval is over them)
 FIRST_TIMED = 2  # decode tokens/s from the third new token on (see the module docstring)
 ROWS = {
     "8b_32k_bs1": ("8b", 32768, 1),
@@ -413,7 +414,7 @@ def smollm2_extras(model: torch.nn.Module, row: dict, new_tokens: int, prompts: 
     """Token agreement of GSM's generation with the teacher-forced GSM model (bf16), the same for the dense
     static-cache generation against the dense model (how far bf16 alone moves the tokens), and at batch 1
     whether the captured token steps give the eager steps' tokens and the step KL (`benchmarks.step_kl`)
-    of 4 held-out windows, their last `new_tokens` fed one per step. The agreement and the step KL prefill
+    of `STEP_KL_ROWS` held-out windows, their last `new_tokens` fed one per step. The agreement and the step KL prefill
     sparsely (the teacher-forced GSM pass: the module docstring); with `prefill` "dense" (the timed row's
     mode) the agreement's tokens are generated again with a sparse-prefilled cache."""
     generated = row.pop("gsm_tokens")[:4]
@@ -436,7 +437,7 @@ def smollm2_extras(model: torch.nn.Module, row: dict, new_tokens: int, prompts: 
         enable_gsm_generation(model, cuda_graphs=True, prefill=prefill, **options)
         extras["captured_step_tokens_equal_eager"] = bool(torch.equal(eager, generated[:1]))
         say("step KL of GSM and the dense model against teacher forcing")
-        extras["step_kl"] = step_kl(model, prompts[:4].to(generated.device), new_tokens)
+        extras["step_kl"] = step_kl(model, prompts[:STEP_KL_ROWS].to(generated.device), new_tokens)
     return extras
 
 
@@ -595,11 +596,12 @@ def _fresh(model: torch.nn.Module, family: str) -> torch.nn.Module:
     return model.cuda()
 
 
-def summarize(rows: dict[str, dict]) -> dict[str, float]:
+def summarize(rows: dict[str, dict]) -> dict[str, float | tuple[float, float] | None]:
     """The summary of complete rows: `e2e_speedup_<row>` (GSM's decode tokens/s over the fastest dense
     method's), `bandwidth_share_<method>_<row>`, `ttft_ratio_<row>` (GSM's time to first token over the
-    fastest dense one, where both were timed) and `step_kl_gsm_over_dense` (the first SmolLM2 row's)."""
-    summary: dict[str, float] = {}
+    fastest dense one, where both were timed) and `step_kl_gsm_over_dense` with its 95% interval over the
+    rows (the first SmolLM2 row's)."""
+    summary: dict[str, float | tuple[float, float] | None] = {}
     for name, row in rows.items():
         if "gsm" not in row:
             continue
@@ -615,6 +617,7 @@ def summarize(rows: dict[str, dict]) -> dict[str, float]:
             summary[f"ttft_ratio_{name}"] = row["gsm"]["time_to_first_token_s"] / min(ttfts)
         if "step_kl" in row and "step_kl_gsm_over_dense" not in summary:
             summary["step_kl_gsm_over_dense"] = row["step_kl"]["gsm_over_dense"]
+            summary["step_kl_gsm_over_dense_interval"] = row["step_kl"].get("gsm_over_dense_interval")
     return summary
 
 

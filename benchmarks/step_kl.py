@@ -19,8 +19,11 @@ tokens against teacher forcing of T (`*_teacher_self_kl`) checks that (0 where i
 docs/design-decisions.md, "Cached steps and teacher forcing differ in fp32 and bf16 only by rounding".
 `--dtype float64` casts GSM's modules to fp64 as well and is the exact check: the KL is 0 to fp64 rounding.
 
+A few rows hold few code flips, so the ratio moves from one set of rows to another: `gsm_over_dense_interval`
+is its 95% bootstrap interval over the rows (`ratio_interval`), each row's GSM and dense KL kept together.
+
     python -m benchmarks.step_kl --eval-data DATA/wikitext-2/valid.txt --result OUT.json \\
-        [--export FOLDER] [--context 2048] [--steps 32] [--rows 4] [--dtype bfloat16] [--device cuda]
+        [--export FOLDER] [--context 2048] [--steps 32] [--rows 16] [--dtype bfloat16] [--device cuda]
 """
 
 from __future__ import annotations
@@ -75,9 +78,30 @@ def cached_log_probs(model: nn.Module, ids: Tensor, steps: int, cache: object | 
     return _log_probs(torch.cat(parts, 1))
 
 
+BOOTSTRAP_DRAWS = 2000
+
+
+def kl_per_row_step(teacher: Tensor, cached: Tensor) -> Tensor:
+    """KL(teacher || cached) [B, steps] from log-probs [B, steps, V]."""
+    return (teacher.exp() * (teacher - cached)).sum(-1)
+
+
 def kl_per_step(teacher: Tensor, cached: Tensor) -> Tensor:
     """KL(teacher || cached) [steps], the mean over rows, from log-probs [B, steps, V]."""
-    return (teacher.exp() * (teacher - cached)).sum(-1).mean(0)
+    return kl_per_row_step(teacher, cached).mean(0)
+
+
+def ratio_interval(gsm_rows: Tensor, dense_rows: Tensor, draws: int = BOOTSTRAP_DRAWS) -> tuple[float, float] | None:
+    """The 95% bootstrap interval of mean(gsm_rows) / mean(dense_rows), each row's mean KL [B] (fp64 math):
+    `draws` resamplings of the rows with replacement (seeded: the same rows give the same interval), a row's
+    GSM and dense KL drawn together (the same text). None where a resampling's dense mean is not above 0
+    (fp64, where both are rounding around 0)."""
+    picks = torch.randint(0, gsm_rows.shape[0], (draws, gsm_rows.shape[0]), generator=torch.Generator().manual_seed(0))
+    gsm_means, dense_means = gsm_rows.double().cpu()[picks].mean(1), dense_rows.double().cpu()[picks].mean(1)
+    if not bool((dense_means > 0).all()):
+        return None
+    low, high = torch.quantile(gsm_means / dense_means, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return low, high
 
 
 def teacher_self_kl(model: nn.Module, ids: Tensor, teacher: Tensor) -> Tensor:
@@ -95,11 +119,12 @@ def step_kl(model: nn.Module, ids: Tensor, steps: int) -> dict:
     teacher forcing's KL against itself (`teacher_self_kl`)."""
     cache = GSMCache(model, ids.shape[1], prefill="sparse")
     gsm_teacher = teacher_log_probs(model, ids, steps)
-    gsm = kl_per_step(gsm_teacher, cached_log_probs(model, ids, steps, cache))
+    gsm_rows = kl_per_row_step(gsm_teacher, cached_log_probs(model, ids, steps, cache))
     with gsm_disabled(model):
         dense_teacher = teacher_log_probs(model, ids, steps)
-        dense = kl_per_step(dense_teacher, cached_log_probs(model, ids, steps, None))
+        dense_rows = kl_per_row_step(dense_teacher, cached_log_probs(model, ids, steps, None))
         dense_self = teacher_self_kl(model, ids, dense_teacher)
+    gsm, dense = gsm_rows.mean(0), dense_rows.mean(0)
     gsm_mean, dense_mean = gsm.mean().item(), dense.mean().item()
     return {
         "steps": steps,
@@ -107,6 +132,9 @@ def step_kl(model: nn.Module, ids: Tensor, steps: int) -> dict:
         "gsm_mean_kl": gsm_mean,
         "dense_mean_kl": dense_mean,
         "gsm_over_dense": gsm_mean / dense_mean if dense_mean > 0 else float("inf"),
+        "gsm_over_dense_interval": ratio_interval(gsm_rows.mean(1), dense_rows.mean(1)),
+        "gsm_kl_per_row": gsm_rows.mean(1).tolist(),
+        "dense_kl_per_row": dense_rows.mean(1).tolist(),
         "gsm_teacher_self_kl": teacher_self_kl(model, ids, gsm_teacher).mean().item(),
         "dense_teacher_self_kl": dense_self.mean().item(),
         "gsm_kl_per_step": gsm.tolist(),
@@ -143,7 +171,7 @@ def main() -> None:
     parser.add_argument("--export", default=None, help="an export's folder (default: recipes/joint.yaml, untrained)")
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--rows", type=int, default=4)
+    parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float64"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--result", required=True)
@@ -151,9 +179,11 @@ def main() -> None:
     model, ids = held_out_smollm2(args.eval_data, args.export, args.context, args.rows, args.dtype, args.device)
     enable_gsm_generation(model, prefill="sparse")
     result = step_kl(model, ids, args.steps)
+    interval = result["gsm_over_dense_interval"]
+    within = f" (95% over the rows: {interval[0]:.2f}-{interval[1]:.2f})" if interval is not None else ""
     print(
         f"mean KL per step: GSM {result['gsm_mean_kl']:.3e}, dense {result['dense_mean_kl']:.3e}, "
-        f"GSM / dense {result['gsm_over_dense']:.2f}; teacher forcing against itself (T - 1 tokens): "
+        f"GSM / dense {result['gsm_over_dense']:.2f}{within}; teacher forcing against itself (T - 1 tokens): "
         f"GSM {result['gsm_teacher_self_kl']:.3e}, dense {result['dense_teacher_self_kl']:.3e}"
     )
     write_result(Path(args.result), {"export": args.export, "dtype": args.dtype, "context": args.context, **result})

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.step_kl import cached_log_probs, kl_per_step, step_kl, teacher_log_probs
+from benchmarks.step_kl import cached_log_probs, kl_per_step, ratio_interval, step_kl, teacher_log_probs
 from gsm_train.attention import gsm_disabled, inject_gsm
 from gsm_train.config.schema import GSMConfig, load_recipe
 from gsm_train.inference.cache import GSMCache
@@ -70,3 +70,16 @@ def test_the_joint_recipe_s_cached_steps_are_its_teacher_forced_pass_in_fp64() -
     cached = cached_log_probs(model, ids, 12, GSMCache(model, ids.shape[1], prefill="sparse"))
     assert (cached - teacher).abs().max() <= 1e-9 * teacher.abs().max()
     assert kl_per_step(teacher, cached).abs().max() < 1e-12
+
+
+def test_the_ratio_interval_is_over_rows_drawn_with_their_pairs() -> None:
+    """Rows whose GSM KL is twice their dense KL give 2 in every resampling (doubling is exact), so the interval
+    is [2, 2] however unequal the rows; rows of other ratios give an interval around the ratio of the means, the
+    same on every call (seeded); a dense KL that is 0 (fp64) gives none."""
+    dense = torch.tensor([1e-3, 5e-4, 3e-3, 2e-4, 8e-4])
+    assert ratio_interval(2 * dense, dense) == (2.0, 2.0)
+    gsm = torch.tensor([1e-3, 4e-3, 2e-3, 9e-4, 5e-3])
+    low, high = ratio_interval(gsm, dense)
+    assert low < gsm.double().mean() / dense.double().mean() < high
+    assert ratio_interval(gsm, dense) == (low, high)
+    assert ratio_interval(gsm, torch.zeros(5)) is None
