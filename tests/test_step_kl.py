@@ -12,7 +12,7 @@ import torch
 from benchmarks.step_kl import cached_log_probs, kl_per_step, ratio_interval, step_kl, teacher_log_probs
 from gsm_train.attention import gsm_disabled, inject_gsm
 from gsm_train.config.schema import GSMConfig, load_recipe
-from gsm_train.inference.cache import GSMCache
+from gsm_train.inference.cache import GSMCache, cache_kwargs
 from gsm_train.inference.engine import enable_gsm_generation
 from gsm_train.models.model_zoo import tiny_model
 
@@ -83,3 +83,39 @@ def test_the_ratio_interval_is_over_rows_drawn_with_their_pairs() -> None:
     assert low < gsm.double().mean() / dense.double().mean() < high
     assert ratio_interval(gsm, dense) == (low, high)
     assert ratio_interval(gsm, torch.zeros(5)) is None
+
+
+def test_teacher_forcing_reads_the_rows_the_cache_holds_in_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In eval mode a teacher-forced pass attends over K and V as a generation cache packs and reads them back
+    (`stored_pair`), so in bf16 the rows it reads equal bit for bit those the cached steps read after a
+    sparse prefill, at every layer (recipes/joint.yaml's modules at a tiny model's sizes, no bridge). Before,
+    each side was reconstructed from its own encoding and some rows came out a last bit apart."""
+    from gsm_train.attention.adapter import GSMAttentionAdapter
+
+    gsm = load_recipe(str(REPO / "recipes" / "joint.yaml")).gsm.model_dump()
+    gsm["sparse_attention"] |= {"top_k": 6, "k_min": 2, "sink_tokens": 2, "recent_tokens": 3}
+    gsm["kv_compression"] |= {"block_size": 8, "hidden_dim": 8, "layer_bits": {2: (4, 4)}}
+    gsm["cross_layer_sharing"] = {"enabled": False}
+    model = tiny_model("llama").to(torch.bfloat16)
+    inject_gsm(model, GSMConfig.model_validate(gsm), mode="sparse")
+    enable_gsm_generation(model, cuda_graphs=False)
+    read: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    transform = GSMAttentionAdapter.transform_kv
+
+    def recorded(adapter: GSMAttentionAdapter, *args: object) -> tuple:
+        out = transform(adapter, *args)
+        read[adapter.layer_idx] = out[0], out[1]
+        return out
+
+    monkeypatch.setattr(GSMAttentionAdapter, "transform_kv", recorded)
+    ids = torch.randint(0, 256, (4, 100), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(ids, use_cache=False)
+        teacher = dict(read)
+        cache = GSMCache(model, ids.shape[1], prefill="sparse")
+        model.gsm_base_forward(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
+    for layer, held in enumerate(cache.layers):
+        packed = held.k_store.lengths.packed_len
+        assert packed == 96
+        assert torch.equal(held.k_store.packed_prefix(packed), teacher[layer][0][:, :, :packed])
+        assert torch.equal(held.v_store.packed_prefix(packed), teacher[layer][1][:, :, :packed])

@@ -16,7 +16,7 @@ from gsm_train.attention.forward_state import ForwardState
 from gsm_train.attention.settings import GSMSettings
 from gsm_train.modules.cache_bridge import CacheBridge
 from gsm_train.modules.errors import GSMError
-from gsm_train.modules.kv_compressor import paired_training_pass
+from gsm_train.modules.kv_compressor import paired_training_pass, stored_pair
 from gsm_train.modules.kv_registry import KVCompressor
 from gsm_train.modules.sparse_gate import SparseGateHead
 from gsm_train.quant import fake_quant_kivi, fake_quant_per_token
@@ -98,8 +98,9 @@ class GSMAttentionAdapter(nn.Module):
         if baseline is not None:
             bits = (self.asq_k.quant_bits, self.asq_v.quant_bits)
             return (*plain_kv_quant(key, value, baseline, bits, self.asq_k.block_size), raw)
-        if not self.training:
-            return self.asq_k(key), self.asq_v(value), raw
+        if not self.training:  # the rows a generation cache reads back, where it packs the pair together
+            stored = stored_pair(self.asq_k, self.asq_v, key, value)
+            return (*(stored or (self.asq_k(key), self.asq_v(value))), raw)
         paired = paired_training_pass(self.asq_k, self.asq_v, key, value)  # K's and V's in one pass
         if paired is None:
             (key, loss_k), (value, loss_v) = self.asq_k(key, with_loss=True), self.asq_v(value, with_loss=True)

@@ -52,7 +52,7 @@ from gsm_train.quant import (
     unrotated,
 )
 
-__all__ = ["ASQCompressor", "PackedKV", "packed_together", "paired_training_pass"]
+__all__ = ["ASQCompressor", "PackedKV", "packed_together", "paired_training_pass", "stored_pair"]
 
 
 def _check(ok: bool, name: str, msg: str) -> None:
@@ -108,6 +108,21 @@ def paired_training_pass(
             asq_k.rotation,
             asq_k.block_size,
         )
+
+
+def stored_pair(asq_k: nn.Module, asq_v: nn.Module, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor] | None:
+    """Key and value [B, H, S, D] as a generation cache stores and reads them back (`ASQCompressor.as_stored`
+    of `packed_together`'s fields, the pack `kv_store.append_pair` makes): what an eval-mode pass attends
+    over, so that teacher forcing reads the rows the cached steps read, bit for bit. None where
+    `packed_together` does not take the pair (then each compressor's own forward serves), no block is whole,
+    or gradients would flow to key or value (the pack passes none)."""
+    grads = torch.is_grad_enabled() and (key.requires_grad or value.requires_grad)
+    whole = key.shape[2] - key.shape[2] % getattr(asq_k, "block_size", 1)
+    pair = [key[:, :, :whole], value[:, :, :whole]]
+    fields = packed_together([asq_k, asq_v], pair) if whole and not grads else None
+    if fields is None:
+        return None
+    return asq_k.as_stored(key, fields[0]), asq_v.as_stored(value, fields[1])
 
 
 def packed_together(compressors: list[nn.Module], rows: list[Tensor]) -> list[dict[str, Tensor]] | None:
@@ -270,14 +285,16 @@ class ASQCompressor(nn.Module):
         return enc, blocks, tail
 
     @torch.no_grad()
-    def _record_stats(self, enc: Encoded | None, blocks: Tensor, x_hat: Tensor) -> None:
-        if enc is None:
+    def _record_stats(self, ids: Tensor | None, blocks: Tensor, x_hat: Tensor) -> None:
+        """`last_stats` of blocks [B, H, n, bs, D] encoded with cluster `ids` [B, H, n, bs] (int64; None: no
+        block) and reconstructed as `x_hat` (their shape)."""
+        if ids is None:
             nan = torch.tensor(float("nan"), device=blocks.device)
             self.last_stats = {"recon_rel_error": nan, "cluster_usage": nan, "dead_clusters": nan}
             return
         err = (x_hat - blocks).norm() / blocks.norm().clamp_min(EPS)
-        used = torch.zeros(*enc.ids.shape[:3], self.cluster_num, dtype=torch.bool, device=blocks.device)
-        used.scatter_(-1, enc.ids, True)
+        used = torch.zeros(*ids.shape[:3], self.cluster_num, dtype=torch.bool, device=blocks.device)
+        used.scatter_(-1, ids, True)
         self.last_stats = {
             "recon_rel_error": err.detach(),
             "cluster_usage": used.float().mean(),
@@ -304,7 +321,7 @@ class ASQCompressor(nn.Module):
         enc, blocks, tail = self._encode_input(x)
         x_hat = enc.reconstruct() if enc is not None else blocks
         if not self.training:
-            self._record_stats(enc, blocks, x_hat)
+            self._record_stats(enc.ids if enc is not None else None, blocks, x_hat)
         out = join_blocks(x_hat, tail) if enc is not None else x
         return (out, distortion(enc, blocks)) if with_loss else out
 
@@ -420,6 +437,19 @@ class ASQCompressor(nn.Module):
         (`compress_blocks`' fields, without its empty tail)."""
         _check(x.shape[-2] % self.block_size == 0, "x", f"must hold whole blocks of {self.block_size} tokens")
         return self._stored(*self._encode_input(x, leading_heads=True)[:2])
+
+    def as_stored(self, x: Tensor, fields: dict[str, Tensor]) -> Tensor:
+        """``x`` [B, H, S, D] as a generation cache reads it back: its whole blocks from their `pack_blocks`
+        `fields` (`prefix_rows` in `compute_dtype`, then x's dtype: what `KVStore.packed_prefix` gives), the
+        partial last block as is. Records `last_stats` in eval mode."""
+        whole = x.shape[2] - x.shape[2] % self.block_size
+        rows = self.prefix_rows(fields, whole, compute_dtype(x))
+        if not self.training:
+            b, h, _, d = x.shape
+            blocks = x[:, :, :whole].to(rows.dtype).view(b, h, -1, self.block_size, d)
+            ids = fields["ids"].view(b, h, -1, self.block_size).long()
+            self._record_stats(ids, blocks, rows.view(blocks.shape))
+        return torch.cat((rows.to(x.dtype), x[:, :, whole:]), 2)
 
     def gather_packed(self, fields: dict[str, Tensor], at: Tensor, dtype: torch.dtype) -> Tensor:
         """Rows [B, H, k, D] in `dtype` at packed positions `at` [B, H, k] of `pack_blocks` fields (joined
