@@ -22,5 +22,6 @@ if .venv/bin/python -c "import sys, torch; sys.exit(not torch.cuda.is_available(
   exit 0  # the suite ran the Triton kernels' tests on the GPU
 fi
 # Without a GPU the suite skips the Triton kernels' tests: run them under Triton's interpreter on the CPU
-# (the same kernels and checks; a few minutes), without the interpreter's own numpy warnings (thousands).
-TRITON_INTERPRET=1 exec .venv/bin/python -m pytest -q -m triton_kernels -W "ignore:::triton.runtime.interpreter"
+# (the same kernels and checks; a few minutes, one worker per core: they are independent), without the
+# interpreter's own numpy warnings (thousands).
+TRITON_INTERPRET=1 exec .venv/bin/python -m pytest -q -n auto -m triton_kernels -W "ignore:::triton.runtime.interpreter"
