@@ -51,6 +51,15 @@ def test_step_kl_sees_another_models_distributions() -> None:
     assert kl_per_step(dense_teacher, gsm_steps).min() > 1e-6  # k = 6 of up to 40 keys: not the dense model
 
 
+def _joint_recipe_at_tiny_sizes() -> dict:
+    """recipes/joint.yaml's GSM block at a tiny model's sizes (blocks of 8, a layer at 4/4, sinks and recent
+    tokens forced)."""
+    gsm = load_recipe(str(REPO / "recipes" / "joint.yaml")).gsm.model_dump()
+    gsm["sparse_attention"] |= {"top_k": 6, "k_min": 2, "sink_tokens": 2, "recent_tokens": 3}
+    gsm["kv_compression"] |= {"block_size": 8, "hidden_dim": 8, "layer_bits": {2: (4, 4)}}
+    return gsm
+
+
 def test_the_joint_recipe_s_cached_steps_are_its_teacher_forced_pass_in_fp64() -> None:
     """recipes/joint.yaml's GSM block at a tiny model's sizes (int8 gate keys, sinks and recent tokens forced,
     two dense layers, ASQ with 4-bit K / 2-bit V, a layer at 4/4, rotated residuals, two prototypes), every
@@ -58,11 +67,8 @@ def test_the_joint_recipe_s_cached_steps_are_its_teacher_forced_pass_in_fp64() -
     give the teacher-forced pass's next-token log-probs to 1e-9 of their size, so the cached step computes
     the same function and step KL's fp32 / bf16 figures are rounding that ASQ's codes amplify
     (docs/design-decisions.md, "Cached steps and teacher forcing differ in fp32 and bf16 only by rounding")."""
-    gsm = load_recipe(str(REPO / "recipes" / "joint.yaml")).gsm.model_dump()
-    gsm["sparse_attention"] |= {"top_k": 6, "k_min": 2, "sink_tokens": 2, "recent_tokens": 3}
-    gsm["kv_compression"] |= {"block_size": 8, "hidden_dim": 8, "layer_bits": {2: (4, 4)}}
     model = tiny_model("llama")
-    inject_gsm(model, GSMConfig.model_validate(gsm), mode="sparse")
+    inject_gsm(model, GSMConfig.model_validate(_joint_recipe_at_tiny_sizes()), mode="sparse")
     model.double()  # GSM's modules too (they load in fp32): every rounding of both paths in fp64
     enable_gsm_generation(model, cuda_graphs=False)
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
@@ -92,10 +98,7 @@ def test_teacher_forcing_reads_the_rows_the_cache_holds_in_bf16(monkeypatch: pyt
     each side was reconstructed from its own encoding and some rows came out a last bit apart."""
     from gsm_train.attention.adapter import GSMAttentionAdapter
 
-    gsm = load_recipe(str(REPO / "recipes" / "joint.yaml")).gsm.model_dump()
-    gsm["sparse_attention"] |= {"top_k": 6, "k_min": 2, "sink_tokens": 2, "recent_tokens": 3}
-    gsm["kv_compression"] |= {"block_size": 8, "hidden_dim": 8, "layer_bits": {2: (4, 4)}}
-    gsm["cross_layer_sharing"] = {"enabled": False}
+    gsm = _joint_recipe_at_tiny_sizes() | {"cross_layer_sharing": {"enabled": False}}
     model = tiny_model("llama").to(torch.bfloat16)
     inject_gsm(model, GSMConfig.model_validate(gsm), mode="sparse")
     enable_gsm_generation(model, cuda_graphs=False)

@@ -116,10 +116,10 @@ def stored_pair(asq_k: nn.Module, asq_v: nn.Module, key: Tensor, value: Tensor) 
     over, so that teacher forcing reads the rows the cached steps read, bit for bit. None where
     `packed_together` does not take the pair (then each compressor's own forward serves), no block is whole,
     or gradients would flow to key or value (the pack passes none)."""
-    grads = torch.is_grad_enabled() and (key.requires_grad or value.requires_grad)
-    whole = key.shape[2] - key.shape[2] % getattr(asq_k, "block_size", 1)
-    pair = [key[:, :, :whole], value[:, :, :whole]]
-    fields = packed_together([asq_k, asq_v], pair) if whole and not grads else None
+    if not isinstance(asq_k, ASQCompressor) or torch.is_grad_enabled() and (key.requires_grad or value.requires_grad):
+        return None
+    whole = key.shape[2] - key.shape[2] % asq_k.block_size
+    fields = packed_together([asq_k, asq_v], [key[:, :, :whole], value[:, :, :whole]]) if whole else None
     if fields is None:
         return None
     return asq_k.as_stored(key, fields[0]), asq_v.as_stored(value, fields[1])
