@@ -15,29 +15,30 @@ Rows (`--rows`, default all):
   untrained) on held-out text (`--eval-data`), plus token agreement with teacher forcing (bf16), the
   captured step against the eager one, and (batch 1) the step KL of GSM and the dense model.
 
-Per row and method: decode tokens/s over the new tokens after the second (the first comes from the
-prompt; the second's step is where a graph is captured or a step compiled), time to first token (batch-1
-rows, after a warm-up call that compiles the kernels), peak device memory, the KV bytes held, and the
-share of the bandwidth bound it runs at: the bytes one decode step must read (`benchmarks.bandwidth`:
-weights plus the KV it reads, for GSM from the cache's own buffers) over the step's time, against the
-peak a device-to-device copy reaches in the same run. Batch-16 GSM rows prefill one prompt at batch 1
-and copy the cache to every row (rows then decode alike; the time of a 16-row sparse prefill is not
-what the row measures). `model.generate` decodes these greedy calls in GSM's own greedy loop
-(`inference.greedy_loop`), not transformers' per-token loop, as the dense engine runs its own; each new token
-is timed by a streamer. Batch-1 GSM rows also give `plain_loop_decode_tokens_per_s`: the same forward
-calls driven by the dense engine's plain greedy loop (a check that `generate` adds nothing per token).
-The GSM rows prefill with `--prefill` (default `dense`, the
-library's default: the prompt attends as the base model and fills the GSM cache from its K/V; `sparse`: the
-teacher-forced GSM pass), and with `--prefill-chunk` prompt tokens per forward (default the library's),
-recorded in the row settings. Token agreement and the step KL compare cached decoding with GSM's own
-teacher-forced pass, so they prefill sparsely whatever `--prefill` says (the same function on both sides).
-The summary: `e2e_speedup_<row>` (GSM over the fastest dense method of the
-row), `bandwidth_share_<method>_<row>`, `ttft_ratio_<row>` (GSM's time to first token over the fastest
-dense one), and from the SmolLM2 rows `step_kl_gsm_over_dense` (`benchmarks.step_kl`).
-Resumable: the JSON is written atomically after every method; a row with the same settings is skipped
-when complete and keeps the methods it measured when cut short; each row names the command, commit and
-device of the run that last wrote it (`measured`), since one file gathers rows of several runs
-(progress lines give the seconds since the start).
+Per row and method: decode tokens/s over the new tokens after the second (the first comes from the prompt; the
+second's step is where a graph is captured or a step compiled), time to first token (batch-1 rows, after a
+warm-up call that compiles the kernels; `TTFT_REPEATS`: at SmolLM2's rows the median of first-token calls made
+after the timed one, with the allocator as a serving process has it from its second request on, and apart the
+timed call's own, made after the allocator was emptied), peak device memory, the KV bytes held, and the share
+of the bandwidth bound it runs at: the bytes one decode step must read (`benchmarks.bandwidth`: weights plus
+the KV it reads, for GSM from the cache's own buffers) over the step's time, against the peak a
+device-to-device copy reaches in the same run. Batch-16 GSM rows prefill one prompt at batch 1 and copy the
+cache to every row (rows then decode alike; the time of a 16-row sparse prefill is not what the row measures).
+`model.generate` decodes these greedy calls in GSM's own greedy loop (`inference.greedy_loop`), not
+transformers' per-token loop, as the dense engine runs its own; each new token is timed by a streamer. Batch-1
+GSM rows also give `plain_loop_decode_tokens_per_s`: the same forward calls driven by the dense engine's plain
+greedy loop (a check that `generate` adds nothing per token). The GSM rows prefill with `--prefill` (default
+`dense`, the library's default: the prompt attends as the base model and fills the GSM cache from its K/V;
+`sparse`: the teacher-forced GSM pass), and with `--prefill-chunk` prompt tokens per forward (default the
+library's), recorded in the row settings. Token agreement and the step KL compare cached decoding with GSM's
+own teacher-forced pass, so they prefill sparsely whatever `--prefill` says (the same function on both sides).
+The summary: `e2e_speedup_<row>` (GSM over the fastest dense method of the row),
+`bandwidth_share_<method>_<row>`, `ttft_ratio_<row>` (GSM's time to first token over the fastest dense one;
+`ttft_cold_ratio_<row>` the same of the timed calls, where the row made warm calls), and from the SmolLM2 rows
+`step_kl_gsm_over_dense` (`benchmarks.step_kl`). Resumable: the JSON is written atomically after every method;
+a row with the same settings is skipped when complete and keeps the methods it measured when cut short; each
+row names the command, commit and device of the run that last wrote it (`measured`), since one file gathers
+rows of several runs (progress lines give the seconds since the start).
 
 python -m benchmarks.generate --eval-data DATA/wikitext-2/valid.txt [--smollm2-export EXPORT] --result OUT.json
 """
@@ -47,6 +48,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -73,6 +75,12 @@ REPO = Path(__file__).resolve().parents[1]
 DENSE_PREFILL_TOKENS = 4096  # the dense 8B rows' prompt tokens per prefill forward, all rows together (run_row)
 DENSE_METHODS = ("dense_eager", "dense_static_compiled", "dense_engine")
 ROW_VERSION = 4  # what a row holds (4: GSM's modules in eval mode, 16 step-KL rows); another version starts over
+# First-token calls after each batch-1 method's timed call, by model family; their median is the method's
+# `time_to_first_token_s`. The timed call runs after `free_memory` emptied the allocator, so its first token
+# also waits for every allocation the prefill makes (at SmolLM2's 8k, tens of ms for the methods that allocate
+# the most, against a prefill of 25-75 ms): a serving process pays that once, not per request. The 8B rows'
+# prefills take seconds, where it is noise: their timed call's stands.
+TTFT_REPEATS = {"smollm2": 5, "8b": 0}
 STEP_KL_ROWS = 16  # held-out windows the SmolLM2 row's step KL runs over (its interval is over them)
 FIRST_TIMED = 2  # decode tokens/s from the third new token on (see the module docstring)
 ROWS = {
@@ -149,19 +157,39 @@ def generate_timed(
     return out, timer
 
 
-def _measure(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, warm: bool, **kwargs: Any) -> dict:
+def _measure(
+    model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, warm: bool, ttft_repeats: int = 0, **kwargs: Any
+) -> dict:
     """One method's figures on `ids` [B, T]: with `warm`, a short call first (compiles, autotunes), then
-    time to first token and decode tokens/s of the main call, its peak memory."""
+    time to first token and decode tokens/s of the main call, its peak memory; `ttft_repeats` first-token
+    calls after it (`first_token_figures`)."""
     if warm:  # as long as the timed call: a static cache of another length would compile again
         generate_timed(model, ids, new_tokens, **kwargs)
     _fresh_peak()
     out, timer = generate_timed(model, ids, new_tokens, **kwargs)
-    return {
+    figures = {
         "decode_tokens_per_s": timer.decode_tokens_per_s(ids.shape[0]),
         "time_to_first_token_s": timer.times[0] if warm else None,
         "first_call_time_to_first_token_s": None if warm else timer.times[0],
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
         "tokens": out,
+    }
+    return figures | first_token_figures(
+        figures["time_to_first_token_s"], ttft_repeats, lambda: generate_timed(model, ids, 1, **kwargs)[1].times[0]
+    )
+
+
+def first_token_figures(timed: float | None, repeats: int, first_token: Callable[[], float]) -> dict:
+    """With `repeats`, `first_token()` (a call's seconds to its first token) that many times with the allocator
+    left warm by the calls before: `time_to_first_token_s` their median, `time_to_first_token_cold_s` the
+    `timed` call's, `time_to_first_token_samples_s` every one; without, nothing (the timed call's stands)."""
+    if not repeats or timed is None:
+        return {}
+    samples = [first_token() for _ in range(repeats)]
+    return {
+        "time_to_first_token_s": statistics.median(samples),
+        "time_to_first_token_cold_s": timed,
+        "time_to_first_token_samples_s": samples,
     }
 
 
@@ -183,9 +211,10 @@ def _copy_rows(prefilled: GSMCache, model: torch.nn.Module, batch: int) -> GSMCa
     return cache
 
 
-def gsm_row(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int) -> dict:
+def gsm_row(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, ttft_repeats: int = 0) -> dict:
     """The GSM method's figures; batch > 1: one prompt prefilled at batch 1, its cache copied to every row.
-    `step_bytes`: what the last token step read (weights and `bandwidth.gsm_kv_read_bytes`)."""
+    `step_bytes`: what the last token step read (weights and `bandwidth.gsm_kv_read_bytes`); `ttft_repeats`
+    first-token calls at batch 1 (`first_token_figures`), each into a cache of its own made before it."""
     batch = ids.shape[0]
     if batch == 1:
         say(f"gsm warm-up: prefill of {ids.shape[1]} tokens and 3 new")
@@ -196,6 +225,13 @@ def gsm_row(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int) -> dict:
         cache = GSMCache(model, capacity=ids.shape[1] + new_tokens)
         result = _measure(model, ids, new_tokens, warm=False, **cache_kwargs(model, cache))
         result["time_to_first_token_s"] = result.pop("first_call_time_to_first_token_s")
+        result |= first_token_figures(
+            result["time_to_first_token_s"],
+            ttft_repeats,
+            lambda: generate_timed(model, ids, 1, **cache_kwargs(model, GSMCache(model, capacity=ids.shape[1] + 1)))[
+                1
+            ].times[0],
+        )
         say("gsm: the same cache driven by a plain greedy loop instead of transformers' generate")
         loop_tokens, result["plain_loop_decode_tokens_per_s"] = plain_loop_generate(model, ids, new_tokens)
         # generate passes an all-ones mask and bars EOS until the last token (min_new_tokens): equal in
@@ -245,11 +281,17 @@ def _fresh_peak() -> None:
 
 
 def dense_engine_row(
-    model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, prefill_chunk: int, fused_decode: bool = False
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    new_tokens: int,
+    prefill_chunk: int,
+    fused_decode: bool = False,
+    ttft_repeats: int = 0,
 ) -> dict:
     """The dense engine's figures: at batch 1 a warm-up call first (library handles, autotuning), then the
-    timed call's time to first token and decode tokens/s. `fused_decode`: its token steps with the fused
-    RMSNorm / RoPE / SwiGLU kernels, as GSM's with `--fused-decode`."""
+    timed call's time to first token and decode tokens/s, and `ttft_repeats` first-token calls
+    (`first_token_figures`). `fused_decode`: its token steps with the fused RMSNorm / RoPE / SwiGLU kernels, as
+    GSM's with `--fused-decode`."""
     engine = DenseEngine(model, prefill_chunk=prefill_chunk, fused_decode=fused_decode)
     if ids.shape[0] == 1:
         say(f"dense_engine warm-up ({engine.decode_path} decode)")
@@ -257,13 +299,20 @@ def dense_engine_row(
     _fresh_peak()
     timer = StepTimes()
     out = engine.generate(ids, new_tokens, on_token=timer.mark)
-    return {
+    figures = {
         "decode_tokens_per_s": timer.decode_tokens_per_s(ids.shape[0]),
         "time_to_first_token_s": timer.times[0] if ids.shape[0] == 1 else None,
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
         "decode_path": engine.decode_path,
         "tokens": out,
     }
+
+    def first_token() -> float:
+        first = StepTimes()
+        engine.generate(ids, 1, on_token=first.mark)
+        return first.times[0]
+
+    return figures | first_token_figures(figures["time_to_first_token_s"], ttft_repeats, first_token)
 
 
 def fits_dense(model: torch.nn.Module, context: int, batch: int) -> tuple[bool, int]:
@@ -272,6 +321,19 @@ def fits_dense(model: torch.nn.Module, context: int, batch: int) -> tuple[bool, 
     free = torch.cuda.get_device_properties(0).total_memory * 0.9 - bandwidth.weight_bytes(model)
     per_row = bandwidth.dense_kv_bytes(model, context, 1)
     return per_row * batch <= free, int(free // per_row)
+
+
+def ttft_repeats(name: str) -> int:
+    """The first-token calls row `name` makes after each method's timed call (`TTFT_REPEATS`; batch 1 only)."""
+    family, _, batch = ROWS[name]
+    return TTFT_REPEATS[family] if batch == 1 else 0
+
+
+def settings_for(name: str, settings: dict) -> dict:
+    """Row `name`'s settings: the run's, and its first-token calls where it makes any (rows measured before
+    there were any keep theirs)."""
+    repeats = ttft_repeats(name)
+    return settings | {"ttft_repeats": repeats} if repeats else settings
 
 
 def _dense_method(
@@ -284,13 +346,15 @@ def _dense_method(
     chunk = max(256, DENSE_PREFILL_TOKENS // ids.shape[0]) if ROWS[name][0] == "8b" else None
     if method == "dense_engine":  # its flash prefill holds no [T, T] mask: larger chunks at batch 1
         engine_chunk = chunk if chunk and ids.shape[0] > 1 else ENGINE_PREFILL_CHUNK
-        return dense_engine_row(model, ids, new_tokens, min(engine_chunk, ids.shape[1]), fused_decode)
+        return dense_engine_row(
+            model, ids, new_tokens, min(engine_chunk, ids.shape[1]), fused_decode, ttft_repeats(name)
+        )
     # the 8B model's prompt in one forward of 16 x 32k does not fit beside its cache: prefill in chunks, as
     # transformers offers (`prefill_chunk_size`)
     options = {"cache_implementation": "static"} if method == "dense_static_compiled" else {}
     if chunk:
         options["prefill_chunk_size"] = chunk
-    result = _measure(model, ids, new_tokens, warm=ids.shape[0] == 1, **options)
+    result = _measure(model, ids, new_tokens, warm=ids.shape[0] == 1, ttft_repeats=ttft_repeats(name), **options)
     torch._dynamo.reset()
     return result
 
@@ -317,7 +381,7 @@ def run_row(
     ids = prompts[:batch, : context - new_tokens].cuda()
     peak, peak_source = peak
     row: dict[str, Any] = measured | {
-        "settings": settings,
+        "settings": settings_for(name, settings),
         "context": context,
         "batch": batch,
         "new_tokens": new_tokens,
@@ -358,7 +422,7 @@ def run_row(
         row["dense_fits"] = (
             f"no: {bandwidth.dense_kv_bytes(model, context, batch) / 1e9:.0f} GB of bf16 KV; at most {most} rows fit"
         )
-    result = gsm_row(gsm_model(model), ids, new_tokens)
+    result = gsm_row(gsm_model(model), ids, new_tokens, ttft_repeats(name))
     row["gsm_tokens"] = result.pop("tokens")
     row["bound_tokens_per_s_gsm"] = batch * peak / result["step_bytes"]
     row["gsm"] = result | {
@@ -496,7 +560,11 @@ def main() -> None:
     settings = row_settings(
         args.new_tokens, args.prefill, args.prefill_chunk, methods, args.fused_decode, args.dense_block_kernel
     )
-    wanted = [name for name in args.rows.split(",") if not row_complete(result["rows"].get(name, {}), settings)]
+    wanted = [
+        name
+        for name in args.rows.split(",")
+        if not row_complete(result["rows"].get(name, {}), settings_for(name, settings))
+    ]
     peak = bandwidth.peak_bandwidth()
     measured_by = provenance()
     say(f"peak bandwidth {peak[0] / 1e12:.2f} TB/s ({peak[1]})")
@@ -513,7 +581,7 @@ def main() -> None:
         model, prompts, ready = _family(family, args)
         for name in names:
             measured = result["rows"].get(name, {})
-            if measured.get("settings") != settings:  # a cut row of other settings starts over
+            if measured.get("settings") != settings_for(name, settings):  # a cut row of other settings starts over
                 measured = {}
             row = run_row(
                 name,
@@ -599,8 +667,9 @@ def _fresh(model: torch.nn.Module, family: str) -> torch.nn.Module:
 def summarize(rows: dict[str, dict]) -> dict[str, float | tuple[float, float] | None]:
     """The summary of complete rows: `e2e_speedup_<row>` (GSM's decode tokens/s over the fastest dense
     method's), `bandwidth_share_<method>_<row>`, `ttft_ratio_<row>` (GSM's time to first token over the
-    fastest dense one, where both were timed) and `step_kl_gsm_over_dense` with its 95% interval over the
-    rows (the first SmolLM2 row's)."""
+    fastest dense one, where both were timed), `ttft_cold_ratio_<row>` (the same of the timed calls, where
+    every method of the row made first-token calls after it: `first_token_figures`) and
+    `step_kl_gsm_over_dense` with its 95% interval over the rows (the first SmolLM2 row's)."""
     summary: dict[str, float | tuple[float, float] | None] = {}
     for name, row in rows.items():
         if "gsm" not in row:
@@ -615,6 +684,9 @@ def summarize(rows: dict[str, dict]) -> dict[str, float | tuple[float, float] | 
         ttfts = [ttft for ttft in ttfts if ttft is not None]
         if ttfts and row["gsm"]["time_to_first_token_s"] is not None:
             summary[f"ttft_ratio_{name}"] = row["gsm"]["time_to_first_token_s"] / min(ttfts)
+        colds = [row[method].get("time_to_first_token_cold_s") for method in [*dense, "gsm"]]
+        if all(cold is not None for cold in colds) and len(colds) > 1:
+            summary[f"ttft_cold_ratio_{name}"] = colds[-1] / min(colds[:-1])
         if "step_kl" in row and "step_kl_gsm_over_dense" not in summary:
             summary["step_kl_gsm_over_dense"] = row["step_kl"]["gsm_over_dense"]
             summary["step_kl_gsm_over_dense_interval"] = row["step_kl"].get("gsm_over_dense_interval")

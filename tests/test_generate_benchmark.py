@@ -9,7 +9,15 @@ import math
 import torch
 
 from benchmarks import bandwidth
-from benchmarks.generate import generate_timed, plain_loop_generate, row_settings, smollm2_extras, summarize
+from benchmarks.generate import (
+    first_token_figures,
+    generate_timed,
+    plain_loop_generate,
+    row_settings,
+    settings_for,
+    smollm2_extras,
+    summarize,
+)
 from gsm_train.attention import gsm_adapters, inject_gsm
 from gsm_train.config.schema import GSMConfig
 from gsm_train.inference.cache import GSMCache, cache_kwargs
@@ -61,6 +69,36 @@ def test_summary_sets_gsm_against_the_fastest_dense_method() -> None:
     # so are fused token steps and the dense methods measured
     assert "fused_decode" not in row_settings(48) and row_settings(48, fused_decode=True)["fused_decode"] is True
     assert row_settings(48, methods=("dense_engine",))["methods"] == ["dense_engine", "gsm"]
+
+
+def test_warm_first_token_calls_give_the_median_and_keep_the_cold_one() -> None:
+    samples = iter([0.05, 0.03, 0.04, 0.02, 0.06])
+    figures = first_token_figures(0.09, 5, lambda: next(samples))
+    assert figures["time_to_first_token_s"] == 0.04
+    assert figures["time_to_first_token_cold_s"] == 0.09
+    assert figures["time_to_first_token_samples_s"] == [0.05, 0.03, 0.04, 0.02, 0.06]
+    # no calls, or no timed first token (batch > 1): the timed call's figure stands and nothing is called
+    assert first_token_figures(0.09, 0, lambda: 1 / 0) == {} and first_token_figures(None, 5, lambda: 1 / 0) == {}
+
+
+def test_only_rows_that_make_first_token_calls_name_them_in_their_settings() -> None:
+    settings = row_settings(48)
+    assert settings_for("smollm2_8k_bs1", settings) == settings | {"ttft_repeats": 5}
+    # the 8B rows' prefills take seconds: no calls, and rows measured before them stay complete
+    for name in ("8b_32k_bs1", "8b_128k_bs1", "smollm2_8k_bs16", "8b_32k_bs16"):
+        assert settings_for(name, settings) == settings
+
+
+def test_the_cold_ratio_needs_every_methods_timed_call() -> None:
+    def method(ttft: float, cold: float | None) -> dict:
+        return _method(100.0, 0.5, ttft) | ({"time_to_first_token_cold_s": cold} if cold is not None else {})
+
+    row = {"dense_eager": method(0.03, 0.04), "dense_engine": method(0.05, 0.13), "gsm": method(0.045, 0.096)}
+    summary = summarize({"smollm2_8k_bs1": row})
+    assert summary["ttft_ratio_smollm2_8k_bs1"] == 0.045 / 0.03
+    assert summary["ttft_cold_ratio_smollm2_8k_bs1"] == 0.096 / 0.04
+    row["dense_engine"] = method(0.05, None)  # a method measured before the calls existed
+    assert "ttft_cold_ratio_smollm2_8k_bs1" not in summarize({"smollm2_8k_bs1": row})
 
 
 def test_gsm_step_bytes_follow_the_caches_buffers() -> None:
