@@ -323,7 +323,7 @@ def fits_dense(model: torch.nn.Module, context: int, batch: int) -> tuple[bool, 
     return per_row * batch <= free, int(free // per_row)
 
 
-def ttft_repeats(name: str) -> int:
+def first_token_calls(name: str) -> int:
     """The first-token calls row `name` makes after each method's timed call (`TTFT_REPEATS`; batch 1 only)."""
     family, _, batch = ROWS[name]
     return TTFT_REPEATS[family] if batch == 1 else 0
@@ -332,7 +332,7 @@ def ttft_repeats(name: str) -> int:
 def settings_for(name: str, settings: dict) -> dict:
     """Row `name`'s settings: the run's, and its first-token calls where it makes any (rows measured before
     there were any keep theirs)."""
-    repeats = ttft_repeats(name)
+    repeats = first_token_calls(name)
     return settings | {"ttft_repeats": repeats} if repeats else settings
 
 
@@ -347,14 +347,14 @@ def _dense_method(
     if method == "dense_engine":  # its flash prefill holds no [T, T] mask: larger chunks at batch 1
         engine_chunk = chunk if chunk and ids.shape[0] > 1 else ENGINE_PREFILL_CHUNK
         return dense_engine_row(
-            model, ids, new_tokens, min(engine_chunk, ids.shape[1]), fused_decode, ttft_repeats(name)
+            model, ids, new_tokens, min(engine_chunk, ids.shape[1]), fused_decode, first_token_calls(name)
         )
     # the 8B model's prompt in one forward of 16 x 32k does not fit beside its cache: prefill in chunks, as
     # transformers offers (`prefill_chunk_size`)
     options = {"cache_implementation": "static"} if method == "dense_static_compiled" else {}
     if chunk:
         options["prefill_chunk_size"] = chunk
-    result = _measure(model, ids, new_tokens, warm=ids.shape[0] == 1, ttft_repeats=ttft_repeats(name), **options)
+    result = _measure(model, ids, new_tokens, warm=ids.shape[0] == 1, ttft_repeats=first_token_calls(name), **options)
     torch._dynamo.reset()
     return result
 
@@ -422,7 +422,7 @@ def run_row(
         row["dense_fits"] = (
             f"no: {bandwidth.dense_kv_bytes(model, context, batch) / 1e9:.0f} GB of bf16 KV; at most {most} rows fit"
         )
-    result = gsm_row(gsm_model(model), ids, new_tokens, ttft_repeats(name))
+    result = gsm_row(gsm_model(model), ids, new_tokens, first_token_calls(name))
     row["gsm_tokens"] = result.pop("tokens")
     row["bound_tokens_per_s_gsm"] = batch * peak / result["step_bytes"]
     row["gsm"] = result | {
