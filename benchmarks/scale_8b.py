@@ -18,11 +18,12 @@ from it in a stage set up again (the first one released: the time of setup and l
 step, whose loss must be the same (`resumed_loss_abs_diff`). A checkpoint the --scratch disk cannot hold
 (its trainables and Adam moments against the free bytes) is not written: the row says so
 (`checkpoint_error`). With --profile-steps N, N more steps run under torch.profiler and the row keeps
-its largest kernels. Each row records the median step time,
-tokens/s, the peak GPU memory from before its model was built to its last timed step, and model FLOPs
-utilisation: model FLOPs per token over the GPU's dense bf16 peak
-(989 TFLOP/s for an H100 or H200), where, with N the parameters of the matrix products (every linear
-layer and the output head; not the embedding lookup), L layers, H query heads of Dh and T = seq_len:
+its largest kernels and, on CUDA, `kernel_ms` (every kernel's time of one step, summed) and `gpu_busy`
+(that over the step's median time: well below 1, the step waits on the host, not on the GPU). Each row
+records the median step time, tokens/s, the peak GPU memory from before its model was built to its last
+timed step, and model FLOPs utilisation: model FLOPs per token over the GPU's dense bf16 peak (989 TFLOP/s
+for an H100 or H200), where, with N the parameters of the matrix products (every linear layer and the
+output head; not the embedding lookup), L layers, H query heads of Dh and T = seq_len:
 
     full training  6 N + 12 L H Dh T   (torchtitan's formula; attention without the causal half)
     LoRA training  4 N + 12 L H Dh T   (no gradient for the base's weights; LoRA's FLOPs left out)
@@ -239,7 +240,7 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
     row["mfu"] = flops * row["tokens_per_s"] / peak if peak else None
     row["peak_gib"] = _peak_gib()  # of the timed steps: the stage is built again below
     if args.profile_steps:
-        row["kernels"] = _profile(session, args.profile_steps)
+        row |= _profile(session, args.profile_steps, step_ms)
     with tempfile.TemporaryDirectory(prefix="scale_8b_ckpt", dir=args.scratch) as folder:
         needed, free = _checkpoint_bytes_estimate(session, config), shutil.disk_usage(folder).free
         if needed > 0.95 * free:
@@ -253,10 +254,17 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
         return row | saved | _resume_and_step(config, recipe, checkpoint, saved["next_step_loss"])
 
 
-def _profile(session: TrainingSession, steps: int) -> list[dict[str, Any]]:
-    """The `PROFILE_TOP` largest kernels (ops on the CPU) of `steps` more training steps, per step."""
-    kernels = profile_step(lambda: session.step().means[0].item(), steps, session.info.device.type == "cuda")
-    return kernels[:PROFILE_TOP]
+def _profile(session: TrainingSession, steps: int, step_ms: float) -> dict[str, Any]:
+    """`steps` more training steps profiled: the `PROFILE_TOP` largest kernels (ops on the CPU) per step, and on
+    CUDA every kernel's time of a step summed (`kernel_ms`) and its share of the timed steps' `step_ms`
+    (`gpu_busy`)."""
+    cuda = session.info.device.type == "cuda"
+    kernels = profile_step(lambda: session.step().means[0].item(), steps, cuda)
+    figures: dict[str, Any] = {"kernels": kernels[:PROFILE_TOP]}
+    if cuda:
+        kernel_ms = sum(row["total_us"] for row in kernels) / 1e3
+        figures |= {"kernel_ms": kernel_ms, "gpu_busy": kernel_ms / step_ms}
+    return figures
 
 
 def _forward_ms(session: TrainingSession, steps: int) -> float:
