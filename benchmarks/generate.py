@@ -77,9 +77,9 @@ DENSE_METHODS = ("dense_eager", "dense_static_compiled", "dense_engine")
 ROW_VERSION = 4  # what a row holds (4: GSM's modules in eval mode, 16 step-KL rows); another version starts over
 # First-token calls after each batch-1 method's timed call, by model family; their median is the method's
 # `time_to_first_token_s`. The timed call runs after `free_memory` emptied the allocator, so its first token
-# also waits for every allocation the prefill makes (at SmolLM2's 8k, tens of ms for the methods that allocate
-# the most, against a prefill of 25-75 ms): a serving process pays that once, not per request. The 8B rows'
-# prefills take seconds, where it is noise: their timed call's stands.
+# also waits for every allocation the prefill makes, which a serving process pays once, not per request (on the
+# H200 our dense engine's came 133 ms after an emptied allocator, its warm prefill takes 52 ms). The 8B rows'
+# prefills take seconds, where that is noise: their timed call's stands.
 TTFT_REPEATS = {"smollm2": 5, "8b": 0}
 STEP_KL_ROWS = 16  # held-out windows the SmolLM2 row's step KL runs over (its interval is over them)
 FIRST_TIMED = 2  # decode tokens/s from the third new token on (see the module docstring)
@@ -225,13 +225,12 @@ def gsm_row(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, ttft_rep
         cache = GSMCache(model, capacity=ids.shape[1] + new_tokens)
         result = _measure(model, ids, new_tokens, warm=False, **cache_kwargs(model, cache))
         result["time_to_first_token_s"] = result.pop("first_call_time_to_first_token_s")
-        result |= first_token_figures(
-            result["time_to_first_token_s"],
-            ttft_repeats,
-            lambda: generate_timed(model, ids, 1, **cache_kwargs(model, GSMCache(model, capacity=ids.shape[1] + 1)))[
-                1
-            ].times[0],
-        )
+
+        def first_token() -> float:
+            fresh = GSMCache(model, capacity=ids.shape[1] + 1)  # made before the call, as the timed call's
+            return generate_timed(model, ids, 1, **cache_kwargs(model, fresh))[1].times[0]
+
+        result |= first_token_figures(result["time_to_first_token_s"], ttft_repeats, first_token)
         say("gsm: the same cache driven by a plain greedy loop instead of transformers' generate")
         loop_tokens, result["plain_loop_decode_tokens_per_s"] = plain_loop_generate(model, ids, new_tokens)
         # generate passes an all-ones mask and bars EOS until the last token (min_new_tokens): equal in
