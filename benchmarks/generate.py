@@ -17,28 +17,28 @@ Rows (`--rows`, default all):
 
 Per row and method: decode tokens/s over the new tokens after the second (the first comes from the prompt; the
 second's step is where a graph is captured or a step compiled), time to first token (batch-1 rows, after a
-warm-up call that compiles the kernels; `TTFT_REPEATS`: at SmolLM2's rows the median of first-token calls made
-after the timed one, with the allocator as a serving process has it from its second request on, and apart the
-timed call's own, made after the allocator was emptied), peak device memory, the KV bytes held, and the share
-of the bandwidth bound it runs at: the bytes one decode step must read (`benchmarks.bandwidth`: weights plus
-the KV it reads, for GSM from the cache's own buffers) over the step's time, against the peak a
-device-to-device copy reaches in the same run. Batch-16 GSM rows prefill one prompt at batch 1 and copy the
-cache to every row (rows then decode alike; the time of a 16-row sparse prefill is not what the row measures).
-`model.generate` decodes these greedy calls in GSM's own greedy loop (`inference.greedy_loop`), not
-transformers' per-token loop, as the dense engine runs its own; each new token is timed by a streamer. Batch-1
-GSM rows also give `plain_loop_decode_tokens_per_s`: the same forward calls driven by the dense engine's plain
-greedy loop (a check that `generate` adds nothing per token). The GSM rows prefill with `--prefill` (default
-`dense`, the library's default: the prompt attends as the base model and fills the GSM cache from its K/V;
-`sparse`: the teacher-forced GSM pass), and with `--prefill-chunk` prompt tokens per forward (default the
-library's), recorded in the row settings. Token agreement and the step KL compare cached decoding with GSM's
-own teacher-forced pass, so they prefill sparsely whatever `--prefill` says (the same function on both sides).
-The summary: `e2e_speedup_<row>` (GSM over the fastest dense method of the row),
-`bandwidth_share_<method>_<row>`, `ttft_ratio_<row>` (GSM's time to first token over the fastest dense one;
-`ttft_cold_ratio_<row>` the same of the timed calls, where the row made warm calls), and from the SmolLM2 rows
-`step_kl_gsm_over_dense` (`benchmarks.step_kl`). Resumable: the JSON is written atomically after every method;
-a row with the same settings is skipped when complete and keeps the methods it measured when cut short; each
-row names the command, commit and device of the run that last wrote it (`measured`), since one file gathers
-rows of several runs (progress lines give the seconds since the start).
+warm-up call that compiles the kernels; `FIRST_TOKEN_CALLS`: at SmolLM2's batch-1 row the median of
+first-token calls made after the timed one, with the allocator as a serving process has it from its second
+request on, and apart the timed call's own, made after the allocator was emptied), peak device memory, the KV
+bytes held, and the share of the bandwidth bound it runs at: the bytes one decode step must read
+(`benchmarks.bandwidth`: weights plus the KV it reads, for GSM from the cache's own buffers) over the step's
+time, against the peak a device-to-device copy reaches in the same run. Batch-16 GSM rows prefill one prompt
+at batch 1 and copy the cache to every row (rows then decode alike; the time of a 16-row sparse prefill is not
+what the row measures). `model.generate` decodes these greedy calls in GSM's own greedy loop
+(`inference.greedy_loop`), not transformers' per-token loop, as the dense engine runs its own; each new token
+is timed by a streamer. Batch-1 GSM rows also give `plain_loop_decode_tokens_per_s`: the same forward calls
+driven by the dense engine's plain greedy loop (a check that `generate` adds nothing per token). The GSM rows
+prefill with `--prefill` (default `dense`, the library's default: the prompt attends as the base model and
+fills the GSM cache from its K/V; `sparse`: the teacher-forced GSM pass), and with `--prefill-chunk` prompt
+tokens per forward (default the library's), recorded in the row settings. Token agreement and the step KL
+compare cached decoding with GSM's own teacher-forced pass, so they prefill sparsely whatever `--prefill` says
+(the same function on both sides). The summary: `e2e_speedup_<row>` (GSM over the fastest dense method of the
+row), `bandwidth_share_<method>_<row>`, `ttft_ratio_<row>` (GSM's time to first token over the fastest dense
+one; `ttft_cold_ratio_<row>` the same of the timed calls, where the row made warm calls), and from the SmolLM2
+rows `step_kl_gsm_over_dense` (`benchmarks.step_kl`). Resumable: the JSON is written atomically after every
+method; a row with the same settings is skipped when complete and keeps the methods it measured when cut
+short; each row names the command, commit and device of the run that last wrote it (`measured`), since one
+file gathers rows of several runs (progress lines give the seconds since the start).
 
 python -m benchmarks.generate --eval-data DATA/wikitext-2/valid.txt [--smollm2-export EXPORT] --result OUT.json
 """
@@ -80,7 +80,7 @@ ROW_VERSION = 4  # what a row holds (4: GSM's modules in eval mode, 16 step-KL r
 # also waits for every allocation the prefill makes, which a serving process pays once, not per request (on the
 # H200 our dense engine's came 133 ms after an emptied allocator, its warm prefill takes 52 ms). The 8B rows'
 # prefills take seconds, where that is noise: their timed call's stands.
-TTFT_REPEATS = {"smollm2": 5, "8b": 0}
+FIRST_TOKEN_CALLS = {"smollm2": 5, "8b": 0}
 STEP_KL_ROWS = 16  # held-out windows the SmolLM2 row's step KL runs over (its interval is over them)
 FIRST_TIMED = 2  # decode tokens/s from the third new token on (see the module docstring)
 ROWS = {
@@ -158,10 +158,10 @@ def generate_timed(
 
 
 def _measure(
-    model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, warm: bool, ttft_repeats: int = 0, **kwargs: Any
+    model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, warm: bool, first_token_calls: int = 0, **kwargs: Any
 ) -> dict:
     """One method's figures on `ids` [B, T]: with `warm`, a short call first (compiles, autotunes), then
-    time to first token and decode tokens/s of the main call, its peak memory; `ttft_repeats` first-token
+    time to first token and decode tokens/s of the main call, its peak memory; `first_token_calls` first-token
     calls after it (`first_token_figures`)."""
     if warm:  # as long as the timed call: a static cache of another length would compile again
         generate_timed(model, ids, new_tokens, **kwargs)
@@ -175,17 +175,18 @@ def _measure(
         "tokens": out,
     }
     return figures | first_token_figures(
-        figures["time_to_first_token_s"], ttft_repeats, lambda: generate_timed(model, ids, 1, **kwargs)[1].times[0]
+        figures["time_to_first_token_s"], first_token_calls, lambda: generate_timed(model, ids, 1, **kwargs)[1].times[0]
     )
 
 
-def first_token_figures(timed: float | None, repeats: int, first_token: Callable[[], float]) -> dict:
-    """With `repeats`, `first_token()` (a call's seconds to its first token) that many times with the allocator
-    left warm by the calls before: `time_to_first_token_s` their median, `time_to_first_token_cold_s` the
-    `timed` call's, `time_to_first_token_samples_s` every one; without, nothing (the timed call's stands)."""
-    if not repeats or timed is None:
+def first_token_figures(timed: float | None, calls: int, first_token: Callable[[], float]) -> dict:
+    """`first_token()` (a call's seconds to its first token) `calls` times, with the allocator left warm by the
+    calls before: `time_to_first_token_s` their median, `time_to_first_token_cold_s` the `timed` call's (after
+    the warm-up, with the allocator emptied; not `first_call_time_to_first_token_s`, a call with no warm-up
+    before it), `time_to_first_token_samples_s` every one; with no calls, nothing (the timed call's stands)."""
+    if not calls or timed is None:
         return {}
-    samples = [first_token() for _ in range(repeats)]
+    samples = [first_token() for _ in range(calls)]
     return {
         "time_to_first_token_s": statistics.median(samples),
         "time_to_first_token_cold_s": timed,
@@ -211,9 +212,9 @@ def _copy_rows(prefilled: GSMCache, model: torch.nn.Module, batch: int) -> GSMCa
     return cache
 
 
-def gsm_row(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, ttft_repeats: int = 0) -> dict:
+def gsm_row(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, first_token_calls: int = 0) -> dict:
     """The GSM method's figures; batch > 1: one prompt prefilled at batch 1, its cache copied to every row.
-    `step_bytes`: what the last token step read (weights and `bandwidth.gsm_kv_read_bytes`); `ttft_repeats`
+    `step_bytes`: what the last token step read (weights and `bandwidth.gsm_kv_read_bytes`); `first_token_calls`
     first-token calls at batch 1 (`first_token_figures`), each into a cache of its own made before it."""
     batch = ids.shape[0]
     if batch == 1:
@@ -230,7 +231,7 @@ def gsm_row(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, ttft_rep
             fresh = GSMCache(model, capacity=ids.shape[1] + 1)  # made before the call, as the timed call's
             return generate_timed(model, ids, 1, **cache_kwargs(model, fresh))[1].times[0]
 
-        result |= first_token_figures(result["time_to_first_token_s"], ttft_repeats, first_token)
+        result |= first_token_figures(result["time_to_first_token_s"], first_token_calls, first_token)
         say("gsm: the same cache driven by a plain greedy loop instead of transformers' generate")
         loop_tokens, result["plain_loop_decode_tokens_per_s"] = plain_loop_generate(model, ids, new_tokens)
         # generate passes an all-ones mask and bars EOS until the last token (min_new_tokens): equal in
@@ -285,10 +286,10 @@ def dense_engine_row(
     new_tokens: int,
     prefill_chunk: int,
     fused_decode: bool = False,
-    ttft_repeats: int = 0,
+    first_token_calls: int = 0,
 ) -> dict:
     """The dense engine's figures: at batch 1 a warm-up call first (library handles, autotuning), then the
-    timed call's time to first token and decode tokens/s, and `ttft_repeats` first-token calls
+    timed call's time to first token and decode tokens/s, and `first_token_calls` first-token calls
     (`first_token_figures`). `fused_decode`: its token steps with the fused RMSNorm / RoPE / SwiGLU kernels, as
     GSM's with `--fused-decode`."""
     engine = DenseEngine(model, prefill_chunk=prefill_chunk, fused_decode=fused_decode)
@@ -311,7 +312,7 @@ def dense_engine_row(
         engine.generate(ids, 1, on_token=first.mark)
         return first.times[0]
 
-    return figures | first_token_figures(figures["time_to_first_token_s"], ttft_repeats, first_token)
+    return figures | first_token_figures(figures["time_to_first_token_s"], first_token_calls, first_token)
 
 
 def fits_dense(model: torch.nn.Module, context: int, batch: int) -> tuple[bool, int]:
@@ -322,17 +323,17 @@ def fits_dense(model: torch.nn.Module, context: int, batch: int) -> tuple[bool, 
     return per_row * batch <= free, int(free // per_row)
 
 
-def first_token_calls(name: str) -> int:
-    """The first-token calls row `name` makes after each method's timed call (`TTFT_REPEATS`; batch 1 only)."""
+def row_first_token_calls(name: str) -> int:
+    """The first-token calls row `name` makes after each method's timed call (`FIRST_TOKEN_CALLS`; batch 1 only)."""
     family, _, batch = ROWS[name]
-    return TTFT_REPEATS[family] if batch == 1 else 0
+    return FIRST_TOKEN_CALLS[family] if batch == 1 else 0
 
 
 def settings_for(name: str, settings: dict) -> dict:
     """Row `name`'s settings: the run's, and its first-token calls where it makes any (rows measured before
     there were any keep theirs)."""
-    repeats = first_token_calls(name)
-    return settings | {"ttft_repeats": repeats} if repeats else settings
+    calls = row_first_token_calls(name)
+    return settings | {"first_token_calls": calls} if calls else settings
 
 
 def _dense_method(
@@ -346,14 +347,15 @@ def _dense_method(
     if method == "dense_engine":  # its flash prefill holds no [T, T] mask: larger chunks at batch 1
         engine_chunk = chunk if chunk and ids.shape[0] > 1 else ENGINE_PREFILL_CHUNK
         return dense_engine_row(
-            model, ids, new_tokens, min(engine_chunk, ids.shape[1]), fused_decode, first_token_calls(name)
+            model, ids, new_tokens, min(engine_chunk, ids.shape[1]), fused_decode, row_first_token_calls(name)
         )
     # the 8B model's prompt in one forward of 16 x 32k does not fit beside its cache: prefill in chunks, as
     # transformers offers (`prefill_chunk_size`)
     options = {"cache_implementation": "static"} if method == "dense_static_compiled" else {}
     if chunk:
         options["prefill_chunk_size"] = chunk
-    result = _measure(model, ids, new_tokens, warm=ids.shape[0] == 1, ttft_repeats=first_token_calls(name), **options)
+    calls = row_first_token_calls(name)
+    result = _measure(model, ids, new_tokens, warm=ids.shape[0] == 1, first_token_calls=calls, **options)
     torch._dynamo.reset()
     return result
 
@@ -421,7 +423,7 @@ def run_row(
         row["dense_fits"] = (
             f"no: {bandwidth.dense_kv_bytes(model, context, batch) / 1e9:.0f} GB of bf16 KV; at most {most} rows fit"
         )
-    result = gsm_row(gsm_model(model), ids, new_tokens, first_token_calls(name))
+    result = gsm_row(gsm_model(model), ids, new_tokens, row_first_token_calls(name))
     row["gsm_tokens"] = result.pop("tokens")
     row["bound_tokens_per_s_gsm"] = batch * peak / result["step_bytes"]
     row["gsm"] = result | {

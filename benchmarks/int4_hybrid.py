@@ -58,6 +58,7 @@ from benchmarks.generate import (
     row_settings,
     run_row,
     say,
+    settings_for,
     summarize,
 )
 from gsm_train.attention import inject_gsm
@@ -207,7 +208,7 @@ def _rows(args: argparse.Namespace, result: dict, save: Any) -> None:
     prompts = torch.randint(0, 128256, (16, 131072), generator=torch.Generator().manual_seed(1))
     for name in names:
         checked = "static_compiled" in result or STATIC not in args.methods
-        if checked and row_complete(result["rows"].get(name, {}), _settings(args, result)):
+        if checked and row_complete(result["rows"].get(name, {}), settings_for(name, _settings(args, result))):
             say(f"{name}: measured by an earlier run")
             continue
         model = int4_llama8b()
@@ -215,7 +216,7 @@ def _rows(args: argparse.Namespace, result: dict, save: Any) -> None:
             say("does transformers' static cache with its compiled step run the 4-bit model?")
             result["static_compiled"] = {"error": static_compiled_error(model)}
             save(None, None)
-        settings = _settings(args, result)
+        settings = settings_for(name, _settings(args, result))
         measured = result["rows"].get(name, {})
         measured = measured if measured.get("settings") == settings else {}  # a cut row of other settings
         weights = {

@@ -83,7 +83,7 @@ def test_warm_first_token_calls_give_the_median_and_keep_the_cold_one() -> None:
 
 def test_only_rows_that_make_first_token_calls_name_them_in_their_settings() -> None:
     settings = row_settings(48)
-    assert settings_for("smollm2_8k_bs1", settings) == settings | {"ttft_repeats": 5}
+    assert settings_for("smollm2_8k_bs1", settings) == settings | {"first_token_calls": 5}
     # the 8B rows' prefills take seconds: no calls, and rows measured before them stay complete
     for name in ("8b_32k_bs1", "8b_128k_bs1", "smollm2_8k_bs16", "8b_32k_bs16"):
         assert settings_for(name, settings) == settings
