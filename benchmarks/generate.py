@@ -323,39 +323,39 @@ def fits_dense(model: torch.nn.Module, context: int, batch: int) -> tuple[bool, 
     return per_row * batch <= free, int(free // per_row)
 
 
-def row_first_token_calls(name: str) -> int:
-    """The first-token calls row `name` makes after each method's timed call (`FIRST_TOKEN_CALLS`; batch 1 only)."""
-    family, _, batch = ROWS[name]
-    return FIRST_TOKEN_CALLS[family] if batch == 1 else 0
-
-
 def settings_for(name: str, settings: dict) -> dict:
-    """Row `name`'s settings: the run's, and its first-token calls where it makes any (rows measured before
-    there were any keep theirs)."""
-    calls = row_first_token_calls(name)
+    """Row `name`'s settings: the run's, and the first-token calls it makes after each method's timed call
+    (`FIRST_TOKEN_CALLS`, batch 1 only) where it makes any (rows measured before there were any keep theirs)."""
+    family, _, batch = ROWS[name]
+    calls = FIRST_TOKEN_CALLS[family] if batch == 1 else 0
     return settings | {"first_token_calls": calls} if calls else settings
 
 
 def _dense_method(
-    name: str, model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, method: str, fused_decode: bool
+    name: str,
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    new_tokens: int,
+    method: str,
+    fused_decode: bool,
+    first_token_calls: int = 0,
 ) -> dict:
     """One dense method's figures (with its tokens); `fused_decode` applies to our dense engine (HF's paths
-    are HF's own)."""
+    are HF's own); `first_token_calls` at batch 1 (`first_token_figures`)."""
     # per row: the forward's activations (at 8B some 6 GB for 16 rows x 4096) must fit beside a cache that fills
     # most of the GPU (a 4-bit base's 16 x 32k row: 69 of 80 GB)
     chunk = max(256, DENSE_PREFILL_TOKENS // ids.shape[0]) if ROWS[name][0] == "8b" else None
     if method == "dense_engine":  # its flash prefill holds no [T, T] mask: larger chunks at batch 1
         engine_chunk = chunk if chunk and ids.shape[0] > 1 else ENGINE_PREFILL_CHUNK
         return dense_engine_row(
-            model, ids, new_tokens, min(engine_chunk, ids.shape[1]), fused_decode, row_first_token_calls(name)
+            model, ids, new_tokens, min(engine_chunk, ids.shape[1]), fused_decode, first_token_calls
         )
     # the 8B model's prompt in one forward of 16 x 32k does not fit beside its cache: prefill in chunks, as
     # transformers offers (`prefill_chunk_size`)
     options = {"cache_implementation": "static"} if method == "dense_static_compiled" else {}
     if chunk:
         options["prefill_chunk_size"] = chunk
-    calls = row_first_token_calls(name)
-    result = _measure(model, ids, new_tokens, warm=ids.shape[0] == 1, first_token_calls=calls, **options)
+    result = _measure(model, ids, new_tokens, warm=ids.shape[0] == 1, first_token_calls=first_token_calls, **options)
     torch._dynamo.reset()
     return result
 
@@ -376,13 +376,15 @@ def run_row(
     with GSM's modules attached, or another (int4_hybrid: GSM attaches to the 16-bit base before it is
     quantized); a method already in `measured` (a cut run's row of the same settings) is not measured again.
     `save(row)` after each. Every method's `bandwidth_share` against `peak` (bytes/s, its source).
-    `settings`: `row_settings` of the run (the GSM method's prefill, which `gsm_model` set on its model, and
-    `methods`), stored with the row."""
+    `settings`: the row's (`settings_for` of the run's `row_settings`: the GSM method's prefill, which
+    `gsm_model` set on its model, `methods`, the first-token calls each batch-1 method makes), stored with
+    the row."""
     _, context, batch = ROWS[name]
+    first_token_calls = settings.get("first_token_calls", 0)
     ids = prompts[:batch, : context - new_tokens].cuda()
     peak, peak_source = peak
     row: dict[str, Any] = measured | {
-        "settings": settings_for(name, settings),
+        "settings": settings,
         "context": context,
         "batch": batch,
         "new_tokens": new_tokens,
@@ -402,7 +404,9 @@ def run_row(
                 continue
             say(f"{name} {method}")
             try:
-                result = _dense_method(name, model, ids, new_tokens, method, settings.get("fused_decode", False))
+                result = _dense_method(
+                    name, model, ids, new_tokens, method, settings.get("fused_decode", False), first_token_calls
+                )
             except torch.OutOfMemoryError as error:  # recorded, and the row goes on (a larger GPU measures it)
                 row.setdefault("dense_errors", {})[method] = _out_of_memory(error)
                 say(f"{name} {method}: {row['dense_errors'][method]}")
@@ -423,7 +427,7 @@ def run_row(
         row["dense_fits"] = (
             f"no: {bandwidth.dense_kv_bytes(model, context, batch) / 1e9:.0f} GB of bf16 KV; at most {most} rows fit"
         )
-    result = gsm_row(gsm_model(model), ids, new_tokens, row_first_token_calls(name))
+    result = gsm_row(gsm_model(model), ids, new_tokens, first_token_calls)
     row["gsm_tokens"] = result.pop("tokens")
     row["bound_tokens_per_s_gsm"] = batch * peak / result["step_bytes"]
     row["gsm"] = result | {
@@ -581,8 +585,9 @@ def main() -> None:
             continue
         model, prompts, ready = _family(family, args)
         for name in names:
+            own = settings_for(name, settings)
             measured = result["rows"].get(name, {})
-            if measured.get("settings") != settings_for(name, settings):  # a cut row of other settings starts over
+            if measured.get("settings") != own:  # a cut row of other settings starts over
                 measured = {}
             row = run_row(
                 name,
@@ -593,7 +598,7 @@ def main() -> None:
                 measured,
                 lambda row, name=name: save(name, row),
                 peak,
-                settings,
+                own,
                 methods,
             )
             if family == "smollm2":
