@@ -3,7 +3,7 @@ cache, three ways side by side in one run: the selection kernel over every posit
 with the whole range as its selection, what such a layer ran before), the block kernel
 (`dense_decode_attention`: a compressor block a tile, its prototypes read once), and dense SDPA over a bf16
 cache of the same length (what the dense model reads). Llama-8B's layer shape, ASQ as recipes/joint.yaml
-sets it, batch 1, 32k and 128k tokens; microseconds per layer in CUDA graphs of several layers (as
+sets it, 32k and 128k tokens at batch 1 and 32k at batch 16; microseconds per layer in CUDA graphs of several layers (as
 benchmarks/decode.py times them), the bytes each reads and their rate, and the block kernel's largest
 difference from the selection kernel's output.
 
@@ -22,11 +22,12 @@ from gsm_train.config.schema import load_recipe
 from gsm_train.kernels.dense_decode import dense_decode_attention
 from gsm_train.kernels.sparse_decode import fused_decode_attention
 
-CONTEXTS = (32768, 131072)
+ROWS = ((32768, 1), (131072, 1), (32768, 16))  # (context, batch): the 8B rows of benchmarks.generate
 
 
 def packed_bytes(rows: tuple, length: int) -> int:
-    """Bytes of the packed K and V a full read of `length` tokens touches (codes, scales, ids, prototypes)."""
+    """Bytes of the packed K and V a full read of `length` tokens of every row touches (codes, scales, ids,
+    prototypes)."""
     total = 0
     for store in rows:
         batch, heads, capacity = store.ids.shape
@@ -36,13 +37,14 @@ def packed_bytes(rows: tuple, length: int) -> int:
     return total
 
 
-def measure(context: int, asqs: tuple, q_heads: int) -> dict:
-    """One context's row (module docstring)."""
+def measure(context: int, batch: int, asqs: tuple, q_heads: int) -> dict:
+    """One row of `context` tokens and `batch` sequences (module docstring)."""
     kv_heads, dim = asqs[0].num_kv_heads, asqs[0].head_dim
-    layers = layers_per_graph(2 * kv_heads * context * dim * 2)
-    caches = [tuple(store.packed_rows() for store in filled_stores(asqs, 1, context)) for _ in range(layers)]
-    query = torch.randn(1, q_heads, 1, dim, device="cuda", dtype=torch.bfloat16)
-    index = torch.arange(caches[0][0].ids.shape[2], device="cuda").expand(1, 1, -1)
+    dense = 2 * batch * kv_heads * context * dim * 2
+    layers = layers_per_graph(dense)
+    caches = [tuple(store.packed_rows() for store in filled_stores(asqs, batch, context)) for _ in range(layers)]
+    query = torch.randn(batch, q_heads, 1, dim, device="cuda", dtype=torch.bfloat16)
+    index = torch.arange(caches[0][0].ids.shape[2], device="cuda").expand(batch, 1, -1)
     valid = index < context
 
     def by_selection(rows: tuple) -> torch.Tensor:
@@ -55,9 +57,10 @@ def measure(context: int, asqs: tuple, q_heads: int) -> dict:
     block = per_layer_ms([lambda rows=rows: by_blocks(rows) for rows in caches])
     sdpa = dense_sdpa_ms(query, kv_heads, context, layers)
     differs = (by_blocks(caches[0]).float() - by_selection(caches[0]).float()).abs().max().item()
-    packed, dense = packed_bytes(caches[0], context), 2 * kv_heads * context * dim * 2
+    packed = packed_bytes(caches[0], context)
     return {
         "context": context,
+        "batch": batch,
         "layers_per_graph": layers,
         "selection_kernel_us": selection * 1e3,
         "block_kernel_us": block * 1e3,
@@ -79,11 +82,11 @@ def main() -> None:
     q_heads, kv_heads, dim = SHAPES["llama8b"]
     asqs = compressors(gsm, kv_heads, dim)
     rows = []
-    for context in CONTEXTS:
-        row = measure(context, asqs, q_heads)
+    for context, batch in ROWS:
+        row = measure(context, batch, asqs, q_heads)
         rows.append(row)
         print(
-            f"{context:>7} tokens: selection kernel {row['selection_kernel_us']:7.1f} us, block kernel "
+            f"{context:>7} tokens x {batch:>2}: selection kernel {row['selection_kernel_us']:7.1f} us, block kernel "
             f"{row['block_kernel_us']:7.1f} us ({row['block_over_selection_speedup']:.2f}x), dense SDPA over bf16 "
             f"{row['dense_sdpa_us']:7.1f} us; {row['packed_bytes'] / 1e6:.0f} MB packed at "
             f"{row['block_kernel_tb_per_s']:.2f} TB/s, max |difference| {row['max_abs_difference']:.2e}"
