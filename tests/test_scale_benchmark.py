@@ -76,6 +76,7 @@ def test_random_llama3_8b_is_built_on_the_device_in_the_dtype_asked() -> None:
     assert load_recipe(GATE_RECIPE, ["model.name_or_path=random-llama3-8b"]).model.name_or_path == "random-llama3-8b"
 
 
+@pytest.mark.gpu_training  # on a GPU machine the row trains there, so its kernels' figures are checked
 def test_a_checkpoint_the_scratch_disk_cannot_hold_is_refused_and_a_row_can_be_profiled(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
