@@ -169,6 +169,20 @@ def test_the_counters_are_read_only_from_outside() -> None:
             setattr(lengths, name, 1)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="copies to a GPU")
+def test_a_chunks_counters_reach_the_gpu_without_waiting_for_its_queue() -> None:
+    """`add_chunk` returns while the GPU is still busy with earlier work (its copies come from pinned memory;
+    from pageable memory CUDA first waits for the stream, leaving the GPU idle between a prompt's layers), and
+    the device copies hold the new counters once that work is done."""
+    lengths = CacheLengths(torch.device("cuda"))
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second of one busy kernel ahead of the copies
+    lengths.add_chunk(130, 64)
+    assert not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    assert lengths.device.tolist() == [130, 128] and lengths.slots.tolist() == [129, 1]
+
+
 def test_gate_keys_are_written_from_one_place() -> None:
     found = {_relative(p): writes for p in SOURCES if (writes := gate_key_writes(p.read_text()))}
     assert found == {_relative(Path(inspect.getsourcefile(run_gate))): ["keep_gate_keys called in run_gate"]}

@@ -111,13 +111,21 @@ class CacheLengths:
     def _set(self, seq_len: int, packed_len: int) -> None:
         """Both copies to these values (eager code; a captured step advances the device copy itself)."""
         self._seq_len, self._packed_len = seq_len, packed_len
-        self.device.copy_(torch.tensor([seq_len, packed_len], dtype=torch.int32))
+        self.device.copy_(_host_copy([seq_len, packed_len], self.device), non_blocking=True)
         self._set_slots()
 
     def _set_slots(self) -> None:
         """`slots` from the host counters (eager; `add_token` advances them on the device)."""
         newest = self._seq_len - 1
-        self.slots.copy_(torch.tensor([newest, newest - self._packed_len], dtype=torch.int64))
+        self.slots.copy_(_host_copy([newest, newest - self._packed_len], self.slots), non_blocking=True)
+
+
+def _host_copy(values: list[int], like: Tensor) -> Tensor:
+    """`values` as a host tensor of `like`'s dtype, to copy into `like`: in pinned memory where `like` is on a
+    GPU, so a non-blocking copy returns at once (from pageable memory CUDA first waits for the stream, which
+    left the GPU idle between a prompt's layers); PyTorch keeps a pinned tensor's memory until its copy ran."""
+    host = torch.tensor(values, dtype=like.dtype)
+    return host.pin_memory() if like.is_cuda else host
 
 
 class KVStore:
