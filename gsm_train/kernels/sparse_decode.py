@@ -62,17 +62,42 @@ def triton_available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _unpacked_levels(word, BITS: tl.constexpr, CENTER: tl.constexpr):
+    def _unpacked_levels(word, BITS: tl.constexpr, CENTER: tl.constexpr, IN_THREAD: tl.constexpr):
         """Residual levels [N, D] (fp32, in units of the scale) from packed words [N, D * BITS / 32] (int32):
         code j of a row sits at bit j * BITS of the row's bytes read little-endian, as `kv_compressor` packs
         them, less CENTER. A code c becomes the float 2**22 + c by its bits (0x4A800000 | c << 1; floats in
         [2**22, 2**23) step by 1/2, so 2**22 + CENTER is one too), so a level costs integer shifts and masks
-        and one exact subtraction, no integer-to-float conversion."""
+        and one exact subtraction, no integer-to-float conversion. IN_THREAD: a word's codes stay in the
+        thread that loaded it (`_joined_codes`), which the selection kernel runs faster with; otherwise they
+        are spread over a new axis of shifts, which the block kernel (`dense_decode`), whose dots take the
+        levels from shared memory, runs faster with (docs/results.md, "Unpacking the codes")."""
         PER_WORD: tl.constexpr = 32 // BITS
-        shifts = tl.arange(0, PER_WORD) * BITS
-        codes = (word[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
-        codes = tl.reshape(codes, [word.shape[0], word.shape[1] * PER_WORD])
-        return ((codes << 1) | 0x4A800000).to(tl.float32, bitcast=True) - (4194304.0 + CENTER)
+        if IN_THREAD:
+            bits = tl.reshape(_joined_codes(word, 0, 1, PER_WORD, BITS), [word.shape[0], word.shape[1] * PER_WORD])
+        else:
+            shifts = tl.arange(0, PER_WORD) * BITS
+            codes = (word[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
+            codes = tl.reshape(codes, [word.shape[0], word.shape[1] * PER_WORD])
+            bits = (codes << 1) | 0x4A800000
+        return bits.to(tl.float32, bitcast=True) - (4194304.0 + CENTER)
+
+    @triton.jit
+    def _joined_codes(word, START: tl.constexpr, STEP: tl.constexpr, COUNT: tl.constexpr, BITS: tl.constexpr):
+        """Codes START, START + STEP, ... (COUNT of them, a power of two) of each word [N, W] as the bits of
+        the floats 2**22 + code (int32), [N, W, 2, ..., 2] with log2(COUNT) axes of 2 that read in code order
+        when flattened: each split is a `tl.join` (a new last axis, held in the thread) of the even and the odd
+        codes, so no code moves between threads."""
+        if COUNT == 1:
+            mask: tl.constexpr = ((1 << BITS) - 1) << 1
+            if START == 0:
+                return ((word << 1) & mask) | 0x4A800000
+            else:
+                return ((word >> (START * BITS - 1)) & mask) | 0x4A800000
+        else:
+            return tl.join(
+                _joined_codes(word, START, STEP * 2, COUNT // 2, BITS),
+                _joined_codes(word, START + STEP, STEP * 2, COUNT // 2, BITS),
+            )
 
     @triton.jit
     def _tile_positions(index_ptr, valid_ptr, row_start, offs, hi, HAS_VALID: tl.constexpr):
@@ -150,7 +175,7 @@ if triton is not None:
         zero prototypes and scales there, so no select is spent on it."""
         rows = tl.zeros([in_packed.shape[0], D], DTYPE)
         if PACKED:
-            residual = _unpacked_levels(word, BITS, CENTER) * scale.to(tl.float32)[:, None]
+            residual = _unpacked_levels(word, BITS, CENTER, True) * scale.to(tl.float32)[:, None]
             rows = (proto.to(tl.float32) + residual).to(DTYPE)
         return rows
 
