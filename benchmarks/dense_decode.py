@@ -3,9 +3,9 @@ cache, three ways side by side in one run: the selection kernel over every posit
 with the whole range as its selection, what such a layer ran before), the block kernel
 (`dense_decode_attention`: a compressor block a tile, its prototypes read once), and dense SDPA over a bf16
 cache of the same length (what the dense model reads). Llama-8B's layer shape, ASQ as recipes/joint.yaml
-sets it, 32k and 128k tokens at batch 1 and 32k at batch 16; microseconds per layer in CUDA graphs of several layers (as
-benchmarks/decode.py times them), the bytes each reads and their rate, and the block kernel's largest
-difference from the selection kernel's output.
+sets it, 32k and 128k tokens at batch 1 and 32k at batch 16; microseconds per layer in CUDA graphs of several
+layers (as benchmarks/decode.py times them), the bytes each reads and their rate, and the block kernel's
+largest difference from the selection kernel's output.
 
 python -m benchmarks.dense_decode --result OUT.json
 """
