@@ -1,15 +1,21 @@
-"""Shared helpers for the benchmark scripts: CUDA-event timing, result files, device description."""
+"""Shared helpers for the benchmark scripts: CUDA-event timing, result files, device description.
+
+`python -m benchmarks.common [--digest-of COMMIT]` prints the code digest a result names (`code_digest`) of
+this checkout's files, or of COMMIT's (to match a result whose `commit` came from stale git metadata)."""
 
 from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import platform
 import shlex
 import statistics
 import subprocess
 import sys
+import tarfile
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -174,9 +180,41 @@ def train_unless_exported(recipe: Path, overrides: list[str], run_dir: Path) -> 
         torch.cuda.empty_cache()
 
 
+def code_digest(root: Path = REPO, paths: tuple[str, ...] = CODE_PATHS) -> str:
+    """The first 12 hex digits of SHA-256 over the relative path and bytes of every file `paths` names under
+    `root` (folders whole, Python's caches left out), in path order. It names the files that ran, where
+    `git_commit` names the checkout's metadata, which a copied tree may carry stale."""
+    files: set[Path] = set()
+    for pattern in paths:
+        for found in root.glob(pattern):
+            files.update(p for p in (found.rglob("*") if found.is_dir() else [found]) if p.is_file())
+    digest = hashlib.sha256()
+    for path in sorted(p for p in files if "__pycache__" not in p.parts and p.suffix != ".pyc"):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+        digest.update(hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()[:12]
+
+
+def commit_digest(commit: str, repo: Path = REPO, paths: tuple[str, ...] = CODE_PATHS) -> str:
+    """`code_digest` of `commit`'s files (as `git archive` gives them), whatever the checkout holds."""
+    tops = sorted({pattern.split("/")[0] for pattern in paths})
+    archive = subprocess.run(["git", "archive", commit, *tops], cwd=repo, capture_output=True, check=True).stdout
+    with tempfile.TemporaryDirectory() as folder, tempfile.TemporaryFile() as tar_bytes:
+        tar_bytes.write(archive)
+        tar_bytes.seek(0)
+        with tarfile.open(fileobj=tar_bytes) as tar:
+            tar.extractall(folder, filter="data")
+        return code_digest(Path(folder), paths)
+
+
 def provenance() -> dict[str, str]:
-    """The command line, commit and device of this run."""
-    return {"command": "python " + shlex.join(sys.argv), "commit": git_commit(), "device": device_name()}
+    """The command line, commit, code digest and device of this run."""
+    return {
+        "command": "python " + shlex.join(sys.argv),
+        "commit": git_commit(),
+        "code_digest": code_digest(),
+        "device": device_name(),
+    }
 
 
 def write_result(path: Path, result: dict) -> None:
@@ -185,3 +223,10 @@ def write_result(path: Path, result: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     write_durable(path, json.dumps(result, indent=2))  # a run killed while writing keeps the last result
     print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--digest-of", metavar="COMMIT", help="the digest of COMMIT's files, not the checkout's")
+    options = parser.parse_args()
+    print(commit_digest(options.digest_of) if options.digest_of else code_digest())
