@@ -207,6 +207,9 @@ def commit_digest(commit: str, repo: Path = REPO, paths: tuple[str, ...] = CODE_
         return code_digest(Path(folder), paths)
 
 
+PROVENANCE_KEYS = ("command", "commit", "code_digest", "device")  # what `provenance` gives a result
+
+
 def provenance() -> dict[str, str]:
     """The command line, commit, code digest and device of this run."""
     return {

@@ -59,7 +59,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from benchmarks import bandwidth
 from benchmarks.agreement import agreement
-from benchmarks.common import provenance, write_result
+from benchmarks.common import PROVENANCE_KEYS, provenance, write_result
 from benchmarks.step_kl import step_kl
 from gsm_train.attention import gsm_adapters, gsm_disabled, inject_gsm, set_gsm_mode
 from gsm_train.config.schema import GSMConfig, load_recipe
@@ -577,7 +577,7 @@ def main() -> None:
     def save(name: str, row: dict) -> None:
         kept = {k: v for k, v in row.items() if k not in ("gsm_tokens", "dense_tokens")}
         result["rows"][name] = {**kept, "measured": measured_by}  # rows of earlier runs keep their own
-        write_result(result_path, {k: v for k, v in result.items() if k not in ("command", "commit", "device")})
+        write_result(result_path, {k: v for k, v in result.items() if k not in PROVENANCE_KEYS})
 
     for family in ("smollm2", "8b"):
         names = [name for name in wanted if ROWS[name][0] == family]

@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from benchmarks import bandwidth
-from benchmarks.common import provenance, write_result
+from benchmarks.common import PROVENANCE_KEYS, provenance, write_result
 from benchmarks.generate import (
     free_memory,
     generate_timed,
@@ -284,7 +284,7 @@ def main() -> None:
         if name is not None:
             kept = {k: v for k, v in row.items() if k not in ("gsm_tokens", "dense_tokens")}
             result["rows"][name] = {**kept, "measured": measured_by}
-        kept = {k: v for k, v in result.items() if k not in ("command", "commit", "device")}
+        kept = {k: v for k, v in result.items() if k not in PROVENANCE_KEYS}
         write_result(path, kept | int4_summary(result))
 
     if "ppl" in parts:
