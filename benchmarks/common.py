@@ -197,13 +197,22 @@ def code_digest(root: Path = REPO, paths: tuple[str, ...] = CODE_PATHS) -> str:
 
 def commit_digest(commit: str, repo: Path = REPO, paths: tuple[str, ...] = CODE_PATHS) -> str:
     """`code_digest` of `commit`'s files (as `git archive` gives them), whatever the checkout holds."""
-    tops = sorted({pattern.split("/")[0] for pattern in paths})
-    archive = subprocess.run(["git", "archive", commit, *tops], cwd=repo, capture_output=True, check=True).stdout
+
+    def git(*command: str) -> bytes:
+        return subprocess.run(["git", *command], cwd=repo, capture_output=True, check=True).stdout
+
+    held = set(git("ls-tree", "--name-only", commit).decode().split("\n"))
+    tops = sorted({pattern.split("/")[0] for pattern in paths} & held)  # a commit may lack a folder
     with tempfile.TemporaryDirectory() as folder, tempfile.TemporaryFile() as tar_bytes:
-        tar_bytes.write(archive)
+        tar_bytes.write(git("archive", commit, *tops))
         tar_bytes.seek(0)
         with tarfile.open(fileobj=tar_bytes) as tar:
-            tar.extractall(folder, filter="data")
+            for member in tar.getmembers():
+                if member.isfile():  # files only, each at its own path below the folder
+                    with tar.extractfile(member) as source:
+                        target = Path(folder, member.name)
+                        target.parent.mkdir(parents=True, exist_ok=True)
+                        target.write_bytes(source.read())
         return code_digest(Path(folder), paths)
 
 

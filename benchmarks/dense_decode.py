@@ -44,7 +44,7 @@ def measure(context: int, batch: int, asqs: tuple, q_heads: int) -> dict:
     layers = layers_per_graph(dense)
     caches = [tuple(store.packed_rows() for store in filled_stores(asqs, batch, context)) for _ in range(layers)]
     query = torch.randn(batch, q_heads, 1, dim, device="cuda", dtype=torch.bfloat16)
-    index = torch.arange(caches[0][0].ids.shape[2], device="cuda").expand(batch, 1, -1)
+    index = torch.arange(caches[0][0].ids.shape[2], device="cuda").expand(batch, 1, -1).contiguous()  # not in the graph
     valid = index < context
 
     def by_selection(rows: tuple) -> torch.Tensor:

@@ -41,18 +41,28 @@ def test_the_digest_changes_with_the_codes_bytes_and_names_only(tmp_path: Path) 
     assert code_digest(root, CODE_PATHS) not in (first, changed)
 
 
-def test_a_commits_digest_is_that_of_its_checkout(tmp_path: Path) -> None:
-    root = _tree(tmp_path)
-
+def _commit(root: Path) -> str:
     def git(*args: str) -> str:
         command = ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args]
         return subprocess.run(command, cwd=root, check=True, capture_output=True, text=True).stdout.strip()
 
-    git("init", "-q")
+    if not (root / ".git").exists():
+        git("init", "-q")
     git("add", ".")
-    git("commit", "-q", "-m", "first")
-    first = git("rev-parse", "HEAD")
+    git("commit", "-q", "-m", "a commit")
+    return git("rev-parse", "HEAD")
+
+
+def test_a_commits_digest_is_that_of_its_checkout(tmp_path: Path) -> None:
+    root = _tree(tmp_path)
+    first = _commit(root)
     at_first = code_digest(root, CODE_PATHS)
     (root / "recipes/joint.yaml").write_text("stage: joint\nsteps: 3\n")  # changed, not committed
     assert code_digest(root, CODE_PATHS) != at_first
     assert commit_digest(first, root, CODE_PATHS) == at_first
+
+
+def test_a_commit_without_one_of_the_code_folders_has_a_digest(tmp_path: Path) -> None:
+    (tmp_path / "gsm_train").mkdir()
+    (tmp_path / "gsm_train/model.py").write_text("WIDTH = 8\n")  # no recipes/ or benchmarks/ yet
+    assert commit_digest(_commit(tmp_path), tmp_path, CODE_PATHS) == code_digest(tmp_path, CODE_PATHS)

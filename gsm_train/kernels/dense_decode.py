@@ -122,14 +122,14 @@ if triton is not None:
             k_word, k_scale, k_cluster = _block_rows(k_ids, k_res, k_scales, flat, live, D, K_BITS)
             v_word, v_scale, v_cluster = _block_rows(v_ids, v_res, v_scales, flat, live, D, V_BITS)
             first_row = (bh * n_blocks + block) * C
-            k_levels = _unpacked_levels(k_word, K_BITS, K_CENTER, False).to(q_t.dtype)
+            k_levels = _unpacked_levels(k_word, K_BITS, K_CENTER, True).to(q_t.dtype)
             logits = k_scale[None, :] * tl.dot(q_rows, tl.trans(k_levels), input_precision=PRECISION)  # [GP, N]
             for c in tl.static_range(C):  # each row's prototype logit (P q)[c], in fp32
                 proto = tl.load(k_protos + (first_row + c) * D + dims).to(tl.float32)
                 proto_logit = tl.sum(q_f32 * proto[None, :], 1)  # [GP]
                 logits += tl.where((k_cluster == c)[None, :], proto_logit[:, None], 0.0)
             p, alpha, m_i, l_i = _online_softmax(logits, live, scaling, m_i, l_i)
-            v_levels = _unpacked_levels(v_word, V_BITS, V_CENTER, False).to(q_t.dtype)
+            v_levels = _unpacked_levels(v_word, V_BITS, V_CENTER, True).to(q_t.dtype)
             acc = acc * alpha[:, None] + tl.dot(
                 (p * v_scale[None, :]).to(q_t.dtype), v_levels, input_precision=PRECISION
             )
