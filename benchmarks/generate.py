@@ -77,9 +77,9 @@ DENSE_METHODS = ("dense_eager", "dense_static_compiled", "dense_engine")
 ROW_VERSION = 4  # what a row holds (4: GSM's modules in eval mode, 16 step-KL rows); another version starts over
 # First-token calls after each batch-1 method's timed call, by model family; their median is the method's
 # `time_to_first_token_s`. The timed call runs after `free_memory` emptied the allocator, so its first token
-# also waits for every allocation the prefill makes, which a serving process pays once, not per request (on the
-# H200 our dense engine's came 133 ms after an emptied allocator, its warm prefill takes 52 ms). The 8B rows'
-# prefills take seconds, where that is noise: their timed call's stands.
+# also waits for every allocation the prefill makes, which a serving process pays once, not per request
+# (docs/generation-benchmarks.md). The 8B rows' prefills take seconds, where that is noise: their timed call's
+# stands.
 FIRST_TOKEN_CALLS = {"smollm2": 5, "8b": 0}
 STEP_KL_ROWS = 16  # held-out windows the SmolLM2 row's step KL runs over (its interval is over them)
 FIRST_TIMED = 2  # decode tokens/s from the third new token on (see the module docstring)

@@ -265,7 +265,7 @@ def test_compiled_training_pass_matches_the_eager_one(rotate: bool) -> None:
     assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"]  # compiled, in one piece
     (out, *rest), (want_out, *want_rest) = results
     rows_differing = ((out - want_out).abs() > 1e-5).any(-1).float().mean()  # a row near a tie moves whole
-    assert rows_differing <= 0.02  # H100: 0 to 0.7% of the elements differed between runs (autotuned kernels)
+    assert rows_differing <= 0.02  # autotuned kernels may sum in another order from one run to the next
     for got, want in zip(rest, want_rest):
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5)
 

@@ -68,9 +68,9 @@ if triton is not None:
         them, less CENTER. A code c becomes the float 2**22 + c by its bits (0x4A800000 | c << 1; floats in
         [2**22, 2**23) step by 1/2, so 2**22 + CENTER is one too), so a level costs integer shifts and masks
         and one exact subtraction, no integer-to-float conversion. IN_THREAD: a word's codes stay in the
-        thread that loaded it (`_joined_codes`), which the block kernel (`dense_decode`), whose dots take a
-        block's levels from shared memory, runs 10% faster with; otherwise they are spread over a new axis of
-        shifts, which the selection kernel runs 1.5x faster with (docs/results.md, "Unpacking the codes")."""
+        thread that loaded it (`_joined_codes`), the faster form for the block kernel (`dense_decode`), whose
+        dots take a block's levels from shared memory; otherwise they are spread over a new axis of shifts, the
+        faster form for the selection kernel (timed: docs/results.md, "Unpacking the codes")."""
         PER_WORD: tl.constexpr = 32 // BITS
         if IN_THREAD:
             bits = tl.reshape(_joined_codes(word, 0, 1, PER_WORD, BITS), [word.shape[0], word.shape[1] * PER_WORD])
