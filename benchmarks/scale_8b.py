@@ -10,7 +10,8 @@ trainer does (`TrainingSession`: setup, `step()` timed over --steps after two wa
   (GSM off, bf16, no gradients).
 - dense_lora / joint_lora: recipes/joint.yaml with `train.base: lora` (bf16 base), GSM off / on.
 - dense_full / joint_full: the same with `train.base: full` (fp32 weights, `optim.state_dtype:
-  bf16`). Every training row but stage 1 runs with `train.activation_checkpointing: true`.
+  bf16`). Every training row but stage 1 runs with `train.activation_checkpointing: true` (--checkpointing
+  layer) or `mlp` (--checkpointing mlp: only the MLPs run again in the backward).
 
 After its timed steps every row saves a checkpoint (`TrainingSession.save`: the trainables and their
 optimizer state; its time and bytes against the base's bf16 bytes), takes one more step, and resumes
@@ -69,10 +70,12 @@ from gsm_train.training.step_graph import cuda_graph_blockers, use_cuda_graph
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16 tensor-core peak per GPU
 WARMUP_STEPS = 2
 PROFILE_TOP = 40  # kernels kept per profiled row
-LORA = ["train.base=lora", "model.dtype=bfloat16", "train.activation_checkpointing=true"]
-FULL = ["train.base=full", "optim.state_dtype=bf16", "train.activation_checkpointing=true"]
+LORA = ["train.base=lora", "model.dtype=bfloat16"]
+FULL = ["train.base=full", "optim.state_dtype=bf16"]
 JOINT = ["init_from=null"]
 DENSE = ["init_from=null", "gsm.gsm_enabled=false"]
+# --checkpointing -> train.activation_checkpointing of every training row but stage 1's
+CHECKPOINTING = {"layer": "true", "mlp": "mlp"}
 # row -> (recipe, overrides, FLOPs kind); each runs on its own model
 ROWS: dict[str, tuple[str, list[str], str]] = {
     "gate_warmup": ("gate_only.yaml", [], "forward"),
@@ -210,6 +213,7 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
             "logging.progress_bar=false",
             "gsm.sparse_attention.gate_init=random",
             *overrides,
+            *([] if kind == "forward" else [f"train.activation_checkpointing={CHECKPOINTING[args.checkpointing]}"]),
             *args.set,
         ],
     )
@@ -292,6 +296,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "seq_len": args.seq_len,
         "batch_size": 1,
         "steps": args.steps,
+        "checkpointing": args.checkpointing,
         "set": args.set,
     }
 
@@ -371,6 +376,12 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         default=0,
         help="after the timed steps, profile this many more: the row's largest kernels (ops on the CPU) per step",
+    )
+    parser.add_argument(
+        "--checkpointing",
+        choices=list(CHECKPOINTING),
+        default="layer",
+        help="what the training rows but stage 1 run again in the backward: each decoder layer, or its MLP alone",
     )
     parser.add_argument("--only", nargs="*", choices=list(ROWS), default=list(ROWS), help="rows to run")
     parser.add_argument("--redo", nargs="*", choices=list(ROWS), default=[], help="measure these rows again")

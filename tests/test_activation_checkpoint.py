@@ -1,6 +1,6 @@
-"""Activation checkpointing per decoder layer: the joint stage's loss, terms and gradients equal
-those of the same step without it (exactly, in fp32 on the CPU), and a recomputation in the
-backward records nothing into the forward's GSM records."""
+"""Activation checkpointing per decoder layer or per layer's MLP: the joint stage's loss, terms and
+gradients equal those of the same step without it (exactly, in fp32 on the CPU), a recomputation in
+the backward records nothing into the forward's GSM records, and the MLP scope runs only the MLPs again."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from torch import nn
 
 from gsm_train.attention import gsm_collect
 from gsm_train.config.schema import load_recipe
+from gsm_train.models.families import decoder_layers
 from gsm_train.models.model_zoo import tiny_model
 from gsm_train.training.activation_checkpoint import checkpoint_decoder_layers
 from gsm_train.training.stages import JointStage
@@ -37,20 +38,21 @@ ALL_ON = [
 ]
 
 
-def _joint_model(checkpointed: bool) -> tuple[nn.Module, JointStage]:
+def _joint_model(scope: str | None) -> tuple[nn.Module, JointStage]:
+    """The tiny joint model, its decoder layers checkpointed in `scope` ("layer", "mlp"; None: not)."""
     config = load_recipe(str(REPO / "recipes" / "joint.yaml"), ALL_ON)
     model = tiny_model("llama")
     stage = JointStage()
     torch.manual_seed(0)
     stage.prepare(model, config)
-    if checkpointed:
-        assert checkpoint_decoder_layers(model) == 4
+    if scope is not None:
+        assert checkpoint_decoder_layers(model, scope) == 4
     return model.train(), stage
 
 
-def _step(checkpointed: bool, batch: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def _step(scope: str | None, batch: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(loss and terms, gradients by name) of one joint micro-step."""
-    model, stage = _joint_model(checkpointed)
+    model, stage = _joint_model(scope)
     torch.manual_seed(1)  # the KL's query rows are drawn in the forward
     loss, terms = stage.loss(model, batch)
     loss.backward()
@@ -59,10 +61,11 @@ def _step(checkpointed: bool, batch: torch.Tensor) -> tuple[dict[str, torch.Tens
     return {"loss": loss.detach(), **terms}, grads
 
 
-def test_checkpointed_layers_give_the_same_loss_and_gradients() -> None:
+@pytest.mark.parametrize("scope", ["layer", "mlp"])
+def test_checkpointed_layers_give_the_same_loss_and_gradients(scope: str) -> None:
     batch = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(3))
-    plain_terms, plain_grads = _step(False, batch)
-    ckpt_terms, ckpt_grads = _step(True, batch)
+    plain_terms, plain_grads = _step(None, batch)
+    ckpt_terms, ckpt_grads = _step(scope, batch)
     assert set(plain_terms) == {"loss", "lm_loss", "gate_kl", "asq_loss"} == set(ckpt_terms)
     for name, value in plain_terms.items():
         assert torch.equal(ckpt_terms[name], value), name  # the forward is the same computation
@@ -76,7 +79,7 @@ def test_checkpointed_layers_give_the_same_loss_and_gradients() -> None:
 
 
 def test_a_recomputation_records_nothing() -> None:
-    model, _ = _joint_model(True)
+    model, _ = _joint_model("layer")
     batch = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(4))
     with gsm_collect(model, distill=True, distill_on_selection=True, distill_queries=16) as records:
         loss = model(input_ids=batch, labels=batch, use_cache=False).loss
@@ -90,13 +93,55 @@ def test_a_recomputation_records_nothing() -> None:
         assert after[layer][0] is kl and after[layer][1] is asq, f"layer {layer} recorded again"
 
 
+@pytest.mark.parametrize("scope", ["layer", "mlp"])
 @pytest.mark.parametrize("grad", [False, True])
-def test_layers_without_gradients_run_unchanged(grad: bool) -> None:
-    plain, _ = _joint_model(False)
-    checkpointed, _ = _joint_model(True)
+def test_layers_without_gradients_run_unchanged(grad: bool, scope: str) -> None:
+    plain, _ = _joint_model(None)
+    checkpointed, _ = _joint_model(scope)
     batch = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(5))
     with torch.set_grad_enabled(grad):
         torch.manual_seed(2)
         expected = plain(input_ids=batch).logits
         torch.manual_seed(2)
         assert torch.equal(checkpointed(input_ids=batch).logits, expected)
+
+
+def _forward_calls(model: nn.Module) -> dict[str, int]:
+    """Counts, by part ("attention", "mlp"), of the decoder layers' forwards run from now on: their first
+    projections' calls (a checkpointed MLP runs its `forward` again, not its hooks; its projections' run)."""
+    calls = {"attention": 0, "mlp": 0}
+    for layer in decoder_layers(model):
+        for part in calls:
+            module = layer.self_attn.q_proj if part == "attention" else layer.mlp.gate_proj
+            module.register_forward_pre_hook(lambda *_, part=part: calls.__setitem__(part, calls[part] + 1))
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("scope", "backward_runs"), [("layer", {"attention": 4, "mlp": 4}), ("mlp", {"attention": 0, "mlp": 4})]
+)
+def test_the_backward_runs_again_only_what_the_scope_checkpoints(scope: str, backward_runs: dict[str, int]) -> None:
+    model, stage = _joint_model(scope)
+    calls = _forward_calls(model)
+    batch = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(6))
+    loss, _ = stage.loss(model, batch)
+    assert calls == {"attention": 4, "mlp": 4}  # the forward: each of the 4 layers once
+    loss.backward()
+    assert calls == {part: 4 + runs for part, runs in backward_runs.items()}
+
+
+def test_the_mlp_scope_needs_an_mlp_module() -> None:
+    model, _ = _joint_model(None)
+    del decoder_layers(model)[2].mlp
+    with pytest.raises(ValueError, match=r"decoder layer 2 \(LlamaDecoderLayer\) has no `mlp` module"):
+        checkpoint_decoder_layers(model, "mlp")
+
+
+def test_the_recipe_takes_true_false_and_mlp_and_refuses_anything_else() -> None:
+    recipe = str(REPO / "recipes" / "joint.yaml")
+    for value, expected in (("true", True), ("false", False), ("mlp", "mlp")):
+        assert (
+            load_recipe(recipe, [f"train.activation_checkpointing={value}"]).train.activation_checkpointing == expected
+        )
+    with pytest.raises(Exception, match="activation_checkpointing"):
+        load_recipe(recipe, ["train.activation_checkpointing=attention"])

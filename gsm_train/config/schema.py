@@ -502,9 +502,11 @@ class TrainConfig(StrictModel):
     are skipped (no optimizer update) before the run stops with an error; 0 stops at the first
     (`gsm_train/training/finite_guard.py`).
 
-    `activation_checkpointing`: keep only each decoder layer's input in the forward and run the
+    `activation_checkpointing`: `true` keeps only each decoder layer's input in the forward and runs the
     layer again in the backward (`gsm_train/training/activation_checkpoint.py`): the activations of one layer
-    at a time instead of all of them, for one more forward of the layers per step. Steps with it run
+    at a time instead of all of them, for one more forward of the layers per step. `mlp` does so for each
+    layer's MLP alone: its intermediates (the largest activations) are rebuilt, while the attention, GSM's
+    gate, selection and ASQ included, keeps its activations and is not run again. Steps with either run
     eagerly (no CUDA graph)."""
 
     steps: int = Field(200, ge=1)
@@ -518,7 +520,7 @@ class TrainConfig(StrictModel):
     cuda_graph: Literal["auto"] | bool = "auto"
     fp32_matmul: Literal["default", "tf32"] = "default"
     max_skipped_steps: int = Field(0, ge=0)
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | Literal["mlp"] = False
 
 
 class DistributedConfig(StrictModel):

@@ -1,9 +1,12 @@
 """Activation checkpointing per decoder layer (`train.activation_checkpointing`).
 
-Each decoder layer's `forward` runs under PyTorch's non-reentrant `torch.utils.checkpoint`: the
-forward keeps only the layer's inputs, and the backward runs the layer again to rebuild what its
-gradients need. Memory for activations drops from every layer's intermediates to one layer's plus
-each layer's input; the price is one more forward of the layers per step.
+Each decoder layer's `forward` (scope `layer`) or its MLP's alone (scope `mlp`) runs under PyTorch's
+non-reentrant `torch.utils.checkpoint`: the forward keeps only the checkpointed part's inputs, and
+the backward runs it again to rebuild what its gradients need. With `layer`, memory for activations
+drops from every layer's intermediates to one layer's plus each layer's input, for one more forward
+of the layers per step. With `mlp`, only the MLPs' intermediates (their [T, intermediate] products,
+the largest activations) are rebuilt: the attention keeps its activations, so neither it nor GSM's
+gate, selection and ASQ run twice, for the memory of one attention's activations per layer.
 
 How it composes with the rest:
 - FSDP2: the checkpoint wraps the layer's `forward`, inside the layer's `__call__`, so FSDP2's
@@ -62,14 +65,27 @@ def _checkpointed_forward(forward: Callable[..., Any], *args: Any, **kwargs: Any
     return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
 
 
-def checkpoint_decoder_layers(model: nn.Module) -> int:
-    """Run each decoder layer of `model` under activation checkpointing from now on (before the
-    backend wraps it); returns the number of layers. Calling it again changes nothing."""
+SCOPES = ("layer", "mlp")  # what `checkpoint_decoder_layers` runs again in the backward
+
+
+def checkpoint_decoder_layers(model: nn.Module, scope: str = "layer") -> int:
+    """Run each decoder layer of `model` (`scope` "layer") or each layer's MLP (`scope` "mlp", the layer's
+    `mlp` module) under activation checkpointing from now on (before the backend wraps it); returns the
+    number of layers. Calling it again changes nothing (a layer is checkpointed in one scope)."""
+    if scope not in SCOPES:
+        raise ValueError(f"activation checkpointing scope {scope!r} is not one of {SCOPES}")
     layers = decoder_layers(model)
-    for layer in layers:
-        if not getattr(layer, _MARK, False):
-            layer.forward = functools.partial(_checkpointed_forward, layer.forward)
-            setattr(layer, _MARK, True)
+    for index, layer in enumerate(layers):
+        if getattr(layer, _MARK, False):
+            continue
+        part = layer if scope == "layer" else getattr(layer, "mlp", None)
+        if not isinstance(part, nn.Module):
+            raise ValueError(
+                f"decoder layer {index} ({type(layer).__name__}) has no `mlp` module to checkpoint; set "
+                "train.activation_checkpointing: true to checkpoint whole layers"
+            )
+        part.forward = functools.partial(_checkpointed_forward, part.forward)
+        setattr(layer, _MARK, True)
     return len(layers)
 
 

@@ -163,8 +163,9 @@ def prepared_model(config: RecipeConfig, stage: Stage, device: torch.device) -> 
         config.model.name_or_path, config.model.gguf_file, config.model.revision, load_dtype, device
     )
     stage.prepare(model, config)
-    if config.train.activation_checkpointing:
-        checkpoint_decoder_layers(model)
+    checkpointing = config.train.activation_checkpointing
+    if checkpointing:
+        checkpoint_decoder_layers(model, "mlp" if checkpointing == "mlp" else "layer")
     return model.to(device), tokenizer
 
 

@@ -38,13 +38,13 @@ def cuda_graph_blockers(
     world_size: int,
     backend_name: str,
     stage: CapturableStage,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: bool | str = False,
 ) -> list[str]:
     """Why this run's step cannot be captured (empty: it can)."""
     blockers = []
     if activation_checkpointing:
         blockers.append(
-            "train.activation_checkpointing runs each layer again in the backward, "
+            "train.activation_checkpointing runs each layer (or its MLP) again in the backward, "
             "with the random state of its forward restored, which a captured step "
             "cannot do"
         )
