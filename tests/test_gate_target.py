@@ -122,8 +122,11 @@ def test_the_kl_over_the_keys_beyond_the_forced_ones_is_the_hand_computed_one(
     grads = torch.autograd.grad(fused, (gate.q_proj.weight, gate.k_proj.weight))
     expected_grads = torch.autograd.grad(autograd, (gate.q_proj.weight, gate.k_proj.weight))
     for grad, expected_grad in zip(grads, expected_grads, strict=True):
-        assert expected_grad.abs().max() > 0 and torch.isfinite(grad).all()
-        torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-6)
+        largest = expected_grad.abs().max()
+        assert largest > 0 and torch.isfinite(grad).all()
+        # the two sum in other orders: an entry may differ by a few fp32 steps of the gradient's largest ones
+        # (steps of 1.9e-6 at its 14-34; 3.8e-6 seen on an AMD EPYC), so small entries are bounded absolutely
+        torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-6 * float(largest))
 
 
 @pytest.mark.parametrize("target", ["all", "beyond_forced"])
