@@ -174,11 +174,11 @@ def own_block_attention(
     compiled, with torch.compile's `compile_mode` and, when `tuned`, the `kernel_options` for the query;
     `extra_options` go on top (FlexAttention's `kernel_options`, for candidates that
     `benchmarks/asq_attention.py` times). `packed`: the mask reads the selection as bits (`packed_bits`,
-    made here, compiled on CUDA into one pass) instead of one bool per key; the same output."""
+    made here) instead of one bool per key; the same output."""
     length = query.shape[2]
     heads_per_row = query.shape[1] // selection.shape[1]
     selection = selection.expand(query.shape[0], -1, -1, -1)  # a mask without padding is shared by the batch
-    bits = (compiled(packed_bits) if query.is_cuda else packed_bits)(selection) if packed else None
+    bits = packed_bits(selection) if packed else None
 
     def selected(b: Tensor, h: Tensor, q: Tensor, key_at: Tensor) -> Tensor:
         if bits is None:
