@@ -12,8 +12,6 @@ gate's top-k, one selection for all heads, bf16. `--shape smollm2` (the default)
   with the kernel options it passes on Hopper GPUs (`own_block_attention.HOPPER_KERNEL_OPTIONS`) and
   with Inductor's default configuration (its timing, like the masked SDPA's, includes putting the stored
   and raw keys side by side; the masked SDPA's also its mask);
-- a candidate: the same with the mask reading the selection as bits (`packed=True`: a byte holds 8 keys;
-  the timing includes packing it);
 - a candidate: the same with FlexAttention's `ROWS_GUARANTEED_SAFE` (every query sees at least its own
   raw key, so the kernel may skip its empty-row checks; not used by the trainer until measured);
 - the same, compiled with Inductor's autotuning (`max-autotune-no-cudagraphs`, from the default
@@ -149,11 +147,9 @@ def main() -> None:
     def chunked_masked() -> torch.Tensor:
         return chunked_masked_attention(query, (stored_k, stored_v), (raw_k, raw_v), selection, block, scaling, True)
 
-    def flex(
-        mode: str | None, tuned: bool, extra: dict | None = None, packed: bool = False
-    ) -> Callable[[], torch.Tensor]:
+    def flex(mode: str | None, tuned: bool, extra: dict | None = None) -> Callable[[], torch.Tensor]:
         return lambda: own_block.own_block_attention(
-            query, (stored_k, stored_v), (raw_k, raw_v), selection, block, scaling, True, mode, tuned, extra, packed
+            query, (stored_k, stored_v), (raw_k, raw_v), selection, block, scaling, True, mode, tuned, extra
         )
 
     def dense_causal() -> torch.Tensor:
@@ -166,7 +162,6 @@ def main() -> None:
         "masked_sdpa_2T_keys": masked_sdpa,
         "chunked_masked_sdpa": chunked_masked,
         "flex_visible_tiles": flex(None, True),
-        "flex_visible_tiles_packed_selection": flex(None, True, packed=True),
         "flex_visible_tiles_default_options": flex(None, False),
         "flex_visible_tiles_rows_guaranteed_safe": flex(None, True, {"ROWS_GUARANTEED_SAFE": True}),
         "flex_visible_tiles_autotuned": flex("max-autotune-no-cudagraphs", False),

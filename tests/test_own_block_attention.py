@@ -9,15 +9,12 @@ from gsm_train.attention.layout import block_causal_kv
 from gsm_train.functional.own_block_attention import fits, own_block_attention
 
 
-@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize(
     ("block_size", "selectors", "mask_batch"), [(128, 1, 2), (256, 1, 2), (64, 1, 2), (128, 2, 2), (128, 1, 1)]
 )
-def test_forward_equals_masked_sdpa_over_both_versions(
-    block_size: int, selectors: int, mask_batch: int, packed: bool
-) -> None:
-    """Same output for one selection per layer or per KV head, ASQ blocks of one or two tiles or half a tile, a
-    selection shared by the batch (dense mode: the causal mask), and the selection read as bools or bits."""
+def test_forward_equals_masked_sdpa_over_both_versions(block_size: int, selectors: int, mask_batch: int) -> None:
+    """Same output for one selection per layer or per KV head, ASQ blocks of one or two tiles or half a tile, and a
+    selection shared by the batch (dense mode: the causal mask)."""
     torch.manual_seed(0)
     batch, heads, kv_heads, length, dim = 2, 4, 2, 512, 16
     query = torch.randn(batch, heads, length, dim)
@@ -35,9 +32,7 @@ def test_forward_equals_masked_sdpa_over_both_versions(
         attn_mask=mask.repeat_interleave(groups, 1),
         scale=0.25,
     ).transpose(1, 2)
-    got = own_block_attention(
-        query, (stored_k, stored_v), (raw_k, raw_v), selection, block_size, 0.25, gqa=True, packed=packed
-    )
+    got = own_block_attention(query, (stored_k, stored_v), (raw_k, raw_v), selection, block_size, 0.25, gqa=True)
     torch.testing.assert_close(got, expected, atol=2e-6, rtol=0)
 
 
@@ -55,11 +50,10 @@ def test_cpu_tensors_take_the_masked_sdpa() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward runs on GPUs only")
-@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("block_size", [128, 64])
-def test_gradients_equal_masked_sdpa_on_the_gpu(block_size: int, packed: bool) -> None:
+def test_gradients_equal_masked_sdpa_on_the_gpu(block_size: int) -> None:
     """Compiled on the GPU, forward and gradients (query, both key and value versions) match the masked SDPA,
-    for ASQ blocks of one tile and of half a tile, the selection read as bools or bits."""
+    for ASQ blocks of one tile and of half a tile."""
     torch.manual_seed(0)
     batch, heads, kv_heads, length, dim = 2, 6, 2, 1024, 64
     inputs = [torch.randn(batch, heads, length, dim, device="cuda", requires_grad=True)]
@@ -75,9 +69,7 @@ def test_gradients_equal_masked_sdpa_on_the_gpu(block_size: int, packed: bool) -
     expected = torch.nn.functional.scaled_dot_product_attention(
         query, keys, values, attn_mask=mask, scale=0.125, enable_gqa=True
     ).transpose(1, 2)
-    got = own_block_attention(
-        query, (stored_k, stored_v), (raw_k, raw_v), selection, block_size, 0.125, gqa=True, packed=packed
-    )
+    got = own_block_attention(query, (stored_k, stored_v), (raw_k, raw_v), selection, block_size, 0.125, gqa=True)
     grad = torch.randn_like(expected)
     for a, b in zip(torch.autograd.grad(expected, inputs, grad), torch.autograd.grad(got, inputs, grad)):
         torch.testing.assert_close(b, a, atol=2e-3, rtol=2e-3)
@@ -208,14 +200,3 @@ def test_under_activation_checkpointing_gqa_heads_of_128_are_as_close_as_the_chu
     for name, want, old, new in zip(("out", "query", "stored_k", "stored_v", "raw_k", "raw_v"), expected, masked, flex):
         old_error, new_error = (want - old).abs().max(), (want - new).abs().max()
         assert new_error <= 2 * old_error + 1e-3 * want.abs().max(), (name, new_error, old_error)
-
-
-def test_packed_bits_hold_each_key_at_its_bit() -> None:
-    from gsm_train.functional.own_block_attention import packed_bits
-
-    selection = torch.rand(2, 3, 5, 64, generator=torch.Generator().manual_seed(0)) > 0.5
-    bits = packed_bits(selection)
-    assert bits.shape == (2, 3, 5, 8) and bits.dtype == torch.uint8
-    keys = torch.arange(64)
-    unpacked = ((bits[..., keys // 8].to(torch.int32) >> (keys % 8)) & 1) != 0
-    assert torch.equal(unpacked, selection)

@@ -146,13 +146,6 @@ def _tile_structure(length: int, block_size: int, device: torch.device) -> tuple
     return counts[None, None], indices[None, None]
 
 
-def packed_bits(selection: Tensor) -> Tensor:
-    """`selection` [..., S] (bool, S a multiple of 8) as bytes [..., S / 8] (uint8): key j is bit j % 8 of
-    byte j // 8, so a tile's mask reads an eighth of the bytes."""
-    shifts = torch.arange(8, dtype=torch.uint8, device=selection.device)
-    return (selection.unflatten(-1, (-1, 8)).to(torch.uint8) << shifts).sum(-1, dtype=torch.uint8)
-
-
 def own_block_attention(
     query: Tensor,
     stored: tuple[Tensor, Tensor],
@@ -164,7 +157,6 @@ def own_block_attention(
     compile_mode: str | None = None,
     tuned: bool = True,
     extra_options: dict[str, int | bool] | None = None,
-    packed: bool = False,
 ) -> Tensor:
     """Attention of query [B, H, T, D] over the `stored` and the `raw` (key, value) pairs [B, Hkv, T, D]
     (2T keys side by side), where query t sees stored key j when `selection[b, g, t, j]` and j lies in an
@@ -173,23 +165,16 @@ def own_block_attention(
     `attention_dtype` (under autocast its dtype, as SDPA computes there). On CUDA FlexAttention runs
     compiled, with torch.compile's `compile_mode` and, when `tuned`, the `kernel_options` for the query;
     `extra_options` go on top (FlexAttention's `kernel_options`, for candidates that
-    `benchmarks/asq_attention.py` times). `packed`: the mask reads the selection as bits (`packed_bits`,
-    made here) instead of one bool per key; the same output."""
+    `benchmarks/asq_attention.py` times)."""
     length = query.shape[2]
     heads_per_row = query.shape[1] // selection.shape[1]
     selection = selection.expand(query.shape[0], -1, -1, -1)  # a mask without padding is shared by the batch
-    bits = packed_bits(selection) if packed else None
-
-    def selected(b: Tensor, h: Tensor, q: Tensor, key_at: Tensor) -> Tensor:
-        if bits is None:
-            return selection[b, h // heads_per_row, q, key_at]
-        return ((bits[b, h // heads_per_row, q, key_at // 8].to(torch.int32) >> (key_at % 8)) & 1) != 0
 
     def visible(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
         is_stored = kv < length
         key_at = torch.where(is_stored, kv, kv - length)
         same_block = key_at // block_size == q // block_size
-        return selected(b, h, q, key_at) & torch.where(is_stored, ~same_block, same_block)
+        return selection[b, h // heads_per_row, q, key_at] & torch.where(is_stored, ~same_block, same_block)
 
     counts, indices = _tile_structure(length, block_size, query.device)
     mask = BlockMask.from_kv_blocks(
