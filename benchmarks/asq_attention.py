@@ -12,6 +12,8 @@ gate's top-k, one selection for all heads, bf16. `--shape smollm2` (the default)
   with the kernel options it passes on Hopper GPUs (`own_block_attention.HOPPER_KERNEL_OPTIONS`) and
   with Inductor's default configuration (its timing, like the masked SDPA's, includes putting the stored
   and raw keys side by side; the masked SDPA's also its mask);
+- a candidate: the same with the mask's own-block test as an XOR of the positions (`mask_form="xor"`, blocks of
+  a power of two) instead of two divisions;
 - a candidate: the same with FlexAttention's `ROWS_GUARANTEED_SAFE` (every query sees at least its own
   raw key, so the kernel may skip its empty-row checks; not used by the trainer until measured);
 - the same, compiled with Inductor's autotuning (`max-autotune-no-cudagraphs`, from the default
@@ -147,9 +149,11 @@ def main() -> None:
     def chunked_masked() -> torch.Tensor:
         return chunked_masked_attention(query, (stored_k, stored_v), (raw_k, raw_v), selection, block, scaling, True)
 
-    def flex(mode: str | None, tuned: bool, extra: dict | None = None) -> Callable[[], torch.Tensor]:
+    def flex(
+        mode: str | None, tuned: bool, extra: dict | None = None, mask_form: str = "divide"
+    ) -> Callable[[], torch.Tensor]:
         return lambda: own_block.own_block_attention(
-            query, (stored_k, stored_v), (raw_k, raw_v), selection, block, scaling, True, mode, tuned, extra
+            query, (stored_k, stored_v), (raw_k, raw_v), selection, block, scaling, True, mode, tuned, extra, mask_form
         )
 
     def dense_causal() -> torch.Tensor:
@@ -162,6 +166,7 @@ def main() -> None:
         "masked_sdpa_2T_keys": masked_sdpa,
         "chunked_masked_sdpa": chunked_masked,
         "flex_visible_tiles": flex(None, True),
+        "flex_visible_tiles_xor_mask": flex(None, True, mask_form="xor"),
         "flex_visible_tiles_default_options": flex(None, False),
         "flex_visible_tiles_rows_guaranteed_safe": flex(None, True, {"ROWS_GUARANTEED_SAFE": True}),
         "flex_visible_tiles_autotuned": flex("max-autotune-no-cudagraphs", False),

@@ -9,12 +9,15 @@ from gsm_train.attention.layout import block_causal_kv
 from gsm_train.functional.own_block_attention import fits, own_block_attention
 
 
+@pytest.mark.parametrize("mask_form", ["divide", "xor"])
 @pytest.mark.parametrize(
     ("block_size", "selectors", "mask_batch"), [(128, 1, 2), (256, 1, 2), (64, 1, 2), (128, 2, 2), (128, 1, 1)]
 )
-def test_forward_equals_masked_sdpa_over_both_versions(block_size: int, selectors: int, mask_batch: int) -> None:
-    """Same output for one selection per layer or per KV head, ASQ blocks of one or two tiles or half a tile, and a
-    selection shared by the batch (dense mode: the causal mask)."""
+def test_forward_equals_masked_sdpa_over_both_versions(
+    block_size: int, selectors: int, mask_batch: int, mask_form: str
+) -> None:
+    """Same output for one selection per layer or per KV head, ASQ blocks of one or two tiles or half a tile, a
+    selection shared by the batch (dense mode: the causal mask), and either form of the mask."""
     torch.manual_seed(0)
     batch, heads, kv_heads, length, dim = 2, 4, 2, 512, 16
     query = torch.randn(batch, heads, length, dim)
@@ -32,7 +35,9 @@ def test_forward_equals_masked_sdpa_over_both_versions(block_size: int, selector
         attn_mask=mask.repeat_interleave(groups, 1),
         scale=0.25,
     ).transpose(1, 2)
-    got = own_block_attention(query, (stored_k, stored_v), (raw_k, raw_v), selection, block_size, 0.25, gqa=True)
+    got = own_block_attention(
+        query, (stored_k, stored_v), (raw_k, raw_v), selection, block_size, 0.25, gqa=True, mask_form=mask_form
+    )
     torch.testing.assert_close(got, expected, atol=2e-6, rtol=0)
 
 

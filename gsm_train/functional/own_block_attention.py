@@ -157,6 +157,7 @@ def own_block_attention(
     compile_mode: str | None = None,
     tuned: bool = True,
     extra_options: dict[str, int | bool] | None = None,
+    mask_form: str = "divide",
 ) -> Tensor:
     """Attention of query [B, H, T, D] over the `stored` and the `raw` (key, value) pairs [B, Hkv, T, D]
     (2T keys side by side), where query t sees stored key j when `selection[b, g, t, j]` and j lies in an
@@ -165,14 +166,19 @@ def own_block_attention(
     `attention_dtype` (under autocast its dtype, as SDPA computes there). On CUDA FlexAttention runs
     compiled, with torch.compile's `compile_mode` and, when `tuned`, the `kernel_options` for the query;
     `extra_options` go on top (FlexAttention's `kernel_options`, for candidates that
-    `benchmarks/asq_attention.py` times)."""
+    `benchmarks/asq_attention.py` times). `mask_form`: how the mask tells a query's own block, `divide` (both
+    positions divided by the block size) or, for a power-of-two block, `xor` (their XOR below the block
+    size, and the stored/raw choice as one comparison); the same mask."""
     length = query.shape[2]
     heads_per_row = query.shape[1] // selection.shape[1]
     selection = selection.expand(query.shape[0], -1, -1, -1)  # a mask without padding is shared by the batch
+    xor = mask_form == "xor" and block_size & (block_size - 1) == 0
 
     def visible(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
         is_stored = kv < length
         key_at = torch.where(is_stored, kv, kv - length)
+        if xor:
+            return selection[b, h // heads_per_row, q, key_at] & (is_stored != ((key_at ^ q) < block_size))
         same_block = key_at // block_size == q // block_size
         return selection[b, h // heads_per_row, q, key_at] & torch.where(is_stored, ~same_block, same_block)
 
