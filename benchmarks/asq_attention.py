@@ -12,8 +12,9 @@ gate's top-k, one selection for all heads, bf16. `--shape smollm2` (the default)
   with the kernel options it passes on Hopper GPUs (`own_block_attention.HOPPER_KERNEL_OPTIONS`) and
   with Inductor's default configuration (its timing, like the masked SDPA's, includes putting the stored
   and raw keys side by side; the masked SDPA's also its mask);
-- a candidate: the same with the mask's own-block test as an XOR of the positions (`mask_form="xor"`, blocks of
-  a power of two) instead of two divisions;
+- candidates: the same with the mask's own-block test as an XOR of the positions (`mask_form="xor"`, blocks of
+  a power of two) instead of two divisions, or with the selection turned into one int8 code a key first
+  (`mask_form="codes"`: 1 stored, 2 raw; the timing includes making them);
 - two bounds, not the layer's attention (`bound_*`): FlexAttention over the same tiles with a mask that reads
   only the selection (the block rule left out), and with no mask function at all (every key of a visible
   tile): what the mask's parts cost;
@@ -214,6 +215,7 @@ def main() -> None:
         "chunked_masked_sdpa": chunked_masked,
         "flex_visible_tiles": flex(None, True),
         "flex_visible_tiles_xor_mask": flex(None, True, mask_form="xor"),
+        "flex_visible_tiles_code_mask": flex(None, True, mask_form="codes"),
         "flex_visible_tiles_default_options": flex(None, False),
         "flex_visible_tiles_rows_guaranteed_safe": flex(None, True, {"ROWS_GUARANTEED_SAFE": True}),
         "flex_visible_tiles_autotuned": flex("max-autotune-no-cudagraphs", False),

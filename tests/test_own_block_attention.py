@@ -9,7 +9,7 @@ from gsm_train.attention.layout import block_causal_kv
 from gsm_train.functional.own_block_attention import fits, own_block_attention
 
 
-@pytest.mark.parametrize("mask_form", ["divide", "xor"])
+@pytest.mark.parametrize("mask_form", ["divide", "xor", "codes"])
 @pytest.mark.parametrize(
     ("block_size", "selectors", "mask_batch"), [(128, 1, 2), (256, 1, 2), (64, 1, 2), (128, 2, 2), (128, 1, 1)]
 )
@@ -55,10 +55,11 @@ def test_cpu_tensors_take_the_masked_sdpa() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward runs on GPUs only")
+@pytest.mark.parametrize("mask_form", ["divide", "xor", "codes"])
 @pytest.mark.parametrize("block_size", [128, 64])
-def test_gradients_equal_masked_sdpa_on_the_gpu(block_size: int) -> None:
+def test_gradients_equal_masked_sdpa_on_the_gpu(block_size: int, mask_form: str) -> None:
     """Compiled on the GPU, forward and gradients (query, both key and value versions) match the masked SDPA,
-    for ASQ blocks of one tile and of half a tile."""
+    for ASQ blocks of one tile and of half a tile, with each form of the mask."""
     torch.manual_seed(0)
     batch, heads, kv_heads, length, dim = 2, 6, 2, 1024, 64
     inputs = [torch.randn(batch, heads, length, dim, device="cuda", requires_grad=True)]
@@ -74,7 +75,9 @@ def test_gradients_equal_masked_sdpa_on_the_gpu(block_size: int) -> None:
     expected = torch.nn.functional.scaled_dot_product_attention(
         query, keys, values, attn_mask=mask, scale=0.125, enable_gqa=True
     ).transpose(1, 2)
-    got = own_block_attention(query, (stored_k, stored_v), (raw_k, raw_v), selection, block_size, 0.125, gqa=True)
+    got = own_block_attention(
+        query, (stored_k, stored_v), (raw_k, raw_v), selection, block_size, 0.125, gqa=True, mask_form=mask_form
+    )
     grad = torch.randn_like(expected)
     for a, b in zip(torch.autograd.grad(expected, inputs, grad), torch.autograd.grad(got, inputs, grad)):
         torch.testing.assert_close(b, a, atol=2e-3, rtol=2e-3)

@@ -146,6 +146,14 @@ def _tile_structure(length: int, block_size: int, device: torch.device) -> tuple
     return counts[None, None], indices[None, None]
 
 
+def visible_codes(selection: Tensor, block_size: int) -> Tensor:
+    """`selection` [B, n, T, T] (causal) as int8 codes of what a query sees of key j: 0 nothing, 1 its stored
+    version (j in an earlier ASQ block), 2 its raw one (j in the query's own block)."""
+    blocks = torch.arange(selection.shape[-1], device=selection.device) // block_size
+    own = (blocks[:, None] == blocks[None, :]).to(torch.int8)
+    return selection.to(torch.int8) * (own + 1)
+
+
 def own_block_attention(
     query: Tensor,
     stored: tuple[Tensor, Tensor],
@@ -167,16 +175,22 @@ def own_block_attention(
     compiled, with torch.compile's `compile_mode` and, when `tuned`, the `kernel_options` for the query;
     `extra_options` go on top (FlexAttention's `kernel_options`, for candidates that
     `benchmarks/asq_attention.py` times). `mask_form`: how the mask tells a query's own block, `divide` (both
-    positions divided by the block size) or, for a power-of-two block, `xor` (their XOR below the block
-    size, and the stored/raw choice as one comparison); the same mask."""
+    positions divided by the block size), for a power-of-two block `xor` (their XOR below the block size, and
+    the stored/raw choice as one comparison), or `codes` (the selection made `visible_codes` first, compiled
+    into one pass on CUDA, so the mask compares one code); the same mask."""
     length = query.shape[2]
     heads_per_row = query.shape[1] // selection.shape[1]
     selection = selection.expand(query.shape[0], -1, -1, -1)  # a mask without padding is shared by the batch
     xor = mask_form == "xor" and block_size & (block_size - 1) == 0
+    codes = None
+    if mask_form == "codes":
+        codes = (compiled(visible_codes) if query.is_cuda else visible_codes)(selection, block_size)
 
     def visible(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
         is_stored = kv < length
         key_at = torch.where(is_stored, kv, kv - length)
+        if codes is not None:
+            return codes[b, h // heads_per_row, q, key_at] == 2 - is_stored.to(torch.int8)
         if xor:
             return selection[b, h // heads_per_row, q, key_at] & (is_stored != ((key_at ^ q) < block_size))
         same_block = key_at // block_size == q // block_size
