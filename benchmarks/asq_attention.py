@@ -136,9 +136,11 @@ def _flex_bound(
     """A bound, not the layer's attention: FlexAttention over `own_block_attention`'s tiles with a mask that
     reads only the selection (`rule` "selection": the block rule left out) or nothing (`rule` "tiles": every
     key of a visible tile, no mask function), compiled with the same options, to tell what the mask's
-    parts cost."""
+    parts cost. `selection` [B|1, 1, T, T]: one for all heads, as `_inputs` makes it."""
     from torch.nn.attention.flex_attention import BlockMask
 
+    if rule not in ("selection", "tiles") or selection.shape[1] != 1:
+        raise ValueError(f"a bound of rule 'selection' or 'tiles' over one selection for all heads, not {rule!r}")
     length = query.shape[2]
     rows = selection.expand(query.shape[0], -1, -1, -1)
 
@@ -250,6 +252,7 @@ def main() -> None:
             f"{rows[name]['fwd_bwd_ms_eager']:8.3f} ms eager (forward + backward, one layer)",
             flush=True,
         )
+    failed = [name for name, row in rows.items() if "error" in row]
     write_result(
         Path(args.result),
         {
@@ -259,6 +262,8 @@ def main() -> None:
             "rows": rows,
         },
     )
+    if failed:
+        raise SystemExit(f"these ways failed (their errors are in {args.result}): {', '.join(failed)}")
 
 
 if __name__ == "__main__":

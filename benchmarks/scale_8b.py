@@ -296,9 +296,8 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "seq_len": args.seq_len,
         "batch_size": 1,
         "steps": args.steps,
-        "checkpointing": args.checkpointing,
         "set": args.set,
-    }
+    } | ({} if args.checkpointing == "layer" else {"checkpointing": args.checkpointing})  # earlier files: "layer"
 
 
 def _earlier_rows(path: Path, settings: dict[str, Any]) -> dict[str, Any]:

@@ -130,11 +130,21 @@ def test_the_backward_runs_again_only_what_the_scope_checkpoints(scope: str, bac
     assert calls == {part: 4 + runs for part, runs in backward_runs.items()}
 
 
-def test_the_mlp_scope_needs_an_mlp_module() -> None:
+def test_the_mlp_scope_needs_an_mlp_module_and_changes_no_layer_without_one() -> None:
     model, _ = _joint_model(None)
+    first_mlp_forward = decoder_layers(model)[0].mlp.forward
     del decoder_layers(model)[2].mlp
     with pytest.raises(ValueError, match=r"decoder layer 2 \(LlamaDecoderLayer\) has no `mlp` module"):
         checkpoint_decoder_layers(model, "mlp")
+    assert decoder_layers(model)[0].mlp.forward == first_mlp_forward  # layers 0-1 were left as they were
+
+
+def test_a_second_call_keeps_its_scope_and_refuses_the_other() -> None:
+    model, _ = _joint_model("mlp")
+    wrapped = decoder_layers(model)[0].mlp.forward
+    assert checkpoint_decoder_layers(model, "mlp") == 4 and decoder_layers(model)[0].mlp.forward is wrapped
+    with pytest.raises(ValueError, match="checkpointed in scope 'mlp' already, not 'layer'"):
+        checkpoint_decoder_layers(model, "layer")
 
 
 def test_the_recipe_takes_true_false_and_mlp_and_refuses_anything_else() -> None:

@@ -208,3 +208,32 @@ def test_under_activation_checkpointing_gqa_heads_of_128_are_as_close_as_the_chu
     for name, want, old, new in zip(("out", "query", "stored_k", "stored_v", "raw_k", "raw_v"), expected, masked, flex):
         old_error, new_error = (want - old).abs().max(), (want - new).abs().max()
         assert new_error <= 2 * old_error + 1e-3 * want.abs().max(), (name, new_error, old_error)
+
+
+def test_visible_codes_say_stored_for_earlier_blocks_and_raw_for_the_own_one() -> None:
+    from gsm_train.functional.own_block_attention import visible_codes
+
+    selection = torch.ones(1, 1, 6, 6, dtype=torch.bool).tril()
+    selection[0, 0, 5, 1] = False
+    codes = visible_codes(selection, 2)
+    expected = torch.tensor(
+        [
+            [2, 0, 0, 0, 0, 0],
+            [2, 2, 0, 0, 0, 0],
+            [1, 1, 2, 0, 0, 0],
+            [1, 1, 2, 2, 0, 0],
+            [1, 1, 1, 1, 2, 0],
+            [1, 0, 1, 1, 2, 2],
+        ],
+        dtype=torch.int8,
+    )
+    assert torch.equal(codes[0, 0], expected)
+
+
+@pytest.mark.parametrize(("mask_form", "block_size"), [("xor", 96), ("shifts", 64)])
+def test_a_mask_form_it_cannot_run_is_refused(mask_form: str, block_size: int) -> None:
+    query = torch.zeros(1, 2, 256, 16)
+    pairs = (torch.zeros(1, 2, 256, 16), torch.zeros(1, 2, 256, 16))
+    selection = torch.ones(1, 1, 256, 256, dtype=torch.bool)
+    with pytest.raises(ValueError, match=f"mask_form '{mask_form}' with blocks of {block_size}"):
+        own_block_attention(query, pairs, pairs, selection, block_size, 0.25, gqa=True, mask_form=mask_form)

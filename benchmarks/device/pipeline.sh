@@ -1,5 +1,5 @@
 #!/bin/bash
-# The steps of a session's device run, one after another: copies the checkout to /tmp/w (once), runs each step of
+# The steps of a session's device run, one after another: copies the checkout to /tmp/w, runs each step of
 # STEPS (default: by the card, below) with its output in /tmp/res/STEP.txt, logs each step's start, exit status and
 # seconds in /tmp/res/pipeline.log (with the card, the code's digest: `python -m benchmarks.common`), and tars
 # /tmp/res to /tmp/res.tar.gz after each step. Start it detached, so that it outlives the call:
@@ -8,7 +8,7 @@
 # after 30 s). DATA is /tmp/gsm/data; EXPORT the 8k recipe's joint_long export the `train` step makes.
 R=/tmp/res; D=/tmp/gsm/data; L=$R/pipeline.log; J=/tmp/J
 mkdir -p $R
-[ -d /tmp/w ] || { mkdir -p /tmp/w && tar cf - --exclude=./.gpu . | tar xf - -C /tmp/w; }
+rm -rf /tmp/w && mkdir -p /tmp/w && tar cf - --exclude=./.gpu . | tar xf - -C /tmp/w  # this call's tree, not an earlier one's
 cd /tmp/w
 GPU=$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader)
 echo "$GPU" >> $L
@@ -26,13 +26,14 @@ run_train() {
   mkdir -p $R/J && cp $J/stages/*.json $R/J/
 }
 run_train_frozen() {
+  need_model; need_prose
   python -m benchmarks.long_context --eval-data $D/wikitext-2/valid.txt --train-data $D/prose --out /tmp/JF \
     --export gate_only_long=$J/runs/gate_only_long/export --train joint_long --train-only \
     --long-override train.base=frozen output.export_base_weights=false
 }
-run_gensmol() { python -m benchmarks.generate --eval-data $D/wikitext-2/valid.txt --rows smollm2_8k_bs1,smollm2_8k_bs16 --fused-decode --smollm2-export $J/runs/joint_long/export --result $R/generate_smollm2.json; }
+run_gensmol() { need_model; python -m benchmarks.generate --eval-data $D/wikitext-2/valid.txt --rows smollm2_8k_bs1,smollm2_8k_bs16 --fused-decode --smollm2-export $J/runs/joint_long/export --result $R/generate_smollm2.json; }
 run_gen8b() { python -m benchmarks.generate --eval-data $D/wikitext-2/valid.txt --rows 8b_32k_bs16,8b_128k_bs1,8b_32k_bs1 --methods dense_static_compiled,dense_engine --fused-decode --dense-block-kernel --result $R/generate_8b.json; }
-run_int4_frozen() { python -m benchmarks.int4_hybrid --parts ppl --eval-data $D/wikitext-2/valid.txt --smollm2-export /tmp/JF/runs/joint_long/export --smollm2-weights int4-g32 --calibration-data "$D/prose/*.txt.xz" --result $R/int4_hybrid_g32_frozen_base.json; }
+run_int4_frozen() { need_model; need_prose; python -m benchmarks.int4_hybrid --parts ppl --eval-data $D/wikitext-2/valid.txt --smollm2-export /tmp/JF/runs/joint_long/export --smollm2-weights int4-g32 --calibration-data "$D/prose/*.txt.xz" --result $R/int4_hybrid_g32_frozen_base.json; }
 run_scale_mlp() { python -m benchmarks.scale_8b --profile-steps 2 --checkpointing mlp --only dense_lora joint_lora --result $R/scale_8b_lora_mlp.json; }
 run_scale_full() { python -m benchmarks.scale_8b --profile-steps 2 --only dense_full joint_full --result $R/scale_8b_full.json; }
 run_asq_ab() { python -m benchmarks.asq_attention --shape llama3-8b --only flex_visible_tiles flex_visible_tiles_xor_mask flex_visible_tiles_code_mask dense_causal_sdpa_T_keys bound_flex_mask_reads_only_the_selection bound_flex_visible_tiles_without_a_mask --result $R/asq_attention_mask.json; }

@@ -5,7 +5,7 @@
 # once both arrived), .gpu/wt and .gpu/prose (WikiText-2 validation and the Gutenberg prose, into /tmp/gsm/data).
 # /tmp survives only while the machine is warm.
 mkdir -p /tmp/gsm/data
-[ -d /tmp/site ] || { [ -d .gpu/whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/whl/*.whl; }
+[ -d /tmp/site ] || { [ -d .gpu/whl ] && rm -rf /tmp/site.part && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site.part .gpu/whl/*.whl && mv /tmp/site.part /tmp/site; }
 [ -f .gpu/pa/a ] && cp --update=none .gpu/pa/a /tmp/gsm/a
 [ -f .gpu/pb/b ] && cp --update=none .gpu/pb/b /tmp/gsm/b
 [ -d .gpu/wt ] && [ ! -d /tmp/gsm/data/wikitext-2 ] && cp -r .gpu/wt /tmp/gsm/data/wikitext-2

@@ -13,5 +13,5 @@ tail -c +50000001 .gpu/joined.gguf > .gpu/pb/b
 rm -rf .gpu/joined.gguf .gpu/m0 .gpu/m1 .gpu/m2
 cp .gpu/data/wikitext-2/valid.txt .gpu/wt/
 cp .gpu/data/prose/* .gpu/prose/
-python3 -m pip download -q --no-deps "torchao>=0.18" -d .gpu/whl
+python3 -m pip download -q --no-deps "torchao==0.18.0" -d .gpu/whl
 du -sh .gpu/*

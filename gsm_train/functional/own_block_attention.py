@@ -146,6 +146,9 @@ def _tile_structure(length: int, block_size: int, device: torch.device) -> tuple
     return counts[None, None], indices[None, None]
 
 
+MASK_FORMS = ("divide", "xor", "codes")  # `own_block_attention`'s ways of telling a query's own block
+
+
 def visible_codes(selection: Tensor, block_size: int) -> Tensor:
     """`selection` [B, n, T, T] (causal) as int8 codes of what a query sees of key j: 0 nothing, 1 its stored
     version (j in an earlier ASQ block), 2 its raw one (j in the query's own block)."""
@@ -178,13 +181,19 @@ def own_block_attention(
     positions divided by the block size), for a power-of-two block `xor` (their XOR below the block size, and
     the stored/raw choice as one comparison), or `codes` (the selection made `visible_codes` first, compiled
     into one pass on CUDA, so the mask compares one code); the same mask."""
+    if mask_form not in MASK_FORMS or (mask_form == "xor" and block_size & (block_size - 1)):
+        raise ValueError(
+            f"mask_form {mask_form!r} with blocks of {block_size}: choose one of {MASK_FORMS} ('xor' needs blocks "
+            "of a power of two)"
+        )
     length = query.shape[2]
     heads_per_row = query.shape[1] // selection.shape[1]
-    selection = selection.expand(query.shape[0], -1, -1, -1)  # a mask without padding is shared by the batch
-    xor = mask_form == "xor" and block_size & (block_size - 1) == 0
+    xor = mask_form == "xor"
     codes = None
-    if mask_form == "codes":
-        codes = (compiled(visible_codes) if query.is_cuda else visible_codes)(selection, block_size)
+    if mask_form == "codes":  # made from the selection as given: a batch it is shared by reads one copy
+        made = (compiled(visible_codes) if query.is_cuda else visible_codes)(selection, block_size)
+        codes = made.expand(query.shape[0], -1, -1, -1)
+    selection = selection.expand(query.shape[0], -1, -1, -1)  # a mask without padding is shared by the batch
 
     def visible(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
         is_stored = kv < length

@@ -38,7 +38,7 @@ from torch.utils.checkpoint import checkpoint
 from gsm_train.attention.forward_state import FORWARD_KWARG, ForwardState, GSMRecords
 from gsm_train.models.families import decoder_layers
 
-_MARK = "_gsm_activation_checkpointed"
+_MARK = "_gsm_activation_checkpointed"  # on a checkpointed decoder layer: its scope
 
 
 @contextlib.contextmanager
@@ -71,24 +71,26 @@ SCOPES = ("layer", "mlp")  # what `checkpoint_decoder_layers` runs again in the 
 def checkpoint_decoder_layers(model: nn.Module, scope: str = "layer") -> int:
     """Run each decoder layer of `model` (`scope` "layer") or each layer's MLP (`scope` "mlp", the layer's
     `mlp` module) under activation checkpointing from now on (before the backend wraps it); returns the
-    number of layers. Calling it again changes nothing (a layer is checkpointed in one scope)."""
+    number of layers. Calling it again in the same scope changes nothing; in the other scope it is refused
+    (a layer is checkpointed in one scope), as is the `mlp` scope on a model whose layers have no `mlp`
+    module (before any layer is changed)."""
     if scope not in SCOPES:
         raise ValueError(f"activation checkpointing scope {scope!r} is not one of {SCOPES}")
     layers = decoder_layers(model)
+    parts = []
     for index, layer in enumerate(layers):
-        if getattr(layer, _MARK, False):
-            continue
+        done = getattr(layer, _MARK, None)
+        if done is not None and done != scope:
+            raise ValueError(f"decoder layer {index} is checkpointed in scope {done!r} already, not {scope!r}")
         part = layer if scope == "layer" else getattr(layer, "mlp", None)
         if not isinstance(part, nn.Module):
             raise ValueError(
                 f"decoder layer {index} ({type(layer).__name__}) has no `mlp` module to checkpoint; set "
                 "train.activation_checkpointing: true to checkpoint whole layers"
             )
-        part.forward = functools.partial(_checkpointed_forward, part.forward)
-        setattr(layer, _MARK, True)
+        parts.append((layer, part, done is None))
+    for layer, part, new in parts:
+        if new:
+            part.forward = functools.partial(_checkpointed_forward, part.forward)
+            setattr(layer, _MARK, scope)
     return len(layers)
-
-
-def is_checkpointed(layer: nn.Module) -> bool:
-    """Whether `checkpoint_decoder_layers` has been applied to this decoder layer."""
-    return bool(getattr(layer, _MARK, False))
