@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask
 
 from benchmarks.common import (
     kernel_benchmark_args,
@@ -137,8 +138,6 @@ def _flex_bound(
     reads only the selection (`rule` "selection": the block rule left out) or nothing (`rule` "tiles": every
     key of a visible tile, no mask function), compiled with the same options, to tell what the mask's
     parts cost. `selection` [B|1, 1, T, T]: one for all heads, as `_inputs` makes it."""
-    from torch.nn.attention.flex_attention import BlockMask
-
     if rule not in ("selection", "tiles") or selection.shape[1] != 1:
         raise ValueError(f"a bound of rule 'selection' or 'tiles' over one selection for all heads, not {rule!r}")
     length = query.shape[2]
