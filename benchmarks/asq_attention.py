@@ -11,10 +11,7 @@ gate's top-k, one selection for all heads, bf16. `--shape smollm2` (the default)
 - FlexAttention over the tiles a query can see (`own_block_attention`), compiled as the trainer does,
   with the kernel options it passes on Hopper GPUs (`own_block_attention.HOPPER_KERNEL_OPTIONS`) and
   with Inductor's default configuration (its timing, like the masked SDPA's, includes putting the stored
-  and raw keys side by side; the masked SDPA's also its mask);
-- candidates: the same with the mask's own-block test as an XOR of the positions (`mask_form="xor"`, blocks of
-  a power of two) instead of two divisions, or with the selection turned into one int8 code a key first
-  (`mask_form="codes"`: 1 stored, 2 raw; the timing includes making them);
+  and raw keys side by side and making the mask's codes from the selection; the masked SDPA's its mask);
 - two bounds, not the layer's attention (`bound_*`): FlexAttention over the same tiles with a mask that reads
   only the selection (the block rule left out), and with no mask function at all (every key of a visible
   tile): what the mask's parts cost;
@@ -198,11 +195,9 @@ def main() -> None:
     def chunked_masked() -> torch.Tensor:
         return chunked_masked_attention(query, (stored_k, stored_v), (raw_k, raw_v), selection, block, scaling, True)
 
-    def flex(
-        mode: str | None, tuned: bool, extra: dict | None = None, mask_form: str = "divide"
-    ) -> Callable[[], torch.Tensor]:
+    def flex(mode: str | None, tuned: bool, extra: dict | None = None) -> Callable[[], torch.Tensor]:
         return lambda: own_block.own_block_attention(
-            query, (stored_k, stored_v), (raw_k, raw_v), selection, block, scaling, True, mode, tuned, extra, mask_form
+            query, (stored_k, stored_v), (raw_k, raw_v), selection, block, scaling, True, mode, tuned, extra
         )
 
     def dense_causal() -> torch.Tensor:
@@ -215,8 +210,6 @@ def main() -> None:
         "masked_sdpa_2T_keys": masked_sdpa,
         "chunked_masked_sdpa": chunked_masked,
         "flex_visible_tiles": flex(None, True),
-        "flex_visible_tiles_xor_mask": flex(None, True, mask_form="xor"),
-        "flex_visible_tiles_code_mask": flex(None, True, mask_form="codes"),
         "flex_visible_tiles_default_options": flex(None, False),
         "flex_visible_tiles_rows_guaranteed_safe": flex(None, True, {"ROWS_GUARANTEED_SAFE": True}),
         "flex_visible_tiles_autotuned": flex("max-autotune-no-cudagraphs", False),

@@ -6,18 +6,15 @@ import pytest
 import torch
 
 from gsm_train.attention.layout import block_causal_kv
-from gsm_train.functional.own_block_attention import fits, own_block_attention
+from gsm_train.functional.own_block_attention import fits, own_block_attention, visible_codes
 
 
-@pytest.mark.parametrize("mask_form", ["divide", "xor", "codes"])
 @pytest.mark.parametrize(
     ("block_size", "selectors", "mask_batch"), [(128, 1, 2), (256, 1, 2), (64, 1, 2), (128, 2, 2), (128, 1, 1)]
 )
-def test_forward_equals_masked_sdpa_over_both_versions(
-    block_size: int, selectors: int, mask_batch: int, mask_form: str
-) -> None:
-    """Same output for one selection per layer or per KV head, ASQ blocks of one or two tiles or half a tile, a
-    selection shared by the batch (dense mode: the causal mask), and either form of the mask."""
+def test_forward_equals_masked_sdpa_over_both_versions(block_size: int, selectors: int, mask_batch: int) -> None:
+    """Same output for one selection per layer or per KV head, ASQ blocks of one or two tiles or half a tile, and
+    a selection shared by the batch (dense mode: the causal mask)."""
     torch.manual_seed(0)
     batch, heads, kv_heads, length, dim = 2, 4, 2, 512, 16
     query = torch.randn(batch, heads, length, dim)
@@ -35,9 +32,7 @@ def test_forward_equals_masked_sdpa_over_both_versions(
         attn_mask=mask.repeat_interleave(groups, 1),
         scale=0.25,
     ).transpose(1, 2)
-    got = own_block_attention(
-        query, (stored_k, stored_v), (raw_k, raw_v), selection, block_size, 0.25, gqa=True, mask_form=mask_form
-    )
+    got = own_block_attention(query, (stored_k, stored_v), (raw_k, raw_v), selection, block_size, 0.25, gqa=True)
     torch.testing.assert_close(got, expected, atol=2e-6, rtol=0)
 
 
@@ -55,11 +50,10 @@ def test_cpu_tensors_take_the_masked_sdpa() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward runs on GPUs only")
-@pytest.mark.parametrize("mask_form", ["divide", "xor", "codes"])
 @pytest.mark.parametrize("block_size", [128, 64])
-def test_gradients_equal_masked_sdpa_on_the_gpu(block_size: int, mask_form: str) -> None:
+def test_gradients_equal_masked_sdpa_on_the_gpu(block_size: int) -> None:
     """Compiled on the GPU, forward and gradients (query, both key and value versions) match the masked SDPA,
-    for ASQ blocks of one tile and of half a tile, with each form of the mask."""
+    for ASQ blocks of one tile and of half a tile."""
     torch.manual_seed(0)
     batch, heads, kv_heads, length, dim = 2, 6, 2, 1024, 64
     inputs = [torch.randn(batch, heads, length, dim, device="cuda", requires_grad=True)]
@@ -75,9 +69,7 @@ def test_gradients_equal_masked_sdpa_on_the_gpu(block_size: int, mask_form: str)
     expected = torch.nn.functional.scaled_dot_product_attention(
         query, keys, values, attn_mask=mask, scale=0.125, enable_gqa=True
     ).transpose(1, 2)
-    got = own_block_attention(
-        query, (stored_k, stored_v), (raw_k, raw_v), selection, block_size, 0.125, gqa=True, mask_form=mask_form
-    )
+    got = own_block_attention(query, (stored_k, stored_v), (raw_k, raw_v), selection, block_size, 0.125, gqa=True)
     grad = torch.randn_like(expected)
     for a, b in zip(torch.autograd.grad(expected, inputs, grad), torch.autograd.grad(got, inputs, grad)):
         torch.testing.assert_close(b, a, atol=2e-3, rtol=2e-3)
@@ -211,8 +203,6 @@ def test_under_activation_checkpointing_gqa_heads_of_128_are_as_close_as_the_chu
 
 
 def test_visible_codes_say_stored_for_earlier_blocks_and_raw_for_the_own_one() -> None:
-    from gsm_train.functional.own_block_attention import visible_codes
-
     selection = torch.ones(1, 1, 6, 6, dtype=torch.bool).tril()
     selection[0, 0, 5, 1] = False
     codes = visible_codes(selection, 2)
@@ -228,12 +218,3 @@ def test_visible_codes_say_stored_for_earlier_blocks_and_raw_for_the_own_one() -
         dtype=torch.int8,
     )
     assert torch.equal(codes[0, 0], expected)
-
-
-@pytest.mark.parametrize(("mask_form", "block_size"), [("xor", 96), ("shifts", 64)])
-def test_a_mask_form_it_cannot_run_is_refused(mask_form: str, block_size: int) -> None:
-    query = torch.zeros(1, 2, 256, 16)
-    pairs = (torch.zeros(1, 2, 256, 16), torch.zeros(1, 2, 256, 16))
-    selection = torch.ones(1, 1, 256, 256, dtype=torch.bool)
-    with pytest.raises(ValueError, match=f"mask_form '{mask_form}' with blocks of {block_size}"):
-        own_block_attention(query, pairs, pairs, selection, block_size, 0.25, gqa=True, mask_form=mask_form)

@@ -36,7 +36,7 @@ run_gen8b() { python -m benchmarks.generate --eval-data $D/wikitext-2/valid.txt 
 run_int4_frozen() { need_model; need_prose; python -m benchmarks.int4_hybrid --parts ppl --eval-data $D/wikitext-2/valid.txt --smollm2-export /tmp/JF/runs/joint_long/export --smollm2-weights int4-g32 --calibration-data "$D/prose/*.txt.xz" --result $R/int4_hybrid_g32_frozen_base.json; }
 run_scale_mlp() { python -m benchmarks.scale_8b --profile-steps 2 --checkpointing mlp --only dense_lora joint_lora --result $R/scale_8b_lora_mlp.json; }
 run_scale_full() { python -m benchmarks.scale_8b --profile-steps 2 --only dense_full joint_full --result $R/scale_8b_full.json; }
-run_asq_ab() { python -m benchmarks.asq_attention --shape llama3-8b --only flex_visible_tiles flex_visible_tiles_xor_mask flex_visible_tiles_code_mask dense_causal_sdpa_T_keys bound_flex_mask_reads_only_the_selection bound_flex_visible_tiles_without_a_mask --result $R/asq_attention_mask.json; }
+run_asq_ab() { python -m benchmarks.asq_attention --shape llama3-8b --only flex_visible_tiles flex_visible_tiles_rows_guaranteed_safe dense_causal_sdpa_T_keys bound_flex_mask_reads_only_the_selection bound_flex_visible_tiles_without_a_mask --result $R/asq_attention_mask.json; }
 run_decode_bs16() { python -m benchmarks.decode_step_profile --fused --dense-block-kernel --context 32768 --batch 16 --steps 10 --result $R/decode_step_profile_32k_bs16.json; }
 for step in $STEPS; do
   echo "== $step $(date +%T)" >> $L; started=$(date +%s)

@@ -146,9 +146,6 @@ def _tile_structure(length: int, block_size: int, device: torch.device) -> tuple
     return counts[None, None], indices[None, None]
 
 
-MASK_FORMS = ("divide", "xor", "codes")  # `own_block_attention`'s ways of telling a query's own block
-
-
 def visible_codes(selection: Tensor, block_size: int) -> Tensor:
     """`selection` [B, n, T, T] (causal) as int8 codes of what a query sees of key j: 0 nothing, 1 its stored
     version (j in an earlier ASQ block), 2 its raw one (j in the query's own block)."""
@@ -168,7 +165,6 @@ def own_block_attention(
     compile_mode: str | None = None,
     tuned: bool = True,
     extra_options: dict[str, int | bool] | None = None,
-    mask_form: str = "divide",
 ) -> Tensor:
     """Attention of query [B, H, T, D] over the `stored` and the `raw` (key, value) pairs [B, Hkv, T, D]
     (2T keys side by side), where query t sees stored key j when `selection[b, g, t, j]` and j lies in an
@@ -177,33 +173,17 @@ def own_block_attention(
     `attention_dtype` (under autocast its dtype, as SDPA computes there). On CUDA FlexAttention runs
     compiled, with torch.compile's `compile_mode` and, when `tuned`, the `kernel_options` for the query;
     `extra_options` go on top (FlexAttention's `kernel_options`, for candidates that
-    `benchmarks/asq_attention.py` times). `mask_form`: how the mask tells a query's own block, `divide` (both
-    positions divided by the block size), for a power-of-two block `xor` (their XOR below the block size, and
-    the stored/raw choice as one comparison), or `codes` (the selection made `visible_codes` first, compiled
-    into one pass on CUDA, so the mask compares one code); the same mask."""
-    if mask_form not in MASK_FORMS or (mask_form == "xor" and block_size & (block_size - 1)):
-        raise ValueError(
-            f"mask_form {mask_form!r} with blocks of {block_size}: choose one of {MASK_FORMS} ('xor' needs blocks "
-            "of a power of two)"
-        )
+    `benchmarks/asq_attention.py` times). The mask compares one int8 code a score: the selection is made
+    `visible_codes` first (one compiled pass on CUDA), which tells a query's own block from earlier ones."""
     length = query.shape[2]
     heads_per_row = query.shape[1] // selection.shape[1]
-    xor = mask_form == "xor"
-    codes = None
-    if mask_form == "codes":  # made from the selection as given: a batch it is shared by reads one copy
-        made = (compiled(visible_codes) if query.is_cuda else visible_codes)(selection, block_size)
-        codes = made.expand(query.shape[0], -1, -1, -1)
-    selection = selection.expand(query.shape[0], -1, -1, -1)  # a mask without padding is shared by the batch
+    made = (compiled(visible_codes) if query.is_cuda else visible_codes)(selection, block_size)
+    codes = made.expand(query.shape[0], -1, -1, -1)  # made from the selection as given: a batch shares one copy
 
     def visible(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
         is_stored = kv < length
         key_at = torch.where(is_stored, kv, kv - length)
-        if codes is not None:
-            return codes[b, h // heads_per_row, q, key_at] == 2 - is_stored.to(torch.int8)
-        if xor:
-            return selection[b, h // heads_per_row, q, key_at] & (is_stored != ((key_at ^ q) < block_size))
-        same_block = key_at // block_size == q // block_size
-        return selection[b, h // heads_per_row, q, key_at] & torch.where(is_stored, ~same_block, same_block)
+        return codes[b, h // heads_per_row, q, key_at] == 2 - is_stored.to(torch.int8)
 
     counts, indices = _tile_structure(length, block_size, query.device)
     mask = BlockMask.from_kv_blocks(
