@@ -8,6 +8,7 @@
 # after 30 s). DATA is /tmp/gsm/data; EXPORT the 8k recipe's joint_long export the `train` step makes.
 R=/tmp/res; D=/tmp/gsm/data; L=$R/pipeline.log; J=/tmp/J
 mkdir -p $R
+[ -f $L ] && mv $L $R/pipeline.before-$(date +%s).log  # poll.sh reads this run's log, not a finished one's
 rm -rf /tmp/w && mkdir -p /tmp/w && tar cf - --exclude=./.gpu . | tar xf - -C /tmp/w  # this call's tree, not an earlier one's
 cd /tmp/w
 GPU=$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader)
