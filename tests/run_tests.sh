@@ -17,7 +17,7 @@ if [ "$#" -gt 0 ]; then
 fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-.venv/bin/python -m pytest -q
+.venv/bin/python -m pytest -q -n auto  # one worker per core (pytest-xdist); tests/conftest.py splits torch's threads
 if .venv/bin/python -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
   exit 0  # the suite ran the Triton kernels' tests on the GPU
 fi

@@ -24,6 +24,7 @@ ALL_ON = [
     "model.name_or_path=tiny-llama",
     "init_from=null",
     "data.seq_len=64",
+    "gsm.sparse_attention.query_chunk=64",  # one selection chunk, not one padded to 2048
     "logging.recall_min_keys=16",
     "gsm.sparse_attention.top_k=8",
     "gsm.sparse_attention.k_min=8",

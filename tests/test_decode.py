@@ -778,7 +778,7 @@ def test_fused_cache_reads_dense_and_retrieval_layers_a_block_a_tile_as_teacher_
 ) -> None:
     """Blocks of 16 (the dense-layer kernel's smallest tile): the dense layer 0 and the retrieval layer 2 read
     every key through `dense_decode_attention`, rotated residuals beside the raw newest block, and the logits
-    are teacher forcing's."""
+    are teacher forcing's; with `dense_block_kernel=False` the selection kernel reads them (the other tests)."""
     from gsm_train.inference import decode_attention
 
     calls, original = [], decode_attention.dense_decode_attention
@@ -795,7 +795,10 @@ def test_fused_cache_reads_dense_and_retrieval_layers_a_block_a_tile_as_teacher_
     model = _model("llama", sections).to(KERNEL_DEVICE)
     _assert_fused_decoding_is_teacher_forcing(model, dense_block_kernel=True)
     assert len(calls) == 2 * (LENGTH - FUSED_PROMPT)  # layers 0 and 2, every token step
-    _assert_fused_decoding_is_teacher_forcing(model)  # off by default: the selection kernel reads them
+    ids = _ids().to(KERNEL_DEVICE)[:, : FUSED_PROMPT + 2]  # turned off, two token steps call it no more
+    cache = GSMCache(model, capacity=ids.shape[1], fused=True, prefill="sparse", dense_block_kernel=False)
+    with mock.patch.object(selection, "INTERPRETED", False):
+        _step_by_step(model, ids, cache, FUSED_PROMPT)
     assert len(calls) == 2 * (LENGTH - FUSED_PROMPT)
 
 

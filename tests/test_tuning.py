@@ -27,6 +27,7 @@ JOINT = str(REPO / "recipes" / "joint.yaml")
 TINY = [
     "model.name_or_path=tiny-llama",
     "data.seq_len=64",
+    "gsm.sparse_attention.query_chunk=64",  # one selection chunk, not one padded to 2048
     "logging.recall_min_keys=16",
     "logging.recall_k=8",
     "gsm.sparse_attention.top_k=64",  # the recipe's 512 is above the tiny window
