@@ -66,6 +66,7 @@ from gsm_train.models.model_zoo import read_model_config
 from gsm_train.training.session import Stage, TrainingSession
 from gsm_train.training.stages import GateWarmupStage, JointStage
 from gsm_train.training.step_graph import cuda_graph_blockers, use_cuda_graph
+from gsm_train.training.trainer import fp32_matmul_precision
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16 tensor-core peak per GPU
 WARMUP_STEPS = 2
@@ -217,6 +218,13 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
             *args.set,
         ],
     )
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    with fp32_matmul_precision(config.train.fp32_matmul, device):  # as the trainer runs its steps
+        return _measured(config, recipe, kind, args)
+
+
+def _measured(config: RecipeConfig, recipe: str, kind: str, args: argparse.Namespace) -> dict[str, Any]:
+    """`measure`'s row of `config` (the recipe file `recipe`, FLOPs `kind`)."""
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     tic = time.perf_counter()
