@@ -46,17 +46,17 @@ def triton_kernel_test(test: Callable) -> Callable:
 
 REPO = Path(__file__).resolve().parents[1]
 GATE_RECIPE = str(REPO / "recipes" / "gate_only.yaml")
-# the tiny Llama at 64 tokens, with a top-k and a recall measure that fit it
+# the tiny Llama at 64 tokens, selecting in one chunk of its own length: a shorter chunk is padded to
+# query_chunk rows and keys (ties fall the same way in a pass of any length), 2048 x 2048 scores a row of 64
+# in the joint recipe
+TINY_LLAMA_64 = ["model.name_or_path=tiny-llama", "data.seq_len=64", "gsm.sparse_attention.query_chunk=64"]
+# the same with a top-k and a recall measure that fit it
 TINY_MODEL = [
-    "model.name_or_path=tiny-llama",
-    "data.seq_len=64",
+    *TINY_LLAMA_64,
     "logging.recall_min_keys=16",
     "logging.recall_k=8",
     "gsm.sparse_attention.top_k=8",
     "gsm.sparse_attention.k_min=8",
-    # one selection chunk of the sequence's own length: a shorter chunk is padded to query_chunk rows and keys
-    # (ties fall the same way in a pass of any length), 2048 x 2048 scores a row of 64 in the joint recipe
-    "gsm.sparse_attention.query_chunk=64",
 ]
 # the gate stage on the tiny Llama at one row a step: about a second a run on a CPU
 TINY_GATE = [

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from run_helpers import TINY_LLAMA_64
 from torch import nn
 
 from gsm_train.attention import gsm_collect
@@ -21,10 +22,8 @@ REPO = Path(__file__).resolve().parents[1]
 # the joint stage with every GSM module training: sparse attention on the gate's top-k, ASQ on K/V,
 # the bridge from layer 1 into layers 2-3, the gate's KL on sampled query rows; the base trains too
 ALL_ON = [
-    "model.name_or_path=tiny-llama",
+    *TINY_LLAMA_64,
     "init_from=null",
-    "data.seq_len=64",
-    "gsm.sparse_attention.query_chunk=64",  # one selection chunk, not one padded to 2048
     "logging.recall_min_keys=16",
     "gsm.sparse_attention.top_k=8",
     "gsm.sparse_attention.k_min=8",

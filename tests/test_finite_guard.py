@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from run_helpers import GATE_RECIPE, REPO, TINY_GATE, file_digests
+from run_helpers import GATE_RECIPE, REPO, TINY_GATE, TINY_LLAMA_64, file_digests
 from torch import Tensor, nn
 
 from gsm_train.config.schema import load_recipe
@@ -26,10 +26,8 @@ from gsm_train.training.trainer import run_training
 
 QUICKSTART_JOINT = str(REPO / "recipes" / "quickstart_joint_cpu.yaml")
 TINY_JOINT = [
-    "model.name_or_path=tiny-llama",
+    *TINY_LLAMA_64,
     "init_from=null",
-    "data.seq_len=64",
-    "gsm.sparse_attention.query_chunk=64",  # one selection chunk, not one padded to 2048
     "logging.recall_min_keys=16",
     "logging.recall_k=8",
     "gsm.sparse_attention.top_k=8",

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from run_helpers import REPO, losses, records, run_processes, torchrun
+from run_helpers import REPO, TINY_LLAMA_64, losses, records, run_processes, torchrun
 from safetensors.torch import load_file
 
 from gsm_train.config.schema import load_recipe
@@ -35,10 +35,8 @@ from gsm_train.training.stages import JointStage
 JOINT = str(REPO / "recipes" / "joint.yaml")
 ROWS = 6  # rows a micro-step: 3 on each of 2 processes, 2 on each of 3, 6 on 1
 COMMON = [
-    "model.name_or_path=tiny-llama",
+    *TINY_LLAMA_64,
     "init_from=null",
-    "data.seq_len=64",
-    "gsm.sparse_attention.query_chunk=64",  # one selection chunk, not one padded to 2048
     "logging.recall_min_keys=16",
     "logging.recall_k=8",
     "logging.progress_bar=false",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from run_helpers import records
+from run_helpers import TINY_LLAMA_64, records
 
 from gsm_train import cli
 from gsm_train.config.schema import ConfigError, load_recipe
@@ -25,9 +25,7 @@ from gsm_train.tuning.resolved_recipe import resolve_tuning
 REPO = Path(__file__).resolve().parents[1]
 JOINT = str(REPO / "recipes" / "joint.yaml")
 TINY = [
-    "model.name_or_path=tiny-llama",
-    "data.seq_len=64",
-    "gsm.sparse_attention.query_chunk=64",  # one selection chunk, not one padded to 2048
+    *TINY_LLAMA_64,
     "logging.recall_min_keys=16",
     "logging.recall_k=8",
     "gsm.sparse_attention.top_k=64",  # the recipe's 512 is above the tiny window
