@@ -27,10 +27,13 @@ and the ops of one `GSMCache.pack_full_tail` (every `block_size` tokens), on the
 each, `gsm_train.inference.decode_fusion`); counted on the CPU it needs `TRITON_INTERPRET=1` as above.
 `--every-key` profiles a third method, `gsm_every_key`: GSM's modules and cache in dense mode, every layer
 reading every key of its compressed cache (the block kernel, no gate scores or top-k): what a short
-context's token step costs when it skips the selection.
+context's token step costs when it skips the selection. `--serial-selection` profiles `gsm_serial_selection`:
+GSM with each layer's gate and top-k inside its attention, after its projections, not started ahead of them
+on a side stream (`GSMCache(overlap_selection=False)`).
 
     python -m benchmarks.decode_step_profile --result OUT.json [--model 8b|smollm2|tiny] [--context 32768] [--batch 1]
-        [--steps 20] [--top 25] [--count | --count-outside] [--fused] [--every-key] [--device cuda|cpu]
+        [--steps 20] [--top 25] [--count | --count-outside] [--fused] [--every-key] [--serial-selection]
+        [--device cuda|cpu]
 """
 
 from __future__ import annotations
@@ -328,11 +331,19 @@ def gsm_step(
     cuda_graphs: bool = True,
     fused: bool = False,
     dense_block_kernel: bool = True,
+    overlap_selection: bool = True,
 ) -> Callable[[], object]:
     """GSM's token step after `ids` [B, T] through the generation engine (captured on CUDA at its first call
     with `cuda_graphs`; `fused`: with `fused_decode`; `dense_block_kernel`: its dense layers read a block a
-    tile). On the CPU under Triton's interpreter the cache takes the fused kernels' path."""
-    enable_gsm_generation(model, cuda_graphs=cuda_graphs, fused_decode=fused, dense_block_kernel=dense_block_kernel)
+    tile; `overlap_selection`: each layer's selection starts before its projections, on a side stream). On the
+    CPU under Triton's interpreter the cache takes the fused kernels' path."""
+    enable_gsm_generation(
+        model,
+        cuda_graphs=cuda_graphs,
+        fused_decode=fused,
+        dense_block_kernel=dense_block_kernel,
+        overlap_selection=overlap_selection,
+    )
     interpreted = not ids.is_cuda and os.environ.get("TRITON_INTERPRET") == "1"
     cache = GSMCache(model, capacity=ids.shape[1] + extra, fused=True if interpreted else None)
     with torch.no_grad():
@@ -456,6 +467,11 @@ def main(argv: list[str] | None = None) -> None:
         "--fused", action="store_true", help="token steps with fused RMSNorm, RoPE and SwiGLU kernels (both engines)"
     )
     parser.add_argument(
+        "--serial-selection",
+        action="store_true",
+        help="also GSM with each layer's selection inside its attention, not overlapped with its projections",
+    )
+    parser.add_argument(
         "--device",
         choices=["cuda", "cpu"],
         default=None,
@@ -467,6 +483,7 @@ def main(argv: list[str] | None = None) -> None:
     settings |= {"count_outside": True} if args.count_outside else {}
     settings |= {"fused": True} if args.fused else {}
     settings |= {"every_key": True} if args.every_key else {}
+    settings |= {"serial_selection": True} if args.serial_selection else {}
     settings |= {"dense_block_kernel": args.dense_block_kernel}
     settings |= {"device": args.device} if args.device else {}
     path = Path(args.result)
@@ -500,6 +517,8 @@ def main(argv: list[str] | None = None) -> None:
     gsm = functools.partial(gsm_step, dense_block_kernel=args.dense_block_kernel)
     methods = [method("dense_engine", dense_step), method("gsm", gsm)]
     methods += [method("gsm_every_key", gsm)] if args.every_key else []
+    serial = functools.partial(gsm, overlap_selection=False)
+    methods += [method("gsm_serial_selection", serial)] if args.serial_selection else []
     run_methods(path, result, methods, show)
 
 

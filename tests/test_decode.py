@@ -23,7 +23,7 @@ from gsm_train.commands.inspect_model import layer_reports
 from gsm_train.config.schema import GSMConfig
 from gsm_train.export.save_load import export_adapter
 from gsm_train.functional.top_k import scheduled_k
-from gsm_train.inference.cache import GSMCache, cache_kwargs
+from gsm_train.inference.cache import GSMCache, GSMCacheLayer, cache_kwargs
 from gsm_train.inference.decode_attention import (
     K_STEP,
     attend,
@@ -800,6 +800,39 @@ def test_fused_cache_reads_dense_and_retrieval_layers_a_block_a_tile_as_teacher_
     with mock.patch.object(selection, "INTERPRETED", False):
         _step_by_step(model, ids, cache, FUSED_PROMPT)
     assert len(calls) == 2 * (LENGTH - FUSED_PROMPT)
+
+
+@triton_kernel_test
+def test_a_token_step_selects_ahead_of_the_projections_as_inside_its_attention(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On the fused path each selecting layer's gate and top-k start from the layer's input before its
+    projections (`select_ahead`; on CUDA on a side stream) and the attention takes them: every selecting
+    layer at every token step (layers 1-3; layer 0 is dense), and the logits are those of a cache that
+    selects inside the attention, bit for bit, which are teacher forcing's."""
+    taken = []
+    original = GSMCacheLayer.take_early_selection
+
+    def counted(layer: GSMCacheLayer) -> Any:
+        early = original(layer)
+        taken.append(early is not None)
+        return early
+
+    monkeypatch.setattr(GSMCacheLayer, "take_early_selection", counted)
+    sections = {"sparse_attention": {**SPARSE, "recent_tokens": 3}, "kv_compression": {**ASQ, "quant_bits": 2}}
+    model = _model("llama", sections).to(KERNEL_DEVICE)
+    ids = _ids().to(KERNEL_DEVICE)[:, : FUSED_PROMPT + 4]
+    logits = {}
+    for overlap in (True, False):
+        taken.clear()
+        cache = GSMCache(model, capacity=ids.shape[1], fused=True, prefill="sparse", overlap_selection=overlap)
+        with mock.patch.object(selection, "INTERPRETED", False):
+            logits[overlap] = _step_by_step(model, ids, cache, FUSED_PROMPT)
+        steps = ids.shape[1] - FUSED_PROMPT
+        assert taken.count(True) == (3 * steps if overlap else 0)
+    torch.testing.assert_close(logits[True], logits[False], rtol=0, atol=0)
+    with torch.no_grad(), mock.patch.object(selection, "INTERPRETED", False):
+        torch.testing.assert_close(logits[True], model(ids, use_cache=False).logits, atol=1e-3, rtol=0)
 
 
 @triton_kernel_test

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Protocol, runtime_checkable
 
+import torch
 from torch import Tensor, nn
 
 from gsm_train.attention.kv_store import CacheLengths, KVStore
@@ -80,6 +81,15 @@ class LayerCache(Protocol):
         """A token step where the cache runs the gate itself: the new token's gate query [B, n, 1, dg], its
         key kept; None where the gate module and `keep_gate_keys` run instead."""
 
+    def select_ahead(self, settings: GSMSettings, hidden: Tensor, cos: Tensor, sin: Tensor) -> None:
+        """Called with the attention module's input (hidden [B, 1, d], cos, sin) before its projections run:
+        on a token step whose selection runs on the device, start the gate and the key selection now (on a
+        side stream on CUDA), for `token_gate` and the decode attention to take (`take_early_selection`)."""
+
+    def take_early_selection(self) -> EarlySelection | None:
+        """The selection `select_ahead` started for this step (None: none), the stream that computes it joined
+        to the current one; it is handed out once."""
+
     def cached_attention(self, step: CachedStep) -> Tensor:
         """The new tokens' attention output [B, T, Hq, D] over this layer's cache."""
 
@@ -102,3 +112,22 @@ class CachedStep:
     scaling: float
     settings: GSMSettings
     gate_query: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class EarlySelection:
+    """A token step's gate query [B, n, 1, dg] (fp32; its key is in the cache) and the cached positions the
+    token attends to [B, n, k] with which are valid ([B, n, k] or None), computed ahead of the layer's
+    projections (`LayerCache.select_ahead`) on `stream` (a CUDA side stream; None: on the current stream).
+    Until `joined`, the current stream must not read them."""
+
+    gate_query: Tensor
+    index: Tensor
+    valid: Tensor | None
+    stream: torch.cuda.Stream | None
+
+    def joined(self) -> tuple[Tensor, Tensor | None]:
+        """(index, valid), the current stream made to wait for the side stream's work so far."""
+        if self.stream is not None:
+            torch.cuda.current_stream(self.index.device).wait_stream(self.stream)
+        return self.index, self.valid

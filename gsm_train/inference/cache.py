@@ -22,9 +22,10 @@ same way: the stores, the gate keys and the lengths hold what a sparse prefill o
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -33,13 +34,13 @@ from torch import Tensor, nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from gsm_train.attention.adapter import GSMAttentionAdapter
-from gsm_train.attention.cache_protocol import CachedStep
+from gsm_train.attention.cache_protocol import CachedStep, EarlySelection
 from gsm_train.attention.kv_store import CacheLengths, DeferredEncodings, KVStore, append_pair, pack_tails
-from gsm_train.attention.settings import gsm_settings
+from gsm_train.attention.settings import GSMSettings, gsm_settings
 from gsm_train.functional.gate_keys import GATE_KEY_DTYPE, encode_gate_keys
 from gsm_train.functional.gate_rope import GateKeyRotation
 from gsm_train.functional.top_k import scheduled_k
-from gsm_train.inference.decode_attention import decode_attention
+from gsm_train.inference.decode_attention import decode_attention, device_selection, selects_on_device
 from gsm_train.inference.prefill import chunk_attention, dense_chunk_attention
 from gsm_train.kernels import gate_token
 from gsm_train.kernels.decode_topk import kernel_ready
@@ -84,6 +85,7 @@ class GSMCacheLayer(CacheLayerMixin):
         self.gate_key_scales: Tensor | None = None  # fp16 [B, n, capacity, 1] for int8 gate keys
         self.source: GSMCacheLayer | None = None  # the bridge source's cache, for a bridge target
         self.recent_raw: tuple[Tensor, Tensor] | None = None  # a prompt chunk's raw K/V since the last packed block
+        self.early_selection: EarlySelection | None = None  # this token step's, started by `select_ahead`
         self.buffers: list[Tensor] = []  # every buffer of the layer (stores and gate keys), once allocated
 
     @property
@@ -189,20 +191,54 @@ class GSMCacheLayer(CacheLayerMixin):
     def token_gate(self, gate: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor) -> Tensor | None:
         """A token step on the device path: the gate's query [B, n, 1, dg] (fp32) of the new token, its key
         written at the slot the device lengths name, by `kernels.gate_token` (projections split over d, then
-        RoPE, encoding, write). None elsewhere (the PyTorch path, a prompt chunk, a bridge target, a gate the
-        kernel does not serve): then `run_gate` runs the gate module and `keep_gate_keys`."""
-        q_weight, k_weight = gate.q_proj.weight, gate.k_proj.weight
-        if not (
+        RoPE, encoding, write), or the query `select_ahead` computed so already. None elsewhere (the PyTorch
+        path, a prompt chunk, a bridge target, a gate the kernel does not serve): then `run_gate` runs the gate
+        module and `keep_gate_keys`."""
+        if self.early_selection is not None:
+            return self.early_selection.gate_query
+        if not self._gate_kernel_runs(gate, hidden):
+            return None
+        return self._gate_kernel(gate, hidden, cos, sin)
+
+    def _gate_kernel_runs(self, gate: nn.Module, hidden: Tensor) -> bool:
+        """Whether `kernels.gate_token` serves this call (a token step on the device path, no bridge target)."""
+        return (
             self.cache.token_step
             and self.kernels is not None
             and self.source is None
-            and gate_token.kernel_runs(hidden, q_weight, k_weight, gate.gate_head_dim)
-        ):
-            return None
+            and gate_token.kernel_runs(hidden, gate.q_proj.weight, gate.k_proj.weight, gate.gate_head_dim)
+        )
+
+    def _gate_kernel(self, gate: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         return gate_token.gate_token(
-            hidden, q_weight, k_weight, cos, sin, gate.rope_freq_index,
+            hidden, gate.q_proj.weight, gate.k_proj.weight, cos, sin, gate.rope_freq_index,
             self.gate_keys, self.gate_key_scales, self.lengths.device,
         )  # fmt: skip
+
+    def select_ahead(self, settings: GSMSettings, hidden: Tensor, cos: Tensor, sin: Tensor) -> None:
+        """Start a token step's gate (`kernels.gate_token`) and key selection (`decode_attention.device_selection`)
+        from the layer's input, before its q/k/v projections, where both run on the device path and the cache
+        overlaps them (`GSMCache(overlap_selection=...)`): on CUDA on the cache's side stream, forked from the
+        current one, so the selection's few latency-bound kernels run beside the projections' GEMMs; under
+        Triton's interpreter in order. The decode attention takes it (`take_early_selection`); the gate and
+        the selection compute what they compute in the layer's attention otherwise."""
+        self.early_selection = None
+        gate = self.adapter.gate
+        if gate is None or not self.cache.overlap_selection or not self._gate_kernel_runs(gate, hidden):
+            return
+        if not selects_on_device(self.adapter, settings, self):
+            return
+        side = self.cache.side_stream
+        with _forked(side):
+            gate_query = self._gate_kernel(gate, hidden, cos, sin)
+            index, valid = device_selection(settings, gate_query, self)
+        self.early_selection = EarlySelection(gate_query, index, valid, side)
+
+    def take_early_selection(self) -> EarlySelection | None:
+        """The selection `select_ahead` started for this step, once (None: none); `EarlySelection.joined` joins
+        its stream."""
+        early, self.early_selection = self.early_selection, None
+        return early
 
     def attends_itself(self) -> bool:
         """Whether this call's attention runs over the cache (a token or a prompt chunk after earlier
@@ -238,6 +274,7 @@ class GSMCacheLayer(CacheLayerMixin):
         """The layer's part of `GSMCache.reset`: no prompt rows kept (its buffers are zeroed there, every
         layer's in one op)."""
         self.recent_raw = None
+        self.early_selection = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise GSMError("a GSM cache does not support beam search; generate with num_beams=1")
@@ -261,7 +298,10 @@ class GSMCache(Cache):
     forward, every layer's in one encoding, bit for bit what packing each layer as it runs stores on the CPU
     (default: on a GPU, where it saves ~80 kernel launches a layer; on the CPU packing each layer while its
     rows are in cache is faster). `dense_block_kernel`: a layer that reads every key decodes over its packed
-    store a block a tile (`kernels.dense_decode`; default: what `enable_gsm_generation` set, else on)."""
+    store a block a tile (`kernels.dense_decode`; default: what `enable_gsm_generation` set, else on).
+    `overlap_selection`: on the fused path a token step's gate and key selection of each layer start before
+    the layer's projections, on a side stream on CUDA (`GSMCacheLayer.select_ahead`; default: what
+    `enable_gsm_generation` set, else on)."""
 
     def __init__(
         self,
@@ -271,6 +311,7 @@ class GSMCache(Cache):
         prefill: str | None = None,
         pack_after_forward: bool | None = None,
         dense_block_kernel: bool | None = None,
+        overlap_selection: bool | None = None,
     ) -> None:
         settings = gsm_settings(model)
         if not settings.enabled:
@@ -286,6 +327,10 @@ class GSMCache(Cache):
         block_kernel = generation.get("dense_block_kernel", True) if dense_block_kernel is None else dense_block_kernel
         self.dense_block_kernel = bool(block_kernel) and self.kernels is not None
         device = next(model.parameters()).device
+        overlap = generation.get("overlap_selection", True) if overlap_selection is None else overlap_selection
+        self.overlap_selection = bool(overlap) and self.kernels is not None
+        # the stream a token step's selections run on beside the layers' projections (`select_ahead`)
+        self.side_stream = torch.cuda.Stream(device) if self.overlap_selection and device.type == "cuda" else None
         self.lengths = CacheLengths(device)
         self.positions = torch.arange(self.capacity, device=device)  # every slot's position, made once
         sparse = config.sparse_attention
@@ -402,6 +447,10 @@ class GSMCache(Cache):
             self.deferred_encodings.flush()
             self.deferred_encodings = None
         self.pending = 0
+        for layer in self.layers:  # a selection no attention took (a forward that raised): its stream joined
+            early = layer.take_early_selection()
+            if early is not None:
+                early.joined()
 
     def tail_full(self) -> bool:
         """Whether the newest block is full (a next token must start a new one; host lengths)."""
@@ -463,6 +512,18 @@ class GSMCache(Cache):
                     t.numel() * t.element_size() for t in (layer.gate_keys, layer.gate_key_scales) if t is not None
                 )
         return total
+
+
+@contextlib.contextmanager
+def _forked(stream: torch.cuda.Stream | None) -> Iterator[None]:
+    """Inside: work is issued on `stream`, which first waits for the current stream's work so far (None: on the
+    current stream). Whoever reads what it computes joins it first (`EarlySelection.joined`)."""
+    if stream is None:
+        yield
+        return
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    with torch.cuda.stream(stream):
+        yield
 
 
 def _round_capacity(capacity: int, config: Any) -> int:

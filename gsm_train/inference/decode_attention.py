@@ -24,6 +24,7 @@ from transformers.integrations.sdpa_attention import repeat_kv
 
 from gsm_train.attention.adapter import GSMAttentionAdapter
 from gsm_train.attention.cache_protocol import CachedStep, LayerCache
+from gsm_train.attention.settings import GSMSettings
 from gsm_train.functional.gate_keys import decode_gate_keys
 from gsm_train.functional.top_k import k_per_query
 from gsm_train.kernels import kernel_fits
@@ -235,7 +236,11 @@ def _fused_selection(layer_cache: LayerCache) -> bool:
 
 def select_keys(step: CachedStep, layer_cache: LayerCache) -> tuple[Tensor, Tensor | None]:
     """The cached positions [B, n, k] the newest token attends to and which are valid ([B, n, k] or None):
-    the gate's top-k in sparse mode (its key is held already), every position in dense mode."""
+    the gate's top-k in sparse mode (its key is held already), every position in dense mode. What the cache
+    selected ahead of the layer's projections (`LayerCache.select_ahead`), where it did."""
+    early = layer_cache.take_early_selection()
+    if early is not None:
+        return early.joined()
     adapter, settings = step.adapter, step.settings
     cfg = settings.config.sparse_attention
     mode = adapter.attention_mode(settings)
@@ -244,34 +249,56 @@ def select_keys(step: CachedStep, layer_cache: LayerCache) -> tuple[Tensor, Tens
     gate, gate_q = adapter.gate, step.gate_query  # the token's gate key is in the cache already
     if _reads_every_key(step):
         return _every_position(step, layer_cache)
-    position = layer_cache.lengths.seq_len - 1  # on the host: the schedule's k (a captured step bakes it)
-    k = decode_k(settings.config, position)
-    kernels = layer_cache.kernels
-    if _fused_selection(layer_cache) and fused_scores(gate.gate_head_dim, gate.query_heads):
-        capacity = layer_cache.gate_keys.shape[2]
-        scores = kernels.gate_scores(
-            gate_q,
-            layer_cache.gate_keys,
-            layer_cache.gate_key_scales,
-            layer_cache.lengths.device,
-            cfg.sink_tokens,
-            cfg.recent_tokens,
-            layer_cache.key_valid,
-        )
-        if cfg.top_k_schedule != "constant":  # k read on the device: one captured step per K_STEP of k
-            k_static = static_k(captured_k(settings.config, position), cfg.most_forced_keys(), capacity)
-            k_now = layer_cache.k_by_position[layer_cache.lengths.slots[0:1]]
-            return ranked_selection(scores, k_static, k_now)
-        k_static = static_k(k, cfg.most_forced_keys(), capacity)
-        index = unordered_top_k(scores, k_static)
-        if layer_cache.key_valid is None and layer_cache.lengths.seq_len >= k_static:
-            return index, None  # every pick is a held key, at this step and (lengths only grow) every later one
-        return index, torch.gather(scores, -1, index) > float("-inf")
+    if selects_on_device(adapter, settings, layer_cache):
+        return device_selection(settings, gate_q, layer_cache)
     length = layer_cache.lengths.seq_len
+    position = length - 1
     keys = decode_gate_keys(layer_cache.gate_keys[:, :, :length], _held(layer_cache.gate_key_scales, length))
     scores = gate.score_stored(gate_q, keys)[:, :, 0]
     allowed = None if layer_cache.key_valid is None else layer_cache.key_valid[:, :length]
-    return top_k_positions(scores, allowed, k, position, cfg.sink_tokens, cfg.recent_tokens, fused=kernels is not None)
+    k = decode_k(settings.config, position)
+    fused = layer_cache.kernels is not None
+    return top_k_positions(scores, allowed, k, position, cfg.sink_tokens, cfg.recent_tokens, fused=fused)
+
+
+def selects_on_device(adapter: GSMAttentionAdapter, settings: GSMSettings, layer_cache: LayerCache) -> bool:
+    """Whether a token step of this layer takes its gate's top-k on the device path (`device_selection`): sparse
+    mode with a gate the score kernel serves, over a cache whose kernels run and which is no bridge target."""
+    gate = adapter.gate
+    return (
+        gate is not None
+        and adapter.attention_mode(settings) == "sparse"
+        and _fused_selection(layer_cache)
+        and fused_scores(gate.gate_head_dim, gate.query_heads)
+    )
+
+
+def device_selection(settings: GSMSettings, gate_q: Tensor, layer_cache: LayerCache) -> tuple[Tensor, Tensor | None]:
+    """The gate's top-k positions [B, n, k] of the newest token and which are valid ([B, n, k] or None), from
+    its gate query [B, n, 1, dg] (its key held already) by the score and top-k kernels, which read the
+    lengths on the device: no host value of the step's but the schedule's k enters, so a CUDA graph captures
+    it (`selects_on_device` says where it serves)."""
+    cfg = settings.config.sparse_attention
+    position = layer_cache.lengths.seq_len - 1  # on the host: the schedule's k (a captured step bakes it)
+    capacity = layer_cache.gate_keys.shape[2]
+    scores = layer_cache.kernels.gate_scores(
+        gate_q,
+        layer_cache.gate_keys,
+        layer_cache.gate_key_scales,
+        layer_cache.lengths.device,
+        cfg.sink_tokens,
+        cfg.recent_tokens,
+        layer_cache.key_valid,
+    )
+    if cfg.top_k_schedule != "constant":  # k read on the device: one captured step per K_STEP of k
+        k_static = static_k(captured_k(settings.config, position), cfg.most_forced_keys(), capacity)
+        k_now = layer_cache.k_by_position[layer_cache.lengths.slots[0:1]]
+        return ranked_selection(scores, k_static, k_now)
+    k_static = static_k(decode_k(settings.config, position), cfg.most_forced_keys(), capacity)
+    index = unordered_top_k(scores, k_static)
+    if layer_cache.key_valid is None and layer_cache.lengths.seq_len >= k_static:
+        return index, None  # every pick is a held key, at this step and (lengths only grow) every later one
+    return index, torch.gather(scores, -1, index) > float("-inf")
 
 
 def _held(scales: Tensor | None, length: int) -> Tensor | None:

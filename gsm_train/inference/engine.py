@@ -51,6 +51,7 @@ def enable_gsm_generation(
     greedy_loop: bool = True,
     reuse_cache: bool = True,
     dense_block_kernel: bool = True,
+    overlap_selection: bool = True,
 ) -> None:
     """Make `model.generate` and `model.forward` use GSM's cache as the module docstring says (idempotent).
     `cuda_graphs`: replay token steps from CUDA graphs where they can be captured (`graphs_supported`).
@@ -65,7 +66,9 @@ def enable_gsm_generation(
     is then emptied by the next call. Calling this again drops the kept cache.
     `dense_block_kernel`: on the fused path a layer that reads every key (dense and retrieval layers) decodes
     over its packed store a compressor block a tile (`kernels.dense_decode`; False: the selection kernel over
-    every position)."""
+    every position).
+    `overlap_selection`: on the fused path each layer's gate and key selection of a token step start before the
+    layer's projections, on a side CUDA stream (`GSMCacheLayer.select_ahead`; False: inside the attention)."""
     check_prefill(prefill)
     if prefill_chunk is not None and prefill_chunk < 1:
         raise GSMError(
@@ -84,6 +87,7 @@ def enable_gsm_generation(
         "greedy_loop": greedy_loop,
         "reuse_cache": reuse_cache,
         "dense_block_kernel": dense_block_kernel,
+        "overlap_selection": overlap_selection,
         "kept_cache": None,  # the last generate call's cache, for the next (`_generation_cache`)
     }
 
