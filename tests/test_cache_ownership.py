@@ -2,7 +2,9 @@
 
 - the cache's counters (`CacheLengths`: seq_len, packed_len, before and the device copy) change only
   through their own class's methods, and the dense engine's lengths only through `DenseCache`'s;
-- gate keys reach a cache from one place, `dispatch.run_gate`, and only the layer cache writes its buffers;
+- gate keys reach a cache from one module, `attention/dispatch.py` (`run_gate`, and on a token step
+  `gate_ahead_hook`, which lets the cache start the gate before the layer's projections), and only the layer
+  cache writes its buffers;
 - one protocol per object, both in `attention/cache_protocol.py` (`attention/` never imports `inference/`):
   `GenerationCache` for the whole cache, `LayerCache` for one layer's (its methods and the data decode and
   prefill read); they describe the classes that implement them, share no name with a class, and every
@@ -30,6 +32,7 @@ SOURCES = sorted([*(REPO / "gsm_train").rglob("*.py"), *(REPO / "benchmarks").rg
 COUNTERS = {"seq_len", "packed_len", "before", "_seq_len", "_packed_len", "_before", "length", "device_length"}
 DEVICE_COUNTERS = {"device": "CacheLengths", "slots": "CacheLengths", "device_length": "DenseCache"}  # tensor -> owner
 GATE_KEY_BUFFERS = {"gate_keys", "gate_key_scales"}
+GATE_KEY_ENTRIES = ("keep_gate_keys", "token_gate", "select_ahead")  # the layer cache's methods that write them
 
 
 def _parents(tree: ast.AST) -> dict[ast.AST, ast.AST]:
@@ -110,15 +113,15 @@ def counter_writes(source: str) -> list[str]:
 
 
 def gate_key_writes(source: str) -> list[str]:
-    """Where `source` writes gate keys into a cache: every call of `keep_gate_keys` (named with the function
-    it is in), and every write into a `gate_keys` / `gate_key_scales` buffer outside `GSMCacheLayer`."""
+    """Where `source` writes gate keys into a cache: every call of a `GATE_KEY_ENTRIES` method (named with the
+    function it is in), and every write into a `gate_keys` / `gate_key_scales` buffer outside `GSMCacheLayer`."""
     tree = ast.parse(source)
     parents = _parents(tree)
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-            if node.func.attr == "keep_gate_keys":
-                found.append(f"keep_gate_keys called in {_enclosing_function(node, parents)}")
+            if node.func.attr in GATE_KEY_ENTRIES:
+                found.append(f"{node.func.attr} called in {_enclosing_function(node, parents)}")
             owner = _attribute_under(node.func.value)
             in_place = node.func.attr.endswith("_") and not node.func.attr.startswith("_")
             if in_place and owner is not None and owner.attr in GATE_KEY_BUFFERS:
@@ -183,19 +186,25 @@ def test_a_chunks_counters_reach_the_gpu_without_waiting_for_its_queue() -> None
     assert lengths.device.tolist() == [130, 128] and lengths.slots.tolist() == [129, 1]
 
 
-def test_gate_keys_are_written_from_one_place() -> None:
-    found = {_relative(p): writes for p in SOURCES if (writes := gate_key_writes(p.read_text()))}
-    assert found == {_relative(Path(inspect.getsourcefile(run_gate))): ["keep_gate_keys called in run_gate"]}
+def test_gate_keys_are_written_from_one_module() -> None:
+    found = {_relative(p): sorted(writes) for p in SOURCES if (writes := gate_key_writes(p.read_text()))}
+    expected = [
+        "keep_gate_keys called in run_gate",
+        "select_ahead called in gate_ahead_hook",
+        "token_gate called in run_gate",
+    ]
+    assert found == {_relative(Path(inspect.getsourcefile(run_gate))): expected}
 
 
 def test_the_gate_key_check_refuses_a_second_writer() -> None:
     second = """
 def chunk_attention(step, layer_cache):
     layer_cache.keep_gate_keys(step.gate_k, 8)
+    layer_cache.select_ahead(step.settings, step.hidden, step.cos, step.sin)
     layer_cache.gate_keys[:, :, 0:4] = step.codes
     layer_cache.gate_key_scales.index_copy_(2, step.slot, step.scales)
 """
-    assert len(gate_key_writes(second)) == 3
+    assert len(gate_key_writes(second)) == 4
 
 
 def test_the_protocols_describe_the_cache_and_share_no_class_name() -> None:

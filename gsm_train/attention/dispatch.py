@@ -94,8 +94,9 @@ def run_gate(
     `detach`: the hidden states detached). Without `query` (a dense prefill, which selects nothing) it only
     hands the cache the keys' projections and their RoPE to apply (`keep_gate_keys`, which rotates a chunk's
     keys of every layer in one call), and returns (None, None). A generation cache keeps the keys: the one
-    place GSM writes gate keys into a cache (on a token step's device path the cache's `token_gate` runs the
-    gate in one kernel and the keys come back None)."""
+    place GSM writes gate keys into a cache but `gate_ahead_hook` (on a token step's device path the cache's
+    `token_gate` runs the gate in one kernel, or hands over what `select_ahead` ran, and the keys come back
+    None)."""
     gate = adapter.gate
     hidden, cos, sin = inputs
     hidden = hidden.detach() if detach else hidden
@@ -112,6 +113,18 @@ def run_gate(
     if layer_cache is not None:
         layer_cache.keep_gate_keys(kept, gate.key_bits, rotation)
     return gate_q, gate_k
+
+
+def gate_ahead_hook(attention: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Pre-hook of a GSM attention module, after `forward_state`'s (which keeps the layer's input): over a
+    generation cache, let the layer's cache start a token step's gate and key selection before the layer's
+    projections run (`LayerCache.select_ahead`: where they take the device path; the gate's key is written
+    then, and `run_gate` takes the gate's query from it)."""
+    state: ForwardState | None = kwargs.get(FORWARD_KWARG)
+    if state is None or state.cache is None or not state.settings.enabled:
+        return
+    hidden, cos, sin = state.layer_inputs[attention.layer_idx]
+    state.layer_cache(attention.layer_idx).select_ahead(state.settings, hidden, cos, sin)
 
 
 def _gate_runs_in_dense(layer: LayerPass) -> bool:

@@ -200,17 +200,13 @@ def _start_forward(stack: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, 
 
 
 def _keep_layer_input(attention: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Pre-hook of an attention module: keep its input (hidden, cos, sin) in the forward's state, and let a
-    generation cache start the layer's key selection before the projections run (`LayerCache.select_ahead`)."""
+    """Pre-hook of an attention module: keep its input (hidden, cos, sin) in the forward's state."""
     state = kwargs.get(FORWARD_KWARG)
     if state is None:
         return
     hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
     cos, sin = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[1]
     state.layer_inputs[attention.layer_idx] = (hidden, cos, sin)
-    layer_cache = state.layer_cache(attention.layer_idx)
-    if layer_cache is not None and state.settings.enabled:
-        layer_cache.select_ahead(state.settings, hidden, cos, sin)
 
 
 def _end_forward(stack: nn.Module, args: tuple, kwargs: dict, output: object) -> None:

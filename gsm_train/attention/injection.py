@@ -19,7 +19,7 @@ from transformers import AttentionInterface, PreTrainedModel, masking_utils
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function, sdpa_mask
 
 from gsm_train.attention.adapter import GSMAttentionAdapter
-from gsm_train.attention.dispatch import ATTN_IMPLEMENTATION, gsm_attention_forward
+from gsm_train.attention.dispatch import ATTN_IMPLEMENTATION, gate_ahead_hook, gsm_attention_forward
 from gsm_train.attention.forward_state import install_forward_hooks
 from gsm_train.attention.settings import GSMSettings, has_gsm, put_settings
 from gsm_train.config.schema import GSMConfig
@@ -165,6 +165,8 @@ def inject_gsm(model: PreTrainedModel, config: GSMConfig, mode: str = "dense") -
         if attn.gsm.gate is not None:
             gate_layers.append(layer_idx)
     install_forward_hooks(model)
+    for attn in attention_modules(model):  # after forward_state's, which keeps the input it reads
+        attn.register_forward_pre_hook(gate_ahead_hook, with_kwargs=True)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     settings = GSMSettings(
         config=config,
