@@ -20,7 +20,9 @@ step, whose loss must be the same (`resumed_loss_abs_diff`). A checkpoint the --
 (its trainables and Adam moments against the free bytes) is not written: the row says so
 (`checkpoint_error`). With --profile-steps N, N more steps run under torch.profiler and the row keeps
 its largest kernels and, on CUDA, `kernel_ms` (every kernel's time of one step, summed) and `gpu_busy`
-(that over the step's median time: well below 1, the step waits on the host, not on the GPU). Each row
+(that over the step's median time: well below 1, the step waits on the host, not on the GPU) and `host_syncs`
+(one more step under torch's CUDA sync debug mode: the Python lines that made the host wait for the GPU,
+counted; a sync inside a layer runs once a layer and leaves the GPU idle while the host catches up). Each row
 records the median step time, tokens/s, the peak GPU memory from before its model was built to its last
 timed step, and model FLOPs utilisation: model FLOPs per token over the GPU's dense bf16 peak (989 TFLOP/s
 for an H100 or H200), where, with N the parameters of the matrix products (every linear layer and the
@@ -52,6 +54,8 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -268,15 +272,30 @@ def _measured(config: RecipeConfig, recipe: str, kind: str, args: argparse.Names
 
 def _profile(session: TrainingSession, steps: int, step_ms: float) -> dict[str, Any]:
     """`steps` more training steps profiled: the `PROFILE_TOP` largest kernels (ops on the CPU) per step, and on
-    CUDA every kernel's time of a step summed (`kernel_ms`) and its share of the timed steps' `step_ms`
-    (`gpu_busy`)."""
+    CUDA every kernel's time of a step summed (`kernel_ms`), its share of the timed steps' `step_ms`
+    (`gpu_busy`) and where one more step waits for the GPU (`_host_syncs`)."""
     cuda = session.info.device.type == "cuda"
     kernels = profile_step(lambda: session.step().means[0].item(), steps, cuda)
     figures: dict[str, Any] = {"kernels": kernels[:PROFILE_TOP]}
     if cuda:
         kernel_ms = sum(row["total_us"] for row in kernels) / 1e3
-        figures |= {"kernel_ms": kernel_ms, "gpu_busy": kernel_ms / step_ms}
+        figures |= {"kernel_ms": kernel_ms, "gpu_busy": kernel_ms / step_ms, "host_syncs": _host_syncs(session)}
     return figures
+
+
+def _host_syncs(session: TrainingSession) -> dict[str, int]:
+    """Where one training step (its loss read on the host, as the trainer's log does) makes the host wait for
+    the GPU: the Python line of each synchronizing CUDA call torch's sync debug mode warns of, counted, the
+    most first."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            session.step().means[0].item()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    sites = Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
+    return dict(sites.most_common())
 
 
 def _forward_ms(session: TrainingSession, steps: int) -> float:
