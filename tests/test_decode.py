@@ -836,6 +836,33 @@ def test_a_token_step_selects_ahead_of_the_projections_as_inside_its_attention(
 
 
 @triton_kernel_test
+def test_a_selection_left_by_a_forward_that_raised_is_dropped_before_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A token step that raises between a layer's pre-hook (which started its selection) and its attention skips
+    `end_forward`; the cache's next forward or reset joins and drops that selection, so no layer hands a stale
+    one to a later step."""
+    sections = {"sparse_attention": SPARSE, "kv_compression": ASQ}
+    model = _model("llama", sections).to(KERNEL_DEVICE)
+    ids = _ids().to(KERNEL_DEVICE)[:, : FUSED_PROMPT + 1]
+    cache = GSMCache(model, capacity=ids.shape[1], fused=True, prefill="sparse")
+    with torch.no_grad(), mock.patch.object(selection, "INTERPRETED", False):
+        model(ids[:, :FUSED_PROMPT], **cache_kwargs(model, cache), use_cache=True)
+
+        update = GSMCacheLayer.update
+
+        def fails_in_layer_1(layer: GSMCacheLayer, *args: Any, **kwargs: Any) -> Any:
+            if layer.adapter.layer_idx == 1:
+                raise RuntimeError("a layer failed")
+            return update(layer, *args, **kwargs)
+
+        monkeypatch.setattr(GSMCacheLayer, "update", fails_in_layer_1)
+        with pytest.raises(RuntimeError, match="a layer failed"):
+            model(ids[:, FUSED_PROMPT:], **cache_kwargs(model, cache), use_cache=True)
+    assert cache.layers[0].early_selection is None and cache.layers[1].early_selection is not None  # layer 1 selects
+    cache.reset()
+    assert all(layer.early_selection is None for layer in cache.layers)
+
+
+@triton_kernel_test
 @pytest.mark.parametrize("bits", [16, 8])
 def test_gate_score_kernel_equals_pytorch_path(bits: int) -> None:
     from gsm_train.functional.gate_keys import decode_gate_keys, encode_gate_keys

@@ -191,14 +191,17 @@ class GSMCacheLayer(CacheLayerMixin):
     def token_gate(self, gate: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor) -> Tensor | None:
         """A token step on the device path: the gate's query [B, n, 1, dg] (fp32) of the new token, its key
         written at the slot the device lengths name, by `kernels.gate_token` (projections split over d, then
-        RoPE, encoding, write), or the query `select_ahead` computed so already. None elsewhere (the PyTorch
-        path, a prompt chunk, a bridge target, a gate the kernel does not serve): then `run_gate` runs the gate
-        module and `keep_gate_keys`."""
-        if self.early_selection is not None:
-            return self.early_selection.gate_query
-        if not self._gate_kernel_runs(gate, hidden):
-            return None
-        return self._gate_kernel(gate, hidden, cos, sin)
+        RoPE, encoding, write), or the query `select_ahead` computed so already (its stream joined to the current
+        one). None elsewhere (the PyTorch path, a prompt chunk, a bridge target, a gate the kernel does not
+        serve): then `run_gate` runs the gate module and `keep_gate_keys`."""
+        runs = self._gate_kernel_runs(gate, hidden)
+        early = self.early_selection
+        if early is not None:
+            early.joined()  # the query is read from here on, on the current stream
+            if runs:
+                return early.gate_query
+            self.early_selection = None  # the attention runs under another context than its pre-hook (autocast)
+        return self._gate_kernel(gate, hidden, cos, sin) if runs else None
 
     def _gate_kernel_runs(self, gate: nn.Module, hidden: Tensor) -> bool:
         """Whether `kernels.gate_token` serves this call (a token step on the device path, no bridge target)."""
@@ -229,9 +232,13 @@ class GSMCacheLayer(CacheLayerMixin):
         if not selects_on_device(self.adapter, settings, self):
             return
         side = self.cache.side_stream
-        with _forked(side):
-            gate_query = self._gate_kernel(gate, hidden, cos, sin)
-            index, valid = device_selection(settings, gate_query, self)
+        try:
+            with _forked(side):
+                gate_query = self._gate_kernel(gate, hidden, cos, sin)
+                index, valid = device_selection(settings, gate_query, self)
+        except BaseException:
+            _join(side)  # what the side stream was given before the error, joined: nothing of it runs on unseen
+            raise
         self.early_selection = EarlySelection(gate_query, index, valid, side)
 
     def take_early_selection(self) -> EarlySelection | None:
@@ -274,7 +281,6 @@ class GSMCacheLayer(CacheLayerMixin):
         """The layer's part of `GSMCache.reset`: no prompt rows kept (its buffers are zeroed there, every
         layer's in one op)."""
         self.recent_raw = None
-        self.early_selection = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise GSMError("a GSM cache does not support beam search; generate with num_beams=1")
@@ -385,6 +391,7 @@ class GSMCache(Cache):
         the padding mask (if one was made) all valid. Its buffers and captured token steps stay, so a generation
         that reuses the cache replays those steps instead of capturing new ones; what it holds after a prompt
         is what a new cache would hold, bit for bit (tests/test_cache_reuse.py)."""
+        self.join_early_selections()
         self.lengths.clear()
         self.token_step, self.pending, self.deferred_encodings = False, 0, None
         if self.key_valid is not None:  # kept, not dropped: the captured steps read it
@@ -420,6 +427,7 @@ class GSMCache(Cache):
         advance the lengths, pack a full newest block before a token step, take padding from a 2-D
         `attention_mask` [B, tokens so far]. A token step changes the device lengths by device ops only,
         so it can be captured in a CUDA graph (`decode_graph`)."""
+        self.join_early_selections()
         lengths = self.lengths
         end = lengths.seq_len + new_tokens
         if end > self.capacity:
@@ -447,7 +455,13 @@ class GSMCache(Cache):
             self.deferred_encodings.flush()
             self.deferred_encodings = None
         self.pending = 0
-        for layer in self.layers:  # a selection no attention took (a forward that raised): its stream joined
+        self.join_early_selections()
+
+    def join_early_selections(self) -> None:
+        """Every layer's selection no attention took (a forward that raised between a layer's pre-hook and its
+        attention, which skips `end_forward`), dropped, its stream joined first: the next forward, a reset
+        and a capture find none."""
+        for layer in self.layers:
             early = layer.take_early_selection()
             if early is not None:
                 early.joined()
@@ -524,6 +538,12 @@ def _forked(stream: torch.cuda.Stream | None) -> Iterator[None]:
     stream.wait_stream(torch.cuda.current_stream(stream.device))
     with torch.cuda.stream(stream):
         yield
+
+
+def _join(stream: torch.cuda.Stream | None) -> None:
+    """The current stream made to wait for `stream`'s work so far (None: nothing to wait for)."""
+    if stream is not None:
+        torch.cuda.current_stream(stream.device).wait_stream(stream)
 
 
 def _round_capacity(capacity: int, config: Any) -> int:
