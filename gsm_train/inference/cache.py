@@ -23,6 +23,7 @@ same way: the stores, the gate keys and the lengths hold what a sparse prefill o
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import weakref
 from collections.abc import Callable, Iterator
@@ -197,10 +198,11 @@ class GSMCacheLayer(CacheLayerMixin):
         runs = self._gate_kernel_runs(gate, hidden)
         early = self.early_selection
         if early is not None:
-            early.joined()  # the query is read from here on, on the current stream
+            early.joined()  # the query is read from here on, on the current stream: nothing is left to wait for
+            # dropped where the attention runs under another context than its pre-hook (autocast)
+            self.early_selection = dataclasses.replace(early, stream=None) if runs else None
             if runs:
                 return early.gate_query
-            self.early_selection = None  # the attention runs under another context than its pre-hook (autocast)
         return self._gate_kernel(gate, hidden, cos, sin) if runs else None
 
     def _gate_kernel_runs(self, gate: nn.Module, hidden: Tensor) -> bool:
@@ -227,18 +229,17 @@ class GSMCacheLayer(CacheLayerMixin):
         the selection compute what they compute in the layer's attention otherwise."""
         self.early_selection = None
         gate = self.adapter.gate
-        if gate is None or not self.cache.overlap_selection or not self._gate_kernel_runs(gate, hidden):
-            return
-        if not selects_on_device(self.adapter, settings, self):
+        if not (
+            gate is not None
+            and self.cache.overlap_selection
+            and self._gate_kernel_runs(gate, hidden)
+            and selects_on_device(self.adapter, settings, self)
+        ):
             return
         side = self.cache.side_stream
-        try:
-            with _forked(side):
-                gate_query = self._gate_kernel(gate, hidden, cos, sin)
-                index, valid = device_selection(settings, gate_query, self)
-        except BaseException:
-            _join(side)  # what the side stream was given before the error, joined: nothing of it runs on unseen
-            raise
+        with _forked(side):
+            gate_query = self._gate_kernel(gate, hidden, cos, sin)
+            index, valid = device_selection(settings, gate_query, self)
         self.early_selection = EarlySelection(gate_query, index, valid, side)
 
     def take_early_selection(self) -> EarlySelection | None:
@@ -455,7 +456,6 @@ class GSMCache(Cache):
             self.deferred_encodings.flush()
             self.deferred_encodings = None
         self.pending = 0
-        self.join_early_selections()
 
     def join_early_selections(self) -> None:
         """Every layer's selection no attention took (a forward that raised between a layer's pre-hook and its
@@ -531,19 +531,19 @@ class GSMCache(Cache):
 @contextlib.contextmanager
 def _forked(stream: torch.cuda.Stream | None) -> Iterator[None]:
     """Inside: work is issued on `stream`, which first waits for the current stream's work so far (None: on the
-    current stream). Whoever reads what it computes joins it first (`EarlySelection.joined`)."""
+    current stream). Whoever reads what it computes joins it first (`EarlySelection.joined`); an error inside
+    joins it before it propagates, so nothing issued there runs unseen."""
     if stream is None:
         yield
         return
-    stream.wait_stream(torch.cuda.current_stream(stream.device))
-    with torch.cuda.stream(stream):
-        yield
-
-
-def _join(stream: torch.cuda.Stream | None) -> None:
-    """The current stream made to wait for `stream`'s work so far (None: nothing to wait for)."""
-    if stream is not None:
-        torch.cuda.current_stream(stream.device).wait_stream(stream)
+    current = torch.cuda.current_stream(stream.device)
+    stream.wait_stream(current)
+    try:
+        with torch.cuda.stream(stream):
+            yield
+    except BaseException:
+        current.wait_stream(stream)
+        raise
 
 
 def _round_capacity(capacity: int, config: Any) -> int:
