@@ -36,6 +36,7 @@ run_gensmol() { need_model; python -m benchmarks.generate --eval-data $D/wikitex
 run_gen8b() { python -m benchmarks.generate --eval-data $D/wikitext-2/valid.txt --rows 8b_32k_bs16,8b_128k_bs1,8b_32k_bs1 --methods dense_static_compiled,dense_engine --fused-decode --dense-block-kernel --result $R/generate_8b.json; }
 run_gen8b_bs1() { python -m benchmarks.generate --eval-data $D/wikitext-2/valid.txt --rows 8b_32k_bs1,8b_128k_bs1 --methods dense_engine --fused-decode --dense-block-kernel --result $R/generate_8b_bs1.json; }
 run_int4_frozen() { need_model; need_prose; python -m benchmarks.int4_hybrid --parts ppl --eval-data $D/wikitext-2/valid.txt --smollm2-export /tmp/JF/runs/joint_long/export --smollm2-weights int4-g32 --calibration-data "$D/prose/*.txt.xz" --result $R/int4_hybrid_g32_frozen_base.json; }
+run_int4_8b_bs1() { python -m benchmarks.int4_hybrid --parts 8b --rows 8b_32k_bs1,8b_128k_bs1 --methods dense_engine --result $R/int4_hybrid_8b_bs1.json; }
 run_scale_mlp() { python -m benchmarks.scale_8b --profile-steps 2 --checkpointing mlp --only dense_lora joint_lora --result $R/scale_8b_lora_mlp.json; }
 run_scale_tf32() { python -m benchmarks.scale_8b --profile-steps 2 --checkpointing mlp --only joint_lora --set train.fp32_matmul=tf32 --result $R/scale_8b_joint_lora_tf32.json; }
 run_overlap() {
