@@ -37,6 +37,10 @@ run_gen8b() { python -m benchmarks.generate --eval-data $D/wikitext-2/valid.txt 
 run_gen8b_bs1() { python -m benchmarks.generate --eval-data $D/wikitext-2/valid.txt --rows 8b_32k_bs1,8b_128k_bs1 --methods dense_engine --fused-decode --dense-block-kernel --result $R/generate_8b_bs1.json; }
 run_int4_frozen() { need_model; need_prose; python -m benchmarks.int4_hybrid --parts ppl --eval-data $D/wikitext-2/valid.txt --smollm2-export /tmp/JF/runs/joint_long/export --smollm2-weights int4-g32 --calibration-data "$D/prose/*.txt.xz" --result $R/int4_hybrid_g32_frozen_base.json; }
 run_int4_8b_bs1() { python -m benchmarks.int4_hybrid --parts 8b --rows 8b_32k_bs1,8b_128k_bs1 --methods dense_engine --result $R/int4_hybrid_8b_bs1.json; }
+run_prefill() {
+  python -m benchmarks.prefill_profile --model smollm2 --context 8144 --result $R/prefill_smollm2_8k.json
+  python -m benchmarks.prefill_profile --model 8b --context 32768 --result $R/prefill_8b_32k.json
+}
 run_scale_mlp() { python -m benchmarks.scale_8b --profile-steps 2 --checkpointing mlp --only dense_lora joint_lora --result $R/scale_8b_lora_mlp.json; }
 run_scale_tf32() { python -m benchmarks.scale_8b --profile-steps 2 --checkpointing mlp --only joint_lora --set train.fp32_matmul=tf32 --result $R/scale_8b_joint_lora_tf32.json; }
 run_overlap() {
@@ -45,7 +49,7 @@ run_overlap() {
     python -m benchmarks.decode_step_profile --fused --serial-selection --context $ctx --batch $batch --steps 10 --result $R/decode_overlap_${ctx}_$batch.json
   done
 }
-run_gputests() { timeout 480 python -m pytest -n 8 -p no:cacheprovider -q tests/test_decode.py tests/test_own_block_attention.py tests/test_joint.py tests/test_tuning.py tests/test_generation.py tests/test_decode_fusion.py tests/test_cache_reuse.py tests/test_greedy_loop.py; }
+run_gputests() { timeout 480 python -m pytest -n 8 -p no:cacheprovider -q tests/test_asq_pack_kernel.py tests/test_prefill.py tests/test_prefill_cost.py tests/test_decode.py tests/test_own_block_attention.py tests/test_joint.py tests/test_tuning.py tests/test_generation.py tests/test_decode_fusion.py tests/test_cache_reuse.py tests/test_greedy_loop.py; }
 run_scale_full() { python -m benchmarks.scale_8b --profile-steps 2 --only dense_full joint_full --result $R/scale_8b_full.json; }
 run_asq_ab() { python -m benchmarks.asq_attention --shape llama3-8b --only flex_visible_tiles flex_visible_tiles_rows_guaranteed_safe dense_causal_sdpa_T_keys bound_flex_mask_reads_only_the_selection bound_flex_visible_tiles_without_a_mask --result $R/asq_attention_mask.json; }
 run_decode_bs16() { python -m benchmarks.decode_step_profile --fused --dense-block-kernel --context 32768 --batch 16 --steps 10 --result $R/decode_step_profile_32k_bs16.json; }

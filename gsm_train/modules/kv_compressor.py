@@ -36,6 +36,7 @@ from gsm_train.functional.asq import (
     reconstruction_and_distortion,
     width_runs,
 )
+from gsm_train.kernels import asq_pack
 from gsm_train.quant import (
     EPS,
     STORE_DTYPE,
@@ -143,22 +144,18 @@ def packed_together(compressors: list[nn.Module], rows: list[Tensor]) -> list[di
         _check(part.shape[-2] % compressor.block_size == 0, "x", f"must hold whole blocks of {compressor.block_size}")
         compressor._check_input(part, leading_heads=True)
     order = sorted(range(len(compressors)), key=lambda i: compressors[i].quant_bits)  # each width's heads together
-    widths = [compressors[i].quant_bits for i in order]
+    runs = width_runs(tuple(compressors[i].quant_bits for i in order))
     heads = shape[1]
-    blocks, _ = split_blocks(torch.cat([rows[i] for i in order], 1), first.block_size)
-    blocks = blocks.to(compute_dtype(blocks))
+    joined = torch.cat([rows[i] for i in order], 1)
     mlps = [compressors[i]._mlp(heads) for i in order]
     w1, b1, w2, b2 = (torch.cat(parts, 0) for parts in zip(*mlps, strict=True))
-    with torch.no_grad(), torch.autocast(device_type=blocks.device.type, enabled=False):
-        enc = encode_blocks(blocks, w1, b1, w2, b2, first.tau, tuple(widths), first.rotation)
-    b, _, n, bs, d = blocks.shape
-    # each field cast once for all; the residual codes packed once per width, at its heads' place in `order`
-    ids = enc.ids.reshape(b, -1, n * bs).to(torch.uint8)
-    scale = enc.scale.reshape(b, -1, n * bs).to(STORE_DTYPE)
-    prototypes, q = enc.prototypes.to(STORE_DTYPE), enc.q.reshape(b, -1, n * bs, d)
-    runs = width_runs(tuple(widths))
-    parts = q.split([count * heads for _, count in runs], 1)
-    residuals = [pack_codes(part, width) for part, (width, _) in zip(parts, runs, strict=True)]
+    with torch.no_grad(), torch.autocast(device_type=joined.device.type, enabled=False):
+        if asq_pack.kernel_runs(joined, first.block_size, first.cluster_num, first.hidden_dim):
+            ids, residuals, scale, prototypes = asq_pack.pack_blocks(
+                joined, w1, b1, w2, b2, first.tau, runs, first.rotation, first.block_size
+            )
+        else:
+            ids, residuals, scale, prototypes = _encoded_fields(joined, (w1, b1, w2, b2), first, runs, heads)
     places = [(run, at) for run, (_, count) in enumerate(runs) for at in range(count)]  # each place's run, index
     fields: list[dict[str, Tensor]] = [{} for _ in compressors]
     for place, i in enumerate(order):
@@ -171,6 +168,26 @@ def packed_together(compressors: list[nn.Module], rows: list[Tensor]) -> list[di
             "prototypes": prototypes[:, side],
         }
     return fields
+
+
+def _encoded_fields(
+    joined: Tensor, mlp: tuple[Tensor, ...], first: ASQCompressor, runs: list[tuple[int, int]], heads: int
+) -> tuple[Tensor, list[Tensor], Tensor, Tensor]:
+    """`packed_together`'s encoding in PyTorch (`encode_blocks`): (ids uint8 [B, H', n * bs], the residual
+    codes of each run of widths, scales fp16 [B, H', n * bs], prototypes fp16 [B, H', n, C, D]) of whole
+    blocks `joined` [B, H', n * bs, D], `heads` heads a group and `runs` (width, groups) in head order."""
+    blocks, _ = split_blocks(joined, first.block_size)
+    blocks = blocks.to(compute_dtype(blocks))
+    widths = tuple(width for width, count in runs for _ in range(count))
+    enc = encode_blocks(blocks, *mlp, first.tau, widths, first.rotation)
+    b, _, n, bs, d = blocks.shape
+    # each field cast once for all; the residual codes packed once per width
+    ids = enc.ids.reshape(b, -1, n * bs).to(torch.uint8)
+    scale = enc.scale.reshape(b, -1, n * bs).to(STORE_DTYPE)
+    prototypes, q = enc.prototypes.to(STORE_DTYPE), enc.q.reshape(b, -1, n * bs, d)
+    parts = q.split([count * heads for _, count in runs], 1)
+    residuals = [pack_codes(part, width) for part, (width, _) in zip(parts, runs, strict=True)]
+    return ids, residuals, scale, prototypes
 
 
 def _stored_fields(ids: Tensor, q: Tensor, scale: Tensor, prototypes: Tensor, bits: int) -> dict[str, Tensor]:
