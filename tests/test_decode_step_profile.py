@@ -78,7 +78,7 @@ def test_smollm2_s_shapes_take_the_8k_recipe_s_layers(tmp_path: Path) -> None:
     layers)."""
     path = tmp_path / "smollm2.json"
     decode_step_profile.main(
-        ["--model", "smollm2", "--context", "600", "--count", "--device", "cpu", "--result", str(path)]
+        ["--model", "smollm2", "--context", "300", "--count", "--device", "cpu", "--result", str(path)]
     )
     per_layer = json.loads(path.read_text())["gsm"]["per_layer"]
     selecting = [count for layer, count in enumerate(per_layer) if layer not in (0, 1, 7, 18)]

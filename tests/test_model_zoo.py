@@ -25,7 +25,7 @@ def _publish(folder: str) -> None:
 
 def test_processes_publishing_together_leave_one_complete_folder(tmp_path: Path) -> None:
     folder = tmp_path / "model-hf"
-    context = multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("fork")  # the children only write files: no import of their own
     workers = [context.Process(target=_publish, args=(str(folder),)) for _ in range(4)]
     for worker in workers:
         worker.start()
