@@ -88,3 +88,11 @@ def test_the_kernel_leaves_what_it_does_not_fit_to_pytorch() -> None:
     assert not asq_pack.kernel_runs(rows, 8, 2, 64)
     assert not asq_pack.kernel_runs(rows, 64, asq_pack.MAX_CLUSTERS + 1, 64)
     assert not asq_pack.kernel_runs(rows, 64, 2, asq_pack.MAX_HIDDEN + 1)
+
+
+def test_no_whole_block_packs_to_empty_fields() -> None:
+    """Rows of no whole block give empty fields of the stored shapes (no launch)."""
+    pair = _compressors(2, 16, 2, 8, 16, (4, 2), False)
+    fields = packed_together(pair, [torch.zeros(1, 2, 0, 16, device=KERNEL_DEVICE) for _ in pair])
+    assert [tuple(f["residual"].shape) for f in fields] == [(1, 2, 0, 8), (1, 2, 0, 4)]
+    assert [tuple(f["prototypes"].shape) for f in fields] == [(1, 2, 0, 2, 16)] * 2

@@ -179,12 +179,13 @@ def pack_blocks(
     for width, count in runs:
         run_heads = count * group
         residual = torch.empty(batch, run_heads, seq, dim * width // 8, dtype=torch.uint8, device=device)
-        _asq_pack_kernel[(batch * run_heads, n_blocks)](
-            rows, *parameters, rotation_matrix, ids, residual, scales, prototypes,
-            run_heads, heads, first_head, n_blocks, rows.stride(0), rows.stride(1), rows.stride(2), float(tau),
-            HIDDEN=hidden, CLUSTERS=clusters, BS=block_size, D=dim, KP=_padded(hidden), CP=_padded(clusters),
-            BITS=width, ROTATE=rotate, num_warps=4 if block_size * dim <= 4096 else 8,
-        )  # fmt: skip
+        if n_blocks and batch:  # (a launch over an empty grid fails)
+            _asq_pack_kernel[(batch * run_heads, n_blocks)](
+                rows, *parameters, rotation_matrix, ids, residual, scales, prototypes,
+                run_heads, heads, first_head, n_blocks, rows.stride(0), rows.stride(1), rows.stride(2), float(tau),
+                HIDDEN=hidden, CLUSTERS=clusters, BS=block_size, D=dim, KP=_padded(hidden), CP=_padded(clusters),
+                BITS=width, ROTATE=rotate, num_warps=4 if block_size * dim <= 4096 else 8,
+            )  # fmt: skip
         residuals.append(residual)
         first_head += run_heads
     return ids, residuals, scales, prototypes
