@@ -2,7 +2,9 @@
 (`dense_eager`, its own dynamic cache, the prompt in one forward), through the dense engine
 (`dense_engine`: `gsm_train.inference.dense_engine`, flash prefill in chunks of its PREFILL_CHUNK) and GSM's
 prefill as `model.generate` runs it (`gsm`: `enable_gsm_generation`'s chunked prefill into a fresh
-`GSMCache`, `--prefill dense|sparse`, `--chunk` prompt tokens per forward), of the same random prompt.
+`GSMCache`, `--prefill dense|sparse`, `--chunk` prompt tokens per forward), of the same random prompt; and
+`gsm_pytorch_pack`, GSM's prefill again with the cache's blocks packed in PyTorch instead of by the packing
+kernel (`gsm_train.kernels.asq_pack`; the same where that kernel does not run: the CPU), its A/B in one run.
 
 Per method, after `--warmup` calls: `wall_ms`, the median over `--repeats` calls of the wall time from the
 call to its result on the device (synchronized); on CUDA `kernel_ms`, the GPU time of the kernels one call
@@ -36,6 +38,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 from torch import nn
@@ -58,8 +61,10 @@ from gsm_train.inference import prefill
 from gsm_train.inference.cache import DEFAULT_PREFILL, PREFILL_MODES, GSMCache, cache_kwargs
 from gsm_train.inference.dense_engine import DenseEngine
 from gsm_train.inference.engine import PREFILL_CHUNKS, enable_gsm_generation
+from gsm_train.kernels import asq_pack
 
-METHODS = ("dense_eager", "dense_engine", "gsm")
+METHODS = ("dense_eager", "dense_engine", "gsm", "gsm_pytorch_pack")
+DENSE_METHODS = METHODS[:2]
 HOST_SYNCS = ("aten._local_scalar_dense.default", "aten.nonzero.default", "aten.item.default")
 HOST_TOP = 25  # ops kept in a CUDA method's host table
 # GSM's prefill by part: the gsm_train function on the stack (innermost first; by name, or a method by its
@@ -220,7 +225,7 @@ def ratios(result: dict) -> dict[str, float]:
     if gsm is None:
         return {}
     out = {}
-    for method in METHODS[:-1]:
+    for method in DENSE_METHODS:
         if method in result:
             out[f"wall_gsm_over_{method}"] = gsm["wall_ms"] / result[method]["wall_ms"]
             out[f"ops_gsm_over_{method}"] = gsm["ops"] / result[method]["ops"]
@@ -261,10 +266,13 @@ def main(argv: list[str] | None = None) -> None:
 
     def method(name: str) -> tuple[str, Callable[[], dict]]:
         def run() -> dict:
-            if name == "gsm":
+            if name.startswith("gsm"):
                 attach_gsm(model, args.model)
                 enable_gsm_generation(model, prefill=args.prefill, prefill_chunk=args.chunk)
             say(f"{name}: prefill of {args.context} tokens, {args.warmup} warm-up, {args.repeats} timed, 1 profiled")
+            if name == "gsm_pytorch_pack":  # the A/B of the packing kernel: the same prefill, packed in PyTorch
+                with mock.patch.object(asq_pack, "kernel_runs", return_value=False):
+                    return measure_prefill(prefill_call("gsm", model, ids), model, args.warmup, args.repeats)
             return measure_prefill(prefill_call(name, model, ids), model, args.warmup, args.repeats)
 
         return name, run
