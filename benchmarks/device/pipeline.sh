@@ -41,6 +41,7 @@ run_prefill() {
   python -m benchmarks.prefill_profile --model smollm2 --context 8144 --result $R/prefill_smollm2_8k.json
   python -m benchmarks.prefill_profile --model 8b --context 32768 --result $R/prefill_8b_32k.json
 }
+run_decode_smol() { python -m benchmarks.decode_step_profile --model smollm2 --fused --context 6144 --steps 10 --result $R/decode_step_profile_smollm2_6k.json; }
 run_scale_mlp() { python -m benchmarks.scale_8b --profile-steps 2 --checkpointing mlp --only dense_lora joint_lora --result $R/scale_8b_lora_mlp.json; }
 run_scale_tf32() { python -m benchmarks.scale_8b --profile-steps 2 --checkpointing mlp --only joint_lora --set train.fp32_matmul=tf32 --result $R/scale_8b_joint_lora_tf32.json; }
 run_overlap() {
