@@ -13,12 +13,15 @@ to fp16 ties to even after the same clamp, the residual against the chosen proto
 absmax, or at 2 bits from the mean square, rounded to fp16, the codes floored after an IEEE division), but
 the sums of the mean, the norms and the matrix products run in another order than PyTorch's, so a prototype or
 a scale may differ from the PyTorch path's by one fp16 step and a code by one level where a value sits on a
-rounding boundary, and an id where two clusters' probabilities are within that rounding of each other. The
-products take IEEE fp32 (no TF32); the gather of a row's prototype is a product with a one-hot row, exact.
+rounding boundary, and an id where two clusters' probabilities are within that rounding of each other (the
+softmax's exponential is the GPU's fast one). The products take IEEE fp32 (no TF32), the divisions and square
+roots round to nearest; the gather of a row's prototype is a product with a one-hot row, exact. Rows holding
+NaN or inf: PyTorch's fields carry the NaN, the kernel's clamps may not (on the GPU min/max drop NaN).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -36,19 +39,21 @@ except ImportError:  # the PyTorch encoding serves
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_CLUSTERS = 64  # the most clusters a program holds (padded to a power of two, at least 16: tl.dot's least)
 MAX_HIDDEN = 256  # the widest assignment MLP a program holds (padded likewise)
+MAX_BLOCK_VALUES = 8192  # the most values of a block (tokens x head) a program holds: 64 x 128 spills a little
 
 
 def kernel_runs(rows: Tensor, block_size: int, cluster_num: int, hidden_dim: int) -> bool:
     """Whether `pack_blocks` serves whole blocks `rows` [B, H, n * block_size, D]: Triton with a CUDA tensor
     (or Triton's interpreter), bf16, fp16 or fp32 rows (fp64 keeps the PyTorch path's fp64 encoding), a head
-    and a block the kernels fit (`kernel_fits`: powers of two from 16 to 256), at most `MAX_CLUSTERS`
-    clusters and a hidden layer of at most `MAX_HIDDEN`, and no autocast active."""
+    and a block the kernels fit (`kernel_fits`: powers of two from 16 to 256) of at most `MAX_BLOCK_VALUES`
+    values, at most `MAX_CLUSTERS` clusters and a hidden layer of at most `MAX_HIDDEN`, and no autocast active."""
     return (
         triton is not None
         and (rows.is_cuda or INTERPRETED)
         and rows.dtype in (torch.bfloat16, torch.float16, torch.float32)
         and kernel_fits(rows.shape[-1])
         and kernel_fits(block_size)
+        and block_size * rows.shape[-1] <= MAX_BLOCK_VALUES
         and cluster_num <= MAX_CLUSTERS
         and hidden_dim <= MAX_HIDDEN
         and not torch.is_autocast_enabled(rows.device.type)
@@ -64,13 +69,16 @@ if triton is not None:
         ids_ptr, residual_ptr, scales_ptr, prototypes_ptr,  # the fields out
         run_heads, heads, first_head, n_blocks, stride_b, stride_h, stride_s, tau,
         HIDDEN: tl.constexpr, CLUSTERS: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, KP: tl.constexpr,
-        CP: tl.constexpr, BITS: tl.constexpr, ROTATE: tl.constexpr,
+        CP: tl.constexpr, BITS: tl.constexpr, ROTATE: tl.constexpr, EPS: tl.constexpr, FP16_MAX: tl.constexpr,
+        MIDRISE_STEP: tl.constexpr, RMS_SCALED_BITS: tl.constexpr,
     ):  # fmt: skip
-        """One (batch row, head of this width's run) x one block: its fields. `heads` is the count of the
-        ids', scales' and prototypes' heads, of which this run's start at `first_head`; the residual codes
-        have only the run's `run_heads`."""
-        row = tl.program_id(0)
-        block = tl.program_id(1)
+        """One (batch row, head of this width's run) x one block: its fields (one program per block of each
+        row, in a one-dimensional grid). `heads` is the count of the ids', scales' and prototypes' heads, of
+        which this run's start at `first_head`; the residual codes have only the run's `run_heads`. The
+        constants are `gsm_train.quant`'s (a compiled kernel reads no module global)."""
+        program = tl.program_id(0)
+        row = program // n_blocks
+        block = program % n_blocks
         batch = row // run_heads
         run_head = row % run_heads
         head = first_head + run_head
@@ -83,11 +91,12 @@ if triton is not None:
         x = tl.load(x_ptr + x_at + dims[None, :]).to(tl.float32)  # [BS, D]
         # the soft assignment of the rows as they are, standardized over the block
         centered = x - (tl.sum(x, 0) / BS)[None, :]
-        rms = tl.sqrt(tl.sum(tl.sum(centered * centered, 1), 0) / (BS * D) + EPS)
+        rms = tl.sqrt_rn(tl.sum(tl.sum(centered * centered, 1), 0) / (BS * D) + EPS)
         in_hidden = units < HIDDEN
         w1 = tl.load(w1_ptr + (head * D + dims)[:, None] * HIDDEN + units[None, :], mask=in_hidden[None, :], other=0.0)
         b1 = tl.load(b1_ptr + head * HIDDEN + units, mask=in_hidden, other=0.0)
-        hidden = tl.dot(centered / rms, w1.to(tl.float32), input_precision="ieee") + b1.to(tl.float32)[None, :]
+        standardized = tl.math.div_rn(centered, rms)
+        hidden = tl.dot(standardized, w1.to(tl.float32), input_precision="ieee") + b1.to(tl.float32)[None, :]
         hidden = 0.5 * hidden * (1.0 + tl.math.erf(hidden * 0.7071067811865476))  # exact GELU
         in_clusters = clusters < CLUSTERS
         w2_mask = in_hidden[:, None] & in_clusters[None, :]
@@ -96,7 +105,7 @@ if triton is not None:
         logits = tl.dot(hidden, w2.to(tl.float32), input_precision="ieee") + b2.to(tl.float32)[None, :]
         logits = tl.where(in_clusters[None, :], tl.math.div_rn(logits, tau), float("-inf"))
         exp = tl.exp(logits - tl.max(logits, 1)[:, None])
-        probs = exp / tl.sum(exp, 1)[:, None]  # [BS, CP], zero past the clusters
+        probs = tl.math.div_rn(exp, tl.sum(exp, 1)[:, None])  # [BS, CP], zero past the clusters
         ids = tl.argmax(probs, 1, tie_break_left=True)
         # prototypes and residuals of the rows in the rotated basis (with a rotation)
         rows = x
@@ -105,7 +114,7 @@ if triton is not None:
             rows = tl.dot(x, rotation, input_precision="ieee")
         weighted = tl.dot(tl.trans(probs), rows, input_precision="ieee")  # [CP, D]
         mass = tl.sum(probs, 0)
-        prototypes = weighted / (mass[:, None] + EPS)
+        prototypes = tl.math.div_rn(weighted, mass[:, None] + EPS)
         prototypes = fp16_grid(tl.minimum(tl.maximum(prototypes, -FP16_MAX), FP16_MAX))
         block_at = (batch * heads + head).to(tl.int64) * n_blocks + block
         proto_at = (block_at * CLUSTERS + clusters)[:, None] * D + dims[None, :]
@@ -115,7 +124,7 @@ if triton is not None:
         HALF: tl.constexpr = 2 ** (BITS - 1) - 0.5  # `quant.code_center`: the outermost level
         if BITS == RMS_SCALED_BITS:
             mean_square = tl.sum(residual * residual, 1) / D
-            scale = tl.sqrt(tl.maximum(mean_square, 1.1754943508222875e-38)) * MIDRISE_STEP
+            scale = tl.sqrt_rn(tl.maximum(mean_square, 1.1754943508222875e-38)) * MIDRISE_STEP
         else:
             scale = tl.math.div_rn(tl.max(tl.abs(residual), 1), HALF)
         scale = fp16_grid(tl.minimum(scale, FP16_MAX))
@@ -176,16 +185,19 @@ def pack_blocks(
     rotate = rotation is not None
     rotation_matrix = rotation.to(device, torch.float32).contiguous() if rotate else parameters[1]  # unread
     residuals, first_head = [], 0
-    for width, count in runs:
-        run_heads = count * group
-        residual = torch.empty(batch, run_heads, seq, dim * width // 8, dtype=torch.uint8, device=device)
-        if n_blocks and batch:  # (a launch over an empty grid fails)
-            _asq_pack_kernel[(batch * run_heads, n_blocks)](
-                rows, *parameters, rotation_matrix, ids, residual, scales, prototypes,
-                run_heads, heads, first_head, n_blocks, rows.stride(0), rows.stride(1), rows.stride(2), float(tau),
-                HIDDEN=hidden, CLUSTERS=clusters, BS=block_size, D=dim, KP=_padded(hidden), CP=_padded(clusters),
-                BITS=width, ROTATE=rotate, num_warps=4 if block_size * dim <= 4096 else 8,
-            )  # fmt: skip
-        residuals.append(residual)
-        first_head += run_heads
+    with torch.cuda.device(device) if rows.is_cuda else contextlib.nullcontext():  # launch on the rows' GPU
+        for width, count in runs:
+            run_heads = count * group
+            residual = torch.empty(batch, run_heads, seq, dim * width // 8, dtype=torch.uint8, device=device)
+            if n_blocks and batch:  # (a launch over an empty grid fails)
+                _asq_pack_kernel[(batch * run_heads * n_blocks,)](
+                    rows, *parameters, rotation_matrix, ids, residual, scales, prototypes,
+                    run_heads, heads, first_head, n_blocks, rows.stride(0), rows.stride(1), rows.stride(2),
+                    float(tau), HIDDEN=hidden, CLUSTERS=clusters, BS=block_size, D=dim, KP=_padded(hidden),
+                    CP=_padded(clusters), BITS=width, ROTATE=rotate, EPS=EPS, FP16_MAX=FP16_MAX,
+                    MIDRISE_STEP=MIDRISE_STEP, RMS_SCALED_BITS=RMS_SCALED_BITS,
+                    num_warps=4 if block_size * dim <= 4096 else 8,
+                )  # fmt: skip
+            residuals.append(residual)
+            first_head += run_heads
     return ids, residuals, scales, prototypes
