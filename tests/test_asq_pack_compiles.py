@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from gsm_train.kernels import asq_pack
-from gsm_train.quant import EPS, FP16_MAX, MIDRISE_STEP, RMS_SCALED_BITS
+from gsm_train.quant import EPS, FP16_MAX, MIDRISE_STEP, RMS_SCALED_BITS, code_center
 
 triton = pytest.importorskip("triton")
 compiler = pytest.importorskip("triton.compiler")
@@ -25,7 +25,7 @@ def test_the_recipes_packing_compiles_for_hopper(dim: int, bits: int) -> None:
     constants = {
         "HIDDEN": hidden, "CLUSTERS": clusters, "BS": block, "D": dim, "KP": asq_pack._padded(hidden),
         "CP": asq_pack._padded(clusters), "BITS": bits, "ROTATE": True, "EPS": EPS, "FP16_MAX": FP16_MAX,
-        "MIDRISE_STEP": MIDRISE_STEP, "RMS_SCALED_BITS": RMS_SCALED_BITS,
+        "MIDRISE_STEP": MIDRISE_STEP, "RMS_SCALED_BITS": RMS_SCALED_BITS, "HALF": code_center(bits),
     }  # fmt: skip
     signature = POINTERS | dict.fromkeys(FP32_POINTERS, "*fp32") | dict.fromkeys(INTEGERS, "i32") | {"tau": "fp32"}
     signature |= dict.fromkeys(constants, "constexpr")

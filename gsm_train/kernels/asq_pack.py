@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from gsm_train.kernels import kernel_fits
-from gsm_train.quant import EPS, FP16_MAX, MIDRISE_STEP, RMS_SCALED_BITS, STORE_DTYPE
+from gsm_train.quant import EPS, FP16_MAX, MIDRISE_STEP, RMS_SCALED_BITS, STORE_DTYPE, code_center
 
 try:
     import triton
@@ -46,7 +46,8 @@ def kernel_runs(rows: Tensor, block_size: int, cluster_num: int, hidden_dim: int
     """Whether `pack_blocks` serves whole blocks `rows` [B, H, n * block_size, D]: Triton with a CUDA tensor
     (or Triton's interpreter), bf16, fp16 or fp32 rows (fp64 keeps the PyTorch path's fp64 encoding), a head
     and a block the kernels fit (`kernel_fits`: powers of two from 16 to 256) of at most `MAX_BLOCK_VALUES`
-    values, at most `MAX_CLUSTERS` clusters and a hidden layer of at most `MAX_HIDDEN`, and no autocast active."""
+    values, at most `MAX_CLUSTERS` clusters and a hidden layer of at most `MAX_HIDDEN` (`packed_together` calls it
+    with autocast off, as it encodes)."""
     return (
         triton is not None
         and (rows.is_cuda or INTERPRETED)
@@ -56,7 +57,6 @@ def kernel_runs(rows: Tensor, block_size: int, cluster_num: int, hidden_dim: int
         and block_size * rows.shape[-1] <= MAX_BLOCK_VALUES
         and cluster_num <= MAX_CLUSTERS
         and hidden_dim <= MAX_HIDDEN
-        and not torch.is_autocast_enabled(rows.device.type)
     )
 
 
@@ -70,12 +70,13 @@ if triton is not None:
         run_heads, heads, first_head, n_blocks, stride_b, stride_h, stride_s, tau,
         HIDDEN: tl.constexpr, CLUSTERS: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, KP: tl.constexpr,
         CP: tl.constexpr, BITS: tl.constexpr, ROTATE: tl.constexpr, EPS: tl.constexpr, FP16_MAX: tl.constexpr,
-        MIDRISE_STEP: tl.constexpr, RMS_SCALED_BITS: tl.constexpr,
+        MIDRISE_STEP: tl.constexpr, RMS_SCALED_BITS: tl.constexpr, HALF: tl.constexpr,
     ):  # fmt: skip
         """One (batch row, head of this width's run) x one block: its fields (one program per block of each
         row, in a one-dimensional grid). `heads` is the count of the ids', scales' and prototypes' heads, of
         which this run's start at `first_head`; the residual codes have only the run's `run_heads`. The
-        constants are `gsm_train.quant`'s (a compiled kernel reads no module global)."""
+        constants are `gsm_train.quant`'s (a compiled kernel reads no module global); HALF is
+        `code_center(BITS)`, the outermost level."""
         program = tl.program_id(0)
         row = program // n_blocks
         block = program % n_blocks
@@ -121,7 +122,6 @@ if triton is not None:
         tl.store(prototypes_ptr + proto_at, prototypes.to(tl.float16), mask=in_clusters[:, None])
         one_hot = (ids[:, None] == clusters[None, :]).to(tl.float32)
         residual = rows - tl.dot(one_hot, prototypes, input_precision="ieee")  # exact: one product each is not 0
-        HALF: tl.constexpr = 2 ** (BITS - 1) - 0.5  # `quant.code_center`: the outermost level
         if BITS == RMS_SCALED_BITS:
             mean_square = tl.sum(residual * residual, 1) / D
             scale = tl.sqrt_rn(tl.maximum(mean_square, 1.1754943508222875e-38)) * MIDRISE_STEP
@@ -195,7 +195,7 @@ def pack_blocks(
                     run_heads, heads, first_head, n_blocks, rows.stride(0), rows.stride(1), rows.stride(2),
                     float(tau), HIDDEN=hidden, CLUSTERS=clusters, BS=block_size, D=dim, KP=_padded(hidden),
                     CP=_padded(clusters), BITS=width, ROTATE=rotate, EPS=EPS, FP16_MAX=FP16_MAX,
-                    MIDRISE_STEP=MIDRISE_STEP, RMS_SCALED_BITS=RMS_SCALED_BITS,
+                    MIDRISE_STEP=MIDRISE_STEP, RMS_SCALED_BITS=RMS_SCALED_BITS, HALF=code_center(width),
                     num_warps=4 if block_size * dim <= 4096 else 8,
                 )  # fmt: skip
             residuals.append(residual)
