@@ -96,3 +96,17 @@ def test_no_whole_block_packs_to_empty_fields() -> None:
     fields = packed_together(pair, [torch.zeros(1, 2, 0, 16, device=KERNEL_DEVICE) for _ in pair])
     assert [tuple(f["residual"].shape) for f in fields] == [(1, 2, 0, 8), (1, 2, 0, 4)]
     assert [tuple(f["prototypes"].shape) for f in fields] == [(1, 2, 0, 2, 16)] * 2
+
+
+def test_a_store_packed_alone_holds_what_one_packed_beside_another_holds() -> None:
+    """`pack_blocks` of one compressor takes the kernel where `packed_together` does, so K packed alone (a
+    store whose partner packs apart) stores K's fields of the paired packing bit for bit (on a GPU the PyTorch
+    encoding differs from the kernel's in a few rounding steps)."""
+    pair = _compressors(3, 64, 2, 64, 64, (4, 2), True)
+    torch.manual_seed(2)
+    rows = [torch.randn(2, 3, 3 * 64, 64, device=KERNEL_DEVICE).to(torch.bfloat16) * scale for scale in (3.0, 0.5)]
+    together = packed_together(pair, rows)
+    for compressor, part, paired in zip(pair, rows, together, strict=True):
+        alone = compressor.pack_blocks(part)
+        assert alone.keys() == paired.keys()
+        assert all(torch.equal(alone[name], paired[name]) for name in alone)

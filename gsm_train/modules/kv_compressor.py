@@ -130,8 +130,8 @@ def packed_together(compressors: list[nn.Module], rows: list[Tensor]) -> list[di
     """Each compressor's `pack_blocks` fields of its whole blocks `rows[i]` [B, H, n * block_size, D], from one
     encoding of all of them, their heads side by side (one soft assignment, one set of prototypes, and one
     quantization and one code packing per bit width: the rows are encoded ordered by width): what
-    `compressors[i].pack_blocks(rows[i])` gives, every op per head and block as theirs (bit for bit on the
-    CPU: tests/test_prefill_cost.py; on a GPU a batched matmul of more heads may sum in another order). None
+    `compressors[i].pack_blocks(rows[i])` gives, every op per head and block as theirs (bit for bit:
+    tests/test_prefill_cost.py on the CPU and a GPU, where both take the packing kernel). None
     where they must pack apart: compressors that are not ASQ or differ in more than their bits, rows of other
     shapes or dtypes, or parameters that only the modules' own calls gather."""
     first, shape, dtype = compressors[0], rows[0].shape, rows[0].dtype
@@ -451,8 +451,13 @@ class ASQCompressor(nn.Module):
     def pack_blocks(self, x: Tensor) -> dict[str, Tensor]:
         """Whole blocks x [B, H, n * block_size, D] as the cache stores them: `ids` uint8 [B, H, F], `residual`
         uint8 [B, H, F, ceil(D * bits / 8)], `scales` fp16 [B, H, F], `prototypes` fp16 [B, H, n, C, D]
-        (`compress_blocks`' fields, without its empty tail)."""
+        (`compress_blocks`' fields, without its empty tail). Where the packing kernel runs (CUDA), it packs them,
+        as `packed_together` does: a store packed alone holds what one packed beside another does, bit for bit."""
         _check(x.shape[-2] % self.block_size == 0, "x", f"must hold whole blocks of {self.block_size} tokens")
+        kernel = x.shape[-2] > 0 and asq_pack.kernel_runs(x, self.block_size, self.cluster_num, self.hidden_dim)
+        together = packed_together([self], [x]) if kernel else None
+        if together is not None:
+            return together[0]
         return self._stored(*self._encode_input(x, leading_heads=True)[:2])
 
     def as_stored(self, x: Tensor, fields: dict[str, Tensor]) -> Tensor:
