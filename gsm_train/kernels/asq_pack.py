@@ -14,8 +14,11 @@ absmax, or at 2 bits from the mean square, rounded to fp16, the codes floored af
 the sums of the mean, the norms and the matrix products run in another order than PyTorch's, so a prototype or
 a scale may differ from the PyTorch path's by one fp16 step and a code by one level where a value sits on a
 rounding boundary, and an id where two clusters' probabilities are within that rounding of each other (the
-softmax's exponential is the GPU's fast one). The products take IEEE fp32 (no TF32), the divisions and square
-roots round to nearest; the gather of a row's prototype is a product with a one-hot row, exact. Rows holding
+softmax's exponential is the GPU's fast one). The products take `DOT_PRECISION`, three TF32 products a product
+(Triton's "tf32x3": fp32's accuracy within a unit or two of the last place, on the tensor cores; IEEE fp32 on
+the CUDA cores made this kernel 7.5 ms of an 8k SmolLM2 prefill on an H100, docs/results.md), the divisions and
+square roots round to nearest; the gather of a row's prototype is a product of a one-hot row with the fp16-grid
+prototypes, exact in a single TF32 product (TF32 holds every fp16 value; one term is not 0). Rows holding
 NaN or inf: PyTorch's fields carry the NaN, the kernel's clamps may not (on the GPU min/max drop NaN).
 """
 
@@ -40,6 +43,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_CLUSTERS = 64  # the most clusters a program holds (padded to a power of two, at least 16: tl.dot's least)
 MAX_HIDDEN = 256  # the widest assignment MLP a program holds (padded likewise)
 MAX_BLOCK_VALUES = 8192  # the most values of a block (tokens x head) a program holds: 64 x 128 spills a little
+DOT_PRECISION = "tf32x3"  # the products' (module docstring): fp32's accuracy on the tensor cores
 
 
 def kernel_runs(rows: Tensor, block_size: int, cluster_num: int, hidden_dim: int) -> bool:
@@ -70,7 +74,7 @@ if triton is not None:
         run_heads, heads, first_head, n_blocks, stride_b, stride_h, stride_s, tau,
         HIDDEN: tl.constexpr, CLUSTERS: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, KP: tl.constexpr,
         CP: tl.constexpr, BITS: tl.constexpr, ROTATE: tl.constexpr, EPS: tl.constexpr, FP16_MAX: tl.constexpr,
-        MIDRISE_STEP: tl.constexpr, RMS_SCALED_BITS: tl.constexpr, HALF: tl.constexpr,
+        MIDRISE_STEP: tl.constexpr, RMS_SCALED_BITS: tl.constexpr, HALF: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         """One (batch row, head of this width's run) x one block: its fields (one program per block of each
         row, in a one-dimensional grid). `heads` is the count of the ids', scales' and prototypes' heads, of
@@ -97,13 +101,13 @@ if triton is not None:
         w1 = tl.load(w1_ptr + (head * D + dims)[:, None] * HIDDEN + units[None, :], mask=in_hidden[None, :], other=0.0)
         b1 = tl.load(b1_ptr + head * HIDDEN + units, mask=in_hidden, other=0.0)
         standardized = tl.math.div_rn(centered, rms)
-        hidden = tl.dot(standardized, w1.to(tl.float32), input_precision="ieee") + b1.to(tl.float32)[None, :]
+        hidden = tl.dot(standardized, w1.to(tl.float32), input_precision=PRECISION) + b1.to(tl.float32)[None, :]
         hidden = 0.5 * hidden * (1.0 + tl.math.erf(hidden * 0.7071067811865476))  # exact GELU
         in_clusters = clusters < CLUSTERS
         w2_mask = in_hidden[:, None] & in_clusters[None, :]
         w2 = tl.load(w2_ptr + (head * HIDDEN + units)[:, None] * CLUSTERS + clusters[None, :], mask=w2_mask, other=0.0)
         b2 = tl.load(b2_ptr + head * CLUSTERS + clusters, mask=in_clusters, other=0.0)
-        logits = tl.dot(hidden, w2.to(tl.float32), input_precision="ieee") + b2.to(tl.float32)[None, :]
+        logits = tl.dot(hidden, w2.to(tl.float32), input_precision=PRECISION) + b2.to(tl.float32)[None, :]
         logits = tl.where(in_clusters[None, :], tl.math.div_rn(logits, tau), float("-inf"))
         exp = tl.exp(logits - tl.max(logits, 1)[:, None])
         probs = tl.math.div_rn(exp, tl.sum(exp, 1)[:, None])  # [BS, CP], zero past the clusters
@@ -112,8 +116,8 @@ if triton is not None:
         rows = x
         if ROTATE:
             rotation = tl.load(rotation_ptr + dims[:, None] * D + dims[None, :])
-            rows = tl.dot(x, rotation, input_precision="ieee")
-        weighted = tl.dot(tl.trans(probs), rows, input_precision="ieee")  # [CP, D]
+            rows = tl.dot(x, rotation, input_precision=PRECISION)
+        weighted = tl.dot(tl.trans(probs), rows, input_precision=PRECISION)  # [CP, D]
         mass = tl.sum(probs, 0)
         prototypes = tl.math.div_rn(weighted, mass[:, None] + EPS)
         prototypes = fp16_grid(tl.minimum(tl.maximum(prototypes, -FP16_MAX), FP16_MAX))
@@ -121,7 +125,7 @@ if triton is not None:
         proto_at = (block_at * CLUSTERS + clusters)[:, None] * D + dims[None, :]
         tl.store(prototypes_ptr + proto_at, prototypes.to(tl.float16), mask=in_clusters[:, None])
         one_hot = (ids[:, None] == clusters[None, :]).to(tl.float32)
-        residual = rows - tl.dot(one_hot, prototypes, input_precision="ieee")  # exact: one product each is not 0
+        residual = rows - tl.dot(one_hot, prototypes, input_precision="tf32")  # exact (module docstring)
         if BITS == RMS_SCALED_BITS:
             mean_square = tl.sum(residual * residual, 1) / D
             scale = tl.sqrt_rn(tl.maximum(mean_square, 1.1754943508222875e-38)) * MIDRISE_STEP
@@ -196,7 +200,7 @@ def pack_blocks(
                     float(tau), HIDDEN=hidden, CLUSTERS=clusters, BS=block_size, D=dim, KP=_padded(hidden),
                     CP=_padded(clusters), BITS=width, ROTATE=rotate, EPS=EPS, FP16_MAX=FP16_MAX,
                     MIDRISE_STEP=MIDRISE_STEP, RMS_SCALED_BITS=RMS_SCALED_BITS, HALF=code_center(width),
-                    num_warps=4 if block_size * dim <= 4096 else 8,
+                    PRECISION=DOT_PRECISION, num_warps=4 if block_size * dim <= 4096 else 8,
                 )  # fmt: skip
             residuals.append(residual)
             first_head += run_heads
