@@ -39,7 +39,18 @@ def test_profile_writes_each_method_and_resumes(tmp_path: Path, capsys: pytest.C
     assert json.loads(path.read_text())["gsm"] == result["gsm"]
 
 
-@pytest.mark.parametrize("bad", [["--chunk", "0"], ["--repeats", "0"], ["--warmup", "-1"], ["--prefill", "oracle"]])
+def test_methods_picks_what_runs(tmp_path: Path) -> None:
+    """`--methods` runs only the named methods, and the ratios are over the dense ones among them."""
+    path = tmp_path / "prefill.json"
+    prefill_profile.main([*CPU_ARGV, "--methods", "dense_engine", "gsm", "--result", str(path)])
+    result = json.loads(path.read_text())
+    assert [m for m in prefill_profile.METHODS if m in result] == ["dense_engine", "gsm"]
+    assert set(result["ratios"]) == {"wall_gsm_over_dense_engine", "ops_gsm_over_dense_engine"}
+
+
+@pytest.mark.parametrize(
+    "bad", [["--chunk", "0"], ["--repeats", "0"], ["--warmup", "-1"], ["--prefill", "oracle"], ["--methods", "hf"]]
+)
 def test_bad_arguments_are_refused(bad: list[str], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit):
         prefill_profile.main([*CPU_ARGV, *bad, "--result", str(tmp_path / "x.json")])
