@@ -189,7 +189,8 @@ def test_a_captured_steps_logits_are_not_overwritten_by_the_next_step(tmp_path: 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_a_fraction_schedule_replays_one_captured_step_for_many_k(tmp_path: Path) -> None:
     """k grows by one every 4 tokens (a quarter of the keys held): the token steps replay one captured
-    step built for the schedule's ceiling, reading each position's k on the device, and decode as
+    step built for the schedule's ceiling, reading each position's k on the device and ranking the picks,
+    until k reached the ceiling, then one that keeps every pick unsorted (`ranks_picks`), and decode as
     teacher forcing does (a step captured per k made this path 30x slower than the dense base)."""
     sparse = {**GSM["sparse_attention"], "top_k_schedule": "fraction", "top_k_fraction": 0.25, "top_k": 12}
     model = _loaded_on_the_gpu(tmp_path, sparse)
@@ -197,7 +198,7 @@ def test_a_fraction_schedule_replays_one_captured_step_for_many_k(tmp_path: Path
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=20, pad_token_id=256, do_sample=False, return_dict_in_generate=True)
     cache = getattr(out, "cache", None) or out.past_key_values
-    assert list(cache.step_graphs.steps) == [12]  # k from 10 to 14 (capped at 12): one step
+    assert list(cache.step_graphs.steps) == [(12, True), (12, False)]  # k from 10 to 14, capped at 12: two steps
     assert torch.equal(out.sequences, _generate(model, ids, do_sample=False, use_cache=False))
 
 
@@ -214,7 +215,7 @@ def test_dense_mode_replays_one_captured_step_whatever_the_schedule_s_k(tmp_path
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=20, pad_token_id=256, do_sample=False, return_dict_in_generate=True)
     cache = getattr(out, "cache", None) or out.past_key_values
-    assert list(cache.step_graphs.steps) == [DENSE_MODE_STEP]
+    assert list(cache.step_graphs.steps) == [(DENSE_MODE_STEP, False)]
     assert torch.equal(out.sequences, _generate(model, ids, do_sample=False, use_cache=False))
 
 

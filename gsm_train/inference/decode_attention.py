@@ -171,6 +171,19 @@ def captured_k(settings_config, position: int) -> int:
     return min(cfg.top_k, -(-k // K_STEP) * K_STEP)
 
 
+def ranks_picks(settings_config, position: int, capacity: int) -> bool:
+    """Whether the fused token step at `position` ranks its picks (`ranked_selection`) to keep the position's
+    k of them: a schedule whose k varies, at a position whose k is below the picks it takes (`static_k` of
+    `captured_k`). Where the two are equal, as for a `fraction` schedule once k reached its ceiling `top_k`
+    (8192 keys for recipes/joint_long.yaml), every pick held is kept, as with a constant schedule, and no sort
+    runs; the captured steps are keyed by it as well as by k (`decode_graph.StepGraphs`)."""
+    cfg = settings_config.sparse_attention
+    if cfg.top_k_schedule == "constant":
+        return False
+    k_static = static_k(captured_k(settings_config, position), cfg.most_forced_keys(), capacity)
+    return decode_k(settings_config, position) < k_static
+
+
 def ranked_selection(scores: Tensor, k_static: int, k_now: Tensor) -> tuple[Tensor, Tensor]:
     """The `k_static` best keys [B, n, k_static] of `scores` [B, n, S] (forced keys +inf, keys not held
     -inf) in rank order, and which are kept: held, and forced or ranked below `k_now` (int64 [1] on the
@@ -290,11 +303,10 @@ def device_selection(settings: GSMSettings, gate_q: Tensor, layer_cache: LayerCa
         cfg.recent_tokens,
         layer_cache.key_valid,
     )
-    if cfg.top_k_schedule != "constant":  # k read on the device: one captured step per K_STEP of k
-        k_static = static_k(captured_k(settings.config, position), cfg.most_forced_keys(), capacity)
+    k_static = static_k(captured_k(settings.config, position), cfg.most_forced_keys(), capacity)
+    if ranks_picks(settings.config, position, capacity):  # k read on the device: one captured step per K_STEP of k
         k_now = layer_cache.k_by_position[layer_cache.lengths.slots[0:1]]
         return ranked_selection(scores, k_static, k_now)
-    k_static = static_k(decode_k(settings.config, position), cfg.most_forced_keys(), capacity)
     index = unordered_top_k(scores, k_static)
     if layer_cache.key_valid is None and layer_cache.lengths.seq_len >= k_static:
         return index, None  # every pick is a held key, at this step and (lengths only grow) every later one

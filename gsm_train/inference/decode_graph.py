@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from gsm_train.attention.settings import GSMSettings, gsm_settings
 from gsm_train.compiled import captured
 from gsm_train.inference.cache import GSMCache, cache_kwargs
-from gsm_train.inference.decode_attention import captured_k, fused_scores, static_k
+from gsm_train.inference.decode_attention import captured_k, fused_scores, ranks_picks, static_k
 from gsm_train.inference.decode_fusion import fused_decode
 from gsm_train.modules.errors import GSMError
 
@@ -133,13 +133,14 @@ class CapturedStep(_WeakCache):
 class StepGraphs(_WeakCache):
     """The captured token steps of one cache, by the top-k size they are built for (`captured_k`: a
     constant schedule captures once, one whose k varies once per `K_STEP` of its k; dense mode once,
-    `DENSE_MODE_STEP`); `fused`: captured
-    with `fused_decode`. Their full blocks are packed by one `CapturedPack`, captured at the first."""
+    `DENSE_MODE_STEP`) and whether they rank their picks (`ranks_picks`: a varying k at its ceiling takes a
+    step that does not); `fused`: captured with `fused_decode`. Their full blocks are packed by one
+    `CapturedPack`, captured at the first."""
 
     def __init__(self, model: nn.Module, cache: GSMCache, fused: bool = False) -> None:
         super().__init__(cache)
         self.model, self.fused = model, fused
-        self.steps: dict[int, CapturedStep] = {}
+        self.steps: dict[tuple[int, bool], CapturedStep] = {}
         self.captured_pack: CapturedPack | None = None
 
     def pack(self) -> bool:
@@ -155,7 +156,8 @@ class StepGraphs(_WeakCache):
         settings, held = gsm_settings(self.model), self.cache.lengths.seq_len
         config = settings.config
         k = DENSE_MODE_STEP if settings.mode == "dense" else captured_k(config, held)
-        step = self.steps.get(k)
+        key = (k, k != DENSE_MODE_STEP and ranks_picks(config, held, self.cache.capacity))
+        step = self.steps.get(key)
         # a cache only grows within a sequence, and a step serves every length from its capture's on: the rule
         # is asked only after a reset (`GSMCache.reset`) started a shorter sequence
         if step is None or (
@@ -165,7 +167,7 @@ class StepGraphs(_WeakCache):
                 step.captured_held, held, static_k(k, config.sparse_attention.most_forced_keys(), self.cache.capacity)
             )
         ):
-            step = self.steps[k] = CapturedStep(self.model, self.cache, input_ids.shape[0], self.fused, self.pack)
+            step = self.steps[key] = CapturedStep(self.model, self.cache, input_ids.shape[0], self.fused, self.pack)
         return step(input_ids, position_ids)
 
 
