@@ -3,6 +3,7 @@ running a recipe in several processes (torchrun, gloo, FSDP2); where the Triton 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -13,6 +14,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -35,6 +37,17 @@ TRITON_KERNEL_MARKS = [
         "these under Triton's interpreter after the suite)",
     ),
 ]
+
+
+def packing_in_pytorch_when_interpreted() -> contextlib.AbstractContextManager:
+    """Under Triton's interpreter, caches pack their blocks in PyTorch, as on a CPU outside the tests (the
+    interpreted packing kernel, which tests/test_asq_pack_kernel.py checks, adds 10-25 s to a test whose
+    subject is another kernel); on a GPU the packing kernel packs, as it does for users."""
+    if torch.cuda.is_available():
+        return contextlib.nullcontext()
+    from gsm_train.kernels import asq_pack
+
+    return mock.patch.object(asq_pack, "kernel_runs", return_value=False)
 
 
 def triton_kernel_test(test: Callable) -> Callable:

@@ -13,7 +13,7 @@ from unittest import mock
 
 import pytest
 import torch
-from run_helpers import KERNEL_DEVICE, triton_kernel_test
+from run_helpers import KERNEL_DEVICE, packing_in_pytorch_when_interpreted, triton_kernel_test
 from torch import Tensor
 
 from gsm_train.attention import gsm_disabled, inject_gsm
@@ -462,11 +462,12 @@ def test_fused_kernel_equals_pytorch_path(bits: int | tuple[int, int] | str | No
         else None
         for side in side_bits
     ]
-    stores = _filled_stores(
-        compressors,
-        [torch.randn(batch, kv_heads, length, dim, device=device) for _ in range(2)],
-        capacity=length + 60 if bits is None else None,
-    )  # raw stores: room beyond the length
+    with packing_in_pytorch_when_interpreted():
+        stores = _filled_stores(
+            compressors,
+            [torch.randn(batch, kv_heads, length, dim, device=device) for _ in range(2)],
+            capacity=length + 60 if bits is None else None,
+        )  # raw stores: room beyond the length
     query = torch.randn(batch, q_heads, 1, dim, device=device)
     index = torch.stack([torch.randperm(length)[:selected] for _ in range(batch * kv_heads)]).view(batch, kv_heads, -1)
     index = index.to(device)
@@ -777,7 +778,8 @@ def test_fused_cache_decodes_rotated_residuals_as_teacher_forcing() -> None:
     of each split, while the newest block's raw rows meet the query as given: the same logits as teacher
     forcing."""
     model = _model("llama", CONFIGS["gate_asq_rotated"]).to(KERNEL_DEVICE)
-    _assert_fused_decoding_is_teacher_forcing(model)
+    with packing_in_pytorch_when_interpreted():
+        _assert_fused_decoding_is_teacher_forcing(model)
 
 
 @triton_kernel_test
