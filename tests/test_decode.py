@@ -33,6 +33,7 @@ from gsm_train.inference.decode_attention import (
     forced_spans,
     ranked_selection,
     ranks_picks,
+    static_k,
     top_k_positions,
 )
 from gsm_train.kernels import selection
@@ -362,13 +363,18 @@ def test_a_varying_schedule_is_captured_per_k_step_and_keeps_the_position_s_own_
     assert sizes[0] == 512 and sizes[-1] == 2048 and all(size % K_STEP == 0 for size in sizes)
     assert len(set(sizes)) == (2048 - 512) // K_STEP + 1  # 7 captured steps for 8192 tokens, not 1537
     assert captured_k(GSMConfig.model_validate({"sparse_attention": {"top_k": 100}}), 5000) == 100  # constant
+
+    def ranked(config: GSMConfig, position: int) -> bool:  # with the picks a step takes, as its callers count them
+        k_static = static_k(captured_k(config, position), config.sparse_attention.most_forced_keys(), 16384)
+        return ranks_picks(config, position, k_static)
+
     # ranked below the ceiling (k 1501 of 1536 picks at 6001 keys), not from there on (k 2048 at 8192 keys)
-    assert ranks_picks(config, 6000, 16384) and not ranks_picks(config, 8191, 16384)
-    assert not ranks_picks(GSMConfig.model_validate({"sparse_attention": {"top_k": 100}}), 5000, 16384)
+    assert ranked(config, 6000) and not ranked(config, 8191)
+    assert not ranked(GSMConfig.model_validate({"sparse_attention": {"top_k": 100}}), 5000)
     forcing = GSMConfig.model_validate(
         {"sparse_attention": {**config.sparse_attention.model_dump(), "sink_tokens": 4, "recent_tokens": 2000}}
     )  # 2004 picks while k is 512: ranked; at the ceiling 2048 picks, k 2048: not
-    assert ranks_picks(forcing, 1000, 16384) and not ranks_picks(forcing, 8191, 16384)
+    assert ranked(forcing, 1000) and not ranked(forcing, 8191)
     generator = torch.Generator().manual_seed(0)
     for position, k in ((40, 3), (40, 11), (10, 30)):
         scores = torch.randn(2, 3, 64, generator=generator)

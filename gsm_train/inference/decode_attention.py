@@ -171,17 +171,14 @@ def captured_k(settings_config, position: int) -> int:
     return min(cfg.top_k, -(-k // K_STEP) * K_STEP)
 
 
-def ranks_picks(settings_config, position: int, capacity: int) -> bool:
-    """Whether the fused token step at `position` ranks its picks (`ranked_selection`) to keep the position's
-    k of them: a schedule whose k varies, at a position whose k is below the picks it takes (`static_k` of
-    `captured_k`). Where the two are equal, as for a `fraction` schedule once k reached its ceiling `top_k`
-    (8192 keys for recipes/joint_long.yaml), every pick held is kept, as with a constant schedule, and no sort
-    runs; the captured steps are keyed by it as well as by k (`decode_graph.StepGraphs`)."""
-    cfg = settings_config.sparse_attention
-    if cfg.top_k_schedule == "constant":
-        return False
-    k_static = static_k(captured_k(settings_config, position), cfg.most_forced_keys(), capacity)
-    return decode_k(settings_config, position) < k_static
+def ranks_picks(settings_config, position: int, k_static: int) -> bool:
+    """Whether the fused token step at `position`, taking `k_static` picks (`static_k` of `captured_k`), ranks
+    them (`ranked_selection`) to keep the position's k of them: a schedule whose k varies, at a position whose
+    k is below `k_static`. Where the two are equal, as for a `fraction` schedule once k reached its ceiling
+    `top_k` (8192 keys for recipes/joint_long.yaml), every pick held is kept, as with a constant schedule, and
+    no sort runs; the captured steps are keyed by it as well as by k (`decode_graph.StepGraphs`)."""
+    schedule = settings_config.sparse_attention.top_k_schedule
+    return schedule != "constant" and decode_k(settings_config, position) < k_static
 
 
 def ranked_selection(scores: Tensor, k_static: int, k_now: Tensor) -> tuple[Tensor, Tensor]:
@@ -304,7 +301,7 @@ def device_selection(settings: GSMSettings, gate_q: Tensor, layer_cache: LayerCa
         layer_cache.key_valid,
     )
     k_static = static_k(captured_k(settings.config, position), cfg.most_forced_keys(), capacity)
-    if ranks_picks(settings.config, position, capacity):  # k read on the device: one captured step per K_STEP of k
+    if ranks_picks(settings.config, position, k_static):  # k read on the device: one captured step per K_STEP of k
         k_now = layer_cache.k_by_position[layer_cache.lengths.slots[0:1]]
         return ranked_selection(scores, k_static, k_now)
     index = unordered_top_k(scores, k_static)

@@ -155,18 +155,14 @@ class StepGraphs(_WeakCache):
     def __call__(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
         settings, held = gsm_settings(self.model), self.cache.lengths.seq_len
         config = settings.config
-        k = DENSE_MODE_STEP if settings.mode == "dense" else captured_k(config, held)
-        key = (k, k != DENSE_MODE_STEP and ranks_picks(config, held, self.cache.capacity))
+        sparse = settings.mode != "dense"
+        k = captured_k(config, held) if sparse else DENSE_MODE_STEP
+        k_static = static_k(k, config.sparse_attention.most_forced_keys(), self.cache.capacity)
+        key = (k, sparse and ranks_picks(config, held, k_static))
         step = self.steps.get(key)
         # a cache only grows within a sequence, and a step serves every length from its capture's on: the rule
         # is asked only after a reset (`GSMCache.reset`) started a shorter sequence
-        if step is None or (
-            k != DENSE_MODE_STEP
-            and held < step.captured_held
-            and not _serves(
-                step.captured_held, held, static_k(k, config.sparse_attention.most_forced_keys(), self.cache.capacity)
-            )
-        ):
+        if step is None or (sparse and held < step.captured_held and not _serves(step.captured_held, held, k_static)):
             step = self.steps[key] = CapturedStep(self.model, self.cache, input_ids.shape[0], self.fused, self.pack)
         return step(input_ids, position_ids)
 

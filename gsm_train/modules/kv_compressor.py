@@ -454,7 +454,7 @@ class ASQCompressor(nn.Module):
         (`compress_blocks`' fields, without its empty tail). Where the packing kernel runs (CUDA), it packs them,
         as `packed_together` does: a store packed alone holds what one packed beside another does, bit for bit."""
         _check(x.shape[-2] % self.block_size == 0, "x", f"must hold whole blocks of {self.block_size} tokens")
-        kernel = x.shape[-2] > 0 and asq_pack.kernel_runs(x, self.block_size, self.cluster_num, self.hidden_dim)
+        kernel = asq_pack.kernel_runs(x, self.block_size, self.cluster_num, self.hidden_dim)
         together = packed_together([self], [x]) if kernel else None
         if together is not None:
             return together[0]
